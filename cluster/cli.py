@@ -1,0 +1,49 @@
+"""``conclave``: one command, one subcommand per way of using the product.
+
+Subcommands are imported lazily so that, e.g., ``conclave analyze`` (pure numpy) starts
+without importing torch or Ray. Each command module exposes ``add_arguments(parser)`` and
+``main(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "demo": ("cluster.run_command", "run the teacher/student demo on scikit-learn digits"),
+    "run": ("cluster.run_command", "run a pipeline described by a YAML config"),
+    "serve": ("cluster.serve_command", "train teachers and serve the gRPC aggregator"),
+    "query": ("cluster.query_command", "ask a running aggregator to label inputs"),
+    "analyze": ("cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
+    "tune": ("tuning.command", "Ray Tune sweep described by a YAML config"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conclave", description="Private teacher/student learning on Ray.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command_parser, name)
+        command_parser.set_defaults(handler=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

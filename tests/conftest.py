@@ -1,0 +1,35 @@
+"""Shared fixtures: one real local Ray for the whole session, on loopback, in a temp dir.
+
+MNIST lives at ../shared/data/mnist beside the project for tests that need real data.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+MNIST_DIR = PROJECT_ROOT.parent / "shared" / "data" / "mnist"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session."""
+    import ray
+
+    from cluster.ray_runtime import start_ray
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    start_ray(num_cpus=2, temp_dir=temp_dir)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
+        pytest.fail(f"real MNIST expected at {MNIST_DIR} (shared/data/mnist)")
+    return MNIST_DIR
