@@ -1,9 +1,10 @@
 """Starting or joining Ray, with local traffic kept on loopback.
 
 With no address, ``ray.init()`` starts an embedded single-node cluster. Ray 2.60 binds the
-machine's external interface by default even when told 127.0.0.1; setting
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before start-up makes every listener use loopback
-(measured, see shared/STACK.md). With an address (``--address`` or ``RAY_ADDRESS``), we
+machine's external interface by default. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray
+takes 127.0.0.1 as the node address and every listener (GCS, raylet, workers, dashboard
+agent) binds loopback — measured with ``ss -ltnp``. Ray reads that variable once, when
+``ray`` is first imported, so we also set the constant it was read into. With an address (``--address`` or ``RAY_ADDRESS``), we
 join that cluster and leave its networking alone.
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ LOOPBACK = "127.0.0.1"
 
 
 def keep_ray_on_loopback() -> None:
-    """Environment that makes a locally started Ray listen on 127.0.0.1 only."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    """Make a Ray started from this process (and its children) listen on 127.0.0.1 only."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # inherited by Ray's processes
+    ray_constants.ENABLE_RAY_CLUSTER = False  # already read at import time in this process
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None) -> None:
@@ -34,7 +38,6 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
         return
     keep_ray_on_loopback()
     kwargs: dict = {
-        "node_ip_address": LOOPBACK,
         "include_dashboard": False,
         "logging_level": logging.WARNING,
         "log_to_driver": False,
