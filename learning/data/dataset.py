@@ -1,0 +1,99 @@
+"""The in-memory dataset type, the private/public/test split, and disjoint teacher shards.
+
+Every source reader returns ``Dataset`` objects in one layout — images as float32
+``[n, C, H, W]`` scaled to [0, 1], labels as int64 ``[n]`` — so models and training code
+never need to know where the data came from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+class DataFormatError(ValueError):
+    """A data file exists but does not hold what its format promises (names the file)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy arrays have no single truth value
+class Dataset:
+    x: np.ndarray  # float32 [n, C, H, W], scaled to [0, 1]
+    y: np.ndarray  # int64 [n], values in [0, num_classes)
+    num_classes: int
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.x, np.ndarray) or self.x.dtype != np.float32 or self.x.ndim != 4:
+            raise ValueError(f"{self.name}: x must be a float32 array [n, C, H, W], got "
+                             f"{getattr(self.x, 'dtype', type(self.x))} {getattr(self.x, 'shape', '')}")
+        if not isinstance(self.y, np.ndarray) or self.y.dtype != np.int64 or self.y.ndim != 1:
+            raise ValueError(f"{self.name}: y must be an int64 array [n], got "
+                             f"{getattr(self.y, 'dtype', type(self.y))} {getattr(self.y, 'shape', '')}")
+        if len(self.x) != len(self.y):
+            raise ValueError(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
+        if self.num_classes < 1:
+            raise ValueError(f"{self.name}: num_classes must be positive, got {self.num_classes}")
+        if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
+            raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}), "
+                             f"got [{self.y.min()}, {self.y.max()}]")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example, (C, H, W)."""
+        return tuple(self.x.shape[1:])
+
+    def subset(self, indices: np.ndarray | list[int], name: str | None = None) -> Dataset:
+        """The examples at ``indices`` (copied, in that order)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return Dataset(self.x[indices], self.y[indices], self.num_classes, name or self.name)
+
+
+@dataclass(frozen=True, eq=False)
+class Splits:
+    """PATE's three roles: teachers' private data, the student's unlabeled pool, held-out test."""
+
+    private: Dataset
+    public: Dataset
+    test: Dataset
+
+
+def split_datasets(train: Dataset, test: Dataset, *, public_size: int, seed: int,
+                   private_size: int | None = None) -> Splits:
+    """PATE convention: private = ``train`` (optionally a seeded subsample of
+    ``private_size``); public = the first ``public_size`` of a seeded shuffle of ``test``;
+    test = the rest of ``test``. Same inputs and seed → same splits.
+    """
+    if not 0 < public_size < len(test):
+        raise ValueError(f"public_size must be in [1, {len(test) - 1}] so that the test split "
+                         f"is not empty ({test.name} has {len(test)} examples), got {public_size}")
+    if private_size is not None and not 0 < private_size <= len(train):
+        raise ValueError(f"private_size must be in [1, {len(train)}] ({train.name} has "
+                         f"{len(train)} examples), got {private_size}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(test))
+    private = train
+    if private_size is not None and private_size < len(train):
+        # Sorted so a subsample keeps the source order; which examples is the seed's choice.
+        private = train.subset(np.sort(rng.choice(len(train), private_size, replace=False)))
+    return Splits(
+        private=replace(private, name=f"{train.name}/private"),
+        public=test.subset(order[:public_size], f"{test.name}/public"),
+        test=test.subset(order[public_size:], f"{test.name}/test"),
+    )
+
+
+def shard(dataset: Dataset, num_shards: int, seed: int) -> list[Dataset]:
+    """Split ``dataset`` into ``num_shards`` disjoint shards covering it, sizes differing by ≤ 1.
+
+    Examples are shuffled with ``seed`` first, so each teacher sees a random slice
+    rather than, say, a block of sorted labels.
+    """
+    if not 1 <= num_shards <= len(dataset):
+        raise ValueError(f"num_shards must be in [1, {len(dataset)}] for {dataset.name} "
+                         f"({len(dataset)} examples), got {num_shards}")
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    return [dataset.subset(np.sort(part), f"{dataset.name}/shard{i}")
+            for i, part in enumerate(np.array_split(order, num_shards))]
