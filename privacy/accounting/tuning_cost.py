@@ -1,0 +1,154 @@
+"""What choosing hyperparameters costs when the trials read private data.
+
+A sweep runs trials and publishes what it learned from comparing them (the winner, or the
+whole table). That comparison is itself a release of private information (Papernot &
+Steinke, ICLR 2022, §2), so a winner's own ε understates the truth. We use three bounds:
+
+1. **Free sweep** — every trial is post-processing of one fixed DP release (e.g.
+   DiversePublic on one DP-SGD checkpoint: selection and fine-tuning see only public data
+   and the DP model). The sweep costs that release once (post-processing, Dwork & Roth
+   2014, Prop. 2.1), however many trials ran.
+2. **Fixed number of trials** (grid search, random search with a set ``num_samples``,
+   ASHA, anything adaptive) — the sweep is the adaptive composition of its K trials:
+   RDP curves add order by order (Mironov 2017, Prop. 1) and the δ's spent outside the
+   curves add (basic composition, Dwork & Roth 2014, Thm. 3.16). This covers publishing
+   every trial, hence also the winner. Trials that stopped early are charged what they
+   spent, which the trial's own ledger records.
+3. **Random number of trials** (Papernot & Steinke 2022, Theorem 2, "truncated negative
+   binomial"): draw K from D_{η,γ} with
+   P[K = k] = (1 − γ)^k / (γ^{−η} − 1) · ∏_{ℓ=0}^{k−1} (ℓ + η)/(ℓ + 1),  k = 1, 2, ...
+   (η = 0 is the logarithmic distribution P[K = k] = (1 − γ)^k / (k log(1/γ)); η = 1 the
+   geometric), run K independent copies of one randomized algorithm Q and publish only
+   the best. If Q is (λ, ε(λ))-RDP and (λ̂, ε(λ̂))-RDP, the selection is (λ, ε')-RDP with
+       ε' = ε(λ) + (1 + η)(1 − 1/λ̂) ε(λ̂) + (1 + η) log(1/γ)/λ̂ + log E[K] / (λ − 1),
+   E[K] = η(1 − γ) / (γ(1 − γ^η)) for η ≠ 0 and (1/γ − 1) / log(1/γ) for η = 0.
+   Any λ̂ ≥ 1 is valid, so we take the best over the orders grid. Q must be the same
+   algorithm in every repetition: its hyperparameters may be random, but the settings
+   that decide its privacy (noise, steps, ε targets) must be fixed for the whole sweep,
+   and only the winner may be published (the full table costs case 2).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from privacy.accounting.charge import PrivacyCharge
+
+
+@dataclass(frozen=True)
+class TruncatedNegativeBinomial:
+    """The distribution D_{η,γ} of the number of trials (Papernot & Steinke 2022, §3.2)."""
+
+    eta: float
+    gamma: float
+
+    def __post_init__(self) -> None:
+        if not self.eta > -1:
+            raise ValueError(f"eta must be > -1, got {self.eta}")
+        if not 0 < self.gamma < 1:
+            raise ValueError(f"gamma must be in (0, 1), got {self.gamma}")
+
+    def expected_trials(self) -> float:
+        """E[K], the sweep's expected number of trials."""
+        g, eta = self.gamma, self.eta
+        if eta == 0:
+            return (1 / g - 1) / math.log(1 / g)
+        return eta * (1 - g) / (g * (1 - g**eta))
+
+    def pmf(self, k: int) -> float:
+        """P[K = k] for k ≥ 1, by the ratio P[k+1]/P[k] = (1 − γ)(k + η)/(k + 1)."""
+        if k < 1:
+            return 0.0
+        g, eta = self.gamma, self.eta
+        p = (1 - g) / math.log(1 / g) if eta == 0 else (1 - g) * eta / (g**-eta - 1)
+        for j in range(1, k):
+            p *= (1 - g) * (j + eta) / (j + 1)
+        return p
+
+    def sample(self, rng: np.random.Generator) -> int:
+        """One draw of K, by inverting the CDF (works for every η > −1)."""
+        u = rng.random()
+        g, eta = self.gamma, self.eta
+        k = 1
+        p = (1 - g) / math.log(1 / g) if eta == 0 else (1 - g) * eta / (g**-eta - 1)
+        cumulative = p
+        while cumulative < u and p > 0:
+            p *= (1 - g) * (k + eta) / (k + 1)
+            cumulative += p
+            k += 1
+        return k
+
+
+def random_repetition_rdp(orders: np.ndarray, rdp: np.ndarray, distribution: TruncatedNegativeBinomial) -> np.ndarray:
+    """RDP of publishing the best of K ~ D_{η,γ} runs of Q (Papernot & Steinke 2022, Thm 2).
+
+    ``rdp`` is Q's RDP curve at ``orders``; the result is ε'(λ) at the same orders, with
+    λ̂ chosen per λ as the grid order that minimises the bound.
+    """
+    orders = np.asarray(orders, dtype=float)
+    rdp = np.asarray(rdp, dtype=float)
+    eta, gamma = distribution.eta, distribution.gamma
+    # The λ̂ terms do not depend on λ: one minimum serves every order.
+    selection_terms = (1 + eta) * (1 - 1 / orders) * rdp + (1 + eta) * math.log(1 / gamma) / orders
+    best_selection = float(np.min(selection_terms))
+    return rdp + best_selection + math.log(distribution.expected_trials()) / (orders - 1)
+
+
+def composition_charge(charges: Sequence[PrivacyCharge], label: str = "sweep") -> PrivacyCharge:
+    """The adaptive composition of every trial's charge (Mironov 2017 Prop. 1; basic
+    composition of the δ's spent outside the curves, Dwork & Roth Thm 3.16)."""
+    if not charges:
+        raise ValueError("a sweep needs at least one trial's charge")
+    orders = charges[0].orders
+    for charge in charges[1:]:
+        if not np.array_equal(charge.orders, orders):
+            raise ValueError("trial charges must share one grid of RDP orders")
+    unbounded = [c for c in charges if c.unbounded]
+    if unbounded:
+        return PrivacyCharge(
+            orders=orders,
+            rdp=np.full(orders.shape, np.inf),
+            unbounded=True,
+            reason=unbounded[0].reason or "a trial has no finite guarantee",
+            label=label,
+        )
+    return PrivacyCharge(
+        orders=orders,
+        rdp=np.sum([c.rdp for c in charges], axis=0),
+        extra_delta=float(sum(c.extra_delta for c in charges)),
+        label=label,
+        details={"trials": len(charges)},
+    )
+
+
+def random_repetition_charge(
+    trial_charges: Sequence[PrivacyCharge], distribution: TruncatedNegativeBinomial, label: str = "sweep"
+) -> PrivacyCharge:
+    """Charge of publishing only the best of a random-K sweep (Thm 2 above).
+
+    Every trial must carry the same data-independent RDP curve (Q is one algorithm) and no
+    δ outside it (Theorem 2 is stated for RDP); otherwise this raises rather than guess.
+    """
+    if not trial_charges:
+        raise ValueError("a sweep needs at least one trial's charge")
+    first = trial_charges[0]
+    for charge in trial_charges:
+        if charge.unbounded:
+            raise ValueError(f"a trial has no finite guarantee ({charge.reason}); no selection bound applies")
+        if charge.extra_delta > 0:
+            raise ValueError("the random-repetition bound needs pure RDP trials (a trial spends δ outside its RDP curve)")
+        if not (np.array_equal(charge.orders, first.orders) and np.allclose(charge.rdp, first.rdp, rtol=1e-9, atol=0)):
+            raise ValueError(
+                "the random-repetition bound needs every trial to be the same algorithm Q; these trials "
+                "differ in privacy cost (a privacy setting was swept): use composition instead"
+            )
+    rdp = random_repetition_rdp(first.orders, first.rdp, distribution)
+    return PrivacyCharge(
+        orders=first.orders,
+        rdp=rdp,
+        label=label,
+        details={"trials": len(trial_charges), "eta": distribution.eta, "gamma": distribution.gamma},
+    )
