@@ -1,0 +1,67 @@
+"""Active-learning selection strategies: which public points to buy labels for.
+
+Every strategy sees the same thing: a ``PublicPool`` (the DP model's logits and embeddings on
+the public points, never their labels) and the label budgets to fill. One call serves all
+budgets of one checkpoint, so a strategy that pays privacy (NearPrivate) pays once and the
+smaller selections are prefixes of the larger ones where the method allows it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PublicPool:
+    """What a strategy may look at: model outputs on the unlabeled public points."""
+
+    logits: np.ndarray  # float [n, num_classes]
+    embeddings: np.ndarray  # float [n, d], activations before the logits
+
+    def __post_init__(self) -> None:
+        if self.logits.ndim != 2 or self.embeddings.ndim != 2:
+            raise ValueError("logits and embeddings must be 2-D arrays")
+        if len(self.logits) != len(self.embeddings):
+            raise ValueError(f"{len(self.logits)} logits but {len(self.embeddings)} embeddings")
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+
+class SelectionStrategy(Protocol):
+    name: str
+
+    def select(self, pool: PublicPool, sizes: Sequence[int], rng: np.random.Generator) -> dict[int, np.ndarray]:
+        """For each budget in ``sizes``, that many distinct indices into ``pool``."""
+        ...
+
+
+def check_sizes(pool: PublicPool, sizes: Sequence[int]) -> list[int]:
+    """Budgets sorted ascending; each must be in [1, len(pool)]."""
+    sizes = sorted(int(s) for s in sizes)
+    if not sizes:
+        raise ValueError("no label budgets given")
+    if sizes[0] < 1 or sizes[-1] > len(pool):
+        raise ValueError(f"label budgets must be in [1, {len(pool)}] (the public pool), got {sizes}")
+    return sizes
+
+
+STRATEGIES = {
+    "random": "learning.selection.random:RandomSelection",
+    "entropy": "learning.selection.entropy:EntropySelection",
+    "margin": "learning.selection.margin:MarginSelection",
+    "diverse_public": "learning.selection.diverse_public:DiversePublic",
+    "near_private": "learning.selection.near_private:NearPrivate",
+}
+
+
+def build_strategy(name: str, **params: Any) -> SelectionStrategy:
+    """The strategy registered as ``name``, built with ``params`` (its dataclass fields)."""
+    import importlib
+
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown selection strategy {name!r}; known: {sorted(STRATEGIES)}")
+    module_name, class_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(**params)

@@ -1,0 +1,58 @@
+"""Private-side sums for NearPrivate, computed by whoever holds the private embeddings.
+
+Both sums are separable over shards — the summed covariance of unit-normalised embeddings
+and the per-public-point counts of nearest uncertain private points — so each shard holder
+computes its part and only these aggregates ever leave it, to be added up and noised once
+(``privacy.pca.AnalyzeGauss``, ``privacy.counts.LaplaceCounts``).
+
+``CentralSupport`` is the single-holder ``PrivateSupport``: it is for code that already holds
+all private embeddings in one process (tests, one-machine runs). Ray runs use
+``actors.dp_trainer.ShardSupport``, which computes the same sums inside the shard actors.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from sklearn.neighbors import NearestNeighbors
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.counts import LaplaceCounts
+from privacy.pca import AnalyzeGauss, covariance_sum, normalise_rows
+
+__all__ = ["covariance_sum", "support_counts", "CentralSupport"]
+
+
+def support_counts(embeddings: np.ndarray, entropy: np.ndarray, projection: np.ndarray,
+                   public_points: np.ndarray, threshold: float) -> np.ndarray:
+    """How many private points with entropy ≥ ``threshold`` have each public point as their
+    nearest neighbour in the projected space (int64 [len(public_points)]); each private point
+    counts at most once, which gives the counts L1 sensitivity 1."""
+    if len(embeddings) != len(entropy):
+        raise ValueError(f"{len(embeddings)} embeddings but {len(entropy)} entropies")
+    counts = np.zeros(len(public_points), dtype=np.int64)
+    voters = np.asarray(entropy) >= threshold
+    if not voters.any():
+        return counts
+    private_points = normalise_rows(embeddings[voters]) @ projection
+    nearest = NearestNeighbors(n_neighbors=1).fit(public_points).kneighbors(private_points, return_distance=False)
+    return np.bincount(nearest[:, 0], minlength=len(public_points)).astype(np.int64)
+
+
+class CentralSupport:
+    """``PrivateSupport`` over embeddings held in this process; charges via ``charge`` before each release."""
+
+    def __init__(self, embeddings: np.ndarray, entropy: np.ndarray, pca: AnalyzeGauss, counts: LaplaceCounts,
+                 charge: Callable[[PrivacyCharge], object], rng: np.random.Generator) -> None:
+        self._embeddings = np.asarray(embeddings)
+        self._entropy = np.asarray(entropy)
+        self._pca, self._counts, self._charge, self._rng = pca, counts, charge, rng
+
+    def dp_projection(self, components: int) -> np.ndarray:
+        self._charge(self._pca.charge())
+        return self._pca.release(covariance_sum(self._embeddings), components, self._rng)
+
+    def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
+        self._charge(self._counts.charge())
+        counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        return self._counts.release(counts, self._rng)
