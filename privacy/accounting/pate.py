@@ -21,6 +21,7 @@ published as is: ``privacy_report`` adds the smooth-sensitivity release of PATE 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -244,3 +245,314 @@ def threshold_rdp_data_independent(sigma1: float, orders) -> np.ndarray:
 def threshold_rdp(logq: np.ndarray | float, sigma1: float, orders) -> np.ndarray:
     """Data-dependent RDP of the threshold step: ``gnmax_rdp`` at √2·σ₁ with the step's log q."""
     return gnmax_rdp(logq, math.sqrt(2.0) * sigma1, orders)
+
+
+# ---------------------------------------------------------------------------------------
+# per-query costs of a run, and its privacy report
+
+MECHANISMS = ("lnmax", "gnmax", "confident-gnmax", "nzc", "stability")
+
+
+@dataclass(frozen=True)
+class QueryCosts:
+    """Per-query RDP of a run, [queries, len(orders)]; totals add up over the queries.
+
+    ``answered`` marks the queries whose answer was released (the rest were abstentions,
+    which Confident-GNMax still pays the threshold step for).
+    """
+
+    orders: np.ndarray
+    data_independent: np.ndarray
+    data_dependent: np.ndarray
+    answered: np.ndarray
+
+    @property
+    def total_data_independent(self) -> np.ndarray:
+        return self.data_independent.sum(axis=0)
+
+    @property
+    def total_data_dependent(self) -> np.ndarray:
+        return self.data_dependent.sum(axis=0)
+
+
+def validate_votes(votes: np.ndarray, answered: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Checked (votes int64 [queries, k], answered bool [queries]); ValueError names the problem."""
+    votes = np.asarray(votes)
+    if votes.ndim != 2:
+        raise ValueError(f"votes must be a 2-D array [queries, classes], got {votes.ndim}-D shape {votes.shape}")
+    if votes.size == 0:
+        raise ValueError(f"votes is empty (shape {votes.shape})")
+    if votes.dtype == bool or not np.issubdtype(votes.dtype, np.integer):
+        raise ValueError(f"votes must be integer counts, got dtype {votes.dtype}")
+    if np.any(votes < 0):
+        raise ValueError("votes must be non-negative counts")
+    if answered is None:
+        mask = np.ones(votes.shape[0], dtype=bool)
+    else:
+        mask = np.asarray(answered)
+        if mask.dtype != bool:
+            raise ValueError(f"answered mask must be boolean, got dtype {mask.dtype}")
+        if mask.shape != (votes.shape[0],):
+            raise ValueError(f"answered mask must have shape ({votes.shape[0]},) to match the votes, got {mask.shape}")
+    return votes.astype(np.int64), mask
+
+
+def _param(mechanism: Any, name: str) -> float:
+    value = getattr(mechanism, name, None)
+    if value is None:
+        raise ValueError(f"mechanism {mechanism.name!r} needs the parameter {name!r}")
+    return float(value)
+
+
+def query_costs(mechanism: Any, votes: np.ndarray, answered: np.ndarray | None = None, orders=None) -> QueryCosts:
+    """Data-independent and data-dependent RDP of every query for LNMax / GNMax / Confident-GNMax.
+
+    LNMax and GNMax pay for answered queries only; Confident-GNMax pays the threshold step
+    on every query and GNMax(σ₂) on the answered ones.
+    """
+    votes, mask = validate_votes(votes, answered)
+    orders = _as_orders(rdp_lib.DEFAULT_ORDERS if orders is None else orders)
+    zeros = np.zeros((votes.shape[0], orders.size))
+    if mechanism.name == "lnmax":
+        scale = _param(mechanism, "laplace_scale")
+        independent = np.where(mask[:, None], lnmax_rdp_data_independent(scale, orders), 0.0)
+        dependent = np.where(mask[:, None], lnmax_rdp(lnmax_logq(votes, scale), scale, orders), 0.0)
+    elif mechanism.name == "gnmax":
+        sigma = _param(mechanism, "sigma")
+        independent = np.where(mask[:, None], gnmax_rdp_data_independent(sigma, orders), 0.0)
+        dependent = np.where(mask[:, None], gnmax_rdp(gnmax_logq(votes, sigma), sigma, orders), 0.0)
+    elif mechanism.name == "confident-gnmax":
+        sigma1, threshold, sigma2 = (_param(mechanism, n) for n in ("sigma1", "threshold", "sigma2"))
+        independent = zeros + threshold_rdp_data_independent(sigma1, orders)
+        independent += np.where(mask[:, None], gnmax_rdp_data_independent(sigma2, orders), 0.0)
+        dependent = threshold_rdp(threshold_logq(votes, threshold, sigma1), sigma1, orders)
+        dependent += np.where(mask[:, None], gnmax_rdp(gnmax_logq(votes, sigma2), sigma2, orders), 0.0)
+    else:
+        raise ValueError(f"no RDP analysis for mechanism {mechanism.name!r}")
+    return QueryCosts(orders, independent, dependent, mask)
+
+
+def _smooth_sensitivity_release(
+    mechanism: Any,
+    votes: np.ndarray,
+    costs: QueryCosts,
+    delta: float,
+    conversion: str,
+    rng: np.random.Generator,
+    order: float | None,
+    beta: float | None,
+    sigma_ss: float | None,
+) -> dict:
+    """GNSS release of the data-dependent total (PATE 2018): the only publishable data-dependent ε."""
+    from privacy.accounting import smooth_sensitivity as ss  # ss imports this module
+
+    if mechanism.name not in ("gnmax", "confident-gnmax"):
+        return {"available": False, "reason": "PATE 2018's smooth-sensitivity analysis covers GNMax and its threshold step only"}
+    eps_by_order = [
+        rdp_lib.epsilon_from_rdp([lam], [value], delta, conversion)[0]
+        for lam, value in zip(costs.orders, costs.total_data_dependent)
+    ]
+    parameters_from_data = order is None or beta is None or sigma_ss is None
+    if order is None:
+        # as in the PATE 2018 analysis: the order where the data-dependent ε is smallest
+        order = float(costs.orders[int(np.argmin(eps_by_order))])
+    num_teachers = int(votes.sum(axis=1).max())
+    num_classes = votes.shape[1]
+    sigma = _param(mechanism, "sigma2" if mechanism.name == "confident-gnmax" else "sigma")
+    answered_votes = votes[costs.answered]
+
+    ls_total = np.zeros(max(num_teachers, 1))
+    unanimous = np.zeros((1, num_classes))
+    unanimous[0, 0] = num_teachers
+    # If even a unanimous vote gets the data-independent bound at this order, GNMax's cost
+    # is the same for every histogram and contributes no sensitivity.
+    gnmax_constant = num_classes < 2 or bool(
+        np.isclose(ss.gnmax_beta(gnmax_logq(unanimous, sigma), sigma, order)[0], order / sigma**2)
+    )
+    conditions = None
+    value = 0.0
+    if answered_votes.shape[0] and not gnmax_constant:
+        conditions = ss.check_conditions(sigma, num_classes, order)
+        if not all(conditions):
+            return {
+                "available": False,
+                "order": order,
+                "conditions": {"C5": conditions[0], "C6": conditions[1]},
+                "reason": f"conditions C5/C6 of PATE 2018 App. C fail for sigma={sigma}, k={num_classes}, order={order}",
+            }
+        ls_total += ss.gnmax_local_sensitivity_by_distance(answered_votes, num_teachers, sigma, order).sum(axis=0)
+    if answered_votes.shape[0]:
+        value += float(ss.gnmax_beta(gnmax_logq(answered_votes, sigma), sigma, order).sum())
+    if mechanism.name == "confident-gnmax":
+        sigma1, threshold = _param(mechanism, "sigma1"), _param(mechanism, "threshold")
+        ls_total += ss.threshold_local_sensitivity_by_distance(votes, num_teachers, threshold, sigma1, order).sum(axis=0)
+        value += float(threshold_rdp(threshold_logq(votes, threshold, sigma1), sigma1, [order]).sum())
+    if beta is not None and not 1 < order < 1 / (2 * beta):
+        raise ValueError(f"smooth-sensitivity beta={beta} needs order < 1/(2 beta); got order {order}")
+    released = ss.release(value, ls_total, order, rng, beta=beta, sigma_ss=sigma_ss)
+    epsilon, _ = rdp_lib.epsilon_from_rdp([order], [released.released_rdp + released.gnss_rdp], delta, conversion)
+    return {
+        "available": True,
+        "epsilon": epsilon,
+        "order": released.order,
+        "beta": released.beta,
+        "sigma_ss": released.sigma_ss,
+        "smooth_sensitivity": released.smooth_sensitivity,
+        "noise_std": released.noise_std,
+        "gnss_rdp": released.gnss_rdp,
+        "released_rdp": released.released_rdp,
+        "conditions": None if conditions is None else {"C5": conditions[0], "C6": conditions[1]},
+        "parameters_from_data": parameters_from_data,
+        "note": (
+            "epsilon = (released data-dependent RDP + GNSS cost) at this order, converted to (eps, delta). "
+            + (
+                "Order/beta/sigma_ss were tuned on the votes as in the PATE 2018 analysis; fix them for a release "
+                "whose parameters are public."
+                if parameters_from_data
+                else "Parameters were fixed by the caller."
+            )
+        ),
+    }
+
+
+def _nzc_report(mechanism: Any, votes: np.ndarray, mask: np.ndarray, delta: float, orders: np.ndarray) -> dict:
+    """NZC as published: unbounded sound ε beside the paper's claim (Sun et al. 2019, Thm 4)."""
+    answered = int(mask.sum())
+    scale = getattr(mechanism, "laplace_scale", None)
+    sigma = getattr(mechanism, "sigma", None)
+    if scale is not None:
+        gamma = 1.0 / float(scale)
+        claim = {
+            "source": "Sun et al. 2019 (NZC), Theorem 4: each answer (2/b, 0)-DP; advanced composition over T answers",
+            "epsilon_per_query": 2 * gamma,
+            "epsilon_total": 4 * answered * gamma**2 + 2 * gamma * math.sqrt(2 * answered * math.log(1 / delta)),
+        }
+    elif sigma is not None:
+        claim_rdp = answered * gnmax_rdp_data_independent(float(sigma), orders)
+        claim = {
+            "source": "Sun et al. 2019 (NZC), §4.2: the GNMax RDP bound λ/σ² per answer (PATE 2018), classic conversion",
+            "epsilon_per_query": rdp_lib.epsilon_from_rdp(orders, claim_rdp / max(answered, 1), delta, "classic")[0],
+            "epsilon_total": rdp_lib.epsilon_from_rdp(orders, claim_rdp, delta, "classic")[0],
+        }
+    else:
+        raise ValueError("mechanism 'nzc' needs the parameter 'laplace_scale' or 'sigma'")
+    claim["label"] = "the paper's claim, NOT a valid differential-privacy guarantee"
+    return {
+        "sound": False,
+        "reason": (
+            "the constant c added to the plurality moves with it: where the top two counts differ by <= 2 one "
+            "teacher flips the plurality, so the sensitivity is about c, not 1, and no finite epsilon holds"
+        ),
+        "claimed": claim,
+        "rdp_data_independent": [math.inf] * orders.size,
+        "rdp_data_dependent": [math.inf] * orders.size,
+        "epsilon_data_independent": math.inf,
+        "epsilon_data_dependent": math.inf,
+        "order_data_independent": None,
+        "order_data_dependent": None,
+        "smooth_sensitivity": {"available": False, "reason": "no finite bound to release"},
+        "epsilon_smooth_sensitivity": None,
+    }
+
+
+def _stability_report(mechanism: Any, orders: np.ndarray) -> dict:
+    """Stability + sparse vector (Bassily, Thakkar, Thakurta 2018): its stated (ε, δ) for the whole run."""
+    epsilon, mech_delta = _param(mechanism, "epsilon"), _param(mechanism, "delta")
+    curve = rdp_lib.pure_dp_rdp(orders, epsilon).tolist()
+    return {
+        "sound": True,
+        "delta": mech_delta,
+        "note": (
+            "(epsilon, delta) of the sparse-vector stability mechanism for the whole run (released labels of stable "
+            "queries cost nothing; the cap on unstable queries bounds the rest); not an RDP accounting"
+        ),
+        "rdp_data_independent": curve,
+        "rdp_data_dependent": curve,
+        "epsilon_data_independent": epsilon,
+        "epsilon_data_dependent": epsilon,
+        "order_data_independent": None,
+        "order_data_dependent": None,
+        "smooth_sensitivity": {"available": False, "reason": "the guarantee is data-independent"},
+        "epsilon_smooth_sensitivity": None,
+    }
+
+
+def _mechanism_parameters(mechanism: Any) -> dict:
+    names = ("laplace_scale", "sigma", "sigma1", "threshold", "sigma2", "constant", "epsilon", "delta", "max_unstable")
+    return {n: getattr(mechanism, n) for n in names if getattr(mechanism, n, None) is not None}
+
+
+def privacy_report(
+    mechanism: Any,
+    votes: np.ndarray,
+    answered: np.ndarray | None,
+    delta: float,
+    orders=None,
+    conversion: str = "tight",
+    rng: np.random.Generator | None = None,
+    ss_order: float | None = None,
+    ss_beta: float | None = None,
+    ss_sigma: float | None = None,
+) -> dict:
+    """The privacy report of answering ``votes`` with ``mechanism`` (same keys as ``conclave analyze --json``).
+
+    Totals over the queries: ``rdp_data_independent`` / ``rdp_data_dependent`` (lists aligned
+    with ``orders``) and their ε at ``delta`` with the ``conversion`` ("tight" as the ledger,
+    "classic" as the PATE papers). ``epsilon_data_dependent`` depends on the private votes and
+    must not be published; ``epsilon_smooth_sensitivity`` is its GNSS-privatized release
+    (GNMax / Confident-GNMax; noise from ``rng``, OS entropy when None). NZC: ``sound`` false,
+    infinite ε, and the paper's claim under ``claimed``. Stability: its own (ε, δ).
+    """
+    from privacy.randomness import make_rng
+
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if conversion not in rdp_lib.CONVERSIONS:
+        raise ValueError(f"conversion must be one of {rdp_lib.CONVERSIONS}, got {conversion!r}")
+    name = getattr(mechanism, "name", None)
+    if name not in MECHANISMS:
+        raise ValueError(f"unknown mechanism {name!r}; expected one of {', '.join(MECHANISMS)}")
+    votes, mask = validate_votes(votes, answered)
+    orders = _as_orders(rdp_lib.DEFAULT_ORDERS if orders is None else orders)
+    report: dict[str, Any] = {
+        "mechanism": name,
+        "parameters": _mechanism_parameters(mechanism),
+        "queries": int(votes.shape[0]),
+        "answered": int(mask.sum()),
+        "teachers": int(votes.sum(axis=1).max()),
+        "classes": int(votes.shape[1]),
+        "delta": float(delta),
+        "conversion": conversion,
+        "orders": orders.tolist(),
+    }
+    if name == "nzc":
+        report.update(_nzc_report(mechanism, votes, mask, delta, orders))
+        return report
+    if name == "stability":
+        report.update(_stability_report(mechanism, orders))
+        return report
+
+    costs = query_costs(mechanism, votes, mask, orders)
+    eps_ind, order_ind = rdp_lib.epsilon_from_rdp(orders, costs.total_data_independent, delta, conversion)
+    eps_dep, order_dep = rdp_lib.epsilon_from_rdp(orders, costs.total_data_dependent, delta, conversion)
+    release = _smooth_sensitivity_release(
+        mechanism, votes, costs, delta, conversion, rng if rng is not None else make_rng(None), ss_order, ss_beta, ss_sigma
+    )
+    report.update(
+        {
+            "sound": True,
+            "rdp_data_independent": costs.total_data_independent.tolist(),
+            "rdp_data_dependent": costs.total_data_dependent.tolist(),
+            "epsilon_data_independent": eps_ind,
+            "order_data_independent": None if math.isnan(order_ind) else order_ind,
+            "epsilon_data_dependent": eps_dep,
+            "order_data_dependent": None if math.isnan(order_dep) else order_dep,
+            "data_dependent_note": (
+                "epsilon_data_dependent is computed from the private votes: do not publish it; publish "
+                "epsilon_data_independent or the smooth-sensitivity release"
+            ),
+            "smooth_sensitivity": release,
+            "epsilon_smooth_sensitivity": release.get("epsilon") if release.get("available") else None,
+        }
+    )
+    return report
