@@ -25,8 +25,10 @@ LAYOUT = {
 _IMAGE_BYTES = 3 * 32 * 32
 
 # What numpy needs to rebuild an array from a pickle (protocol 2 as in the published files,
-# or protocol 5 as numpy 2 writes); anything else in a batch file is refused.
+# or protocol 5 as numpy 2 writes), plus the bytes constructor Python 3 uses at protocol 2;
+# anything else in a batch file is refused.
 _ALLOWED_GLOBALS = {
+    ("_codecs", "encode"),
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
     ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
