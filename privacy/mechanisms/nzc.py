@@ -1,0 +1,108 @@
+"""NZC, the "immutable noisy argmax" of Sun et al. 2019 — implemented as published, reported soundly.
+
+Mechanism (their §3.2): add a constant c to the largest count, add Laplace(b) (or
+Gaussian σ) noise to every count, release the argmax. The paper (Theorem 4) claims each
+answer is (2/b, 0)-DP — "near zero cost" for huge b. That claim is not a DP guarantee:
+the constant follows the plurality, so when one teacher changes its vote and flips the
+plurality, two coordinates of the noised vector move by about c, not by 1. With the
+paper's settings (c = 1e100, b = 1e10) the answer is the exact plurality, a deterministic
+function of the votes; two histograms that differ in one teacher, (125, 125) and
+(124, 126), get answers 0 and 1 with probability 1 each (in floating point exactly: a
+float64 Laplace draw is below 37·b ≪ c), so no finite ε bounds it. In real arithmetic
+the report-noisy-max bound with sensitivity c + 1 gives ε = 2(c + 1)/b = 2e90 at those
+settings, and it grows without bound as c → ∞, the limit the paper argues for. The
+paper's "distance > 2" condition is a property of the private data that is never tested
+privately (the stability mechanism does that test soundly).
+
+So the charge is ``unbounded``; ``nzc_report`` prints the paper's claimed ε labelled as a
+claim beside the sound ε = inf, never the claim alone.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import epsilon_from_rdp, gaussian_rdp, unbounded_charge, DEFAULT_ORDERS
+from privacy.mechanisms.base import MechanismResult
+from privacy.mechanisms.votes import check_votes
+
+UNSOUND_REASON = (
+    "NZC adds the constant c to the plurality, so one teacher flipping the plurality moves the "
+    "noised counts by ~c, not 1: no finite epsilon holds (Sun et al. 2019 Thm 4 assumes "
+    "sensitivity 1 and an untested distance > 2)"
+)
+CLAIM_SOURCE = "Sun et al. 2019, Theorem 4 (claim, not a valid DP guarantee)"
+
+
+@dataclass(frozen=True)
+class NZC:
+    """argmax_j (n_j + c·[j = j*] + noise), noise Laplace(``laplace_scale``) or N(0, ``sigma``²).
+
+    j* is the plurality, ties broken toward the lowest class index (numpy's argmax), which
+    is the paper's "current largest count". Exactly one of ``laplace_scale``/``sigma``.
+    """
+
+    constant: float
+    laplace_scale: float | None = None
+    sigma: float | None = None
+    name: ClassVar[str] = "nzc"
+
+    def __post_init__(self) -> None:
+        if (self.laplace_scale is None) == (self.sigma is None):
+            raise ValueError("nzc: give exactly one of laplace_scale (Laplace) or sigma (Gaussian)")
+        scale = self.laplace_scale if self.sigma is None else self.sigma
+        if not scale > 0:
+            raise ValueError(f"nzc: noise scale must be > 0, got {scale}")
+        if not (self.constant >= 0 and math.isfinite(self.constant)):
+            raise ValueError(f"nzc: constant must be a finite number >= 0, got {self.constant}")
+
+    def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
+        counts = check_votes(votes).astype(float)
+        rows = np.arange(len(counts))
+        counts[rows, np.argmax(counts, axis=1)] += self.constant
+        if self.laplace_scale is not None:
+            noise = rng.laplace(0.0, self.laplace_scale, size=counts.shape)
+        else:
+            noise = rng.normal(0.0, self.sigma, size=counts.shape)
+        labels = np.argmax(counts + noise, axis=1).astype(np.int64)
+        return MechanismResult(labels, self.worst_case_charge(len(labels)))
+
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        return unbounded_charge(UNSOUND_REASON, label=self.name)
+
+    def claimed_epsilon(self, queries: int, delta: float) -> float:
+        """The ε the paper would publish for ``queries`` answers — a claim, not a guarantee.
+
+        Laplace: Theorem 4's 2/b per answer, composed over T answers as the paper does
+        (Dwork & Roth advanced composition: 4Tγ² + 2γ·sqrt(2T·log(1/δ)), γ = 1/b), or
+        T·2γ when that is smaller. Gaussian: the paper defers to PATE 2018, i.e. GNMax's
+        T·λ/σ² RDP converted with the classic conversion.
+        """
+        if queries <= 0:
+            return 0.0
+        if self.laplace_scale is not None:
+            gamma = 1.0 / self.laplace_scale
+            advanced = 4 * queries * gamma**2 + 2 * gamma * math.sqrt(2 * queries * math.log(1 / delta))
+            return min(2 * gamma * queries, advanced)
+        rdp = queries * gaussian_rdp(DEFAULT_ORDERS, self.sigma / math.sqrt(2))
+        return epsilon_from_rdp(DEFAULT_ORDERS, rdp, delta, conversion="classic")[0]
+
+
+def nzc_report(mechanism: NZC, queries: int, delta: float) -> dict:
+    """The two figures for an NZC run, side by side: the sound ε (unbounded) and the paper's claim."""
+    per_query = 2.0 / mechanism.laplace_scale if mechanism.laplace_scale is not None else None
+    return {
+        "mechanism": mechanism.name,
+        "queries": int(queries),
+        "delta": delta,
+        "epsilon": math.inf,
+        "sound": False,
+        "reason": UNSOUND_REASON,
+        "claimed_epsilon": mechanism.claimed_epsilon(queries, delta),
+        "claimed_epsilon_per_query": per_query,
+        "claimed_epsilon_source": CLAIM_SOURCE,
+    }

@@ -1,0 +1,18 @@
+"""Validation of the one input every vote mechanism takes: a batch of vote histograms."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_votes(votes: np.ndarray) -> np.ndarray:
+    """``votes`` as int64 [batch, k], or ValueError naming what is wrong with it."""
+    array = np.asarray(votes)
+    if array.ndim != 2:
+        raise ValueError(f"votes must be 2-D [batch, classes], got shape {array.shape}")
+    if array.shape[1] == 0:
+        raise ValueError("votes must have at least one class column")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"votes must be integers, got dtype {array.dtype}")
+    if np.any(array < 0):
+        raise ValueError("votes must be non-negative counts")
+    return array.astype(np.int64, copy=False)
