@@ -1,0 +1,181 @@
+"""DP-SGD wrapper: masks act before clipping, frozen weights never move, ε equals Opacus's."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from opacus import GradSampleModule
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp
+from torch import nn
+
+from learning.data import load_digits
+from learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, train_dp
+from learning.models.resnet import gn_cnn
+from privacy.accounting.rdp import epsilon_from_rdp
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train, _ = load_digits()
+    return train.subset(np.arange(300))
+
+
+def _random_masks(model: nn.Module, density: float, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.rand(p.shape, generator=generator) < density).float()
+        for name, p in model.named_parameters()
+    }
+
+
+def test_mask_zeroes_per_example_gradients_before_clipping(digits):
+    torch.manual_seed(0)
+    model = gn_cnn(10, 1, channels=4)
+    masks = _random_masks(model, 0.3, seed=1)
+    x, y = torch.from_numpy(digits.x[:4]), torch.from_numpy(digits.y[:4])
+
+    # Reference: each example's gradient by plain autograd, masked by hand.
+    expected = []
+    for i in range(len(y)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum").backward()
+        expected.append({n: p.grad.detach() * masks[n] for n, p in model.named_parameters()})
+    model.zero_grad()
+
+    clip = 0.05
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    params = dict(model.named_parameters())
+    optimizer = MaskedDPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        masks={params[n]: m for n, m in masks.items()},
+        noise_multiplier=1.0,
+        max_grad_norm=clip,
+        expected_batch_size=4,
+        loss_reduction="sum",
+        generator=torch.Generator().manual_seed(2),
+    )
+    nn.functional.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    optimizer.clip_and_accumulate()
+
+    masked_norms = torch.tensor(
+        [math.sqrt(sum(float(g.norm()) ** 2 for g in e.values())) for e in expected]
+    )
+    assert torch.all(masked_norms > 4 * clip)  # every example is really clipped
+    for name, p in params.items():
+        outside = masks[name] == 0
+        assert torch.all(p.grad_sample[:, outside] == 0), name
+        for i, e in enumerate(expected):
+            torch.testing.assert_close(p.grad_sample[i], e[name], rtol=1e-4, atol=1e-6)
+        # Clipped with the *masked* norm: sum_i min(1, C/||g_i ⊙ m||) g_i ⊙ m.
+        reference = sum((clip / (masked_norms[i] + 1e-6)) * expected[i][name] for i in range(4))
+        torch.testing.assert_close(p.summed_grad, reference, rtol=1e-4, atol=1e-7)
+
+    # Each clipped per-example gradient has exactly norm C: the masked gradient's norm
+    # decided the clip factor (the unmasked norm would have given a smaller one).
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(wrapped(x[:1]), y[:1], reduction="sum").backward()
+    optimizer.clip_and_accumulate()
+    clipped_norm = math.sqrt(sum(float(p.summed_grad.norm()) ** 2 for p in params.values()))
+    assert clipped_norm == pytest.approx(clip, rel=1e-4)
+
+    optimizer.add_noise()
+    for name, p in params.items():
+        outside = masks[name] == 0
+        assert torch.all(p.grad[outside] == 0), name
+        assert torch.all(p.grad[~outside] != 0), name  # noise reached every trained entry
+    wrapped.to_standard_module()
+
+
+def test_frozen_and_masked_out_weights_are_bit_identical(digits):
+    torch.manual_seed(0)
+    model = gn_cnn(10, 1, channels=4)
+    for p in model.body[0].parameters():
+        p.requires_grad_(False)
+    masks = {"body.4.weight": (torch.rand(model.body[4].weight.shape) < 0.1).float()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = DPSGDConfig(epochs=2, batch_size=32, lr=0.5, momentum=0.9, noise_multiplier=1.0, seed=3)
+    result = train_dp(model, digits, config, masks=masks)
+    after = dict(result.model.named_parameters())
+    assert result.model is model
+    assert torch.equal(after["body.0.weight"], before["body.0.weight"])
+    mask = masks["body.4.weight"] == 1
+    assert torch.equal(after["body.4.weight"][~mask], before["body.4.weight"][~mask])
+    assert torch.all(after["body.4.weight"][mask] != before["body.4.weight"][mask])
+    assert not torch.equal(after["classifier.weight"], before["classifier.weight"])
+    assert not hasattr(after["classifier.weight"], "grad_sample") or after["classifier.weight"].grad_sample is None
+
+
+def test_epsilon_equals_opacus_accountant_and_ledger_charge(digits):
+    sigma, delta = 1.3, 1e-5
+    config = DPSGDConfig(epochs=2, batch_size=50, lr=0.1, noise_multiplier=sigma, delta=delta)
+    result = train_dp(gn_cnn(10, 1, channels=4), digits, config)
+    assert result.sample_rate == pytest.approx(50 / 300)
+    assert result.steps == 2 * 6
+
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, result.sample_rate, result.steps)]
+    assert result.epsilons[-1] == accountant.get_epsilon(delta)
+    accountant.history = [(sigma, result.sample_rate, 6)]
+    assert result.epsilons[0] == accountant.get_epsilon(delta)
+
+    # The ledger's charge: the same sampled Gaussian RDP (Mironov, Talwar, Zhang 2019) as
+    # Opacus wherever Opacus's series is finite, and on Opacus's own orders the same ε.
+    orders = result.charge.orders
+    opacus_rdp = compute_rdp(q=result.sample_rate, noise_multiplier=sigma, steps=result.steps, orders=orders)
+    finite = np.isfinite(opacus_rdp)
+    assert finite.sum() >= len(RDPAccountant.DEFAULT_ALPHAS)
+    np.testing.assert_allclose(result.charge.rdp[finite], opacus_rdp[finite], rtol=1e-9)
+    on_opacus_grid = np.isin(orders, RDPAccountant.DEFAULT_ALPHAS)
+    assert on_opacus_grid.sum() == len(RDPAccountant.DEFAULT_ALPHAS)
+    eps_same_grid, _ = epsilon_from_rdp(orders[on_opacus_grid], result.charge.rdp[on_opacus_grid], delta)
+    assert eps_same_grid == pytest.approx(result.epsilons[-1], rel=1e-9)
+    # The ledger's grid has more orders, so its ε can only be lower (here: the same).
+    eps_ledger, _ = epsilon_from_rdp(orders, result.charge.rdp, delta)
+    assert eps_ledger <= result.epsilons[-1] * (1 + 1e-9)
+    assert eps_ledger == pytest.approx(result.epsilons[-1], rel=0.01)
+
+
+def test_target_epsilon_calibrates_noise(digits):
+    config = DPSGDConfig(epochs=1, batch_size=50, lr=0.1, target_epsilon=2.0, delta=1e-5)
+    result = train_dp(gn_cnn(10, 1, channels=4), digits, config)
+    assert 1.95 <= result.epsilon <= 2.0
+    assert result.noise_multiplier > 0
+
+
+def test_empty_poisson_batches_still_take_a_noise_step(digits):
+    tiny = digits.subset(np.arange(6))
+    config = DPSGDConfig(epochs=3, batch_size=1, lr=0.1, noise_multiplier=1.0, seed=0)
+    result = train_dp(gn_cnn(10, 1, channels=4), tiny, config)
+    assert result.steps == 3 * 6  # some of these batches are empty (P = (5/6)^6 ≈ 0.33 each)
+    assert all(np.isfinite(result.losses))
+
+
+@pytest.mark.parametrize(
+    ("masks", "message"),
+    [
+        ({"nope.weight": torch.ones(1)}, "unknown parameter"),
+        ({"classifier.weight": torch.ones(3, 3)}, "shape"),
+        ({"classifier.bias": torch.full((10,), 0.5)}, "only 0 and 1"),
+        ({"body.0.weight": None}, "frozen"),
+    ],
+)
+def test_bad_masks_are_rejected(digits, masks, message):
+    model = gn_cnn(10, 1, channels=4)
+    model.body[0].weight.requires_grad_(False)
+    if "body.0.weight" in masks:
+        masks = {"body.0.weight": torch.ones(model.body[0].weight.shape)}
+    config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=message):
+        train_dp(model, digits, config, masks=masks)
+
+
+def test_config_needs_exactly_one_noise_setting():
+    with pytest.raises(ValueError, match="exactly one"):
+        DPSGDConfig(noise_multiplier=1.0, target_epsilon=1.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        DPSGDConfig()
