@@ -190,10 +190,11 @@ def gnmax_theorem6(logq: np.ndarray | float, sigma: float, orders) -> np.ndarray
     logq = np.atleast_1d(np.asarray(logq, dtype=float))[:, None]
     mu1, mu2 = gnmax_mu(logq, sigma)
     eps1, eps2 = mu1 / sigma**2, mu2 / sigma**2
-    log1q = log1mexp(logq)
-    log_a = log1q - log1mexp(np.minimum((logq + eps2) * (1 - 1 / mu2), 0.0))
-    log_b = eps1 - logq / (mu1 - 1)
-    return np.logaddexp(log1q + (orders - 1) * log_a, logq + (orders - 1) * log_b) / (orders - 1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN/inf outside its domain, by design
+        log1q = log1mexp(logq)
+        log_a = log1q - log1mexp(np.minimum((logq + eps2) * (1 - 1 / mu2), 0.0))
+        log_b = eps1 - logq / (mu1 - 1)
+        return np.logaddexp(log1q + (orders - 1) * log_a, logq + (orders - 1) * log_b) / (orders - 1)
 
 
 def gnmax_rdp(logq: np.ndarray | float, sigma: float, orders) -> np.ndarray:
@@ -415,35 +416,24 @@ def _smooth_sensitivity_release(
     }
 
 
-def _nzc_report(mechanism: Any, votes: np.ndarray, mask: np.ndarray, delta: float, orders: np.ndarray) -> dict:
-    """NZC as published: unbounded sound ε beside the paper's claim (Sun et al. 2019, Thm 4)."""
+def _nzc_report(mechanism: Any, mask: np.ndarray, delta: float, orders: np.ndarray) -> dict:
+    """NZC as published: unbounded sound ε beside the paper's claim (Sun et al. 2019, Thm 4).
+
+    The claim comes from the mechanism itself (``NZC.claimed_epsilon``) so every entry point
+    prints the same figure, always next to the sound one.
+    """
+    from privacy.mechanisms.nzc import CLAIM_SOURCE, UNSOUND_REASON
+
     answered = int(mask.sum())
-    scale = getattr(mechanism, "laplace_scale", None)
-    sigma = getattr(mechanism, "sigma", None)
-    if scale is not None:
-        gamma = 1.0 / float(scale)
-        claim = {
-            "source": "Sun et al. 2019 (NZC), Theorem 4: each answer (2/b, 0)-DP; advanced composition over T answers",
-            "epsilon_per_query": 2 * gamma,
-            "epsilon_total": 4 * answered * gamma**2 + 2 * gamma * math.sqrt(2 * answered * math.log(1 / delta)),
-        }
-    elif sigma is not None:
-        claim_rdp = answered * gnmax_rdp_data_independent(float(sigma), orders)
-        claim = {
-            "source": "Sun et al. 2019 (NZC), §4.2: the GNMax RDP bound λ/σ² per answer (PATE 2018), classic conversion",
-            "epsilon_per_query": rdp_lib.epsilon_from_rdp(orders, claim_rdp / max(answered, 1), delta, "classic")[0],
-            "epsilon_total": rdp_lib.epsilon_from_rdp(orders, claim_rdp, delta, "classic")[0],
-        }
-    else:
-        raise ValueError("mechanism 'nzc' needs the parameter 'laplace_scale' or 'sigma'")
-    claim["label"] = "the paper's claim, NOT a valid differential-privacy guarantee"
     return {
         "sound": False,
-        "reason": (
-            "the constant c added to the plurality moves with it: where the top two counts differ by <= 2 one "
-            "teacher flips the plurality, so the sensitivity is about c, not 1, and no finite epsilon holds"
-        ),
-        "claimed": claim,
+        "reason": UNSOUND_REASON,
+        "claimed": {
+            "label": "the paper's claim, NOT a valid differential-privacy guarantee",
+            "source": CLAIM_SOURCE,
+            "epsilon_per_query": mechanism.claimed_epsilon(1, delta),
+            "epsilon_total": mechanism.claimed_epsilon(answered, delta),
+        },
         "rdp_data_independent": [math.inf] * orders.size,
         "rdp_data_dependent": [math.inf] * orders.size,
         "epsilon_data_independent": math.inf,
@@ -457,14 +447,14 @@ def _nzc_report(mechanism: Any, votes: np.ndarray, mask: np.ndarray, delta: floa
 
 def _stability_report(mechanism: Any, orders: np.ndarray) -> dict:
     """Stability + sparse vector (Bassily, Thakkar, Thakurta 2018): its stated (ε, δ) for the whole run."""
-    epsilon, mech_delta = _param(mechanism, "epsilon"), _param(mechanism, "delta")
+    epsilon, mech_delta = mechanism.guarantee()
     curve = rdp_lib.pure_dp_rdp(orders, epsilon).tolist()
     return {
         "sound": True,
         "delta": mech_delta,
         "note": (
-            "(epsilon, delta) of the sparse-vector stability mechanism for the whole run (released labels of stable "
-            "queries cost nothing; the cap on unstable queries bounds the rest); not an RDP accounting"
+            "(epsilon, delta) of the sparse-vector stability mechanism (Bassily, Thakkar, Thakurta 2018) for the "
+            "whole run of at most max_queries queries and max_unstable abstentions; its own delta, not the requested one"
         ),
         "rdp_data_independent": curve,
         "rdp_data_dependent": curve,
@@ -526,7 +516,7 @@ def privacy_report(
         "orders": orders.tolist(),
     }
     if name == "nzc":
-        report.update(_nzc_report(mechanism, votes, mask, delta, orders))
+        report.update(_nzc_report(mechanism, mask, delta, orders))
         return report
     if name == "stability":
         report.update(_stability_report(mechanism, orders))

@@ -208,7 +208,8 @@ def check_conditions(sigma: float, num_classes: int, order: float, points: int =
     q0 = math.exp(logq0)
 
     def grid(upper_log: float) -> np.ndarray:
-        logs = -np.geomspace(max(-upper_log, 1e-12) * 200, -upper_log, points)
+        # down to q ≈ e^-700, the smallest q whose neighbour bounds are still representable
+        logs = -np.geomspace(max(min(-200 * upper_log, 700.0), -upper_log), -upper_log, points)
         linear = np.log(np.linspace(math.exp(upper_log) * 1e-3, math.exp(upper_log), points))
         return np.unique(np.concatenate([logs, linear]))
 
