@@ -1,0 +1,98 @@
+"""Models: architecture sizes, the features/classifier contract, Opacus compatibility."""
+from __future__ import annotations
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from learning.models import REGISTRY, build_model
+
+# (name, in_channels, input size, kwargs) small enough for a fast CPU test
+CASES = [
+    ("tutorial_cnn", 1, 28, {}),
+    ("digits_cnn", 1, 8, {}),
+    ("gn_cnn", 3, 32, {}),
+    ("gn_resnet18", 3, 32, {"width": 0.25}),
+]
+
+
+def conv_params(c_in: int, c_out: int, k: int) -> int:
+    return c_out * c_in * k * k + c_out
+
+
+def linear_params(d_in: int, d_out: int) -> int:
+    return d_in * d_out + d_out
+
+
+def count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_tutorial_cnn_matches_the_tf_privacy_architecture():
+    # 28 → conv 8×8/2 pad 3 → 14 → pool 2/1 → 13 → conv 4×4/2 → 5 → pool 2/1 → 4; 32·4·4 = 512
+    expected = conv_params(1, 16, 8) + conv_params(16, 32, 4) + linear_params(512, 32) + linear_params(32, 10)
+    model = build_model("tutorial_cnn", num_classes=10)
+    assert count(model) == expected == 26010
+    assert model.features(torch.zeros(3, 1, 28, 28)).shape == (3, 32)
+    # other channel counts and sizes change only the layers that depend on them
+    wide = build_model("tutorial_cnn", num_classes=100, in_channels=3, input_size=32)
+    # 32 → 16 → 15 → 6 → 5; 32·5·5 = 800
+    assert count(wide) == (conv_params(3, 16, 8) + conv_params(16, 32, 4)
+                           + linear_params(800, 32) + linear_params(32, 100))
+
+
+def test_digits_cnn_size():
+    expected = conv_params(1, 16, 3) + conv_params(16, 32, 3) + linear_params(32 * 4 * 4, 64) + linear_params(64, 10)
+    assert count(build_model("digits_cnn", num_classes=10)) == expected == 38282
+
+
+@pytest.mark.parametrize("name, channels, size, kwargs", CASES)
+def test_features_classifier_contract_and_opacus(name, channels, size, kwargs):
+    model = build_model(name, num_classes=7, in_channels=channels, seed=0, **kwargs)
+    x = torch.rand(4, channels, size, size)
+    assert isinstance(model.classifier, nn.Linear) and model.classifier.out_features == 7
+    last_linear = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    assert last_linear is model.classifier
+    assert ModuleValidator.validate(model, strict=True) == []  # Opacus validates in train mode
+    model.eval()
+    assert torch.allclose(model(x), model.classifier(model.features(x).flatten(1)))
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert not any(getattr(m, "inplace", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("name, channels, size", [("tutorial_cnn", 1, 28), ("digits_cnn", 1, 8)])
+def test_opacus_per_example_gradients_match_one_at_a_time(name, channels, size):
+    """Opacus's per-example gradients for our CNNs equal those of separate backward passes."""
+    model = build_model(name, num_classes=10, in_channels=channels, seed=1)
+    x, y = torch.rand(3, channels, size, size), torch.tensor([1, 4, 9])
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    nn.functional.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    per_example = [p.grad_sample.clone() for p in model.parameters()]
+    wrapped._close()  # remove the hooks before the reference passes
+    for i in range(3):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for sample, p in zip(per_example, model.parameters()):
+            assert torch.allclose(sample[i], p.grad, atol=1e-5)
+
+
+def test_seeded_build_is_reproducible_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = build_model("tutorial_cnn", 10, seed=4)
+    assert torch.equal(torch.rand(1), expected_next)
+    b = build_model("tutorial_cnn", 10, seed=4)
+    c = build_model("tutorial_cnn", 10, seed=5)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.classifier.weight, c.classifier.weight)
+
+
+def test_registry_names_and_unknown_model():
+    assert {"tutorial_cnn", "digits_cnn", "gn_resnet18", "gn_cnn"} <= set(REGISTRY)
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        build_model("vgg", 10)
+    with pytest.raises(ValueError, match="at least 16"):
+        build_model("tutorial_cnn", 10, input_size=8)
