@@ -105,12 +105,18 @@ def gnmax_local_sensitivity(logq: np.ndarray, sigma: float, num_classes: int, or
         return np.zeros_like(logq)
     logq0 = gnmax_logq0(sigma, order)
     logq1 = float(np.log(gnmax_q_lower(math.exp(logq0), sigma, num_classes)))
-    logq = np.where((logq >= logq1) & (logq <= logq0), logq1, logq)
+    on_plateau = (logq >= logq1) & (logq <= logq0)
+    logq = np.where(on_plateau, logq1, logq)
     q = np.exp(logq)
     beta = gnmax_beta(logq, sigma, order)
     beta_up = gnmax_beta(_safe_log(gnmax_q_upper(q, sigma, num_classes)), sigma, order)
     beta_low = gnmax_beta(_safe_log(gnmax_q_lower(q, sigma, num_classes)), sigma, order)
-    return np.maximum(beta_up - beta, beta - beta_low)
+    result = np.maximum(beta_up - beta, beta - beta_low)
+    # On the plateau a neighbour may reach q ≥ q₀, where β = λ/σ². When Theorem 6 is already
+    # below λ/σ² at the bracket (small σ), β jumps at q₀ and u(q₁) lands a rounding error
+    # short of q₀, so Algorithm 3 alone would miss the jump: add λ/σ² − β(q₁) explicitly.
+    jump = order / sigma**2 - float(gnmax_beta(np.array([logq1]), sigma, order)[0])
+    return np.where(on_plateau, np.maximum(result, jump), result)
 
 
 def gnmax_local_sensitivity_by_distance(votes: np.ndarray, num_teachers: int, sigma: float, order: float) -> np.ndarray:
