@@ -47,6 +47,7 @@ teachers in strong agreement; with 250 teachers and ε ≈ 1 nearly everything a
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -78,6 +79,43 @@ def laplace_difference_tail(t: float, query_scale: float, threshold_scale: float
     s = abs(t)
     upper = (b1**2 * math.exp(-s / b1) - b2**2 * math.exp(-s / b2)) / (2 * (b1**2 - b2**2))
     return upper if t >= 0 else 1.0 - upper
+
+
+def composed_epsilon(instance_epsilon: float, instances: int, delta: float) -> float:
+    """ε at ``delta`` of ``instances`` ε′-DP sparse-vector instances composed as RDP."""
+    rdp = instances * pure_dp_rdp(DEFAULT_ORDERS, instance_epsilon)
+    return epsilon_from_rdp(DEFAULT_ORDERS, rdp, delta)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(epsilon: float, delta: float, max_unstable: int, max_queries: int) -> tuple[float, float]:
+    """(ε′, w): the per-instance ε and the threshold meeting the (ε, δ) of the docstring."""
+    basic = epsilon / max_unstable  # basic composition: c·ε′ = ε with no δ at all
+    if composed_epsilon(epsilon, max_unstable, delta / 2) <= epsilon:
+        instance_epsilon = epsilon
+    elif composed_epsilon(basic, max_unstable, delta / 2) > epsilon:
+        instance_epsilon = basic
+    else:
+        root = optimize.brentq(
+            lambda e: composed_epsilon(e, max_unstable, delta / 2) - epsilon, basic, epsilon, xtol=1e-12
+        )
+        while composed_epsilon(root, max_unstable, delta / 2) > epsilon:  # brentq may land a hair above
+            root *= 1 - 1e-9
+        instance_epsilon = max(root, basic)
+
+    query_scale, threshold_scale = 4.0 / instance_epsilon, 2.0 / instance_epsilon
+    target = math.log(delta / 2 / max_queries)  # log p₀ wanted; p₀ decreases in w
+
+    def excess(w: float) -> float:
+        return math.log(laplace_difference_tail(w, query_scale, threshold_scale)) - target
+
+    high = query_scale
+    while excess(high) > 0:
+        high *= 2
+    threshold = optimize.brentq(excess, 0.0, high, xtol=1e-12)
+    while excess(threshold) > 0:  # land on the safe side: p₀ ≤ δ/(2m)
+        threshold += 1e-9 * high
+    return instance_epsilon, threshold
 
 
 @dataclass
@@ -113,39 +151,14 @@ class Stability:
             raise ValueError(f"stability: delta must be in (0, 1), got {self.delta}")
         if self.max_unstable < 1 or self.max_queries < 1:
             raise ValueError("stability: max_unstable and max_queries must be >= 1")
-        instance_epsilon = self._solve_instance_epsilon()
+        instance_epsilon, threshold = _calibrate(self.epsilon, self.delta, self.max_unstable, self.max_queries)
         object.__setattr__(self, "instance_epsilon", instance_epsilon)
         object.__setattr__(self, "query_scale", 4.0 / instance_epsilon)
         object.__setattr__(self, "threshold_scale", 2.0 / instance_epsilon)
-        threshold = self._solve_threshold()
         object.__setattr__(self, "threshold", threshold)
         object.__setattr__(
             self, "failure_probability", laplace_difference_tail(threshold, self.query_scale, self.threshold_scale)
         )
-
-    def _composed_epsilon(self, instance_epsilon: float) -> float:
-        rdp = self.max_unstable * pure_dp_rdp(DEFAULT_ORDERS, instance_epsilon)
-        return epsilon_from_rdp(DEFAULT_ORDERS, rdp, self.delta / 2)[0]
-
-    def _solve_instance_epsilon(self) -> float:
-        basic = self.epsilon / self.max_unstable
-        if self._composed_epsilon(self.epsilon) <= self.epsilon:
-            return self.epsilon
-        if self._composed_epsilon(basic) > self.epsilon:
-            return basic
-        root = optimize.brentq(lambda e: self._composed_epsilon(e) - self.epsilon, basic, self.epsilon, xtol=1e-12)
-        # brentq may land a hair above the root; step down until the bound holds.
-        while self._composed_epsilon(root) > self.epsilon:
-            root *= 1 - 1e-9
-        return max(root, basic)
-
-    def _solve_threshold(self) -> float:
-        target = self.delta / 2 / self.max_queries
-        f = lambda w: math.log(laplace_difference_tail(w, self.query_scale, self.threshold_scale)) - math.log(target)
-        hi = self.query_scale
-        while f(hi) > 0:
-            hi *= 2
-        return optimize.brentq(f, 0.0, hi, xtol=1e-10) + 1e-9 * hi  # a hair above the root: p₀ ≤ target
 
     def guarantee(self) -> tuple[float, float]:
         """The stated (ε, δ) for the whole run (module docstring, steps 1–3)."""
