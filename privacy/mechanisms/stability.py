@@ -104,7 +104,8 @@ def _calibrate(epsilon: float, delta: float, max_unstable: int, max_queries: int
         instance_epsilon = max(root, basic)
 
     query_scale, threshold_scale = 4.0 / instance_epsilon, 2.0 / instance_epsilon
-    target = math.log(delta / 2 / max_queries)  # log p₀ wanted; p₀ decreases in w
+    # log of the p₀ wanted (a 1e-9 margin absorbs rounding); p₀ decreases in w
+    target = math.log(delta / 2 / max_queries) + math.log1p(-1e-9)
 
     def excess(w: float) -> float:
         return math.log(laplace_difference_tail(w, query_scale, threshold_scale)) - target
