@@ -354,33 +354,42 @@ def _smooth_sensitivity_release(
         for lam, value in zip(costs.orders, costs.total_data_dependent)
     ]
     parameters_from_data = order is None or beta is None or sigma_ss is None
-    if order is None:
-        # as in the PATE 2018 analysis: the order where the data-dependent ε is smallest
-        order = float(costs.orders[int(np.argmin(eps_by_order))])
     num_teachers = int(votes.sum(axis=1).max())
     num_classes = votes.shape[1]
     sigma = _param(mechanism, "sigma2" if mechanism.name == "confident-gnmax" else "sigma")
     answered_votes = votes[costs.answered]
 
-    ls_total = np.zeros(max(num_teachers, 1))
-    unanimous = np.zeros((1, num_classes))
-    unanimous[0, 0] = num_teachers
-    # If even a unanimous vote gets the data-independent bound at this order, GNMax's cost
-    # is the same for every histogram and contributes no sensitivity.
-    gnmax_constant = num_classes < 2 or bool(
-        np.isclose(ss.gnmax_beta(gnmax_logq(unanimous, sigma), sigma, order)[0], order / sigma**2)
-    )
-    conditions = None
+    def gnmax_status(lam: float) -> tuple[bool, tuple[bool, bool] | None]:
+        """(GNMax's cost is the same for every histogram at λ, (C5, C6) or None when not needed)."""
+        if num_classes < 2 or not answered_votes.shape[0]:
+            return True, None
+        unanimous = np.zeros((1, num_classes))
+        unanimous[0, 0] = num_teachers
+        try:
+            # even a unanimous vote gets λ/σ²: the cost is constant and has no sensitivity
+            if np.isclose(ss.gnmax_beta(gnmax_logq(unanimous, sigma), sigma, lam)[0], lam / sigma**2):
+                return True, None
+            return False, ss.check_conditions(sigma, num_classes, lam)
+        except ArithmeticError:  # no crossing point q0 found: treat as failing conditions
+            return False, (False, False)
+
+    # As in the PATE 2018 analysis, release at the order where the data-dependent ε is
+    # smallest — here the best one where the analysis is valid (C5 and C6 hold).
+    candidates = [order] if order is not None else [float(costs.orders[i]) for i in np.argsort(eps_by_order)[:20]]
+    for candidate in candidates:
+        constant, conditions = gnmax_status(candidate)
+        if constant or all(conditions):
+            order = candidate
+            break
+    else:
+        return {
+            "available": False,
+            "reason": f"conditions C5/C6 of PATE 2018 App. C fail for sigma={sigma}, k={num_classes} at the "
+            f"order(s) tried ({', '.join(f'{c:g}' for c in candidates[:5])}{', ...' if len(candidates) > 5 else ''})",
+        }
     value = 0.0
-    if answered_votes.shape[0] and not gnmax_constant:
-        conditions = ss.check_conditions(sigma, num_classes, order)
-        if not all(conditions):
-            return {
-                "available": False,
-                "order": order,
-                "conditions": {"C5": conditions[0], "C6": conditions[1]},
-                "reason": f"conditions C5/C6 of PATE 2018 App. C fail for sigma={sigma}, k={num_classes}, order={order}",
-            }
+    ls_total = np.zeros(max(num_teachers, 1))
+    if not constant:
         ls_total += ss.gnmax_local_sensitivity_by_distance(answered_votes, num_teachers, sigma, order).sum(axis=0)
     if answered_votes.shape[0]:
         value += float(ss.gnmax_beta(gnmax_logq(answered_votes, sigma), sigma, order).sum())
