@@ -1,0 +1,271 @@
+"""The aggregator as clients see it: a real gRPC server on 127.0.0.1 over real teacher actors.
+
+The teachers are a ``TeacherPool`` of digits CNNs on Ray (trained once per module, 1 epoch);
+the mechanism and ledger are the production ones. Bad requests go through the generated
+stub directly, so the server (not the client library) is what refuses them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from actors.aggregator import AggregatorServer, ServerSettings
+from actors.teacher import TeacherPool
+from cluster.client import AggregatorClient
+from learning.data import load_digits, shard
+from learning.training import TrainConfig
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from privacy.mechanisms import build_mechanism
+from privacy.randomness import make_rng
+from protos import aggregator_pb2, aggregator_pb2_grpc
+
+DELTA = 1e-5
+INPUT_SHAPE = (1, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+@pytest.fixture(scope="module")
+def teachers(ray_session, digits):
+    train, _ = digits
+    pool = TeacherPool(
+        shard(train, num_shards=4, seed=0), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
+        num_actors=1, seed=0, num_cpus_per_actor=0.5,
+    )
+    pool.train(progress=False)
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture
+def public(digits) -> np.ndarray:
+    return digits[1].x
+
+
+@contextlib.contextmanager
+def serving(vote_source, tmp_path: Path, mechanism=None, epsilon_limit: float = 50.0, ready: bool = True, **settings):
+    """A started server (GNMax σ=2 by default) with a fresh ledger; stopped afterwards."""
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=epsilon_limit, delta=DELTA)
+    server = AggregatorServer(
+        vote_source, mechanism or build_mechanism("gnmax", sigma=2.0), ledger, INPUT_SHAPE,
+        ServerSettings(**settings), rng=make_rng(0), ready=ready,
+    )
+    address = server.start()
+    try:
+        yield server, address
+    finally:
+        server.stop()
+        ledger.close()
+
+
+def tensor(array: np.ndarray, dtype: str = "float32", shape=None, data: bytes | None = None) -> aggregator_pb2.Tensor:
+    return aggregator_pb2.Tensor(
+        shape=list(array.shape if shape is None else shape), dtype=dtype,
+        data=np.ascontiguousarray(array).tobytes() if data is None else data,
+    )
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teachers, public, digits, tmp_path):
+    x = public[:64]
+    sharp = build_mechanism("gnmax", sigma=0.3)  # tiny noise: answers must be the plurality
+    with serving(teachers, tmp_path, mechanism=sharp, epsilon_limit=math.inf) as (server, address), AggregatorClient(
+        address
+    ) as client:
+        labels, answered, budget = client.label_reply(x)
+        assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
+        assert labels.shape == (64,) and answered == 64  # GNMax always answers
+        votes = teachers.votes(x)
+        top2 = np.sort(votes, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] >= 2  # a gap of 2 is 6.7σ: noise cannot flip it
+        assert clear.sum() >= 20
+        assert (labels[clear] == votes[clear].argmax(axis=1)).all()
+        assert (labels == digits[1].y[:64]).mean() > 0.6  # the teachers learned digits
+        assert budget["queries_answered"] == 64 and budget["mechanism"] == "gnmax" and budget["sound"]
+        # 64 GNMax answers at σ=0.3: RDP 64·λ/σ², converted as the ledger does (tight, at δ)
+        expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, 64 * DEFAULT_ORDERS / 0.3**2, DELTA, conversion="tight")
+        assert math.isclose(budget["epsilon_spent"], expected, rel_tol=1e-9) and budget["delta"] == DELTA
+        seen, mask = server.answered_votes()
+        assert (seen == votes).all() and mask.all()
+    reopened = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=math.inf, delta=DELTA)
+    assert math.isclose(reopened.report().epsilon, budget["epsilon_spent"])
+    reopened.close()
+
+
+BAD_REQUESTS = {
+    "wrong shape": (lambda x: tensor(x.reshape(len(x), 64)), "shape"),
+    "wrong example shape": (lambda x: tensor(x[:, :, :4, :].copy()), "shape"),
+    "float64": (lambda x: tensor(x.astype(np.float64), dtype="float64"), "dtype"),
+    "byte length": (lambda x: tensor(x, data=x.tobytes()[:-4]), "bytes"),
+    "nan": (lambda x: tensor(np.where(np.arange(x.size).reshape(x.shape) == 70, np.nan, x).astype(np.float32)), "NaN"),
+    "inf": (lambda x: tensor(np.where(np.arange(x.size).reshape(x.shape) == 3, np.inf, x).astype(np.float32)), "infinity"),
+    "empty batch": (lambda x: tensor(x[:0]), "empty"),
+    "over max batch": (lambda x: tensor(np.concatenate([x, x[:1]])), "maximum"),
+    "no tensor": (lambda x: None, "shape"),
+}
+
+
+def test_each_bad_input_gets_invalid_argument_and_spends_nothing(teachers, public, tmp_path):
+    x = public[:8]  # max_batch is 8 here
+    with serving(teachers, tmp_path, max_batch=8) as (server, address), grpc.insecure_channel(address) as channel:
+        stub = aggregator_pb2_grpc.AggregatorStub(channel)
+        stub.Label(aggregator_pb2.LabelRequest(inputs=tensor(public[100:102])))  # something spent already
+        before = stub.GetBudget(aggregator_pb2.BudgetRequest())
+        for case, (make, keyword) in BAD_REQUESTS.items():
+            request = aggregator_pb2.LabelRequest() if make(x) is None else aggregator_pb2.LabelRequest(inputs=make(x))
+            code, details = status_of(lambda: stub.Label(request))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, case
+            assert keyword in details, (case, details)
+            code, _ = status_of(lambda: list(stub.LabelStream(iter([request]))))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert stub.GetBudget(aggregator_pb2.BudgetRequest()) == before
+        assert len(server.answered_votes()[1]) == 2
+
+
+def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_path):
+    # σ=40 with 4 teachers: answers are close to uniform noise, so fresh noise on a repeat
+    # would change most of 48 labels; the cache must return exactly the first answers.
+    noisy = build_mechanism("gnmax", sigma=40.0)
+    x = public[:48]
+    with serving(teachers, tmp_path, mechanism=noisy, epsilon_limit=math.inf) as (server, address):
+        with AggregatorClient(address) as client:
+            first, _, spent = client.label_reply(x)
+            again, _, spent_again = client.label_reply(x[::-1])
+            assert (again[::-1] == first).all()
+            assert spent_again["epsilon_spent"] == spent["epsilon_spent"]
+            assert spent_again["queries_answered"] == 48 and spent_again["cache_hits"] == 48
+            # duplicates inside one batch are charged once and answered alike
+            doubled, _, after = client.label_reply(np.concatenate([public[200:210], public[200:210]]))
+            assert (doubled[:10] == doubled[10:]).all()
+            assert after["queries_answered"] == 58 and after["cache_hits"] == 58
+        assert len(server.answered_votes()[0]) == 58
+
+
+def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(teachers, public, tmp_path):
+    # The limit admits exactly 5 batches of 4 GNMax answers at σ=8 (20·λ/σ² RDP), not 6.
+    def epsilon_of(queries: int) -> float:
+        return epsilon_from_rdp(DEFAULT_ORDERS, queries * DEFAULT_ORDERS / 8.0**2, DELTA, conversion="tight")[0]
+
+    limit = (epsilon_of(20) + epsilon_of(24)) / 2
+    with serving(teachers, tmp_path, mechanism=build_mechanism("gnmax", sigma=8.0), epsilon_limit=limit) as (
+        server, address,
+    ), AggregatorClient(address) as client:
+        answered_batches = 0
+        for start in range(0, 400, 4):
+            try:
+                client.label(public[start : start + 4])
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "nothing was released or charged" in err.details()
+                break
+            answered_batches += 1
+        else:
+            pytest.fail("the ledger never refused")
+        assert answered_batches == 5
+        at_refusal = client.budget()
+        assert at_refusal["queries_answered"] == 4 * answered_batches
+        code, _ = status_of(lambda: client.label(public[start : start + 4]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and client.budget() == at_refusal
+        # Already answered inputs are still served: from the cache, at no cost.
+        assert client.label(public[:4]).shape == (4,)
+        assert client.budget()["epsilon_spent"] == at_refusal["epsilon_spent"]
+        assert len(server.answered_votes()[0]) == 4 * answered_batches
+    reopened = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=limit, delta=DELTA)
+    report = reopened.report()
+    reopened.close()
+    assert report.epsilon <= limit and math.isclose(report.epsilon, epsilon_of(20), rel_tol=1e-9)
+    assert math.isclose(report.epsilon, at_refusal["epsilon_spent"])
+
+
+def test_token_is_required_for_the_aggregator_but_not_for_health(teachers, public, tmp_path):
+    with serving(teachers, tmp_path, token="s3cret") as (_, address):
+        for token, expected in ((None, "missing"), ("wrong", "invalid")):
+            with AggregatorClient(address, token=token) as client:
+                for call in (lambda: client.label(public[:2]), client.budget, lambda: list(client.label_stream([public[:2]]))):
+                    code, details = status_of(call)
+                    assert code == grpc.StatusCode.UNAUTHENTICATED and expected in details
+        with AggregatorClient(address, token="s3cret") as client:
+            assert client.label(public[:2]).shape == (2,)
+            assert client.budget()["queries_answered"] == 2
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="conclave.v1.Aggregator"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stream_answers_batches_in_order(teachers, public, tmp_path):
+    batches = [public[0:3], public[10:15], public[20:27], public[0:3]]
+    with serving(teachers, tmp_path) as (_, address), AggregatorClient(address) as client:
+        streamed = list(client.label_stream(batches))
+        assert [len(labels) for labels in streamed] == [3, 5, 7, 3]
+        assert (streamed[3] == streamed[0]).all()
+        for batch, labels in zip(batches, streamed):  # asked again: cached, so identical
+            assert (client.label(batch) == labels).all()
+        assert client.budget()["queries_answered"] == 15
+
+
+class BrokenTeachers:
+    """A vote source whose actors died: the failure path of a real deployment."""
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        raise ConnectionError("teacher actor 3 died")
+
+
+def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_path):
+    with serving(teachers, tmp_path, ready=False) as (server, address), grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with AggregatorClient(address) as client:
+            code, _ = status_of(lambda: client.label(public[:2]))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            server.set_ready(True)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            assert client.label(public[:2]).shape == (2,)
+    (tmp_path / "broken").mkdir()
+    with serving(BrokenTeachers(), tmp_path / "broken") as (_, address), AggregatorClient(address) as client:
+        code, details = status_of(lambda: client.label(public[:2]))
+        assert code == grpc.StatusCode.UNAVAILABLE and "actor 3" not in details
+        assert client.budget()["epsilon_spent"] == 0 and client.budget()["queries_answered"] == 0
+
+
+def test_a_client_with_only_reflection_can_call_label(teachers, public, tmp_path):
+    """Everything below comes from the server: no protos.* classes are used."""
+    with serving(teachers, tmp_path, token="t0ken") as (_, address), grpc.insecure_channel(address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert {"conclave.v1.Aggregator", "grpc.health.v1.Health", reflection.SERVICE_NAME} <= set(database.get_services())
+        pool = descriptor_pool.DescriptorPool(database)
+        service = pool.FindServiceByName("conclave.v1.Aggregator")
+        method = service.FindMethodByName("Label")
+        request_class = message_factory.GetMessageClass(method.input_type)
+        reply_class = message_factory.GetMessageClass(method.output_type)
+        assert request_class is not aggregator_pb2.LabelRequest
+        x = public[:5]
+        request = request_class()
+        request.inputs.shape.extend(x.shape)
+        request.inputs.dtype = "float32"
+        request.inputs.data = x.astype("<f4").tobytes()
+        label = channel.unary_unary(
+            f"/{service.full_name}/{method.name}",
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=reply_class.FromString,
+        )
+        reply = label(request, metadata=(("authorization", "Bearer t0ken"),))
+        assert len(reply.labels) == 5 and reply.answered == 5 and reply.budget.queries_answered == 5
+        assert all(0 <= label < 10 for label in reply.labels)
