@@ -171,6 +171,20 @@ class PrivacyLedger:
             self._read_new_rows()
             return self._report()
 
+    def spent(self) -> PrivacyCharge:
+        """Everything recorded so far as one composed charge (curve, Σ extra δ, unbounded)."""
+        with self._lock, self._transaction(write=False):
+            self._read_new_rows()
+            totals = self._totals
+            return PrivacyCharge(
+                self.orders,
+                totals.rdp.copy(),
+                extra_delta=totals.extra_delta,
+                unbounded=totals.unbounded,
+                reason="an unbounded charge was recorded" if totals.unbounded else "",
+                label="spent",
+            )
+
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
