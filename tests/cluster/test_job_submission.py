@@ -1,0 +1,186 @@
+"""Pipelines run as Ray jobs: a real head on 127.0.0.1 with its dashboard, the Jobs API,
+and the cluster launcher config that `ray up` reads.
+
+The head is a `ray start --head --block` child in its own process group, with its own temp
+dir and free ports, so it never touches the session's embedded Ray (`ray stop` would stop
+every Ray on the machine); stopping it means signalling the processes this test started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180
+JOB_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalHead:
+    """A Ray head on loopback, dashboard (Jobs API) included, owned by this test."""
+
+    def __init__(self, temp_dir: str) -> None:
+        self.temp_dir = temp_dir
+        self.dashboard_address = ""
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LocalHead":
+        dashboard_port = _free_port()
+        self.dashboard_address = f"http://127.0.0.1:{dashboard_port}"
+        bin_dir = str(Path(sys.executable).parent)
+        env = dict(
+            os.environ,
+            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every listener on 127.0.0.1 (STACK.md)
+            RAY_TMPDIR=self.temp_dir,
+            PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),  # jobs find this venv's python/conclave
+        )
+        env.pop("RAY_ADDRESS", None)
+        command = [
+            str(Path(bin_dir) / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            # explicit free ports: the defaults could collide with another Ray on this machine
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            f"--temp-dir={self.temp_dir}", "--num-cpus=1", "--disable-usage-stats",
+        ]
+        log = open(Path(self.temp_dir) / "head.log", "w")
+        self._process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self
+
+    def client(self):
+        """A JobSubmissionClient, once the dashboard answers."""
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self._process is not None and self._process.poll() is None, self._log_tail()
+            try:
+                return JobSubmissionClient(self.dashboard_address)
+            except Exception as err:  # not up yet: connection refused or dashboard still starting
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"dashboard never came up ({err!r}):\n" + self._log_tail())
+                time.sleep(1)
+
+    def _log_tail(self) -> str:
+        return (Path(self.temp_dir) / "head.log").read_text()[-3000:]
+
+    def __exit__(self, *exc) -> None:
+        if self._process is None:
+            return
+        # SIGTERM makes `ray start --block` shut down the processes it started; whatever
+        # is left in its process group (which only this test created) is then killed.
+        self._process.send_signal(signal.SIGTERM)
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._process.wait(timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _submit(client, entrypoint: str, working_dir: Path) -> str:
+    """Submit, retrying while the head's job agent is still starting."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(working_dir)})
+        except RuntimeError as err:
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _wait(client, job_id: str):
+    from ray.job_submission import JobStatus
+
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal() or time.monotonic() > deadline:
+            return status
+        time.sleep(1)
+
+
+JOB_SCRIPT = '''"""A tiny job: the tuning-cost bound of a geometric sweep, written where it is told."""
+import json
+import sys
+
+import numpy as np
+
+from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, random_repetition_rdp
+
+orders = np.array([2.0, 4.0, 8.0])
+rdp = random_repetition_rdp(orders, orders / 8, TruncatedNegativeBinomial(eta=1.0, gamma=0.1))
+with open(sys.argv[1], "w") as out:
+    json.dump({"expected_trials": 10.0, "rdp_at_8": float(rdp[2])}, out)
+'''
+
+
+def test_a_job_submitted_to_a_local_head_runs_and_leaves_its_results(tmp_path, monkeypatch):
+    from ray._raylet import Config
+    from ray.job_submission import JobStatus
+
+    # Token auth, as on a real cluster: the head and this client share ~/.ray/auth_token.
+    # Ray caches the mode per process, so refresh it after setting the variable (ray.init
+    # in the session fixture does the same when it turns token auth on by default).
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    Config.initialize("")
+    working_dir = tmp_path / "job"
+    working_dir.mkdir()
+    (working_dir / "job.py").write_text(JOB_SCRIPT)
+    result_file = tmp_path / "result.json"
+    head_dir = tempfile.mkdtemp(prefix="ray-jobtest-", dir="/tmp")  # short: Ray's socket paths
+    with LocalHead(head_dir) as head:
+        client = head.client()
+        job_id = _submit(client, f"python job.py {result_file}", working_dir)
+        status = _wait(client, job_id)
+        logs = client.get_job_logs(job_id)
+        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    result = json.loads(result_file.read_text())
+    # The job computed Papernot–Steinke Thm 2 at λ = 8 for a λ/8 curve: 1 + 1.9012925 + ln(10)/7.
+    assert result["rdp_at_8"] == pytest.approx(3.2302332, abs=1e-6)
+
+
+def test_cluster_launcher_config_is_valid_for_ray_up():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((PROJECT_ROOT / "ray-cluster.yaml").read_text())
+    config = prepare_config(raw)  # what `ray up` does before validating
+    validate_config(config)
+    node_types = config["available_node_types"]
+    assert config["head_node_type"] == "head"
+    assert {"head", "cpu_worker", "gpu_worker"} <= set(node_types)
+    assert node_types["gpu_worker"]["node_config"]["InstanceType"].startswith(("g", "p"))
+    assert config["file_mounts"] == {"~/conclave": "."}
+    # every node installs the mounted working copy; CPU nodes pin the CPU build of torch
+    head_install = " ".join(config["head_setup_commands"])
+    assert "-e ~/conclave" in head_install and "whl/cpu" in head_install
+    assert "whl/cpu" in " ".join(node_types["cpu_worker"]["worker_setup_commands"])
+    assert "whl/cu" in " ".join(node_types["gpu_worker"]["worker_setup_commands"])
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--include-dashboard=true" in head_start and "--dashboard-host=127.0.0.1" in head_start
+    assert any("$RAY_HEAD_IP" in command for command in config["worker_start_ray_commands"])
