@@ -15,6 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from privacy.accounting.pate import privacy_report
+from privacy.mechanisms import build_mechanism
+from privacy.randomness import make_rng
+
 EXIT_BAD_INPUT = 2
 
 # the flags each mechanism cannot do without (NZC needs one of two noise flags)
@@ -77,8 +81,6 @@ def _parse_orders(text: str | None) -> np.ndarray | None:
 
 
 def _mechanism(args: argparse.Namespace):
-    from privacy.mechanisms import build_mechanism
-
     missing = [name for name in _REQUIRED[args.mechanism] if getattr(args, name) is None]
     if args.mechanism == "nzc" and args.laplace_scale is None and args.sigma is None:
         missing.append("laplace_scale or sigma")
@@ -160,9 +162,6 @@ def summary(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from privacy.accounting.pate import privacy_report
-    from privacy.randomness import make_rng
-
     try:
         if not 0 < args.delta < 1:
             raise BadInput(f"--delta must be in (0, 1), got {args.delta}")

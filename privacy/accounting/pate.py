@@ -28,6 +28,8 @@ import numpy as np
 from scipy import special, stats
 
 from privacy.accounting import rdp as rdp_lib
+from privacy.mechanisms.nzc import CLAIM_SOURCE, UNSOUND_REASON
+from privacy.randomness import make_rng
 
 # ---------------------------------------------------------------------------------------
 # small numerics
@@ -431,8 +433,6 @@ def _nzc_report(mechanism: Any, mask: np.ndarray, delta: float, orders: np.ndarr
     The claim comes from the mechanism itself (``NZC.claimed_epsilon``) so every entry point
     prints the same figure, always next to the sound one.
     """
-    from privacy.mechanisms.nzc import CLAIM_SOURCE, UNSOUND_REASON
-
     answered = int(mask.sum())
     return {
         "sound": False,
@@ -502,8 +502,6 @@ def privacy_report(
     (GNMax / Confident-GNMax; noise from ``rng``, OS entropy when None). NZC: ``sound`` false,
     infinite ε, and the paper's claim under ``claimed``. Stability: its own (ε, δ).
     """
-    from privacy.randomness import make_rng
-
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if conversion not in rdp_lib.CONVERSIONS:
