@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -116,6 +118,47 @@ def test_no_overshoot_with_32_threads(tmp_path):
         assert final.charges == fits and final.epsilon <= limit
         ledger.close()
     assert rows(path) == fits
+
+
+_CHARGER = """
+import math, os, sys, time
+from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from privacy.accounting.rdp import gaussian_charge
+path, go, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ledger = PrivacyLedger(path, 2.0, 1e-5)
+charge = gaussian_charge(40.0 / math.sqrt(2), count=1, label="gnmax")
+print("ready", flush=True)
+while not os.path.exists(go):  # start together, so the processes race
+    time.sleep(0.01)
+accepted = 0
+for _ in range(attempts):
+    try:
+        ledger.charge(charge)
+        accepted += 1
+    except BudgetExceeded:
+        pass
+print(accepted, flush=True)
+"""
+
+
+def test_no_overshoot_with_4_processes(tmp_path):
+    path, go = tmp_path / "ledger.db", tmp_path / "go"
+    unit = gaussian_charge(40.0 / math.sqrt(2), count=1)  # one GNMax answer at σ = 40
+    fits = max(k for k in range(1, 2000) if epsilon_from_rdp(DEFAULT_ORDERS, k * unit.rdp, DELTA)[0] <= 2.0)
+    PrivacyLedger(path, 2.0, DELTA).close()  # create the file once, so the processes only race on charges
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _CHARGER, str(path), str(go), str(fits // 2)], stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    for process in processes:
+        assert process.stdout.readline().strip() == "ready"
+    go.touch()
+    accepted = [int(process.communicate(timeout=300)[0]) for process in processes]
+    assert all(process.returncode == 0 for process in processes)
+    assert sum(accepted) == fits == rows(path)  # 4 × fits/2 attempts, exactly `fits` accepted
+    assert sum(1 for a in accepted if a > 0) >= 2  # the processes really did interleave
+    with PrivacyLedger(path, 2.0, DELTA) as ledger:
+        assert ledger.report().epsilon <= 2.0
 
 
 def test_worst_case_gates_and_the_actual_charge_is_recorded(tmp_path):
