@@ -15,6 +15,7 @@ but would waste clipping budget and noise on entries that never move.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -101,6 +102,42 @@ class DPTrainResult:
     @property
     def epsilon(self) -> float:
         return self.epsilons[-1]
+
+
+@dataclass(frozen=True)
+class DPSchedule:
+    """What a run will cost, known before it starts: Poisson rate q, noise multiplier σ and
+    steps fix the sampled Gaussian RDP, so a ledger can be charged before training."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    charge: PrivacyCharge
+
+
+def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd") -> DPSchedule:
+    """The schedule ``train_dp`` follows on ``num_examples`` examples: ⌈n/B⌉ steps per epoch
+    at rate q = 1/⌈n/B⌉ (Opacus's Poisson loader), σ given or calibrated with Opacus's RDP
+    accountant so that ε after ``config.epochs`` epochs is at most ``target_epsilon``."""
+    if num_examples < 1:
+        raise ValueError("cannot train on an empty dataset")
+    steps_per_epoch = math.ceil(num_examples / config.batch_size)
+    sample_rate = 1 / steps_per_epoch
+    if config.noise_multiplier is not None:
+        sigma = float(config.noise_multiplier)
+    else:
+        sigma = float(
+            get_noise_multiplier(
+                target_epsilon=config.target_epsilon,
+                target_delta=config.delta,
+                sample_rate=sample_rate,
+                epochs=config.epochs,
+                accountant="rdp",
+                epsilon_tolerance=0.005,
+            )
+        )
+    steps = steps_per_epoch * config.epochs
+    return DPSchedule(sigma, sample_rate, steps, sampled_gaussian_charge(sample_rate, sigma, steps, label=label))
 
 
 class MaskedDPOptimizer(DPOptimizer):
@@ -205,18 +242,10 @@ def train_dp(
     resolved_masks = _check_masks(model, masks)
     generator = _torch_generator(config.seed)
     loader = _loader(dataset, config.batch_size, generator)
-    sample_rate = 1 / len(loader)  # what Opacus's Poisson loader uses
-    if config.noise_multiplier is not None:
-        sigma = config.noise_multiplier
-    else:
-        sigma = get_noise_multiplier(
-            target_epsilon=config.target_epsilon,
-            target_delta=config.delta,
-            sample_rate=sample_rate,
-            epochs=config.epochs,
-            accountant="rdp",
-            epsilon_tolerance=0.005,
-        )
+    schedule = dp_schedule(len(loader.dataset), config)
+    sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
+    if len(loader) * config.epochs != schedule.steps:
+        raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
     engine = PrivacyEngine(accountant="rdp")
     private_model, dp_optimizer, private_loader = engine.make_private(
@@ -267,18 +296,17 @@ def train_dp(
             on_epoch(epoch, epsilons[-1])
 
     history_steps = sum(n for _, _, n in engine.accountant.history)
-    if history_steps != steps:
-        raise RuntimeError(f"accountant saw {history_steps} steps but {steps} were taken")
+    if not history_steps == steps == schedule.steps:
+        raise RuntimeError(f"accountant saw {history_steps} steps, {steps} were taken, {schedule.steps} planned")
     trained = private_model.to_standard_module()
     for p in trained.parameters():
         p.grad = None
-    charge = sampled_gaussian_charge(sample_rate, sigma, steps, label="dpsgd")
     return DPTrainResult(
         model=trained,
         epsilons=epsilons,
         noise_multiplier=float(sigma),
         sample_rate=float(sample_rate),
         steps=steps,
-        charge=charge,
+        charge=schedule.charge,
         losses=losses,
     )

@@ -26,6 +26,8 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
+from learning.data import Dataset
+
 VARIANTS = ("classifier", "classifier+norm", "all", "whole")
 GROUPS = ("conv", "norm", "classifier", "other")
 
@@ -46,6 +48,20 @@ def parameter_groups(model: nn.Module) -> dict[str, str]:
         name: "classifier" if id(p) in classifier else kinds.get(id(p), "other")
         for name, p in model.named_parameters()
     }
+
+
+def select_classes(dataset: Dataset, classes: tuple[int, ...], name: str | None = None) -> Dataset:
+    """The examples of ``classes``, relabelled 0..k-1 in the given order (a transfer task such
+    as MNIST digits 5–9 → five new classes)."""
+    if not classes or len(set(classes)) != len(classes):
+        raise ValueError(f"classes must be distinct and non-empty, got {classes}")
+    if any(not 0 <= c < dataset.num_classes for c in classes):
+        raise ValueError(f"classes must lie in [0, {dataset.num_classes}) for {dataset.name}, got {classes}")
+    lookup = np.full(dataset.num_classes, -1, dtype=np.int64)
+    lookup[list(classes)] = np.arange(len(classes))
+    keep = np.flatnonzero(lookup[dataset.y] >= 0)
+    label = name or f"{dataset.name}[{','.join(map(str, classes))}]"
+    return Dataset(dataset.x[keep], lookup[dataset.y[keep]], len(classes), label)
 
 
 def replace_classifier(model: nn.Module, num_classes: int, seed: int = 0) -> nn.Module:
