@@ -139,6 +139,48 @@ def test_q_bounds_are_capped_at_one_minus_one_over_k():
     assert math.exp(pate.lnmax_logq(tie, 20.0)[0]) == pytest.approx(0.75)
 
 
+# --- the bounds bound the real thing ------------------------------------------------------
+
+
+def mp_renyi(p, q, order):
+    return mp.log(sum(pi**order * qi ** (1 - order) for pi, qi in zip(p, q))) / (order - 1)
+
+
+def two_class_gnmax(n0, n1, sigma):
+    first = mp.ncdf(mp.mpf(n0 - n1) / (mp.sqrt(2) * sigma))  # Pr[n0 + Z0 > n1 + Z1]
+    return [first, 1 - first]
+
+
+def two_class_lnmax(n0, n1, b):
+    t = mp.mpf(abs(n0 - n1)) / b
+    tail = mp.e ** (-t) * (1 + t / 2) / 2  # Pr[L1 − L0 ≥ |gap|] for iid Laplace(b)
+    first = 1 - tail if n0 >= n1 else tail
+    return [first, 1 - first]
+
+
+@pytest.mark.parametrize("name", ["gnmax", "lnmax"])
+def test_exact_renyi_divergence_to_every_neighbour_is_below_the_data_dependent_bound(name):
+    # Two classes: the output distribution is exact in closed form, so D_λ(M(D) ‖ M(D')) for
+    # both neighbours D' (one teacher switches) can be computed and compared with the bound at D.
+    teachers, scale, orders = 60, (5.0 if name == "gnmax" else 3.0), [1.5, 2.0, 5.0, 10.0, 20.0, 50.0]
+    outputs = two_class_gnmax if name == "gnmax" else two_class_lnmax
+    tightest = 0.0
+    for n0 in range(30, teachers + 1):
+        votes = np.array([[n0, teachers - n0]])
+        if name == "gnmax":
+            bound = pate.gnmax_rdp(pate.gnmax_logq(votes, scale), scale, orders)[0]
+        else:
+            bound = pate.lnmax_rdp(pate.lnmax_logq(votes, scale), scale, orders)[0]
+        for m0 in (n0 - 1, n0 + 1):
+            if not 0 <= m0 <= teachers:
+                continue
+            for order, limit in zip(orders, bound):
+                exact = float(mp_renyi(outputs(n0, teachers - n0, scale), outputs(m0, teachers - m0, scale), order))
+                assert exact <= limit * (1 + 1e-9)
+                tightest = max(tightest, exact / limit)
+    assert tightest > 0.5  # the bound is not loose to the point of meaninglessness
+
+
 # --- limits --------------------------------------------------------------------------------
 
 
