@@ -1,0 +1,96 @@
+"""``conclave query ADDRESS --inputs X.npy``: ask a running aggregator to label inputs.
+
+Prints one label per line on stdout (-1 = the teachers abstained) and a one-line budget
+summary on stderr; ``--json`` prints labels, counts and the budget as one JSON object.
+Exit status: 0 answered, 1 the server refused (status code and reason on stderr),
+2 the inputs could not be read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cluster.client import AggregatorClient
+
+TOKEN_ENV = "CONCLAVE_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("address", help="aggregator address, e.g. 127.0.0.1:50051 (printed by `conclave serve`)")
+    parser.add_argument("--inputs", required=True, help=".npy file: float array [n, *input_shape], scaled like the training data")
+    parser.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV})")
+    parser.add_argument("--root-cert", default=None, help="PEM certificate to trust: connect with TLS")
+    parser.add_argument("--batch-size", type=int, default=256, help="inputs per request (default 256)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a single request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of one label per line")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        print("conclave query: --batch-size must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        inputs = np.load(Path(args.inputs), allow_pickle=False)
+    except (OSError, ValueError) as err:
+        print(f"conclave query: cannot read inputs {args.inputs}: {err}", file=sys.stderr)
+        return 2
+    if inputs.ndim < 1 or len(inputs) == 0:
+        print(f"conclave query: {args.inputs} holds no inputs (shape {list(inputs.shape)})", file=sys.stderr)
+        return 2
+    if not np.issubdtype(inputs.dtype, np.floating):
+        print(f"conclave query: {args.inputs} has dtype {inputs.dtype}; expected floats scaled like the training data", file=sys.stderr)
+        return 2
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    batches = [inputs[start : start + args.batch_size] for start in range(0, len(inputs), args.batch_size)]
+    answered: list[np.ndarray] = []
+    with AggregatorClient(args.address, token=token, root_cert=args.root_cert, timeout=args.timeout) as client:
+        try:
+            if len(batches) == 1:
+                answered.append(client.label(batches[0]))
+            else:
+                answered.extend(client.label_stream(batches))
+            budget = client.budget()
+        except grpc.RpcError as err:
+            print(f"conclave query: {err.code().name}: {err.details()}", file=sys.stderr)
+            done = sum(len(labels) for labels in answered)
+            if done:
+                print(
+                    f"conclave query: {done} of {len(inputs)} inputs were labelled before the error; "
+                    "asking again for them costs nothing (the server caches answers)",
+                    file=sys.stderr,
+                )
+            return 1
+
+    labels = np.concatenate(answered)
+    labelled = int((labels >= 0).sum())
+    if args.json:
+        print(json.dumps({
+            "labels": labels.tolist(),
+            "answered": labelled,
+            "abstained": int(len(labels) - labelled),
+            "budget": {key: _finite_or_text(value) for key, value in budget.items()},
+        }))
+    else:
+        print("\n".join(str(label) for label in labels.tolist()))
+        print(
+            f"labelled {labelled} of {len(labels)} inputs ({len(labels) - labelled} abstained); "
+            f"ε spent {budget['epsilon_spent']:.4g} of {budget['epsilon_limit']:.4g} at δ={budget['delta']:g} "
+            f"({budget['mechanism']}{'' if budget['sound'] else ', NOT a sound DP guarantee'})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _finite_or_text(value: object) -> object:
+    """JSON has no infinity: write it as the string "inf" (as results/ files do)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

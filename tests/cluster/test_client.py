@@ -1,0 +1,164 @@
+"""The Python client and ``conclave query`` against a real aggregator over real teacher actors."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import ipaddress
+import json
+import math
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from actors.aggregator import AggregatorServer, ServerSettings
+from actors.teacher import TeacherPool
+from cluster import query_command
+from cluster.client import AggregatorClient, encode_inputs
+from learning.data import load_digits, shard
+from learning.training import TrainConfig
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.mechanisms import build_mechanism
+
+DELTA = 1e-5
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+@pytest.fixture(scope="module")
+def teachers(ray_session, digits):
+    train, _ = digits
+    pool = TeacherPool(
+        shard(train, num_shards=3, seed=1), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
+        num_actors=1, seed=1, num_cpus_per_actor=0.5,
+    )
+    pool.train(progress=False)
+    yield pool
+    pool.shutdown()
+
+
+@contextlib.contextmanager
+def serving(teachers, tmp_path: Path, epsilon_limit: float = 50.0, **settings):
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=epsilon_limit, delta=DELTA)
+    server = AggregatorServer(
+        teachers, build_mechanism("gnmax", sigma=4.0), ledger, teachers.input_shape, ServerSettings(**settings)
+    )
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        ledger.close()
+
+
+def query(*argv: str) -> int:
+    """``conclave query ...`` in-process (exit status)."""
+    parser = argparse.ArgumentParser()
+    query_command.add_arguments(parser, "query")
+    return query_command.main(parser.parse_args(argv))
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for localhost / 127.0.0.1, valid for a day."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+def test_label_stream_and_budget_roundtrip(teachers, digits, tmp_path):
+    x = digits[1].x[:40]
+    with serving(teachers, tmp_path) as address, AggregatorClient(address) as client:
+        labels = client.label(x.astype(np.float64))  # floats of any width are sent as float32
+        assert labels.dtype == np.int64 and labels.shape == (40,) and set(labels.tolist()) <= set(range(10))
+        streamed = list(client.label_stream([x[:25], x[25:]]))
+        assert (np.concatenate(streamed) == labels).all()  # cached: the same answers
+        budget = client.budget()
+        assert budget["queries_answered"] == 40 and budget["cache_hits"] == 40
+        assert 0 < budget["epsilon_spent"] <= budget["epsilon_limit"] == 50.0
+
+
+def test_inputs_that_are_not_floats_are_refused_before_sending():
+    with pytest.raises(TypeError, match="uint8"):
+        encode_inputs(np.zeros((2, 1, 8, 8), dtype=np.uint8))
+
+
+def test_tls_with_a_self_signed_certificate_and_a_token(teachers, digits, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    x = digits[1].x[:6]
+    with serving(teachers, tmp_path, token="tls-token", tls_cert=str(cert), tls_key=str(key)) as address:
+        with AggregatorClient(address, token="tls-token", root_cert=cert) as client:
+            assert client.label(x).shape == (6,)
+        with AggregatorClient(address, token="tls-token", timeout=5.0) as plaintext:
+            with pytest.raises(grpc.RpcError) as refused:
+                plaintext.budget()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        with AggregatorClient(address, root_cert=cert) as no_token:
+            with pytest.raises(grpc.RpcError) as refused:
+                no_token.label(x)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_query_command_prints_labels_and_budget(teachers, digits, tmp_path, capsys, monkeypatch):
+    inputs = tmp_path / "inputs.npy"
+    np.save(inputs, digits[1].x[:30])
+    monkeypatch.setenv("CONCLAVE_TOKEN", "env-token")
+    with serving(teachers, tmp_path, token="env-token") as address:
+        assert query(address, "--inputs", str(inputs), "--json", "--batch-size", "8") == 0
+        result = json.loads(capsys.readouterr().out)
+        assert len(result["labels"]) == 30 and result["answered"] == 30 and result["abstained"] == 0
+        assert result["budget"]["mechanism"] == "gnmax" and result["budget"]["queries_answered"] == 30
+
+        assert query(address, "--inputs", str(inputs)) == 0
+        captured = capsys.readouterr()
+        assert [int(line) for line in captured.out.split()] == result["labels"]  # cached: same answers
+        assert "labelled 30 of 30 inputs" in captured.err and "gnmax" in captured.err
+
+        assert query(address, "--inputs", str(inputs), "--token", "wrong") == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_query_command_reports_refusals_and_unreadable_inputs(teachers, digits, tmp_path, capsys):
+    wrong_shape = tmp_path / "wrong.npy"
+    np.save(wrong_shape, digits[1].x[:4].reshape(4, 64))
+    with serving(teachers, tmp_path) as address:
+        assert query(address, "--inputs", str(wrong_shape)) == 1
+        assert "INVALID_ARGUMENT: wrong shape [4, 64]" in capsys.readouterr().err
+        assert query(address, "--inputs", str(tmp_path / "missing.npy")) == 2
+        assert "cannot read inputs" in capsys.readouterr().err
+
+
+def test_query_command_json_writes_an_unlimited_budget_as_text(teachers, digits, tmp_path, capsys):
+    inputs = tmp_path / "inputs.npy"
+    np.save(inputs, digits[1].x[:3])
+    with serving(teachers, tmp_path, epsilon_limit=math.inf) as address:
+        assert query(address, "--inputs", str(inputs), "--json") == 0
+        assert json.loads(capsys.readouterr().out)["budget"]["epsilon_limit"] == "inf"
