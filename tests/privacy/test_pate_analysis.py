@@ -181,6 +181,26 @@ def test_exact_renyi_divergence_to_every_neighbour_is_below_the_data_dependent_b
     assert tightest > 0.5  # the bound is not loose to the point of meaninglessness
 
 
+def test_threshold_step_bound_covers_the_exact_divergence():
+    # the threshold step's output is Bernoulli(p), p = Pr[m + N(0, σ1²) ≥ T]; a neighbour has m ± 1
+    threshold, sigma1, orders = 30.0, 4.0, [1.5, 2.0, 5.0, 10.0, 20.0]
+
+    def answered(m):
+        p = mp.ncdf((m - threshold) / sigma1)
+        return [p, 1 - p]
+
+    tightest = 0.0
+    for m in range(20, 61):  # 60 teachers, 3 classes: the top count m is at least 20
+        votes = np.array([[m, 60 - m, 0]]) if m >= 30 else np.array([[m, m, 60 - 2 * m]])
+        bound = pate.threshold_rdp(pate.threshold_logq(votes, threshold, sigma1), sigma1, orders)[0]
+        for neighbour in (m - 1, m + 1):
+            for order, limit in zip(orders, bound):
+                exact = float(mp_renyi(answered(m), answered(neighbour), order))
+                assert exact <= limit * (1 + 1e-9)
+                tightest = max(tightest, exact / limit)
+    assert tightest > 0.5
+
+
 # --- limits --------------------------------------------------------------------------------
 
 
