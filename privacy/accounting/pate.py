@@ -501,6 +501,9 @@ def privacy_report(
     must not be published; ``epsilon_smooth_sensitivity`` is its GNSS-privatized release
     (GNMax / Confident-GNMax; noise from ``rng``, OS entropy when None). NZC: ``sound`` false,
     infinite ε, and the paper's claim under ``claimed``. Stability: its own (ε, δ).
+
+    Each call draws fresh release noise, i.e. is a new release with its own cost: compute the
+    report of a run once and publish that one.
     """
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
