@@ -160,7 +160,8 @@ def sampled_gaussian_rdp(orders, sample_rate: float, noise_multiplier: float, st
         else:
             log_a = _log_a_fractional(sample_rate, noise_multiplier, float(alpha))
         out[n] = log_a / (alpha - 1)
-    return steps * out
+    # A_λ ≥ 1 (a Rényi divergence is ≥ 0); clip the last-bit rounding of tiny values.
+    return steps * np.maximum(out, 0.0)
 
 
 # --- charge builders: what mechanisms and training loops hand to the ledger ---------------
