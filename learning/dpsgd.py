@@ -25,6 +25,7 @@ import torch
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import DPOptimizer
+from opacus.utils.batch_memory_manager import wrap_data_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
@@ -52,6 +53,8 @@ class DPSGDConfig:
     batch_size / n. ``lr_overrides`` maps parameter-name prefixes to their own learning
     rate (first match wins), e.g. (("classifier.", 0.8),) as in the sparse paper.
     ``seed=None`` draws the noise seed from the operating system's entropy.
+    ``max_physical_batch_size`` processes a large logical batch in chunks (Opacus's batch
+    splitting): same step, same noise, same privacy, bounded memory.
     """
 
     epochs: int = 1
@@ -65,6 +68,7 @@ class DPSGDConfig:
     seed: int | None = 0
     grad_sample_mode: str = "hooks"
     lr_overrides: tuple[tuple[str, float], ...] = ()
+    max_physical_batch_size: int | None = None  # split big Poisson batches to bound memory
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -85,6 +89,8 @@ class DPSGDConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size}")
 
 
 @dataclass
@@ -269,11 +275,24 @@ def train_dp(
             generator=dp_optimizer.generator,
         )
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    steps = 0
+    account = dp_optimizer.step_hook
+
+    def count_step(optimizer: DPOptimizer) -> None:
+        # Called once per logical (noised) step, never for a physical chunk of one.
+        nonlocal steps
+        steps += 1
+        account(optimizer)
+
+    dp_optimizer.attach_step_hook(count_step)
+    if config.max_physical_batch_size is not None:
+        private_loader = wrap_data_loader(
+            data_loader=private_loader, max_batch_size=config.max_physical_batch_size, optimizer=dp_optimizer
+        )
 
     criterion = nn.CrossEntropyLoss()
     epsilons: list[float] = []
     losses: list[float] = []
-    steps = 0
     epochs = tqdm(range(config.epochs), desc="DP-SGD", disable=not progress)
     for epoch in epochs:
         private_model.train()
@@ -285,7 +304,6 @@ def train_dp(
             loss = criterion(private_model(x), y) if len(y) else private_model(x).sum() * 0.0
             loss.backward()
             dp_optimizer.step()
-            steps += 1
             loss_sum += float(loss.detach()) * len(y)
             seen += len(y)
         losses.append(loss_sum / max(seen, 1))

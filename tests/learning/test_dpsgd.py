@@ -179,3 +179,21 @@ def test_config_needs_exactly_one_noise_setting():
         DPSGDConfig(noise_multiplier=1.0, target_epsilon=1.0)
     with pytest.raises(ValueError, match="exactly one"):
         DPSGDConfig()
+
+
+def test_physical_batch_splitting_is_the_same_training(digits):
+    # Same Poisson batches, same noise, same steps: only the order of floating-point sums
+    # changes, so the weights agree to rounding and the privacy cost is identical.
+    masks = {"body.4.weight": (torch.rand(8, 4, 3, 3, generator=torch.Generator().manual_seed(0)) < 0.2).float()}
+    base = gn_cnn(10, 1, channels=4).state_dict()
+    trained = []
+    for physical in (None, 7):
+        model = gn_cnn(10, 1, channels=4)
+        model.load_state_dict(base)
+        config = DPSGDConfig(epochs=2, batch_size=30, lr=0.5, noise_multiplier=1.0, seed=5,
+                             max_physical_batch_size=physical)
+        trained.append(train_dp(model, digits.subset(np.arange(150)), config, masks=masks))
+    assert trained[0].steps == trained[1].steps == 10
+    assert trained[0].epsilons == trained[1].epsilons
+    for (name, a), b in zip(trained[0].model.state_dict().items(), trained[1].model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
