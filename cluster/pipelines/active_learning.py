@@ -1,0 +1,323 @@
+"""Private active learning (Zhao et al. 2019): a DP-SGD checkpoint, improved with bought labels.
+
+1. Split one training set: a seeded private subset, sharded to Ray actors (they read it
+   themselves), and the disjoint rest as the public pool, whose labels only the annotator
+   knows (optionally polluted with out-of-domain images); the test set is the dataset's.
+2. DP-SGD on the private shards — one actor alone, or data-parallel over one Ray Train worker
+   per shard (central-equivalent, see ``actors.dp_trainer``). Its whole cost is charged to the
+   run's ledger before training starts; every epoch's checkpoint is kept with its ε.
+3. Every strategy starts from the same final checkpoint, except NearPrivate, which starts from
+   the latest earlier checkpoint whose ε_dp ⊕ ε_dpPCA ⊕ ε_support (composed in RDP) does not
+   exceed the final checkpoint's ε, so all models compared carry the same guarantee
+   (as in the paper's Fig. 1b). NearPrivate's private sums are computed in the shard actors.
+4. Labels are bought for each strategy's picks, the checkpoint is fine-tuned on them (public
+   data only: no privacy cost) and evaluated on the test set.
+
+Writes ``metrics.json`` (accuracy per strategy per N_labeled, with ε and the share of
+out-of-domain picks), ``privacy.json`` (the run ledger and one ledger per published model)
+and ``accuracy_vs_labels.png``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cluster.pipelines import RunContext
+
+log = logging.getLogger(__name__)
+
+STRATEGY_NAMES = ("random", "entropy", "margin", "diverse_public", "near_private")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"  # digits | mnist | ... (see learning.data)
+    root: str | None = None  # directory of the files (not needed for digits)
+    private_size: int = 900  # seeded subset of the training set; the rest is the public pool
+    public_size: int | None = None  # keep only this many public points (None: all the rest)
+    num_shards: int = 2  # private shards, one Ray actor (or Ray Train worker) each
+    pollution: float = 0.0  # add this fraction (of the public pool) of out-of-domain images
+
+    def __post_init__(self) -> None:
+        if self.private_size < 1 or self.num_shards < 1:
+            raise ValueError("data.private_size and data.num_shards must be >= 1")
+        if self.public_size is not None and self.public_size < 1:
+            raise ValueError(f"data.public_size must be >= 1 or null, got {self.public_size}")
+        if not 0 <= self.pollution <= 1:
+            raise ValueError(f"data.pollution must be in [0, 1], got {self.pollution}")
+
+
+@dataclass(frozen=True)
+class DPSGDSection:
+    epochs: int = 10
+    batch_size: int = 64  # expected (Poisson) batch over the union of the shards
+    lr: float = 0.5
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = 1.1
+    target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
+    momentum: float = 0.0
+    distributed: bool = False  # Ray Train data-parallel over the shards (else one actor trains)
+    cpus_per_worker: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("dpsgd: give exactly one of noise_multiplier and target_epsilon")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError("dpsgd.epochs and dpsgd.batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    strategies: tuple[str, ...] = STRATEGY_NAMES
+    sizes: tuple[int, ...] = (50, 100, 200)  # N_labeled values
+    components: int = 16  # p, for DiversePublic's PCA and NearPrivate's DP-PCA
+    n_each: int = 10  # DiversePublic: labels per cluster (N_cluster = N / n_each)
+    uncertain_factor: float = 2.0  # k = factor × N
+    epsilon_pca: float = 0.3  # NearPrivate: ε_dpPCA (Analyze Gauss, at the run's δ)
+    epsilon_support: float = 0.7  # NearPrivate: ε of the Laplace noisy counts
+    near_private_epoch: int | None = None  # None: latest checkpoint matching the final one's ε
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.strategies) - set(STRATEGY_NAMES))
+        if unknown or not self.strategies:
+            raise ValueError(f"selection.strategies: unknown {unknown}; choose from {list(STRATEGY_NAMES)}")
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("selection.sizes must be a non-empty list of positive label budgets")
+        if self.epsilon_pca <= 0 or self.epsilon_support <= 0:
+            raise ValueError("selection.epsilon_pca and selection.epsilon_support must be > 0")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Plain (non-private) fine-tuning on the bought public labels."""
+
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adam"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "active-digits"
+    model: str = "digits_cnn"
+    data: DataConfig = field(default_factory=DataConfig)
+    dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    delta: float = 1e-5
+    epsilon_limit: float | None = None  # None: the ledger only reports
+    seed: int = 0
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if self.epsilon_limit is not None and self.epsilon_limit <= 0:
+            raise ValueError(f"epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
+
+
+# ---- out-of-domain images for the pollution experiment --------------------------------
+
+
+def pollute(public, fraction: float, rng: np.random.Generator):
+    """``public`` plus ⌈fraction·n⌉ out-of-domain images, in thirds: inverted digits (an
+    annotator would still name the digit), uniform noise and random strokes (an annotator can
+    only guess: uniform random labels). Returns (dataset, bool mask of the added images)."""
+    from learning.data import Dataset
+
+    count = math.ceil(fraction * len(public))
+    if count == 0:
+        return public, np.zeros(len(public), dtype=bool)
+    kinds = np.arange(count) % 3
+    _, channels, height, width = public.x.shape
+    images = np.zeros((count, channels, height, width), dtype=np.float32)
+    labels = rng.integers(public.num_classes, size=count)
+    source = rng.integers(len(public), size=count)
+    inverted = kinds == 0
+    images[inverted] = 1.0 - public.x[source[inverted]]
+    labels[inverted] = public.y[source[inverted]]
+    images[kinds == 1] = rng.random((int(np.sum(kinds == 1)), channels, height, width))
+    for i in np.flatnonzero(kinds == 2):
+        for _ in range(3):  # three random line segments
+            (r0, c0), (r1, c1) = rng.random((2, 2)) * [height - 1, width - 1]
+            t = np.linspace(0, 1, 2 * max(height, width))
+            images[i, :, np.round(r0 + t * (r1 - r0)).astype(int), np.round(c0 + t * (c1 - c0)).astype(int)] = 1.0
+    polluted = Dataset(np.concatenate([public.x, images]), np.concatenate([public.y, labels.astype(np.int64)]),
+                       public.num_classes, f"{public.name}+ood")
+    return polluted, np.concatenate([np.zeros(len(public), dtype=bool), np.ones(count, dtype=bool)])
+
+
+# ---- the run --------------------------------------------------------------------------
+
+
+def run(config: Config, context: RunContext) -> dict:
+    import ray
+    import torch
+    from opacus.accountants.utils import get_noise_multiplier
+    from tqdm.auto import tqdm
+
+    from actors.dp_trainer import DPCheckpoint, ModelSpec, PrivateSource, ShardActor, ShardSupport, train_distributed
+    from cluster.ray_runtime import start_ray
+    from learning.annotation import hide_labels, split_private_public
+    from learning.data import Dataset, load_dataset
+    from learning.dpsgd import DPSGDConfig
+    from learning.selection import PublicPool, build_strategy
+    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from privacy.accounting.ledger import PrivacyLedger
+    from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sampled_gaussian_charge, sum_charges
+    from privacy.counts import LaplaceCounts
+    from privacy.pca import AnalyzeGauss
+
+    start_ray(context.ray_address)
+    torch.set_num_threads(config.torch_threads)
+    out = Path(context.results.path)
+    rng = np.random.default_rng(config.seed)
+    data, sel = config.data, config.selection
+
+    # 1. Public pool (labels hidden behind the annotator) and test set; the private part is
+    #    loaded by the actors that hold it.
+    train, test = load_dataset(data.name, data.root)
+    _, public = split_private_public(train, data.private_size, config.seed)
+    if data.public_size is not None:
+        public = public.subset(np.arange(min(data.public_size, len(public))))
+    public, out_of_domain = pollute(public, data.pollution, rng)
+    pool_inputs, annotator = hide_labels(public)
+    if max(sel.sizes) > len(pool_inputs):
+        raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
+    source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed)
+    spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
+
+    # 2. DP-SGD, charged in full before it starts.
+    ledger = PrivacyLedger(out / "ledger.sqlite", config.epsilon_limit or math.inf, config.delta)
+    dp = config.dpsgd
+    steps_per_epoch = math.ceil(data.private_size / dp.batch_size)
+    sample_rate = 1 / steps_per_epoch  # Poisson rate over the union, as train_dp computes it
+    sigma = dp.noise_multiplier or get_noise_multiplier(
+        target_epsilon=dp.target_epsilon, target_delta=config.delta, sample_rate=sample_rate,
+        epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005)
+    dp_config = DPSGDConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, max_grad_norm=dp.max_grad_norm,
+                            delta=config.delta, noise_multiplier=float(sigma), momentum=dp.momentum, seed=config.seed)
+    ledger.charge(sampled_gaussian_charge(sample_rate, sigma, dp.epochs * steps_per_epoch, label="dpsgd"))
+    log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", sample_rate, sigma, dp.epochs,
+             "Ray Train" if dp.distributed else "one actor")
+    shard_actors: list = []
+    if dp.distributed:
+        checkpoints = train_distributed(source, spec, dp_config, str(out / "ray-train"), name=config.name,
+                                        cpus_per_worker=dp.cpus_per_worker, torch_threads=config.torch_threads)
+    else:
+        trainer = ShardActor.remote(source, list(range(data.num_shards)), spec, config.torch_threads)
+        checkpoints = ray.get(trainer.train_dp.remote(dp_config))
+        if data.num_shards == 1:
+            shard_actors = [trainer]
+        else:
+            ray.kill(trainer)
+    if checkpoints[-1].sample_rate != sample_rate or checkpoints[-1].steps != dp.epochs * steps_per_epoch:
+        raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
+    (out / "checkpoints").mkdir(exist_ok=True)
+    for checkpoint in checkpoints:
+        checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
+
+    def epsilon_of(charges) -> float:
+        return float(epsilon_from_rdp(DEFAULT_ORDERS, sum_charges(charges).rdp, config.delta)[0])
+
+    def load(checkpoint: DPCheckpoint):
+        return checkpoint.load_into(spec.build())
+
+    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": epsilon_of([c.charge()]),
+                        "test_accuracy": evaluate(load(c), test), "train_loss": c.loss} for c in checkpoints]
+    final = checkpoints[-1]
+    target_epsilon = epsilon_of([final.charge()])
+
+    # 3. Which checkpoint NearPrivate starts from, so its total matches the final checkpoint's ε.
+    pca, counts = AnalyzeGauss(sel.epsilon_pca, config.delta), LaplaceCounts(sel.epsilon_support)
+    extra = [pca.charge(), counts.charge()]
+    if sel.near_private_epoch is not None:
+        if not 1 <= sel.near_private_epoch <= len(checkpoints):
+            raise ValueError(f"selection.near_private_epoch must be in [1, {len(checkpoints)}]")
+        near_start = checkpoints[sel.near_private_epoch - 1]
+    else:
+        matching = [c for c in checkpoints if epsilon_of([c.charge(), *extra]) <= target_epsilon + 1e-9]
+        near_start = matching[-1] if matching else checkpoints[0]
+
+    # 4. Strategies → labels → fine-tuning → test accuracy.
+    model_ledgers: dict[str, PrivacyLedger] = {}
+    (out / "ledgers").mkdir(exist_ok=True)
+    finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
+                           lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
+    rows: list[dict] = []
+    pools: dict[int, PublicPool] = {}
+    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="model")
+    for name in sel.strategies:
+        start = near_start if name == "near_private" else final
+        model_ledger = model_ledgers[name] = PrivacyLedger(out / "ledgers" / f"{name}.sqlite", math.inf, config.delta)
+        model_ledger.charge(start.charge())
+        if start.epoch not in pools:
+            model = load(start)
+            pools[start.epoch] = PublicPool(predict_logits(model, pool_inputs), embed(model, pool_inputs))
+        params: dict = {}
+        if name == "diverse_public":
+            params = {"components": sel.components, "n_each": sel.n_each, "uncertain_factor": sel.uncertain_factor}
+        elif name == "near_private":
+            if not shard_actors:
+                shard_actors = [ShardActor.remote(source, [i], spec, config.torch_threads) for i in range(data.num_shards)]
+            ray.get([a.set_weights.remote(start.state) for a in shard_actors])
+
+            def charge_both(charge, model_ledger=model_ledger):
+                ledger.charge(charge)  # the run's ledger first: it may refuse
+                model_ledger.charge(charge)
+
+            support = ShardSupport(shard_actors, pca, counts, charge_both, seed=config.seed)
+            params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
+        selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
+        epsilon = model_ledger.report().epsilon
+        for size in sorted(selections):
+            chosen = selections[size]
+            labels = annotator.label(chosen)
+            keep = labels >= 0  # an aggregator-backed annotator may abstain
+            model = load(start)
+            fit(model, Dataset(pool_inputs[chosen[keep]], labels[keep], train.num_classes, f"bought-{name}"), finetune)
+            rows.append({"strategy": name, "n_labeled": int(size), "accuracy": evaluate(model, test),
+                         "epsilon": epsilon, "start_epoch": start.epoch,
+                         "start_accuracy": checkpoint_rows[start.epoch - 1]["test_accuracy"],
+                         "out_of_domain_share": float(np.mean(out_of_domain[chosen]))})
+            progress.update(1)
+    progress.close()
+    for actor in shard_actors:
+        ray.kill(actor)
+
+    # 5. Evidence.
+    near_total = epsilon_of([near_start.charge(), *extra])
+    privacy = {
+        "delta": config.delta,
+        "run": dataclasses.asdict(ledger.report()),
+        "per_model": {name: dataclasses.asdict(l.report()) for name, l in model_ledgers.items()},
+        "dpsgd": {"sample_rate": sample_rate, "noise_multiplier": float(sigma), "epochs": dp.epochs,
+                  "epsilon": target_epsilon, "distributed": dp.distributed},
+        "near_private": {"start_epoch": near_start.epoch, "epsilon_dp": epsilon_of([near_start.charge()]),
+                         "epsilon_pca": sel.epsilon_pca, "epsilon_support": sel.epsilon_support,
+                         "pca_noise_multiplier": pca.noise_multiplier, "laplace_scale": counts.scale,
+                         "epsilon_total": near_total, "matches_final_checkpoint": near_total <= target_epsilon + 1e-9},
+    }
+    for l in [ledger, *model_ledgers.values()]:
+        l.close()
+    context.results.write_json("privacy", privacy)
+    context.results.write_json("metrics", {"checkpoints": checkpoint_rows, "results": rows,
+                                           "public_pool": len(pool_inputs), "out_of_domain": int(out_of_domain.sum()),
+                                           "labels_bought": annotator.bought})
+    sizes = sorted(sel.sizes)
+    curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
+    curves[f"DP checkpoint (ε={target_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sizes)
+    context.results.plot("accuracy_vs_labels", sizes, curves, "N_labeled (public labels bought)", "test accuracy")
+
+    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4),
+               "epsilon_dp": round(target_epsilon, 3)}
+    for name in sel.strategies:
+        last = [r for r in rows if r["strategy"] == name][-1]
+        summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
+    return summary

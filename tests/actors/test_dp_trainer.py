@@ -1,0 +1,84 @@
+"""Shard actors and data-parallel DP-SGD: private sums stay aggregates, ε equals central DP-SGD."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.dp_trainer import ModelSpec, PrivateSource, ShardActor, ShardSupport, train_distributed
+from learning.dpsgd import DPSGDConfig, train_dp
+from learning.embedding_stats import covariance_sum, support_counts
+from learning.selection.entropy import logit_entropy
+from learning.training import embed, predict_logits
+from privacy.counts import LaplaceCounts
+from privacy.pca import AnalyzeGauss
+
+SOURCE = PrivateSource("digits", None, private_size=600, num_shards=2, seed=0)
+MODEL = ModelSpec("digits_cnn", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def actors(ray_session):
+    return [ShardActor.remote(SOURCE, [i], MODEL) for i in range(2)]
+
+
+def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(ray_session, actors):
+    assert sum(ray_session.get([a.size.remote() for a in actors])) == 600
+    state = {k: v.numpy() for k, v in MODEL.build().state_dict().items()}
+    ray_session.get([a.set_weights.remote(state) for a in actors])
+
+    union = SOURCE.load([0, 1])  # the central computation, for comparison only
+    model = MODEL.build()
+    embeddings = embed(model, union.x)
+    entropy = logit_entropy(predict_logits(model, union.x))
+
+    parts = ray_session.get([a.covariance_sum.remote() for a in actors])
+    d = embeddings.shape[1]
+    assert all(p.shape == (d, d) for p in parts)  # aggregate-shaped: no per-example rows cross
+    np.testing.assert_allclose(sum(parts), covariance_sum(embeddings), rtol=1e-5, atol=1e-6)
+
+    rng = np.random.default_rng(0)
+    projection = np.linalg.qr(rng.normal(size=(d, 4)))[0]
+    public_points = rng.normal(size=(30, 4)) * 0.3
+    threshold = float(np.median(entropy))
+    counts = ray_session.get([a.support_counts.remote(projection, public_points, threshold) for a in actors])
+    assert all(c.shape == (30,) and c.dtype == np.int64 for c in counts)
+    central = support_counts(embeddings, entropy, projection, public_points, threshold)
+    np.testing.assert_array_equal(sum(counts), central)
+    assert central.sum() == np.sum(entropy >= threshold)  # each voter counted once
+
+    charged = []
+    support = ShardSupport(actors, AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append, seed=1)
+    released = support.dp_projection(4)
+    noisy = support.noisy_support(released, public_points, threshold)
+    assert released.shape == (d, 4) and noisy.shape == (30,)
+    assert [c.label for c in charged] == ["dp-pca", "noisy-counts"]
+    assert not np.array_equal(noisy, central)  # noise was added
+
+
+def test_distributed_dpsgd_on_two_workers_reports_central_epsilon_and_learns(ray_session, tmp_path):
+    config = DPSGDConfig(epochs=2, batch_size=60, lr=0.5, max_grad_norm=1.0, delta=1e-5,
+                         noise_multiplier=1.1, seed=0)
+    checkpoints = train_distributed(SOURCE, MODEL, config, str(tmp_path / "ray-train"), cpus_per_worker=0.5)
+    central = train_dp(MODEL.build(), SOURCE.load([0, 1]), config)
+
+    assert [c.epoch for c in checkpoints] == [1, 2]
+    np.testing.assert_allclose([c.epsilon for c in checkpoints], central.epsilons, rtol=1e-9)
+    assert checkpoints[-1].sample_rate == central.sample_rate == pytest.approx(0.1)
+    assert checkpoints[-1].steps == central.steps == 20
+    ledger_view = checkpoints[-1].charge()
+    np.testing.assert_allclose(ledger_view.rdp, central.charge.rdp)
+    assert checkpoints[-1].loss < checkpoints[0].loss
+    # the checkpoint is a usable model
+    model = checkpoints[-1].load_into(MODEL.build())
+    assert predict_logits(model, SOURCE.load([0]).x[:5]).shape == (5, 10)
+
+
+def test_one_actor_trains_alone_and_checkpoints_every_epoch(ray_session, actors):
+    config = DPSGDConfig(epochs=2, batch_size=60, lr=0.5, noise_multiplier=1.1, seed=0)
+    checkpoints = ray_session.get(actors[0].train_dp.remote(config))  # holds shard 0: 300 examples
+    assert [c.epoch for c in checkpoints] == [1, 2]
+    assert 0 < checkpoints[0].epsilon < checkpoints[1].epsilon
+    assert checkpoints[1].steps == 2 * checkpoints[0].steps == 10
+    assert checkpoints[1].sample_rate == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="shard ids"):
+        SOURCE.load([2])

@@ -1,0 +1,73 @@
+"""The active-learning pipeline end to end on digits: real actors, real Opacus, real ledger."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.config import ConfigError, load_yaml
+from cluster.pipelines import RunContext
+from cluster.pipelines.active_learning import pollute, run
+from cluster.results import RunDirectory
+from cluster.run_command import load_run_config
+from learning.data import load_digits
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_both_configs_load():
+    for name in ("digits-active.yaml", "mnist-active.yaml"):
+        pipeline, config = load_run_config(load_yaml(CONFIGS / name))
+        assert pipeline == "active_learning" and len(config.selection.strategies) == 5
+    with pytest.raises(ConfigError, match="strategies"):
+        load_run_config({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
+
+
+def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_session, tmp_path):
+    _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, pollution=0.2),
+        dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.7),
+        selection=dataclasses.replace(config.selection, sizes=(20, 40), epsilon_pca=0.2, epsilon_support=0.3),
+        finetune=dataclasses.replace(config.finetune, epochs=3),
+    )
+    summary = run(config, RunContext("t", RunDirectory(tmp_path, "t")))
+    out = tmp_path / "t"
+    metrics = json.loads((out / "metrics.json").read_text())
+    privacy = json.loads((out / "privacy.json").read_text())
+    rows = metrics["results"]
+    assert len(rows) == 10 and {r["n_labeled"] for r in rows} == {20, 40}
+    assert len(metrics["checkpoints"]) == 4 and (out / "accuracy_vs_labels.png").exists()
+    assert len(list((out / "checkpoints").glob("epoch-*.pt"))) == 4
+
+    final_eps = metrics["checkpoints"][-1]["epsilon"]
+    near = privacy["near_private"]
+    assert near["start_epoch"] < 4 and near["matches_final_checkpoint"]
+    for r in rows:
+        if r["strategy"] == "near_private":
+            # ε_dp of the earlier checkpoint ⊕ ε_dpPCA ⊕ ε_support, from its ledger, ≤ the others'
+            assert r["start_epoch"] == near["start_epoch"]
+            assert r["epsilon"] == pytest.approx(near["epsilon_total"]) and r["epsilon"] <= final_eps + 1e-9
+            assert r["epsilon"] > metrics["checkpoints"][near["start_epoch"] - 1]["epsilon"]
+        else:
+            assert r["start_epoch"] == 4 and r["epsilon"] == pytest.approx(final_eps)
+        assert 0.0 <= r["out_of_domain_share"] <= 1.0 and 0.1 < r["accuracy"] <= 1.0
+    # The run's ledger holds everything released: all DP-SGD epochs plus NearPrivate's two releases.
+    assert privacy["run"]["epsilon"] > final_eps and privacy["run"]["charges"] == 3
+    assert metrics["labels_bought"] == 5 * (20 + 40)
+    assert summary["epsilon_dp"] == pytest.approx(final_eps, abs=1e-3)
+
+
+def test_pollution_adds_marked_out_of_domain_images():
+    train, _ = load_digits()
+    polluted, ood = pollute(train.subset(np.arange(90)), 0.1, np.random.default_rng(0))
+    assert len(polluted) == 99 and ood.sum() == 9 and not ood[:90].any()
+    assert polluted.x.dtype == np.float32 and polluted.x.min() >= 0 and polluted.x.max() <= 1
+    np.testing.assert_allclose(polluted.x[90], 1 - train.x[:90][np.argmax([np.allclose(polluted.x[90], 1 - x)
+                                                                            for x in train.x[:90]])])
+    assert math.isclose(pollute(train.subset(np.arange(5)), 0.0, np.random.default_rng(0))[1].sum(), 0)
