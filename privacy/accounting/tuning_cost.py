@@ -36,6 +36,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import epsilon_from_rdp, sum_charges
+
+METHODS = ("free", "composition", "random-repetition")
+STATEMENTS = {
+    "free": "post-processing of one DP release (Dwork & Roth 2014, Prop. 2.1): the sweep costs that release once",
+    "composition": "adaptive composition of every trial (RDP: Mironov 2017, Prop. 1; extra δ: Dwork & Roth "
+    "2014, Thm. 3.16); covers publishing every trial",
+    "random-repetition": "best of K ~ truncated negative binomial repetitions (Papernot & Steinke 2022, "
+    "Thm. 2); covers publishing the winner only",
+}
 
 
 @dataclass(frozen=True)
@@ -97,33 +107,6 @@ def random_repetition_rdp(orders: np.ndarray, rdp: np.ndarray, distribution: Tru
     return rdp + best_selection + math.log(distribution.expected_trials()) / (orders - 1)
 
 
-def composition_charge(charges: Sequence[PrivacyCharge], label: str = "sweep") -> PrivacyCharge:
-    """The adaptive composition of every trial's charge (Mironov 2017 Prop. 1; basic
-    composition of the δ's spent outside the curves, Dwork & Roth Thm 3.16)."""
-    if not charges:
-        raise ValueError("a sweep needs at least one trial's charge")
-    orders = charges[0].orders
-    for charge in charges[1:]:
-        if not np.array_equal(charge.orders, orders):
-            raise ValueError("trial charges must share one grid of RDP orders")
-    unbounded = [c for c in charges if c.unbounded]
-    if unbounded:
-        return PrivacyCharge(
-            orders=orders,
-            rdp=np.full(orders.shape, np.inf),
-            unbounded=True,
-            reason=unbounded[0].reason or "a trial has no finite guarantee",
-            label=label,
-        )
-    return PrivacyCharge(
-        orders=orders,
-        rdp=np.sum([c.rdp for c in charges], axis=0),
-        extra_delta=float(sum(c.extra_delta for c in charges)),
-        label=label,
-        details={"trials": len(charges)},
-    )
-
-
 def random_repetition_charge(
     trial_charges: Sequence[PrivacyCharge], distribution: TruncatedNegativeBinomial, label: str = "sweep"
 ) -> PrivacyCharge:
@@ -152,3 +135,62 @@ def random_repetition_charge(
         label=label,
         details={"trials": len(trial_charges), "eta": distribution.eta, "gamma": distribution.gamma},
     )
+
+
+@dataclass(frozen=True)
+class SweepCost:
+    """The (ε, δ) a sweep's published result costs, with the bound that gives it."""
+
+    method: str  # one of METHODS
+    epsilon: float
+    delta: float
+    order: float | None  # the RDP order at which ε was attained (None when not from a curve)
+    trials: int
+    statement: str  # the theorem, in one line
+
+    @property
+    def free(self) -> bool:
+        return self.method == "free"
+
+
+def _to_epsilon(charge: PrivacyCharge, delta: float) -> tuple[float, float | None]:
+    """(ε, order) of a charge at total δ; as the ledger does, the δ spent outside the curve
+    comes out of the target, and the curve is converted at the rest (tight conversion)."""
+    if charge.unbounded:
+        return math.inf, None
+    curve_delta = delta - charge.extra_delta
+    if curve_delta <= 0:
+        return math.inf, None
+    epsilon, order = epsilon_from_rdp(charge.orders, charge.rdp, curve_delta)
+    return epsilon, (None if math.isnan(order) else order)
+
+
+def sweep_cost(
+    method: str,
+    delta: float,
+    trial_charges: Sequence[PrivacyCharge] = (),
+    release_charge: PrivacyCharge | None = None,
+    distribution: TruncatedNegativeBinomial | None = None,
+) -> SweepCost:
+    """The privacy cost of a whole sweep by ``method``:
+
+    "free"              every trial post-processes one release, whose charge is ``release_charge``;
+    "composition"       the sum of every trial's charge (``trial_charges``);
+    "random-repetition" Thm 2 above over ``trial_charges`` drawn with ``distribution``.
+    """
+    if method == "free":
+        if release_charge is None:
+            raise ValueError("a free sweep needs the charge of the one release its trials post-process")
+        charge = release_charge
+    elif method == "composition":
+        if not trial_charges:
+            raise ValueError("a sweep needs at least one trial's charge")
+        charge = sum_charges(list(trial_charges), label="sweep")
+    elif method == "random-repetition":
+        if distribution is None:
+            raise ValueError("the random-repetition bound needs the distribution K was drawn from")
+        charge = random_repetition_charge(trial_charges, distribution)
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    epsilon, order = _to_epsilon(charge, delta)
+    return SweepCost(method, epsilon, delta, order, len(trial_charges), STATEMENTS[method])

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from privacy.accounting.tuning_cost import (
     TruncatedNegativeBinomial,
-    composition_charge,
     random_repetition_charge,
     random_repetition_rdp,
+    sweep_cost,
 )
 
 ORDERS = np.array([2.0, 4.0, 8.0, 16.0, 32.0])
@@ -77,17 +78,48 @@ def _charge(rdp, extra_delta=0.0):
     return PrivacyCharge(orders=ORDERS, rdp=np.asarray(rdp, dtype=float), extra_delta=extra_delta)
 
 
-def test_composition_adds_curves_and_deltas():
-    total = composition_charge([_charge(GAUSS_RDP, 1e-6), _charge(2 * GAUSS_RDP), _charge(GAUSS_RDP, 2e-6)])
-    np.testing.assert_allclose(total.rdp, 4 * ORDERS / 8)
-    assert total.extra_delta == pytest.approx(3e-6)
-    assert total.details["trials"] == 3
+def test_composition_adds_curves_and_converts_at_the_remaining_delta():
+    orders = DEFAULT_ORDERS
+    z = 3.0
+    trial = PrivacyCharge(orders=orders, rdp=orders / (2 * z**2), extra_delta=2e-6)  # Gaussian, plus 2e-6 spent aside
+    cost = sweep_cost("composition", 1e-5, [trial] * 4)
+    # Four Gaussian releases with noise multiplier 3 are one with 3/√4 = 1.5: RDP λ/(2·1.5²).
+    # Their 4·2e-6 = 8e-6 δ spent aside leaves 2e-6 for converting the curve.
+    expected, order = epsilon_from_rdp(orders, orders / (2 * 1.5**2), 1e-5 - 8e-6)
+    assert cost.epsilon == pytest.approx(expected, rel=1e-12)
+    assert cost.order == order and cost.trials == 4 and not cost.free
+    assert "Mironov 2017" in cost.statement
 
 
-def test_composition_of_an_unbounded_trial_is_unbounded():
-    unbounded = PrivacyCharge(orders=ORDERS, rdp=np.full(5, np.inf), unbounded=True, reason="nzc")
-    total = composition_charge([_charge(GAUSS_RDP), unbounded])
-    assert total.unbounded and np.all(np.isinf(total.rdp))
+def test_composition_with_an_unbounded_trial_is_unbounded():
+    orders = DEFAULT_ORDERS
+    finite = PrivacyCharge(orders=orders, rdp=orders / 8)
+    unbounded = PrivacyCharge(orders=orders, rdp=np.full(orders.shape, np.inf), unbounded=True, reason="nzc")
+    assert sweep_cost("composition", 1e-5, [finite, unbounded]).epsilon == math.inf
+
+
+def test_a_free_sweep_costs_its_one_release_whatever_the_number_of_trials():
+    orders = DEFAULT_ORDERS
+    release = PrivacyCharge(orders=orders, rdp=orders / (2 * 2.0**2))
+    zero = PrivacyCharge(orders=orders, rdp=np.zeros(orders.shape))
+    cost = sweep_cost("free", 1e-5, [zero] * 50, release_charge=release)
+    assert cost.free and cost.trials == 50
+    assert cost.epsilon == pytest.approx(epsilon_from_rdp(orders, orders / 8, 1e-5)[0], rel=1e-12)
+    with pytest.raises(ValueError, match="one release"):
+        sweep_cost("free", 1e-5, [zero])
+
+
+def test_random_repetition_cost_is_theorem_2_converted_and_beats_composing_the_expected_trials():
+    orders = DEFAULT_ORDERS
+    trial = PrivacyCharge(orders=orders, rdp=orders / (2 * 4.0**2))
+    distribution = TruncatedNegativeBinomial(eta=1.0, gamma=0.1)  # E[K] = 10
+    cost = sweep_cost("random-repetition", 1e-5, [trial] * 7, distribution=distribution)
+    expected, _ = epsilon_from_rdp(orders, random_repetition_rdp(orders, trial.rdp, distribution), 1e-5)
+    assert cost.epsilon == pytest.approx(expected, rel=1e-12)
+    composed = sweep_cost("composition", 1e-5, [trial] * 10)
+    assert cost.epsilon < composed.epsilon
+    with pytest.raises(ValueError, match="method"):
+        sweep_cost("best-guess", 1e-5, [trial])
 
 
 def test_random_repetition_refuses_trials_that_are_not_one_algorithm():
