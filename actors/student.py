@@ -1,0 +1,164 @@
+"""The student: public inputs in, private labels from the aggregator over gRPC, a model out.
+
+The student never touches a teacher: it is an ordinary gRPC client of the aggregator
+(through the client factory the caller injects, so this module does not depend on
+``cluster/``), exactly as an outside party would be. It trains only on the labels the
+aggregator released (abstentions are dropped) and is evaluated on the held-out test split.
+
+The public pool's ground-truth labels are kept only to measure how often the released
+labels are right (the papers' "label accuracy"); they are never used for training.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from tqdm import tqdm
+
+from learning.data import Dataset
+from learning.models import build_model
+from learning.training import TrainConfig, evaluate, fit
+
+log = logging.getLogger(__name__)
+
+ABSTAIN = -1
+
+
+def _is_budget_refusal(err: Exception) -> bool:
+    """True for the gRPC RESOURCE_EXHAUSTED status: the ledger refused, nothing was released."""
+    code = getattr(err, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "RESOURCE_EXHAUSTED"
+
+
+class Student:
+    """Holds the public pool and the answers it has received (plain class; see ``StudentActor``).
+
+    Args:
+        public: the unlabeled pool (its ``y`` only measures label accuracy).
+        test: held-out split the student is evaluated on.
+        model_name: a ``learning.models.build_model`` name.
+        train: how each student model is trained (``train.seed`` seeds its initial weights).
+        client_factory: builds a connected aggregator client (``label``, ``budget``, ``close``).
+    """
+
+    def __init__(
+        self,
+        public: Dataset,
+        test: Dataset,
+        model_name: str,
+        train: TrainConfig,
+        client_factory: Callable[[], Any],
+        num_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(max(1, num_threads))
+        self.public = public
+        self.test = test
+        self.model_name = model_name
+        self.train_config = train
+        self.client_factory = client_factory
+        self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)
+        self.asked = 0
+        self.snapshots: list[dict[str, Any]] = []
+
+    def query(
+        self,
+        num_queries: int,
+        batch_size: int = 256,
+        checkpoints: Sequence[int] = (),
+        progress: bool = True,
+    ) -> dict[str, Any]:
+        """Ask for labels of the first ``num_queries`` pool inputs, ``batch_size`` per call.
+
+        After each checkpoint (a number of inputs asked) the aggregator's budget is read and
+        kept, so accuracy can later be plotted against ε. Stops early, keeping every answer
+        received, when the aggregator refuses for lack of budget.
+        """
+        if not 1 <= num_queries <= len(self.public):
+            raise ValueError(f"num_queries must be in [1, {len(self.public)}] (pool size), got {num_queries}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        stops = sorted({c for c in checkpoints if 0 < c < num_queries} | {num_queries})
+        exhausted = False
+        started = time.perf_counter()
+        client = self.client_factory()
+        try:
+            with tqdm(total=num_queries, desc="student queries", unit="query", disable=not progress) as bar:
+                for stop in stops:
+                    while self.asked < stop and not exhausted:
+                        end = min(self.asked + batch_size, stop)
+                        try:
+                            self.labels[self.asked:end] = client.label(self.public.x[self.asked:end])
+                        except Exception as err:  # only a budget refusal is an expected end
+                            if not _is_budget_refusal(err):
+                                raise
+                            log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
+                            exhausted = True
+                            break
+                        bar.update(end - self.asked)
+                        self.asked = end
+                    self.snapshots.append(self._snapshot(client.budget()))
+                    if exhausted:
+                        break
+        finally:
+            client.close()
+        seconds = time.perf_counter() - started
+        answered = self.labels[: self.asked] != ABSTAIN
+        return {
+            "asked": self.asked,
+            "answered": int(answered.sum()),
+            "budget_exhausted": exhausted,
+            "label_accuracy": self.label_accuracy(),
+            "query_seconds": seconds,
+            "labels_per_second": self.asked / seconds if seconds > 0 else math.nan,
+            "checkpoints": list(self.snapshots),
+        }
+
+    def _snapshot(self, budget: dict[str, Any]) -> dict[str, Any]:
+        answered = int((self.labels[: self.asked] != ABSTAIN).sum())
+        return {"asked": self.asked, "answered": answered, "budget": dict(budget)}
+
+    def label_accuracy(self) -> float:
+        """Fraction of released labels that match the pool's ground truth (nan if none)."""
+        answered = self.labels[: self.asked] != ABSTAIN
+        if not answered.any():
+            return math.nan
+        return float((self.labels[: self.asked][answered] == self.public.y[: self.asked][answered]).mean())
+
+    def fit_and_evaluate(self, asked: int | None = None, progress: bool = False) -> dict[str, Any]:
+        """Train a fresh model on the answers among the first ``asked`` queries; test accuracy."""
+        asked = self.asked if asked is None else min(asked, self.asked)
+        labels = self.labels[:asked]
+        keep = np.flatnonzero(labels != ABSTAIN)
+        result: dict[str, Any] = {"asked": asked, "answered": int(len(keep))}
+        if len(keep) == 0:
+            result["accuracy"] = math.nan
+            return result
+        training = Dataset(self.public.x[keep], labels[keep], self.public.num_classes, "student/answered")
+        model = build_model(self.model_name, self.public.num_classes, in_channels=int(self.public.x.shape[1]),
+                            seed=self.train_config.seed)
+        started = time.perf_counter()
+        fit(model, training, self.train_config, progress=progress)
+        result["train_seconds"] = time.perf_counter() - started
+        result["accuracy"] = evaluate(model, self.test)
+        return result
+
+    def learning_curve(self, progress: bool = False) -> list[dict[str, Any]]:
+        """``fit_and_evaluate`` at every checkpoint recorded by ``query``, with its budget."""
+        curve = []
+        for snapshot in self.snapshots:
+            point = self.fit_and_evaluate(snapshot["asked"], progress=progress)
+            point["budget"] = snapshot["budget"]
+            log.info("student: %d asked, %d answered → test accuracy %.4f",
+                     point["asked"], point["answered"], point["accuracy"])
+            curve.append(point)
+        return curve
+
+
+# The Ray actor: the same class, imported by module path in the worker.
+StudentActor = ray.remote(Student)

@@ -1,0 +1,376 @@
+"""The main job: private shards → teacher actors → gRPC aggregator → student → ε report.
+
+1. Split the data PATE's way (private train set; public pool and test from the test set)
+   and shard the private part, one disjoint shard per teacher.
+2. Train the teachers on Ray actors (``actors.teacher.TeacherPool``), several per actor.
+3. Serve them through the gRPC aggregator on 127.0.0.1 with a fresh bearer token; the
+   configured mechanism answers and the privacy ledger is charged before each release.
+4. A student actor asks for labels over gRPC, like any outside client, trains on the
+   answers and is evaluated on the test split (at several query checkpoints).
+5. Report privacy: the data-independent ε the ledger composed, and the data-dependent
+   analysis of the answered votes only in its smooth-sensitivity release (PATE 2018 §4);
+   for NZC the paper's claimed ε≈0 beside the sound ε, which is unbounded.
+
+``Config()`` is the demo (``conclave demo``): digits, 10 teachers, Confident-GNMax.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from privacy.mechanisms import build_mechanism
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"  # digits | mnist | cifar10 | cifar100 | svhn
+    root: str | None = None  # directory of the files (not needed for digits)
+    public_size: int = 300  # the student's pool: the first public_size of the shuffled test set
+    private_size: int | None = None  # subsample the teachers' data (None: the whole train set)
+
+    def __post_init__(self) -> None:
+        if self.public_size < 1:
+            raise ValueError(f"data.public_size must be >= 1, got {self.public_size}")
+        if self.private_size is not None and self.private_size < 1:
+            raise ValueError(f"data.private_size must be >= 1 or null, got {self.private_size}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How one model is trained; the seed comes from the run's ``seed``."""
+
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+
+    def with_seed(self, seed: int):
+        from learning.training import TrainConfig
+
+        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, seed=seed)
+
+
+@dataclass(frozen=True)
+class TeachersConfig:
+    count: int = 50
+    per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
+    model: str = "digits_cnn"
+    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=60, batch_size=32, lr=3e-3))
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"teachers.count must be >= 1, got {self.count}")
+        if self.per_actor is not None and self.per_actor < 1:
+            raise ValueError(f"teachers.per_actor must be >= 1 or null, got {self.per_actor}")
+
+
+@dataclass(frozen=True)
+class MechanismConfig:
+    """A ``privacy.mechanisms.build_mechanism`` name and its parameters."""
+
+    name: str = "confident-gnmax"
+    params: dict = field(default_factory=lambda: {"threshold": 35.0, "sigma1": 20.0, "sigma2": 8.0})
+
+    def __post_init__(self) -> None:
+        self.build()  # an unknown name or a bad parameter is a config error now, not mid-run
+
+    def build(self):
+        try:
+            return build_mechanism(self.name, **self.params)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"mechanism {self.name!r} with params {self.params}: {err}") from err
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    epsilon_limit: float | None = 20.0  # null: report-only ledger (required for NZC)
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.epsilon_limit is not None and not self.epsilon_limit > 0:
+            raise ValueError(f"privacy.epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    queries: int = 300  # inputs of the public pool asked, in pool order
+    batch_size: int = 50  # inputs per gRPC call
+    checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
+    model: str = "digits_cnn"
+    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=40, batch_size=32, lr=3e-3))
+
+    def __post_init__(self) -> None:
+        if self.queries < 1 or self.batch_size < 1:
+            raise ValueError(f"student.queries and student.batch_size must be >= 1, got "
+                             f"{self.queries}, {self.batch_size}")
+        if any(c < 1 for c in self.checkpoints):
+            raise ValueError(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port
+    max_batch: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.max_batch < 1:
+            raise ValueError(f"server.max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "demo"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)
+    mechanism: MechanismConfig = field(default_factory=MechanismConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.student.queries > self.data.public_size:
+            raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
+                             f"(data.public_size = {self.data.public_size})")
+        if self.student.batch_size > self.server.max_batch:
+            raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
+                             f"server.max_batch ({self.server.max_batch})")
+        if self.mechanism.name == "nzc" and self.privacy.epsilon_limit is not None:
+            raise ValueError("mechanism nzc has no finite DP guarantee, so no finite budget can "
+                             "gate it: set privacy.epsilon_limit to null (a report-only ledger)")
+
+
+# --- phases -----------------------------------------------------------------------------
+
+
+@dataclass
+class Teachers:
+    """Trained teachers and the splits they were made from."""
+
+    splits: Any
+    pool: Any
+    losses: list[float]
+    seconds: float
+
+
+def train_teachers(config: Config, progress: bool = True) -> Teachers:
+    """Split, shard and train the teachers on Ray actors (Ray must be running)."""
+    import ray
+
+    from actors.teacher import TeacherPool
+    from learning.data import make_splits, shard
+
+    splits = make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
+                         seed=config.seed, private_size=config.data.private_size)
+    shards = shard(splits.private, config.teachers.count, seed=config.seed)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    per_actor = config.teachers.per_actor
+    num_actors = math.ceil(config.teachers.count / per_actor) if per_actor else max(1, int(cpus))
+    num_actors = min(num_actors, config.teachers.count)
+    started = time.perf_counter()
+    # Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
+    pool = TeacherPool(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
+                       num_actors=num_actors, seed=config.seed,
+                       num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
+    losses = pool.train(progress=progress)
+    seconds = time.perf_counter() - started
+    log.info("teachers: %d trained on %d actors in %.1f s (mean last-epoch loss %.3f)",
+             pool.num_teachers, pool.num_actors, seconds, float(np.nanmean(losses)))
+    return Teachers(splits, pool, losses, seconds)
+
+
+def open_ledger(config: Config, path: Path):
+    from privacy.accounting.ledger import PrivacyLedger
+
+    limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
+    return PrivacyLedger(path, epsilon_limit=limit, delta=config.privacy.delta)
+
+
+def start_aggregator(config: Config, pool, ledger, token: str, rng: np.random.Generator,
+                     host: str | None = None, port: int | None = None):
+    """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
+    from actors.aggregator import AggregatorServer, ServerSettings
+
+    settings = ServerSettings(host=host or config.server.host,
+                              port=config.server.port if port is None else port,
+                              token=token, max_batch=config.server.max_batch)
+    server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings, rng=rng)
+    return server, server.start()
+
+
+def privacy_section(config: Config, ledger_report, votes: np.ndarray, answered: np.ndarray,
+                    rng: np.random.Generator) -> dict[str, Any]:
+    """What a run may publish about its privacy.
+
+    ``ledger``: the data-independent ε the ledger composed (it gated every release).
+    ``analysis``: ``privacy.accounting.pate.privacy_report`` of the votes the mechanism saw,
+    without the figures computed from the private votes themselves: of the data-dependent
+    analysis only its smooth-sensitivity release (PATE 2018, GNSS) is published. For NZC the
+    report holds the paper's claim beside the sound figure (unbounded).
+    ``epsilon``: the figure to quote, the smaller of the two published bounds.
+    """
+    from privacy.accounting.pate import privacy_report
+
+    section: dict[str, Any] = {
+        "mechanism": {"name": config.mechanism.name, **config.mechanism.params},
+        "delta": config.privacy.delta,
+        "ledger": {
+            "epsilon": ledger_report.epsilon,
+            "order": ledger_report.order,
+            "sound": ledger_report.sound,
+            "epsilon_limit": ledger_report.epsilon_limit,
+            "charges": ledger_report.charges,
+            "by_label": ledger_report.by_label,
+        },
+        "epsilon": ledger_report.epsilon,
+    }
+    if len(votes):
+        analysis = publishable(privacy_report(config.mechanism.build(), votes, answered,
+                                              config.privacy.delta, rng=rng))
+        section["analysis"] = analysis
+        released = analysis.get("epsilon_smooth_sensitivity")
+        if released is not None:
+            section["epsilon"] = min(ledger_report.epsilon, float(released))
+    return section
+
+
+# Computed from the private votes: never written out (PATE 2018 publishes them only via GNSS).
+PRIVATE_KEYS = ("rdp_data_dependent", "epsilon_data_dependent", "order_data_dependent")
+PRIVATE_RELEASE_KEYS = ("smooth_sensitivity", "noise_std")  # the scale of the noise reveals it
+
+
+def publishable(report: dict[str, Any]) -> dict[str, Any]:
+    """A ``privacy_report`` without the raw data-dependent figures."""
+    public = {k: v for k, v in report.items() if k not in PRIVATE_KEYS}
+    release = report.get("smooth_sensitivity")
+    if isinstance(release, dict):
+        public["smooth_sensitivity"] = {k: v for k, v in release.items() if k not in PRIVATE_RELEASE_KEYS}
+    return public
+
+
+def run(config: Config, context) -> dict[str, Any]:
+    import ray
+
+    from actors.student import StudentActor
+    from cluster.client import AggregatorClient
+    from cluster.ray_runtime import start_ray
+    from privacy.randomness import make_rng
+
+    start_ray(context.ray_address)
+    phases: dict[str, float] = {}
+    teachers = train_teachers(config)
+    phases["train_teachers"] = teachers.seconds
+
+    ledger_path = context.results.path / "ledger.sqlite"
+    for stale in ledger_path.parent.glob(ledger_path.name + "*"):
+        stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
+    ledger = open_ledger(config, ledger_path)
+    token = secrets.token_urlsafe(24)
+    server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(config.seed))
+    log.info("aggregator serving on %s", address)
+    try:
+        cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        student_cpus = min(1.0, cpus / 2)
+        student = StudentActor.options(num_cpus=student_cpus).remote(
+            teachers.splits.public, teachers.splits.test, config.student.model,
+            config.student.train.with_seed(config.seed),
+            functools.partial(AggregatorClient, address, token),
+            num_threads=max(1, int(student_cpus)),
+        )
+        queried = ray.get(student.query.remote(config.student.queries, config.student.batch_size,
+                                               config.student.checkpoints))
+        phases["query"] = queried["query_seconds"]
+        started = time.perf_counter()
+        curve = ray.get(student.learning_curve.remote())
+        phases["train_student"] = time.perf_counter() - started
+        votes, answered = server.answered_votes()
+    finally:
+        server.stop()
+
+    # The ensemble's plurality without noise, on the same queries: the papers' "clean votes"
+    # label accuracy (operator-side diagnostic; the driver owns the teachers).
+    asked = queried["asked"]
+    clean_accuracy = math.nan
+    if asked:
+        clean = teachers.pool.votes(teachers.splits.public.x[:asked]).argmax(axis=1)
+        clean_accuracy = float((clean == teachers.splits.public.y[:asked]).mean())
+    teacher_summary = {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
+                       "mean_last_epoch_loss": float(np.nanmean(teachers.losses))}
+    teachers.pool.shutdown()
+
+    started = time.perf_counter()
+    privacy = privacy_section(config, ledger.report(), votes, answered, make_rng(config.seed + 1))
+    ledger.close()
+    phases["privacy_analysis"] = time.perf_counter() - started
+
+    final = curve[-1]
+    metrics = {
+        "student_accuracy": final["accuracy"],
+        "label_accuracy": queried["label_accuracy"],
+        "clean_vote_accuracy": clean_accuracy,
+        "queries_asked": queried["asked"],
+        "queries_answered": queried["answered"],
+        "budget_exhausted": queried["budget_exhausted"],
+        "labels_per_second": queried["labels_per_second"],
+        "teachers": teacher_summary,
+        "curve": curve,
+        "seconds": phases,
+    }
+    context.results.write_json("metrics", metrics)
+    context.results.write_json("privacy", privacy)
+    _plots(context.results, curve)
+
+    summary = {
+        "student_accuracy": round(final["accuracy"], 4),
+        "label_accuracy": round(queried["label_accuracy"], 4),
+        "queries_asked": queried["asked"],
+        "queries_answered": queried["answered"],
+        "epsilon": _epsilon_line(config, privacy),
+    }
+    return summary
+
+
+def _epsilon_line(config: Config, privacy: dict[str, Any]) -> str:
+    delta = config.privacy.delta
+    line = f"ε = {privacy['epsilon']:.3g} at δ = {delta:g} (data-independent, ledger: {privacy['ledger']['epsilon']:.3g}"
+    released = privacy.get("analysis", {}).get("epsilon_smooth_sensitivity")
+    if released is not None:
+        line += f"; data-dependent, smooth-sensitivity release: {released:.3g}"
+    line += ")"
+    claimed = privacy.get("analysis", {}).get("claimed")
+    if claimed:
+        line += (f"; NOT sound: the NZC paper claims ε = {claimed['epsilon_total']:.3g}, "
+                 "which is not a valid DP guarantee")
+    return line
+
+
+def _plots(results, curve: list[dict[str, Any]]) -> None:
+    answered = [p["answered"] for p in curve]
+    results.plot("student_accuracy", answered, {"student": [p["accuracy"] for p in curve]},
+                 xlabel="answered queries", ylabel="student test accuracy")
+    epsilons = [float(p["budget"].get("epsilon_spent", math.nan)) for p in curve]
+    if all(math.isfinite(e) for e in epsilons):
+        results.plot("epsilon", answered, {"data-independent ε": epsilons},
+                     xlabel="answered queries", ylabel="ε spent (ledger)")
+

@@ -1,0 +1,74 @@
+"""``conclave serve CONFIG``: train the teachers and serve the aggregator to outside students.
+
+Uses the ``teachers``, ``mechanism``, ``privacy`` and ``server`` sections of a
+teacher_student config. The noise comes from OS entropy (never a seed) and the ledger is
+durable: restarting with the same ``--ledger`` file keeps counting what was spent.
+The bearer token is ``$CONCLAVE_TOKEN`` or a fresh random one, printed once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import threading
+from pathlib import Path
+
+from cluster.config import ConfigError, load_yaml
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "CONCLAVE_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("config", help="teacher_student YAML config (see configs/)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (default: start one locally)")
+    parser.add_argument("--host", default=None, help="interface to listen on (default: the config's, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: the config's; 0 = any free port)")
+    parser.add_argument("--ledger", default=None,
+                        help="privacy ledger file, kept across restarts (default: results/<name>/serve-ledger.sqlite)")
+
+
+def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    from cluster.run_command import load_run_config
+
+    try:
+        pipeline, config = load_run_config(load_yaml(args.config))
+        if pipeline != "teacher_student":
+            raise ConfigError(f"config.pipeline: conclave serve needs a teacher_student config, got {pipeline!r}")
+    except ConfigError as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
+
+    from cluster.pipelines.teacher_student import open_ledger, start_aggregator, train_teachers
+    from cluster.ray_runtime import start_ray
+    from privacy.randomness import make_rng
+
+    token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    start_ray(args.address)
+    teachers = train_teachers(config)
+    ledger = open_ledger(config, ledger_path)
+    server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(None),
+                                       host=args.host, port=args.port)
+    report = ledger.report()
+    print(f"aggregator serving on {address} ({config.mechanism.name}, {teachers.pool.num_teachers} teachers)")
+    print(f"token: {token}" + ("  (from $CONCLAVE_TOKEN)" if os.environ.get(TOKEN_ENV) else ""))
+    print(f"privacy ledger: {ledger_path} (ε spent {report.epsilon:.4g} of {report.epsilon_limit:.4g} "
+          f"at δ = {report.delta:g})")
+    print("press Ctrl-C to stop", flush=True)
+    stop = stop or threading.Event()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        teachers.pool.shutdown()
+        report = ledger.report()
+        ledger.close()
+        print(f"stopped; ε spent {report.epsilon:.4g} at δ = {report.delta:g}")
+    return 0
