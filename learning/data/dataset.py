@@ -29,6 +29,10 @@ class Dataset:
         if not isinstance(self.y, np.ndarray) or self.y.dtype != np.int64 or self.y.ndim != 1:
             raise ValueError(f"{self.name}: y must be an int64 array [n], got "
                              f"{getattr(self.y, 'dtype', type(self.y))} {getattr(self.y, 'shape', '')}")
+        # NaN fails both comparisons, so this also rejects non-finite pixels
+        if self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
+            raise ValueError(f"{self.name}: pixel values must be finite and in [0, 1], "
+                             f"got [{self.x.min()}, {self.x.max()}]")
         if len(self.x) != len(self.y):
             raise ValueError(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
         if self.num_classes < 1:

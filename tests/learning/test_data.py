@@ -94,6 +94,10 @@ def test_dataset_rejects_wrong_layouts():
         Dataset(x.astype(np.float64), y, 10, "d")
     with pytest.raises(ValueError, match=r"\[n, C, H, W\]"):
         Dataset(x[:, 0], y, 10, "d")
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        Dataset(x + 2.0, y, 10, "d")
+    with pytest.raises(ValueError, match="finite"):
+        Dataset(np.full_like(x, np.nan), y, 10, "d")
     with pytest.raises(ValueError, match="int64"):
         Dataset(x, y.astype(np.int32), 10, "d")
     with pytest.raises(ValueError, match="4 images but 3 labels"):
