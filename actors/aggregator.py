@@ -164,16 +164,17 @@ class AggregatorServer:
         keys = input_keys(inputs)
         with self._lock:
             fresh = self._uncached(keys)
+        newly_answered = 0
         if fresh:
             worst = self._mechanism.worst_case_charge(len(fresh))
             # Data-independent early refusal: no point asking teachers for votes we may not release.
             self._require_affordable(worst, len(fresh))
             fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
             with self._lock:
-                self._answer_fresh(fresh, fresh_votes)
+                newly_answered = self._answer_fresh(fresh, fresh_votes)
         with self._lock:
             labels = np.array([self._cache[key] for key in keys], dtype=np.int64)
-            self._cache_hits += len(keys) - len(fresh)
+            self._cache_hits += len(keys) - newly_answered
         return labels, self._ledger.report()
 
     def _uncached(self, keys: list[bytes]) -> dict[bytes, int]:
@@ -203,12 +204,12 @@ class AggregatorServer:
             raise TeachersUnavailable("teachers returned malformed vote histograms")
         return votes.astype(np.int64)
 
-    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> None:
-        """Mechanism → ledger → cache for inputs still unanswered; caller holds the lock."""
+    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> int:
+        """Mechanism → ledger → cache for inputs still unanswered (returns how many); caller holds the lock."""
         # Another request may have answered some of these while we waited for the teachers.
         keep = [i for i, key in enumerate(fresh) if key not in self._cache]
         if not keep:
-            return
+            return 0
         keys = [key for key in fresh if key not in self._cache]
         votes = fresh_votes[keep]
         worst = self._mechanism.worst_case_charge(len(keep))
@@ -223,6 +224,7 @@ class AggregatorServer:
         self._labels.append(labels)
         self._answered += int((labels != ABSTAIN).sum())
         self._abstained += int((labels == ABSTAIN).sum())
+        return len(keep)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         """(votes int64 [m, k], answered bool [m]) for every input the mechanism saw, in order.

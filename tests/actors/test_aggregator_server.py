@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import ray
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from actors.aggregator import AggregatorServer, ServerSettings
+from actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
 from actors.teacher import TeacherPool
 from cluster.client import AggregatorClient
 from learning.data import load_digits, shard
@@ -156,7 +158,14 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
             doubled, _, after = client.label_reply(np.concatenate([public[200:210], public[200:210]]))
             assert (doubled[:10] == doubled[10:]).all()
             assert after["queries_answered"] == 58 and after["cache_hits"] == 58
-        assert len(server.answered_votes()[0]) == 58
+            # the same new batch from several clients at once: answered (and charged) once
+            batch = public[300:316]
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                replies = list(pool.map(lambda _: client.label(batch), range(4)))
+            assert all((reply == replies[0]).all() for reply in replies)
+            final = client.budget()
+            assert final["queries_answered"] == 58 + 16 and final["cache_hits"] == 58 + 3 * 16
+        assert len(server.answered_votes()[0]) == 58 + 16
 
 
 def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(teachers, public, tmp_path):
@@ -269,3 +278,25 @@ def test_a_client_with_only_reflection_can_call_label(teachers, public, tmp_path
         reply = label(request, metadata=(("authorization", "Bearer t0ken"),))
         assert len(reply.labels) == 5 and reply.answered == 5 and reply.budget.queries_answered == 5
         assert all(0 <= label < 10 for label in reply.labels)
+
+
+def test_aggregator_actor_serves_from_inside_ray(teachers, public, tmp_path):
+    ledger_path = tmp_path / "actor-ledger.sqlite"
+    actor = AggregatorActor.remote(
+        teachers, build_mechanism("gnmax", sigma=2.0), str(ledger_path), 20.0, DELTA, INPUT_SHAPE,
+        ServerSettings(token="actor-token"), seed=7,
+    )
+    try:
+        address = ray.get(actor.start.remote())
+        with AggregatorClient(address, token="actor-token") as client:
+            labels = client.label(public[:12])
+            assert labels.shape == (12,) and client.budget()["queries_answered"] == 12
+        votes, mask = ray.get(actor.answered_votes.remote())
+        assert votes.shape == (12, 10) and mask.all()
+        assert ray.get(actor.budget.remote())["epsilon_spent"] > 0
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+    reopened = PrivacyLedger(ledger_path, epsilon_limit=20.0, delta=DELTA)
+    assert reopened.report().charges == 1
+    reopened.close()
