@@ -44,6 +44,10 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.y)
 
+    def __repr__(self) -> str:  # the arrays themselves would flood logs and error messages
+        return (f"Dataset(name={self.name!r}, n={len(self)}, input_shape={self.input_shape}, "
+                f"num_classes={self.num_classes})")
+
     @property
     def input_shape(self) -> tuple[int, ...]:
         """Shape of one example, (C, H, W)."""

@@ -106,6 +106,7 @@ def test_dataset_rejects_wrong_layouts():
         Dataset(x, np.array([0, 1, 10, 2]), 10, "d")
     subset = Dataset(x, np.arange(4, dtype=np.int64), 10, "d").subset([3, 1])
     assert subset.y.tolist() == [3, 1] and len(subset) == 2 and subset.input_shape == (1, 8, 8)
+    assert repr(subset) == "Dataset(name='d', n=2, input_shape=(1, 8, 8), num_classes=10)"
 
 
 # ---------------------------------------------------------------- digits
