@@ -7,6 +7,7 @@ order comes from a generator seeded with the config, not from global state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +91,8 @@ def fit(model: nn.Module, dataset: Dataset, config: TrainConfig, progress: bool 
     return losses
 
 
-def _batched(model: nn.Module, x: np.ndarray, batch_size: int, fn) -> np.ndarray:
+def _batched(model: nn.Module, x: np.ndarray, batch_size: int,
+             fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> np.ndarray:
     """Apply ``fn(model, batch)`` over ``x`` in eval mode without gradients, as float32 numpy."""
     x = np.asarray(x)
     if x.ndim != 4 or not np.issubdtype(x.dtype, np.floating):
