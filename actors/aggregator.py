@@ -31,6 +31,7 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
 from privacy.mechanisms.base import ABSTAIN, VoteMechanism
 from privacy.randomness import make_rng
@@ -185,7 +186,7 @@ class AggregatorServer:
                 fresh[key] = row
         return fresh
 
-    def _require_affordable(self, worst, count: int) -> None:
+    def _require_affordable(self, worst: PrivacyCharge, count: int) -> None:
         if not self._ledger.can_afford(worst):
             report = self._ledger.report()
             raise BudgetExceeded(
