@@ -14,6 +14,15 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = PROJECT_ROOT.parent / "shared" / "data" / "mnist"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Ray workers already get one thread per CPU they hold; a driver that also trains with
+    torch's default threads oversubscribes two cores and slows everything down many-fold."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session."""
