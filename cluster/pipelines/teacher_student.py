@@ -270,19 +270,30 @@ def publishable(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(config: Config, context) -> dict[str, Any]:
+    from cluster.ray_runtime import start_ray
+
+    start_ray(context.ray_address)
+    teachers = train_teachers(config)
+    try:
+        return teach_student(config, teachers, context.results)
+    finally:
+        teachers.pool.shutdown()
+
+
+def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]:
+    """Serve ``teachers`` over gRPC, let a student actor learn from them, write the results.
+
+    Separate from ``run`` so one set of trained teachers can serve several mechanisms
+    (the benchmark does this for the three 250-teacher MNIST configs).
+    """
     import ray
 
     from actors.student import StudentActor
     from cluster.client import AggregatorClient
-    from cluster.ray_runtime import start_ray
     from privacy.randomness import make_rng
 
-    start_ray(context.ray_address)
-    phases: dict[str, float] = {}
-    teachers = train_teachers(config)
-    phases["train_teachers"] = teachers.seconds
-
-    ledger_path = context.results.path / "ledger.sqlite"
+    phases: dict[str, float] = {"train_teachers": teachers.seconds}
+    ledger_path = results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
     ledger = open_ledger(config, ledger_path)
@@ -317,7 +328,6 @@ def run(config: Config, context) -> dict[str, Any]:
         clean_accuracy = float((clean == teachers.splits.public.y[:asked]).mean())
     teacher_summary = {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
                        "mean_last_epoch_loss": float(np.nanmean(teachers.losses))}
-    teachers.pool.shutdown()
 
     started = time.perf_counter()
     privacy = privacy_section(config, ledger.report(), votes, answered, make_rng(config.seed + 1))
@@ -337,9 +347,9 @@ def run(config: Config, context) -> dict[str, Any]:
         "curve": curve,
         "seconds": phases,
     }
-    context.results.write_json("metrics", metrics)
-    context.results.write_json("privacy", privacy)
-    _plots(context.results, curve)
+    results.write_json("metrics", metrics)
+    results.write_json("privacy", privacy)
+    _plots(results, curve)
 
     summary = {
         "student_accuracy": round(final["accuracy"], 4),

@@ -1,0 +1,116 @@
+"""The student: asks a real gRPC aggregator, trains on answered labels only, stops when refused."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from actors.aggregator import AggregatorServer, ServerSettings
+from actors.student import Student, StudentActor
+from actors.teacher import TeacherGroup
+from cluster.client import AggregatorClient
+from learning.data import make_splits, shard
+from learning.training import TrainConfig
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.mechanisms import build_mechanism
+from privacy.randomness import make_rng
+
+TOKEN = "student-test-token"
+STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Digits splits and five trained teachers (in-process: the student cannot tell)."""
+    splits = make_splits("digits", public_size=200, seed=1)
+    teachers = TeacherGroup(shard(splits.private, 5, seed=1), "digits_cnn",
+                            TrainConfig(epochs=10, batch_size=32, lr=3e-3, seed=1))
+    teachers.train_all()
+    return splits, teachers
+
+
+@pytest.fixture
+def serve(world, tmp_path):
+    """Start an aggregator on 127.0.0.1 (ephemeral port) with the given mechanism and limit."""
+    _, teachers = world
+    servers = []
+
+    def start(mechanism, epsilon_limit=math.inf):
+        ledger = PrivacyLedger(tmp_path / f"ledger{len(servers)}.sqlite", epsilon_limit=epsilon_limit, delta=1e-5)
+        server = AggregatorServer(teachers, mechanism, ledger, (1, 8, 8),
+                                  ServerSettings(host="127.0.0.1", port=0, token=TOKEN), rng=make_rng(0))
+        address = server.start()
+        servers.append((server, ledger))
+        return server, ledger, functools.partial(AggregatorClient, address, TOKEN)
+
+    yield start
+    for server, ledger in servers:
+        server.stop()
+        ledger.close()
+
+
+def test_student_actor_learns_from_answers_over_grpc(ray_session, world, serve):
+    splits, _ = world
+    server, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0), epsilon_limit=1e6)
+    student = StudentActor.remote(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    queried = ray_session.get(student.query.remote(150, 40, (40, 100), False))
+    assert queried["asked"] == 150 and queried["answered"] == 150  # GNMax always answers
+    assert not queried["budget_exhausted"]
+    assert queried["label_accuracy"] > 0.8
+    # Checkpoints at 40, 100 and the end, each with the budget read after it; ε only grows.
+    assert [c["asked"] for c in queried["checkpoints"]] == [40, 100, 150]
+    spent = [c["budget"]["epsilon_spent"] for c in queried["checkpoints"]]
+    assert spent[0] < spent[1] < spent[2] == pytest.approx(ledger.report().epsilon)
+    assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 150
+    curve = ray_session.get(student.learning_curve.remote())
+    assert [p["answered"] for p in curve] == [40, 100, 150]
+    assert curve[-1]["accuracy"] > 0.6  # chance is 0.1
+    votes, answered = server.answered_votes()
+    assert votes.shape == (150, 10) and answered.all()
+
+
+def test_student_trains_only_on_answered_labels(world, serve):
+    """A threshold no histogram of 5 teachers can pass: everything abstains, nothing to learn."""
+    splits, _ = world
+    _, _, factory = serve(build_mechanism("confident-gnmax", threshold=1000.0, sigma1=1.0, sigma2=1.0))
+    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    queried = student.query(60, 30, progress=False)
+    assert queried["asked"] == 60 and queried["answered"] == 0
+    assert (student.labels[:60] == -1).all()
+    assert math.isnan(queried["label_accuracy"])
+    result = student.fit_and_evaluate()
+    assert result["answered"] == 0 and math.isnan(result["accuracy"])
+
+
+def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
+    splits, _ = world
+    mechanism = build_mechanism("gnmax", sigma=2.0)
+    # Room for some batches of 20, not all 10 of them.
+    limit = 0.5 * (_epsilon_of(mechanism, 100) + _epsilon_of(mechanism, 120))
+    _, ledger, factory = serve(mechanism, epsilon_limit=limit)
+    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    queried = student.query(200, 20, progress=False)
+    assert queried["budget_exhausted"]
+    assert queried["asked"] == 100  # five batches fit under the limit; the sixth was refused
+    assert queried["answered"] == 100 and (student.labels[:100] >= 0).all() and (student.labels[100:] == -1).all()
+    assert ledger.report().epsilon <= limit
+    assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 100
+
+
+def test_query_rejects_impossible_requests(world, serve):
+    splits, _ = world
+    _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
+    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    with pytest.raises(ValueError, match="pool size"):
+        student.query(len(splits.public) + 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        student.query(10, batch_size=0)
+
+
+def _epsilon_of(mechanism, queries: int) -> float:
+    from privacy.accounting.rdp import epsilon_from_rdp
+
+    charge = mechanism.worst_case_charge(queries)
+    return epsilon_from_rdp(charge.orders, charge.rdp, 1e-5)[0]
