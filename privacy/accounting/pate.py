@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 from privacy.accounting import rdp as rdp_lib
 from privacy.mechanisms.nzc import CLAIM_SOURCE, UNSOUND_REASON
@@ -43,6 +43,11 @@ def log1mexp(x: np.ndarray | float) -> np.ndarray:
     with np.errstate(divide="ignore"):
         # log1p(−eˣ) is accurate for very negative x, log(−expm1(x)) near 0.
         return np.where(x < -math.log(2), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))
+
+
+def _log_normal_tail(x: np.ndarray | float, scale: float) -> np.ndarray:
+    """log Pr[N(0, scale²) ≥ x], accurate far into the tail (scipy.stats' logsf, without its import cost)."""
+    return special.log_ndtr(-np.asarray(x, dtype=float) / scale)
 
 
 def _as_orders(orders: np.ndarray | list[float] | float) -> np.ndarray:
@@ -150,7 +155,7 @@ def gnmax_logq(votes: np.ndarray, sigma: float) -> np.ndarray:
     if sigma <= 0:
         raise ValueError("sigma must be > 0")
     gaps = votes.max(axis=1, keepdims=True) - votes
-    log_terms = stats.norm.logsf(gaps, scale=math.sqrt(2.0) * sigma)
+    log_terms = _log_normal_tail(gaps, math.sqrt(2.0) * sigma)
     return _cap_logq(_logq_union(log_terms, votes), votes.shape[1])
 
 
@@ -228,7 +233,7 @@ def threshold_logp_answered(votes: np.ndarray, threshold: float, sigma1: float) 
     votes = _as_votes(votes)
     if sigma1 <= 0:
         raise ValueError("sigma1 must be > 0")
-    return stats.norm.logsf(threshold - votes.max(axis=1), scale=sigma1)
+    return _log_normal_tail(threshold - votes.max(axis=1), sigma1)
 
 
 def threshold_logq(votes: np.ndarray, threshold: float, sigma1: float) -> np.ndarray:
@@ -237,7 +242,7 @@ def threshold_logq(votes: np.ndarray, threshold: float, sigma1: float) -> np.nda
     if sigma1 <= 0:
         raise ValueError("sigma1 must be > 0")
     gap = threshold - votes.max(axis=1)
-    return np.minimum(stats.norm.logsf(gap, scale=sigma1), stats.norm.logcdf(gap, scale=sigma1))
+    return np.minimum(_log_normal_tail(gap, sigma1), _log_normal_tail(-gap, sigma1))
 
 
 def threshold_rdp_data_independent(sigma1: float, orders) -> np.ndarray:

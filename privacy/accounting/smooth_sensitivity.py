@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize, special, stats
+from scipy import optimize, special
 
 from privacy.accounting import pate
 
@@ -164,8 +164,7 @@ def threshold_local_sensitivity_by_distance(
     at m ± d.
     """
     maxima = np.arange(num_teachers + 1, dtype=float)
-    gaps = threshold - maxima
-    logq = np.minimum(stats.norm.logsf(gaps, scale=sigma1), stats.norm.logcdf(gaps, scale=sigma1))
+    logq = pate.threshold_logq(np.stack([maxima, np.zeros_like(maxima)], axis=1), threshold, sigma1)
     costs = pate.threshold_rdp(logq, sigma1, [order])[:, 0]
     steps = np.abs(np.diff(costs))  # steps[v] = |cost(v+1) − cost(v)|
     step_at = np.zeros(num_teachers + 1)  # largest one-step change from m
