@@ -234,7 +234,8 @@ class AggregatorServer:
         """
         with self._lock:
             if not self._votes:
-                return np.zeros((0, 0), dtype=np.int64), np.zeros(0, dtype=bool)
+                classes = int(getattr(self._vote_source, "num_classes", 0))
+                return np.zeros((0, classes), dtype=np.int64), np.zeros(0, dtype=bool)
             return np.concatenate(self._votes), np.concatenate(self._labels) != ABSTAIN
 
     def budget(self) -> dict:

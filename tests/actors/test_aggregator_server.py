@@ -239,6 +239,7 @@ class BrokenTeachers:
 
 def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_path):
     with serving(teachers, tmp_path, ready=False) as (server, address), grpc.insecure_channel(address) as channel:
+        assert server.answered_votes()[0].shape == (0, 10)  # nothing asked yet
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         with AggregatorClient(address) as client:
