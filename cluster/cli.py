@@ -21,21 +21,27 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``selected``'s module is imported (the others just list their help)."""
     parser = argparse.ArgumentParser(prog="conclave", description="Private teacher/student learning on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(command_parser, name)
-        command_parser.set_defaults(handler=module.main)
+        if name == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command_parser, name)
+            command_parser.set_defaults(handler=module.main)
     return parser
+
+
+def _selected_command(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(_selected_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
