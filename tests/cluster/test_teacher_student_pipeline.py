@@ -1,0 +1,185 @@
+"""The main job end to end (real Ray actors, real gRPC on 127.0.0.1), its configs and its CLI."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from cluster.cli import main as cli_main
+from cluster.config import ConfigError, from_dict, load_yaml
+from cluster.pipelines.teacher_student import Config, privacy_section
+from cluster.run_command import DEMO_CONFIG, load_run_config
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.mechanisms import build_mechanism
+from privacy.randomness import make_rng
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers"]
+
+# A smaller demo: 20 teachers on digits, Confident-GNMax, 150 queries.
+TINY = {
+    "pipeline": "teacher_student",
+    "name": "tiny",
+    "seed": 1,
+    "data": {"name": "digits", "public_size": 200},
+    "teachers": {"count": 20, "model": "digits_cnn", "train": {"epochs": 30, "batch_size": 32, "lr": 0.003}},
+    "mechanism": {"name": "confident-gnmax", "params": {"threshold": 12.0, "sigma1": 4.0, "sigma2": 2.0}},
+    "privacy": {"epsilon_limit": 200.0, "delta": 1.0e-5},
+    "student": {"queries": 150, "batch_size": 50, "checkpoints": [50],
+                "model": "digits_cnn", "train": {"epochs": 30, "batch_size": 32, "lr": 0.003}},
+}
+
+
+def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
+    config_file = tmp_path / "tiny.yaml"
+    config_file.write_text(yaml.safe_dump(TINY))
+    assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+    assert "student_accuracy" in printed and "queries_answered" in printed and "ε =" in printed
+
+    run_dir = tmp_path / "results" / "tiny"
+    for name in ("config.json", "metrics.json", "privacy.json", "student_accuracy.png", "epsilon.png"):
+        assert (run_dir / name).is_file(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    privacy = json.loads((run_dir / "privacy.json").read_text())
+    assert json.loads((run_dir / "config.json").read_text())["teachers"]["count"] == 20
+
+    # The student learned from the teachers: far above chance (0.1) on held-out digits.
+    assert metrics["student_accuracy"] > 0.5
+    assert metrics["queries_asked"] == 150
+    assert 0 < metrics["queries_answered"] <= 150
+    assert metrics["label_accuracy"] > 0.7
+    assert [p["asked"] for p in metrics["curve"]] == [50, 150]
+    assert metrics["teachers"] == {"count": 20, "actors": 2, "mean_last_epoch_loss": pytest.approx(
+        metrics["teachers"]["mean_last_epoch_loss"])}
+
+    # The ε report agrees with the ledger that gated the answers, and with the counters.
+    ledger = privacy["ledger"]
+    analysis = privacy["analysis"]
+    assert ledger["sound"] and 0 < ledger["epsilon"] <= 200.0
+    assert analysis["epsilon_data_independent"] == pytest.approx(ledger["epsilon"], rel=1e-6)
+    assert analysis["queries"] == 150 and analysis["answered"] == metrics["queries_answered"]
+    assert metrics["curve"][-1]["budget"]["epsilon_spent"] == pytest.approx(ledger["epsilon"])
+    assert privacy["epsilon"] <= ledger["epsilon"]
+    # Only the smooth-sensitivity release of the data-dependent analysis is published.
+    assert "epsilon_data_dependent" not in analysis and "rdp_data_dependent" not in analysis
+    assert analysis["smooth_sensitivity"]["available"]
+    assert "smooth_sensitivity" not in analysis["smooth_sensitivity"]
+
+
+def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tmp_path):
+    config = from_dict(Config, {"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}},
+                                "privacy": {"epsilon_limit": None}})
+    mechanism = config.mechanism.build()
+    votes = np.array([[200, 50, 0], [120, 118, 12]])
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=math.inf, delta=1e-5)
+    result = mechanism(votes, make_rng(0))
+    ledger.charge(result.charge, worst_case=mechanism.worst_case_charge(2))
+    privacy = privacy_section(config, ledger.report(), votes, result.labels >= 0, make_rng(1))
+    ledger.close()
+    assert privacy["epsilon"] == math.inf and not privacy["ledger"]["sound"]
+    assert privacy["analysis"]["sound"] is False
+    assert "NOT a valid" in privacy["analysis"]["claimed"]["label"]
+    assert privacy["analysis"]["claimed"]["epsilon_total"] < 1e-6
+
+
+def test_the_demo_config_file_is_the_default_config():
+    _, from_file = load_run_config(load_yaml(CONFIGS / "demo.yaml"))
+    assert from_file == Config()
+    _, demo = load_run_config(DEMO_CONFIG)  # what `conclave demo` runs
+    assert demo == Config()
+
+
+@pytest.mark.parametrize("name", TEACHER_STUDENT_CONFIGS)
+def test_shipped_configs_load_and_validate(name):
+    pipeline, config = load_run_config(load_yaml(CONFIGS / f"{name}.yaml"))
+    assert pipeline == "teacher_student" and config.name == name
+    assert config.student.queries <= config.data.public_size
+
+
+def test_mnist_configs_carry_the_papers_settings():
+    configs = {name: load_run_config(load_yaml(CONFIGS / f"{name}.yaml"))[1] for name in TEACHER_STUDENT_CONFIGS[1:]}
+    assert configs["mnist-gnmax"].mechanism.build() == build_mechanism("confident-gnmax", threshold=200, sigma1=150, sigma2=40)
+    assert configs["mnist-lnmax"].mechanism.build() == build_mechanism("lnmax", laplace_scale=20)
+    assert configs["mnist-nzc"].teachers.count == 250 and configs["mnist-nzc-5teachers"].teachers.count == 5
+    for name in ("mnist-nzc", "mnist-nzc-5teachers"):
+        assert configs[name].student.queries == 9000 and configs[name].privacy.epsilon_limit is None
+    assert all(c.teachers.count == 250 for n, c in configs.items() if n != "mnist-nzc-5teachers")
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"student": {"querries": 5}}, "querries"),
+        ({"teachers": {"count": 0}}, "teachers.count"),
+        ({"mechanism": {"name": "gnmax", "params": {"sigma1": 3.0}}}, "sigma1"),
+        ({"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}}}, "epsilon_limit"),
+        ({"student": {"queries": 301}}, "public_size"),
+        ({"privacy": {"delta": 2.0}}, "delta"),
+    ],
+)
+def test_a_bad_config_is_a_config_error_naming_the_problem(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_run_config({"pipeline": "teacher_student", **override})
+
+
+def test_cli_reports_a_bad_config_key_without_running(tmp_path, capsys):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text(yaml.safe_dump({"pipeline": "teacher_student", "studnet": {}}))
+    assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path)]) == 2
+    assert "studnet" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_serve_answers_outside_clients_until_stopped(ray_session, tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from cluster import serve_command
+    from cluster.client import AggregatorClient
+    from learning.data import load_digits
+
+    small = {**TINY, "name": "served", "teachers": {**TINY["teachers"], "count": 5, "train": {"epochs": 5}}}
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump(small))
+    monkeypatch.setenv("CONCLAVE_TOKEN", "serve-test-token")
+    stop = threading.Event()
+    args = argparse.Namespace(config=str(config_file), address=None, host=None, port=None,
+                              ledger=str(tmp_path / "serve-ledger.sqlite"))
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(serve_command.main(args, stop)))
+    thread.start()
+    try:
+        address = _wait_for_address(capsys, thread)
+        assert address.startswith("127.0.0.1:")
+        _, test = load_digits()
+        with AggregatorClient(address, token="serve-test-token") as client:
+            labels = client.label(test.x[:20])
+            budget = client.budget()
+        assert labels.shape == (20,) and ((labels >= -1) & (labels < 10)).all()
+        assert budget["mechanism"] == "confident-gnmax" and budget["epsilon_spent"] > 0
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert outcome == [0]
+    # The ledger outlives the server: reopening it restores what was spent.
+    reopened = PrivacyLedger(tmp_path / "serve-ledger.sqlite", epsilon_limit=200.0, delta=1e-5)
+    assert reopened.report().epsilon == pytest.approx(budget["epsilon_spent"])
+    reopened.close()
+
+
+def _wait_for_address(capsys, thread: threading.Thread, timeout: float = 300.0) -> str:
+    printed = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and thread.is_alive():
+        printed += capsys.readouterr().out
+        for line in printed.splitlines():
+            if line.startswith("aggregator serving on "):
+                return line.split()[3]
+        time.sleep(0.2)
+    raise AssertionError(f"conclave serve printed no address: {printed!r}")
