@@ -112,6 +112,7 @@ class Config:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     delta: float = 1e-5
     epsilon_limit: float | None = None  # None: the ledger only reports
+    checkpoints_from: str | None = None  # reuse an earlier run's DP checkpoints (its results folder)
     seed: int = 0
     torch_threads: int = 1
 
@@ -157,22 +158,14 @@ def pollute(public, fraction: float, rng: np.random.Generator):
 
 
 def run(config: Config, context: RunContext) -> dict:
-    import ray
     import torch
-    from opacus.accountants.utils import get_noise_multiplier
-    from tqdm.auto import tqdm
 
-    from actors.dp_trainer import DPCheckpoint, ModelSpec, PrivateSource, ShardActor, ShardSupport, train_distributed
+    from actors.dp_trainer import ModelSpec, PrivateSource
     from cluster.ray_runtime import start_ray
     from learning.annotation import hide_labels, split_private_public
-    from learning.data import Dataset, load_dataset
-    from learning.dpsgd import DPSGDConfig
-    from learning.selection import PublicPool, build_strategy
-    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from learning.data import load_dataset
+    from learning.training import evaluate
     from privacy.accounting.ledger import PrivacyLedger
-    from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sampled_gaussian_charge, sum_charges
-    from privacy.counts import LaplaceCounts
-    from privacy.pca import AnalyzeGauss
 
     start_ray(context.ray_address)
     torch.set_num_threads(config.torch_threads)
@@ -181,7 +174,7 @@ def run(config: Config, context: RunContext) -> dict:
     data, sel = config.data, config.selection
 
     # 1. Public pool (labels hidden behind the annotator) and test set; the private part is
-    #    loaded by the actors that hold it.
+    #    read only by the actors that hold it.
     train, test = load_dataset(data.name, data.root)
     _, public = split_private_public(train, data.private_size, config.seed)
     if data.public_size is not None:
@@ -193,83 +186,143 @@ def run(config: Config, context: RunContext) -> dict:
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed)
     spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
 
-    # 2. DP-SGD, charged in full before it starts.
+    # 2. DP checkpoints, charged to the run's ledger before anything is trained or loaded.
     ledger = PrivacyLedger(out / "ledger.sqlite", config.epsilon_limit or math.inf, config.delta)
+    checkpoints, dp_info = _dp_checkpoints(config, source, spec, ledger, out)
+    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": _epsilon([c.charge()], config.delta),
+                        "test_accuracy": evaluate(c.load_into(spec.build()), test), "train_loss": c.loss}
+                       for c in checkpoints]
+
+    # 3. Strategies → labels → fine-tuning → test accuracy.
+    rows, privacy = _improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
+    for row in rows:
+        row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
+    privacy = {"delta": config.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
+    ledger.close()
+
+    # 4. Evidence.
+    context.results.write_json("privacy", privacy)
+    context.results.write_json("metrics", {"checkpoints": checkpoint_rows, "results": rows,
+                                           "public_pool": len(pool_inputs), "out_of_domain": int(out_of_domain.sum()),
+                                           "labels_bought": annotator.bought})
+    final_epsilon = checkpoint_rows[-1]["epsilon"]
+    curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
+    curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
+    context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)", "test accuracy")
+    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4), "epsilon_dp": round(final_epsilon, 3)}
+    for name in sel.strategies:
+        last = [r for r in rows if r["strategy"] == name][-1]
+        summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
+    return summary
+
+
+def _epsilon(charges: list, delta: float) -> float:
+    """ε at ``delta`` of ``charges`` composed in RDP (the ledger's accounting)."""
+    from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sum_charges
+
+    return float(epsilon_from_rdp(DEFAULT_ORDERS, sum_charges(charges).rdp, delta)[0])
+
+
+def _dp_checkpoints(config: Config, source, spec, ledger, out: Path) -> tuple[list, dict]:
+    """Train (or reuse, with ``checkpoints_from``) the DP-SGD checkpoints, one per epoch.
+    The whole schedule is charged to ``ledger`` first."""
+    import ray
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from actors.dp_trainer import DPCheckpoint, ShardActor, train_distributed
+    from learning.dpsgd import DPSGDConfig
+    from privacy.accounting.rdp import sampled_gaussian_charge
+
     dp = config.dpsgd
-    steps_per_epoch = math.ceil(data.private_size / dp.batch_size)
+    if config.checkpoints_from is not None:
+        files = sorted((Path(config.checkpoints_from) / "checkpoints").glob("epoch-*.pt"))
+        if not files:
+            raise ValueError(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")
+        checkpoints = [DPCheckpoint.load(f) for f in files]
+        ledger.charge(checkpoints[-1].charge())
+        final = checkpoints[-1]
+        return checkpoints, {"sample_rate": final.sample_rate, "noise_multiplier": final.noise_multiplier,
+                             "epochs": final.epoch, "reused_from": config.checkpoints_from}
+    steps_per_epoch = math.ceil(config.data.private_size / dp.batch_size)
     sample_rate = 1 / steps_per_epoch  # Poisson rate over the union, as train_dp computes it
-    sigma = dp.noise_multiplier or get_noise_multiplier(
+    sigma = float(dp.noise_multiplier or get_noise_multiplier(
         target_epsilon=dp.target_epsilon, target_delta=config.delta, sample_rate=sample_rate,
-        epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005)
+        epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005))
     dp_config = DPSGDConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, max_grad_norm=dp.max_grad_norm,
-                            delta=config.delta, noise_multiplier=float(sigma), momentum=dp.momentum, seed=config.seed)
+                            delta=config.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed)
     ledger.charge(sampled_gaussian_charge(sample_rate, sigma, dp.epochs * steps_per_epoch, label="dpsgd"))
     log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", sample_rate, sigma, dp.epochs,
              "Ray Train" if dp.distributed else "one actor")
-    shard_actors: list = []
     if dp.distributed:
         checkpoints = train_distributed(source, spec, dp_config, str(out / "ray-train"), name=config.name,
                                         cpus_per_worker=dp.cpus_per_worker, torch_threads=config.torch_threads)
     else:
-        trainer = ShardActor.remote(source, list(range(data.num_shards)), spec, config.torch_threads)
+        trainer = ShardActor.remote(source, list(range(source.num_shards)), spec, config.torch_threads)
         checkpoints = ray.get(trainer.train_dp.remote(dp_config))
-        if data.num_shards == 1:
-            shard_actors = [trainer]
-        else:
-            ray.kill(trainer)
+        ray.kill(trainer)
     if checkpoints[-1].sample_rate != sample_rate or checkpoints[-1].steps != dp.epochs * steps_per_epoch:
         raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
     (out / "checkpoints").mkdir(exist_ok=True)
     for checkpoint in checkpoints:
         checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
+    return checkpoints, {"sample_rate": sample_rate, "noise_multiplier": sigma, "epochs": dp.epochs,
+                         "distributed": dp.distributed}
 
-    def epsilon_of(charges) -> float:
-        return float(epsilon_from_rdp(DEFAULT_ORDERS, sum_charges(charges).rdp, config.delta)[0])
 
-    def load(checkpoint: DPCheckpoint):
-        return checkpoint.load_into(spec.build())
-
-    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": epsilon_of([c.charge()]),
-                        "test_accuracy": evaluate(load(c), test), "train_loss": c.loss} for c in checkpoints]
-    final = checkpoints[-1]
-    target_epsilon = epsilon_of([final.charge()])
-
-    # 3. Which checkpoint NearPrivate starts from, so its total matches the final checkpoint's ε.
-    pca, counts = AnalyzeGauss(sel.epsilon_pca, config.delta), LaplaceCounts(sel.epsilon_support)
-    extra = [pca.charge(), counts.charge()]
+def _near_private_start(config: Config, checkpoints: list, extra: list):
+    """NearPrivate's checkpoint: the configured epoch, else the latest whose ε_dp ⊕ ε_dpPCA ⊕
+    ε_support does not exceed the final checkpoint's ε (the first one if none does)."""
+    sel = config.selection
     if sel.near_private_epoch is not None:
         if not 1 <= sel.near_private_epoch <= len(checkpoints):
             raise ValueError(f"selection.near_private_epoch must be in [1, {len(checkpoints)}]")
-        near_start = checkpoints[sel.near_private_epoch - 1]
-    else:
-        matching = [c for c in checkpoints if epsilon_of([c.charge(), *extra]) <= target_epsilon + 1e-9]
-        near_start = matching[-1] if matching else checkpoints[0]
+        return checkpoints[sel.near_private_epoch - 1]
+    target = _epsilon([checkpoints[-1].charge()], config.delta)
+    matching = [c for c in checkpoints if _epsilon([c.charge(), *extra], config.delta) <= target + 1e-9]
+    return matching[-1] if matching else checkpoints[0]
 
-    # 4. Strategies → labels → fine-tuning → test accuracy.
-    model_ledgers: dict[str, PrivacyLedger] = {}
-    (out / "ledgers").mkdir(exist_ok=True)
+
+def _improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs: np.ndarray, annotator,
+             out_of_domain: np.ndarray, test, rng: np.random.Generator, out: Path) -> tuple[list[dict], dict]:
+    """Every strategy from its starting checkpoint; one report-only ledger per published model."""
+    import ray
+    from tqdm.auto import tqdm
+
+    from actors.dp_trainer import ShardActor, ShardSupport
+    from learning.data import Dataset
+    from learning.selection import PublicPool, build_strategy
+    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from privacy.accounting.ledger import PrivacyLedger
+    from privacy.counts import LaplaceCounts
+    from privacy.pca import AnalyzeGauss
+
+    sel = config.selection
+    pca, counts = AnalyzeGauss(sel.epsilon_pca, config.delta), LaplaceCounts(sel.epsilon_support)
+    near_start = _near_private_start(config, checkpoints, [pca.charge(), counts.charge()])
     finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
                            lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
-    rows: list[dict] = []
+    (out / "ledgers").mkdir(exist_ok=True)
+    model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
+    shard_actors: list = []
+    rows: list[dict] = []
     progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="model")
     for name in sel.strategies:
-        start = near_start if name == "near_private" else final
+        start = near_start if name == "near_private" else checkpoints[-1]
         model_ledger = model_ledgers[name] = PrivacyLedger(out / "ledgers" / f"{name}.sqlite", math.inf, config.delta)
         model_ledger.charge(start.charge())
         if start.epoch not in pools:
-            model = load(start)
+            model = start.load_into(spec.build())
             pools[start.epoch] = PublicPool(predict_logits(model, pool_inputs), embed(model, pool_inputs))
         params: dict = {}
         if name == "diverse_public":
             params = {"components": sel.components, "n_each": sel.n_each, "uncertain_factor": sel.uncertain_factor}
         elif name == "near_private":
-            if not shard_actors:
-                shard_actors = [ShardActor.remote(source, [i], spec, config.torch_threads) for i in range(data.num_shards)]
+            shard_actors = [ShardActor.remote(source, [i], spec, config.torch_threads) for i in range(source.num_shards)]
             ray.get([a.set_weights.remote(start.state) for a in shard_actors])
 
             def charge_both(charge, model_ledger=model_ledger):
-                ledger.charge(charge)  # the run's ledger first: it may refuse
+                ledger.charge(charge)  # the run's ledger first: it may refuse, and then nothing is released
                 model_ledger.charge(charge)
 
             support = ShardSupport(shard_actors, pca, counts, charge_both, seed=config.seed)
@@ -280,44 +333,23 @@ def run(config: Config, context: RunContext) -> dict:
             chosen = selections[size]
             labels = annotator.label(chosen)
             keep = labels >= 0  # an aggregator-backed annotator may abstain
-            model = load(start)
-            fit(model, Dataset(pool_inputs[chosen[keep]], labels[keep], train.num_classes, f"bought-{name}"), finetune)
+            model = start.load_into(spec.build())
+            fit(model, Dataset(pool_inputs[chosen[keep]], labels[keep], spec.num_classes, f"bought-{name}"), finetune)
             rows.append({"strategy": name, "n_labeled": int(size), "accuracy": evaluate(model, test),
                          "epsilon": epsilon, "start_epoch": start.epoch,
-                         "start_accuracy": checkpoint_rows[start.epoch - 1]["test_accuracy"],
                          "out_of_domain_share": float(np.mean(out_of_domain[chosen]))})
             progress.update(1)
     progress.close()
     for actor in shard_actors:
         ray.kill(actor)
-
-    # 5. Evidence.
-    near_total = epsilon_of([near_start.charge(), *extra])
-    privacy = {
-        "delta": config.delta,
-        "run": dataclasses.asdict(ledger.report()),
-        "per_model": {name: dataclasses.asdict(l.report()) for name, l in model_ledgers.items()},
-        "dpsgd": {"sample_rate": sample_rate, "noise_multiplier": float(sigma), "epochs": dp.epochs,
-                  "epsilon": target_epsilon, "distributed": dp.distributed},
-        "near_private": {"start_epoch": near_start.epoch, "epsilon_dp": epsilon_of([near_start.charge()]),
+    privacy: dict = {"per_model": {name: dataclasses.asdict(l.report()) for name, l in model_ledgers.items()}}
+    for l in model_ledgers.values():
+        l.close()
+    if "near_private" in sel.strategies:
+        near_total = _epsilon([near_start.charge(), pca.charge(), counts.charge()], config.delta)
+        privacy["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], config.delta),
                          "epsilon_pca": sel.epsilon_pca, "epsilon_support": sel.epsilon_support,
                          "pca_noise_multiplier": pca.noise_multiplier, "laplace_scale": counts.scale,
-                         "epsilon_total": near_total, "matches_final_checkpoint": near_total <= target_epsilon + 1e-9},
-    }
-    for l in [ledger, *model_ledgers.values()]:
-        l.close()
-    context.results.write_json("privacy", privacy)
-    context.results.write_json("metrics", {"checkpoints": checkpoint_rows, "results": rows,
-                                           "public_pool": len(pool_inputs), "out_of_domain": int(out_of_domain.sum()),
-                                           "labels_bought": annotator.bought})
-    sizes = sorted(sel.sizes)
-    curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
-    curves[f"DP checkpoint (ε={target_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sizes)
-    context.results.plot("accuracy_vs_labels", sizes, curves, "N_labeled (public labels bought)", "test accuracy")
-
-    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4),
-               "epsilon_dp": round(target_epsilon, 3)}
-    for name in sel.strategies:
-        last = [r for r in rows if r["strategy"] == name][-1]
-        summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
-    return summary
+                         "epsilon_total": near_total,
+                         "matches_final_checkpoint": near_total <= _epsilon([checkpoints[-1].charge()], config.delta) + 1e-9}
+    return rows, privacy

@@ -31,7 +31,6 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
     config = dataclasses.replace(
         config,
-        data=dataclasses.replace(config.data, pollution=0.2),
         dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.7),
         selection=dataclasses.replace(config.selection, sizes=(20, 40), epsilon_pca=0.2, epsilon_support=0.3),
         finetune=dataclasses.replace(config.finetune, epochs=3),
@@ -61,6 +60,17 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     assert privacy["run"]["epsilon"] > final_eps and privacy["run"]["charges"] == 3
     assert metrics["labels_bought"] == 5 * (20 + 40)
     assert summary["epsilon_dp"] == pytest.approx(final_eps, abs=1e-3)
+    assert all(r["out_of_domain_share"] == 0 for r in rows)
+
+    # A second run reuses those checkpoints on a polluted pool: charged again in its own ledger.
+    polluted = dataclasses.replace(
+        config, checkpoints_from=str(out), data=dataclasses.replace(config.data, pollution=0.3),
+        selection=dataclasses.replace(config.selection, strategies=("entropy", "near_private"), sizes=(40,)))
+    run(polluted, RunContext("p", RunDirectory(tmp_path, "p")))
+    again = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    assert again["out_of_domain"] == math.ceil(0.3 * 397) and again["checkpoints"] == metrics["checkpoints"]
+    assert [r["strategy"] for r in again["results"]] == ["entropy", "near_private"]
+    assert json.loads((tmp_path / "p" / "privacy.json").read_text())["run"]["charges"] == 3
 
 
 def test_pollution_adds_marked_out_of_domain_images():
