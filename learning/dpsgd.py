@@ -254,6 +254,7 @@ def train_dp(
         raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
     engine = PrivacyEngine(accountant="rdp")
+    model.train()  # Opacus refuses a module in eval mode (e.g. straight after evaluation)
     private_model, dp_optimizer, private_loader = engine.make_private(
         module=model,
         optimizer=optimizer,
