@@ -31,7 +31,7 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
     config = dataclasses.replace(
         config,
-        dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.7),
+        dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.7, target_epsilon=None),
         selection=dataclasses.replace(config.selection, sizes=(20, 40), epsilon_pca=0.2, epsilon_support=0.3),
         finetune=dataclasses.replace(config.finetune, epochs=3),
     )
