@@ -148,6 +148,10 @@ class TeacherPool:
     def num_actors(self) -> int:
         return len(self._actors)
 
+    def ready(self) -> None:
+        """Block until every actor has started (process up, shards received)."""
+        ray.get([actor.__ray_ready__.remote() for actor in self._actors])
+
     def train(self, progress: bool = True) -> list[float]:
         """Train every teacher (actors in parallel); returns each teacher's last-epoch loss."""
         started = time.perf_counter()

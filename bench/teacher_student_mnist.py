@@ -1,0 +1,253 @@
+"""Benchmark: the main job on real MNIST at the papers' scale, beside the published numbers.
+
+Runs configs/mnist-gnmax.yaml, mnist-lnmax.yaml, mnist-nzc.yaml (these three share one set
+of 250 trained teachers: same data, seed and teacher settings) and mnist-nzc-5teachers.yaml,
+and measures
+  * end-to-end labels/s through gRPC (student-side client → aggregator → Ray teacher actors)
+    against the same teachers answering in-process (no gRPC, no Ray), batch 256;
+  * teacher-training speed-up of the Ray actor pool over one process.
+
+Writes results/bench/teacher_student_mnist.json (after every stage, so an interrupted run
+keeps what it measured) and each run's folder under results/bench/teacher_student_mnist/.
+
+    python bench/teacher_student_mnist.py            # the configs as shipped
+    python bench/teacher_student_mnist.py --quick    # fewer epochs and queries (minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.config import load_yaml  # noqa: E402
+from cluster.pipelines.teacher_student import (  # noqa: E402
+    Config, Teachers, TrainingConfig, teach_student, teacher_pool, train_teachers,
+)
+from cluster.results import RunDirectory  # noqa: E402
+from cluster.run_command import load_run_config  # noqa: E402
+
+log = logging.getLogger("bench.teacher_student_mnist")
+
+SHARED_TEACHERS = ("mnist-gnmax", "mnist-lnmax", "mnist-nzc")
+FIVE_TEACHERS = "mnist-nzc-5teachers"
+BATCH = 256
+
+# What the papers report for these settings (δ = 1e-5).
+PUBLISHED = {
+    "mnist-gnmax": {"source": "Papernot et al. 2018, Table 2 (Confident-GNMax, semi-supervised student)",
+                    "queries_asked": 640, "queries_answered": 286, "epsilon": 1.97, "student_accuracy": 0.985},
+    "mnist-lnmax": {"source": "Papernot et al. 2017 / Sun et al. 2019 Table 1 (LNMax, γ = 0.05)",
+                    "epsilon_at_100_answers": 2.04, "epsilon_at_1000_answers": 8.03,
+                    "student_accuracy_9000_answers": 0.934, "label_accuracy": 0.9302},
+    "mnist-nzc": {"source": "Sun et al. 2019, Tables 1-2 (250 teachers)", "queries_answered": 9000,
+                  "claimed_epsilon": "≈0 (not a valid guarantee)", "student_accuracy": 0.951,
+                  "label_accuracy": 0.9433, "clean_vote_accuracy": 0.9437},
+    "mnist-nzc-5teachers": {"source": "Sun et al. 2019, Table 1 (5 teachers)", "queries_answered": 9000,
+                            "claimed_epsilon": "≈0 (not a valid guarantee)", "student_accuracy": 0.978},
+}
+
+
+def load_config(name: str, mnist: Path, quick: bool) -> Config:
+    _, config = load_run_config(load_yaml(ROOT / "configs" / f"{name}.yaml"))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, root=str(mnist)))
+    if not quick:
+        return config
+    queries = min(config.student.queries, 1000)
+    teachers = dataclasses.replace(config.teachers, train=dataclasses.replace(config.teachers.train, epochs=5))
+    student = dataclasses.replace(
+        config.student, queries=queries, checkpoints=tuple(c for c in config.student.checkpoints if c < queries),
+        train=TrainingConfig(epochs=10, batch_size=64, lr=1e-3),
+    )
+    return dataclasses.replace(config, teachers=teachers, student=student)
+
+
+def teacher_key(config: Config) -> tuple:
+    """Configs with equal keys get identical teachers."""
+    return (config.seed, config.data, config.teachers)
+
+
+def run_summary(name: str, config: Config, results: RunDirectory) -> dict:
+    metrics = json.loads((results.path / "metrics.json").read_text())
+    privacy = json.loads((results.path / "privacy.json").read_text())
+    analysis = privacy.get("analysis", {})
+    entry = {
+        "teachers": config.teachers.count,
+        "mechanism": privacy["mechanism"],
+        "student_accuracy": metrics["student_accuracy"],
+        "label_accuracy": metrics["label_accuracy"],
+        "clean_vote_accuracy": metrics["clean_vote_accuracy"],
+        "queries_asked": metrics["queries_asked"],
+        "queries_answered": metrics["queries_answered"],
+        "budget_exhausted": metrics["budget_exhausted"],
+        "epsilon": privacy["epsilon"],  # sound; inf for NZC
+        "epsilon_data_independent": privacy["ledger"]["epsilon"],
+        "epsilon_smooth_sensitivity": analysis.get("epsilon_smooth_sensitivity"),
+        "delta": privacy["delta"],
+        "curve": [{k: p[k] for k in ("asked", "answered", "accuracy")} | {"epsilon": p["budget"]["epsilon_spent"]}
+                  for p in metrics["curve"]],
+        "seconds": metrics["seconds"],
+        "published": PUBLISHED[name],
+    }
+    if "claimed" in analysis:
+        entry["paper_claimed_epsilon"] = analysis["claimed"]["epsilon_total"]
+    return entry
+
+
+def pool_of(config: Config, splits, shards) -> tuple[Teachers, float]:
+    """A Ray pool of ``shards`` packed and trained as ``train_teachers`` does; also the
+    seconds its actors took to start (so training speed can be compared warm)."""
+    started = time.perf_counter()
+    pool = teacher_pool(config, shards)
+    pool.ready()
+    up = time.perf_counter()
+    losses = pool.train()
+    return Teachers(splits, pool, losses, time.perf_counter() - up), up - started
+
+
+def throughput(config: Config, teachers, single) -> dict:
+    """labels/s: student-side gRPC client → aggregator → Ray actors, vs in-process teachers."""
+    from actors.aggregator import AggregatorServer, ServerSettings
+    from cluster.client import AggregatorClient
+    from privacy.accounting.ledger import PrivacyLedger
+    from privacy.randomness import make_rng
+
+    # Fresh inputs (the test split, never asked by the students), so the cache never answers.
+    inputs = teachers.splits.test.x[: 3 * BATCH]
+    batches = [inputs[i:i + BATCH] for i in range(0, len(inputs), BATCH)]
+    mechanism = config.mechanism.build()
+
+    rng = make_rng(1)
+    started = time.perf_counter()
+    for batch in batches:
+        mechanism(single.votes(batch), rng)
+    in_process = len(inputs) / (time.perf_counter() - started)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ledger = PrivacyLedger(Path(tmp) / "ledger.sqlite", epsilon_limit=math.inf, delta=1e-5)
+        token = secrets.token_urlsafe(16)
+        server = AggregatorServer(teachers.pool, mechanism, ledger, teachers.pool.input_shape,
+                                  ServerSettings(host="127.0.0.1", port=0, token=token), rng=make_rng(2))
+        address = server.start()
+        try:
+            with AggregatorClient(address, token) as client:
+                client.label(teachers.splits.test.x[-8:])  # connect and warm up outside the timing
+                started = time.perf_counter()
+                for batch in batches:
+                    client.label(batch)
+                grpc_rate = len(inputs) / (time.perf_counter() - started)
+        finally:
+            server.stop()
+            ledger.close()
+    return {"batch": BATCH, "labels": len(inputs), "grpc_labels_per_second": grpc_rate,
+            "in_process_labels_per_second": in_process, "ratio": grpc_rate / in_process, "goal_ratio": 0.8}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="5 teacher epochs, ≤ 1,000 queries, short student training")
+    parser.add_argument("--mnist", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    parser.add_argument("--speedup-teachers", type=int, default=50,
+                        help="how many of the 250 teachers to train both on a Ray pool and in one process "
+                             "for the speed-up and labels/s comparison (default 50)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these configs")
+    parser.add_argument("--no-five", action="store_true", help="skip the 5-teacher NZC run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+    import torch
+
+    from actors.teacher import TeacherGroup
+    from cluster.ray_runtime import start_ray
+    from learning.data import shard
+
+    out: dict = {"quick": args.quick, "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    bench_dir = RunDirectory(args.results_dir, "bench")
+    run_root = bench_dir.path / "teacher_student_mnist"
+
+    def save() -> None:
+        bench_dir.write_json("teacher_student_mnist", out)
+
+    wanted = args.only or [*SHARED_TEACHERS, FIVE_TEACHERS]
+    configs = {name: load_config(name, args.mnist, args.quick) for name in wanted}
+    # Ray lowers its workers' priority (niceness 15) by default; on a busy machine that alone
+    # would slow the actor path against the in-process baseline, so keep them level here.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    start_ray(None)
+    bench_started = time.perf_counter()
+
+    shared = [name for name in SHARED_TEACHERS if name in configs]
+    if shared:
+        first = configs[shared[0]]
+        assert all(teacher_key(configs[n]) == teacher_key(first) for n in shared), "teacher settings differ"
+        teachers = train_teachers(first)
+        out["teacher_training"] = {"teachers": first.teachers.count, "actors": teachers.pool.num_actors,
+                                   "ray_pool_seconds": teachers.seconds}
+        save()
+        for name in shared:
+            results = RunDirectory(run_root, name)
+            teach_student(configs[name], teachers, results)
+            out["runs"][name] = run_summary(name, configs[name], results)
+            save()
+
+        teachers.pool.shutdown()
+
+        # The first K of these teachers on a fresh Ray pool and in this one process: the
+        # training speed-up and the labels/s of the gRPC path against in-process answers.
+        count = min(args.speedup_teachers, first.teachers.count)
+        shards = shard(teachers.splits.private, first.teachers.count, seed=first.seed)[:count]
+        compared, startup = pool_of(first, teachers.splits, shards)
+        torch.set_num_threads(2)  # the one process gets both cores, as the two actors do
+        single = TeacherGroup(shards, first.teachers.model, first.teachers.train.with_seed(first.seed))
+        started = time.perf_counter()
+        single.train_all()
+        single_seconds = time.perf_counter() - started
+        out["speedup"] = {"teachers": count, "actors": compared.pool.num_actors,
+                          "ray_pool_train_seconds": compared.seconds, "ray_actor_startup_seconds": startup,
+                          "one_process_train_seconds": single_seconds,
+                          "speedup": single_seconds / compared.seconds,
+                          "speedup_including_startup": single_seconds / (compared.seconds + startup)}
+        save()
+        out["throughput"] = {"teachers": count, **throughput(first, compared, single)}
+        save()
+        compared.pool.shutdown()
+
+    if FIVE_TEACHERS in configs and not args.no_five:
+        config = configs[FIVE_TEACHERS]
+        teachers = train_teachers(config)
+        try:
+            results = RunDirectory(run_root, FIVE_TEACHERS)
+            teach_student(config, teachers, results)
+            out["runs"][FIVE_TEACHERS] = run_summary(FIVE_TEACHERS, config, results)
+        finally:
+            teachers.pool.shutdown()
+    out["wall_seconds"] = time.perf_counter() - bench_started
+    save()
+
+    parts = [f"{name}: student {r['student_accuracy']:.4f}, answered {r['queries_answered']}, ε {r['epsilon']:.3g}"
+             for name, r in out["runs"].items()]
+    if "throughput" in out:
+        t = out["throughput"]
+        parts.append(f"gRPC/in-process labels/s {t['grpc_labels_per_second']:.0f}/{t['in_process_labels_per_second']:.0f}"
+                     f" = {t['ratio']:.2f}")
+    if "speedup" in out:
+        parts.append(f"teacher training speed-up {out['speedup']['speedup']:.2f}x")
+    print("teacher_student_mnist" + (" (quick)" if args.quick else "") + ": " + "; ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
