@@ -64,7 +64,10 @@ class Student:
         self.client_factory = client_factory
         self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)
         self.asked = 0
+        self.exhausted = False  # the aggregator refused: no budget left
+        self.query_seconds = 0.0
         self.snapshots: list[dict[str, Any]] = []
+        self._client: Any = None
 
     def query(
         self,
@@ -72,56 +75,73 @@ class Student:
         batch_size: int = 256,
         checkpoints: Sequence[int] = (),
         progress: bool = True,
+        max_batches: int | None = None,
     ) -> dict[str, Any]:
         """Ask for labels of the first ``num_queries`` pool inputs, ``batch_size`` per call.
 
         After each checkpoint (a number of inputs asked) the aggregator's budget is read and
         kept, so accuracy can later be plotted against ε. Stops early, keeping every answer
-        received, when the aggregator refuses for lack of budget.
+        received, when the aggregator refuses for lack of budget. With ``max_batches`` it
+        returns after that many calls and a later call carries on where it stopped (so a
+        driver can show progress while the student runs in an actor).
         """
         if not 1 <= num_queries <= len(self.public):
             raise ValueError(f"num_queries must be in [1, {len(self.public)}] (pool size), got {num_queries}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         stops = sorted({c for c in checkpoints if 0 < c < num_queries} | {num_queries})
-        exhausted = False
+        if self._client is None:
+            self._client = self.client_factory()
         started = time.perf_counter()
-        client = self.client_factory()
-        try:
-            with tqdm(total=num_queries, desc="student queries", unit="query", disable=not progress) as bar:
-                for stop in stops:
-                    while self.asked < stop and not exhausted:
-                        end = min(self.asked + batch_size, stop)
-                        try:
-                            self.labels[self.asked:end] = client.label(self.public.x[self.asked:end])
-                        except Exception as err:  # only a budget refusal is an expected end
-                            if not _is_budget_refusal(err):
-                                raise
-                            log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
-                            exhausted = True
-                            break
-                        bar.update(end - self.asked)
-                        self.asked = end
-                    self.snapshots.append(self._snapshot(client.budget()))
-                    if exhausted:
+        calls = 0
+        with tqdm(total=num_queries, initial=self.asked, desc="student queries", unit="query",
+                  disable=not progress) as bar:
+            for stop in (s for s in stops if s > self._last_snapshot()):
+                while self.asked < stop and not self.exhausted and (max_batches is None or calls < max_batches):
+                    end = min(self.asked + batch_size, stop)
+                    try:
+                        self.labels[self.asked:end] = self._client.label(self.public.x[self.asked:end])
+                    except Exception as err:  # only a budget refusal is an expected end
+                        if not _is_budget_refusal(err):
+                            raise
+                        log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
+                        self.exhausted = True
                         break
-        finally:
-            client.close()
-        seconds = time.perf_counter() - started
-        answered = self.labels[: self.asked] != ABSTAIN
+                    bar.update(end - self.asked)
+                    self.asked = end
+                    calls += 1
+                if self.asked == stop or self.exhausted:
+                    self.snapshots.append(self._snapshot(self._client.budget()))
+                if self.asked < stop:
+                    break
+        self.query_seconds += time.perf_counter() - started
+        return self.summary()
+
+    def _last_snapshot(self) -> int:
+        return self.snapshots[-1]["asked"] if self.snapshots else 0
+
+    def _snapshot(self, budget: dict[str, Any]) -> dict[str, Any]:
+        answered = int((self.labels[: self.asked] != ABSTAIN).sum())
+        return {"asked": self.asked, "answered": answered, "budget": dict(budget)}
+
+    def summary(self) -> dict[str, Any]:
+        """What the queries so far gave: counts, label accuracy, speed and the checkpoints."""
+        seconds = self.query_seconds
         return {
             "asked": self.asked,
-            "answered": int(answered.sum()),
-            "budget_exhausted": exhausted,
+            "answered": int((self.labels[: self.asked] != ABSTAIN).sum()),
+            "budget_exhausted": self.exhausted,
             "label_accuracy": self.label_accuracy(),
             "query_seconds": seconds,
             "labels_per_second": self.asked / seconds if seconds > 0 else math.nan,
             "checkpoints": list(self.snapshots),
         }
 
-    def _snapshot(self, budget: dict[str, Any]) -> dict[str, Any]:
-        answered = int((self.labels[: self.asked] != ABSTAIN).sum())
-        return {"asked": self.asked, "answered": answered, "budget": dict(budget)}
+    def close(self) -> None:
+        """Close the connection to the aggregator."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def label_accuracy(self) -> float:
         """Fraction of released labels that match the pool's ground truth (nan if none)."""

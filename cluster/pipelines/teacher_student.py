@@ -176,28 +176,34 @@ class Teachers:
 
 def train_teachers(config: Config, progress: bool = True) -> Teachers:
     """Split, shard and train the teachers on Ray actors (Ray must be running)."""
-    import ray
-
-    from actors.teacher import TeacherPool
     from learning.data import make_splits, shard
 
     splits = make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
                          seed=config.seed, private_size=config.data.private_size)
     shards = shard(splits.private, config.teachers.count, seed=config.seed)
-    cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    per_actor = config.teachers.per_actor
-    num_actors = math.ceil(config.teachers.count / per_actor) if per_actor else max(1, int(cpus))
-    num_actors = min(num_actors, config.teachers.count)
     started = time.perf_counter()
-    # Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
-    pool = TeacherPool(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
-                       num_actors=num_actors, seed=config.seed,
-                       num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
+    pool = teacher_pool(config, shards)
     losses = pool.train(progress=progress)
     seconds = time.perf_counter() - started
     log.info("teachers: %d trained on %d actors in %.1f s (mean last-epoch loss %.3f)",
              pool.num_teachers, pool.num_actors, seconds, float(np.nanmean(losses)))
     return Teachers(splits, pool, losses, seconds)
+
+
+def teacher_pool(config: Config, shards: list):
+    """Untrained teacher actors for ``shards``, packed as ``config.teachers`` says."""
+    import ray
+
+    from actors.teacher import TeacherPool
+
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    per_actor = config.teachers.per_actor
+    num_actors = math.ceil(len(shards) / per_actor) if per_actor else max(1, int(cpus))
+    num_actors = min(num_actors, len(shards))
+    # Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
+    return TeacherPool(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
+                       num_actors=num_actors, seed=config.seed,
+                       num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
 
 
 def open_ledger(config: Config, path: Path):
@@ -309,8 +315,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
             functools.partial(AggregatorClient, address, token),
             num_threads=max(1, int(student_cpus)),
         )
-        queried = ray.get(student.query.remote(config.student.queries, config.student.batch_size,
-                                               config.student.checkpoints))
+        queried = _query_with_progress(student, config.student)
         phases["query"] = queried["query_seconds"]
         started = time.perf_counter()
         curve = ray.get(student.learning_curve.remote())
@@ -359,6 +364,22 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
         "epsilon": _epsilon_line(config, privacy),
     }
     return summary
+
+
+def _query_with_progress(student, settings: StudentConfig, batches_per_call: int = 4) -> dict[str, Any]:
+    """Let the student actor query in short stretches so the driver can show a progress bar."""
+    import ray
+    from tqdm import tqdm
+
+    with tqdm(total=settings.queries, desc="student queries", unit="query") as bar:
+        while True:
+            state = ray.get(student.query.remote(settings.queries, settings.batch_size, settings.checkpoints,
+                                                 progress=False, max_batches=batches_per_call))
+            bar.update(state["asked"] - bar.n)
+            if state["asked"] >= settings.queries or state["budget_exhausted"]:
+                break
+    ray.get(student.close.remote())
+    return state
 
 
 def _epsilon_line(config: Config, privacy: dict[str, Any]) -> str:

@@ -99,6 +99,19 @@ def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, s
     assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 100
 
 
+def test_query_in_stretches_resumes_where_it_stopped(world, serve):
+    splits, _ = world
+    _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
+    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    progress = []
+    while not progress or progress[-1] < 100:
+        progress.append(student.query(100, 20, (50,), progress=False, max_batches=2)["asked"])
+    student.close()
+    assert progress == [40, 70, 100]  # the checkpoint at 50 splits a batch: 40→50, 50→70
+    assert [c["asked"] for c in student.snapshots] == [50, 100]
+    assert (student.labels[:100] >= 0).all() and (student.labels[100:] == -1).all()
+
+
 def test_query_rejects_impossible_requests(world, serve):
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
