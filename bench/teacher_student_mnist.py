@@ -41,7 +41,7 @@ from cluster.run_command import load_run_config  # noqa: E402
 
 log = logging.getLogger("bench.teacher_student_mnist")
 
-SHARED_TEACHERS = ("mnist-gnmax", "mnist-lnmax", "mnist-nzc")
+SHARED_TEACHERS = ("mnist-gnmax", "mnist-nzc", "mnist-lnmax")  # most wanted first
 FIVE_TEACHERS = "mnist-nzc-5teachers"
 BATCH = 256
 

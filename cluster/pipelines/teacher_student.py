@@ -11,7 +11,8 @@
    analysis of the answered votes only in its smooth-sensitivity release (PATE 2018 §4);
    for NZC the paper's claimed ε≈0 beside the sound ε, which is unbounded.
 
-``Config()`` is the demo (``conclave demo``): digits, 10 teachers, Confident-GNMax.
+``Config()`` is the demo (``conclave demo``): digits, 50 teachers, Confident-GNMax (about a
+minute on 2 CPUs; few teachers leave little room for noise, so its ε is large).
 """
 from __future__ import annotations
 
@@ -343,7 +344,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
     metrics = {
         "student_accuracy": final["accuracy"],
         "label_accuracy": queried["label_accuracy"],
-        "clean_vote_accuracy": clean_accuracy,
+        "clean_vote_accuracy": clean_accuracy,  # raw plurality, no noise: the papers' "clean votes", not DP
         "queries_asked": queried["asked"],
         "queries_answered": queried["answered"],
         "budget_exhausted": queried["budget_exhausted"],
