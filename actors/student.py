@@ -54,9 +54,10 @@ class Student:
         model_name: str,
         train: TrainConfig,
         client_factory: Callable[[], Any],
-        num_threads: int = 1,
+        num_threads: int | None = None,
     ) -> None:
-        torch.set_num_threads(max(1, num_threads))
+        if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
+            torch.set_num_threads(max(1, num_threads))
         self.public = public
         self.test = test
         self.model_name = model_name

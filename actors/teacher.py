@@ -52,11 +52,12 @@ class TeacherGroup:
         model_name: str,
         train: TrainConfig,
         first_teacher: int = 0,
-        num_threads: int = 1,
+        num_threads: int | None = None,
     ) -> None:
         if not shards:
             raise ValueError("a teacher group needs at least one shard")
-        torch.set_num_threads(max(1, num_threads))
+        if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
+            torch.set_num_threads(max(1, num_threads))
         self.shards = shards
         self.train_config = train
         self.first_teacher = first_teacher

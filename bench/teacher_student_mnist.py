@@ -174,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
-    import torch
-
     from actors.teacher import TeacherGroup
     from cluster.ray_runtime import start_ray
     from learning.data import shard
@@ -216,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         count = min(args.speedup_teachers, first.teachers.count)
         shards = shard(teachers.splits.private, first.teachers.count, seed=first.seed)[:count]
         compared, startup = pool_of(first, teachers.splits, shards)
-        torch.set_num_threads(2)  # the one process gets both cores, as the two actors do
-        single = TeacherGroup(shards, first.teachers.model, first.teachers.train.with_seed(first.seed))
+        # The one process gets as many threads as the actors have between them.
+        single = TeacherGroup(shards, first.teachers.model, first.teachers.train.with_seed(first.seed),
+                              num_threads=compared.pool.num_actors)
         started = time.perf_counter()
         single.train_all()
         single_seconds = time.perf_counter() - started
