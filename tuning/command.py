@@ -1,0 +1,31 @@
+"""``conclave tune CONFIG``: run a Ray Tune sweep described by a YAML file (see configs/tune-*.yaml)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster.config import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> None:
+    parser.add_argument("config", help="sweep YAML (kind, base run config, space; see configs/tune-*.yaml)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (default: start one locally)")
+    parser.add_argument("--results-dir", default="results", help="where results/<sweep>/ is written")
+    parser.add_argument("--quiet", action="store_true", help="no Tune progress table while it runs")
+
+
+def main(args: argparse.Namespace) -> int:
+    from tuning.config import load_tune_config
+    from tuning.sweep import check, run_sweep, summary_lines
+
+    try:
+        config = load_tune_config(args.config)
+        check(config)
+    except ConfigError as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
+    summary = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
+    print()
+    for line in summary_lines(summary):
+        print(line)
+    return 0

@@ -1,0 +1,164 @@
+"""What a sweep leaves behind: a table of trials, the winner with the ε that includes the
+tuning, and a plot of accuracy against ε per configuration.
+
+Files in ``results/<sweep>/``: ``trials.csv`` (one row per trial), ``sweep.json`` (the
+trials with their accuracy-vs-ε history, the best trial, the sweep's privacy cost and the
+theorem behind it) and ``accuracy_vs_epsilon.png``.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.results import RunDirectory
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.tuning_cost import SweepCost
+from tuning import spaces
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    status: str  # "ok" or "error"
+    values: dict[str, Any]  # the swept keys' values
+    accuracy: float  # the last reported test accuracy
+    epsilon: float  # this trial's own ε (last report)
+    reports: int
+    history: list[tuple[float, float]] = field(default_factory=list)  # (ε, accuracy) per report
+    extra: dict[str, Any] = field(default_factory=dict)  # other numbers of the last report
+    error: str = ""
+
+
+_CHARGE_KEYS = ("rdp", "extra_delta", "unbounded")
+_SKIP = {"accuracy", "epsilon", *_CHARGE_KEYS, "timestamp", "checkpoint_dir_name", "done", "training_iteration",
+         "trial_id", "date", "time_this_iter_s", "time_total_s", "pid", "hostname", "node_ip", "config",
+         "time_since_restore", "iterations_since_restore", "experiment_tag"}
+
+
+def collect(grid, space: dict[str, Any]) -> tuple[list[TrialRow], list[dict[str, Any] | None]]:
+    """Rows of a Tune ``ResultGrid`` and each trial's last report (None if it never reported)."""
+    rows: list[TrialRow] = []
+    finals: list[dict[str, Any] | None] = []
+    for result in grid:
+        metrics = result.metrics or {}
+        frame = result.metrics_dataframe
+        history = []
+        if frame is not None and "accuracy" in frame and "epsilon" in frame:
+            history = [(float(e), float(a)) for e, a in zip(frame["epsilon"], frame["accuracy"])]
+        reported = "accuracy" in metrics
+        rows.append(TrialRow(
+            trial_id=str(metrics.get("trial_id") or Path(str(result.path)).name),
+            status="error" if result.error else "ok",
+            values=spaces.overrides(space, result.config),
+            accuracy=float(metrics["accuracy"]) if reported else math.nan,
+            epsilon=float(metrics["epsilon"]) if reported else math.nan,
+            reports=len(history),
+            history=history,
+            extra={k: v for k, v in metrics.items() if k not in _SKIP and isinstance(v, (int, float, str))},
+            error=str(result.error).splitlines()[0][:300] if result.error else "",
+        ))
+        finals.append(metrics if reported else None)
+    return rows, finals
+
+
+def best_row(rows: list[TrialRow]) -> TrialRow | None:
+    finite = [r for r in rows if math.isfinite(r.accuracy)]
+    return max(finite, key=lambda r: r.accuracy) if finite else None
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        return "/".join(_fmt(v) for v in value)
+    return str(value)
+
+
+def _label(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in values.items())
+
+
+def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cost: SweepCost,
+          details: dict[str, Any]) -> dict[str, Any]:
+    """Write trials.csv, sweep.json and the plot; return the summary (best trial and cost)."""
+    best = best_row(rows)
+    summary: dict[str, Any] = {
+        "name": name,
+        "kind": kind,
+        "trials": len(rows),
+        "failed": sum(r.status == "error" for r in rows),
+        "tuning_cost": {"method": cost.method, "free": cost.free, "epsilon": cost.epsilon, "delta": cost.delta,
+                        "order": cost.order, "statement": cost.statement},
+        **details,
+    }
+    if best is not None:
+        summary["best"] = {"trial_id": best.trial_id, "values": best.values, "accuracy": best.accuracy,
+                           "epsilon_trial": best.epsilon, "epsilon_with_tuning": cost.epsilon,
+                           "delta": cost.delta}
+    results.write_json("sweep", {**summary, "rows": [_row_json(r) for r in rows]})
+    _write_csv(results.path / "trials.csv", rows)
+    _plot(results.path / "accuracy_vs_epsilon.png", name, rows, best, cost)
+    return summary
+
+
+def _row_json(row: TrialRow) -> dict[str, Any]:
+    return {"trial_id": row.trial_id, "status": row.status, "values": row.values, "accuracy": row.accuracy,
+            "epsilon": row.epsilon, "reports": row.reports, "history": row.history, "extra": row.extra,
+            "error": row.error}
+
+
+def _write_csv(path: Path, rows: list[TrialRow]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r.values))
+    extras = list(dict.fromkeys(k for r in rows for k in r.extra))
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["trial_id", "status", *keys, "accuracy", "epsilon", "reports", *extras, "error"])
+        for r in rows:
+            writer.writerow([r.trial_id, r.status, *(_fmt(r.values.get(k, "")) for k in keys),
+                             f"{r.accuracy:.4f}", f"{r.epsilon:.4f}", r.reports,
+                             *(r.extra.get(k, "") for k in extras), r.error])
+    log.info("wrote %s", path)
+
+
+def _plot(path: Path, name: str, rows: list[TrialRow], best: TrialRow | None, cost: SweepCost) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        points = [(e, a) for e, a in row.history if math.isfinite(e) and math.isfinite(a)]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        is_best = best is not None and row.trial_id == best.trial_id
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.2 if is_best else 1.0,
+                label=("★ " if is_best else "") + _label(row.values))
+    if math.isfinite(cost.epsilon):
+        ax.axvline(cost.epsilon, color="black", linestyle="--", linewidth=1,
+                   label=f"sweep ε incl. tuning = {cost.epsilon:.3g}" + (" (free)" if cost.free else ""))
+    ax.set_xlabel(f"ε (δ = {cost.delta:g}), each trial alone")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def charges_of(finals: list[dict[str, Any] | None], charge_from_fields) -> list[PrivacyCharge] | None:
+    """Every trial's reported charge, or None when a trial never reported one."""
+    charges = []
+    for final in finals:
+        if final is None or any(k not in final for k in _CHARGE_KEYS):
+            return None
+        charges.append(charge_from_fields(final))
+    return charges

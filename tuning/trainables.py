@@ -1,0 +1,301 @@
+"""Trials: one Ray Tune function trainable that runs a sweep kind's piece of a pipeline.
+
+Kinds (``KINDS``) and how their trials run:
+
+* ``teacher_ensemble`` — the ``teacher_student`` pipeline end to end (number of teachers,
+  σ1/σ2/T, number of queries under the ledger's ε limit). Reports every student checkpoint.
+* ``near_private`` — the ``active_learning`` pipeline with NearPrivate only, the ε limit
+  split on the simplex between DP-SGD (``dpsgd.target_epsilon``), DP-PCA and the noisy
+  support counts, and N_labeled. Reports every DP-SGD checkpoint, then the fine-tuned model.
+* ``diverse_public`` — free: one DP-SGD checkpoint is trained once before the sweep
+  (``prepare``); trials see only that checkpoint and public data (N_cluster × N_each).
+* ``sparsity`` — sparse DP fine-tuning of one public model (pre-trained once before the
+  sweep, public data only) for a fraction p and a trained-parameter variant; reports every
+  DP-SGD epoch, so ASHA can stop a poor trial early.
+
+Kinds that run a whole pipeline start the pipeline's own actors (teachers, shard actors,
+the student). Tune captures a trial's child tasks in the trial's placement group, where
+those actors would not fit, so the pipeline runs in a task scheduled outside it and the
+trial itself holds no CPU (only a little memory): the actors ask the cluster themselves.
+
+Every report carries ``accuracy`` (test accuracy), ``epsilon`` (this trial's ε so far)
+and the trial's whole privacy charge (``rdp`` on ``DEFAULT_ORDERS``, ``extra_delta``,
+``unbounded``), charged before training starts, so a trial stopped early still accounts
+for everything it could have released.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from cluster.pipelines import RunContext, pipeline_module
+from cluster.results import RunDirectory
+from cluster.run_command import load_run_config
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import DEFAULT_ORDERS
+from tuning import spaces
+
+log = logging.getLogger(__name__)
+
+TRIAL_MEMORY_BYTES = 64 * 2**20  # what a trial that only waits on its pipeline reserves
+
+
+@dataclass(frozen=True)
+class Kind:
+    pipeline: str
+    per_epoch: bool  # reports during training, so ASHA can stop it
+    in_process: bool  # trains in the trial's own process (else the pipeline's actors do)
+    free: bool  # trials only post-process one DP release made before the sweep
+    fixed_keys: tuple[str, ...] = ()  # prepared once before the sweep: may not be swept
+    privacy_keys: tuple[str, ...] | None = None  # decide a trial's charge; None: no random repetition
+
+
+KINDS: dict[str, Kind] = {
+    "teacher_ensemble": Kind("teacher_student", per_epoch=False, in_process=False, free=False),
+    "near_private": Kind("active_learning", per_epoch=False, in_process=False, free=False),
+    "diverse_public": Kind(
+        "active_learning", per_epoch=False, in_process=True, free=True,
+        fixed_keys=("data.", "dpsgd.", "model", "delta", "epsilon_limit", "seed"),
+    ),
+    "sparsity": Kind(
+        "sparse_finetune", per_epoch=True, in_process=True, free=False,
+        fixed_keys=("model.", "public.", "pretrain.", "seed"),
+        privacy_keys=("private.", "privacy.", "finetune.epochs", "finetune.batch_size",
+                      "finetune.noise_multiplier", "finetune.target_epsilon"),
+    ),
+}
+
+
+def delta_of(config: Any) -> float:
+    """The δ a pipeline config accounts at (top-level ``delta`` or ``privacy.delta``)."""
+    return float(getattr(config, "delta", None) or config.privacy.delta)
+
+
+def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, Any]:
+    """(raw run config, pipeline Config) of the trial with these dotted-key values."""
+    values = dict(values)
+    if kind == "teacher_ensemble" and "mechanism.params.threshold_fraction" in values:
+        # T scales with the ensemble: a fraction of the number of teachers, so T and the count can be swept together.
+        count = values.get("teachers.count", base.get("teachers", {}).get("count", 10))
+        values["mechanism.params.threshold"] = float(values.pop("mechanism.params.threshold_fraction")) * int(count)
+    if kind == "diverse_public" and "selection.n_cluster" in values:
+        # N_cluster is a tuning knob, not a config key: N_labeled = N_cluster × N_each.
+        n_each = values.get("selection.n_each", base.get("selection", {}).get("n_each", 10))
+        values["selection.sizes"] = [int(values.pop("selection.n_cluster")) * int(n_each)]
+    raw = spaces.apply(base, values)
+    return raw, load_run_config(raw)[1]
+
+
+# --- reporting ---------------------------------------------------------------------------
+
+
+def charge_fields(charge: PrivacyCharge) -> dict[str, Any]:
+    return {"rdp": [float(v) for v in charge.rdp], "extra_delta": float(charge.extra_delta),
+            "unbounded": bool(charge.unbounded)}
+
+
+def charge_from_fields(metrics: dict[str, Any]) -> PrivacyCharge:
+    """The charge a trial reported (inverse of ``charge_fields``)."""
+    rdp = np.asarray(metrics["rdp"], dtype=float)
+    if rdp.shape != DEFAULT_ORDERS.shape:
+        raise ValueError("a trial reported its charge on a different grid of orders")
+    return PrivacyCharge(DEFAULT_ORDERS, rdp, extra_delta=float(metrics["extra_delta"]),
+                         unbounded=bool(metrics["unbounded"]), reason="a trial had no finite guarantee"
+                         if metrics["unbounded"] else "")
+
+
+def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any) -> None:
+    from ray import tune
+
+    tune.report({"accuracy": float(accuracy), "epsilon": float(epsilon), **charge_fields(charge), **extra})
+
+
+# --- whole pipelines, outside the trial's placement group ----------------------------------
+
+
+@ray.remote(num_cpus=0)
+def _run_pipeline(raw: dict, directory: str) -> tuple[dict, dict, dict]:
+    """Run a pipeline into ``directory``/run; (metrics, privacy, charge fields of its ledger)."""
+    from privacy.accounting.ledger import PrivacyLedger
+
+    pipeline, config = load_run_config(raw)
+    results = RunDirectory(directory, "run")
+    pipeline_module(pipeline).run(config, RunContext("trial", results, None))
+    metrics = json.loads((results.path / "metrics.json").read_text())
+    privacy = json.loads((results.path / "privacy.json").read_text())
+    with PrivacyLedger(results.path / "ledger.sqlite", math.inf, delta_of(config)) as ledger:
+        spent = ledger.spent()
+    return metrics, privacy, charge_fields(spent)
+
+
+def _pipeline_outside_trial(raw: dict, trial_dir: Path) -> tuple[dict, dict, PrivacyCharge]:
+    metrics, privacy, fields = ray.get(
+        _run_pipeline.options(scheduling_strategy="DEFAULT").remote(raw, str(trial_dir)))
+    return metrics, privacy, charge_from_fields(fields)
+
+
+def _teacher_ensemble(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
+    metrics, privacy, charge = _pipeline_outside_trial(raw, trial_dir)
+    for point in metrics["curve"][:-1]:
+        _report(point["accuracy"], float(point["budget"].get("epsilon_spent", math.nan)), charge,
+                answered=point["answered"])
+    _report(metrics["student_accuracy"], privacy["ledger"]["epsilon"], charge,
+            answered=metrics["queries_answered"], asked=metrics["queries_asked"],
+            label_accuracy=metrics["label_accuracy"])
+
+
+def _near_private(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
+    if tuple(config.selection.strategies) != ("near_private",) or len(config.selection.sizes) != 1:
+        raise ValueError("near_private sweeps need selection.strategies [near_private] and one N_labeled "
+                         "(selection.sizes: [N])")
+    metrics, privacy, charge = _pipeline_outside_trial(raw, trial_dir)
+    for row in metrics["checkpoints"]:  # the DP-SGD model alone, epoch by epoch
+        _report(row["test_accuracy"], row["epsilon"], charge, stage="dpsgd")
+    final = metrics["results"][-1]
+    _report(final["accuracy"], privacy["per_model"]["near_private"]["epsilon"], charge, stage="near_private",
+            n_labeled=final["n_labeled"], start_epoch=final["start_epoch"])
+
+
+# --- trials in the trial's own process ----------------------------------------------------
+
+
+def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> None:
+    """DiversePublic on the sweep's fixed DP checkpoint: public data and the DP model only."""
+    import torch
+
+    from actors.dp_trainer import ModelSpec
+    from cluster.pipelines.active_learning import pollute
+    from learning.annotation import hide_labels, split_private_public
+    from learning.data import Dataset, load_dataset
+    from learning.selection import PublicPool, build_strategy
+    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+
+    torch.set_num_threads(config.torch_threads)
+    data, sel = config.data, config.selection
+    rng = np.random.default_rng(config.seed)
+    train, test = load_dataset(data.name, data.root)
+    _, public = split_private_public(train, data.private_size, config.seed)  # the private part is dropped
+    if data.public_size is not None:
+        public = public.subset(np.arange(min(data.public_size, len(public))))
+    public, _ = pollute(public, data.pollution, rng)
+    pool_inputs, annotator = hide_labels(public)
+    checkpoint = prepared["checkpoint"]
+    model = checkpoint.load_into(ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed).build())
+    pool = PublicPool(predict_logits(model, pool_inputs), embed(model, pool_inputs))
+    size = int(sel.sizes[0])
+    strategy = build_strategy("diverse_public", components=sel.components, n_each=sel.n_each,
+                              uncertain_factor=sel.uncertain_factor)
+    chosen = strategy.select(pool, [size], rng)[size]
+    labels = annotator.label(chosen)
+    finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
+                           lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
+    fit(model, Dataset(pool_inputs[chosen], labels, train.num_classes, "bought-diverse_public"), finetune)
+    nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
+    _report(evaluate(model, test), prepared["epsilon"], nothing, n_labeled=size,
+            n_cluster=math.ceil(size / sel.n_each), checkpoint_accuracy=prepared["accuracy"])
+
+
+def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
+    """Sparse DP fine-tuning of the sweep's public model, one variant, reported every epoch."""
+    import torch
+
+    from actors.sparse_trainer import TransferSource
+    from cluster.pipelines.sparse_finetune import load_split
+    from learning.dpsgd import dp_schedule, train_dp
+    from learning.sparse import plan_variant, replace_classifier
+    from learning.training import evaluate
+    from privacy.accounting.ledger import PrivacyLedger
+
+    if len(config.finetune.variants) != 1:
+        raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
+                         "one-element lists, e.g. {choice: [[classifier], [all]]}")
+    torch.set_num_threads(1)
+    variant = config.finetune.variants[0]
+    private = TransferSource(config.private.dataset, config.private.root, config.private.classes,
+                             config.private.size, config.seed).load()
+    _, private_test = load_split(config.private, config.seed)
+    model = replace_classifier(prepared.build(), private.num_classes, seed=config.seed)
+    plan = plan_variant(model, variant, config.finetune.fraction)
+    dp_config = config.finetune.dp_config(config.privacy.delta, config.seed)
+    schedule = dp_schedule(len(private), dp_config, label=f"dpsgd-sparse-{variant}")
+    limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
+    with PrivacyLedger(trial_dir / "ledger.sqlite", limit, config.privacy.delta) as ledger:
+        ledger.charge(schedule.charge)  # before anything private is computed
+
+    def on_epoch(epoch: int, epsilon: float) -> None:
+        _report(evaluate(model, private_test), epsilon, schedule.charge, epoch=epoch + 1,
+                trained_fraction=plan.trained_fraction, noise_multiplier=schedule.noise_multiplier)
+
+    train_dp(model, private, dp_config, masks=plan.masks, on_epoch=on_epoch)
+
+
+TRIALS: dict[str, Callable[[Any, dict, Any, Path], None]] = {
+    "teacher_ensemble": _teacher_ensemble,
+    "near_private": _near_private,
+    "diverse_public": _diverse_public,
+    "sparsity": _sparsity,
+}
+
+
+def run_trial(params: dict[str, Any], *, kind: str, base: dict, space: dict, prepared: Any = None) -> None:
+    """The function trainable: the base config with this trial's values, run by its kind."""
+    from ray import tune
+
+    raw, config = trial_config(kind, base, spaces.overrides(space, params))
+    trial_dir = Path(tune.get_context().get_trial_dir())
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    TRIALS[kind](config, raw, prepared, trial_dir)
+
+
+# --- what a sweep prepares once, before its trials ------------------------------------------
+
+
+def prepare(kind: str, config: Any, results: RunDirectory) -> dict[str, Any] | Any | None:
+    """Build what every trial of ``kind`` shares; returns None when trials share nothing."""
+    if kind == "diverse_public":
+        return _prepare_checkpoint(config, results)
+    if kind == "sparsity":
+        return _prepare_public_model(config, results)
+    return None
+
+
+def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
+    """One DP-SGD checkpoint for a free sweep: the active-learning pipeline's final checkpoint,
+    trained once with its ledger; every trial post-processes it."""
+    from actors.dp_trainer import DPCheckpoint
+    from cluster.pipelines import active_learning
+    from privacy.accounting.ledger import PrivacyLedger
+
+    once = dataclasses.replace(config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",)))
+    run_dir = RunDirectory(results.path, "checkpoint")
+    active_learning.run(once, RunContext("checkpoint", run_dir, None))
+    final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
+    with PrivacyLedger(run_dir.path / "ledger.sqlite", math.inf, config.delta) as ledger:
+        charge, report = ledger.spent(), ledger.report()
+    metrics = json.loads((run_dir.path / "metrics.json").read_text())
+    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": report.epsilon,
+            "accuracy": metrics["checkpoints"][-1]["test_accuracy"], "path": str(final)}
+
+
+def _prepare_public_model(config: Any, results: RunDirectory):
+    """The public pre-trained model every sparsity trial fine-tunes (public data: free)."""
+    from actors.sparse_trainer import PublicModel
+    from cluster.pipelines.sparse_finetune import load_split, pretrain_public
+    from learning.models import build_model
+
+    public_train, _ = load_split(config.public, config.seed)
+    model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
+                        seed=config.seed, **config.model.kwargs)
+    pretrain_public(model, public_train, config.pretrain, config.seed, results.path / "pretrain")
+    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    return PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
+                       dict(config.model.kwargs), state)
