@@ -15,10 +15,10 @@ import numpy as np
 import ray
 import torch
 
-from learning.data import Dataset, load_dataset
+from learning.data import Dataset
 from learning.dpsgd import DPSGDConfig, dp_schedule, train_dp
 from learning.models import build_model
-from learning.sparse import plan_variant, replace_classifier, select_classes
+from learning.sparse import plan_variant, replace_classifier, transfer_split
 from privacy.accounting.ledger import BudgetReport, PrivacyLedger
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,8 @@ class TransferSource:
     seed: int = 0
 
     def load(self) -> Dataset:
-        train, _ = load_dataset(self.dataset, self.root)
-        data = select_classes(train, self.classes) if self.classes else train
-        if self.size is not None and self.size < len(data):
-            keep = np.sort(np.random.default_rng(self.seed).choice(len(data), self.size, replace=False))
-            data = data.subset(keep)
-        return data
+        train, _ = transfer_split(self.dataset, self.root, self.classes, self.size, self.seed)
+        return train
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
-from learning.data import Dataset
+from learning.data import Dataset, load_dataset
 
 VARIANTS = ("classifier", "classifier+norm", "all", "whole")
 GROUPS = ("conv", "norm", "classifier", "other")
@@ -62,6 +62,19 @@ def select_classes(dataset: Dataset, classes: tuple[int, ...], name: str | None 
     keep = np.flatnonzero(lookup[dataset.y] >= 0)
     label = name or f"{dataset.name}[{','.join(map(str, classes))}]"
     return Dataset(dataset.x[keep], lookup[dataset.y[keep]], len(classes), label)
+
+
+def transfer_split(
+    dataset: str, root: str | None, classes: tuple[int, ...] = (), size: int | None = None, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """(train, test) of ``dataset`` restricted to ``classes`` (all when empty), the training
+    split optionally cut to a seeded subsample of ``size`` (same seed → same examples)."""
+    train, test = load_dataset(dataset, root)
+    if classes:
+        train, test = select_classes(train, classes), select_classes(test, classes)
+    if size is not None and size < len(train):
+        train = train.subset(np.sort(np.random.default_rng(seed).choice(len(train), size, replace=False)))
+    return train, test
 
 
 def replace_classifier(model: nn.Module, num_classes: int, seed: int = 0) -> nn.Module:

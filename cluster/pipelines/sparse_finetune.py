@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from learning.sparse import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -132,17 +130,10 @@ class Config:
 
 
 def load_split(spec: DataSpec, seed: int):
-    """(train, test) of ``spec``: classes selected and relabelled, train subsampled if asked."""
-    from learning.data import load_dataset
-    from learning.sparse import select_classes
+    """(train, test) of ``spec`` (see ``learning.sparse.transfer_split``)."""
+    from learning.sparse import transfer_split
 
-    train, test = load_dataset(spec.dataset, spec.root)
-    if spec.classes:
-        train, test = select_classes(train, spec.classes), select_classes(test, spec.classes)
-    if spec.size is not None and spec.size < len(train):
-        keep = np.sort(np.random.default_rng(seed).choice(len(train), spec.size, replace=False))
-        train = train.subset(keep)
-    return train, test
+    return transfer_split(spec.dataset, spec.root, spec.classes, spec.size, seed)
 
 
 def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_dir: Path | None,
