@@ -10,6 +10,7 @@ Checks made before anything runs (each a ``ConfigError`` naming the problem):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -58,6 +59,17 @@ def check(config: TuneConfig) -> Any:
     return preview
 
 
+def absolute_roots(node: Any) -> Any:
+    """A copy of a run config with every relative data ``root`` made absolute: trials may run
+    in another working directory (or on another node with the same layout)."""
+    if isinstance(node, dict):
+        return {k: (str(Path(v).resolve()) if k == "root" and isinstance(v, str) else absolute_roots(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [absolute_roots(v) for v in node]
+    return node
+
+
 def _resources(config: TuneConfig) -> dict[str, float]:
     from cluster.ray_runtime import gpus_available
 
@@ -86,6 +98,7 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
 
     from cluster.ray_runtime import start_ray
 
+    config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
     kind = KINDS[config.kind]
     delta = delta_of(preview)

@@ -169,39 +169,33 @@ def _near_private(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> Non
 
 
 def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> None:
-    """DiversePublic on the sweep's fixed DP checkpoint: public data and the DP model only."""
+    """DiversePublic on the sweep's fixed DP checkpoint, through the pipeline's own selection
+    and fine-tuning phase. It gets no private source and no ledger (None): a code path that
+    tried to read private data or spend budget would fail instead of costing privacy."""
     import torch
 
     from actors.dp_trainer import ModelSpec
-    from cluster.pipelines.active_learning import pollute
+    from cluster.pipelines.active_learning import _improve, pollute
     from learning.annotation import hide_labels, split_private_public
-    from learning.data import Dataset, load_dataset
-    from learning.selection import PublicPool, build_strategy
-    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from learning.data import load_dataset
 
     torch.set_num_threads(config.torch_threads)
-    data, sel = config.data, config.selection
+    data = config.data
     rng = np.random.default_rng(config.seed)
     train, test = load_dataset(data.name, data.root)
     _, public = split_private_public(train, data.private_size, config.seed)  # the private part is dropped
     if data.public_size is not None:
         public = public.subset(np.arange(min(data.public_size, len(public))))
-    public, _ = pollute(public, data.pollution, rng)
+    public, out_of_domain = pollute(public, data.pollution, rng)
     pool_inputs, annotator = hide_labels(public)
-    checkpoint = prepared["checkpoint"]
-    model = checkpoint.load_into(ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed).build())
-    pool = PublicPool(predict_logits(model, pool_inputs), embed(model, pool_inputs))
-    size = int(sel.sizes[0])
-    strategy = build_strategy("diverse_public", components=sel.components, n_each=sel.n_each,
-                              uncertain_factor=sel.uncertain_factor)
-    chosen = strategy.select(pool, [size], rng)[size]
-    labels = annotator.label(chosen)
-    finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
-                           lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
-    fit(model, Dataset(pool_inputs[chosen], labels, train.num_classes, "bought-diverse_public"), finetune)
+    spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
+    rows, _ = _improve(config, [prepared["checkpoint"]], None, spec, None, pool_inputs, annotator,
+                       out_of_domain, test, rng, trial_dir)
     nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
-    _report(evaluate(model, test), prepared["epsilon"], nothing, n_labeled=size,
-            n_cluster=math.ceil(size / sel.n_each), checkpoint_accuracy=prepared["accuracy"])
+    row = rows[-1]
+    _report(row["accuracy"], prepared["epsilon"], nothing, n_labeled=row["n_labeled"],
+            n_cluster=math.ceil(row["n_labeled"] / config.selection.n_each),
+            checkpoint_accuracy=prepared["accuracy"])
 
 
 def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
