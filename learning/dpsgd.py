@@ -170,11 +170,10 @@ class MaskedDPOptimizer(DPOptimizer):
             mask = self._mask_of(p)
             if mask is None or getattr(p, "grad_sample", None) is None:
                 continue
-            # grad_sample is [batch, *p.shape] (a list of those when accumulating).
-            if isinstance(p.grad_sample, list):
-                p.grad_sample = [g * mask for g in p.grad_sample]
-            else:
-                p.grad_sample = p.grad_sample * mask
+            # grad_sample is [batch, *p.shape] (a list of those when accumulating); it is
+            # outside the autograd graph, so masking in place saves a batch-sized copy.
+            for g in p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]:
+                g.mul_(mask)
         super().clip_and_accumulate()
 
     def add_noise(self) -> None:
