@@ -116,19 +116,24 @@ class DPCheckpoint:
                                        label=f"dpsgd-epoch-{self.epoch}")
 
     def load_into(self, model: nn.Module) -> nn.Module:
-        model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in self.state.items()})
+        model.load_state_dict(_tensors(self.state))
         return model
 
     def save(self, path: str | Path) -> None:
-        torch.save({**{k: v for k, v in self.__dict__.items() if k != "state"}, "state": self.state}, path)
+        torch.save({**self.__dict__, "state": _tensors(self.state)}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> DPCheckpoint:
-        return cls(**torch.load(path, weights_only=False))
+        data = torch.load(path, weights_only=True)  # plain tensors and numbers: no pickled code runs
+        return cls(**{**data, "state": {k: v.numpy() for k, v in data["state"].items()}})
 
 
 def _state_of(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _tensors(state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
 
 @ray.remote
@@ -163,7 +168,7 @@ class ShardActor:
 
     def set_weights(self, state: dict[str, np.ndarray]) -> None:
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
-        self._model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+        self._model.load_state_dict(_tensors(state))
         self._embeddings = embed(self._model, self._data.x)
         self._entropy = logit_entropy(predict_logits(self._model, self._data.x))
 
