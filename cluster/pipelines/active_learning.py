@@ -187,7 +187,8 @@ def run(config: Config, context: RunContext) -> dict:
     data, sel = config.data, config.selection
 
     # 1. Public pool (labels hidden behind the annotator) and test set; the private part is
-    #    read only by the actors that hold it.
+    #    read only by the actors that hold it. (Here both parts come from one file, so the
+    #    driver reads it too but keeps only the public rest.)
     train, test = load_dataset(data.name, data.root)
     _, public = split_private_public(train, data.private_size, config.seed)
     if data.public_size is not None:
