@@ -185,8 +185,8 @@ class MaskedDPOptimizer(DPOptimizer):
                 p.grad = p.grad * mask
 
 
-def _torch_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
+def _torch_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
     generator.manual_seed(secrets.randbits(63) if seed is None else seed)
     return generator
 
@@ -251,9 +251,10 @@ def train_dp(
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
     if len(loader) * config.epochs != schedule.steps:
         raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
     engine = PrivacyEngine(accountant="rdp")
-    model.train()  # Opacus refuses a module in eval mode (e.g. straight after evaluation)
     private_model, dp_optimizer, private_loader = engine.make_private(
         module=model,
         optimizer=optimizer,
@@ -262,7 +263,8 @@ def train_dp(
         max_grad_norm=config.max_grad_norm,
         poisson_sampling=True,
         grad_sample_mode=config.grad_sample_mode,
-        noise_generator=_torch_generator(None if config.seed is None else config.seed + 1),
+        # The noise is drawn where the gradients live; batches are sampled on the CPU.
+        noise_generator=_torch_generator(None if config.seed is None else config.seed + 1, device),
     )
     if resolved_masks:
         dp_optimizer = MaskedDPOptimizer(
@@ -298,6 +300,7 @@ def train_dp(
         private_model.train()
         loss_sum, seen = 0.0, 0
         for x, y in private_loader:
+            x, y = x.to(device), y.to(device)
             dp_optimizer.zero_grad()
             # An empty Poisson batch still takes a (pure noise) step: skipping it would
             # reveal that the batch was empty, and the accountant counts every step.

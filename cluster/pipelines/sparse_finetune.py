@@ -173,7 +173,7 @@ def run(config: Config, context) -> dict[str, Any]:
     import ray
 
     from actors.sparse_trainer import PublicModel, SparseTrainerActor, TransferSource
-    from cluster.ray_runtime import start_ray
+    from cluster.ray_runtime import gpus_available, start_ray
     from learning.models import build_model
     from learning.training import evaluate
     from privacy.accounting.ledger import PrivacyLedger
@@ -196,7 +196,9 @@ def run(config: Config, context) -> dict[str, Any]:
     limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
     source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
                             config.private.size, config.seed)
-    trainer = SparseTrainerActor.options(num_cpus=1).remote(source, str(ledger_path), limit, config.privacy.delta)
+    # The actor takes a GPU when the cluster has one (train_dp then trains on it).
+    trainer = SparseTrainerActor.options(num_cpus=1, num_gpus=min(1.0, gpus_available())).remote(
+        source, str(ledger_path), limit, config.privacy.delta)
     _, private_test = load_split(config.private, config.seed)
     dp_config = config.finetune.dp_config(config.privacy.delta, config.seed)
 
