@@ -22,17 +22,18 @@ from privacy.randomness import make_rng
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers"]
 
-# A smaller demo: 20 teachers on digits, Confident-GNMax, 150 queries.
+# A smaller demo: 10 teachers on digits, Confident-GNMax, 120 queries (so little noise
+# that ε is large: this checks the plumbing and the bookkeeping, not a privacy level).
 TINY = {
     "pipeline": "teacher_student",
     "name": "tiny",
     "seed": 1,
     "data": {"name": "digits", "public_size": 200},
-    "teachers": {"count": 20, "model": "digits_cnn", "train": {"epochs": 30, "batch_size": 32, "lr": 0.003}},
-    "mechanism": {"name": "confident-gnmax", "params": {"threshold": 12.0, "sigma1": 4.0, "sigma2": 2.0}},
-    "privacy": {"epsilon_limit": 200.0, "delta": 1.0e-5},
-    "student": {"queries": 150, "batch_size": 50, "checkpoints": [50],
-                "model": "digits_cnn", "train": {"epochs": 30, "batch_size": 32, "lr": 0.003}},
+    "teachers": {"count": 10, "model": "digits_cnn", "train": {"epochs": 15, "batch_size": 32, "lr": 0.003}},
+    "mechanism": {"name": "confident-gnmax", "params": {"threshold": 6.0, "sigma1": 3.0, "sigma2": 2.0}},
+    "privacy": {"epsilon_limit": 1000.0, "delta": 1.0e-5},
+    "student": {"queries": 120, "batch_size": 40, "checkpoints": [40],
+                "model": "digits_cnn", "train": {"epochs": 25, "batch_size": 32, "lr": 0.003}},
 }
 
 
@@ -48,23 +49,22 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     privacy = json.loads((run_dir / "privacy.json").read_text())
-    assert json.loads((run_dir / "config.json").read_text())["teachers"]["count"] == 20
+    assert json.loads((run_dir / "config.json").read_text())["teachers"]["count"] == 10
 
     # The student learned from the teachers: far above chance (0.1) on held-out digits.
     assert metrics["student_accuracy"] > 0.5
-    assert metrics["queries_asked"] == 150
-    assert 0 < metrics["queries_answered"] <= 150
+    assert metrics["queries_asked"] == 120
+    assert 0 < metrics["queries_answered"] <= 120
     assert metrics["label_accuracy"] > 0.7
-    assert [p["asked"] for p in metrics["curve"]] == [50, 150]
-    assert metrics["teachers"] == {"count": 20, "actors": 2, "mean_last_epoch_loss": pytest.approx(
-        metrics["teachers"]["mean_last_epoch_loss"])}
+    assert [p["asked"] for p in metrics["curve"]] == [40, 120]
+    assert metrics["teachers"]["count"] == 10 and metrics["teachers"]["actors"] == 2
 
     # The ε report agrees with the ledger that gated the answers, and with the counters.
     ledger = privacy["ledger"]
     analysis = privacy["analysis"]
-    assert ledger["sound"] and 0 < ledger["epsilon"] <= 200.0
+    assert ledger["sound"] and 0 < ledger["epsilon"] <= 1000.0
     assert analysis["epsilon_data_independent"] == pytest.approx(ledger["epsilon"], rel=1e-6)
-    assert analysis["queries"] == 150 and analysis["answered"] == metrics["queries_answered"]
+    assert analysis["queries"] == 120 and analysis["answered"] == metrics["queries_answered"]
     assert metrics["curve"][-1]["budget"]["epsilon_spent"] == pytest.approx(ledger["epsilon"])
     assert privacy["epsilon"] <= ledger["epsilon"]
     # Only the smooth-sensitivity release of the data-dependent analysis is published.
@@ -168,7 +168,7 @@ def test_serve_answers_outside_clients_until_stopped(ray_session, tmp_path, monk
         thread.join(timeout=60)
     assert outcome == [0]
     # The ledger outlives the server: reopening it restores what was spent.
-    reopened = PrivacyLedger(tmp_path / "serve-ledger.sqlite", epsilon_limit=200.0, delta=1e-5)
+    reopened = PrivacyLedger(tmp_path / "serve-ledger.sqlite", epsilon_limit=1000.0, delta=1e-5)
     assert reopened.report().epsilon == pytest.approx(budget["epsilon_spent"])
     reopened.close()
 
