@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -116,6 +118,26 @@ class FinetuneConfig:
 
 
 @dataclass(frozen=True)
+class AnnotatorConfig:
+    """Who labels the bought points. "oracle" reveals the pool's true labels (a human
+    annotator). "aggregator" asks a running teacher-ensemble aggregator (``conclave serve``)
+    over gRPC; its privacy cost is charged to the aggregator's own ledger and reported beside
+    this run's (if its teachers saw the same private data, the two ε's compose)."""
+
+    kind: Literal["oracle", "aggregator"] = "oracle"
+    address: str | None = None  # host:port of the aggregator
+    token_env: str | None = None  # environment variable holding its bearer token (not the token)
+    root_cert: str | None = None  # PEM file when the aggregator speaks TLS
+    batch: int = 512  # inputs per Label call (at most the server's max_batch)
+
+    def __post_init__(self) -> None:
+        if self.kind == "aggregator" and not self.address:
+            raise ValueError("annotator.address is required when annotator.kind is aggregator")
+        if self.batch < 1:
+            raise ValueError(f"annotator.batch must be >= 1, got {self.batch}")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "active-digits"
     model: str = "digits_cnn"
@@ -123,6 +145,7 @@ class Config:
     dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    annotator: AnnotatorConfig = field(default_factory=AnnotatorConfig)
     delta: float = 1e-5
     epsilon_limit: float | None = None  # None: the ledger only reports
     checkpoints_from: str | None = None  # reuse an earlier run's DP checkpoints (its results folder)
@@ -167,6 +190,19 @@ def pollute(public, fraction: float, rng: np.random.Generator):
     return polluted, np.concatenate([np.zeros(len(public), dtype=bool), np.ones(count, dtype=bool)])
 
 
+def aggregator_annotator(inputs: np.ndarray, client, batch: int = 512):
+    """A ``CallableAnnotator`` whose labels come from an aggregator client, ``batch`` inputs per
+    call (-1 where the aggregator abstains). Asking again for an input costs nothing: the
+    aggregator answers repeats from its cache."""
+    from learning.annotation import CallableAnnotator
+
+    def label(x: np.ndarray) -> np.ndarray:
+        parts = [client.label(x[i:i + batch]) for i in range(0, len(x), batch)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    return CallableAnnotator(inputs, label)
+
+
 # ---- the run --------------------------------------------------------------------------
 
 
@@ -195,6 +231,13 @@ def run(config: Config, context: RunContext) -> dict:
         public = public.subset(np.arange(min(data.public_size, len(public))))
     public, out_of_domain = pollute(public, data.pollution, rng)
     pool_inputs, annotator = hide_labels(public)
+    client = None
+    if config.annotator.kind == "aggregator":
+        from cluster.client import AggregatorClient
+
+        token = os.environ.get(config.annotator.token_env) if config.annotator.token_env else None
+        client = AggregatorClient(config.annotator.address, token=token, root_cert=config.annotator.root_cert)
+        annotator = aggregator_annotator(pool_inputs, client, config.annotator.batch)
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed)
@@ -216,6 +259,9 @@ def run(config: Config, context: RunContext) -> dict:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
     privacy = {"delta": config.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
     ledger.close()
+    if client is not None:
+        privacy["annotator_aggregator"] = client.budget()  # its own ledger: the teachers' data
+        client.close()
 
     # 4. Evidence.
     context.results.write_json("privacy", privacy)

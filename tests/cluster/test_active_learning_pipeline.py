@@ -25,6 +25,8 @@ def test_both_configs_load():
         assert pipeline == "active_learning" and len(config.selection.strategies) == 5
     with pytest.raises(ConfigError, match="strategies"):
         load_run_config({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
+    with pytest.raises(ConfigError, match="annotator.address"):
+        load_run_config({"pipeline": "active_learning", "annotator": {"kind": "aggregator"}})
 
 
 def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_session, tmp_path):
@@ -81,3 +83,41 @@ def test_pollution_adds_marked_out_of_domain_images():
     np.testing.assert_allclose(polluted.x[90], 1 - train.x[:90][np.argmax([np.allclose(polluted.x[90], 1 - x)
                                                                             for x in train.x[:90]])])
     assert math.isclose(pollute(train.subset(np.arange(5)), 0.0, np.random.default_rng(0))[1].sum(), 0)
+
+
+class UnanimousTeachers:
+    """Stand-in for the teacher ensemble behind a real aggregator: all 50 vote for class 3."""
+
+    num_classes = 10
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        votes = np.zeros((len(inputs), 10), dtype=np.int64)
+        votes[:, 3] = 50
+        return votes
+
+
+def test_the_aggregator_can_be_the_annotator_over_grpc(tmp_path):
+    from actors.aggregator import AggregatorServer, ServerSettings
+    from cluster.client import AggregatorClient
+    from cluster.pipelines.active_learning import aggregator_annotator
+    from privacy.accounting.ledger import PrivacyLedger
+    from privacy.mechanisms import build_mechanism
+
+    train, _ = load_digits()
+    pool = train.x[:200]
+    ledger = PrivacyLedger(tmp_path / "aggregator.sqlite", math.inf, 1e-5)
+    server = AggregatorServer(UnanimousTeachers(), build_mechanism("gnmax", sigma=2.0), ledger, pool.shape[1:],
+                              ServerSettings(max_batch=64, token="secret"), rng=np.random.default_rng(0))
+    address = server.start()
+    try:
+        with AggregatorClient(address, token="secret") as client:
+            annotator = aggregator_annotator(pool, client, batch=64)
+            labels = annotator.label(np.arange(150))  # three calls: 64 + 64 + 22
+            assert labels.tolist() == [3] * 150 and annotator.bought == 150
+            annotator.label(np.arange(100))  # already bought: answered from the aggregator's cache
+            budget = client.budget()
+            assert budget["queries_answered"] == 150 and budget["cache_hits"] == 100
+            assert budget["epsilon_spent"] > 0
+    finally:
+        server.stop()
+        ledger.close()
