@@ -311,6 +311,7 @@ def train_distributed(source: PrivateSource, model: ModelSpec, config: DPSGDConf
                                      resources_per_worker={"CPU": cpus_per_worker}),
         run_config=RunConfig(name=name, storage_path=storage_path, checkpoint_config=CheckpointConfig(num_to_keep=None)),
     )
+    log.info("data-parallel DP-SGD over %d Ray Train workers", source.num_shards)
     result = trainer.fit()
     checkpoints = []
     for checkpoint, _ in result.best_checkpoints or []:

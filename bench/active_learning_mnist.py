@@ -95,6 +95,7 @@ def main() -> int:
         config, name=f"{config.name}-polluted", checkpoints_from=str(runs_dir / config.name),
         data=dataclasses.replace(config.data, pollution=POLLUTION))
     for key, run_config in (("clean", config), ("polluted", polluted)):
+        log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
         summary = run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
         folder = runs_dir / run_config.name
