@@ -9,7 +9,8 @@ A second run reuses those checkpoints on a polluted public pool (+20% out-of-dom
 inverted digits, uniform noise, random strokes) and reports the share of out-of-domain picks.
 
 Writes results/bench/active_learning_mnist.json after each run (an interrupted benchmark keeps
-what it measured) and the run folders under results/bench/active_learning_mnist/.
+what it measured; "quick" and "full" figures sit side by side in it) and the run folders under
+results/bench/active_learning_mnist/.
 
     python bench/active_learning_mnist.py            # configs/mnist-active.yaml as shipped
     python bench/active_learning_mnist.py --quick    # smaller private set, fewer epochs and budgets
@@ -84,12 +85,15 @@ def main() -> int:
 
     config = bench_config(args.mnist, args.quick)
     runs_dir = args.out.parent / "active_learning_mnist"
-    report: dict = {"quick": args.quick, "config": dataclasses.asdict(config), "seed_reference": SEED_REFERENCE,
-                    "runs": {}}
+    mode = "quick" if args.quick else "full"
+    report: dict = {"config": dataclasses.asdict(config), "runs": {}, "finished": False}
+    # One file for both modes: a quick run does not erase the full run's figures, nor vice versa.
+    everything = json.loads(args.out.read_text()) if args.out.exists() else {}
+    everything.update({"seed_reference": SEED_REFERENCE, mode: report})
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        args.out.write_text(json.dumps(everything, indent=2, sort_keys=True, default=str) + "\n")
 
     polluted = dataclasses.replace(
         config, name=f"{config.name}-polluted", checkpoints_from=str(runs_dir / config.name),
@@ -108,6 +112,8 @@ def main() -> int:
             "table": table(metrics), "near_private": privacy.get("near_private"), "run_ledger": privacy["run"]}
         save()
 
+    report["finished"] = True
+    save()
     clean = report["runs"]["clean"]
     final = clean["dp_checkpoints"][-1]
     top = str(max(config.selection.sizes))
