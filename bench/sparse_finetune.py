@@ -79,12 +79,15 @@ def finetune(public_model, private: Dataset, test: Dataset, variant: str, fracti
 def ratios(public_model, private: Dataset, batch: int, sigma: float, fraction: float) -> dict:
     """Noise-to-gradient ratio per group at the first step of each variant (Fig. 3)."""
     x, y = torch.from_numpy(private.x[:batch]), torch.from_numpy(private.y[:batch])
-    out = {}
+    out: dict = {}
     for variant in VARIANTS:
         model = replace_classifier(copy.deepcopy(public_model), private.num_classes, seed=0)
         plan = plan_variant(model, variant, fraction)
-        out[variant] = noise_to_gradient_ratio(model, x, y, sigma, 1.0, plan.masks)["groups"]
-    return out
+        measured = noise_to_gradient_ratio(model, x, y, sigma, 1.0, plan.masks)
+        out[variant] = measured["groups"]
+        if variant == "whole":
+            layers = measured["layers"]
+    return {"groups": out, "layers_whole": layers}
 
 
 def main() -> int:
@@ -96,6 +99,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     warnings.filterwarnings("ignore", module="opacus")
     warnings.filterwarnings("ignore", message=".*backward hook.*")
+    logging.getLogger("learning.dpsgd").setLevel(logging.WARNING)  # one line per run is enough
     torch.set_num_threads(args.threads)
 
     setting = {
@@ -138,18 +142,24 @@ def main() -> int:
                        and r["fraction"] == setting["main_fraction"]) for e in setting["epsilons"]]
         for variant in VARIANTS
     }
+    gaps = [a - c for a, c in zip(table["all"], table["classifier"])]
     payload = {
         "benchmark": "sparse_finetune", "setting": setting, "paper_table3_cifar10": PAPER,
-        "accuracy_by_variant": table, "fraction_sweep_at_epsilon_1": {
+        "accuracy_by_variant": table,
+        "direction": {
+            "all_minus_classifier": gaps,
+            "all_beats_classifier_at_every_epsilon": all(g > 0 for g in gaps),
+            "gap_grows_with_epsilon": all(b > a for a, b in zip(gaps, gaps[1:])) if len(gaps) > 1 else None,
+            "whole_minus_all": [w - a for w, a in zip(table["whole"], table["all"])],
+        }, "fraction_sweep_at_epsilon_1": {
             str(r["fraction"]): r["accuracy"] for r in runs if r["variant"] == "all" and r["target_epsilon"] == sweep_epsilon
         },
-        "noise_to_gradient_ratio_at_epsilon_1": {"noise_multiplier": sigma, "groups": noise_ratio},
+        "noise_to_gradient_ratio_at_epsilon_1": {"noise_multiplier": sigma, **noise_ratio},
         "runs": runs, "pretrain_seconds": pretrain_seconds, "total_seconds": time.perf_counter() - started,
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(payload, indent=2) + "\n")
-    gaps = [a - c for a, c in zip(table["all"], table["classifier"])]
     print(f"sparse_finetune: acc all {['%.3f' % a for a in table['all']]} vs classifier "
           f"{['%.3f' % a for a in table['classifier']]} vs whole {['%.3f' % a for a in table['whole']]} "
           f"at ε={setting['epsilons']}; all−classifier gap {['%+.3f' % g for g in gaps]}; "
