@@ -90,6 +90,31 @@ def ratios(public_model, private: Dataset, batch: int, sigma: float, fraction: f
     return {"groups": out, "layers_whole": layers}
 
 
+def summarize(setting: dict, runs: list[dict], planned: int, sigma: float, noise_ratio: dict) -> dict:
+    """The JSON payload from the runs finished so far (missing cells are null)."""
+
+    def accuracy(variant: str, epsilon: float, fraction: float) -> float | None:
+        return next((r["accuracy"] for r in runs if r["variant"] == variant and r["target_epsilon"] == epsilon
+                     and r["fraction"] == fraction), None)
+
+    table = {v: [accuracy(v, e, setting["main_fraction"]) for e in setting["epsilons"]] for v in VARIANTS}
+    pairs = [(a, c) for a, c in zip(table["all"], table["classifier"]) if a is not None and c is not None]
+    gaps = [a - c for a, c in pairs]
+    return {
+        "benchmark": "sparse_finetune", "setting": setting, "complete": len(runs) == planned,
+        "paper_table3_cifar10": PAPER, "accuracy_by_variant": table,
+        "direction": {
+            "all_minus_classifier": gaps,
+            "all_beats_classifier_at_every_epsilon": all(g > 0 for g in gaps) if gaps else None,
+            "gap_grows_with_epsilon": all(b > a for a, b in zip(gaps, gaps[1:])) if len(gaps) > 1 else None,
+            "whole_minus_all": [w - a for w, a in zip(table["whole"], table["all"]) if w is not None and a is not None],
+        },
+        "fraction_sweep_at_epsilon_1": {str(f): accuracy("all", 1.0, f) for f in setting["fractions"]},
+        "noise_to_gradient_ratio_at_epsilon_1": {"noise_multiplier": sigma, **noise_ratio},
+        "runs": runs,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny run (one ε, 1,000 private examples)")
@@ -125,41 +150,21 @@ def main() -> int:
                            max_grad_norm=1.0, delta=1e-5, target_epsilon=epsilon, momentum=0.9, seed=0,
                            lr_overrides=(("classifier.", setting["classifier_lr"]),))
 
-    runs = []
-    for epsilon in setting["epsilons"]:
-        for variant in VARIANTS:
-            runs.append(finetune(public_model, private, test, variant, setting["main_fraction"], dp(epsilon)))
-    sweep_epsilon = 1.0
-    for fraction in setting["fractions"]:
-        if fraction != setting["main_fraction"]:
-            runs.append(finetune(public_model, private, test, "all", fraction, dp(sweep_epsilon)))
-
     sigma = dp_schedule(len(private), dp(1.0)).noise_multiplier
     noise_ratio = ratios(public_model, private, setting["batch_size"], sigma, setting["main_fraction"])
-
-    table = {
-        variant: [next(r["accuracy"] for r in runs if r["variant"] == variant and r["target_epsilon"] == e
-                       and r["fraction"] == setting["main_fraction"]) for e in setting["epsilons"]]
-        for variant in VARIANTS
-    }
-    gaps = [a - c for a, c in zip(table["all"], table["classifier"])]
-    payload = {
-        "benchmark": "sparse_finetune", "setting": setting, "paper_table3_cifar10": PAPER,
-        "accuracy_by_variant": table,
-        "direction": {
-            "all_minus_classifier": gaps,
-            "all_beats_classifier_at_every_epsilon": all(g > 0 for g in gaps),
-            "gap_grows_with_epsilon": all(b > a for a, b in zip(gaps, gaps[1:])) if len(gaps) > 1 else None,
-            "whole_minus_all": [w - a for w, a in zip(table["whole"], table["all"])],
-        }, "fraction_sweep_at_epsilon_1": {
-            str(r["fraction"]): r["accuracy"] for r in runs if r["variant"] == "all" and r["target_epsilon"] == sweep_epsilon
-        },
-        "noise_to_gradient_ratio_at_epsilon_1": {"noise_multiplier": sigma, **noise_ratio},
-        "runs": runs, "pretrain_seconds": pretrain_seconds, "total_seconds": time.perf_counter() - started,
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    plan = [(e, v, setting["main_fraction"]) for e in setting["epsilons"] for v in VARIANTS]
+    plan += [(1.0, "all", f) for f in setting["fractions"] if f != setting["main_fraction"]]
+    runs: list[dict] = []
+    for epsilon, variant, fraction in plan:
+        runs.append(finetune(public_model, private, test, variant, fraction, dp(epsilon)))
+        # Written after every run, so a slow machine still leaves the finished part.
+        payload = summarize(setting, runs, len(plan), sigma, noise_ratio)
+        payload.update(pretrain_seconds=pretrain_seconds, total_seconds=time.perf_counter() - started,
+                       machine={"python": platform.python_version(), "torch": torch.__version__,
+                                "threads": args.threads})
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    table, gaps = payload["accuracy_by_variant"], payload["direction"]["all_minus_classifier"]
     print(f"sparse_finetune: acc all {['%.3f' % a for a in table['all']]} vs classifier "
           f"{['%.3f' % a for a in table['classifier']]} vs whole {['%.3f' % a for a in table['whole']]} "
           f"at ε={setting['epsilons']}; all−classifier gap {['%+.3f' % g for g in gaps]}; "
