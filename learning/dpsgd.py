@@ -35,9 +35,9 @@ from privacy.accounting.rdp import sampled_gaussian_charge
 
 log = logging.getLogger(__name__)
 
-# Grad-sample modes that materialise per-example gradients (ghost clipping never does,
-# so a per-element mask cannot act before its clipping).
-_MASKABLE_MODES = ("hooks", "functorch", "ew")
+# Grad-sample modes that materialise per-example gradients. Ghost clipping never does (so a
+# per-element mask could not act before its clipping) and is not offered.
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew")
 
 
 class ArrayDataset(Protocol):
@@ -89,6 +89,8 @@ class DPSGDConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size}")
 
@@ -242,8 +244,6 @@ def train_dp(
     ``on_epoch(epoch, epsilon)`` is called after every epoch with the ε spent so far.
     """
     masks = masks or {}
-    if masks and config.grad_sample_mode not in _MASKABLE_MODES:
-        raise ValueError(f"masks need per-example gradients: grad_sample_mode must be one of {_MASKABLE_MODES}")
     resolved_masks = _check_masks(model, masks)
     generator = _torch_generator(config.seed)
     loader = _loader(dataset, config.batch_size, generator)

@@ -179,6 +179,8 @@ def test_config_needs_exactly_one_noise_setting():
         DPSGDConfig(noise_multiplier=1.0, target_epsilon=1.0)
     with pytest.raises(ValueError, match="exactly one"):
         DPSGDConfig()
+    with pytest.raises(ValueError, match="grad_sample_mode"):
+        DPSGDConfig(noise_multiplier=1.0, grad_sample_mode="ghost")
 
 
 def test_physical_batch_splitting_is_the_same_training(digits):
