@@ -72,16 +72,16 @@ def best_row(rows: list[TrialRow]) -> TrialRow | None:
     return max(finite, key=lambda r: r.accuracy) if finite else None
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, digits: int = 6) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}"
+        return f"{value:.{digits}g}"
     if isinstance(value, (list, tuple)):
-        return "/".join(_fmt(v) for v in value)
+        return "/".join(_fmt(v, digits) for v in value)
     return str(value)
 
 
 def _label(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in values.items())
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v, 3)}" for k, v in values.items())
 
 
 def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cost: SweepCost,

@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -125,22 +124,18 @@ def _wait(client, job_id: str):
         time.sleep(1)
 
 
-JOB_SCRIPT = '''"""A tiny job: the tuning-cost bound of a geometric sweep, written where it is told."""
-import json
-import sys
-
-import numpy as np
-
-from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, random_repetition_rdp
-
-orders = np.array([2.0, 4.0, 8.0])
-rdp = random_repetition_rdp(orders, orders / 8, TruncatedNegativeBinomial(eta=1.0, gamma=0.1))
-with open(sys.argv[1], "w") as out:
-    json.dump({"expected_trials": 10.0, "rdp_at_8": float(rdp[2])}, out)
-'''
+# The smallest real pipeline: sparse DP fine-tuning on the bundled digits (one actor).
+TINY_RUN = """\
+pipeline: sparse_finetune
+name: job-tiny
+seed: 0
+pretrain: {epochs: 1, batch_size: 64, lr: 0.003}
+finetune: {variants: [classifier], epochs: 1, batch_size: 128, target_epsilon: 1.0}
+privacy: {epsilon_limit: 2.0, delta: 1.0e-5}
+"""
 
 
-def test_a_job_submitted_to_a_local_head_runs_and_leaves_its_results(tmp_path, monkeypatch):
+def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(tmp_path, monkeypatch):
     from ray._raylet import Config
     from ray.job_submission import JobStatus
 
@@ -151,18 +146,24 @@ def test_a_job_submitted_to_a_local_head_runs_and_leaves_its_results(tmp_path, m
     Config.initialize("")
     working_dir = tmp_path / "job"
     working_dir.mkdir()
-    (working_dir / "job.py").write_text(JOB_SCRIPT)
-    result_file = tmp_path / "result.json"
+    (working_dir / "tiny.yaml").write_text(TINY_RUN)
+    results = tmp_path / "results"
     head_dir = tempfile.mkdtemp(prefix="ray-jobtest-", dir="/tmp")  # short: Ray's socket paths
     with LocalHead(head_dir) as head:
         client = head.client()
-        job_id = _submit(client, f"python job.py {result_file}", working_dir)
+        job_id = _submit(client, f"conclave run tiny.yaml --results-dir {results}", working_dir)
         status = _wait(client, job_id)
         logs = client.get_job_logs(job_id)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
-    result = json.loads(result_file.read_text())
-    # The job computed Papernot–Steinke Thm 2 at λ = 8 for a λ/8 curve: 1 + 1.9012925 + ln(10)/7.
-    assert result["rdp_at_8"] == pytest.approx(3.2302332, abs=1e-6)
+    assert "sparse_finetune run 'job-tiny' finished" in logs
+    run = results / "job-tiny"
+    config = json.loads((run / "config.json").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
+    privacy = json.loads((run / "privacy.json").read_text())
+    assert config["pipeline"] == "sparse_finetune" and config["finetune"]["variants"] == ["classifier"]
+    assert 0.0 < metrics["variants"]["classifier"]["accuracy"] <= 1.0
+    # one DP fine-tuning at ε target 1.0, composed by the job's own ledger
+    assert 0.5 < privacy["epsilon"] <= 1.0 + 1e-6 and privacy["charges"] == 1
 
 
 def test_cluster_launcher_config_is_valid_for_ray_up():

@@ -61,7 +61,8 @@ def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
     assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     assert {r["finetune.variants"] for r in rows} == {"classifier", "all"}
     best = sweep["best"]
-    assert best["accuracy"] == max(float(r["accuracy"]) for r in rows) > 0.2  # 5 classes: chance is 0.2
+    assert best["accuracy"] == pytest.approx(max(float(r["accuracy"]) for r in rows), abs=1e-4)
+    assert best["accuracy"] > 0.3  # 5 classes: chance is 0.2
     assert best["epsilon_trial"] <= 1.0 + 1e-6  # the ε target of each trial
     # Two trials with the same DP-SGD schedule: RDP twice the trial's, converted at δ.
     sigma = float(rows[0]["noise_multiplier"])
@@ -92,7 +93,7 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_sessio
 
 def test_diverse_public_sweep_is_free_post_processing_of_one_checkpoint(ray_session, tmp_path):
     config = _config("tune-digits-diverse.yaml", **{
-        "base/dpsgd/epochs": 3, "base/finetune/epochs": 5,
+        "base/dpsgd/epochs": 2, "base/finetune/epochs": 3,
         "space": {"selection.n_cluster": {"grid": [5, 10]}, "selection.n_each": {"grid": [3]}},
     })
     summary = run_sweep(config, tmp_path, verbose=0)
@@ -108,15 +109,15 @@ def test_diverse_public_sweep_is_free_post_processing_of_one_checkpoint(ray_sess
 
 def test_near_private_sweep_splits_the_epsilon_limit_on_the_simplex(ray_session, tmp_path):
     config = _config("tune-digits-nearprivate.yaml", **{
-        "num_samples": 2, "base/dpsgd/epochs": 3, "base/selection/near_private_epoch": 3,
-        "base/finetune/epochs": 5, "space/selection.sizes": {"choice": [[30]]},
+        "num_samples": 2, "base/dpsgd/epochs": 2, "base/selection/near_private_epoch": 2,
+        "base/finetune/epochs": 3, "space/selection.sizes": {"choice": [[20]]},
     })
     summary = run_sweep(config, tmp_path, verbose=0)
     sweep, rows = _read(summary)
     assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     for row in rows:
         shares = [float(row[k]) for k in ("dpsgd.target_epsilon", "selection.epsilon_pca", "selection.epsilon_support")]
-        assert sum(shares) == pytest.approx(3.0, abs=1e-3) and min(shares) >= 0.1 - 1e-3
+        assert sum(shares) == pytest.approx(3.0, abs=1e-5) and min(shares) >= 0.1 - 1e-5
         # each trial composes its three releases in RDP, at most the basic-composition sum
         assert 0 < float(row["epsilon"]) <= 3.0
     assert sweep["tuning_cost"]["method"] == "composition"
@@ -125,15 +126,18 @@ def test_near_private_sweep_splits_the_epsilon_limit_on_the_simplex(ray_session,
 
 def test_teacher_ensemble_sweep_runs_the_pipeline_per_trial(ray_session, tmp_path):
     config = _config("tune-digits-teachers.yaml", **{
-        "num_samples": 1, "base/teachers/train/epochs": 4, "base/student/train/epochs": 5,
-        "base/student/checkpoints": [30],
-        "space": {"teachers.count": {"grid": [4, 6]}, "mechanism.params.threshold_fraction": {"choice": [0.5]},
-                  "student.queries": {"choice": [60]}},
+        "num_samples": 1, "base/teachers/train/epochs": 3, "base/student/train/epochs": 3,
+        "base/student/checkpoints": [20],
+        # σ's low enough to answer with 3-4 teachers, high enough that the worst case of one
+        # batch of 40 queries stays under the ε limit of 20 (else the ledger refuses it)
+        "space": {"teachers.count": {"grid": [3, 4]}, "mechanism.params.threshold_fraction": {"choice": [0.5]},
+                  "mechanism.params.sigma1": {"choice": [4.0]}, "mechanism.params.sigma2": {"choice": [5.0]},
+                  "student.queries": {"choice": [40]}},
     })
     summary = run_sweep(config, tmp_path, verbose=0)
     sweep, rows = _read(summary)
-    assert sorted(int(r["teachers.count"]) for r in rows) == [4, 6]
-    assert all(r["status"] == "ok" and int(r["asked"]) == 60 for r in rows)
+    assert sorted(int(r["teachers.count"]) for r in rows) == [3, 4]
+    assert all(r["status"] == "ok" and int(r["asked"]) == 40 for r in rows)
     assert all(0 < float(r["epsilon"]) <= 20.0 for r in rows)  # under the ledger's limit
     assert sweep["best"]["epsilon_with_tuning"] > max(float(r["epsilon"]) for r in rows)
 
