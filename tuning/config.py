@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cluster.config import ConfigError, from_dict, load_yaml
-
-KIND_NAMES = ("near_private", "diverse_public", "sparsity", "teacher_ensemble")
-
+from cluster.config import from_dict, load_yaml
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -91,7 +88,3 @@ class TuneConfig:
 def load_tune_config(path: str | Path) -> TuneConfig:
     """A ``TuneConfig`` from a YAML file; ``ConfigError`` names the offending key."""
     return from_dict(TuneConfig, load_yaml(path), where=Path(path).name)
-
-
-__all__ = ["ConfigError", "CostConfig", "KIND_NAMES", "ResourcesConfig", "SchedulerConfig", "TuneConfig",
-           "load_tune_config"]
