@@ -12,8 +12,8 @@ Steinke, ICLR 2022, §2), so a winner's own ε understates the truth. We use thr
    ASHA, anything adaptive) — the sweep is the adaptive composition of its K trials:
    RDP curves add order by order (Mironov 2017, Prop. 1) and the δ's spent outside the
    curves add (basic composition, Dwork & Roth 2014, Thm. 3.16). This covers publishing
-   every trial, hence also the winner. Trials that stopped early are charged what they
-   spent, which the trial's own ledger records.
+   every trial, hence also the winner. A trial counts with what its ledger was charged
+   before it started, so one that was stopped early still counts in full.
 3. **Random number of trials** (Papernot & Steinke 2022, Theorem 2, "truncated negative
    binomial"): draw K from D_{η,γ} with
    P[K = k] = (1 − γ)^k / (γ^{−η} − 1) · ∏_{ℓ=0}^{k−1} (ℓ + η)/(ℓ + 1),  k = 1, 2, ...
@@ -122,7 +122,8 @@ def random_repetition_charge(
         if charge.unbounded:
             raise ValueError(f"a trial has no finite guarantee ({charge.reason}); no selection bound applies")
         if charge.extra_delta > 0:
-            raise ValueError("the random-repetition bound needs pure RDP trials (a trial spends δ outside its RDP curve)")
+            raise ValueError("the random-repetition bound needs pure RDP trials "
+                             "(a trial spends δ outside its RDP curve)")
         if not (np.array_equal(charge.orders, first.orders) and np.allclose(charge.rdp, first.rdp, rtol=1e-9, atol=0)):
             raise ValueError(
                 "the random-repetition bound needs every trial to be the same algorithm Q; these trials "
