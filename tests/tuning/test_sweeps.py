@@ -109,7 +109,8 @@ def test_diverse_public_sweep_is_free_post_processing_of_one_checkpoint(ray_sess
 
 def test_near_private_sweep_splits_the_epsilon_limit_on_the_simplex(ray_session, tmp_path):
     config = _config("tune-digits-nearprivate.yaml", **{
-        "num_samples": 2, "base/dpsgd/epochs": 2, "base/selection/near_private_epoch": 2,
+        "num_samples": 2, "base/data/num_shards": 1,
+        "base/dpsgd/epochs": 2, "base/selection/near_private_epoch": 2,
         "base/finetune/epochs": 3, "space/selection.sizes": {"choice": [[20]]},
     })
     summary = run_sweep(config, tmp_path, verbose=0)
@@ -126,7 +127,8 @@ def test_near_private_sweep_splits_the_epsilon_limit_on_the_simplex(ray_session,
 
 def test_teacher_ensemble_sweep_runs_the_pipeline_per_trial(ray_session, tmp_path):
     config = _config("tune-digits-teachers.yaml", **{
-        "num_samples": 1, "base/teachers/train/epochs": 3, "base/student/train/epochs": 3,
+        "num_samples": 1, "base/teachers/per_actor": 4,  # one teacher actor
+        "base/teachers/train/epochs": 3, "base/student/train/epochs": 3,
         "base/student/checkpoints": [20],
         # σ's low enough to answer with 3-4 teachers, high enough that the worst case of one
         # batch of 40 queries stays under the ε limit of 20 (else the ledger refuses it)
