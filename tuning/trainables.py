@@ -247,7 +247,24 @@ def run_trial(params: dict[str, Any], *, kind: str, base: dict, space: dict, pre
     raw, config = trial_config(kind, base, spaces.overrides(space, params))
     trial_dir = Path(tune.get_context().get_trial_dir())
     trial_dir.mkdir(parents=True, exist_ok=True)
-    TRIALS[kind](config, raw, prepared, trial_dir)
+    try:
+        TRIALS[kind](config, raw, prepared, trial_dir)
+    except Exception:
+        _report_spent_before_failing(trial_dir, delta_of(config))
+        raise
+
+
+def _report_spent_before_failing(trial_dir: Path, delta: float) -> None:
+    """A failed trial still spent what its ledger recorded: report that, so the sweep can
+    account for it (without a report the sweep's ε is unbounded)."""
+    from privacy.accounting.ledger import PrivacyLedger
+
+    for path in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite"):
+        if path.is_file():
+            with PrivacyLedger(path, math.inf, delta) as ledger:
+                spent, report = ledger.spent(), ledger.report()
+            _report(math.nan, report.epsilon, spent, failed=True)
+            return
 
 
 # --- what a sweep prepares once, before its trials ------------------------------------------
