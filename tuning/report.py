@@ -103,7 +103,7 @@ def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cos
                            "delta": cost.delta}
     results.write_json("sweep", {**summary, "rows": [_row_json(r) for r in rows]})
     _write_csv(results.path / "trials.csv", rows)
-    _plot(results.path / "accuracy_vs_epsilon.png", name, rows, best, cost)
+    _plot(results.path / "accuracy_vs_epsilon.png", name, rows, best, cost, details.get("release"))
     return summary
 
 
@@ -126,21 +126,34 @@ def _write_csv(path: Path, rows: list[TrialRow]) -> None:
     log.info("wrote %s", path)
 
 
-def _plot(path: Path, name: str, rows: list[TrialRow], best: TrialRow | None, cost: SweepCost) -> None:
+def _plot(path: Path, name: str, rows: list[TrialRow], best: TrialRow | None, cost: SweepCost,
+          release: dict[str, Any] | None) -> None:
+    """Accuracy against ε, one curve per configuration; beside it accuracy against the labels
+    bought when the trials bought labels (active learning)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_labels = any("n_labeled" in r.extra for r in rows)
+    fig, axes = plt.subplots(1, 2 if by_labels else 1, figsize=(11 if by_labels else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for row in rows:
         points = [(e, a) for e, a in row.history if math.isfinite(e) and math.isfinite(a)]
         if not points:
             continue
         xs, ys = zip(*points)
         is_best = best is not None and row.trial_id == best.trial_id
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.2 if is_best else 1.0,
-                label=("★ " if is_best else "") + _label(row.values))
+        line, = ax.plot(xs, ys, marker="o", markersize=4, linewidth=2.2 if is_best else 1.0,
+                        label=("★ " if is_best else "") + _label(row.values))
+        if by_labels and "n_labeled" in row.extra:
+            axes[0][1].plot([row.extra["n_labeled"]], [row.accuracy], marker="*" if is_best else "o",
+                            markersize=10 if is_best else 6, color=line.get_color())
+    if release is not None:  # the one DP release a free sweep post-processes
+        ax.plot([release["epsilon"]], [release["accuracy"]], marker="x", color="black", markersize=8,
+                linestyle="none", label="the DP checkpoint alone")
+        if by_labels:
+            axes[0][1].axhline(release["accuracy"], color="black", linestyle=":", linewidth=1)
     if math.isfinite(cost.epsilon):
         ax.axvline(cost.epsilon, color="black", linestyle="--", linewidth=1,
                    label=f"sweep ε incl. tuning = {cost.epsilon:.3g}" + (" (free)" if cost.free else ""))
@@ -149,6 +162,10 @@ def _plot(path: Path, name: str, rows: list[TrialRow], best: TrialRow | None, co
     ax.set_title(name)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="lower right")
+    if by_labels:
+        axes[0][1].set_xlabel("labels bought (N_labeled)")
+        axes[0][1].set_ylabel("test accuracy")
+        axes[0][1].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
