@@ -176,7 +176,8 @@ def test_cluster_launcher_config_is_valid_for_ray_up():
     assert config["head_node_type"] == "head"
     assert {"head", "cpu_worker", "gpu_worker"} <= set(node_types)
     assert node_types["gpu_worker"]["node_config"]["InstanceType"].startswith(("g", "p"))
-    assert config["file_mounts"] == {"~/conclave": "."}
+    # the working copy, and one token for every node (Ray 2.60 token auth)
+    assert config["file_mounts"] == {"~/conclave": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
     # every node installs the mounted working copy; CPU nodes pin the CPU build of torch
     head_install = " ".join(config["head_setup_commands"])
     assert "-e ~/conclave" in head_install and "whl/cpu" in head_install
@@ -185,3 +186,5 @@ def test_cluster_launcher_config_is_valid_for_ray_up():
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--include-dashboard=true" in head_start and "--dashboard-host=127.0.0.1" in head_start
     assert any("$RAY_HEAD_IP" in command for command in config["worker_start_ray_commands"])
+    assert all("RAY_AUTH_MODE=token ray start" in " ".join(commands)
+               for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]))
