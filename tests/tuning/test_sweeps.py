@@ -89,6 +89,9 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_sessio
     assert sweep["tuning_cost"]["method"] == "random-repetition"
     assert sweep["best"]["epsilon_with_tuning"] == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, bound, 1e-5)[0],
                                                                  rel=1e-9)
+    # the table shows every trial: that costs their composition
+    table, _ = epsilon_from_rdp(DEFAULT_ORDERS, drawn * trial, 1e-5)
+    assert sweep["repetitions"]["epsilon_publishing_every_trial"] == pytest.approx(table, rel=1e-9)
 
 
 def test_diverse_public_sweep_is_free_post_processing_of_one_checkpoint(ray_session, tmp_path):
