@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for the speed-up and labels/s comparison (default 50)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these configs")
     parser.add_argument("--no-five", action="store_true", help="skip the 5-teacher NZC run")
+    parser.add_argument("--no-speedup", action="store_true", help="skip the speed-up and labels/s comparison")
+    parser.add_argument("--merge", action="store_true", help="update the existing results file instead of replacing it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out: dict = {"quick": args.quick, "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bench_dir = RunDirectory(args.results_dir, "bench")
+    previous = bench_dir.path / "teacher_student_mnist.json"
+    if args.merge and previous.is_file():  # keep what an earlier run measured, replace what this one does
+        out = {**json.loads(previous.read_text()), "quick": args.quick}
     run_root = bench_dir.path / "teacher_student_mnist"
 
     def save() -> None:
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
         teachers.pool.shutdown()
 
+    if shared and not args.no_speedup:
         # The first K of these teachers on a fresh Ray pool and in this one process: the
         # training speed-up and the labels/s of the gRPC path against in-process answers.
         count = min(args.speedup_teachers, first.teachers.count)
