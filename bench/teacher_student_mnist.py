@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     out["wall_seconds"] = time.perf_counter() - bench_started
     save()
 
-    parts = [f"{name}: student {r['student_accuracy']:.4f}, answered {r['queries_answered']}, ε {r['epsilon']:.3g}"
+    parts = [f"{name}: student {r['student_accuracy']:.4f}, answered {r['queries_answered']}, ε {float(r['epsilon']):.3g}"
              for name, r in out["runs"].items()]
     if "throughput" in out:
         t = out["throughput"]
