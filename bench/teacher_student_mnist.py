@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             out["runs"][FIVE_TEACHERS] = run_summary(FIVE_TEACHERS, config, results)
         finally:
             teachers.pool.shutdown()
-    out["wall_seconds"] = time.perf_counter() - bench_started
+    # A merged stage keeps the earlier run's wall time and records its own beside it.
+    out["merged_stage_wall_seconds" if args.merge else "wall_seconds"] = time.perf_counter() - bench_started
     save()
 
     parts = [f"{name}: student {r['student_accuracy']:.4f}, answered {r['queries_answered']}, ε {float(r['epsilon']):.3g}"
