@@ -42,7 +42,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
 
-    from cluster.pipelines.teacher_student import open_ledger, start_aggregator, train_teachers
+    from cluster.pipelines.teacher_student import start_aggregator, train_teachers
     from cluster.ray_runtime import start_ray
     from privacy.randomness import make_rng
 
@@ -51,7 +51,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     start_ray(args.address)
     teachers = train_teachers(config)
-    ledger = open_ledger(config, ledger_path)
+    ledger = config.privacy.open_ledger(ledger_path)
     server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(None),
                                        host=args.host, port=args.port)
     report = ledger.report()

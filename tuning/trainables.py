@@ -207,7 +207,6 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     from learning.dpsgd import dp_schedule, train_dp
     from learning.sparse import plan_variant, replace_classifier
     from learning.training import evaluate
-    from privacy.accounting.ledger import PrivacyLedger
 
     if len(config.finetune.variants) != 1:
         raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
@@ -221,8 +220,7 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     plan = plan_variant(model, variant, config.finetune.fraction)
     dp_config = config.finetune.dp_config(config.privacy.delta, config.seed)
     schedule = dp_schedule(len(private), dp_config, label=f"dpsgd-sparse-{variant}")
-    limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
-    with PrivacyLedger(trial_dir / "ledger.sqlite", limit, config.privacy.delta) as ledger:
+    with config.privacy.open_ledger(trial_dir / "ledger.sqlite") as ledger:
         ledger.charge(schedule.charge)  # before anything private is computed
 
     def on_epoch(epoch: int, epsilon: float) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.pipelines import PrivacyConfig
 from learning.sparse import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,6 @@ class FinetuneConfig:
 
 
 @dataclass(frozen=True)
-class PrivacyConfig:
-    epsilon_limit: float | None = None  # null: report-only ledger
-    delta: float = 1e-5
-
-    def __post_init__(self) -> None:
-        if self.epsilon_limit is not None and not self.epsilon_limit > 0:
-            raise ValueError(f"privacy.epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
-
-
-@dataclass(frozen=True)
 class Config:
     name: str = "sparse-demo"
     seed: int = 0
@@ -193,12 +182,11 @@ def run(config: Config, context) -> dict[str, Any]:
     ledger_path = context.results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own fine-tunings
-    limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
     source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
                             config.private.size, config.seed)
     # The actor takes a GPU when the cluster has one (train_dp then trains on it).
     trainer = SparseTrainerActor.options(num_cpus=1, num_gpus=min(1.0, gpus_available())).remote(
-        source, str(ledger_path), limit, config.privacy.delta)
+        source, str(ledger_path), config.privacy.ledger_limit, config.privacy.delta)
     _, private_test = load_split(config.private, config.seed)
     dp_config = config.finetune.dp_config(config.privacy.delta, config.seed)
 

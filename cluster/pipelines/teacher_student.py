@@ -22,14 +22,15 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cluster.pipelines import PrivacyConfig
 from privacy.mechanisms import build_mechanism
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -99,18 +100,6 @@ class MechanismConfig:
 
 
 @dataclass(frozen=True)
-class PrivacyConfig:
-    epsilon_limit: float | None = 20.0  # null: report-only ledger (required for NZC)
-    delta: float = 1e-5
-
-    def __post_init__(self) -> None:
-        if self.epsilon_limit is not None and not self.epsilon_limit > 0:
-            raise ValueError(f"privacy.epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
-
-
-@dataclass(frozen=True)
 class StudentConfig:
     queries: int = 300  # inputs of the public pool asked, in pool order
     batch_size: int = 50  # inputs per gRPC call
@@ -146,7 +135,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     teachers: TeachersConfig = field(default_factory=TeachersConfig)
     mechanism: MechanismConfig = field(default_factory=MechanismConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(epsilon_limit=20.0))
     student: StudentConfig = field(default_factory=StudentConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -205,13 +194,6 @@ def teacher_pool(config: Config, shards: list):
     return TeacherPool(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
                        num_actors=num_actors, seed=config.seed,
                        num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
-
-
-def open_ledger(config: Config, path: Path):
-    from privacy.accounting.ledger import PrivacyLedger
-
-    limit = math.inf if config.privacy.epsilon_limit is None else config.privacy.epsilon_limit
-    return PrivacyLedger(path, epsilon_limit=limit, delta=config.privacy.delta)
 
 
 def start_aggregator(config: Config, pool, ledger, token: str, rng: np.random.Generator,
@@ -303,7 +285,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
     ledger_path = results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
-    ledger = open_ledger(config, ledger_path)
+    ledger = config.privacy.open_ledger(ledger_path)
     token = secrets.token_urlsafe(24)
     server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(config.seed))
     log.info("aggregator serving on %s", address)
