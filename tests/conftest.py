@@ -37,6 +37,24 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def teachers(ray_session):
+    """Four real digits-CNN teachers on one Ray actor, trained once per test module that asks
+    (module scope: a session-long actor would hold CPU that other modules' actors need)."""
+    from actors.teacher import TeacherPool
+    from learning.data import load_digits, shard
+    from learning.training import TrainConfig
+
+    train, _ = load_digits()
+    pool = TeacherPool(
+        shard(train, num_shards=4, seed=0), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
+        num_actors=1, seed=0, num_cpus_per_actor=0.5,
+    )
+    pool.train(progress=False)
+    yield pool
+    pool.shutdown()
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():

@@ -1,7 +1,7 @@
 """The aggregator as clients see it: a real gRPC server on 127.0.0.1 over real teacher actors.
 
-The teachers are a ``TeacherPool`` of digits CNNs on Ray (trained once per module, 1 epoch);
-the mechanism and ledger are the production ones. Bad requests go through the generated
+The teachers are the shared ``teachers`` fixture (tests/conftest.py), a ``TeacherPool`` of
+digits CNNs on Ray; the mechanism and ledger are the production ones. Bad requests go through the generated
 stub directly, so the server (not the client library) is what refuses them.
 """
 from __future__ import annotations
@@ -21,10 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
-from actors.teacher import TeacherPool
 from cluster.client import AggregatorClient
-from learning.data import load_digits, shard
-from learning.training import TrainConfig
+from learning.data import load_digits
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
@@ -38,18 +36,6 @@ INPUT_SHAPE = (1, 8, 8)
 @pytest.fixture(scope="module")
 def digits():
     return load_digits()
-
-
-@pytest.fixture(scope="module")
-def teachers(ray_session, digits):
-    train, _ = digits
-    pool = TeacherPool(
-        shard(train, num_shards=4, seed=0), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
-        num_actors=1, seed=0, num_cpus_per_actor=0.5,
-    )
-    pool.train(progress=False)
-    yield pool
-    pool.shutdown()
 
 
 @pytest.fixture

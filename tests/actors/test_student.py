@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import pytest
 
 from actors.aggregator import AggregatorServer, ServerSettings

@@ -18,11 +18,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from actors.aggregator import AggregatorServer, ServerSettings
-from actors.teacher import TeacherPool
 from cluster import query_command
 from cluster.client import AggregatorClient, encode_inputs
-from learning.data import load_digits, shard
-from learning.training import TrainConfig
+from learning.data import load_digits
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.mechanisms import build_mechanism
 
@@ -32,18 +30,6 @@ DELTA = 1e-5
 @pytest.fixture(scope="module")
 def digits():
     return load_digits()
-
-
-@pytest.fixture(scope="module")
-def teachers(ray_session, digits):
-    train, _ = digits
-    pool = TeacherPool(
-        shard(train, num_shards=3, seed=1), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
-        num_actors=1, seed=1, num_cpus_per_actor=0.5,
-    )
-    pool.train(progress=False)
-    yield pool
-    pool.shutdown()
 
 
 @contextlib.contextmanager

@@ -114,8 +114,6 @@ def _submit(client, entrypoint: str, working_dir: Path) -> str:
 
 
 def _wait(client, job_id: str):
-    from ray.job_submission import JobStatus
-
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while True:
         status = client.get_job_status(job_id)

@@ -12,7 +12,7 @@ import mpmath as mp
 import numpy as np
 import pytest
 
-from privacy.accounting import pate, rdp
+from privacy.accounting import pate
 from privacy.mechanisms import build_mechanism
 
 mp.mp.dps = 50
