@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from torch import nn
 
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
-from learning.dpsgd import DPSGDConfig, train_dp
+from learning.dpsgd import DPSGDConfig, torch_generator, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
 from learning.models import build_model
 from learning.selection.entropy import logit_entropy
@@ -226,10 +225,6 @@ class ShardSupport:
 # ---- (b) data-parallel DP-SGD with Ray Train ---------------------------------------------
 
 
-def _seeded_generator(seed: int | None) -> torch.Generator:
-    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-
-
 def _distributed_worker(cfg: dict) -> None:
     """One Ray Train worker: holds shard ``rank``; see the module docstring for the calibration."""
     import ray.train
@@ -263,13 +258,13 @@ def _distributed_worker(cfg: dict) -> None:
         torch.optim.SGD(private_model.parameters(), lr=config.lr, momentum=config.momentum),
         noise_multiplier=sigma, max_grad_norm=config.max_grad_norm,
         expected_batch_size=sample_rate * n_total / world,  # per worker: the all-reduce mean divides by W
-        generator=_seeded_generator(None if base_seed is None else base_seed + 999))
+        generator=torch_generator(None if base_seed is None else base_seed + 999))
     accountant = RDPAccountant()
     optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     # Independent Poisson draws per worker (distinct seeds), same rate, same number of steps.
     loader = DPDataLoader(TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y)),
                           sample_rate=sample_rate,
-                          generator=_seeded_generator(None if base_seed is None else base_seed + rank))
+                          generator=torch_generator(None if base_seed is None else base_seed + rank))
     criterion = nn.CrossEntropyLoss()
     steps = 0
     for epoch in range(1, config.epochs + 1):

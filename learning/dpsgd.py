@@ -187,7 +187,8 @@ class MaskedDPOptimizer(DPOptimizer):
                 p.grad = p.grad * mask
 
 
-def _torch_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+def torch_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A seeded torch generator for experiments, or one seeded from OS entropy when ``seed`` is None."""
     generator = torch.Generator(device=device)
     generator.manual_seed(secrets.randbits(63) if seed is None else seed)
     return generator
@@ -245,7 +246,7 @@ def train_dp(
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
-    generator = _torch_generator(config.seed)
+    generator = torch_generator(config.seed)
     loader = _loader(dataset, config.batch_size, generator)
     schedule = dp_schedule(len(loader.dataset), config)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
@@ -264,7 +265,7 @@ def train_dp(
         poisson_sampling=True,
         grad_sample_mode=config.grad_sample_mode,
         # The noise is drawn where the gradients live; batches are sampled on the CPU.
-        noise_generator=_torch_generator(None if config.seed is None else config.seed + 1, device),
+        noise_generator=torch_generator(None if config.seed is None else config.seed + 1, device),
     )
     if resolved_masks:
         dp_optimizer = MaskedDPOptimizer(

@@ -175,7 +175,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     import torch
 
     from actors.dp_trainer import ModelSpec
-    from cluster.pipelines.active_learning import _improve, pollute
+    from cluster.pipelines.active_learning import improve, pollute
     from learning.annotation import hide_labels, split_private_public
     from learning.data import load_dataset
 
@@ -189,7 +189,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     public, out_of_domain = pollute(public, data.pollution, rng)
     pool_inputs, annotator = hide_labels(public)
     spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
-    rows, _ = _improve(config, [prepared["checkpoint"]], None, spec, None, pool_inputs, annotator,
+    rows, _ = improve(config, [prepared["checkpoint"]], None, spec, None, pool_inputs, annotator,
                        out_of_domain, test, rng, trial_dir)
     nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
     row = rows[-1]

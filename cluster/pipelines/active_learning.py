@@ -254,7 +254,7 @@ def run(config: Config, context: RunContext) -> dict:
                        for c in checkpoints]
 
     # 3. Strategies → labels → fine-tuning → test accuracy.
-    rows, privacy = _improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
+    rows, privacy = improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
     privacy = {"delta": config.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
@@ -345,8 +345,8 @@ def _near_private_start(config: Config, checkpoints: list, extra: list):
     return matching[-1] if matching else checkpoints[0]
 
 
-def _improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs: np.ndarray, annotator,
-             out_of_domain: np.ndarray, test, rng: np.random.Generator, out: Path) -> tuple[list[dict], dict]:
+def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs: np.ndarray, annotator,
+            out_of_domain: np.ndarray, test, rng: np.random.Generator, out: Path) -> tuple[list[dict], dict]:
     """Every strategy from its starting checkpoint; one report-only ledger per published model."""
     import ray
     from tqdm.auto import tqdm
