@@ -20,16 +20,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two cores are shared by many processes; torch's default of one thread per core then
-    spins against itself (measured: a 3 s fit took 90 s under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def conv_params(c_in: int, c_out: int, k: int) -> int:
     return c_out * c_in * k * k + c_out
 

@@ -12,16 +12,6 @@ from learning.training import TrainConfig, embed, evaluate, fit, predict, predic
 CONFIG = TrainConfig(epochs=5, batch_size=32, lr=1e-3, seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two cores are shared by many processes; torch's default of one thread per core then
-    spins against itself (measured: a 3 s fit took 90 s under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def digits():
     train, test = load_digits()
