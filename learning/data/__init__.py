@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from learning.data.cifar import load_cifar
-from learning.data.dataset import DataFormatError, Dataset, Splits, shard, split_datasets
+from learning.data.dataset import DataFormatError, Dataset, Splits, StudentSplits, shard, split_datasets
 from learning.data.digits import load_digits
 from learning.data.mnist import load_mnist, read_idx
 from learning.data.svhn import load_svhn
@@ -40,6 +40,6 @@ def make_splits(name: str, root: str | Path | None = None, *, public_size: int, 
 
 
 __all__ = [
-    "DATASET_NAMES", "DataFormatError", "Dataset", "Splits", "load_cifar", "load_dataset",
+    "DATASET_NAMES", "DataFormatError", "Dataset", "Splits", "StudentSplits", "load_cifar", "load_dataset",
     "load_digits", "load_mnist", "load_svhn", "make_splits", "read_idx", "shard", "split_datasets",
 ]

@@ -67,6 +67,19 @@ class Splits:
     public: Dataset
     test: Dataset
 
+    def student_side(self) -> StudentSplits:
+        """The public pool and test split alone: what a driver may keep while the private
+        split is read only by the actors that train on it."""
+        return StudentSplits(public=self.public, test=self.test)
+
+
+@dataclass(frozen=True, eq=False)
+class StudentSplits:
+    """The student's share of ``Splits``: its unlabeled pool and the held-out test set."""
+
+    public: Dataset
+    test: Dataset
+
 
 def split_datasets(train: Dataset, test: Dataset, *, public_size: int, seed: int,
                    private_size: int | None = None) -> Splits:

@@ -371,6 +371,13 @@ def test_make_splits_on_digits():
     assert rows(splits.public).isdisjoint(rows(splits.test))
 
 
+def test_the_student_side_of_splits_has_no_private_split():
+    splits = make_splits("digits", public_size=300, seed=0)
+    student = splits.student_side()
+    assert (student.public, student.test) == (splits.public, splits.test)
+    assert not hasattr(student, "private")
+
+
 @pytest.mark.parametrize("n, num_shards", [(100, 7), (250, 250), (10, 1), (1297, 250)])
 def test_shards_are_disjoint_cover_everything_and_balanced(n, num_shards):
     dataset = indexed_dataset(n)
