@@ -5,10 +5,15 @@ processes on a 2-core machine. Instead each actor (a ``TeacherGroup``) holds the
 several teachers, trains them one after another, and answers vote requests for all of
 them at once. The actors train in parallel with each other.
 
+The driver never holds private shards: it hands each actor a ``TeacherSource`` (dataset name,
+root, split sizes, seed) and the block of teachers it keeps, and the actor reads its own
+shards from it in its own process — the counterpart of ``actors.dp_trainer.PrivateSource``.
+
 What leaves an actor: a vote histogram ``int[batch, k]`` summed over its teachers (the
-driver adds the actors' partial histograms), and each teacher's final training loss for the
-operator's log. Per-teacher predictions, models and data stay inside the actor; only the
-aggregator's DP mechanism turns histograms into answers for anyone else.
+driver adds the actors' partial histograms), each teacher's final training loss for the
+operator's log, and once the number of classes and the input shape. Per-teacher predictions,
+models and data stay inside the actor; only the aggregator's DP mechanism turns histograms
+into answers for anyone else.
 """
 from __future__ import annotations
 
@@ -16,13 +21,15 @@ import dataclasses
 import logging
 import math
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import ray
 import torch
 from tqdm import tqdm
 
-from learning.data import Dataset
+from learning.data import Dataset, make_splits, shard
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
 
@@ -39,31 +46,69 @@ def gpu_share(cluster_gpus: float, num_actors: int) -> float:
     return min(1.0, cluster_gpus / num_actors) if cluster_gpus > 0 else 0.0
 
 
-class TeacherGroup:
-    """Several teachers in one process: no Ray here, so a benchmark can run it in-process.
+@dataclass(frozen=True)
+class TeacherSource:
+    """Where the teachers' private shards come from, as a spec the driver can pass around.
 
-    ``first_teacher`` is the global index of ``shards[0]``; seeds follow global indices,
-    so the same teacher gets the same seed however the teachers are packed.
+    The shards are ``make_splits``'s private split of ``dataset`` cut by ``shard`` into
+    ``num_teachers`` disjoint shards, all with ``seed`` — the same shards a driver would get
+    from ``shard(make_splits(...).private, num_teachers, seed)``. ``public_size`` belongs to
+    the spec because ``make_splits`` draws the ``private_size`` subsample after the public
+    shuffle. Only ``TeacherGroup`` calls ``load``, in the process that keeps the shards.
+    """
+
+    dataset: str
+    root: str | None
+    public_size: int
+    num_teachers: int
+    seed: int = 0
+    private_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_teachers < 1:
+            raise ValueError(f"num_teachers must be >= 1, got {self.num_teachers}")
+
+    def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
+        """The shards of the global teachers ``teacher_ids``, in that order."""
+        if not teacher_ids or any(not 0 <= i < self.num_teachers for i in teacher_ids):
+            raise ValueError(f"teacher ids must be a non-empty subset of [0, {self.num_teachers}), "
+                             f"got {list(teacher_ids)}")
+        splits = make_splits(self.dataset, self.root, public_size=self.public_size, seed=self.seed,
+                             private_size=self.private_size)
+        shards = shard(splits.private, self.num_teachers, self.seed)
+        return [shards[i] for i in teacher_ids]
+
+
+class TeacherGroup:
+    """Teachers ``first``..``last - 1`` (global indices) in one process, on shards it loads
+    itself from ``source`` — in an actor, the private data is read where it stays.
+
+    No Ray here, so a benchmark can also run it in-process. Seeds follow global indices, so
+    the same teacher gets the same seed however the teachers are packed.
     """
 
     def __init__(
         self,
-        shards: list[Dataset],
+        source: TeacherSource,
+        first: int,
+        last: int,
         model_name: str,
         train: TrainConfig,
-        first_teacher: int = 0,
         num_threads: int | None = None,
     ) -> None:
-        if not shards:
-            raise ValueError("a teacher group needs at least one shard")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
-        self.shards = shards
+        self.shards = source.load(range(first, last))
         self.train_config = train
-        self.first_teacher = first_teacher
+        self.first_teacher = first
         self.model_name = model_name
-        self.num_classes = shards[0].num_classes
-        self.models: list[torch.nn.Module | None] = [None] * len(shards)
+        self.num_classes = self.shards[0].num_classes
+        self.models: list[torch.nn.Module | None] = [None] * len(self.shards)
+
+    def data_shape(self) -> tuple[int, tuple[int, ...]]:
+        """(number of classes, shape of one input): what the pool checks queries against.
+        Describes the data without revealing any of it."""
+        return self.num_classes, self.shards[0].input_shape
 
     def train_teacher(self, local_index: int) -> float:
         """Train one teacher on its own shard; returns its last epoch's mean loss."""
@@ -97,8 +142,13 @@ TeacherGroupActor = ray.remote(TeacherGroup)
 class TeacherPool:
     """Driver-side handle over the teacher actors; the vote source of the aggregator.
 
+    It holds actor handles, the teachers' packing and the shape of their inputs — never
+    their data: each actor loads its own shards from ``source``.
+
     Args:
-        shards: one private dataset per teacher (disjoint).
+        source: where the teachers' shards come from.
+        num_teachers: how many teachers to train, on the first ``num_teachers`` of
+            ``source``'s shards (all of them in a run; fewer in the benchmark's comparison).
         model_name: a ``learning.models.build_model`` name.
         train: training settings; ``train.seed`` is the base of every teacher's seed.
         num_actors: how many Ray actors share the teachers (capped at the number of teachers).
@@ -110,7 +160,8 @@ class TeacherPool:
 
     def __init__(
         self,
-        shards: list[Dataset],
+        source: TeacherSource,
+        num_teachers: int,
         model_name: str,
         train: TrainConfig,
         num_actors: int,
@@ -118,15 +169,13 @@ class TeacherPool:
         num_cpus_per_actor: float = 1.0,
         num_gpus: float | None = None,
     ) -> None:
-        if not shards:
-            raise ValueError("TeacherPool needs at least one shard")
+        if not 1 <= num_teachers <= source.num_teachers:
+            raise ValueError(f"num_teachers must be in [1, {source.num_teachers}], got {num_teachers}")
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors}")
         if seed is not None:
             train = dataclasses.replace(train, seed=seed)
-        self.num_teachers = len(shards)
-        self.num_classes = shards[0].num_classes
-        self.input_shape = tuple(int(d) for d in shards[0].x.shape[1:])
+        self.num_teachers = num_teachers
         num_actors = min(num_actors, self.num_teachers)
         if num_gpus is None:
             num_gpus = gpu_share(float(ray.cluster_resources().get("GPU", 0.0)), num_actors)
@@ -136,10 +185,18 @@ class TeacherPool:
         threads = max(1, math.floor(num_cpus_per_actor))
         self._actors = [
             TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus).remote(
-                shards[a:b], model_name, train, first_teacher=a, num_threads=threads
+                source, a, b, model_name, train, num_threads=threads
             )
             for a, b in self._blocks
         ]
+        # Waits until every actor has loaded its shards (a missing data file fails here, not
+        # mid-training) and learns the input shape queries must have.
+        try:
+            described = ray.get([actor.data_shape.remote() for actor in self._actors])
+        except Exception:
+            self.shutdown()  # the actors that did start would otherwise hold their CPUs
+            raise
+        self.num_classes, self.input_shape = described[0]  # one dataset: the same for every actor
         log.info(
             "%d teachers on %d actors (%s CPU, %s GPU each)",
             self.num_teachers, len(self._actors), num_cpus_per_actor, num_gpus,
@@ -148,10 +205,6 @@ class TeacherPool:
     @property
     def num_actors(self) -> int:
         return len(self._actors)
-
-    def ready(self) -> None:
-        """Block until every actor has started (process up, shards received)."""
-        ray.get([actor.__ray_ready__.remote() for actor in self._actors])
 
     def train(self, progress: bool = True) -> list[float]:
         """Train every teacher (actors in parallel); returns each teacher's last-epoch loss."""

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.config import load_yaml  # noqa: E402
 from cluster.pipelines.teacher_student import (  # noqa: E402
-    Config, Teachers, TrainingConfig, teach_student, teacher_pool, train_teachers,
+    Config, Teachers, TrainingConfig, student_splits, teach_student, teacher_pool, teacher_source,
+    train_teachers,
 )
 from cluster.results import RunDirectory  # noqa: E402
 from cluster.run_command import load_run_config  # noqa: E402
@@ -110,12 +111,12 @@ def run_summary(name: str, config: Config, results: RunDirectory) -> dict:
     return entry
 
 
-def pool_of(config: Config, splits, shards) -> tuple[Teachers, float]:
-    """A Ray pool of ``shards`` packed and trained as ``train_teachers`` does; also the
-    seconds its actors took to start (so training speed can be compared warm)."""
+def pool_of(config: Config, splits, count: int) -> tuple[Teachers, float]:
+    """A Ray pool of the first ``count`` teachers, packed and trained as ``train_teachers``
+    does; also the seconds its actors took to start and load their shards (so training speed
+    can be compared warm)."""
     started = time.perf_counter()
-    pool = teacher_pool(config, shards)
-    pool.ready()
+    pool = teacher_pool(config, count)
     up = time.perf_counter()
     losses = pool.train()
     return Teachers(splits, pool, losses, time.perf_counter() - up), up - started
@@ -125,19 +126,16 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     """The first ``count`` teachers of ``config`` on a Ray pool and in this one process.
 
     The one-process baseline is timed with 1 thread and with as many threads as the pool
-    has actors; the faster counts (on a busy machine, intra-op threads can hurt).
+    has actors; the faster counts (on a busy machine, intra-op threads can hurt). It loads
+    the same shards in this process, as a one-process deployment would.
     """
     from actors.teacher import TeacherGroup
-    from learning.data import make_splits, shard
 
-    splits = make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
-                         seed=config.seed, private_size=config.data.private_size)
-    shards = shard(splits.private, config.teachers.count, seed=config.seed)[:count]
-    compared, startup = pool_of(config, splits, shards)
+    compared, startup = pool_of(config, student_splits(config), count)
     one_process: dict[int, float] = {}
     for threads in sorted({1, compared.pool.num_actors}):
-        group = TeacherGroup(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
-                             num_threads=threads)
+        group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
+                             config.teachers.train.with_seed(config.seed), num_threads=threads)
         started = time.perf_counter()
         group.train_all()
         seconds = time.perf_counter() - started

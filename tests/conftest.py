@@ -41,13 +41,13 @@ def ray_session():
 def teachers(ray_session):
     """Four real digits-CNN teachers on one Ray actor, trained once per test module that asks
     (module scope: a session-long actor would hold CPU that other modules' actors need)."""
-    from actors.teacher import TeacherPool
-    from learning.data import load_digits, shard
+    from actors.teacher import TeacherPool, TeacherSource
     from learning.training import TrainConfig
 
-    train, _ = load_digits()
+    # The whole digits train set in 4 shards (public_size only cuts the test set).
+    source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
     pool = TeacherPool(
-        shard(train, num_shards=4, seed=0), "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
+        source, 4, "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
         num_actors=1, seed=0, num_cpus_per_actor=0.5,
     )
     pool.train(progress=False)

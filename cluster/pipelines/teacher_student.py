@@ -1,8 +1,10 @@
 """The main job: private shards → teacher actors → gRPC aggregator → student → ε report.
 
-1. Split the data PATE's way (private train set; public pool and test from the test set)
-   and shard the private part, one disjoint shard per teacher.
-2. Train the teachers on Ray actors (``actors.teacher.TeacherPool``), several per actor.
+1. Split the data PATE's way (private train set; public pool and test from the test set),
+   one disjoint shard of the private part per teacher. The driver keeps only the public
+   pool and the test split; it never holds private shards.
+2. Train the teachers on Ray actors (``actors.teacher.TeacherPool``), several per actor;
+   each actor loads its own shards from a ``TeacherSource`` spec.
 3. Serve them through the gRPC aggregator on 127.0.0.1 with a fresh bearer token; the
    configured mechanism answers and the privacy ledger is charged before each release.
 4. A student actor asks for labels over gRPC, like any outside client, trains on the
@@ -22,12 +24,16 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig
 from privacy.mechanisms import build_mechanism
+
+if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from actors.teacher import TeacherPool, TeacherSource
+    from learning.data import StudentSplits
 
 log = logging.getLogger(__name__)
 
@@ -156,23 +162,20 @@ class Config:
 
 @dataclass
 class Teachers:
-    """Trained teachers and the splits they were made from."""
+    """Trained teachers and the student's splits of the same data (the private split stays
+    with the teacher actors)."""
 
-    splits: Any
+    splits: StudentSplits
     pool: Any
     losses: list[float]
     seconds: float
 
 
 def train_teachers(config: Config, progress: bool = True) -> Teachers:
-    """Split, shard and train the teachers on Ray actors (Ray must be running)."""
-    from learning.data import make_splits, shard
-
-    splits = make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
-                         seed=config.seed, private_size=config.data.private_size)
-    shards = shard(splits.private, config.teachers.count, seed=config.seed)
+    """Train the teachers on Ray actors, which read their own shards (Ray must be running)."""
+    splits = student_splits(config)
     started = time.perf_counter()
-    pool = teacher_pool(config, shards)
+    pool = teacher_pool(config)
     losses = pool.train(progress=progress)
     seconds = time.perf_counter() - started
     log.info("teachers: %d trained on %d actors in %.1f s (mean last-epoch loss %.3f)",
@@ -180,19 +183,39 @@ def train_teachers(config: Config, progress: bool = True) -> Teachers:
     return Teachers(splits, pool, losses, seconds)
 
 
-def teacher_pool(config: Config, shards: list):
-    """Untrained teacher actors for ``shards``, packed as ``config.teachers`` says."""
+def student_splits(config: Config) -> StudentSplits:
+    """The public pool and the test split, all of the data the driver keeps. Reading the
+    files loads the training set too, but the private split is dropped here, unsharded."""
+    from learning.data import make_splits
+
+    return make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
+                       seed=config.seed, private_size=config.data.private_size).student_side()
+
+
+def teacher_source(config: Config) -> TeacherSource:
+    """The spec of the teachers' private shards, which only the teacher actors load."""
+    from actors.teacher import TeacherSource
+
+    return TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
+                         num_teachers=config.teachers.count, seed=config.seed,
+                         private_size=config.data.private_size)
+
+
+def teacher_pool(config: Config, num_teachers: int | None = None) -> TeacherPool:
+    """Untrained teacher actors, packed as ``config.teachers`` says: all ``teachers.count``
+    teachers, or the first ``num_teachers`` of them (the benchmark compares a few)."""
     import ray
 
     from actors.teacher import TeacherPool
 
+    count = config.teachers.count if num_teachers is None else num_teachers
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     per_actor = config.teachers.per_actor
-    num_actors = math.ceil(len(shards) / per_actor) if per_actor else max(1, int(cpus))
-    num_actors = min(num_actors, len(shards))
+    num_actors = math.ceil(count / per_actor) if per_actor else max(1, int(cpus))
+    num_actors = min(num_actors, count)
     # Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
-    return TeacherPool(shards, config.teachers.model, config.teachers.train.with_seed(config.seed),
-                       num_actors=num_actors, seed=config.seed,
+    return TeacherPool(teacher_source(config), count, config.teachers.model,
+                       config.teachers.train.with_seed(config.seed), num_actors=num_actors, seed=config.seed,
                        num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
 
 

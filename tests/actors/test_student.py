@@ -8,9 +8,9 @@ import pytest
 
 from actors.aggregator import AggregatorServer, ServerSettings
 from actors.student import Student, StudentActor
-from actors.teacher import TeacherGroup
+from actors.teacher import TeacherGroup, TeacherSource
 from cluster.client import AggregatorClient
-from learning.data import make_splits, shard
+from learning.data import make_splits
 from learning.training import TrainConfig
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.mechanisms import build_mechanism
@@ -23,9 +23,9 @@ STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)
 @pytest.fixture(scope="module")
 def world():
     """Digits splits and five trained teachers (in-process: the student cannot tell)."""
-    splits = make_splits("digits", public_size=200, seed=1)
-    teachers = TeacherGroup(shard(splits.private, 5, seed=1), "digits_cnn",
-                            TrainConfig(epochs=10, batch_size=32, lr=3e-3, seed=1))
+    splits = make_splits("digits", public_size=200, seed=1).student_side()
+    teachers = TeacherGroup(TeacherSource("digits", None, public_size=200, num_teachers=5, seed=1), 0, 5,
+                            "digits_cnn", TrainConfig(epochs=10, batch_size=32, lr=3e-3, seed=1))
     teachers.train_all()
     return splits, teachers
 

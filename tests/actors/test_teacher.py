@@ -1,11 +1,15 @@
-"""Teacher actors: packing, parallel training, and histograms that are the only thing out."""
+"""Teacher actors: their own shards, packing, parallel training, and histograms that are
+the only thing out."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from actors.teacher import TeacherGroup, TeacherPool, gpu_share
-from learning.data import make_splits, shard
+import learning.data
+from actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gpu_share
+from learning.data import Dataset, make_splits, shard
 from learning.training import TrainConfig
 
 TRAIN = TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=0)
@@ -13,17 +17,78 @@ TRAIN = TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=0)
 
 @pytest.fixture(scope="module")
 def digits():
-    splits = make_splits("digits", public_size=200, seed=0)
-    return splits, shard(splits.private, 5, seed=0)
+    """The student's side of the digits splits and the spec of five teachers' shards."""
+    splits = make_splits("digits", public_size=200, seed=0).student_side()
+    return splits, TeacherSource("digits", None, public_size=200, num_teachers=5, seed=0)
 
 
 @pytest.fixture(scope="module")
 def pool(ray_session, digits):
-    _, shards = digits
-    pool = TeacherPool(shards, "digits_cnn", TRAIN, num_actors=2, seed=3, num_cpus_per_actor=0.5)
+    _, source = digits
+    pool = TeacherPool(source, 5, "digits_cnn", TRAIN, num_actors=2, seed=3, num_cpus_per_actor=0.5)
     losses = pool.train(progress=False)
     yield pool, losses
     pool.shutdown()
+
+
+@pytest.mark.parametrize("private_size", [None, 700])
+def test_source_loads_the_shards_the_driver_used_to_cut(private_size):
+    """Same data, order and names as ``shard(make_splits(...).private, ...)``, so moving the
+    loading into the actors changes no result."""
+    source = TeacherSource("digits", None, public_size=200, num_teachers=5, seed=4, private_size=private_size)
+    expected = shard(make_splits("digits", public_size=200, seed=4, private_size=private_size).private, 5, seed=4)
+    for ids in ([0, 1, 2, 3, 4], [3, 1]):
+        loaded = source.load(ids)
+        assert len(loaded) == len(ids)
+        for got, want in zip(loaded, [expected[i] for i in ids]):
+            np.testing.assert_array_equal(got.x, want.x)
+            np.testing.assert_array_equal(got.y, want.y)
+            assert (got.name, got.num_classes) == (want.name, want.num_classes)
+
+
+@pytest.mark.parametrize("ids", [[], [5], [-1, 0]])
+def test_source_refuses_teachers_it_does_not_have(ids):
+    with pytest.raises(ValueError, match="teacher ids"):
+        TeacherSource("digits", None, public_size=200, num_teachers=5).load(ids)
+
+
+def _private_data_in(value) -> list[str]:
+    """Every array or Dataset reachable from ``value`` through containers and dataclasses."""
+    if isinstance(value, (np.ndarray, Dataset)):
+        return [repr(value)]
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set)):
+        items = list(value)
+    elif dataclasses.is_dataclass(value):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return []
+    return [found for item in items for found in _private_data_in(item)]
+
+
+def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch):
+    """A real pool built from the spec trains and votes while every way of reading a dataset
+    is a tripwire in this (the driver's) process; the actors run in their own processes,
+    unpatched, and load their shards there. The pool keeps no data either."""
+    splits, source = digits
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the driver read a dataset")
+
+    monkeypatch.setattr(TeacherSource, "load", tripwire)
+    monkeypatch.setattr(learning.data, "load_dataset", tripwire)
+    pool = TeacherPool(source, 3, "digits_cnn", dataclasses.replace(TRAIN, epochs=2), num_actors=2,
+                       num_cpus_per_actor=0.5)
+    try:
+        assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
+        losses = pool.train(progress=False)
+        assert len(losses) == 3 and all(np.isfinite(losses))
+        votes = pool.votes(splits.public.x[:50])
+        assert (votes.sum(axis=1) == 3).all()
+        assert _private_data_in(vars(pool)) == []
+    finally:
+        pool.shutdown()
 
 
 def test_teachers_are_packed_several_per_actor(pool):
@@ -54,8 +119,8 @@ def test_votes_are_a_histogram_with_one_vote_per_teacher(pool, digits):
 def test_packing_does_not_change_the_teachers(pool, digits):
     """The same teachers in one process (no Ray) vote exactly as the actor pool does."""
     teachers, _ = pool
-    splits, shards = digits
-    in_process = TeacherGroup(shards, "digits_cnn", TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=3))
+    splits, source = digits
+    in_process = TeacherGroup(source, 0, 5, "digits_cnn", TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=3))
     in_process.train_all()
     np.testing.assert_array_equal(in_process.votes(splits.public.x[:64]), teachers.votes(splits.public.x[:64]))
 
@@ -67,9 +132,9 @@ def test_votes_reject_inputs_of_the_wrong_shape(pool):
 
 
 def test_untrained_teachers_refuse_to_vote(digits):
-    _, shards = digits
+    splits, source = digits
     with pytest.raises(RuntimeError, match="trained"):
-        TeacherGroup(shards[:1], "digits_cnn", TRAIN).votes(shards[0].x[:2])
+        TeacherGroup(source, 0, 1, "digits_cnn", TRAIN).votes(splits.public.x[:2])
 
 
 def test_gpu_requests_only_when_the_cluster_has_gpus():
@@ -79,9 +144,16 @@ def test_gpu_requests_only_when_the_cluster_has_gpus():
 
 
 def test_more_actors_than_teachers_is_capped(ray_session, digits):
-    _, shards = digits
-    pool = TeacherPool(shards[:2], "digits_cnn", TRAIN, num_actors=8, num_cpus_per_actor=0.25)
+    _, source = digits
+    pool = TeacherPool(source, 2, "digits_cnn", TRAIN, num_actors=8, num_cpus_per_actor=0.25)
     try:
         assert pool.num_actors == 2
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("count", [0, 6])
+def test_a_pool_trains_only_teachers_its_source_has(digits, count):
+    _, source = digits
+    with pytest.raises(ValueError, match="num_teachers"):
+        TeacherPool(source, count, "digits_cnn", TRAIN, num_actors=1)
