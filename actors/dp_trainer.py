@@ -46,7 +46,7 @@ from torch import nn
 
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
-from learning.dpsgd import DPSGDConfig, torch_generator, train_dp
+from learning.dpsgd import DPSGDConfig, lr_scheduler, torch_generator, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
 from learning.models import build_model
 from learning.selection.entropy import logit_entropy
@@ -265,6 +265,7 @@ def _distributed_worker(cfg: dict) -> None:
     loader = DPDataLoader(TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y)),
                           sample_rate=sample_rate,
                           generator=torch_generator(None if base_seed is None else base_seed + rank))
+    scheduler = lr_scheduler(optimizer.original_optimizer, config, total_steps=len(loader) * config.epochs)
     criterion = nn.CrossEntropyLoss()
     steps = 0
     for epoch in range(1, config.epochs + 1):
@@ -277,6 +278,7 @@ def _distributed_worker(cfg: dict) -> None:
             loss = criterion(out, y) if len(y) else out.sum() * 0.0
             loss.backward()
             optimizer.step()
+            scheduler.step()
             steps += 1
             stats += torch.tensor([float(loss.detach()) * len(y), len(y)], dtype=torch.float64)
         dist.all_reduce(stats)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # Grad-sample modes that materialise per-example gradients. Ghost clipping never does (so a
 # per-element mask could not act before its clipping) and is not offered.
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 class ArrayDataset(Protocol):
@@ -69,6 +70,7 @@ class DPSGDConfig:
     grad_sample_mode: str = "hooks"
     lr_overrides: tuple[tuple[str, float], ...] = ()
     max_physical_batch_size: int | None = None  # split big Poisson batches to bound memory
+    lr_schedule: str = "constant"  # or "cosine": decays every learning rate to 0 over the run
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -93,6 +95,8 @@ class DPSGDConfig:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
 
 
 @dataclass
@@ -185,6 +189,18 @@ class MaskedDPOptimizer(DPOptimizer):
             mask = self._mask_of(p)
             if mask is not None:
                 p.grad = p.grad * mask
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, config: DPSGDConfig,
+                 total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Per-step learning-rate schedule: ``constant``, or ``cosine`` from each group's rate
+    down to 0 at ``total_steps``. Under DP-SGD the late, small steps average the noise of
+    many updates instead of letting the last few noisy steps move the weights (the schedule
+    is a function of the step count only, so it costs no privacy)."""
+    if config.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
 def torch_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -280,6 +296,7 @@ def train_dp(
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     steps = 0
     account = dp_optimizer.step_hook
+    scheduler = lr_scheduler(dp_optimizer.original_optimizer, config, schedule.steps)
 
     def count_step(optimizer: DPOptimizer) -> None:
         # Called once per logical (noised) step, never for a physical chunk of one.
@@ -307,7 +324,10 @@ def train_dp(
             # reveal that the batch was empty, and the accountant counts every step.
             loss = criterion(private_model(x), y) if len(y) else private_model(x).sum() * 0.0
             loss.backward()
+            taken = steps
             dp_optimizer.step()
+            if steps > taken:  # a logical step, not one physical chunk of a split batch
+                scheduler.step()
             loss_sum += float(loss.detach()) * len(y)
             seen += len(y)
         losses.append(loss_sum / max(seen, 1))

@@ -64,6 +64,7 @@ class DPSGDSection:
     noise_multiplier: float | None = 1.1
     target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
     momentum: float = 0.0
+    lr_schedule: str = "constant"  # or "cosine" (see learning.dpsgd.lr_scheduler)
     distributed: bool = False  # Ray Train data-parallel over the shards (else one actor trains)
     cpus_per_worker: float = 1.0
 
@@ -312,7 +313,8 @@ def _dp_checkpoints(config: Config, source, spec, ledger, out: Path) -> tuple[li
         target_epsilon=dp.target_epsilon, target_delta=config.delta, sample_rate=sample_rate,
         epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005))
     dp_config = DPSGDConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, max_grad_norm=dp.max_grad_norm,
-                            delta=config.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed)
+                            delta=config.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed,
+                            lr_schedule=dp.lr_schedule)
     ledger.charge(sampled_gaussian_charge(sample_rate, sigma, dp.epochs * steps_per_epoch, label="dpsgd"))
     log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", sample_rate, sigma, dp.epochs,
              "Ray Train" if dp.distributed else "one actor")

@@ -12,7 +12,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from torch import nn
 
 from learning.data import load_digits
-from learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, train_dp
+from learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, lr_scheduler, train_dp
 from learning.models.resnet import gn_cnn
 from privacy.accounting.rdp import epsilon_from_rdp
 
@@ -183,9 +183,11 @@ def test_config_needs_exactly_one_noise_setting():
         DPSGDConfig(noise_multiplier=1.0, grad_sample_mode="ghost")
 
 
-def test_physical_batch_splitting_is_the_same_training(digits):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_physical_batch_splitting_is_the_same_training(digits, schedule):
     # Same Poisson batches, same noise, same steps: only the order of floating-point sums
-    # changes, so the weights agree to rounding and the privacy cost is identical.
+    # changes, so the weights agree to rounding and the privacy cost is identical. With a
+    # schedule, the rate moves once per logical step, never per physical chunk.
     masks = {"body.4.weight": (torch.rand(8, 4, 3, 3, generator=torch.Generator().manual_seed(0)) < 0.2).float()}
     base = gn_cnn(10, 1, channels=4).state_dict()
     trained = []
@@ -193,9 +195,25 @@ def test_physical_batch_splitting_is_the_same_training(digits):
         model = gn_cnn(10, 1, channels=4)
         model.load_state_dict(base)
         config = DPSGDConfig(epochs=2, batch_size=30, lr=0.5, noise_multiplier=1.0, seed=5,
-                             max_physical_batch_size=physical)
+                             max_physical_batch_size=physical, lr_schedule=schedule)
         trained.append(train_dp(model, digits.subset(np.arange(150)), config, masks=masks))
     assert trained[0].steps == trained[1].steps == 10
     assert trained[0].epsilons == trained[1].epsilons
     for (name, a), b in zip(trained[0].model.state_dict().items(), trained[1].model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cosine_schedule_decays_every_group_to_zero_over_the_run():
+    weights = [nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD([{"params": weights[:1], "lr": 0.4}, {"params": weights[1:], "lr": 2.0}])
+    scheduler = lr_scheduler(optimizer, DPSGDConfig(noise_multiplier=1.0, lr_schedule="cosine"), total_steps=4)
+    seen = []
+    for _ in range(4):
+        seen.extend(group["lr"] for group in optimizer.param_groups)
+        optimizer.step()
+        scheduler.step()
+    expected = [0.5 * (1 + math.cos(math.pi * t / 4)) for t in range(4)]  # 1, .854, .5, .146
+    assert seen == pytest.approx([lr * f for f in expected for lr in (0.4, 2.0)])
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="lr_schedule"):
+        DPSGDConfig(noise_multiplier=1.0, lr_schedule="linear")
