@@ -14,6 +14,7 @@ from torch import nn
 
 REGISTRY: dict[str, str] = {
     "tutorial_cnn": "learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
+    "tutorial_cnn_tanh": "learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
     "digits_cnn": "learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
     "gn_resnet18": "learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
     "gn_cnn": "learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32

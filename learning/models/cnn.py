@@ -30,21 +30,37 @@ def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
-def tutorial_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 28) -> FeatureClassifier:
+ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+def tutorial_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 28,
+                 activation: str = "relu") -> FeatureClassifier:
     """The CNN of the TensorFlow Privacy MNIST DP-SGD tutorial (used by Abadi-style baselines
-    and Zhao et al. 2019): conv 16 8×8 stride 2 ('same' padding, 3 here) → ReLU → max-pool 2
-    stride 1 → conv 32 4×4 stride 2 → ReLU → max-pool 2 stride 1 → fc 32 → ReLU → fc k.
+    and Zhao et al. 2019): conv 16 8×8 stride 2 ('same' padding, 3 here) → act → max-pool 2
+    stride 1 → conv 32 4×4 stride 2 → act → max-pool 2 stride 1 → fc 32 → act → fc k.
     For 28×28×1 and 10 classes: 26,010 parameters."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    act = ACTIVATIONS[activation]
     size = _conv_out(_conv_out(input_size, 8, 2, 3), 2)          # 28 → 14 → 13
     size = _conv_out(_conv_out(size, 4, 2), 2)                   # 13 → 5 → 4
     if size < 1:
         raise ValueError(f"tutorial_cnn needs inputs of at least 16×16, got {input_size}×{input_size}")
     body = nn.Sequential(
-        nn.Conv2d(in_channels, 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
-        nn.Flatten(), nn.Linear(32 * size * size, 32), nn.ReLU(),
+        nn.Conv2d(in_channels, 16, 8, stride=2, padding=3), act(), nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2), act(), nn.MaxPool2d(2, 1),
+        nn.Flatten(), nn.Linear(32 * size * size, 32), act(),
     )
     return FeatureClassifier(body, nn.Linear(32, num_classes))
+
+
+def tutorial_cnn_tanh(num_classes: int = 10, in_channels: int = 1, input_size: int = 28) -> FeatureClassifier:
+    """``tutorial_cnn`` with tanh activations, for DP-SGD: bounded activations keep gradient
+    norms small, so clipping discards less signal (Papernot et al. 2021, "Tempered sigmoid
+    activations for deep learning with differential privacy", AAAI; tanh is their tempered
+    sigmoid with s = 2, T = 2, o = 1). On 40,000 MNIST images at ε = 3 it gains about two
+    points over ReLU (docs/active-learning.md)."""
+    return tutorial_cnn(num_classes, in_channels, input_size, activation="tanh")
 
 
 def digits_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8) -> FeatureClassifier:

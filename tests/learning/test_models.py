@@ -14,6 +14,7 @@ from learning.models import REGISTRY, build_model
 # (name, in_channels, input size, kwargs) small enough for a fast CPU test
 CASES = [
     ("tutorial_cnn", 1, 28, {}),
+    ("tutorial_cnn_tanh", 1, 28, {}),
     ("digits_cnn", 1, 8, {}),
     ("gn_cnn", 3, 32, {}),
     ("gn_resnet18", 3, 32, {"width": 0.25}),
@@ -43,6 +44,16 @@ def test_tutorial_cnn_matches_the_tf_privacy_architecture():
     # 32 → 16 → 15 → 6 → 5; 32·5·5 = 800
     assert count(wide) == (conv_params(3, 16, 8) + conv_params(16, 32, 4)
                            + linear_params(800, 32) + linear_params(32, 100))
+
+
+def test_tutorial_cnn_tanh_differs_only_in_its_activations():
+    relu, tanh = build_model("tutorial_cnn", 10, seed=3), build_model("tutorial_cnn_tanh", 10, seed=3)
+    assert [type(m) for m in tanh.modules() if isinstance(m, (nn.ReLU, nn.Tanh))] == [nn.Tanh] * 3
+    assert not any(isinstance(m, nn.ReLU) for m in tanh.modules())
+    for (name, a), (_, b) in zip(relu.state_dict().items(), tanh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # same layers, same initial weights for the same seed
+    with pytest.raises(ValueError, match="activation"):
+        build_model("tutorial_cnn", 10, activation="gelu")
 
 
 def test_digits_cnn_size():
