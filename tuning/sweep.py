@@ -23,7 +23,7 @@ from cluster.results import RunDirectory
 from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from tuning import report, spaces
 from tuning.config import TuneConfig
-from tuning.trainables import KINDS, TRIAL_MEMORY_BYTES, charge_from_fields, delta_of, prepare, run_trial, trial_config
+from tuning.trainables import KINDS, TRIAL_MEMORY_BYTES, charge_from_fields, prepare, run_trial, trial_config
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
     kind = KINDS[config.kind]
-    delta = delta_of(preview)
+    delta = preview.privacy.delta
     start_ray(address)
     results = RunDirectory(results_root, config.name)
     prepared = prepare(config.kind, preview, results)

@@ -64,7 +64,7 @@ KINDS: dict[str, Kind] = {
     "near_private": Kind("active_learning", per_epoch=False, in_process=False, free=False),
     "diverse_public": Kind(
         "active_learning", per_epoch=False, in_process=True, free=True,
-        fixed_keys=("data.", "dpsgd.", "model", "delta", "epsilon_limit", "seed"),
+        fixed_keys=("data.", "dpsgd.", "model", "privacy.", "seed"),
     ),
     "sparsity": Kind(
         "sparse_finetune", per_epoch=True, in_process=True, free=False,
@@ -73,11 +73,6 @@ KINDS: dict[str, Kind] = {
                       "finetune.noise_multiplier", "finetune.target_epsilon"),
     ),
 }
-
-
-def delta_of(config: Any) -> float:
-    """The δ a pipeline config accounts at (top-level ``delta`` or ``privacy.delta``)."""
-    return float(getattr(config, "delta", None) or config.privacy.delta)
 
 
 def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, Any]:
@@ -132,7 +127,7 @@ def _run_pipeline(raw: dict, directory: str) -> tuple[dict, dict, dict]:
     pipeline_module(pipeline).run(config, RunContext("trial", results, None))
     metrics = json.loads((results.path / "metrics.json").read_text())
     privacy = json.loads((results.path / "privacy.json").read_text())
-    with PrivacyLedger(results.path / "ledger.sqlite", math.inf, delta_of(config)) as ledger:
+    with PrivacyLedger(results.path / "ledger.sqlite", math.inf, config.privacy.delta) as ledger:
         spent = ledger.spent()
     return metrics, privacy, charge_fields(spent)
 
@@ -248,7 +243,7 @@ def run_trial(params: dict[str, Any], *, kind: str, base: dict, space: dict, pre
     try:
         TRIALS[kind](config, raw, prepared, trial_dir)
     except Exception:
-        _report_spent_before_failing(trial_dir, delta_of(config))
+        _report_spent_before_failing(trial_dir, config.privacy.delta)
         raise
 
 
@@ -288,7 +283,7 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
     run_dir = RunDirectory(results.path, "checkpoint")
     active_learning.run(once, RunContext("checkpoint", run_dir, None))
     final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
-    with PrivacyLedger(run_dir.path / "ledger.sqlite", math.inf, config.delta) as ledger:
+    with PrivacyLedger(run_dir.path / "ledger.sqlite", math.inf, config.privacy.delta) as ledger:
         charge, report = ledger.spent(), ledger.report()
     metrics = json.loads((run_dir.path / "metrics.json").read_text())
     return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": report.epsilon,

@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from cluster.pipelines import RunContext
+from cluster.pipelines import PrivacyConfig, RunContext
 
 log = logging.getLogger(__name__)
 
@@ -147,17 +147,10 @@ class Config:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     annotator: AnnotatorConfig = field(default_factory=AnnotatorConfig)
-    delta: float = 1e-5
-    epsilon_limit: float | None = None  # None: the ledger only reports
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # default: a report-only ledger
     checkpoints_from: str | None = None  # reuse an earlier run's DP checkpoints (its results folder)
     seed: int = 0
     torch_threads: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
-        if self.epsilon_limit is not None and self.epsilon_limit <= 0:
-            raise ValueError(f"epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
 
 
 # ---- out-of-domain images for the pollution experiment --------------------------------
@@ -215,7 +208,6 @@ def run(config: Config, context: RunContext) -> dict:
     from learning.annotation import hide_labels, split_private_public
     from learning.data import load_dataset
     from learning.training import evaluate
-    from privacy.accounting.ledger import PrivacyLedger
 
     start_ray(context.ray_address)
     torch.set_num_threads(config.torch_threads)
@@ -245,12 +237,12 @@ def run(config: Config, context: RunContext) -> dict:
     spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
 
     # 2. DP checkpoints, charged to the run's ledger before anything is trained or loaded.
-    ledger = PrivacyLedger(out / "ledger.sqlite", config.epsilon_limit or math.inf, config.delta)
+    ledger = config.privacy.open_ledger(out / "ledger.sqlite")
     if ledger.report().charges:
         log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
                     "with this run's", ledger.path, ledger.report().charges)
     checkpoints, dp_info = _dp_checkpoints(config, source, spec, ledger, out)
-    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": _epsilon([c.charge()], config.delta),
+    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": _epsilon([c.charge()], config.privacy.delta),
                         "test_accuracy": evaluate(c.load_into(spec.build()), test), "train_loss": c.loss}
                        for c in checkpoints]
 
@@ -258,7 +250,7 @@ def run(config: Config, context: RunContext) -> dict:
     rows, privacy = improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
-    privacy = {"delta": config.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
+    privacy = {"delta": config.privacy.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
     ledger.close()
     if client is not None:
         privacy["annotator_aggregator"] = client.budget()  # its own ledger: the teachers' data
@@ -310,10 +302,10 @@ def _dp_checkpoints(config: Config, source, spec, ledger, out: Path) -> tuple[li
     steps_per_epoch = math.ceil(config.data.private_size / dp.batch_size)
     sample_rate = 1 / steps_per_epoch  # Poisson rate over the union, as train_dp computes it
     sigma = float(dp.noise_multiplier or get_noise_multiplier(
-        target_epsilon=dp.target_epsilon, target_delta=config.delta, sample_rate=sample_rate,
+        target_epsilon=dp.target_epsilon, target_delta=config.privacy.delta, sample_rate=sample_rate,
         epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005))
     dp_config = DPSGDConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, max_grad_norm=dp.max_grad_norm,
-                            delta=config.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed,
+                            delta=config.privacy.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed,
                             lr_schedule=dp.lr_schedule)
     ledger.charge(sampled_gaussian_charge(sample_rate, sigma, dp.epochs * steps_per_epoch, label="dpsgd"))
     log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", sample_rate, sigma, dp.epochs,
@@ -342,8 +334,8 @@ def _near_private_start(config: Config, checkpoints: list, extra: list):
         if not 1 <= sel.near_private_epoch <= len(checkpoints):
             raise ValueError(f"selection.near_private_epoch must be in [1, {len(checkpoints)}]")
         return checkpoints[sel.near_private_epoch - 1]
-    target = _epsilon([checkpoints[-1].charge()], config.delta)
-    matching = [c for c in checkpoints if _epsilon([c.charge(), *extra], config.delta) <= target + 1e-9]
+    target = _epsilon([checkpoints[-1].charge()], config.privacy.delta)
+    matching = [c for c in checkpoints if _epsilon([c.charge(), *extra], config.privacy.delta) <= target + 1e-9]
     return matching[-1] if matching else checkpoints[0]
 
 
@@ -361,8 +353,8 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     from privacy.counts import LaplaceCounts
     from privacy.pca import AnalyzeGauss
 
-    sel = config.selection
-    pca, counts = AnalyzeGauss(sel.epsilon_pca, config.delta), LaplaceCounts(sel.epsilon_support)
+    sel, delta = config.selection, config.privacy.delta
+    pca, counts = AnalyzeGauss(sel.epsilon_pca, delta), LaplaceCounts(sel.epsilon_support)
     near_start = _near_private_start(config, checkpoints, [pca.charge(), counts.charge()])
     finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
                            lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
@@ -374,7 +366,7 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     for name in sel.strategies:
         start = near_start if name == "near_private" else checkpoints[-1]
         # What this one model costs on its own: an in-memory view (the run's ledger is the durable one).
-        model_ledger = model_ledgers[name] = PrivacyLedger(":memory:", math.inf, config.delta)
+        model_ledger = model_ledgers[name] = PrivacyLedger(":memory:", math.inf, delta)
         model_ledger.charge(start.charge())
         if start.epoch not in pools:
             model = start.load_into(spec.build())
@@ -416,12 +408,12 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     for l in model_ledgers.values():
         l.close()
     if "near_private" in sel.strategies:
-        near_total = _epsilon([near_start.charge(), pca.charge(), counts.charge()], config.delta)
-        privacy["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], config.delta),
+        near_total = _epsilon([near_start.charge(), pca.charge(), counts.charge()], delta)
+        privacy["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], delta),
                          "epsilon_pca": sel.epsilon_pca, "epsilon_support": sel.epsilon_support,
                          "pca_noise_multiplier": pca.noise_multiplier, "laplace_scale": counts.scale,
                          "epsilon_total": near_total,  # composed in RDP (what the ledger says)
-                         "epsilon_additive": _epsilon([near_start.charge()], config.delta) + sel.epsilon_pca
+                         "epsilon_additive": _epsilon([near_start.charge()], delta) + sel.epsilon_pca
                          + sel.epsilon_support,  # the paper's bookkeeping: a looser upper bound
-                         "matches_final_checkpoint": near_total <= _epsilon([checkpoints[-1].charge()], config.delta) + 1e-9}
+                         "matches_final_checkpoint": near_total <= _epsilon([checkpoints[-1].charge()], delta) + 1e-9}
     return rows, privacy

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster.config import ConfigError, load_yaml
-from cluster.pipelines import RunContext
+from cluster.pipelines import PrivacyConfig, RunContext
 from cluster.pipelines.active_learning import pollute, run
 from cluster.results import RunDirectory
 from cluster.run_command import load_run_config
@@ -23,6 +23,16 @@ def test_both_configs_load():
     for name in ("digits-active.yaml", "mnist-active.yaml"):
         pipeline, config = load_run_config(load_yaml(CONFIGS / name))
         assert pipeline == "active_learning" and len(config.selection.strategies) == 5
+        assert config.privacy == PrivacyConfig(epsilon_limit=None, delta=1e-5)
+    for name in ("tune-digits-diverse.yaml", "tune-mnist-diverse.yaml",
+                 "tune-digits-nearprivate.yaml", "tune-mnist-nearprivate.yaml"):
+        pipeline, config = load_run_config(load_yaml(CONFIGS / name)["base"])
+        assert pipeline == "active_learning" and config.privacy.delta == 1e-5
+    # δ and the ε limit live in the shared privacy section: a config from before says so
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['delta'\].*privacy"):
+        load_run_config({"pipeline": "active_learning", "delta": 1e-5})
+    with pytest.raises(ConfigError, match="privacy.delta"):
+        load_run_config({"pipeline": "active_learning", "privacy": {"delta": 2.0}})
     with pytest.raises(ConfigError, match="strategies"):
         load_run_config({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
     with pytest.raises(ConfigError, match="annotator.address"):

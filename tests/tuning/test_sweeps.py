@@ -176,6 +176,11 @@ def test_sparsity_sweeps_refuse_unsound_random_repetition_and_swept_fixed_keys(c
         check(_config("tune-digits-sparsity.yaml", **changes))
 
 
+def test_diverse_public_sweeps_refuse_sweeping_what_the_checkpoint_was_trained_with():
+    with pytest.raises(ConfigError, match=r"\['privacy.delta'\] are prepared once"):
+        check(_config("tune-digits-diverse.yaml", **{"space/privacy.delta": {"choice": [1e-5, 1e-6]}}))
+
+
 def test_conclave_tune_rejects_a_bad_config_with_status_2(tmp_path, capsys):
     from cluster.cli import main
 
