@@ -1,0 +1,65 @@
+"""Fixed feature representations, computed by whoever holds the images, before training.
+
+DP-SGD pays for every parameter it has to learn from noisy gradients. Tramèr & Boneh
+("Differentially private learning needs better features (or much more data)", ICLR 2021)
+show that handcrafted features close much of the gap: a small network trained with DP-SGD
+on ScatterNet features (Oyallon & Mallat 2015) beats end-to-end CNNs at the same ε
+(MNIST, ε = 3: 98.7% vs 98.1%).
+
+A feature transform here is fixed (no learned weights, nothing fitted to data) and maps each
+image alone, so computing it costs no privacy and its output is a ``Dataset`` like any other:
+private holders transform their shards in their own process, the driver its public pool and
+test split, and models consume ``[n, C', H', W']`` arrays as they would images.
+
+Scattering (J = 2, L = 8, order 2): per input channel 1 + J·L + L²·J(J−1)/2 = 81 maps of
+size (H/4, W/4) — the image's low-pass average, then moduli of Morlet wavelet responses at
+2 scales × 8 orientations and of their second-order cascades, each averaged over 4×4 pixels.
+``kymatio`` computes it (its 2-D frontend is imported directly: ``kymatio.torch`` also loads
+the 3-D module, which imports a function SciPy ≥ 1.15 no longer has).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from tqdm import tqdm
+
+from learning.data.dataset import Dataset
+
+log = logging.getLogger(__name__)
+
+FEATURES = ("scattering",)
+
+
+def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_size: int = 1000,
+               progress: bool = False) -> Dataset:
+    """Order-2 scattering coefficients of every image: ``float32 [n, C·K, H/2^J, W/2^J]`` with
+    K = 1 + J·L + L²·J(J−1)/2 (81 for J = 2, L = 8)."""
+    import torch
+    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
+
+    n, _, height, width = dataset.x.shape
+    if n == 0:
+        raise ValueError(f"{dataset.name}: no images to transform")
+    if height % 2**scales or width % 2**scales:
+        raise ValueError(f"scattering with J={scales} needs sides divisible by {2**scales}, "
+                         f"got {height}×{width} ({dataset.name})")
+    transform = ScatteringTorch2D(J=scales, shape=(height, width), L=orientations)
+    parts = []
+    with torch.no_grad():
+        for start in tqdm(range(0, n, batch_size), desc=f"scattering {dataset.name}", disable=not progress):
+            chunk = torch.from_numpy(dataset.x[start:start + batch_size])
+            coefficients = transform(chunk)  # [b, C, K, H', W']
+            parts.append(coefficients.reshape(len(chunk), -1, *coefficients.shape[-2:]).numpy())
+    x = np.concatenate(parts).astype(np.float32, copy=False)
+    return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering")
+
+
+def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -> Dataset:
+    """``dataset`` in the representation ``name`` (``None``: the images themselves)."""
+    if name is None:
+        return dataset
+    if name not in FEATURES:
+        raise ValueError(f"unknown feature representation {name!r}; choose one of {list(FEATURES)} or null")
+    log.info("computing %s features of %s (%d examples)", name, dataset.name, len(dataset))
+    return scattering(dataset, progress=progress)
