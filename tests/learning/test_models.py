@@ -15,6 +15,7 @@ from learning.models import REGISTRY, build_model
 CASES = [
     ("tutorial_cnn", 1, 28, {}),
     ("tutorial_cnn_tanh", 1, 28, {}),
+    ("scatternet_cnn", 81, 7, {}),
     ("digits_cnn", 1, 8, {}),
     ("gn_cnn", 3, 32, {}),
     ("gn_resnet18", 3, 32, {"width": 0.25}),
@@ -56,6 +57,15 @@ def test_tutorial_cnn_tanh_differs_only_in_its_activations():
         build_model("tutorial_cnn", 10, activation="gelu")
 
 
+def test_scatternet_cnn_size_and_input_size_reaching_only_the_factories_that_take_it():
+    # GroupNorm without affine weights: 81·32·9+32, 32·32·9+32, (32·3·3)·32+32, 32·10+10
+    expected = conv_params(81, 32, 3) + conv_params(32, 32, 3) + linear_params(288, 32) + linear_params(32, 10)
+    assert count(build_model("scatternet_cnn", 10, in_channels=81)) == expected == 42186
+    cifar = build_model("scatternet_cnn", 10, in_channels=243, input_size=8)  # 3×32×32 images
+    assert cifar(torch.zeros(2, 243, 8, 8)).shape == (2, 10)
+    assert build_model("gn_cnn", 10, in_channels=3, input_size=32)(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
 def test_digits_cnn_size():
     expected = conv_params(1, 16, 3) + conv_params(16, 32, 3) + linear_params(32 * 4 * 4, 64) + linear_params(64, 10)
     assert count(build_model("digits_cnn", num_classes=10)) == expected == 38282
@@ -77,7 +87,7 @@ def test_features_classifier_contract_and_opacus(name, channels, size, kwargs):
 
 # Opacus's hooks warn whenever the inputs themselves need no gradient — always the case here.
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
-@pytest.mark.parametrize("name, channels, size", [("tutorial_cnn", 1, 28), ("digits_cnn", 1, 8)])
+@pytest.mark.parametrize("name, channels, size", [("tutorial_cnn", 1, 28), ("digits_cnn", 1, 8), ("scatternet_cnn", 81, 7)])
 def test_opacus_per_example_gradients_match_one_at_a_time(name, channels, size):
     """Opacus's per-example gradients for our CNNs equal those of separate backward passes."""
     model = build_model(name, num_classes=10, in_channels=channels, seed=1)
