@@ -46,6 +46,7 @@ from torch import nn
 
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
+from learning.data.features import apply_features
 from learning.dpsgd import DPSGDConfig, lr_scheduler, torch_generator, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
 from learning.models import build_model
@@ -64,13 +65,16 @@ log = logging.getLogger(__name__)
 class PrivateSource:
     """Where the private shards come from: a seeded ``private_size`` subset of ``dataset``'s
     training set (the rest is the public pool, see ``split_private_public``), cut into
-    ``num_shards`` disjoint shards. Only the processes that hold shards call ``load``."""
+    ``num_shards`` disjoint shards, in the representation ``features`` (see
+    ``learning.data.features``; None: images). Only the processes that hold shards call
+    ``load``, so the features of private images are computed where the images stay."""
 
     dataset: str
     root: str | None
     private_size: int
     num_shards: int
     seed: int = 0
+    features: str | None = None
 
     def load(self, shard_ids: Sequence[int]) -> Dataset:
         train, _ = load_dataset(self.dataset, self.root)
@@ -79,8 +83,9 @@ class PrivateSource:
         if not shard_ids or any(not 0 <= i < self.num_shards for i in shard_ids):
             raise ValueError(f"shard ids must be in [0, {self.num_shards}), got {list(shard_ids)}")
         parts = [shards[i] for i in shard_ids]
-        return Dataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
+        held = Dataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
                        private.num_classes, f"{private.name}/shards{list(shard_ids)}")
+        return apply_features(held, self.features)
 
 
 @dataclass(frozen=True)
@@ -91,9 +96,11 @@ class ModelSpec:
     num_classes: int
     in_channels: int = 1
     seed: int = 0
+    input_size: int | None = None  # the inputs' side, for models whose layers depend on it
 
     def build(self) -> nn.Module:
-        return build_model(self.name, self.num_classes, self.in_channels, seed=self.seed)
+        return build_model(self.name, self.num_classes, self.in_channels, seed=self.seed,
+                           input_size=self.input_size)
 
 
 @dataclass(frozen=True)

@@ -169,23 +169,13 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     tried to read private data or spend budget would fail instead of costing privacy."""
     import torch
 
-    from actors.dp_trainer import ModelSpec
-    from cluster.pipelines.active_learning import improve, pollute
-    from learning.annotation import hide_labels, split_private_public
-    from learning.data import load_dataset
+    from cluster.pipelines.active_learning import improve, public_side
 
     torch.set_num_threads(config.torch_threads)
-    data = config.data
     rng = np.random.default_rng(config.seed)
-    train, test = load_dataset(data.name, data.root)
-    _, public = split_private_public(train, data.private_size, config.seed)  # the private part is dropped
-    if data.public_size is not None:
-        public = public.subset(np.arange(min(data.public_size, len(public))))
-    public, out_of_domain = pollute(public, data.pollution, rng)
-    pool_inputs, annotator = hide_labels(public)
-    spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
-    rows, _ = improve(config, [prepared["checkpoint"]], None, spec, None, pool_inputs, annotator,
-                       out_of_domain, test, rng, trial_dir)
+    public = public_side(config, rng)  # the private part is dropped
+    rows, _ = improve(config, [prepared["checkpoint"]], None, public.model_spec(config), None, public.pool_inputs,
+                      public.annotator, public.out_of_domain, public.test, rng, trial_dir)
     nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
     row = rows[-1]
     _report(row["accuracy"], prepared["epsilon"], nothing, n_labeled=row["n_labeled"],

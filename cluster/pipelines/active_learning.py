@@ -26,11 +26,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig, RunContext
+from learning.data.features import FEATURES
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ class DataConfig:
     public_size: int | None = None  # keep only this many public points (None: all the rest)
     num_shards: int = 2  # private shards, one Ray actor (or Ray Train worker) each
     pollution: float = 0.0  # add this fraction (of the public pool) of out-of-domain images
+    features: str | None = None  # a fixed representation, e.g. scattering (learning.data.features)
 
     def __post_init__(self) -> None:
+        if self.features is not None and self.features not in FEATURES:
+            raise ValueError(f"data.features must be one of {list(FEATURES)} or null, got {self.features!r}")
         if self.private_size < 1 or self.num_shards < 1:
             raise ValueError("data.private_size and data.num_shards must be >= 1")
         if self.public_size is not None and self.public_size < 1:
@@ -200,13 +204,48 @@ def aggregator_annotator(inputs: np.ndarray, client, batch: int = 512):
 # ---- the run --------------------------------------------------------------------------
 
 
+@dataclass
+class PublicSide:
+    """What the driver holds: the public pool (labels behind ``annotator``) with its
+    out-of-domain mask, and the test split — both in the models' representation
+    (``data.features``) — and the pool's images for annotators that look at images."""
+
+    pool_images: np.ndarray
+    pool_inputs: np.ndarray
+    annotator: Any
+    out_of_domain: np.ndarray
+    test: Any
+
+    def model_spec(self, config: Config):
+        """The network every holder builds, sized for these inputs."""
+        from actors.dp_trainer import ModelSpec
+
+        _, channels, _, side = self.test.x.shape
+        return ModelSpec(config.model, self.test.num_classes, channels, seed=config.seed, input_size=side)
+
+
+def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
+    """The public pool and test split of ``config.data``. Both come from the same files as the
+    private part, so the driver reads them too, but keeps only the public rest."""
+    from learning.annotation import hide_labels, split_private_public
+    from learning.data import load_dataset
+    from learning.data.features import apply_features
+
+    data = config.data
+    train, test = load_dataset(data.name, data.root)
+    _, public = split_private_public(train, data.private_size, config.seed)
+    if data.public_size is not None:
+        public = public.subset(np.arange(min(data.public_size, len(public))))
+    public, out_of_domain = pollute(public, data.pollution, rng)  # images first, then features
+    pool_inputs, annotator = hide_labels(apply_features(public, data.features, progress=True))
+    return PublicSide(public.x, pool_inputs, annotator, out_of_domain, apply_features(test, data.features))
+
+
 def run(config: Config, context: RunContext) -> dict:
     import torch
 
-    from actors.dp_trainer import ModelSpec, PrivateSource
+    from actors.dp_trainer import PrivateSource
     from cluster.ray_runtime import start_ray
-    from learning.annotation import hide_labels, split_private_public
-    from learning.data import load_dataset
     from learning.training import evaluate
 
     start_ray(context.ray_address)
@@ -216,25 +255,20 @@ def run(config: Config, context: RunContext) -> dict:
     data, sel = config.data, config.selection
 
     # 1. Public pool (labels hidden behind the annotator) and test set; the private part is
-    #    read only by the actors that hold it. (Here both parts come from one file, so the
-    #    driver reads it too but keeps only the public rest.)
-    train, test = load_dataset(data.name, data.root)
-    _, public = split_private_public(train, data.private_size, config.seed)
-    if data.public_size is not None:
-        public = public.subset(np.arange(min(data.public_size, len(public))))
-    public, out_of_domain = pollute(public, data.pollution, rng)
-    pool_inputs, annotator = hide_labels(public)
+    #    read only by the actors that hold it.
+    public = public_side(config, rng)
+    pool_inputs, annotator, out_of_domain, test = public.pool_inputs, public.annotator, public.out_of_domain, public.test
     client = None
     if config.annotator.kind == "aggregator":
         from cluster.client import AggregatorClient
 
         token = os.environ.get(config.annotator.token_env) if config.annotator.token_env else None
         client = AggregatorClient(config.annotator.address, token=token, root_cert=config.annotator.root_cert)
-        annotator = aggregator_annotator(pool_inputs, client, config.annotator.batch)
+        annotator = aggregator_annotator(public.pool_images, client, config.annotator.batch)  # teachers see images
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
-    source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed)
-    spec = ModelSpec(config.model, train.num_classes, train.x.shape[1], seed=config.seed)
+    source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
+    spec = public.model_spec(config)
 
     # 2. DP checkpoints, charged to the run's ledger before anything is trained or loaded.
     ledger = config.privacy.open_ledger(out / "ledger.sqlite")

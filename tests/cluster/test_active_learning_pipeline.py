@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cluster.config import ConfigError, load_yaml
 from cluster.pipelines import PrivacyConfig, RunContext
@@ -83,6 +84,27 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     assert again["out_of_domain"] == math.ceil(0.3 * 397) and again["checkpoints"] == metrics["checkpoints"]
     assert [r["strategy"] for r in again["results"]] == ["entropy", "near_private"]
     assert json.loads((tmp_path / "p" / "privacy.json").read_text())["run"]["charges"] == 3
+
+
+def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(ray_session, tmp_path):
+    _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
+    config = dataclasses.replace(
+        config, model="scatternet_cnn", data=dataclasses.replace(config.data, features="scattering", pollution=0.1),
+        dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.6, target_epsilon=None),
+        selection=dataclasses.replace(config.selection, strategies=("diverse_public", "near_private"), sizes=(40,),
+                                      epsilon_pca=0.2, epsilon_support=0.3),
+        finetune=dataclasses.replace(config.finetune, epochs=2))
+    run(config, RunContext("s", RunDirectory(tmp_path, "s")))
+    metrics = json.loads((tmp_path / "s" / "metrics.json").read_text())
+    # The DP model's first layer reads 81 scattering maps, so the shard actor trained on
+    # features it computed from its own images; the driver's pool and test set match them.
+    state = torch.load(tmp_path / "s" / "checkpoints" / "epoch-004.pt", weights_only=True)["state"]
+    assert state["body.1.weight"].shape == (32, 81, 3, 3)
+    assert metrics["checkpoints"][-1]["test_accuracy"] > 0.4  # chance is 0.1; 4 noisy epochs on 900 images
+    assert [r["strategy"] for r in metrics["results"]] == ["diverse_public", "near_private"]
+    assert all(r["accuracy"] > 0.25 for r in metrics["results"])
+    with pytest.raises(ConfigError, match="data.features"):
+        load_run_config({"pipeline": "active_learning", "data": {"features": "hog"}})
 
 
 def test_pollution_adds_marked_out_of_domain_images():
