@@ -428,7 +428,7 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
             replay = np.random.default_rng([config.seed, size]).permutation(others)[: config.finetune.replay]
             pseudo = pools[start.epoch].logits[replay].argmax(axis=1).astype(np.int64)
             bought = Dataset(np.concatenate([pool_inputs[chosen[keep]], pool_inputs[replay]]),
-                             np.concatenate([labels[keep], pseudo]), spec.num_classes, f"bought-{name}")
+                             np.concatenate([labels[keep], pseudo]), spec.num_classes, f"bought-{name}", test.features)
             model = start.load_into(spec.build())
             fit(model, bought, finetune)
             rows.append({"strategy": name, "n_labeled": int(size), "accuracy": evaluate(model, test),

@@ -2,7 +2,9 @@
 
 Every source reader returns ``Dataset`` objects in one layout — images as float32
 ``[n, C, H, W]`` scaled to [0, 1], labels as int64 ``[n]`` — so models and training code
-never need to know where the data came from.
+never need to know where the data came from. A dataset in a fixed feature representation
+(``learning.data.features``) keeps the layout and names its ``features``; its values need
+only be finite.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ class DataFormatError(ValueError):
 
 @dataclass(frozen=True, eq=False)  # eq=False: numpy arrays have no single truth value
 class Dataset:
-    x: np.ndarray  # float32 [n, C, H, W], scaled to [0, 1]
+    x: np.ndarray  # float32 [n, C, H, W]: images scaled to [0, 1], or features
     y: np.ndarray  # int64 [n], values in [0, num_classes)
     num_classes: int
     name: str
+    features: str | None = None  # the representation of x; None: images
 
     def __post_init__(self) -> None:
         if not isinstance(self.x, np.ndarray) or self.x.dtype != np.float32 or self.x.ndim != 4:
@@ -30,9 +33,11 @@ class Dataset:
             raise ValueError(f"{self.name}: y must be an int64 array [n], got "
                              f"{getattr(self.y, 'dtype', type(self.y))} {getattr(self.y, 'shape', '')}")
         # NaN fails both comparisons, so this also rejects non-finite pixels
-        if self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
+        if self.features is None and self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
             raise ValueError(f"{self.name}: pixel values must be finite and in [0, 1], "
                              f"got [{self.x.min()}, {self.x.max()}]")
+        if self.features is not None and not np.isfinite(self.x).all():
+            raise ValueError(f"{self.name}: {self.features} features must be finite")
         if len(self.x) != len(self.y):
             raise ValueError(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
         if self.num_classes < 1:
@@ -45,8 +50,9 @@ class Dataset:
         return len(self.y)
 
     def __repr__(self) -> str:  # the arrays themselves would flood logs and error messages
+        features = "" if self.features is None else f", features={self.features!r}"
         return (f"Dataset(name={self.name!r}, n={len(self)}, input_shape={self.input_shape}, "
-                f"num_classes={self.num_classes})")
+                f"num_classes={self.num_classes}{features})")
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -56,7 +62,7 @@ class Dataset:
     def subset(self, indices: np.ndarray | list[int], name: str | None = None) -> Dataset:
         """The examples at ``indices`` (copied, in that order)."""
         indices = np.asarray(indices, dtype=np.int64)
-        return Dataset(self.x[indices], self.y[indices], self.num_classes, name or self.name)
+        return Dataset(self.x[indices], self.y[indices], self.num_classes, name or self.name, self.features)
 
 
 @dataclass(frozen=True, eq=False)

@@ -39,6 +39,8 @@ def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_s
     from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 
     n, _, height, width = dataset.x.shape
+    if dataset.features is not None:
+        raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
     if n == 0:
         raise ValueError(f"{dataset.name}: no images to transform")
     if height % 2**scales or width % 2**scales:
@@ -52,7 +54,7 @@ def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_s
             coefficients = transform(chunk)  # [b, C, K, H', W']
             parts.append(coefficients.reshape(len(chunk), -1, *coefficients.shape[-2:]).numpy())
     x = np.concatenate(parts).astype(np.float32, copy=False)
-    return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering")
+    return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering", features="scattering")
 
 
 def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -> Dataset:

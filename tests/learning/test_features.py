@@ -43,6 +43,22 @@ def test_a_constant_image_has_only_its_low_pass_coefficient():
     assert np.abs(coefficients[1:]).max() < 1e-4
 
 
+def test_features_keep_the_layout_but_not_the_pixel_range():
+    # Scattering values are not pixels: FFT rounding leaves tiny negatives, wavelet moduli
+    # need not stay below 1. A features dataset says what it holds and needs finite values.
+    features = scattering(images(4, 1, 28))
+    assert features.features == "scattering" and features.subset([2, 0]).features == "scattering"
+    shifted = features.x - 0.5
+    assert Dataset(shifted, features.y, 10, "shifted", features="scattering").x.min() < 0
+    with pytest.raises(ValueError, match="pixel values must be finite and in \\[0, 1\\]"):
+        Dataset(shifted, features.y, 10, "shifted")
+    shifted[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="scattering features must be finite"):
+        Dataset(shifted, features.y, 10, "nan", features="scattering")
+    with pytest.raises(ValueError, match="already holds scattering features"):
+        scattering(features)
+
+
 def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="divisible by 4"):
         scattering(images(2, 1, 30))
