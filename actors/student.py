@@ -7,6 +7,9 @@ aggregator released (abstentions are dropped) and is evaluated on the held-out t
 
 The public pool's ground-truth labels are kept only to measure how often the released
 labels are right (the papers' "label accuracy"); they are never used for training.
+
+With ``features`` (see ``learning.data.features``) the student still asks about images, as
+any client does, but its model learns on and is evaluated on their features, computed here.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from learning.data import Dataset
+from learning.data.features import apply_features
 from learning.models import build_model
 from learning.training import TrainConfig, evaluate, fit
 
@@ -45,6 +49,7 @@ class Student:
         model_name: a ``learning.models.build_model`` name.
         train: how each student model is trained (``train.seed`` seeds its initial weights).
         client_factory: builds a connected aggregator client (``label``, ``budget``, ``close``).
+        features: the representation the student's model learns on (None: the images).
     """
 
     def __init__(
@@ -55,11 +60,13 @@ class Student:
         train: TrainConfig,
         client_factory: Callable[[], Any],
         num_threads: int | None = None,
+        features: str | None = None,
     ) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
-        self.public = public
-        self.test = test
+        self.public = public  # images: what the student asks about
+        self.features = features
+        self.test = apply_features(test, features)
         self.model_name = model_name
         self.train_config = train
         self.client_factory = client_factory
@@ -160,9 +167,11 @@ class Student:
         if len(keep) == 0:
             result["accuracy"] = math.nan
             return result
-        training = Dataset(self.public.x[keep], labels[keep], self.public.num_classes, "student/answered")
-        model = build_model(self.model_name, self.public.num_classes, in_channels=int(self.public.x.shape[1]),
-                            seed=self.train_config.seed)
+        answers = Dataset(self.public.x[keep], labels[keep], self.public.num_classes, "student/answered")
+        training = apply_features(answers, self.features)  # only the asked images: the pool is large
+        _, channels, _, side = training.x.shape
+        model = build_model(self.model_name, self.public.num_classes, in_channels=int(channels),
+                            seed=self.train_config.seed, input_size=int(side))
         started = time.perf_counter()
         fit(model, training, self.train_config, progress=progress)
         result["train_seconds"] = time.perf_counter() - started

@@ -8,6 +8,9 @@ them at once. The actors train in parallel with each other.
 The driver never holds private shards: it hands each actor a ``TeacherSource`` (dataset name,
 root, split sizes, seed) and the block of teachers it keeps, and the actor reads its own
 shards from it in its own process — the counterpart of ``actors.dp_trainer.PrivateSource``.
+With ``TeacherSource.features`` (e.g. scattering, see ``learning.data.features``) the teachers
+learn on a fixed representation that each actor computes from its own images, and transform
+every query the same way: the pool takes images and the aggregator still validates images.
 
 What leaves an actor: a vote histogram ``int[batch, k]`` summed over its teachers (the
 driver adds the actors' partial histograms), each teacher's final training loss for the
@@ -30,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from learning.data import Dataset, make_splits, shard
+from learning.data.features import apply_features
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
 
@@ -54,7 +58,8 @@ class TeacherSource:
     ``num_teachers`` disjoint shards, all with ``seed`` — the same shards a driver would get
     from ``shard(make_splits(...).private, num_teachers, seed)``. ``public_size`` belongs to
     the spec because ``make_splits`` draws the ``private_size`` subsample after the public
-    shuffle. Only ``TeacherGroup`` calls ``load``, in the process that keeps the shards.
+    shuffle. Only ``TeacherGroup`` calls ``load``, in the process that keeps the shards, and
+    computes their ``features`` there (None: the teachers learn on the images).
     """
 
     dataset: str
@@ -63,6 +68,7 @@ class TeacherSource:
     num_teachers: int
     seed: int = 0
     private_size: int | None = None
+    features: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_teachers < 1:
@@ -85,6 +91,9 @@ class TeacherGroup:
 
     No Ray here, so a benchmark can also run it in-process. Seeds follow global indices, so
     the same teacher gets the same seed however the teachers are packed.
+
+    With ``source.features`` the shards are kept in that representation only, and ``votes``
+    transforms its image inputs the same way before the teachers predict.
     """
 
     def __init__(
@@ -98,7 +107,10 @@ class TeacherGroup:
     ) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
-        self.shards = source.load(range(first, last))
+        images = source.load(range(first, last))
+        self.input_shape = images[0].input_shape  # queries are images, whatever the teachers learn on
+        self.features = source.features
+        self.shards = [apply_features(shard, self.features) for shard in images]
         self.train_config = train
         self.first_teacher = first
         self.model_name = model_name
@@ -106,15 +118,17 @@ class TeacherGroup:
         self.models: list[torch.nn.Module | None] = [None] * len(self.shards)
 
     def data_shape(self) -> tuple[int, tuple[int, ...]]:
-        """(number of classes, shape of one input): what the pool checks queries against.
+        """(number of classes, shape of one input image): what the pool checks queries against.
         Describes the data without revealing any of it."""
-        return self.num_classes, self.shards[0].input_shape
+        return self.num_classes, self.input_shape
 
     def train_teacher(self, local_index: int) -> float:
         """Train one teacher on its own shard; returns its last epoch's mean loss."""
         shard = self.shards[local_index]
         seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
-        model = build_model(self.model_name, self.num_classes, in_channels=int(shard.x.shape[1]), seed=seed)
+        _, channels, _, side = shard.x.shape
+        model = build_model(self.model_name, self.num_classes, in_channels=int(channels), seed=seed,
+                            input_size=int(side))
         losses = fit(model, shard, dataclasses.replace(self.train_config, seed=seed))
         model.eval()
         self.models[local_index] = model
@@ -124,9 +138,13 @@ class TeacherGroup:
         return [self.train_teacher(i) for i in range(len(self.models))]
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
-        """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes."""
+        """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
+        ``inputs`` (in the teachers' representation first, when they learn on features)."""
         if any(model is None for model in self.models):
             raise RuntimeError("teachers must be trained before they vote")
+        if self.features is not None:  # the labels are placeholders: a Dataset needs some
+            queries = Dataset(inputs, np.zeros(len(inputs), dtype=np.int64), self.num_classes, "queries")
+            inputs = apply_features(queries, self.features).x
         histogram = np.zeros((len(inputs), self.num_classes), dtype=np.int64)
         rows = np.arange(len(inputs))
         for model in self.models:

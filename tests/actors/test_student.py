@@ -83,6 +83,16 @@ def test_student_trains_only_on_answered_labels(world, serve):
     assert result["answered"] == 0 and math.isnan(result["accuracy"])
 
 
+def test_a_student_on_features_asks_about_images_and_learns_on_their_features(world, serve):
+    splits, _ = world
+    _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))  # validates (1, 8, 8) images
+    student = Student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering")
+    assert student.query(150, 50, progress=False)["answered"] == 150
+    student.close()
+    assert student.test.input_shape == (81, 2, 2)
+    assert student.fit_and_evaluate()["accuracy"] > 0.6  # chance is 0.1
+
+
 def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
     splits, _ = world
     mechanism = build_mechanism("gnmax", sigma=2.0)

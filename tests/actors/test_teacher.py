@@ -3,14 +3,22 @@ the only thing out."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import grpc
 import numpy as np
 import pytest
 
 import learning.data
+from actors.aggregator import AggregatorServer, ServerSettings
 from actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gpu_share
+from cluster.client import AggregatorClient
 from learning.data import Dataset, make_splits, shard
+from learning.data.features import apply_features
 from learning.training import TrainConfig
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.mechanisms import build_mechanism
+from privacy.randomness import make_rng
 
 TRAIN = TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=0)
 
@@ -88,6 +96,40 @@ def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch)
         assert (votes.sum(axis=1) == 3).all()
         assert _private_data_in(vars(pool)) == []
     finally:
+        pool.shutdown()
+
+
+def test_a_group_keeps_its_shards_as_features_and_reports_the_image_shape(digits):
+    _, source = digits
+    group = TeacherGroup(dataclasses.replace(source, features="scattering"), 0, 2, "scatternet_cnn", TRAIN)
+    assert [shard.input_shape for shard in group.shards] == [(81, 2, 2)] * 2  # 81 maps of 8/4 × 8/4
+    assert group.data_shape() == (10, (1, 8, 8))
+
+
+def test_teachers_on_scattering_features_take_images(ray_session, digits, tmp_path):
+    """Each actor computes the features of its shards and of every query itself, so the pool
+    takes images, reports the image shape, and the aggregator validates images against it."""
+    splits, source = digits
+    pool = TeacherPool(dataclasses.replace(source, features="scattering"), 3, "scatternet_cnn",
+                       dataclasses.replace(TRAIN, epochs=15), num_actors=2, num_cpus_per_actor=0.5)
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=math.inf, delta=1e-5)
+    server = AggregatorServer(pool, build_mechanism("gnmax", sigma=1.0), ledger, pool.input_shape,
+                              ServerSettings(host="127.0.0.1", port=0, token="t"), rng=make_rng(0))
+    try:
+        assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
+        losses = pool.train(progress=False)
+        assert len(losses) == 3 and all(np.isfinite(losses))
+        votes = pool.votes(splits.public.x)
+        assert votes.shape == (200, 10) and (votes.sum(axis=1) == 3).all()
+        assert (votes.argmax(axis=1) == splits.public.y).mean() > 0.7  # chance is 0.1
+        with AggregatorClient(server.start(), "t") as client:
+            assert client.label(splits.public.x[:20]).shape == (20,)
+            with pytest.raises(grpc.RpcError) as refused:  # features are not what clients send
+                client.label(apply_features(splits.public, "scattering").x[:20])
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        server.stop()
+        ledger.close()
         pool.shutdown()
 
 
