@@ -13,6 +13,11 @@
    analysis of the answered votes only in its smooth-sensitivity release (PATE 2018 §4);
    for NZC the paper's claimed ε≈0 beside the sound ε, which is unbounded.
 
+With ``data.features`` (e.g. scattering) the teachers and the student learn on a fixed
+representation of the images, each computing it in its own process (teacher actors for their
+shards and every query, the student for its answered images and test split); the student and
+outside clients still send images, so the gRPC API and its shape checks are unchanged.
+
 ``Config()`` is the demo (``conclave demo``): digits, 50 teachers, Confident-GNMax (about a
 minute on 2 CPUs; few teachers leave little room for noise, so its ε is large).
 """
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig
+from learning.data.features import FEATURES
 from privacy.mechanisms import build_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
@@ -44,8 +50,13 @@ class DataConfig:
     root: str | None = None  # directory of the files (not needed for digits)
     public_size: int = 300  # the student's pool: the first public_size of the shuffled test set
     private_size: int | None = None  # subsample the teachers' data (None: the whole train set)
+    # A fixed representation the teachers and the student learn on, e.g. scattering
+    # (learning.data.features); queries stay images, so the gRPC API does not change.
+    features: str | None = None
 
     def __post_init__(self) -> None:
+        if self.features is not None and self.features not in FEATURES:
+            raise ValueError(f"data.features must be one of {list(FEATURES)} or null, got {self.features!r}")
         if self.public_size < 1:
             raise ValueError(f"data.public_size must be >= 1, got {self.public_size}")
         if self.private_size is not None and self.private_size < 1:
@@ -198,7 +209,7 @@ def teacher_source(config: Config) -> TeacherSource:
 
     return TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
                          num_teachers=config.teachers.count, seed=config.seed,
-                         private_size=config.data.private_size)
+                         private_size=config.data.private_size, features=config.data.features)
 
 
 def teacher_pool(config: Config, num_teachers: int | None = None) -> TeacherPool:
@@ -319,7 +330,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
             teachers.splits.public, teachers.splits.test, config.student.model,
             config.student.train.with_seed(config.seed),
             functools.partial(AggregatorClient, address, token),
-            num_threads=max(1, int(student_cpus)),
+            num_threads=max(1, int(student_cpus)), features=config.data.features,
         )
         queried = _query_with_progress(student, config.student)
         phases["query"] = queried["query_seconds"]

@@ -73,6 +73,21 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
     assert "smooth_sensitivity" not in analysis["smooth_sensitivity"]
 
 
+def test_teachers_and_student_learn_on_scattering_features_of_images(ray_session, tmp_path):
+    """With data.features the teachers and the student learn on scattering features, and the
+    student still asks the aggregator about images (it validates the image shape)."""
+    features = {**TINY, "name": "scattering", "data": {**TINY["data"], "features": "scattering"},
+                "teachers": {**TINY["teachers"], "model": "scatternet_cnn"},
+                "student": {**TINY["student"], "model": "scatternet_cnn"}}
+    config_file = tmp_path / "scattering.yaml"
+    config_file.write_text(yaml.safe_dump(features))
+    assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
+    metrics = json.loads((tmp_path / "results" / "scattering" / "metrics.json").read_text())
+    assert metrics["queries_asked"] == 120 and metrics["queries_answered"] > 0
+    assert metrics["clean_vote_accuracy"] > 0.7 and metrics["label_accuracy"] > 0.7
+    assert metrics["student_accuracy"] > 0.5  # chance is 0.1
+
+
 def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tmp_path):
     config = from_dict(Config, {"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}},
                                 "privacy": {"epsilon_limit": None}})
@@ -122,6 +137,7 @@ def test_mnist_configs_carry_the_papers_settings():
         ({"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}}}, "epsilon_limit"),
         ({"student": {"queries": 301}}, "public_size"),
         ({"privacy": {"delta": 2.0}}, "delta"),
+        ({"data": {"features": "hog"}}, "data.features"),
     ],
 )
 def test_a_bad_config_is_a_config_error_naming_the_problem(override, named):
