@@ -1,6 +1,7 @@
 """The main job end to end (real Ray actors, real gRPC on 127.0.0.1), its configs and its CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -20,7 +21,8 @@ from privacy.mechanisms import build_mechanism
 from privacy.randomness import make_rng
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers"]
+TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers",
+                           "mnist-gnmax-scatternet"]
 
 # A smaller demo: 10 teachers on digits, Confident-GNMax, 120 queries (so little noise
 # that ε is large: this checks the plumbing and the bookkeeping, not a privacy level).
@@ -126,6 +128,13 @@ def test_mnist_configs_carry_the_papers_settings():
     for name in ("mnist-nzc", "mnist-nzc-5teachers"):
         assert configs[name].student.queries == 9000 and configs[name].privacy.epsilon_limit is None
     assert all(c.teachers.count == 250 for n, c in configs.items() if n != "mnist-nzc-5teachers")
+    # The ScatterNet variant differs from mnist-gnmax only in representation, models and training.
+    gnmax, scatternet = configs["mnist-gnmax"], configs["mnist-gnmax-scatternet"]
+    assert scatternet.data == dataclasses.replace(gnmax.data, features="scattering")
+    assert scatternet.teachers.model == scatternet.student.model == "scatternet_cnn"
+    assert (scatternet.seed, scatternet.mechanism, scatternet.privacy, scatternet.server) == \
+        (gnmax.seed, gnmax.mechanism, gnmax.privacy, gnmax.server)
+    assert (scatternet.student.queries, scatternet.student.checkpoints) == (gnmax.student.queries, gnmax.student.checkpoints)
 
 
 @pytest.mark.parametrize(
