@@ -112,6 +112,13 @@ def decode_inputs(tensor: aggregator_pb2.Tensor, input_shape: tuple[int, ...], m
     if not finite.all():
         bad = np.flatnonzero(~finite)
         raise InvalidInput(f"inputs contain NaN or infinity (examples {bad[:5].tolist()}{'...' if bad.size > 5 else ''})")
+    # Teachers learned on images scaled to [0, 1] (learning.data.Dataset); anything else is a
+    # client bug (e.g. raw 0–255 bytes) that would buy labels for meaningless inputs.
+    in_range = ((inputs >= 0) & (inputs <= 1)).reshape(batch, -1).all(axis=1)
+    if not in_range.all():
+        bad = np.flatnonzero(~in_range)
+        raise InvalidInput(f"pixel values must be in [0, 1] (examples {bad[:5].tolist()}{'...' if bad.size > 5 else ''}"
+                           f" hold values in [{inputs.min():g}, {inputs.max():g}])")
     return inputs.astype(np.float32)  # native byte order, writable copy
 
 

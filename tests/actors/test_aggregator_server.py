@@ -105,6 +105,8 @@ BAD_REQUESTS = {
     "byte length": (lambda x: tensor(x, data=x.tobytes()[:-4]), "bytes"),
     "nan": (lambda x: tensor(np.where(np.arange(x.size).reshape(x.shape) == 70, np.nan, x).astype(np.float32)), "NaN"),
     "inf": (lambda x: tensor(np.where(np.arange(x.size).reshape(x.shape) == 3, np.inf, x).astype(np.float32)), "infinity"),
+    "raw bytes, not [0, 1]": (lambda x: tensor((x * 255).astype(np.float32)), "pixel values must be in [0, 1]"),
+    "negative": (lambda x: tensor(x - 0.5), "pixel values must be in [0, 1]"),
     "empty batch": (lambda x: tensor(x[:0]), "empty"),
     "over max batch": (lambda x: tensor(np.concatenate([x, x[:1]])), "maximum"),
     "no tensor": (lambda x: None, "shape"),
