@@ -19,6 +19,7 @@ the 3-D module, which imports a function SciPy ≥ 1.15 no longer has).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -31,12 +32,20 @@ log = logging.getLogger(__name__)
 FEATURES = ("scattering",)
 
 
+@functools.lru_cache(maxsize=8)
+def _scattering_transform(scales: int, shape: tuple[int, int], orientations: int):
+    """The kymatio transform for one input shape, built once per process: building its
+    filter bank costs about as much as transforming a batch of queries."""
+    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
+
+    return ScatteringTorch2D(J=scales, shape=shape, L=orientations)
+
+
 def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_size: int = 1000,
                progress: bool = False) -> Dataset:
     """Order-2 scattering coefficients of every image: ``float32 [n, C·K, H/2^J, W/2^J]`` with
     K = 1 + J·L + L²·J(J−1)/2 (81 for J = 2, L = 8)."""
     import torch
-    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 
     n, _, height, width = dataset.x.shape
     if dataset.features is not None:
@@ -46,7 +55,7 @@ def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_s
     if height % 2**scales or width % 2**scales:
         raise ValueError(f"scattering with J={scales} needs sides divisible by {2**scales}, "
                          f"got {height}×{width} ({dataset.name})")
-    transform = ScatteringTorch2D(J=scales, shape=(height, width), L=orientations)
+    transform = _scattering_transform(scales, (height, width), orientations)
     parts = []
     with torch.no_grad():
         for start in tqdm(range(0, n, batch_size), desc=f"scattering {dataset.name}", disable=not progress):
