@@ -10,6 +10,12 @@ labels are right (the papers' "label accuracy"); they are never used for trainin
 
 With ``features`` (see ``learning.data.features``) the student still asks about images, as
 any client does, but its model learns on and is evaluated on their features, computed here.
+
+With ``pseudo_label_threshold`` the student is semi-supervised by self-training (Lee 2013):
+after learning from the answers, it labels the rest of its public pool with its own
+predictions where their softmax confidence reaches the threshold, and a fresh model learns
+from the answers and those. PATE's students are semi-supervised too (PATE 2018 uses GANs).
+This is post-processing of released labels with public inputs, so it costs no privacy.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from tqdm import tqdm
 from learning.data import Dataset
 from learning.data.features import apply_features
 from learning.models import build_model
-from learning.training import TrainConfig, evaluate, fit
+from learning.training import TrainConfig, evaluate, fit, predict_logits
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +67,16 @@ class Student:
         client_factory: Callable[[], Any],
         num_threads: int | None = None,
         features: str | None = None,
+        pseudo_label_threshold: float | None = None,
     ) -> None:
+        if pseudo_label_threshold is not None and not 0 < pseudo_label_threshold <= 1:
+            raise ValueError(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
         self.public = public  # images: what the student asks about
         self.features = features
+        self.pseudo_label_threshold = pseudo_label_threshold
+        self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
         self.model_name = model_name
         self.train_config = train
@@ -168,15 +179,36 @@ class Student:
             result["accuracy"] = math.nan
             return result
         answers = Dataset(self.public.x[keep], labels[keep], self.public.num_classes, "student/answered")
-        training = apply_features(answers, self.features)  # only the asked images: the pool is large
-        _, channels, _, side = training.x.shape
-        model = build_model(self.model_name, self.public.num_classes, in_channels=int(channels),
-                            seed=self.train_config.seed, input_size=int(side))
+        # Without self-training only the asked images are transformed: the pool is large.
+        training = apply_features(answers, self.features)
         started = time.perf_counter()
-        fit(model, training, self.train_config, progress=progress)
+        model = self._fit_fresh(training, progress)
+        if self.pseudo_label_threshold is not None:
+            pool = self._pool()
+            others = np.setdiff1d(np.arange(len(pool)), keep)
+            probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
+            sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
+            confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
+            training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels[keep], guessed]),
+                               self.public.num_classes, "student/self-trained", self.features)
+            result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds
+            model = self._fit_fresh(training, progress)
+            result["pseudo_labelled"] = int(len(confident))
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
         return result
+
+    def _pool(self) -> np.ndarray:
+        if self._pool_inputs is None:
+            self._pool_inputs = apply_features(self.public, self.features).x
+        return self._pool_inputs
+
+    def _fit_fresh(self, training: Dataset, progress: bool) -> torch.nn.Module:
+        _, channels, _, side = training.x.shape
+        model = build_model(self.model_name, self.public.num_classes, in_channels=int(channels),
+                            seed=self.train_config.seed, input_size=int(side))
+        fit(model, training, self.train_config, progress=progress)
+        return model
 
     def learning_curve(self, progress: bool = False) -> list[dict[str, Any]]:
         """``fit_and_evaluate`` at every checkpoint recorded by ``query``, with its budget."""

@@ -123,8 +123,14 @@ class StudentConfig:
     checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
     model: str = "digits_cnn"
     train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=40, batch_size=32, lr=3e-3))
+    # Self-training on the rest of the public pool (free post-processing; actors/student.py):
+    # the student's own predictions at least this confident become extra labels. null: off.
+    pseudo_label_threshold: float | None = None
 
     def __post_init__(self) -> None:
+        if self.pseudo_label_threshold is not None and not 0 < self.pseudo_label_threshold <= 1:
+            raise ValueError(f"student.pseudo_label_threshold must be in (0, 1] or null, "
+                             f"got {self.pseudo_label_threshold}")
         if self.queries < 1 or self.batch_size < 1:
             raise ValueError(f"student.queries and student.batch_size must be >= 1, got "
                              f"{self.queries}, {self.batch_size}")
@@ -331,6 +337,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
             config.student.train.with_seed(config.seed),
             functools.partial(AggregatorClient, address, token),
             num_threads=max(1, int(student_cpus)), features=config.data.features,
+            pseudo_label_threshold=config.student.pseudo_label_threshold,
         )
         queried = _query_with_progress(student, config.student)
         phases["query"] = queried["query_seconds"]

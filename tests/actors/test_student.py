@@ -4,13 +4,14 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import pytest
 
 from actors.aggregator import AggregatorServer, ServerSettings
 from actors.student import Student, StudentActor
 from actors.teacher import TeacherGroup, TeacherSource
 from cluster.client import AggregatorClient
-from learning.data import make_splits
+from learning.data import Dataset, make_splits
 from learning.training import TrainConfig
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.mechanisms import build_mechanism
@@ -91,6 +92,24 @@ def test_a_student_on_features_asks_about_images_and_learns_on_their_features(wo
     student.close()
     assert student.test.input_shape == (81, 2, 2)
     assert student.fit_and_evaluate()["accuracy"] > 0.6  # chance is 0.1
+
+
+def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses(world, serve):
+    splits, _ = world
+    _, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0))
+    # The pool's true labels are replaced by zeros: were they ever used for training, the
+    # student would learn "always 0" (10% test accuracy).
+    blind = Dataset(splits.public.x, np.zeros(len(splits.public), dtype=np.int64), 10, "blind-pool")
+    student = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9)
+    student.query(60, 30, progress=False)
+    student.close()
+    spent = ledger.report().epsilon
+    result = student.fit_and_evaluate()
+    assert result["answered"] == 60 and 0 < result["pseudo_labelled"] <= len(blind) - 60
+    assert result["accuracy"] > 0.6 and result["supervised_accuracy"] > 0.4  # chance is 0.1
+    assert ledger.report().epsilon == spent  # post-processing: nothing more was asked
+    with pytest.raises(ValueError, match="pseudo_label_threshold"):
+        Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=1.5)
 
 
 def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
