@@ -108,8 +108,9 @@ def run_summary(name: str, config: Config, results: RunDirectory) -> dict:
         "epsilon_data_independent": privacy["ledger"]["epsilon"],
         "epsilon_smooth_sensitivity": analysis.get("epsilon_smooth_sensitivity"),
         "delta": privacy["delta"],
-        "curve": [{k: p[k] for k in ("asked", "answered", "accuracy")} | {"epsilon": p["budget"]["epsilon_spent"]}
-                  for p in metrics["curve"]],
+        # with self-training, also the supervised model's accuracy and how many pseudo-labels
+        "curve": [{k: p[k] for k in ("asked", "answered", "accuracy", "supervised_accuracy", "pseudo_labelled") if k in p}
+                  | {"epsilon": p["budget"]["epsilon_spent"]} for p in metrics["curve"]],
         "seconds": metrics["seconds"],
         "published": PUBLISHED[name],
     }
