@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from learning.data import Dataset, make_splits, shard
-from learning.data.features import apply_features
+from learning.data.features import apply_features, features_of
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
 
@@ -142,9 +142,7 @@ class TeacherGroup:
         ``inputs`` (in the teachers' representation first, when they learn on features)."""
         if any(model is None for model in self.models):
             raise RuntimeError("teachers must be trained before they vote")
-        if self.features is not None:  # the labels are placeholders: a Dataset needs some
-            queries = Dataset(inputs, np.zeros(len(inputs), dtype=np.int64), self.num_classes, "queries")
-            inputs = apply_features(queries, self.features).x
+        inputs = features_of(inputs, self.features)
         histogram = np.zeros((len(inputs), self.num_classes), dtype=np.int64)
         rows = np.arange(len(inputs))
         for model in self.models:

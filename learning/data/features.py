@@ -41,36 +41,53 @@ def _scattering_transform(scales: int, shape: tuple[int, int], orientations: int
     return ScatteringTorch2D(J=scales, shape=shape, L=orientations)
 
 
-def scattering(dataset: Dataset, scales: int = 2, orientations: int = 8, batch_size: int = 1000,
-               progress: bool = False) -> Dataset:
-    """Order-2 scattering coefficients of every image: ``float32 [n, C·K, H/2^J, W/2^J]`` with
-    K = 1 + J·L + L²·J(J−1)/2 (81 for J = 2, L = 8)."""
+def scatter(images: np.ndarray, scales: int = 2, orientations: int = 8, batch_size: int = 1000,
+            progress: bool = False, label: str = "images") -> np.ndarray:
+    """Order-2 scattering coefficients of ``images`` (float32 ``[n, C, H, W]``):
+    ``float32 [n, C·K, H/2^J, W/2^J]`` with K = 1 + J·L + L²·J(J−1)/2 (81 for J = 2, L = 8)."""
     import torch
 
-    n, _, height, width = dataset.x.shape
-    if dataset.features is not None:
-        raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
+    n, _, height, width = images.shape
     if n == 0:
-        raise ValueError(f"{dataset.name}: no images to transform")
+        raise ValueError(f"{label}: no images to transform")
     if height % 2**scales or width % 2**scales:
         raise ValueError(f"scattering with J={scales} needs sides divisible by {2**scales}, "
-                         f"got {height}×{width} ({dataset.name})")
+                         f"got {height}×{width} ({label})")
     transform = _scattering_transform(scales, (height, width), orientations)
     parts = []
     with torch.no_grad():
-        for start in tqdm(range(0, n, batch_size), desc=f"scattering {dataset.name}", disable=not progress):
-            chunk = torch.from_numpy(dataset.x[start:start + batch_size])
+        for start in tqdm(range(0, n, batch_size), desc=f"scattering {label}", disable=not progress):
+            chunk = torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32))
             coefficients = transform(chunk)  # [b, C, K, H', W']
             parts.append(coefficients.reshape(len(chunk), -1, *coefficients.shape[-2:]).numpy())
-    x = np.concatenate(parts).astype(np.float32, copy=False)
+    return np.concatenate(parts).astype(np.float32, copy=False)
+
+
+def scattering(dataset: Dataset, progress: bool = False, **options) -> Dataset:
+    """``dataset``'s images as scattering coefficients (``scatter``), labels unchanged."""
+    if dataset.features is not None:
+        raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
+    x = scatter(dataset.x, progress=progress, label=dataset.name, **options)
     return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering", features="scattering")
+
+
+def _check_name(name: str) -> None:
+    if name not in FEATURES:
+        raise ValueError(f"unknown feature representation {name!r}; choose one of {list(FEATURES)} or null")
 
 
 def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -> Dataset:
     """``dataset`` in the representation ``name`` (``None``: the images themselves)."""
     if name is None:
         return dataset
-    if name not in FEATURES:
-        raise ValueError(f"unknown feature representation {name!r}; choose one of {list(FEATURES)} or null")
+    _check_name(name)
     log.info("computing %s features of %s (%d examples)", name, dataset.name, len(dataset))
     return scattering(dataset, progress=progress)
+
+
+def features_of(images: np.ndarray, name: str | None) -> np.ndarray:
+    """Unlabelled ``images`` (e.g. queries) in the representation ``name`` (``None``: as they are)."""
+    if name is None:
+        return images
+    _check_name(name)
+    return scatter(images)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from learning.data import Dataset, load_digits
-from learning.data.features import apply_features, scattering
+from learning.data.features import apply_features, features_of, scattering
 from learning.models import build_model
 
 
@@ -64,8 +64,12 @@ def test_bad_requests_are_refused_by_name():
         scattering(images(2, 1, 30))
     with pytest.raises(ValueError, match="unknown feature representation 'hog'"):
         apply_features(images(2, 1, 28), "hog")
+    with pytest.raises(ValueError, match="unknown feature representation 'hog'"):
+        features_of(images(2, 1, 28).x, "hog")
     data = images(2, 1, 28)
-    assert apply_features(data, None) is data
+    assert apply_features(data, None) is data and features_of(data.x, None) is data.x
+    # unlabelled queries (what teachers vote on) get exactly the features a dataset gets
+    np.testing.assert_array_equal(features_of(data.x, "scattering"), apply_features(data, "scattering").x)
 
 
 def test_scatternet_cnn_learns_digits_from_their_scattering():
