@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig, RunContext
-from learning.data.features import FEATURES
+from learning.data.features import check_features
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class DataConfig:
     features: str | None = None  # a fixed representation, e.g. scattering (learning.data.features)
 
     def __post_init__(self) -> None:
-        if self.features is not None and self.features not in FEATURES:
-            raise ValueError(f"data.features must be one of {list(FEATURES)} or null, got {self.features!r}")
+        check_features(self.features, "data.features")
         if self.private_size < 1 or self.num_shards < 1:
             raise ValueError("data.private_size and data.num_shards must be >= 1")
         if self.public_size is not None and self.public_size < 1:

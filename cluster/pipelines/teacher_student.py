@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig
-from learning.data.features import FEATURES
+from learning.data.features import check_features
 from privacy.mechanisms import build_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
@@ -55,8 +55,7 @@ class DataConfig:
     features: str | None = None
 
     def __post_init__(self) -> None:
-        if self.features is not None and self.features not in FEATURES:
-            raise ValueError(f"data.features must be one of {list(FEATURES)} or null, got {self.features!r}")
+        check_features(self.features, "data.features")
         if self.public_size < 1:
             raise ValueError(f"data.public_size must be >= 1, got {self.public_size}")
         if self.private_size is not None and self.private_size < 1:

@@ -71,23 +71,25 @@ def scattering(dataset: Dataset, progress: bool = False, **options) -> Dataset:
     return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering", features="scattering")
 
 
-def _check_name(name: str) -> None:
-    if name not in FEATURES:
-        raise ValueError(f"unknown feature representation {name!r}; choose one of {list(FEATURES)} or null")
+def check_features(name: str | None, where: str = "features") -> None:
+    """Refuse an unknown representation name, saying where it came from (e.g. a config key)."""
+    if name is not None and name not in FEATURES:
+        raise ValueError(f"unknown feature representation {name!r} for {where}; "
+                         f"choose one of {list(FEATURES)} or null")
 
 
 def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -> Dataset:
     """``dataset`` in the representation ``name`` (``None``: the images themselves)."""
+    check_features(name)
     if name is None:
         return dataset
-    _check_name(name)
     log.info("computing %s features of %s (%d examples)", name, dataset.name, len(dataset))
     return scattering(dataset, progress=progress)
 
 
 def features_of(images: np.ndarray, name: str | None) -> np.ndarray:
     """Unlabelled ``images`` (e.g. queries) in the representation ``name`` (``None``: as they are)."""
+    check_features(name)
     if name is None:
         return images
-    _check_name(name)
     return scatter(images)
