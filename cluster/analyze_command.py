@@ -1,63 +1,85 @@
 """``conclave analyze VOTES.npy``: what answering these teacher vote histograms costs in privacy.
 
 Pure numpy/scipy (no torch, no Ray): it loads the histograms, builds the mechanism with the
-same names the aggregator uses, and prints ``privacy.accounting.pate.privacy_report`` —
-one JSON object with ``--json``, a short summary otherwise. Bad input is one line on
-stderr and exit status 2.
+same names the aggregator uses, and prints ``privacy.accounting.report.analysis_report`` —
+one JSON object with ``--json``, a short summary otherwise. The report's ``guarantee`` is
+the worst case of the file's queries (every one answered), or with ``--budget EPS`` the
+budget a run would have declared for them, with whether the realised spend fits it;
+data-dependent figures are ``estimates``. Bad input is one line on stderr and exit status 2.
+
+The mechanism flags come from the mechanisms' own registry (``privacy.mechanisms``): every
+constructor argument is a flag of the same name, except arguments that clash with this
+command's own flags (a mechanism's ``delta`` is ``--<mechanism>-delta``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import re
 import sys
 from typing import Any
 
 import numpy as np
 
-from privacy.accounting.pate import privacy_report
-from privacy.mechanisms import build_mechanism
-from privacy.randomness import make_rng
+from privacy.accounting.report import analysis_report, checked_votes
+from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from privacy.mechanisms import MECHANISMS, build_mechanism, parameter_names
+from privacy.noise import NoisePolicy
 
 EXIT_BAD_INPUT = 2
-
-# the flags each mechanism cannot do without (NZC needs one of two noise flags)
-_REQUIRED = {
-    "lnmax": ("laplace_scale",),
-    "gnmax": ("sigma",),
-    "confident-gnmax": ("sigma1", "threshold", "sigma"),
-    "nzc": ("constant",),
-    "stability": ("epsilon", "max_unstable"),
-}
-_MECHANISM_FLAGS = ("sigma", "sigma1", "threshold", "laplace_scale", "constant", "epsilon", "max_unstable", "max_queries")
+_OWN_FLAGS = {"delta", "orders", "conversion", "budget", "answered", "json"}
 
 
 class BadInput(Exception):
     """Input the command refuses; the message is printed as the one-line error."""
 
 
+def _flag_name(mechanism: str, parameter: str) -> str:
+    """The command-line flag of a constructor argument (without the dashes)."""
+    name = f"{mechanism}_{parameter}" if parameter in _OWN_FLAGS else parameter
+    return name.replace("_", "-")
+
+
+def _mechanism_flags() -> dict[str, tuple[type, str]]:
+    """flag (dashed) → (type, help), over every registered mechanism's parameters and aliases."""
+    flags: dict[str, tuple[type, str]] = {}
+    for name, cls in MECHANISMS.items():
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        for given, argument in parameter_names(name).items():
+            kind = int if fields[argument].type in ("int", "int | None") else float
+            flag = _flag_name(name, given)
+            text = f"{name}: {cls.help.get(argument, argument)}"
+            flags[flag] = (kind, f"{flags[flag][1]}; {text}" if flag in flags else text)
+    return flags
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str = "analyze") -> None:
     parser.add_argument("votes", metavar="VOTES.npy", help="integer array [queries, classes] of teacher votes")
-    parser.add_argument("--mechanism", required=True, choices=sorted(_REQUIRED), help="the aggregation mechanism")
-    parser.add_argument("--sigma", type=float, help="GNMax noise sigma (sigma2, after the threshold, for confident-gnmax)")
-    parser.add_argument("--sigma1", type=float, help="confident-gnmax: noise sigma of the threshold check")
-    parser.add_argument("--threshold", type=float, help="confident-gnmax: threshold T on the top count")
-    parser.add_argument("--laplace-scale", type=float, help="Laplace scale b (the papers' 1/gamma)")
-    parser.add_argument("--constant", type=float, help="nzc: the constant c added to the top count")
-    parser.add_argument("--epsilon", type=float, help="stability: the run's epsilon")
-    parser.add_argument("--max-unstable", type=int, help="stability: cap on abstentions (unstable queries)")
-    parser.add_argument("--max-queries", type=int, help="stability: cap on queries (default: the mechanism's)")
+    parser.add_argument("--mechanism", required=True, choices=sorted(MECHANISMS), help="the aggregation mechanism")
+    for flag, (kind, help_text) in _mechanism_flags().items():
+        parser.add_argument(f"--{flag}", type=kind, help=help_text)
     parser.add_argument("--answered", metavar="MASK.npy", help="boolean array [queries]: which queries were answered")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    parser.add_argument("--orders", help="comma-separated RDP orders > 1, replacing the default grid")
+    parser.add_argument("--budget", type=float, metavar="EPS",
+                        help="the epsilon a run declared in advance: state the Rényi filter's guarantee and "
+                             "whether the realised spend fits it")
+    parser.add_argument("--orders", help="comma-separated RDP orders > 1 for the estimates (the guarantee always "
+                                         "uses the ledger's grid)")
     parser.add_argument(
         "--conversion", choices=("tight", "classic"), default="tight",
-        help="RDP to (eps, delta): tight (Balle et al. 2020, as the ledger) or classic (as the PATE papers)",
+        help="RDP to (eps, delta) for the estimates: tight (Balle et al. 2020) or classic (as the PATE papers)",
     )
-    parser.add_argument("--seed", type=int, help="seed for the smooth-sensitivity release noise (default: OS entropy)")
-    parser.add_argument("--ss-order", type=float, help="order of the smooth-sensitivity release (default: tuned on the votes)")
-    parser.add_argument("--ss-beta", type=float, help="beta of the smooth-sensitivity release (with --ss-sigma)")
-    parser.add_argument("--ss-sigma", type=float, help="sigma_ss of the smooth-sensitivity release (with --ss-beta)")
+    parser.add_argument("--no-smooth-sensitivity", action="store_true",
+                        help="skip the smooth-sensitivity release of the data-dependent cost (GNMax family)")
+    parser.add_argument("--ss-order", type=float, help="order of the smooth-sensitivity release "
+                                                       "(default: from the planned worst case, never from the votes)")
+    parser.add_argument("--ss-beta", type=float, help="beta of the smooth-sensitivity release (with --ss-order)")
+    parser.add_argument("--ss-sigma", type=float, help="sigma_ss of the smooth-sensitivity release (with --ss-order)")
+    parser.add_argument("--insecure-noise-seed", type=int, metavar="N",
+                        help="draw the release's noise from this public seed (debugging only: the report is "
+                             "marked unsound)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -81,17 +103,43 @@ def _parse_orders(text: str | None) -> np.ndarray | None:
 
 
 def _mechanism(args: argparse.Namespace):
-    missing = [name for name in _REQUIRED[args.mechanism] if getattr(args, name) is None]
-    if args.mechanism == "nzc" and args.laplace_scale is None and args.sigma is None:
-        missing.append("laplace_scale or sigma")
-    if missing:
-        flags = ", ".join("--" + m.replace("_", "-").replace(" or ", " or --") for m in missing)
-        raise BadInput(f"--mechanism {args.mechanism} needs {flags}")
-    params = {name: getattr(args, name) for name in _MECHANISM_FLAGS if getattr(args, name) is not None}
-    if args.mechanism == "stability":
-        params["delta"] = args.delta
+    name = args.mechanism
+    accepted = parameter_names(name)
+    params = {given: getattr(args, _flag_name(name, given).replace("-", "_")) for given in accepted}
+    foreign = sorted(flag for flag in _mechanism_flags()
+                     if getattr(args, flag.replace("-", "_")) is not None
+                     and flag not in {_flag_name(name, given) for given in accepted})
+    if foreign:
+        raise BadInput(f"--mechanism {name} does not take {', '.join('--' + f for f in foreign)}")
     try:
-        return build_mechanism(args.mechanism, **params)
+        return build_mechanism(name, **params)
+    except ValueError as error:
+        raise BadInput(_as_flags(name, str(error))) from None
+
+
+def _as_flags(name: str, message: str) -> str:
+    """A mechanism's error with its argument names written as this command's flags."""
+    flags = {argument: given for given, argument in parameter_names(name).items() if given != argument}
+    for argument in sorted(parameter_names(name).values(), key=len, reverse=True):
+        flag = "--" + _flag_name(name, flags.get(argument, argument))
+        message = re.sub(rf"(?<![\w-]){re.escape(argument)}(?![\w-])", flag, message)
+    return message
+
+
+def _smooth(args: argparse.Namespace, mechanism, queries: int) -> SmoothSensitivityParameters | None:
+    fixed = (args.ss_order, args.ss_beta, args.ss_sigma)
+    if args.no_smooth_sensitivity:
+        if any(v is not None for v in fixed):
+            raise BadInput("--no-smooth-sensitivity cannot go with --ss-order/--ss-beta/--ss-sigma")
+        return None
+    if not hasattr(mechanism, "smooth_sensitivity_terms"):
+        return None
+    try:
+        if all(v is None for v in fixed):
+            return SmoothSensitivityParameters.for_workload(mechanism.run_charge(queries, queries), args.delta)
+        if any(v is None for v in fixed):
+            raise BadInput("--ss-order, --ss-beta and --ss-sigma go together")
+        return SmoothSensitivityParameters(*fixed)
     except ValueError as error:
         raise BadInput(str(error)) from None
 
@@ -114,75 +162,55 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _order(value: float | None) -> str:
-    return "" if value is None else f"  (order {value:g})"
-
-
 def summary(report: dict) -> str:
-    """A few lines a person can read; the data-dependent figure is always labelled private."""
-    head = (
-        f"{report['mechanism']}: {report['queries']} queries, {report['answered']} answered, "
-        f"{report['classes']} classes, {report['teachers']} teachers; delta={report['delta']:g}, "
-        f"{report['conversion']} conversion"
-    )
-    lines = [head]
-    if report["mechanism"] == "nzc":
-        claim = report["claimed"]
-        lines += [
-            "  sound epsilon         = inf  (no finite differential-privacy guarantee)",
-            f"  why: {report['reason']}",
-            f"  paper's claim (NOT a DP guarantee): epsilon = {claim['epsilon_total']:.4g} "
-            f"({claim['epsilon_per_query']:.4g} per query; {claim['source']})",
-        ]
-        return "\n".join(lines)
-    if report["mechanism"] == "stability":
-        lines.append(
-            f"  (epsilon, delta)      = ({report['epsilon_data_independent']:.4g}, {report['delta']:g})  "
-            "for the whole run (sparse-vector stability, Bassily et al. 2018)"
-        )
-        return "\n".join(lines)
-    lines.append(
-        f"  data-independent      epsilon = {report['epsilon_data_independent']:.4f}"
-        f"{_order(report['order_data_independent'])}  publishable"
-    )
-    release = report["smooth_sensitivity"]
-    if release.get("available"):
-        lines.append(
-            f"  smooth-sensitivity    epsilon = {report['epsilon_smooth_sensitivity']:.4f}  (order {release['order']:g}, "
-            f"beta {release['beta']:.4g}, sigma_ss {release['sigma_ss']:.4g}, noise std {release['noise_std']:.3g})  "
-            "publishable: the data-dependent cost, privatized"
-        )
-    else:
-        lines.append(f"  smooth-sensitivity    not available: {release.get('reason', '')}")
-    lines.append(
-        f"  data-dependent        epsilon = {report['epsilon_data_dependent']:.4f}"
-        f"{_order(report['order_data_dependent'])}  PRIVATE: computed from the votes, do not publish"
-    )
+    """A few lines a person can read: the guarantee first, every estimate labelled as one."""
+    head = (f"{report['mechanism']['name']}: {report['queries']} queries, {report['answered']} answered, "
+            f"{report['classes']} classes, {report['teachers']} teachers")
+    guarantee = report["guarantee"]
+    epsilon = guarantee["epsilon"]
+    lines = [head, f"  guarantee   epsilon = {_number(epsilon)} at delta = {guarantee['delta']:g}  "
+                   f"({guarantee['basis']}; {guarantee['neighbouring_means']})"]
+    if guarantee["unsound_reasons"]:
+        lines.append("    NOT SOUND: " + "; ".join(guarantee["unsound_reasons"]))
+    budget = report.get("budget")
+    if budget:
+        lines.append(f"    budget {budget['epsilon']:g} at order {budget['order']:g}: the realised spend "
+                     f"{'fits' if budget['fits'] else 'does NOT fit'}")
+    for estimate in report["estimates"]:
+        value = estimate["epsilon"]
+        text = (f"epsilon = {_number(value)}" if value is not None
+                else f"not available: {estimate.get('reason', '')}")
+        where = f" (order {estimate['order']:g})" if estimate.get("order") else ""
+        private = "  PRIVATE: computed from the votes, do not publish" if estimate["private"] else ""
+        lines.append(f"  estimate    {estimate['name']:<19} {text}{where}  — not a DP guarantee{private}")
     return "\n".join(lines)
+
+
+def _number(value: float | str) -> str:
+    return "inf (no finite guarantee)" if value in (math.inf, "inf") else f"{float(value):.4f}"
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         if not 0 < args.delta < 1:
             raise BadInput(f"--delta must be in (0, 1), got {args.delta}")
-        if (args.ss_beta is None) != (args.ss_sigma is None):
-            raise BadInput("--ss-beta and --ss-sigma go together")
+        if args.budget is not None and not (args.budget > 0 and math.isfinite(args.budget)):
+            raise BadInput(f"--budget must be a finite epsilon > 0, got {args.budget}")
         orders = _parse_orders(args.orders)
         mechanism = _mechanism(args)
         votes = _load(args.votes, "votes")
         answered = None if args.answered is None else _load(args.answered, "answered mask")
+        noise = NoisePolicy(insecure_seed=args.insecure_noise_seed)
         try:
-            report = privacy_report(
-                mechanism, votes, answered, args.delta, orders=orders, conversion=args.conversion,
-                rng=make_rng(args.seed), ss_order=args.ss_order, ss_beta=args.ss_beta, ss_sigma=args.ss_sigma,
-            )
+            votes, answered = checked_votes(votes, answered)
+            smooth = _smooth(args, mechanism, len(votes))
+            report = analysis_report(mechanism, votes, answered, args.delta, budget=args.budget, smooth=smooth,
+                                     noise=noise, conversion=args.conversion, orders=orders)
         except ValueError as error:
             raise BadInput(str(error)) from None
     except BadInput as error:
         print(f"conclave analyze: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        print(json.dumps(_jsonable(report)))
-    else:
-        print(summary(report))
+    full = _jsonable(report.as_dict(include_private=True))  # the data holder's own view
+    print(json.dumps(full) if args.json else summary(full))
     return 0

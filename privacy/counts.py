@@ -8,7 +8,9 @@ without looking at the other private points), never by its rank among them — a
 private points would let one addition evict another point and move two counts.
 
 The counts are separable: each shard holder counts its own points, the driver-side release
-adds the partial counts and draws the noise ONCE on the total.
+adds the partial counts and draws the noise ONCE on the total. The noise is discrete Laplace
+(``NoiseSource.laplace_counts``, exact), so the released counts are integers and no float
+sampler's low bits leak (Mironov 2012); its pure ε is the continuous Laplace's.
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import pure_epsilon_charge
+from privacy.noise import NoiseSource
 
 
 @dataclass(frozen=True)
 class LaplaceCounts:
-    """Lap(1/``epsilon``) on every count of a histogram with L1 sensitivity 1."""
+    """Discrete Laplace of scale 1/``epsilon`` on every count of a histogram with L1 sensitivity 1."""
 
     epsilon: float
     orders: np.ndarray | None = None
@@ -39,10 +42,10 @@ class LaplaceCounts:
         """Pure ε (charge the ledger with this before releasing)."""
         return pure_epsilon_charge(self.epsilon, label="noisy-counts", orders=self.orders)
 
-    def release(self, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        counts = np.asarray(counts, dtype=np.float64)
-        if counts.ndim != 1:
-            raise ValueError(f"expected a 1-D vector of counts, got shape {counts.shape}")
+    def release(self, counts: np.ndarray, noise: NoiseSource) -> np.ndarray:
+        counts = np.asarray(counts)
+        if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
+            raise ValueError(f"expected a 1-D vector of integer counts, got {counts.dtype} {counts.shape}")
         if np.any(counts < 0):
             raise ValueError("counts must be non-negative")
-        return counts + rng.laplace(0.0, self.scale, size=counts.shape)
+        return noise.laplace_counts(counts, self.scale)

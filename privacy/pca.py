@@ -16,6 +16,10 @@ post-processing and cost nothing more.
 
 The summed covariance is separable: each shard holder computes ``covariance_sum`` of its own
 rows; the partial sums are added and noise is added ONCE to the total.
+
+The released matrix is a float: its noise comes from ``NoiseSource.gaussian`` (an exact
+sampler, rounded once), not from a textbook float sampler whose low bits leak (Mironov 2012).
+Neighbours are add/remove of one row.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
+from privacy.noise import NoiseSource
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:
@@ -84,21 +89,22 @@ class AnalyzeGauss:
         """The Gaussian RDP curve of one release (charge the ledger with this before releasing)."""
         return gaussian_charge(self.noise_multiplier, count=1, label="dp-pca", orders=self.orders)
 
-    def noisy_covariance(self, total: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """``total`` (the summed covariance of all shards) plus symmetric Gaussian noise."""
+    def noisy_covariance(self, total: np.ndarray, noise: NoiseSource) -> np.ndarray:
+        """``total`` (the summed covariance of all shards) with its upper triangle released
+        under Gaussian noise and mirrored below."""
         total = np.asarray(total, dtype=np.float64)
         if total.ndim != 2 or total.shape[0] != total.shape[1]:
             raise ValueError(f"expected a square summed covariance, got shape {total.shape}")
-        d = total.shape[0]
-        upper = np.triu(rng.normal(0.0, self.noise_multiplier, size=(d, d)))
-        noise = upper + np.triu(upper, 1).T
-        return total + noise
+        upper = np.triu_indices(total.shape[0])
+        released = np.zeros_like(total)
+        released[upper] = noise.gaussian(total[upper], self.noise_multiplier)
+        return released + np.triu(released, 1).T
 
-    def release(self, total: np.ndarray, components: int, rng: np.random.Generator) -> np.ndarray:
+    def release(self, total: np.ndarray, components: int, noise: NoiseSource) -> np.ndarray:
         """Top-``components`` eigenvectors of the noisy matrix, as columns of a [d, p] projection."""
         d = np.asarray(total).shape[0]
         if not 1 <= components <= d:
             raise ValueError(f"components must be in [1, {d}], got {components}")
-        values, vectors = np.linalg.eigh(self.noisy_covariance(total, rng))
+        values, vectors = np.linalg.eigh(self.noisy_covariance(total, noise))
         order = np.argsort(values)[::-1][:components]
         return vectors[:, order]

@@ -6,12 +6,28 @@ RDP (e.g. the sparse-vector stability mechanism) carry their pure part as an RDP
 and their δ in ``extra_delta``; δ's add up under basic composition. A mechanism with no
 finite guarantee (NZC as published) is marked ``unbounded``: it can be reported but never
 charged to a ledger with a finite limit.
+
+Every charge names the neighbouring relation its bound holds for. Bounds for add/remove
+and replace-one neighbours do not compose as if they were the same, so a ledger accepts
+only charges under its own relation (vote mechanisms are analysed for one teacher's vote
+changing; an ensemble whose shards are a function of each record turns that into
+add/remove, see ``for_records``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+# Neighbouring relations a bound can hold for (identifier → what changes between neighbours).
+ADD_REMOVE = "add-remove"
+REPLACE_ONE = "replace-one"
+ONE_VOTE = "one-vote"
+NEIGHBOURING = {
+    ADD_REMOVE: "one record added or removed",
+    REPLACE_ONE: "one record replaced by another",
+    ONE_VOTE: "one teacher's vote moves to another class (the vote histogram's neighbours)",
+}
 
 
 @dataclass(frozen=True)
@@ -25,6 +41,7 @@ class PrivacyCharge:
         unbounded: True when no finite DP guarantee holds (e.g. NZC); ``rdp`` is then +inf.
         reason: one line saying why a charge is unbounded (empty otherwise).
         label: what was charged, e.g. "gnmax", "threshold", "dpsgd-epoch-3".
+        neighbouring: the relation the bound holds for (a key of ``NEIGHBOURING``).
     """
 
     orders: np.ndarray
@@ -34,8 +51,11 @@ class PrivacyCharge:
     reason: str = ""
     label: str = ""
     details: dict = field(default_factory=dict, compare=False)
+    neighbouring: str = ADD_REMOVE
 
     def __post_init__(self) -> None:
+        if self.neighbouring not in NEIGHBOURING:
+            raise ValueError(f"unknown neighbouring relation {self.neighbouring!r}; one of {sorted(NEIGHBOURING)}")
         orders = np.asarray(self.orders, dtype=float)
         rdp = np.asarray(self.rdp, dtype=float)
         if orders.ndim != 1 or rdp.shape != orders.shape:
@@ -48,3 +68,20 @@ class PrivacyCharge:
             raise ValueError("extra_delta must be non-negative")
         object.__setattr__(self, "orders", orders)
         object.__setattr__(self, "rdp", rdp)
+
+    @property
+    def is_free(self) -> bool:
+        """True when the charge costs nothing at any order (nothing need be recorded)."""
+        return not self.unbounded and self.extra_delta == 0 and not np.any(self.rdp)
+
+    def for_records(self, relation: str, why: str) -> PrivacyCharge:
+        """This one-vote charge restated for record-level neighbours ``relation``.
+
+        Valid when changing one record under ``relation`` changes at most one teacher's vote;
+        ``why`` states the lemma (e.g. shards assigned by a keyed hash of each record).
+        """
+        if self.neighbouring != ONE_VOTE:
+            raise ValueError(f"charge {self.label!r} holds for {self.neighbouring!r}, not for one vote")
+        if not why:
+            raise ValueError("restating a vote-level charge for records must say why it holds")
+        return replace(self, neighbouring=relation, details={**self.details, "neighbouring_lemma": why})

@@ -1,19 +1,30 @@
-"""The durable privacy budget of a run: every charge, composed, checked, and on disk first.
+"""The durable privacy budget of a run: every charge, checked against a Rényi filter, on disk first.
 
 One SQLite file per run, one row per charge (label, RDP curve, extra δ, unbounded flag and
-reason, time). The file is in WAL mode with ``synchronous=FULL``, so a committed charge
-has been fsynced before ``charge`` returns — and callers release answers only after it
-returns, so a crash can never forget something that was released.
+reason, neighbouring relation, time). The file is in WAL mode with ``synchronous=FULL``, so
+a committed charge has been fsynced before ``charge`` returns — and callers release answers
+only after it returns, so a crash can never forget something that was released.
 
 Check-and-commit is atomic across threads (a lock) and across processes (an SQLite
 ``BEGIN IMMEDIATE`` write transaction, inside which rows other processes added are read
 first). A refused charge writes nothing.
 
-Accounting: RDP curves add order by order (Mironov 2017, Prop. 1). ε is reported with the
-tight conversion (Balle et al. 2020, Thm 21). Charges with an ``extra_delta`` (δ-approximate
-mechanisms such as the stability mechanism) spend that δ outside the curve, so the
-configured δ is split: the curve is converted at δ_rdp = δ − Σ extra_delta and the total
-is δ_rdp + Σ extra_delta = δ. A charge that would make Σ extra_delta ≥ δ is refused.
+The ledger *is* the run's privacy filter (``privacy.accounting.filter``): with a budget it
+refuses any charge whose worst case would take the summed RDP at the budget's fixed order
+past the RDP budget, or the δ spent outside RDP curves past the reserved δ, or that has no
+finite bound at all. The budget, its order, δ, the grid of orders and the neighbouring
+relation are written into the file when it is created; reopening with other settings is
+refused, because a budget changed mid-run is no longer a budget declared in advance.
+Without a budget the ledger refuses nothing and only records (a run's guarantee then comes
+from its planned worst case, ``privacy.accounting.guarantee``).
+
+A charge must hold for the ledger's neighbouring relation; add/remove and replace-one bounds
+do not compose as one, so a mismatch is an error, not a refusal.
+
+The realised spend (``BudgetReport.epsilon_spent``) composes the charges at their best order
+with the tight conversion (Balle et al. 2020, Thm 21), at δ − Σ extra δ. It is a function of
+what was released, so it may be shown, but it is an odometer reading, not the guarantee:
+only the budget is.
 """
 from __future__ import annotations
 
@@ -28,7 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
+from privacy.accounting.filter import RenyiFilter, order_index
+from privacy.accounting.guarantee import Guarantee, filter_guarantee
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 log = logging.getLogger(__name__)
@@ -43,24 +56,45 @@ CREATE TABLE IF NOT EXISTS charges (
     unbounded INTEGER NOT NULL,
     reason TEXT NOT NULL,
     details TEXT NOT NULL,        -- JSON, for people reading the file
+    neighbouring TEXT NOT NULL,
     created REAL NOT NULL         -- seconds since the epoch
 );
 """
 
 
 class BudgetExceeded(Exception):
-    """A charge was refused: it would pass the run's privacy limit. Nothing was recorded."""
+    """A charge was refused: it would pass the run's privacy budget. Nothing was recorded."""
 
 
 @dataclass(frozen=True)
 class BudgetReport:
-    epsilon: float  # ε spent so far (inf when an unbounded charge was accepted)
+    epsilon_spent: float  # realised spend at its best order (inf once an unbounded charge was accepted)
     delta: float  # total δ: curve δ + Σ extra δ (= the configured δ)
-    epsilon_limit: float
-    order: float | None  # RDP order attaining ε; None when nothing or something unbounded was spent
+    order: float | None  # RDP order attaining epsilon_spent; None when nothing or something unbounded was spent
     charges: int
-    sound: bool  # False once an unbounded charge (e.g. NZC) has been recorded
+    bounded: bool  # False once an unbounded charge (e.g. NZC) has been recorded
     by_label: dict[str, float]  # ε each label would cost alone, at the same δ split
+    neighbouring: str
+    budget: RenyiFilter | None  # None: a record-only ledger
+    rdp_at_budget_order: float | None  # the filter's running sum (None without a budget)
+    extra_delta: float  # δ spent outside RDP curves so far
+
+    @property
+    def epsilon_limit(self) -> float:
+        """The budget's ε (inf for a record-only ledger)."""
+        return self.budget.epsilon if self.budget is not None else math.inf
+
+    @property
+    def guarantee(self) -> Guarantee | None:
+        """The filter's guarantee, or None without a budget (the run's planned work must give one)."""
+        return None if self.budget is None else filter_guarantee(self.budget, self.neighbouring)
+
+    @property
+    def remaining_rdp(self) -> float | None:
+        """What the filter still admits at its order (None without a budget)."""
+        if self.budget is None or self.rdp_at_budget_order is None:
+            return None
+        return max(0.0, self.budget.rdp_budget - self.rdp_at_budget_order)
 
 
 class _Totals:
@@ -86,23 +120,29 @@ class _Totals:
 
 
 class PrivacyLedger:
-    """Composes every charge of a run against an (ε, δ) limit, durably.
+    """Composes every charge of a run, durably, refusing what its budget does not admit.
 
-    ``epsilon_limit=math.inf`` makes a report-only ledger, which also accepts unbounded
-    charges (its report then says ε = inf, sound = False). A finite limit refuses them.
+    ``budget=None`` makes a record-only ledger: it refuses nothing, also not unbounded
+    charges (its report then has ``bounded = False``). ``delta`` is the run's δ; with a
+    budget it must equal the budget's.
     """
 
-    def __init__(self, path: str | Path, epsilon_limit: float, delta: float, orders=DEFAULT_ORDERS) -> None:
-        if not (epsilon_limit > 0 and not math.isnan(epsilon_limit)):
-            raise ValueError(f"epsilon_limit must be > 0 (or inf for report-only), got {epsilon_limit}")
+    def __init__(self, path: str | Path, delta: float, budget: RenyiFilter | None = None,
+                 neighbouring: str = ADD_REMOVE, orders=DEFAULT_ORDERS) -> None:
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
+        if budget is not None and budget.delta != delta:
+            raise ValueError(f"the budget's delta {budget.delta:g} differs from the ledger's {delta:g}")
+        if neighbouring not in NEIGHBOURING:
+            raise ValueError(f"unknown neighbouring relation {neighbouring!r}; one of {sorted(NEIGHBOURING)}")
         self.path = Path(path)
-        self.epsilon_limit = float(epsilon_limit)
         self.delta = float(delta)
+        self.budget = budget
+        self.neighbouring = neighbouring
         self.orders = np.asarray(orders, dtype=float)
         if self.orders.ndim != 1 or self.orders.size == 0 or np.any(self.orders <= 1):
             raise ValueError("orders must be a non-empty 1-D list of numbers > 1")
+        self._budget_index = None if budget is None else order_index(budget.order, self.orders)
         self._lock = threading.Lock()
         self._totals = _Totals(self.orders.size)
         # autocommit mode: transactions are opened explicitly with BEGIN IMMEDIATE.
@@ -114,7 +154,7 @@ class PrivacyLedger:
             self._db.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
             self._db.executescript(_SCHEMA)
             with self._transaction():
-                self._check_orders()
+                self._check_settings()
                 self._read_new_rows()
         except Exception:
             self._db.close()
@@ -126,10 +166,10 @@ class PrivacyLedger:
     def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> BudgetReport:
         """Record ``charge`` durably and return the new report — or raise BudgetExceeded
         (recording nothing) when spent + ``worst_case`` (default: the charge) would pass
-        the limit. Call before releasing anything the charge pays for."""
-        self._check_aligned(charge)
+        the budget. Call before releasing anything the charge pays for."""
+        self._check_charge(charge)
         if worst_case is not None:
-            self._check_aligned(worst_case)
+            self._check_charge(worst_case)
             if np.any(charge.rdp > worst_case.rdp * (1 + 1e-9) + 1e-15) or charge.extra_delta > worst_case.extra_delta * (
                 1 + 1e-9
             ) or (charge.unbounded and not worst_case.unbounded):
@@ -139,8 +179,8 @@ class PrivacyLedger:
                 self._read_new_rows()
                 self._refuse_if_over(worst_case if worst_case is not None else charge)
                 self._connection().execute(
-                    "INSERT INTO charges (label, rdp, extra_delta, unbounded, reason, details, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO charges (label, rdp, extra_delta, unbounded, reason, details, neighbouring, created) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         charge.label,
                         charge.rdp.astype("<f8").tobytes(),
@@ -148,6 +188,7 @@ class PrivacyLedger:
                         int(charge.unbounded),
                         charge.reason,
                         json.dumps(charge.details, default=str),
+                        charge.neighbouring,
                         time.time(),
                     ),
                 )
@@ -157,7 +198,7 @@ class PrivacyLedger:
 
     def can_afford(self, charge: PrivacyCharge) -> bool:
         """Whether ``charge`` would be accepted now (nothing is recorded)."""
-        self._check_aligned(charge)
+        self._check_charge(charge)
         with self._lock, self._transaction(write=False):
             self._read_new_rows()
             try:
@@ -183,6 +224,7 @@ class PrivacyLedger:
                 unbounded=totals.unbounded,
                 reason="an unbounded charge was recorded" if totals.unbounded else "",
                 label="spent",
+                neighbouring=self.neighbouring,
             )
 
     def close(self) -> None:
@@ -226,18 +268,29 @@ class PrivacyLedger:
     def _transaction(self, write: bool = True) -> PrivacyLedger._Txn:
         return PrivacyLedger._Txn(self._connection(), write)
 
-    def _check_orders(self) -> None:
+    def _settings(self) -> dict[str, str]:
+        return {
+            "orders": json.dumps(self.orders.tolist()),
+            "delta": json.dumps(self.delta),
+            "neighbouring": self.neighbouring,
+            "budget": json.dumps(None if self.budget is None else {
+                "epsilon": self.budget.epsilon, "delta": self.budget.delta, "order": self.budget.order,
+                "reserved_delta": self.budget.reserved_delta}),
+        }
+
+    def _check_settings(self) -> None:
+        """Write the settings into a new file; refuse to reopen a file written with others."""
         db = self._connection()
-        row = db.execute("SELECT value FROM meta WHERE key = 'orders'").fetchone()
-        if row is None:
-            db.execute("INSERT INTO meta (key, value) VALUES ('orders', ?)", (json.dumps(self.orders.tolist()),))
-            return
-        stored = np.asarray(json.loads(row[0]), dtype=float)
-        if not np.array_equal(stored, self.orders):
-            raise ValueError(
-                f"ledger {self.path} was written on a different grid of RDP orders "
-                f"({stored.size} orders, not {self.orders.size}); open it with the orders it was created with"
-            )
+        stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        for key, value in self._settings().items():
+            if key not in stored:
+                db.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (key, value))
+            elif stored[key] != value:
+                raise ValueError(
+                    f"ledger {self.path} was created with {key} = {_short(stored[key])}, not {_short(value)}: "
+                    "a budget is declared once, before the run; open the file with the settings it was created "
+                    "with, or start a new ledger file"
+                )
 
     def _read_new_rows(self) -> None:
         rows = self._connection().execute(
@@ -247,9 +300,14 @@ class PrivacyLedger:
         for row_id, label, blob, extra_delta, unbounded in rows:
             self._totals.add(row_id, label, np.frombuffer(blob, dtype="<f8"), extra_delta, bool(unbounded))
 
-    def _check_aligned(self, charge: PrivacyCharge) -> None:
+    def _check_charge(self, charge: PrivacyCharge) -> None:
         if not np.array_equal(charge.orders, self.orders):
             raise ValueError(f"charge {charge.label!r} is not on this ledger's RDP orders")
+        if charge.neighbouring != self.neighbouring:
+            raise ValueError(
+                f"charge {charge.label!r} holds for {charge.neighbouring!r} neighbours, this ledger composes "
+                f"{self.neighbouring!r}: bounds for different relations do not compose as one"
+            )
 
     def _epsilon(self, rdp: np.ndarray, extra_delta: float, unbounded: bool) -> tuple[float, float | None]:
         if unbounded or extra_delta >= self.delta:
@@ -258,24 +316,27 @@ class PrivacyLedger:
         return epsilon, (None if math.isnan(order) else order)
 
     def _refuse_if_over(self, charge: PrivacyCharge) -> None:
+        budget = self.budget
+        if budget is None:
+            return
         spent = self._totals
-        if charge.unbounded and math.isfinite(self.epsilon_limit):
+        if charge.unbounded:
             raise BudgetExceeded(
                 f"charge {charge.label!r} has no finite privacy guarantee ({charge.reason}); "
-                f"refused by a ledger with limit epsilon={self.epsilon_limit}"
+                f"refused by a ledger with a budget of epsilon={budget.epsilon:g}"
             )
+        rdp = float(spent.rdp[self._budget_index] + charge.rdp[self._budget_index])
         extra = spent.extra_delta + charge.extra_delta
-        if extra >= self.delta:
+        if not budget.admits(rdp, extra):
+            if extra > budget.reserved_delta:
+                raise BudgetExceeded(
+                    f"charge {charge.label!r} would spend delta {extra:.3g} outside the RDP curve, over the "
+                    f"{budget.reserved_delta:.3g} reserved for it"
+                )
             raise BudgetExceeded(
-                f"charge {charge.label!r} would spend delta {extra:.3g} outside the RDP curve, "
-                f"not below the limit delta={self.delta:.3g}"
-            )
-        epsilon, _ = self._epsilon(spent.rdp + charge.rdp, extra, spent.unbounded or charge.unbounded)
-        if epsilon > self.epsilon_limit:
-            now, _ = self._epsilon(spent.rdp, spent.extra_delta, spent.unbounded)
-            raise BudgetExceeded(
-                f"charge {charge.label!r} would bring epsilon to {epsilon:.4g} (delta={self.delta:.3g}), "
-                f"over the limit {self.epsilon_limit:.4g}; spent so far {now:.4g}"
+                f"charge {charge.label!r} would bring RDP at order {budget.order:g} to {rdp:.4g}, over the budget "
+                f"{budget.rdp_budget:.4g} (epsilon={budget.epsilon:g} at delta={budget.delta:g}); spent so far "
+                f"{float(spent.rdp[self._budget_index]):.4g}"
             )
 
     def _report(self) -> BudgetReport:
@@ -286,11 +347,18 @@ class PrivacyLedger:
             for label, (curve, extra, unbounded) in spent.by_label.items()
         }
         return BudgetReport(
-            epsilon=epsilon,
+            epsilon_spent=epsilon,
             delta=self.delta,
-            epsilon_limit=self.epsilon_limit,
             order=order,
             charges=spent.count,
-            sound=not spent.unbounded,
+            bounded=not spent.unbounded,
             by_label=by_label,
+            neighbouring=self.neighbouring,
+            budget=self.budget,
+            rdp_at_budget_order=None if self._budget_index is None else float(spent.rdp[self._budget_index]),
+            extra_delta=spent.extra_delta,
         )
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -14,22 +14,20 @@ parameters and the RDP orders λ, named after the result it implements:
   sensitivity 1 where GNMax's histogram moves by 2 in L2² terms), with
   log q = min(log p, log(1 − p)), p = Pr[N(0, σ₁²) ≥ T − max_j n_j].
 
-A data-dependent bound is itself a function of the private votes, so it is never
-published as is: ``privacy_report`` adds the smooth-sensitivity release of PATE 2018
-(see ``privacy.accounting.smooth_sensitivity``) and labels the raw figure as private.
+A data-dependent bound holds at the actual dataset only and is itself a function of the
+private votes: it is an ``Estimate`` marked private (never a guarantee, never published);
+``privacy.accounting.smooth_sensitivity`` releases it privately, still as an estimate.
+Which bound applies to which mechanism is the mechanism's business (``privacy/mechanisms``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from scipy import special
 
 from privacy.accounting import rdp as rdp_lib
-from privacy.mechanisms.nzc import CLAIM_SOURCE, UNSOUND_REASON
-from privacy.randomness import make_rng
+from privacy.accounting.guarantee import Estimate
 
 # ---------------------------------------------------------------------------------------
 # small numerics
@@ -256,308 +254,17 @@ def threshold_rdp(logq: np.ndarray | float, sigma1: float, orders) -> np.ndarray
 
 
 # ---------------------------------------------------------------------------------------
-# per-query costs of a run, and its privacy report
-
-MECHANISMS = ("lnmax", "gnmax", "confident-gnmax", "nzc", "stability")
+# the data-dependent total as an estimate
 
 
-@dataclass(frozen=True)
-class QueryCosts:
-    """Per-query RDP of a run, [queries, len(orders)]; totals add up over the queries.
-
-    ``answered`` marks the queries whose answer was released (the rest were abstentions,
-    which Confident-GNMax still pays the threshold step for).
-    """
-
-    orders: np.ndarray
-    data_independent: np.ndarray
-    data_dependent: np.ndarray
-    answered: np.ndarray
-
-    @property
-    def total_data_independent(self) -> np.ndarray:
-        return self.data_independent.sum(axis=0)
-
-    @property
-    def total_data_dependent(self) -> np.ndarray:
-        return self.data_dependent.sum(axis=0)
-
-
-def validate_votes(votes: np.ndarray, answered: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Checked (votes int64 [queries, k], answered bool [queries]); ValueError names the problem."""
-    votes = np.asarray(votes)
-    if votes.ndim != 2:
-        raise ValueError(f"votes must be a 2-D array [queries, classes], got {votes.ndim}-D shape {votes.shape}")
-    if votes.size == 0:
-        raise ValueError(f"votes is empty (shape {votes.shape})")
-    if votes.dtype == bool or not np.issubdtype(votes.dtype, np.integer):
-        raise ValueError(f"votes must be integer counts, got dtype {votes.dtype}")
-    if np.any(votes < 0):
-        raise ValueError("votes must be non-negative counts")
-    if answered is None:
-        mask = np.ones(votes.shape[0], dtype=bool)
-    else:
-        mask = np.asarray(answered)
-        if mask.dtype != bool:
-            raise ValueError(f"answered mask must be boolean, got dtype {mask.dtype}")
-        if mask.shape != (votes.shape[0],):
-            raise ValueError(f"answered mask must have shape ({votes.shape[0]},) to match the votes, got {mask.shape}")
-    return votes.astype(np.int64), mask
-
-
-def _param(mechanism: Any, name: str) -> float:
-    value = getattr(mechanism, name, None)
-    if value is None:
-        raise ValueError(f"mechanism {mechanism.name!r} needs the parameter {name!r}")
-    return float(value)
-
-
-def query_costs(mechanism: Any, votes: np.ndarray, answered: np.ndarray | None = None, orders=None) -> QueryCosts:
-    """Data-independent and data-dependent RDP of every query for LNMax / GNMax / Confident-GNMax.
-
-    LNMax and GNMax pay for answered queries only; Confident-GNMax pays the threshold step
-    on every query and GNMax(σ₂) on the answered ones.
-    """
-    votes, mask = validate_votes(votes, answered)
-    orders = _as_orders(rdp_lib.DEFAULT_ORDERS if orders is None else orders)
-    zeros = np.zeros((votes.shape[0], orders.size))
-    if mechanism.name == "lnmax":
-        scale = _param(mechanism, "laplace_scale")
-        independent = np.where(mask[:, None], lnmax_rdp_data_independent(scale, orders), 0.0)
-        dependent = np.where(mask[:, None], lnmax_rdp(lnmax_logq(votes, scale), scale, orders), 0.0)
-    elif mechanism.name == "gnmax":
-        sigma = _param(mechanism, "sigma")
-        independent = np.where(mask[:, None], gnmax_rdp_data_independent(sigma, orders), 0.0)
-        dependent = np.where(mask[:, None], gnmax_rdp(gnmax_logq(votes, sigma), sigma, orders), 0.0)
-    elif mechanism.name == "confident-gnmax":
-        sigma1, threshold, sigma2 = (_param(mechanism, n) for n in ("sigma1", "threshold", "sigma2"))
-        independent = zeros + threshold_rdp_data_independent(sigma1, orders)
-        independent += np.where(mask[:, None], gnmax_rdp_data_independent(sigma2, orders), 0.0)
-        dependent = threshold_rdp(threshold_logq(votes, threshold, sigma1), sigma1, orders)
-        dependent += np.where(mask[:, None], gnmax_rdp(gnmax_logq(votes, sigma2), sigma2, orders), 0.0)
-    else:
-        raise ValueError(f"no RDP analysis for mechanism {mechanism.name!r}")
-    return QueryCosts(orders, independent, dependent, mask)
-
-
-def _smooth_sensitivity_release(
-    mechanism: Any,
-    votes: np.ndarray,
-    costs: QueryCosts,
-    delta: float,
-    conversion: str,
-    rng: np.random.Generator,
-    order: float | None,
-    beta: float | None,
-    sigma_ss: float | None,
-) -> dict:
-    """GNSS release of the data-dependent total (PATE 2018): the only publishable data-dependent ε."""
-    from privacy.accounting import smooth_sensitivity as ss  # ss imports this module
-
-    if mechanism.name not in ("gnmax", "confident-gnmax"):
-        return {"available": False, "reason": "PATE 2018's smooth-sensitivity analysis covers GNMax and its threshold step only"}
-    eps_by_order = [
-        rdp_lib.epsilon_from_rdp([lam], [value], delta, conversion)[0]
-        for lam, value in zip(costs.orders, costs.total_data_dependent)
-    ]
-    parameters_from_data = order is None or beta is None or sigma_ss is None
-    num_teachers = int(votes.sum(axis=1).max())
-    num_classes = votes.shape[1]
-    sigma = _param(mechanism, "sigma2" if mechanism.name == "confident-gnmax" else "sigma")
-    answered_votes = votes[costs.answered]
-
-    def gnmax_status(lam: float) -> tuple[bool, tuple[bool, bool] | None]:
-        """(GNMax's cost is the same for every histogram at λ, (C5, C6) or None when not needed)."""
-        if num_classes < 2 or not answered_votes.shape[0]:
-            return True, None
-        unanimous = np.zeros((1, num_classes))
-        unanimous[0, 0] = num_teachers
-        try:
-            # even a unanimous vote gets λ/σ²: the cost is constant and has no sensitivity
-            if np.isclose(ss.gnmax_beta(gnmax_logq(unanimous, sigma), sigma, lam)[0], lam / sigma**2):
-                return True, None
-            return False, ss.check_conditions(sigma, num_classes, lam)
-        except ArithmeticError:  # no crossing point q0 found: treat as failing conditions
-            return False, (False, False)
-
-    # As in the PATE 2018 analysis, release at the order where the data-dependent ε is
-    # smallest — here the best one where the analysis is valid (C5 and C6 hold).
-    candidates = [order] if order is not None else [float(costs.orders[i]) for i in np.argsort(eps_by_order)[:20]]
-    for candidate in candidates:
-        constant, conditions = gnmax_status(candidate)
-        if constant or all(conditions):
-            order = candidate
-            break
-    else:
-        return {
-            "available": False,
-            "reason": f"conditions C5/C6 of PATE 2018 App. C fail for sigma={sigma}, k={num_classes} at the "
-            f"order(s) tried ({', '.join(f'{c:g}' for c in candidates[:5])}{', ...' if len(candidates) > 5 else ''})",
-        }
-    value = 0.0
-    ls_total = np.zeros(max(num_teachers, 1))
-    if not constant:
-        ls_total += ss.gnmax_local_sensitivity_by_distance(answered_votes, num_teachers, sigma, order).sum(axis=0)
-    if answered_votes.shape[0]:
-        value += float(ss.gnmax_beta(gnmax_logq(answered_votes, sigma), sigma, order).sum())
-    if mechanism.name == "confident-gnmax":
-        sigma1, threshold = _param(mechanism, "sigma1"), _param(mechanism, "threshold")
-        ls_total += ss.threshold_local_sensitivity_by_distance(votes, num_teachers, threshold, sigma1, order).sum(axis=0)
-        value += float(threshold_rdp(threshold_logq(votes, threshold, sigma1), sigma1, [order]).sum())
-    if beta is not None and not 1 < order < 1 / (2 * beta):
-        raise ValueError(f"smooth-sensitivity beta={beta} needs order < 1/(2 beta); got order {order}")
-    released = ss.release(value, ls_total, order, rng, beta=beta, sigma_ss=sigma_ss)
-    epsilon, _ = rdp_lib.epsilon_from_rdp([order], [released.released_rdp + released.gnss_rdp], delta, conversion)
-    return {
-        "available": True,
-        "epsilon": epsilon,
-        "order": released.order,
-        "beta": released.beta,
-        "sigma_ss": released.sigma_ss,
-        "smooth_sensitivity": released.smooth_sensitivity,
-        "noise_std": released.noise_std,
-        "gnss_rdp": released.gnss_rdp,
-        "released_rdp": released.released_rdp,
-        "conditions": None if conditions is None else {"C5": conditions[0], "C6": conditions[1]},
-        "parameters_from_data": parameters_from_data,
-        "note": (
-            "epsilon = (released data-dependent RDP + GNSS cost) at this order, converted to (eps, delta). "
-            + (
-                "Order/beta/sigma_ss were tuned on the votes as in the PATE 2018 analysis; fix them for a release "
-                "whose parameters are public."
-                if parameters_from_data
-                else "Parameters were fixed by the caller."
-            )
-        ),
-    }
-
-
-def _nzc_report(mechanism: Any, mask: np.ndarray, delta: float, orders: np.ndarray) -> dict:
-    """NZC as published: unbounded sound ε beside the paper's claim (Sun et al. 2019, Thm 4).
-
-    The claim comes from the mechanism itself (``NZC.claimed_epsilon``) so every entry point
-    prints the same figure, always next to the sound one.
-    """
-    answered = int(mask.sum())
-    return {
-        "sound": False,
-        "reason": UNSOUND_REASON,
-        "claimed": {
-            "label": "the paper's claim, NOT a valid differential-privacy guarantee",
-            "source": CLAIM_SOURCE,
-            "epsilon_per_query": mechanism.claimed_epsilon(1, delta),
-            "epsilon_total": mechanism.claimed_epsilon(answered, delta),
-        },
-        "rdp_data_independent": [math.inf] * orders.size,
-        "rdp_data_dependent": [math.inf] * orders.size,
-        "epsilon_data_independent": math.inf,
-        "epsilon_data_dependent": math.inf,
-        "order_data_independent": None,
-        "order_data_dependent": None,
-        "smooth_sensitivity": {"available": False, "reason": "no finite bound to release"},
-        "epsilon_smooth_sensitivity": None,
-    }
-
-
-def _stability_report(mechanism: Any, orders: np.ndarray) -> dict:
-    """Stability + sparse vector (Bassily, Thakkar, Thakurta 2018): its stated (ε, δ) for the whole run."""
-    epsilon, mech_delta = mechanism.guarantee()
-    curve = rdp_lib.pure_dp_rdp(orders, epsilon).tolist()
-    return {
-        "sound": True,
-        "delta": mech_delta,
-        "note": (
-            "(epsilon, delta) of the sparse-vector stability mechanism (Bassily, Thakkar, Thakurta 2018) for the "
-            "whole run of at most max_queries queries and max_unstable abstentions; its own delta, not the requested one"
-        ),
-        "rdp_data_independent": curve,
-        "rdp_data_dependent": curve,
-        "epsilon_data_independent": epsilon,
-        "epsilon_data_dependent": epsilon,
-        "order_data_independent": None,
-        "order_data_dependent": None,
-        "smooth_sensitivity": {"available": False, "reason": "the guarantee is data-independent"},
-        "epsilon_smooth_sensitivity": None,
-    }
-
-
-def _mechanism_parameters(mechanism: Any) -> dict:
-    names = ("laplace_scale", "sigma", "sigma1", "threshold", "sigma2", "constant", "epsilon", "delta", "max_unstable")
-    return {n: getattr(mechanism, n) for n in names if getattr(mechanism, n, None) is not None}
-
-
-def privacy_report(
-    mechanism: Any,
-    votes: np.ndarray,
-    answered: np.ndarray | None,
-    delta: float,
-    orders=None,
-    conversion: str = "tight",
-    rng: np.random.Generator | None = None,
-    ss_order: float | None = None,
-    ss_beta: float | None = None,
-    ss_sigma: float | None = None,
-) -> dict:
-    """The privacy report of answering ``votes`` with ``mechanism`` (same keys as ``conclave analyze --json``).
-
-    Totals over the queries: ``rdp_data_independent`` / ``rdp_data_dependent`` (lists aligned
-    with ``orders``) and their ε at ``delta`` with the ``conversion`` ("tight" as the ledger,
-    "classic" as the PATE papers). ``epsilon_data_dependent`` depends on the private votes and
-    must not be published; ``epsilon_smooth_sensitivity`` is its GNSS-privatized release
-    (GNMax / Confident-GNMax; noise from ``rng``, OS entropy when None). NZC: ``sound`` false,
-    infinite ε, and the paper's claim under ``claimed``. Stability: its own (ε, δ).
-
-    Each call draws fresh release noise, i.e. is a new release with its own cost: compute the
-    report of a run once and publish that one.
-    """
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if conversion not in rdp_lib.CONVERSIONS:
-        raise ValueError(f"conversion must be one of {rdp_lib.CONVERSIONS}, got {conversion!r}")
-    name = getattr(mechanism, "name", None)
-    if name not in MECHANISMS:
-        raise ValueError(f"unknown mechanism {name!r}; expected one of {', '.join(MECHANISMS)}")
-    votes, mask = validate_votes(votes, answered)
-    orders = _as_orders(rdp_lib.DEFAULT_ORDERS if orders is None else orders)
-    report: dict[str, Any] = {
-        "mechanism": name,
-        "parameters": _mechanism_parameters(mechanism),
-        "queries": int(votes.shape[0]),
-        "answered": int(mask.sum()),
-        "teachers": int(votes.sum(axis=1).max()),
-        "classes": int(votes.shape[1]),
-        "delta": float(delta),
-        "conversion": conversion,
-        "orders": orders.tolist(),
-    }
-    if name == "nzc":
-        report.update(_nzc_report(mechanism, mask, delta, orders))
-        return report
-    if name == "stability":
-        report.update(_stability_report(mechanism, orders))
-        return report
-
-    costs = query_costs(mechanism, votes, mask, orders)
-    eps_ind, order_ind = rdp_lib.epsilon_from_rdp(orders, costs.total_data_independent, delta, conversion)
-    eps_dep, order_dep = rdp_lib.epsilon_from_rdp(orders, costs.total_data_dependent, delta, conversion)
-    release = _smooth_sensitivity_release(
-        mechanism, votes, costs, delta, conversion, rng if rng is not None else make_rng(None), ss_order, ss_beta, ss_sigma
+def data_dependent_estimate(per_query_rdp: np.ndarray, orders: np.ndarray, delta: float, conversion: str,
+                            source: str) -> Estimate:
+    """The data-dependent ε of a run from its per-query bounds [queries, orders], labelled private:
+    it is computed from the private votes without a mechanism (publish only a release of it)."""
+    total = np.asarray(per_query_rdp, dtype=float).sum(axis=0)
+    epsilon, order = rdp_lib.epsilon_from_rdp(orders, total, delta, conversion)
+    return Estimate(
+        "data-dependent", epsilon, delta, source, private=True,
+        details={"order": None if math.isnan(order) else order, "conversion": conversion,
+                 "note": "computed from the private votes: holds at this dataset only, and may not be published"},
     )
-    report.update(
-        {
-            "sound": True,
-            "rdp_data_independent": costs.total_data_independent.tolist(),
-            "rdp_data_dependent": costs.total_data_dependent.tolist(),
-            "epsilon_data_independent": eps_ind,
-            "order_data_independent": None if math.isnan(order_ind) else order_ind,
-            "epsilon_data_dependent": eps_dep,
-            "order_data_dependent": None if math.isnan(order_dep) else order_dep,
-            "data_dependent_note": (
-                "epsilon_data_dependent is computed from the private votes: do not publish it; publish "
-                "epsilon_data_independent or the smooth-sensitivity release"
-            ),
-            "smooth_sensitivity": release,
-            "epsilon_smooth_sensitivity": release.get("epsilon") if release.get("available") else None,
-        }
-    )
-    return report

@@ -18,7 +18,7 @@ import math
 import numpy as np
 from scipy import special
 
-from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 
 # Opacus's default alphas (1.1 … 10.9 by 0.1, then 12 … 63) so DP-SGD figures match Opacus
 # exactly, extended to large integer orders: PATE queries with σ = 40 … 200 and small
@@ -167,15 +167,18 @@ def sampled_gaussian_rdp(orders, sample_rate: float, noise_multiplier: float, st
 # --- charge builders: what mechanisms and training loops hand to the ledger ---------------
 
 
-def pure_epsilon_charge(epsilon: float, label: str = "", orders=None, count: int = 1) -> PrivacyCharge:
+def pure_epsilon_charge(epsilon: float, label: str = "", orders=None, count: int = 1,
+                        neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
     """``count`` releases, each ε-DP (e.g. LNMax with ε₀ = 2/b, Laplace noisy counts)."""
     lam = _orders(orders)
     return PrivacyCharge(
-        lam, count * pure_dp_rdp(lam, epsilon), label=label, details={"epsilon": epsilon, "count": count}
+        lam, count * pure_dp_rdp(lam, epsilon), label=label, details={"epsilon": epsilon, "count": count},
+        neighbouring=neighbouring,
     )
 
 
-def gaussian_charge(noise_multiplier: float, count: int = 1, label: str = "", orders=None) -> PrivacyCharge:
+def gaussian_charge(noise_multiplier: float, count: int = 1, label: str = "", orders=None,
+                    neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
     """``count`` Gaussian releases with noise multiplier z = σ/Δ₂: count·λ/(2z²)."""
     lam = _orders(orders)
     return PrivacyCharge(
@@ -183,6 +186,7 @@ def gaussian_charge(noise_multiplier: float, count: int = 1, label: str = "", or
         count * gaussian_rdp(lam, noise_multiplier),
         label=label,
         details={"noise_multiplier": noise_multiplier, "count": count},
+        neighbouring=neighbouring,
     )
 
 
@@ -200,7 +204,7 @@ def sampled_gaussian_charge(
 
 
 def approximate_dp_charge(
-    epsilon: float, delta: float, label: str = "", orders=None, count: int = 1
+    epsilon: float, delta: float, label: str = "", orders=None, count: int = 1, neighbouring: str = ADD_REMOVE
 ) -> PrivacyCharge:
     """``count`` releases each ε-indistinguishable except with probability ``delta`` in total.
 
@@ -218,15 +222,17 @@ def approximate_dp_charge(
         extra_delta=delta,
         label=label,
         details={"epsilon": epsilon, "delta": delta, "count": count},
+        neighbouring=neighbouring,
     )
 
 
-def unbounded_charge(reason: str, label: str = "", orders=None) -> PrivacyCharge:
-    """A release with no finite DP guarantee (e.g. NZC); a finite-limit ledger refuses it."""
+def unbounded_charge(reason: str, label: str = "", orders=None, neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
+    """A release with no finite DP guarantee (e.g. NZC); a ledger with a budget refuses it."""
     if not reason:
         raise ValueError("an unbounded charge must say why")
     lam = _orders(orders)
-    return PrivacyCharge(lam, np.full_like(lam, np.inf), unbounded=True, reason=reason, label=label)
+    return PrivacyCharge(lam, np.full_like(lam, np.inf), unbounded=True, reason=reason, label=label,
+                         neighbouring=neighbouring)
 
 
 def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
@@ -237,6 +243,9 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
     for charge in charges[1:]:
         if not np.array_equal(charge.orders, lam):
             raise ValueError("charges are on different orders")
+        if charge.neighbouring != charges[0].neighbouring:
+            raise ValueError(f"charges hold for different neighbouring relations ({charges[0].neighbouring!r}, "
+                             f"{charge.neighbouring!r}); they do not compose as one")
     reasons = "; ".join(c.reason for c in charges if c.unbounded)
     return PrivacyCharge(
         lam,
@@ -245,4 +254,5 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
         unbounded=any(c.unbounded for c in charges),
         reason=reasons,
         label=label or "+".join(c.label for c in charges if c.label),
+        neighbouring=charges[0].neighbouring,
     )

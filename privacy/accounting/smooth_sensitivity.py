@@ -21,6 +21,15 @@ smooth sensitivity mechanism (GNSS):
 Algorithm 3's bound is correct when conditions C5 (β non-decreasing on (0, q₀)) and C6
 (β(u(q)) − β(q) non-decreasing on (0, l(q₀))) hold; ``check_conditions`` verifies both
 numerically on dense grids and the release is refused when they fail.
+
+What is released is still an **estimate** of the privacy loss at the actual dataset, not a DP
+guarantee for every pair of neighbours (Redberg, Zhu & Wang, AISTATS 2023). Its parameters
+(order, β, σ_ss) are fixed before the votes are seen — by the caller, or by
+``SmoothSensitivityParameters.for_workload`` from the public planned workload — because
+parameters tuned on the votes leak them: from σ_ss = (λe^{2β}/SS)^{1/3} the private smooth
+sensitivity can be recovered. Nothing derived from the smooth sensitivity (its value, the
+noise's standard deviation) is published. The release itself is a DP release with a cost
+(``gnss_charge``), charged like any other.
 """
 from __future__ import annotations
 
@@ -32,6 +41,10 @@ import numpy as np
 from scipy import optimize, special
 
 from privacy.accounting import pate
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
+from privacy.accounting.rdp import epsilon_from_rdp
+from privacy.noise import NoiseSource
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,76 +250,123 @@ def check_conditions(sigma: float, num_classes: int, order: float, points: int =
 
 
 # ---------------------------------------------------------------------------------------
-# the release
+# what a mechanism contributes: the cost at one order and its local sensitivities
 
 
 @dataclass(frozen=True)
-class SmoothSensitivityRelease:
-    """One GNSS release of a data-dependent RDP total at ``order``.
+class SmoothTerms:
+    """A run's data-dependent RDP at one order and its LS^(d) (both private), and whether the
+    analysis is valid (C5/C6, which depend on public parameters only)."""
 
-    ``released_rdp`` and ``epsilon`` are the publishable figures; ``epsilon`` converts
-    released_rdp + the GNSS cost at ``order`` to (ε, δ). ``noise_std`` = SS_β·σ_ss.
-    """
+    value: float
+    ls_by_distance: np.ndarray
+    valid: bool = True
+    reason: str = ""
+
+    def __add__(self, other: SmoothTerms) -> SmoothTerms:
+        size = max(self.ls_by_distance.size, other.ls_by_distance.size)
+        ls = np.zeros(size)
+        ls[: self.ls_by_distance.size] += self.ls_by_distance
+        ls[: other.ls_by_distance.size] += other.ls_by_distance
+        return SmoothTerms(self.value + other.value, ls, self.valid and other.valid,
+                           "; ".join(r for r in (self.reason, other.reason) if r))
+
+
+def gnmax_terms(answered_votes: np.ndarray, sigma: float, order: float, num_teachers: int,
+                num_classes: int) -> SmoothTerms:
+    """GNMax's part: β summed over the answered queries and its LS^(d) (Algorithms 3–5)."""
+    answered_votes = np.asarray(answered_votes, dtype=float)
+    nothing = np.zeros(max(num_teachers, 1))
+    if num_classes < 2 or not answered_votes.shape[0]:
+        return SmoothTerms(0.0, nothing)
+    try:
+        unanimous = np.zeros((1, num_classes))
+        unanimous[0, 0] = num_teachers
+        if np.isclose(gnmax_beta(pate.gnmax_logq(unanimous, sigma), sigma, order)[0], order / sigma**2):
+            # even a unanimous vote costs λ/σ²: the cost is the same for every histogram
+            return SmoothTerms(answered_votes.shape[0] * order / sigma**2, nothing)
+        c5, c6 = check_conditions(sigma, num_classes, order)
+    except ArithmeticError:  # no crossing point q0: the analysis does not apply
+        c5 = c6 = False
+    if not (c5 and c6):
+        return SmoothTerms(math.nan, nothing, valid=False,
+                           reason=f"conditions C5/C6 of PATE 2018 App. C fail for sigma={sigma:g}, "
+                                  f"k={num_classes} at order {order:g}")
+    value = float(gnmax_beta(pate.gnmax_logq(answered_votes, sigma), sigma, order).sum())
+    ls = gnmax_local_sensitivity_by_distance(answered_votes, num_teachers, sigma, order).sum(axis=0)
+    return SmoothTerms(value, ls)
+
+
+def threshold_terms(votes: np.ndarray, threshold: float, sigma1: float, order: float,
+                    num_teachers: int) -> SmoothTerms:
+    """Confident-GNMax's threshold step: its cost on every query and the exact LS^(d)."""
+    value = float(pate.threshold_rdp(pate.threshold_logq(votes, threshold, sigma1), sigma1, [order]).sum())
+    ls = threshold_local_sensitivity_by_distance(votes, num_teachers, threshold, sigma1, order).sum(axis=0)
+    return SmoothTerms(value, ls)
+
+
+# ---------------------------------------------------------------------------------------
+# the release, with parameters fixed in advance
+
+
+@dataclass(frozen=True)
+class SmoothSensitivityParameters:
+    """(order λ, β, σ_ss) of a GNSS release, fixed before the votes are seen."""
 
     order: float
     beta: float
     sigma_ss: float
-    smooth_sensitivity: float
-    noise_std: float
-    gnss_rdp: float
-    released_rdp: float
+
+    def __post_init__(self) -> None:
+        if not (self.beta > 0 and 1 < self.order < 1 / (2 * self.beta)):
+            raise ValueError(f"smooth sensitivity needs beta > 0 and 1 < order < 1/(2 beta); got order "
+                             f"{self.order}, beta {self.beta}")
+        if not self.sigma_ss > 0:
+            raise ValueError(f"sigma_ss must be > 0, got {self.sigma_ss}")
+
+    @classmethod
+    def for_workload(cls, planned: PrivacyCharge, delta: float, share: float = 0.05) -> SmoothSensitivityParameters:
+        """Public defaults from the planned worst-case workload (nothing private is read).
+
+        order: data-dependent costs of confident ensembles are a fraction of the worst case,
+        which moves the best order up; 1 + 2(λ_w − 1), λ_w the worst case's best order, is the
+        best order of a workload a quarter of the worst case (for linear RDP curves λ* − 1 ∝
+        1/sqrt(cost)). β = 0.4/λ (inside PATE 2018's range [0.3, 0.5)/λ). σ_ss makes the
+        release's main cost term λe^{2β}/σ_ss² a ``share`` of the worst case at that order.
+        """
+        _, worst_order = epsilon_from_rdp(planned.orders, planned.rdp, delta - planned.extra_delta)
+        order = 1 + 2 * (worst_order - 1)
+        beta = 0.4 / order
+        worst_at_order = float(np.interp(order, planned.orders, planned.rdp))
+        sigma_ss = math.sqrt(order * math.exp(2 * beta) / (share * worst_at_order))
+        return cls(float(order), float(beta), float(sigma_ss))
+
+    def charge(self, orders: np.ndarray) -> PrivacyCharge:
+        """The release's own cost on a grid (PATE 2018, Thm 23 at every order below 1/(2β); none above)."""
+        rdp = np.array([gnss_rdp(self.beta, self.sigma_ss, lam) if lam < 1 / (2 * self.beta) else math.inf
+                        for lam in orders])
+        return PrivacyCharge(orders, rdp, label="smooth-sensitivity-release", neighbouring=ONE_VOTE,
+                             details={"order": self.order, "beta": self.beta, "sigma_ss": self.sigma_ss})
 
 
-def optimal_parameters(rdp_value: float, ls_by_distance: np.ndarray, order: float) -> tuple[float, float, float]:
-    """(β, σ_ss, SS_β) minimising value + GNSS cost + two noise std's (the PATE 2018 analysis).
+def release_estimate(terms: SmoothTerms, params: SmoothSensitivityParameters, delta: float, conversion: str,
+                     noise: NoiseSource) -> Estimate:
+    """Release the data-dependent cost ``terms.value`` with GNSS and turn it into an estimate of ε.
 
-    β ranges over [0.3/λ, 0.495/λ) so that λ < 1/(2β); for each β the optimal σ_ss of
-    λe^(2β)/σ² + 2·SS·σ is (λe^(2β)/SS)^(1/3). These choices look at the private votes;
-    pass fixed parameters to ``release`` for a release whose parameters are public.
+    ε = (released RDP + the release's own cost) at ``params.order``, converted at δ. The
+    estimate carries the public parameters and the released value, nothing derived from the
+    private smooth sensitivity. Charge ``params.charge(...)`` to the ledger before calling.
     """
-    best: tuple[float, float, float, float] | None = None
-    for beta in np.arange(0.3, 0.495, 0.01) / order:
-        ss = smooth_sensitivity(ls_by_distance, beta)
-        if ss <= 0:
-            return float(beta), math.inf, 0.0
-        sigma_ss = (order * math.exp(2 * beta) / ss) ** (1 / 3)
-        cost = rdp_value + gnss_rdp(beta, sigma_ss, order) + 2 * ss * sigma_ss
-        if best is None or cost < best[0]:
-            best = (cost, float(beta), sigma_ss, ss)
-    assert best is not None
-    return best[1], best[2], best[3]
-
-
-def release(
-    rdp_value: float,
-    ls_by_distance: np.ndarray,
-    order: float,
-    rng: np.random.Generator,
-    beta: float | None = None,
-    sigma_ss: float | None = None,
-) -> SmoothSensitivityRelease:
-    """Release ``rdp_value`` (a data-dependent RDP total at ``order``) with GNSS.
-
-    ``ls_by_distance`` is the total's LS^(d). Without ``beta``/``sigma_ss`` they are
-    chosen by ``optimal_parameters``. The released value is clipped at 0 (post-processing).
-    """
-    if beta is None or sigma_ss is None:
-        beta, sigma_ss, ss = optimal_parameters(rdp_value, ls_by_distance, order)
-    else:
-        ss = smooth_sensitivity(ls_by_distance, beta)
-    if ss <= 0:
-        # the cost is the same for every histogram: publishing it reveals nothing
-        sigma_ss = math.inf
-        noise_std = 0.0
-    else:
-        noise_std = ss * sigma_ss
-    noise = float(rng.normal(0.0, noise_std)) if noise_std > 0 else 0.0
-    return SmoothSensitivityRelease(
-        order=float(order),
-        beta=float(beta),
-        sigma_ss=float(sigma_ss),
-        smooth_sensitivity=float(ss),
-        noise_std=float(noise_std),
-        gnss_rdp=gnss_rdp(beta, sigma_ss, order),
-        released_rdp=max(0.0, rdp_value + noise),
-    )
+    source = "PATE 2018, App. C: smooth-sensitivity (GNSS) release of the data-dependent cost"
+    if not terms.valid:
+        return Estimate("smooth-sensitivity", None, delta, source, details={"available": False, "reason": terms.reason})
+    ss = smooth_sensitivity(terms.ls_by_distance, params.beta)
+    # A cost that is the same for every histogram (ss = 0) reveals nothing: released as is.
+    noisy = terms.value if ss <= 0 else float(noise.gaussian(np.array([terms.value]), ss * params.sigma_ss)[0])
+    released = max(0.0, noisy)  # post-processing
+    cost = gnss_rdp(params.beta, params.sigma_ss, params.order)
+    epsilon, _ = epsilon_from_rdp([params.order], [released + cost], delta, conversion)
+    return Estimate("smooth-sensitivity", epsilon, delta, source, details={
+        "available": True, "order": params.order, "beta": params.beta, "sigma_ss": params.sigma_ss,
+        "released_rdp": released, "release_rdp_cost": cost, "conversion": conversion,
+        "parameters": "fixed before the votes were seen"})

@@ -1,38 +1,33 @@
 """Vote mechanisms: one file each, all behind ``privacy.mechanisms.base.VoteMechanism``.
 
-``build_mechanism`` turns the CLI/config parameters into a mechanism, so every entry point
+``MECHANISMS`` is the one registry: adding a mechanism is its file and one line here.
+``build_mechanism`` turns CLI/config parameters into a mechanism, so every entry point
 (``conclave analyze``, the aggregator, pipelines) accepts the same names.
 """
 from __future__ import annotations
 
-from privacy.mechanisms.base import ABSTAIN, MechanismResult, VoteMechanism
+import dataclasses
+
+from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism
 from privacy.mechanisms.confident_gnmax import ConfidentGNMax
 from privacy.mechanisms.gnmax import GNMax
 from privacy.mechanisms.lnmax import LNMax
-from privacy.mechanisms.nzc import NZC, nzc_report
+from privacy.mechanisms.nzc import NZC
 from privacy.mechanisms.stability import Stability
 
+MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability)}
+
 __all__ = [
-    "ABSTAIN", "MechanismResult", "VoteMechanism", "LNMax", "GNMax", "ConfidentGNMax", "NZC",
-    "Stability", "nzc_report", "build_mechanism", "MECHANISMS",
+    "ABSTAIN", "Description", "MechanismResult", "VoteMechanism", "LNMax", "GNMax", "ConfidentGNMax", "NZC",
+    "Stability", "build_mechanism", "parameter_names", "MECHANISMS",
 ]
 
-# name -> (class, {parameter name as given by callers: constructor argument})
-_PARAMETERS = {
-    "lnmax": (LNMax, {"laplace_scale": "laplace_scale"}),
-    "gnmax": (GNMax, {"sigma": "sigma"}),
-    # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
-    "confident-gnmax": (
-        ConfidentGNMax,
-        {"sigma1": "sigma1", "threshold": "threshold", "sigma": "sigma2", "sigma2": "sigma2"},
-    ),
-    "nzc": (NZC, {"constant": "constant", "laplace_scale": "laplace_scale", "sigma": "sigma"}),
-    "stability": (
-        Stability,
-        {"epsilon": "epsilon", "delta": "delta", "max_unstable": "max_unstable", "max_queries": "max_queries"},
-    ),
-}
-MECHANISMS = tuple(_PARAMETERS)
+
+def parameter_names(name: str) -> dict[str, str]:
+    """Accepted parameter names of mechanism ``name`` → constructor argument (aliases included)."""
+    cls = MECHANISMS[name]
+    own = {f.name: f.name for f in dataclasses.fields(cls) if f.init}
+    return {**own, **cls.aliases}
 
 
 def build_mechanism(name: str, **params) -> VoteMechanism:
@@ -41,15 +36,17 @@ def build_mechanism(name: str, **params) -> VoteMechanism:
     Raises ValueError naming the problem: unknown mechanism, a parameter it does not take,
     or a missing one.
     """
-    if name not in _PARAMETERS:
+    if name not in MECHANISMS:
         raise ValueError(f"unknown mechanism {name!r}; choose one of {', '.join(MECHANISMS)}")
-    cls, accepted = _PARAMETERS[name]
+    accepted = parameter_names(name)
     given = {key: value for key, value in params.items() if value is not None}
     unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise ValueError(f"{name} does not take {', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
     kwargs = {accepted[key]: value for key, value in given.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as error:  # a required parameter is missing
-        raise ValueError(f"{name}: missing parameter ({error})") from None
+    required = [f.name for f in dataclasses.fields(MECHANISMS[name])
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [p for p in required if p not in kwargs]
+    if missing:
+        raise ValueError(f"{name}: missing parameter(s) {', '.join(missing)}")
+    return MECHANISMS[name](**kwargs)

@@ -1,37 +1,90 @@
 """The one interface every vote mechanism implements.
 
 A mechanism sees only vote histograms ``int[batch, k]`` (never teachers or inputs) and a
-random generator, and returns labels (``ABSTAIN`` = -1 where it declines to answer) plus
-the data-independent privacy charge of the batch. Gating the ledger on data-independent
-charges keeps the refusal decision itself free of private information; data-dependent
-analyses live in ``privacy.accounting`` and are published only through smooth sensitivity.
+random generator. It returns labels (``ABSTAIN`` = -1 where it declines to answer) plus the
+data-independent privacy charge of the batch, on the one-vote neighbouring relation (one
+teacher's vote moves). Gating the ledger on data-independent charges keeps the refusal
+decision itself free of private information.
+
+Each mechanism describes itself — its parameters, what it releases, the theorem behind its
+charge, whether any finite bound holds — and may offer data-dependent *estimates* of its
+cost. Estimates are never guarantees (``privacy.accounting.guarantee``).
+
+Stateful mechanisms (the stability mechanism) compute on a copy of their state; the state
+advances only when the caller calls ``MechanismResult.commit()`` after the ledger accepted
+the charge, so a refused batch leaves the mechanism as it was (dp_accounting's rule: check
+before mutating).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.guarantee import Estimate
 
 ABSTAIN = -1
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(frozen=True)
 class MechanismResult:
     labels: np.ndarray  # int64 [batch]; ABSTAIN where no answer is released
     charge: PrivacyCharge  # data-independent cost of releasing ``labels``
+    commit: Callable[[], None] = field(default=_nothing, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a mechanism is, for reports and ``conclave analyze``."""
+
+    name: str
+    parameters: dict[str, Any]
+    releases: str  # one line: what leaves, per query
+    analysis: str  # the theorem its charge comes from
+    bounded: bool  # False when no finite DP guarantee holds (NZC as published)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class VoteMechanism(Protocol):
-    name: str
+    name: ClassVar[str]
+    # CLI/config parameter name → constructor argument, for names that differ (e.g. sigma → sigma2)
+    aliases: ClassVar[dict[str, str]]
+    help: ClassVar[dict[str, str]]  # constructor argument → one line for ``conclave analyze --help``
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         """Noisy answers for a batch of histograms; ``votes`` is int [batch, k], non-negative."""
         ...
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        """The most a batch of this size can cost, whatever the votes; the ledger checks this
-        against the limit *before* the mechanism runs, so a refusal reveals nothing."""
+        """The most the next batch of this size can cost, whatever the votes; the ledger checks
+        this *before* the mechanism runs, so a refusal reveals nothing."""
         ...
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        """The data-independent charge of a whole run from a fresh state that asked ``asked``
+        queries and answered ``answered`` of them (``run_charge(n, n)`` is its worst case)."""
+        ...
+
+    def describe(self) -> Description:
+        ...
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        """Data-dependent or claimed figures for these votes (possibly none); never guarantees."""
+        ...
+
+
+def parameters_of(mechanism: Any) -> dict[str, Any]:
+    """The constructor arguments of a dataclass mechanism, as given."""
+    return {f.name: getattr(mechanism, f.name) for f in dataclasses.fields(mechanism)
+            if f.init and getattr(mechanism, f.name) is not None}

@@ -1,14 +1,18 @@
 """Confident-GNMax: answer only when the teachers agree strongly (Papernot et al., ICLR 2018)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting import pate
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
 from privacy.accounting.rdp import gaussian_charge, sum_charges
-from privacy.mechanisms.base import ABSTAIN, MechanismResult
+from privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
+from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
 from privacy.mechanisms.gnmax import gnmax_charge
 from privacy.mechanisms.votes import check_votes
 
@@ -27,6 +31,13 @@ class ConfidentGNMax:
     threshold: float
     sigma2: float
     name: ClassVar[str] = "confident-gnmax"
+    # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
+    aliases: ClassVar[dict[str, str]] = {"sigma": "sigma2"}
+    help: ClassVar[dict[str, str]] = {
+        "sigma1": "noise sigma of the threshold check",
+        "threshold": "threshold T on the top count",
+        "sigma2": "GNMax noise sigma after the threshold",
+    }
 
     def __post_init__(self) -> None:
         if not (self.sigma1 > 0 and self.sigma2 > 0):
@@ -39,16 +50,38 @@ class ConfidentGNMax:
         confident = counts.max(axis=1) + rng.normal(0.0, self.sigma1, size=len(counts)) >= self.threshold
         noisy = counts + rng.normal(0.0, self.sigma2, size=counts.shape)
         labels = np.where(confident, np.argmax(noisy, axis=1), ABSTAIN).astype(np.int64)
-        return MechanismResult(labels, self._charge(len(counts), int(confident.sum())))
+        return MechanismResult(labels, self.run_charge(len(counts), int(confident.sum())))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        return self._charge(batch_size, batch_size)
+        return self.run_charge(batch_size, batch_size)
 
-    def _charge(self, asked: int, answered: int) -> PrivacyCharge:
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         return sum_charges(
             [
-                gaussian_charge(self.sigma1, count=asked, label="threshold"),
+                gaussian_charge(self.sigma1, count=asked, label="threshold", neighbouring=ONE_VOTE),
                 gnmax_charge(self.sigma2, answered, label="gnmax"),
             ],
             label=self.name,
         )
+
+    def describe(self) -> Description:
+        return Description(
+            self.name, parameters_of(self),
+            "abstain unless the top count plus N(0, sigma1^2) reaches T; then argmax plus N(0, sigma2^2)",
+            "Papernot et al. 2018, Prop. 8: λ/(2σ1²) per query for the threshold, λ/σ2² per answer", bounded=True)
+
+    def data_dependent_rdp(self, votes: np.ndarray, answered: np.ndarray, orders: np.ndarray) -> np.ndarray:
+        """Per query: the threshold step's Thm 6 bound at √2·σ1, plus GNMax's on answered queries."""
+        threshold = pate.threshold_rdp(pate.threshold_logq(votes, self.threshold, self.sigma1), self.sigma1, orders)
+        gnmax = pate.gnmax_rdp(pate.gnmax_logq(votes, self.sigma2), self.sigma2, orders)
+        return threshold + np.where(answered[:, None], gnmax, 0.0)
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        return [pate.data_dependent_estimate(self.data_dependent_rdp(votes, answered, orders), orders, delta,
+                                             conversion, "Papernot et al. 2018, Thm 6 (threshold at √2·σ1, GNMax at σ2)")]
+
+    def smooth_sensitivity_terms(self, votes: np.ndarray, answered: np.ndarray, order: float) -> SmoothTerms:
+        teachers = int(votes.sum(axis=1).max())
+        return gnmax_terms(votes[answered], self.sigma2, order, teachers, votes.shape[1]) + threshold_terms(
+            votes, self.threshold, self.sigma1, order, teachers)

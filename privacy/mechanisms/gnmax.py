@@ -7,9 +7,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting import pate
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
 from privacy.accounting.rdp import gaussian_charge
-from privacy.mechanisms.base import MechanismResult
+from privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
+from privacy.mechanisms.base import Description, MechanismResult, parameters_of
 from privacy.mechanisms.votes import check_votes
 
 
@@ -19,7 +22,7 @@ def gnmax_charge(sigma: float, count: int, label: str = "gnmax") -> PrivacyCharg
     The histogram moves by 1 in two coordinates, ℓ2 sensitivity √2, so it is the Gaussian
     mechanism with noise multiplier σ/√2: λ/(2·σ²/2) = λ/σ².
     """
-    return gaussian_charge(sigma / math.sqrt(2), count=count, label=label)
+    return gaussian_charge(sigma / math.sqrt(2), count=count, label=label, neighbouring=ONE_VOTE)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class GNMax:
 
     sigma: float
     name: ClassVar[str] = "gnmax"
+    aliases: ClassVar[dict[str, str]] = {}
+    help: ClassVar[dict[str, str]] = {"sigma": "GNMax noise sigma"}
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:
@@ -41,3 +46,24 @@ class GNMax:
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         return gnmax_charge(self.sigma, batch_size, label=self.name)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        return gnmax_charge(self.sigma, answered, label=self.name)
+
+    def describe(self) -> Description:
+        return Description(self.name, parameters_of(self), "argmax of the votes plus N(0, sigma^2) noise",
+                           "Papernot et al. 2018, Prop. 8: (λ, λ/σ²)-RDP per answer", bounded=True)
+
+    def data_dependent_rdp(self, votes: np.ndarray, answered: np.ndarray, orders: np.ndarray) -> np.ndarray:
+        """Per-query PATE 2018 Thm 6 bound (Prop. 7's q, Prop. 10's orders), answered queries only."""
+        cost = pate.gnmax_rdp(pate.gnmax_logq(votes, self.sigma), self.sigma, orders)
+        return np.where(answered[:, None], cost, 0.0)
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        return [pate.data_dependent_estimate(self.data_dependent_rdp(votes, answered, orders), orders, delta,
+                                             conversion, "Papernot et al. 2018, Thm 6 with Props. 7 and 10")]
+
+    def smooth_sensitivity_terms(self, votes: np.ndarray, answered: np.ndarray, order: float) -> SmoothTerms:
+        return gnmax_terms(votes[answered], self.sigma, order, num_teachers=int(votes.sum(axis=1).max()),
+                           num_classes=votes.shape[1])

@@ -6,9 +6,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting import pate
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
 from privacy.accounting.rdp import pure_epsilon_charge
-from privacy.mechanisms.base import MechanismResult
+from privacy.mechanisms.base import Description, MechanismResult, parameters_of
 from privacy.mechanisms.votes import check_votes
 
 
@@ -23,6 +25,8 @@ class LNMax:
 
     laplace_scale: float
     name: ClassVar[str] = "lnmax"
+    aliases: ClassVar[dict[str, str]] = {}
+    help: ClassVar[dict[str, str]] = {"laplace_scale": "Laplace scale b (the papers' 1/gamma)"}
 
     def __post_init__(self) -> None:
         if not self.laplace_scale > 0:
@@ -39,4 +43,22 @@ class LNMax:
         return MechanismResult(labels, self.worst_case_charge(len(labels)))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        return pure_epsilon_charge(self.epsilon_per_query, label=self.name, count=batch_size)
+        return self.run_charge(batch_size, batch_size)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        return pure_epsilon_charge(self.epsilon_per_query, label=self.name, count=answered, neighbouring=ONE_VOTE)
+
+    def describe(self) -> Description:
+        return Description(self.name, parameters_of(self), "argmax of the votes plus Laplace(b) noise",
+                           "Papernot et al. 2017, §3.1: (2/b, 0)-DP per answer, as RDP min(ε₀, λε₀²/2)",
+                           bounded=True)
+
+    def data_dependent_rdp(self, votes: np.ndarray, answered: np.ndarray, orders: np.ndarray) -> np.ndarray:
+        """Per-query PATE 2017 Thm 3 bound with Lemma 4's q, answered queries only."""
+        cost = pate.lnmax_rdp(pate.lnmax_logq(votes, self.laplace_scale), self.laplace_scale, orders)
+        return np.where(answered[:, None], cost, 0.0)
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        return [pate.data_dependent_estimate(self.data_dependent_rdp(votes, answered, orders), orders, delta,
+                                             conversion, "Papernot et al. 2017, Thm 3 with Lemma 4")]

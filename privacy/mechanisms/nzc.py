@@ -14,8 +14,8 @@ settings, and it grows without bound as c → ∞, the limit the paper argues fo
 paper's "distance > 2" condition is a property of the private data that is never tested
 privately (the stability mechanism does that test soundly).
 
-So the charge is ``unbounded``; ``nzc_report`` prints the paper's claimed ε labelled as a
-claim beside the sound ε = inf, never the claim alone.
+So the charge is ``unbounded``; the paper's claimed ε is an ``Estimate`` labelled as a
+claim, always beside the sound ε = inf, never alone.
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import epsilon_from_rdp, gaussian_rdp, unbounded_charge, DEFAULT_ORDERS
-from privacy.mechanisms.base import MechanismResult
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
+from privacy.mechanisms.base import Description, MechanismResult, parameters_of
 from privacy.mechanisms.votes import check_votes
 
 UNSOUND_REASON = (
@@ -35,7 +36,7 @@ UNSOUND_REASON = (
     "noised counts by ~c, not 1: no finite epsilon holds (Sun et al. 2019 Thm 4 assumes "
     "sensitivity 1 and an untested distance > 2)"
 )
-CLAIM_SOURCE = "Sun et al. 2019, Theorem 4 (claim, not a valid DP guarantee)"
+CLAIM_SOURCE = "Sun et al. 2019, Theorem 4 (the paper's claim, NOT a valid DP guarantee)"
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,16 @@ class NZC:
     laplace_scale: float | None = None
     sigma: float | None = None
     name: ClassVar[str] = "nzc"
+    aliases: ClassVar[dict[str, str]] = {}
+    help: ClassVar[dict[str, str]] = {
+        "constant": "the constant c added to the top count",
+        "laplace_scale": "Laplace scale b (the papers' 1/gamma)",
+        "sigma": "Gaussian noise sigma (instead of laplace_scale)",
+    }
 
     def __post_init__(self) -> None:
         if (self.laplace_scale is None) == (self.sigma is None):
-            raise ValueError("nzc: give exactly one of laplace_scale (Laplace) or sigma (Gaussian)")
+            raise ValueError("nzc: give exactly one of laplace_scale or sigma (Laplace or Gaussian noise)")
         scale = self.laplace_scale if self.sigma is None else self.sigma
         if not scale > 0:
             raise ValueError(f"nzc: noise scale must be > 0, got {scale}")
@@ -72,7 +79,15 @@ class NZC:
         return MechanismResult(labels, self.worst_case_charge(len(labels)))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        return unbounded_charge(UNSOUND_REASON, label=self.name)
+        return unbounded_charge(UNSOUND_REASON, label=self.name, neighbouring=ONE_VOTE)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        return self.worst_case_charge(asked)
+
+    def describe(self) -> Description:
+        return Description(self.name, parameters_of(self),
+                           "argmax of the votes with c added to the plurality, plus noise (as published)",
+                           "none: " + UNSOUND_REASON, bounded=False)
 
     def claimed_epsilon(self, queries: int, delta: float) -> float:
         """The ε the paper would publish for ``queries`` answers — a claim, not a guarantee.
@@ -91,18 +106,9 @@ class NZC:
         rdp = queries * gaussian_rdp(DEFAULT_ORDERS, self.sigma / math.sqrt(2))
         return epsilon_from_rdp(DEFAULT_ORDERS, rdp, delta, conversion="classic")[0]
 
-
-def nzc_report(mechanism: NZC, queries: int, delta: float) -> dict:
-    """The two figures for an NZC run, side by side: the sound ε (unbounded) and the paper's claim."""
-    per_query = 2.0 / mechanism.laplace_scale if mechanism.laplace_scale is not None else None
-    return {
-        "mechanism": mechanism.name,
-        "queries": int(queries),
-        "delta": delta,
-        "epsilon": math.inf,
-        "sound": False,
-        "reason": UNSOUND_REASON,
-        "claimed_epsilon": mechanism.claimed_epsilon(queries, delta),
-        "claimed_epsilon_per_query": per_query,
-        "claimed_epsilon_source": CLAIM_SOURCE,
-    }
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        count = int(answered.sum())
+        per_query = 2.0 / self.laplace_scale if self.laplace_scale is not None else None
+        return [Estimate("paper-claim", self.claimed_epsilon(count, delta), delta, CLAIM_SOURCE,
+                         details={"epsilon_per_query": per_query, "queries": count, "why_not": UNSOUND_REASON})]

@@ -2,48 +2,41 @@
 
 Bassily, Thakkar, Thakurta, "Model-agnostic private learning", NeurIPS 2018 (their
 private aggregation algorithm): the sound version of what NZC hoped for. Built from the
-sparse-vector technique (Dwork & Roth 2014, §3.6, AboveThreshold, Thm 3.23) and
-propose-test-release (Dwork & Roth §7.3 / Dwork & Lei 2009).
+sparse-vector technique as calibrated by Lyu, Su & Li, "Understanding the sparse vector
+technique for differential privacy" (VLDB 2017), Alg. 1, and propose-test-release
+(Dwork & Roth 2014, §7.3).
 
 Per query, with histogram n sorted as n₍₁₎ ≥ n₍₂₎ and gap g = n₍₁₎ − n₍₂₎:
 
 * distance to instability d = max(0, ⌈g/2⌉ − 1). Changing one teacher moves each sorted
   count by at most 1, so g moves by at most 2 and d by at most 1: **sensitivity 1**. And
   d ≥ 1 means g ≥ 3, so every histogram one teacher away has the same plurality.
-* test: d + ν ≥ w + ρ with ν ~ Lap(4/ε′) fresh per query and ρ ~ Lap(2/ε′) the current
-  noisy threshold. Pass → release the exact plurality argmax_j n_j. Fail → abstain (⊥);
-  that ends the current AboveThreshold instance: a new ρ is drawn, and after
-  ``max_unstable`` = c failures the mechanism answers nothing more (it abstains, charging
-  nothing; ``exhausted`` turns True). It also stops after ``max_queries`` = m queries.
+* one noisy threshold for the whole run, ρ ~ Lap(1/ε₁); per query fresh ν ~ Lap(2c/ε₂).
+  Test d + ν ≥ w + ρ. Pass → release the exact plurality argmax_j n_j. Fail → abstain (⊥).
+  After c = ``max_unstable`` ⊥ answers the run stops: it abstains on everything after,
+  without looking (``exhausted``). ``max_queries`` optionally stops it earlier.
 
-Guarantee (derivation):
+Guarantee, (ε, δ)-DP for the whole run:
 
-1. Halting at the first ⊥ is AboveThreshold run on the negated queries −d against −w
-   (Laplace is symmetric), so each instance is ε′-DP (Dwork & Roth Thm 3.23); the sequence
-   of pass/⊥ outcomes of ≤ c instances composes. As RDP each instance is
-   (λ, min(ε′, λε′²/2)) (Bun & Steinke 2016, Prop 3.3), c instances add up, and ε′ is the
-   largest value whose composed curve converts (Balle et al. 2020, Thm 21) to ≤ ``epsilon``
-   at δ/2 (never below ε/c, the basic-composition value).
-2. PTR: let E be the event that every passing query had d ≥ 1. On E the released labels
-   equal the neighbour's pluralities, so the output is post-processing of the sparse-vector
-   outcomes alone. E fails only if some query with d = 0 passes, each with probability at
-   most p₀ = Pr[ν − ρ ≥ w] = (b₁²e^(−w/b₁) − b₂²e^(−w/b₂)) / (2(b₁² − b₂²)), b₁ = 4/ε′,
-   b₂ = 2/ε′ (the tail of a difference of two Laplaces). The threshold w is set so that
-   m·p₀ = δ/2.
-3. Hence the whole run of ≤ m queries is (ε, δ)-DP: Pr[M(D) ∈ S] ≤ Pr[¬E] +
-   Pr[(SVT(D), pl(D′)) ∈ S] ≤ e^ε Pr[M(D′) ∈ S] + δ/2 + δ/2.
+1. Lyu et al. Alg. 1 with queries −d (sensitivity Δ = 1) against threshold −w counts the
+   ⊥ answers as its "above threshold" outcomes and stops after c of them: with
+   ε₁ = ε/(1 + (2c)^{2/3}) and ε₂ = ε − ε₁ (their allocation) the sequence of pass/⊥
+   outcomes is ε-DP (their Thm 2; the 2c/ε₂ query noise does not assume monotone queries).
+2. Propose-test-release: let E be the event that every passing query had d ≥ 1. On E the
+   released labels equal the neighbour's pluralities, so the output is post-processing of
+   the outcomes in 1. Split the run into segments ending at each ⊥ (at most c). In a
+   segment, the first query with d = 0 either fails (and ends the segment) or passes (E
+   fails). Its noise ν is fresh, independent of ρ and of everything before it, so it passes
+   with probability p₀ = Pr[ν − ρ ≥ w] exactly; later d = 0 queries of the segment are only
+   reached if it passed. Hence Pr[¬E] ≤ c·p₀ (a union over the c segments, not over every
+   query), and w is set so that c·p₀ = δ.
+3. Pr[M(D) ∈ S] ≤ Pr[¬E] + Pr[(outcomes(D), pl(D′)) ∈ S] ≤ e^ε Pr[M(D′) ∈ S] + δ.
 
-Charges (what the ledger composes, via ``approximate_dp_charge``): a batch pays ε′-DP as
-RDP for every instance it evaluates at least one query in (an instance spanning two batches
-is paid twice — conservative, and it keeps each batch's charge sound on its own) and p₀
-extra δ per query it evaluates. ``worst_case_charge`` bounds both before the batch runs.
-
-State (the cap, the current threshold) lives in one lock-protected object, so concurrent
-callers are serialised. The ledger must be checked with ``worst_case_charge`` before the
-mechanism runs: a batch that is computed but then refused still advances the state.
-
-Utility note: the threshold w is large (about (4/ε′)·log(m/δ)), so answers need many
-teachers in strong agreement; with 250 teachers and ε ≈ 1 nearly everything abstains.
+Charge: the run's whole (ε, δ), once, when its first query is evaluated (the ε as the
+RDP curve min(ε, λε²/2), the δ as ``extra_delta``). ``worst_case_charge`` is that charge
+for a fresh mechanism and zero afterwards, so the ledger reserves the worst case before
+the run starts and is never charged again for it. State advances only through
+``MechanismResult.commit()`` — call it after the ledger accepted the charge.
 """
 from __future__ import annotations
 
@@ -56,9 +49,10 @@ from typing import ClassVar
 import numpy as np
 from scipy import optimize
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import DEFAULT_ORDERS, approximate_dp_charge, epsilon_from_rdp, pure_dp_rdp
-from privacy.mechanisms.base import ABSTAIN, MechanismResult
+from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.guarantee import Estimate
+from privacy.accounting.rdp import approximate_dp_charge
+from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
 from privacy.mechanisms.votes import check_votes
 
 
@@ -74,140 +68,162 @@ def distance_to_instability(votes: np.ndarray) -> np.ndarray:
 
 
 def laplace_difference_tail(t: float, query_scale: float, threshold_scale: float) -> float:
-    """Pr[ν − ρ ≥ t] for independent ν ~ Lap(query_scale), ρ ~ Lap(threshold_scale), scales distinct."""
+    """Pr[ν − ρ ≥ t] for independent ν ~ Lap(query_scale), ρ ~ Lap(threshold_scale)."""
     b1, b2 = query_scale, threshold_scale
     s = abs(t)
-    upper = (b1**2 * math.exp(-s / b1) - b2**2 * math.exp(-s / b2)) / (2 * (b1**2 - b2**2))
+    if math.isclose(b1, b2, rel_tol=1e-9):  # the limit of the formula below as b2 → b1
+        upper = math.exp(-s / b1) * (2 + s / b1) / 4
+    else:
+        upper = (b1**2 * math.exp(-s / b1) - b2**2 * math.exp(-s / b2)) / (2 * (b1**2 - b2**2))
     return upper if t >= 0 else 1.0 - upper
 
 
-def composed_epsilon(instance_epsilon: float, instances: int, delta: float) -> float:
-    """ε at ``delta`` of ``instances`` ε′-DP sparse-vector instances composed as RDP."""
-    rdp = instances * pure_dp_rdp(DEFAULT_ORDERS, instance_epsilon)
-    return epsilon_from_rdp(DEFAULT_ORDERS, rdp, delta)[0]
-
-
 @functools.lru_cache(maxsize=256)
-def _calibrate(epsilon: float, delta: float, max_unstable: int, max_queries: int) -> tuple[float, float]:
-    """(ε′, w): the per-instance ε and the threshold meeting the (ε, δ) of the docstring."""
-    basic = epsilon / max_unstable  # basic composition: c·ε′ = ε with no δ at all
-    if composed_epsilon(epsilon, max_unstable, delta / 2) <= epsilon:
-        instance_epsilon = epsilon
-    elif composed_epsilon(basic, max_unstable, delta / 2) > epsilon:
-        instance_epsilon = basic
-    else:
-        root = optimize.brentq(
-            lambda e: composed_epsilon(e, max_unstable, delta / 2) - epsilon, basic, epsilon, xtol=1e-12
-        )
-        while composed_epsilon(root, max_unstable, delta / 2) > epsilon:  # brentq may land a hair above
-            root *= 1 - 1e-9
-        instance_epsilon = max(root, basic)
-
-    query_scale, threshold_scale = 4.0 / instance_epsilon, 2.0 / instance_epsilon
+def calibrate(epsilon: float, delta: float, max_unstable: int) -> tuple[float, float, float]:
+    """(threshold noise scale 1/ε₁, query noise scale 2c/ε₂, threshold w with c·p₀ ≤ δ)."""
+    c = max_unstable
+    epsilon1 = epsilon / (1 + (2 * c) ** (2 / 3))
+    threshold_scale, query_scale = 1 / epsilon1, 2 * c / (epsilon - epsilon1)
     # log of the p₀ wanted (a 1e-9 margin absorbs rounding); p₀ decreases in w
-    target = math.log(delta / 2 / max_queries) + math.log1p(-1e-9)
+    target = math.log(delta / c) + math.log1p(-1e-9)
 
     def excess(w: float) -> float:
         return math.log(laplace_difference_tail(w, query_scale, threshold_scale)) - target
 
-    high = query_scale
+    high = query_scale + threshold_scale
     while excess(high) > 0:
         high *= 2
     threshold = optimize.brentq(excess, 0.0, high, xtol=1e-12)
-    while excess(threshold) > 0:  # land on the safe side: p₀ ≤ δ/(2m)
+    while excess(threshold) > 0:  # land on the safe side: p₀ ≤ δ/c
         threshold += 1e-9 * high
-    return instance_epsilon, threshold
+    return threshold_scale, query_scale, threshold
 
 
-@dataclass
-class _SparseVectorState:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    noisy_threshold: float | None = None  # ρ of the open instance; None before the first query
-    unstable: int = 0  # ⊥ answers so far (closed instances)
+@dataclass(frozen=True)
+class _State:
+    noisy_threshold: float | None = None  # w + ρ, drawn once when the run opens
+    unstable: int = 0  # ⊥ answers so far
     queries: int = 0  # queries evaluated so far
+    version: int = 0  # bumped by every commit; a commit from an older version is refused
 
 
 @dataclass(frozen=True)
 class Stability:
-    """(``epsilon``, ``delta``)-DP over at most ``max_queries`` queries and ``max_unstable`` ⊥s."""
+    """(``epsilon``, ``delta``)-DP for the whole run, which stops after ``max_unstable`` ⊥ answers."""
 
     epsilon: float
     delta: float
     max_unstable: int
-    max_queries: int = 10_000
+    max_queries: int | None = None  # optional cap on queries evaluated (the guarantee does not need it)
     name: ClassVar[str] = "stability"
-    _state: _SparseVectorState = field(default_factory=_SparseVectorState, init=False, repr=False, compare=False)
-    # Derived in __post_init__: ε′ per instance, the Laplace scales 4/ε′ and 2/ε′, the
-    # threshold w and p₀ = Pr[a distance-0 query passes].
-    instance_epsilon: float = field(init=False, repr=False, compare=False, default=0.0)
-    query_scale: float = field(init=False, repr=False, compare=False, default=0.0)
-    threshold_scale: float = field(init=False, repr=False, compare=False, default=0.0)
-    threshold: float = field(init=False, repr=False, compare=False, default=0.0)
-    failure_probability: float = field(init=False, repr=False, compare=False, default=0.0)
+    aliases: ClassVar[dict[str, str]] = {}
+    help: ClassVar[dict[str, str]] = {
+        "epsilon": "the whole run's epsilon",
+        "delta": "the whole run's delta (the test's failure probability)",
+        "max_unstable": "c: abstentions after which the run stops answering",
+        "max_queries": "optional cap on queries evaluated",
+    }
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    # a one-element list: the frozen mechanism's parameters never change, its state does
+    _state: list[_State] = field(default_factory=lambda: [_State()], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
             raise ValueError(f"stability: epsilon must be a finite number > 0, got {self.epsilon}")
         if not 0 < self.delta < 1:
             raise ValueError(f"stability: delta must be in (0, 1), got {self.delta}")
-        if self.max_unstable < 1 or self.max_queries < 1:
+        if self.max_unstable < 1 or (self.max_queries is not None and self.max_queries < 1):
             raise ValueError("stability: max_unstable and max_queries must be >= 1")
-        instance_epsilon, threshold = _calibrate(self.epsilon, self.delta, self.max_unstable, self.max_queries)
-        object.__setattr__(self, "instance_epsilon", instance_epsilon)
-        object.__setattr__(self, "query_scale", 4.0 / instance_epsilon)
-        object.__setattr__(self, "threshold_scale", 2.0 / instance_epsilon)
-        object.__setattr__(self, "threshold", threshold)
-        object.__setattr__(
-            self, "failure_probability", laplace_difference_tail(threshold, self.query_scale, self.threshold_scale)
-        )
 
-    def guarantee(self) -> tuple[float, float]:
-        """The stated (ε, δ) for the whole run (module docstring, steps 1–3)."""
-        return self.epsilon, self.delta
+    # --- calibration, public -------------------------------------------------------------
+
+    @property
+    def threshold_scale(self) -> float:
+        return calibrate(self.epsilon, self.delta, self.max_unstable)[0]
+
+    @property
+    def query_scale(self) -> float:
+        return calibrate(self.epsilon, self.delta, self.max_unstable)[1]
+
+    @property
+    def threshold(self) -> float:
+        """w, in units of distance to instability (about half the vote gap)."""
+        return calibrate(self.epsilon, self.delta, self.max_unstable)[2]
+
+    @property
+    def failure_probability(self) -> float:
+        """p₀ = Pr[a distance-0 query passes]; the run's failure probability is at most c·p₀ ≤ δ."""
+        return laplace_difference_tail(self.threshold, self.query_scale, self.threshold_scale)
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def opened(self) -> bool:
+        return self._state[0].noisy_threshold is not None
 
     @property
     def exhausted(self) -> bool:
-        state = self._state
-        return state.unstable >= self.max_unstable or state.queries >= self.max_queries
+        state = self._state[0]
+        return state.unstable >= self.max_unstable or (self.max_queries is not None and state.queries >= self.max_queries)
 
     @property
     def unstable_count(self) -> int:
-        return self._state.unstable
+        return self._state[0].unstable
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         distances = distance_to_instability(votes)
         plurality = np.argmax(check_votes(votes), axis=1)
         labels = np.full(len(distances), ABSTAIN, dtype=np.int64)
-        state = self._state
-        with state.lock:
-            instances = 0  # instances that evaluate at least one query of this batch
-            evaluated = 0
-            opens_instance = True
-            for row, distance in enumerate(distances):
-                if state.unstable >= self.max_unstable or state.queries >= self.max_queries:
-                    break
-                if state.noisy_threshold is None:
-                    state.noisy_threshold = self.threshold + rng.laplace(0.0, self.threshold_scale)
-                instances += opens_instance
-                opens_instance = False
-                evaluated += 1
-                state.queries += 1
-                if distance + rng.laplace(0.0, self.query_scale) >= state.noisy_threshold:
-                    labels[row] = plurality[row]
-                else:
-                    state.unstable += 1
-                    state.noisy_threshold = None  # the next query opens a fresh instance
-                    opens_instance = True
-        return MechanismResult(labels, self._charge(instances, evaluated))
+        with self._lock:
+            start = self._state[0]
+        noisy_threshold, unstable, queries = start.noisy_threshold, start.unstable, start.queries
+        opens = False
+        for row, distance in enumerate(distances):
+            if unstable >= self.max_unstable or (self.max_queries is not None and queries >= self.max_queries):
+                break
+            if noisy_threshold is None:
+                noisy_threshold = self.threshold + rng.laplace(0.0, self.threshold_scale)
+                opens = True
+            queries += 1
+            if distance + rng.laplace(0.0, self.query_scale) >= noisy_threshold:
+                labels[row] = plurality[row]
+            else:
+                unstable += 1
+        final = _State(noisy_threshold, unstable, queries, start.version + 1)
+
+        def commit() -> None:
+            with self._lock:
+                if self._state[0].version != start.version:
+                    raise RuntimeError("stability: the state moved since this batch was computed; rerun the batch")
+                self._state[0] = final
+
+        return MechanismResult(labels, self.run_charge(1, 0) if opens else self._free(), commit)
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        state = self._state
-        with state.lock:
-            instances = min(batch_size, self.max_unstable - state.unstable)
-            evaluated = min(batch_size, self.max_queries - state.queries)
-        return self._charge(max(instances, 0), max(evaluated, 0))
+        return self._free() if self.opened or batch_size == 0 else self.run_charge(batch_size, batch_size)
 
-    def _charge(self, instances: int, evaluated: int) -> PrivacyCharge:
-        return approximate_dp_charge(
-            self.instance_epsilon, evaluated * self.failure_probability, label=self.name, count=instances
-        )
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        if asked == 0:
+            return self._free()
+        return approximate_dp_charge(self.epsilon, self.delta, label=self.name, neighbouring=ONE_VOTE)
+
+    def _free(self) -> PrivacyCharge:
+        return approximate_dp_charge(0.0, 0.0, label=self.name, neighbouring=ONE_VOTE)
+
+    def describe(self) -> Description:
+        return Description(
+            self.name, {**parameters_of(self), "threshold": self.threshold},
+            "the exact plurality where distance to instability plus noise passes a noisy threshold, else abstain",
+            "Lyu, Su & Li 2017, Alg. 1 (sparse vector, c abstentions) + propose-test-release "
+            "(failure ≤ c·p₀ = δ): (ε, δ)-DP for the whole run", bounded=True)
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        return []  # its guarantee is data-independent; there is nothing to estimate
+
+
+def smallest_margin(epsilon: float, delta: float, max_unstable: int) -> float:
+    """The vote gap (top count minus runner-up) at which a query passes with probability ½,
+    when the noisy threshold is at its median: about twice the threshold w."""
+    return 2 * (calibrate(epsilon, delta, max_unstable)[2] + 1)
+

@@ -16,3 +16,15 @@ def check_votes(votes: np.ndarray) -> np.ndarray:
     if np.any(array < 0):
         raise ValueError("votes must be non-negative counts")
     return array.astype(np.int64, copy=False)
+
+
+def check_answered(answered: np.ndarray | None, queries: int) -> np.ndarray:
+    """The boolean mask [queries] of released answers (all, when None), or ValueError."""
+    if answered is None:
+        return np.ones(queries, dtype=bool)
+    mask = np.asarray(answered)
+    if mask.dtype != bool:
+        raise ValueError(f"answered mask must be boolean, got dtype {mask.dtype}")
+    if mask.shape != (queries,):
+        raise ValueError(f"answered mask must have shape ({queries},) to match the votes, got {mask.shape}")
+    return mask

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from cluster import analyze_command
-from privacy.accounting import pate
-from privacy.accounting.rdp import DEFAULT_ORDERS
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from privacy.accounting.report import analysis_report
+from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import build_mechanism
-from privacy.randomness import make_rng
+from privacy.noise import NoisePolicy
 
 PROJECT = Path(__file__).resolve().parents[2]
 CONCLAVE = PROJECT / ".venv" / "bin" / "conclave"
@@ -48,26 +49,51 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
 def test_console_entry_prints_the_report_as_one_json_object(run_files):
     votes_path, mask_path, votes, answered = run_files
     args = ["--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold", "200", "--sigma", "40"]
-    done = run_cli(str(votes_path), *args, "--answered", str(mask_path), "--seed", "3", "--json")
+    done = run_cli(str(votes_path), *args, "--answered", str(mask_path), "--json")
     assert done.returncode == 0, done.stderr
     report = strict_json(done.stdout)
-    for key in (
-        "mechanism", "queries", "answered", "delta", "orders", "rdp_data_independent", "rdp_data_dependent",
-        "epsilon_data_independent", "epsilon_data_dependent", "sound", "epsilon_smooth_sensitivity",
-    ):
-        assert key in report
-    assert report["mechanism"] == "confident-gnmax" and report["sound"] is True
+    assert report["mechanism"]["name"] == "confident-gnmax" and report["sound"] is True
     assert report["queries"] == 60 and report["answered"] == int(answered.sum())
-    assert report["orders"] == DEFAULT_ORDERS.tolist()
-    # the same numbers as the library with the same seed
-    expected = pate.privacy_report(
-        build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0), votes, answered, 1e-5,
-        rng=make_rng(3),
-    )
-    assert report["rdp_data_dependent"] == pytest.approx(expected["rdp_data_dependent"])
-    assert report["epsilon_data_independent"] == pytest.approx(expected["epsilon_data_independent"])
-    assert report["epsilon_smooth_sensitivity"] == pytest.approx(expected["epsilon_smooth_sensitivity"])
-    assert report["epsilon_data_dependent"] < report["epsilon_data_independent"]
+    guarantee = report["guarantee"]
+    assert set(guarantee) >= {"epsilon", "delta", "basis", "neighbouring", "theorem"}
+    assert guarantee["basis"] == "worst-case" and guarantee["neighbouring"] == "one-vote"
+    # the guarantee is at least the data-independent ε with every one of the 60 queries answered
+    all_answered = 60 * DEFAULT_ORDERS / (2 * 150.0**2) + 60 * DEFAULT_ORDERS / 40.0**2
+    assert guarantee["epsilon"] >= epsilon_from_rdp(DEFAULT_ORDERS, all_answered, 1e-5)[0]
+    names = {e["name"]: e for e in report["estimates"]}
+    assert set(names) == {"data-dependent", "smooth-sensitivity"}
+    assert all(e["label"] == "estimate: not a DP guarantee" for e in names.values())
+    assert names["data-dependent"]["private"] and not names["smooth-sensitivity"]["private"]
+    assert names["data-dependent"]["epsilon"] < guarantee["epsilon"]
+
+
+def test_the_same_numbers_as_the_library_with_the_same_insecure_seed(run_files, capsys):
+    votes_path, mask_path, votes, answered = run_files
+    code, out, _ = call(capsys, str(votes_path), "--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold",
+                        "200", "--sigma", "40", "--answered", str(mask_path), "--insecure-noise-seed", "3", "--json")
+    assert code == 0
+    report = strict_json(out)
+    mechanism = build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0)
+    smooth = SmoothSensitivityParameters.for_workload(mechanism.run_charge(60, 60), 1e-5)
+    expected = analysis_report(mechanism, votes, answered, 1e-5, smooth=smooth,
+                               noise=NoisePolicy(insecure_seed=3)).as_dict()
+    assert report["guarantee"]["epsilon"] == pytest.approx(expected["guarantee"]["epsilon"])
+    assert [e["epsilon"] for e in report["estimates"]] == pytest.approx([e["epsilon"] for e in expected["estimates"]])
+    assert report["sound"] is False and "insecure_noise_seed=3" in report["unsound_reasons"][0]
+
+
+def test_a_budget_states_the_filters_guarantee_and_whether_the_run_fits(run_files, capsys):
+    votes_path, mask_path, _, answered = run_files
+    base = [str(votes_path), "--mechanism", "gnmax", "--sigma", "40", "--no-smooth-sensitivity", "--json"]
+    code, out, _ = call(capsys, *base)
+    worst = strict_json(out)["guarantee"]["epsilon"]
+    code, out, _ = call(capsys, *base, "--budget", f"{2 * worst}")
+    roomy = strict_json(out)
+    assert code == 0 and roomy["budget"]["fits"] is True and roomy["guarantee"]["epsilon"] == pytest.approx(worst)
+    code, out, _ = call(capsys, *base, "--budget", f"{worst / 3}")
+    over = strict_json(out)
+    assert over["budget"]["fits"] is False and over["guarantee"]["basis"] == "worst-case"
+    assert over["budget"]["order"] in DEFAULT_ORDERS.tolist()
 
 
 def test_python_m_cluster_prints_a_short_summary_labelling_the_private_figure(run_files):
@@ -80,7 +106,8 @@ def test_python_m_cluster_prints_a_short_summary_labelling_the_private_figure(ru
     lines = done.stdout.strip().splitlines()
     assert 3 <= len(lines) <= 6
     assert lines[0].startswith("gnmax: 60 queries, 60 answered")
-    assert "data-independent" in done.stdout and "smooth-sensitivity" in done.stdout
+    assert lines[1].strip().startswith("guarantee") and "worst-case" in lines[1]
+    assert any("smooth-sensitivity" in line and "not a DP guarantee" in line for line in lines)
     assert any("data-dependent" in line and "PRIVATE" in line for line in lines)
 
 
@@ -108,21 +135,24 @@ def call(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_orders_replace_the_grid_and_classic_conversion_is_exposed(run_files, capsys):
-    votes_path, _, _, _ = run_files
-    code, out, _ = call(
-        capsys, str(votes_path), "--mechanism", "gnmax", "--sigma", "40", "--orders", "2,8,32", "--conversion", "classic",
-        "--delta", "1e-6", "--seed", "1", "--json",
-    )
+def test_orders_and_the_classic_conversion_change_the_estimates_only(run_files, capsys):
+    votes_path, _, votes, _ = run_files
+    base = [str(votes_path), "--mechanism", "gnmax", "--sigma", "40", "--orders", "2,8,32", "--delta", "1e-6",
+            "--no-smooth-sensitivity", "--json"]
+    code, out, _ = call(capsys, *base, "--conversion", "classic")
     assert code == 0
-    report = strict_json(out)
-    assert report["orders"] == [2.0, 8.0, 32.0] and report["conversion"] == "classic"
-    rdp_ind = np.array(report["rdp_data_independent"])
-    assert rdp_ind == pytest.approx(60 * np.array([2.0, 8.0, 32.0]) / 1600)
-    classic = np.min(rdp_ind + math.log(1e6) / (np.array([2.0, 8.0, 32.0]) - 1))
-    assert report["epsilon_data_independent"] == pytest.approx(classic)
-    code, out, _ = call(capsys, str(votes_path), "--mechanism", "gnmax", "--sigma", "40", "--orders", "2,8,32", "--delta", "1e-6", "--seed", "1", "--json")
-    assert strict_json(out)["epsilon_data_independent"] < classic  # the tight default
+    classic = strict_json(out)
+    (estimate,) = classic["estimates"]
+    assert estimate["conversion"] == "classic" and estimate["order"] in (2.0, 8.0, 32.0)
+    rdp = build_mechanism("gnmax", sigma=40.0).data_dependent_rdp(votes, np.ones(60, bool), np.array([2.0, 8.0, 32.0]))
+    assert estimate["epsilon"] == pytest.approx(np.min(rdp.sum(axis=0) + math.log(1e6) / (np.array([2.0, 8.0, 32.0]) - 1)))
+    code, out, _ = call(capsys, *base)
+    tight = strict_json(out)
+    assert tight["estimates"][0]["epsilon"] < estimate["epsilon"]  # the tight default
+    # the guarantee stays on the ledger's grid, tight conversion, whatever --orders says
+    assert tight["guarantee"] == classic["guarantee"]
+    assert tight["guarantee"]["epsilon"] == pytest.approx(
+        epsilon_from_rdp(DEFAULT_ORDERS, 60 * DEFAULT_ORDERS / 1600, 1e-6)[0])
 
 
 def test_nzc_json_is_unbounded_with_the_claim_beside_it(run_files, capsys):
@@ -130,20 +160,23 @@ def test_nzc_json_is_unbounded_with_the_claim_beside_it(run_files, capsys):
     code, out, _ = call(capsys, str(votes_path), "--mechanism", "nzc", "--constant", "1e100", "--laplace-scale", "1e10", "--json")
     assert code == 0
     report = strict_json(out)
-    assert report["sound"] is False and report["reason"]
-    assert report["epsilon_data_independent"] == "inf" and report["epsilon_data_dependent"] == "inf"
-    assert report["claimed"]["epsilon_per_query"] == pytest.approx(2e-10)
-    assert "NOT" in report["claimed"]["label"]
+    assert report["sound"] is False and report["unsound_reasons"]
+    assert report["guarantee"]["epsilon"] == "inf" and report["guarantee"]["basis"] == "unbounded"
+    (claim,) = report["estimates"]
+    assert claim["name"] == "paper-claim" and claim["epsilon_per_query"] == pytest.approx(2e-10)
+    assert "NOT" in claim["source"]
     code, out, _ = call(capsys, str(votes_path), "--mechanism", "nzc", "--constant", "1e100", "--laplace-scale", "1e10")
-    assert "inf" in out and "NOT a DP guarantee" in out  # never the claim alone
+    assert "inf" in out and "not a DP guarantee" in out  # never the claim alone
 
 
 def test_stability_reports_its_epsilon_delta(run_files, capsys):
     votes_path, _, _, _ = run_files
-    code, out, _ = call(capsys, str(votes_path), "--mechanism", "stability", "--epsilon", "2", "--max-unstable", "20", "--json")
+    code, out, _ = call(capsys, str(votes_path), "--mechanism", "stability", "--epsilon", "2", "--max-unstable", "20",
+                        "--stability-delta", "1e-6", "--json")
     assert code == 0
     report = strict_json(out)
-    assert report["epsilon_data_independent"] == pytest.approx(2.0) and report["delta"] == pytest.approx(1e-5)
+    assert report["guarantee"]["epsilon"] == pytest.approx(2.0, abs=1e-3) and report["guarantee"]["delta"] == 1e-5
+    assert report["mechanism"]["parameters"]["delta"] == 1e-6
 
 
 def bad_files(tmp_path: Path) -> dict[str, Path]:
@@ -180,6 +213,9 @@ def bad_files(tmp_path: Path) -> dict[str, Path]:
         (["{good}", "--mechanism", "confident-gnmax", "--sigma1", "150", "--sigma", "40"], "--threshold"),
         (["{good}", "--mechanism", "nzc", "--constant", "100"], "--laplace-scale or --sigma"),
         (["{good}", "--mechanism", "stability", "--epsilon", "1"], "--max-unstable"),
+        (["{good}", "--mechanism", "stability", "--epsilon", "1", "--max-unstable", "3"], "--stability-delta"),
+        (["{good}", "--mechanism", "gnmax", "--sigma", "40", "--budget", "-1"], "--budget"),
+        (["{good}", "--mechanism", "gnmax", "--sigma", "40", "--ss-order", "9"], "go together"),
         (["{good}", "--mechanism", "lnmax", "--laplace-scale", "20", "--sigma", "3"], "does not take"),
         (["{garbage}", "--mechanism", "gnmax", "--sigma", "40"], "cannot read"),
         (["{missing}", "--mechanism", "gnmax", "--sigma", "40"], "cannot read"),

@@ -1,5 +1,7 @@
-"""The durable ledger: refusals record nothing, reopening restores exactly, concurrent charges
-never overshoot, and δ is split between the RDP curve and the extra δ's as documented."""
+"""The durable ledger as a Rényi filter: refusals record nothing, the budget is enforced at its
+one fixed order, reopening restores exactly (and refuses other settings), concurrent charges
+never overshoot, δ is split between the RDP curve and the reserved δ, and charges for another
+neighbouring relation are refused."""
 from __future__ import annotations
 
 import math
@@ -11,6 +13,8 @@ import threading
 import numpy as np
 import pytest
 
+from privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
+from privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
 from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from privacy.accounting.rdp import (
     DEFAULT_ORDERS,
@@ -23,6 +27,11 @@ from privacy.accounting.rdp import (
 )
 
 DELTA = 1e-5
+ORDER = 32.0  # a grid order, fixed in advance by the tests that do not choose one
+
+
+def budget(epsilon: float, order: float = ORDER, reserved: float = 0.0) -> RenyiFilter:
+    return RenyiFilter(epsilon, DELTA, order, reserved_delta=reserved)
 
 
 def rows(path) -> int:
@@ -30,9 +39,14 @@ def rows(path) -> int:
         return db.execute("SELECT COUNT(*) FROM charges").fetchone()[0]
 
 
+def fitting(unit_rdp_at_order: float, filter_: RenyiFilter) -> int:
+    """How many units the filter admits, worked out on paper: the largest k with k·ρ ≤ B."""
+    return int(math.floor(filter_.rdp_budget / unit_rdp_at_order * (1 + 1e-12)))
+
+
 def test_durability_settings(tmp_path):
     path = tmp_path / "ledger.db"
-    with PrivacyLedger(path, 1.0, DELTA) as ledger:
+    with PrivacyLedger(path, DELTA, budget(1.0)) as ledger:
         assert ledger._connection().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -40,22 +54,68 @@ def test_durability_settings(tmp_path):
 
 def test_over_budget_refusal_records_nothing(tmp_path):
     path = tmp_path / "ledger.db"
-    with PrivacyLedger(path, epsilon_limit=1.0, delta=DELTA) as ledger:
-        first = ledger.charge(gaussian_charge(10.0, count=5, label="small"))
-        assert 0 < first.epsilon < 1.0 and first.charges == 1
+    with PrivacyLedger(path, DELTA, budget(1.0)) as ledger:
+        first = ledger.charge(gaussian_charge(10.0, count=2, label="small"))
+        assert 0 < first.epsilon_spent < 1.0 and first.charges == 1
         assert not ledger.can_afford(gaussian_charge(1.0, label="big"))
-        with pytest.raises(BudgetExceeded, match=r"'big' would bring epsilon to .* over the limit 1"):
+        with pytest.raises(BudgetExceeded, match=r"'big' would bring RDP at order 32 to .* over the budget"):
             ledger.charge(gaussian_charge(1.0, label="big"))
         assert ledger.report() == first
         assert rows(path) == 1
-    with PrivacyLedger(path, epsilon_limit=1.0, delta=DELTA) as reopened:
+    with PrivacyLedger(path, DELTA, budget(1.0)) as reopened:
         assert reopened.report() == first
+
+
+def test_the_filter_refuses_at_its_order_where_another_order_would_allow(tmp_path):
+    # A Gaussian workload converts best near order 15; a filter fixed (badly) at order 64
+    # must refuse once RDP(64) passes its budget, though the minimum over orders is far lower.
+    filter_ = budget(3.0, order=64.0)
+    unit = gaussian_charge(10.0, label="gaussian")  # RDP(λ) = λ/200
+    with PrivacyLedger(tmp_path / "ledger.db", DELTA, filter_) as ledger:
+        accepted = 0
+        while ledger.can_afford(unit):
+            ledger.charge(unit)
+            accepted += 1
+        assert accepted == fitting(64 / 200, filter_) == 9
+        spent = ledger.spent()
+        allowed_elsewhere = epsilon_from_rdp(DEFAULT_ORDERS, spent.rdp + unit.rdp, DELTA)[0]
+        assert allowed_elsewhere < 1.5  # another order would have let it through...
+        with pytest.raises(BudgetExceeded, match="order 64"):
+            ledger.charge(unit)  # ...the filter at its fixed order does not
+        # the guarantee is the declared budget, not the realised spend
+        report = ledger.report()
+        assert report.guarantee.epsilon == 3.0 and report.guarantee.basis == "renyi-filter"
+        assert report.guarantee.order == 64.0 and report.epsilon_spent < 1.5
+
+
+def test_the_budget_converts_back_to_the_declared_epsilon():
+    for epsilon, order in [(0.5, 1.5), (2.0, 8.0), (8.0, 32.0)]:
+        b = rdp_budget(epsilon, DELTA, order)
+        assert epsilon_from_rdp([order], [b], DELTA)[0] == pytest.approx(epsilon, rel=1e-12)
+
+
+def test_the_order_is_chosen_from_the_planned_workload():
+    planned = gaussian_charge(40.0 / math.sqrt(2), count=640, label="gnmax")  # 640 GNMax answers, σ = 40
+    order = choose_order(planned, 2.0, DELTA)
+    ratios = [rdp_budget(2.0, DELTA, lam) / rho for lam, rho in zip(DEFAULT_ORDERS, planned.rdp)]
+    assert order == DEFAULT_ORDERS[int(np.argmax(ratios))]
+    # The filter at that order admits as much of the workload as composing it in advance
+    # would: scaled to fill the budget, its best conversion is exactly ε = 2 at that order.
+    most = max(ratios)
+    epsilon, at = epsilon_from_rdp(DEFAULT_ORDERS, most * planned.rdp, DELTA)
+    assert epsilon == pytest.approx(2.0, rel=1e-9) and at == order
+    # scaling a homogeneous workload does not move the order
+    assert choose_order(gaussian_charge(40.0 / math.sqrt(2), count=64), 2.0, DELTA) == order
+    reserved = filter_for(approximate_dp_charge(0.3, 4e-6, count=3), 2.0, DELTA)
+    assert reserved.reserved_delta == 4e-6 and reserved.curve_delta == pytest.approx(6e-6)
+    with pytest.raises(ValueError, match="unbounded"):
+        choose_order(unbounded_charge("nzc"), 2.0, DELTA)
 
 
 def test_reopening_restores_exactly(tmp_path):
     path = tmp_path / "ledger.db"
     rng = np.random.default_rng(0)
-    with PrivacyLedger(path, epsilon_limit=math.inf, delta=DELTA) as ledger:
+    with PrivacyLedger(path, DELTA) as ledger:
         for n in range(60):
             kind = n % 4
             if kind == 0:
@@ -68,32 +128,53 @@ def test_reopening_restores_exactly(tmp_path):
                 charge = sampled_gaussian_charge(0.01, float(rng.uniform(0.8, 2.0)), 10, label="dpsgd")
             ledger.charge(charge)
         report, spent = ledger.report(), ledger.spent()
-    with PrivacyLedger(path, epsilon_limit=math.inf, delta=DELTA) as reopened:
+    with PrivacyLedger(path, DELTA) as reopened:
         assert reopened.report() == report  # exact float equality, by_label included
         assert np.array_equal(reopened.spent().rdp, spent.rdp)
         assert reopened.spent().extra_delta == spent.extra_delta
     assert report.charges == 60 and set(report.by_label) == {"gnmax", "counts", "stability", "dpsgd"}
 
 
-def test_refuses_a_file_written_on_other_orders(tmp_path):
+def test_refuses_a_file_written_with_other_settings(tmp_path):
     path = tmp_path / "ledger.db"
-    PrivacyLedger(path, 1.0, DELTA, orders=[2.0, 4.0, 8.0]).close()
-    with pytest.raises(ValueError, match="different grid of RDP orders"):
-        PrivacyLedger(path, 1.0, DELTA)
-    with PrivacyLedger(path, 10.0, DELTA, orders=[2.0, 4.0, 8.0]) as ledger:
+    grid = [2.0, 16.0, 32.0]
+    PrivacyLedger(path, DELTA, budget(4.0, order=16.0), orders=grid).close()
+    with pytest.raises(ValueError, match="created with orders"):
+        PrivacyLedger(path, DELTA, budget(4.0, order=16.0))
+    with pytest.raises(ValueError, match="created with budget"):
+        PrivacyLedger(path, DELTA, budget(5.0, order=16.0), orders=grid)
+    with pytest.raises(ValueError, match="created with budget"):
+        PrivacyLedger(path, DELTA, orders=grid)  # dropping the budget is changing it too
+    with pytest.raises(ValueError, match="created with neighbouring"):
+        PrivacyLedger(path, DELTA, budget(4.0, order=16.0), neighbouring=REPLACE_ONE, orders=grid)
+    with PrivacyLedger(path, DELTA, budget(4.0, order=16.0), orders=grid) as ledger:
         with pytest.raises(ValueError, match="not on this ledger's RDP orders"):
             ledger.charge(gaussian_charge(5.0))
-        ledger.charge(gaussian_charge(5.0, orders=[2.0, 4.0, 8.0]))
+        ledger.charge(gaussian_charge(5.0, orders=grid))
+    with pytest.raises(ValueError, match="not on the ledger's grid"):
+        PrivacyLedger(tmp_path / "other.db", DELTA, budget(4.0, order=20.0), orders=grid)
+
+
+def test_a_charge_for_another_neighbouring_relation_is_refused(tmp_path):
+    with PrivacyLedger(tmp_path / "ledger.db", DELTA, budget(5.0)) as ledger:
+        with pytest.raises(ValueError, match="'replace-one' neighbours, this ledger composes 'add-remove'"):
+            ledger.charge(gaussian_charge(5.0, label="pca", neighbouring=REPLACE_ONE))
+        vote = gaussian_charge(40.0, label="gnmax", neighbouring=ONE_VOTE)
+        with pytest.raises(ValueError, match="'one-vote' neighbours"):
+            ledger.charge(vote)
+        assert ledger.report().charges == 0
+        # restated for records, with the lemma that makes it hold, it is accepted
+        report = ledger.charge(vote.for_records("add-remove", "shards are a keyed hash of each record"))
+        assert report.charges == 1
 
 
 def test_no_overshoot_with_32_threads(tmp_path):
     path = tmp_path / "ledger.db"
-    limit = 2.0
+    filter_ = budget(2.0)
     unit = gaussian_charge(40.0 / math.sqrt(2), count=10, label="gnmax")  # 10 GNMax answers at σ = 40
-    # How many units fit, computed on paper: the largest k with ε(k·curve) ≤ limit.
-    fits = max(k for k in range(1, 1000) if epsilon_from_rdp(DEFAULT_ORDERS, k * unit.rdp, DELTA)[0] <= limit)
+    fits = fitting(10 * ORDER / 40.0**2, filter_)  # 10 answers cost 10·λ/σ² at the filter's order
     # Four ledger objects on one file: separate SQLite connections, as separate processes have.
-    ledgers = [PrivacyLedger(path, limit, DELTA) for _ in range(4)]
+    ledgers = [PrivacyLedger(path, DELTA, filter_) for _ in range(4)]
     accepted, refused = [], []
     start = threading.Barrier(32)
 
@@ -112,20 +193,21 @@ def test_no_overshoot_with_32_threads(tmp_path):
     for thread in threads:
         thread.join()
     assert len(accepted) == fits and refused
-    assert max(report.epsilon for report in accepted) <= limit
+    assert max(report.rdp_at_budget_order for report in accepted) <= filter_.rdp_budget
     for ledger in ledgers:
         final = ledger.report()
-        assert final.charges == fits and final.epsilon <= limit
+        assert final.charges == fits and final.rdp_at_budget_order <= filter_.rdp_budget
         ledger.close()
     assert rows(path) == fits
 
 
 _CHARGER = """
 import math, os, sys, time
+from privacy.accounting.filter import RenyiFilter
 from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from privacy.accounting.rdp import gaussian_charge
 path, go, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ledger = PrivacyLedger(path, 2.0, 1e-5)
+ledger = PrivacyLedger(path, 1e-5, RenyiFilter(2.0, 1e-5, 32.0))
 charge = gaussian_charge(40.0 / math.sqrt(2), count=1, label="gnmax")
 print("ready", flush=True)
 while not os.path.exists(go):  # start together, so the processes race
@@ -143,9 +225,9 @@ print(accepted, flush=True)
 
 def test_no_overshoot_with_4_processes(tmp_path):
     path, go = tmp_path / "ledger.db", tmp_path / "go"
-    unit = gaussian_charge(40.0 / math.sqrt(2), count=1)  # one GNMax answer at σ = 40
-    fits = max(k for k in range(1, 2000) if epsilon_from_rdp(DEFAULT_ORDERS, k * unit.rdp, DELTA)[0] <= 2.0)
-    PrivacyLedger(path, 2.0, DELTA).close()  # create the file once, so the processes only race on charges
+    filter_ = budget(2.0)
+    fits = fitting(ORDER / 40.0**2, filter_)  # one GNMax answer at σ = 40 costs λ/σ²
+    PrivacyLedger(path, DELTA, filter_).close()  # create the file once, so the processes only race on charges
     processes = [
         subprocess.Popen([sys.executable, "-c", _CHARGER, str(path), str(go), str(fits // 2)], stdout=subprocess.PIPE, text=True)
         for _ in range(4)
@@ -157,12 +239,12 @@ def test_no_overshoot_with_4_processes(tmp_path):
     assert all(process.returncode == 0 for process in processes)
     assert sum(accepted) == fits == rows(path)  # 4 × fits/2 attempts, exactly `fits` accepted
     assert sum(1 for a in accepted if a > 0) >= 2  # the processes really did interleave
-    with PrivacyLedger(path, 2.0, DELTA) as ledger:
-        assert ledger.report().epsilon <= 2.0
+    with PrivacyLedger(path, DELTA, filter_) as ledger:
+        assert ledger.report().rdp_at_budget_order <= filter_.rdp_budget
 
 
 def test_worst_case_gates_and_the_actual_charge_is_recorded(tmp_path):
-    with PrivacyLedger(tmp_path / "ledger.db", 1.0, DELTA) as ledger:
+    with PrivacyLedger(tmp_path / "ledger.db", DELTA, budget(1.0)) as ledger:
         actual = gaussian_charge(100.0, count=1, label="confident")
         too_much = gaussian_charge(1.0, count=1, label="confident")
         with pytest.raises(BudgetExceeded):
@@ -176,38 +258,82 @@ def test_worst_case_gates_and_the_actual_charge_is_recorded(tmp_path):
 
 
 def test_extra_delta_is_split_from_the_curve(tmp_path):
-    with PrivacyLedger(tmp_path / "ledger.db", 5.0, DELTA) as ledger:
+    with PrivacyLedger(tmp_path / "ledger.db", DELTA, budget(5.0, reserved=5e-6)) as ledger:
         ledger.charge(gaussian_charge(3.0, count=2, label="g"))
         report = ledger.charge(approximate_dp_charge(0.2, 4e-6, label="stability"))
         curve = ledger.spent().rdp
         # the curve is converted at δ − Σ extra δ; the total δ is the configured δ
-        assert report.epsilon == epsilon_from_rdp(DEFAULT_ORDERS, curve, DELTA - 4e-6)[0]
-        assert report.delta == DELTA
+        assert report.epsilon_spent == epsilon_from_rdp(DEFAULT_ORDERS, curve, DELTA - 4e-6)[0]
+        assert report.delta == DELTA and report.extra_delta == 4e-6
         assert report.by_label["g"] == epsilon_from_rdp(DEFAULT_ORDERS, gaussian_charge(3.0, count=2).rdp, DELTA)[0]
-        with pytest.raises(BudgetExceeded, match="delta"):
-            ledger.charge(approximate_dp_charge(0.01, 7e-6, label="stability"))  # Σ extra δ would pass δ
+        with pytest.raises(BudgetExceeded, match="outside the RDP curve, over the 5e-06 reserved"):
+            ledger.charge(approximate_dp_charge(0.01, 2e-6, label="stability"))  # Σ extra δ would pass the reserve
         assert ledger.report() == report
+        # the guarantee converts the budget at δ − reserved δ: the declared (ε, δ) exactly
+        assert report.budget.curve_delta == pytest.approx(5e-6)
+        assert epsilon_from_rdp([ORDER], [report.budget.rdp_budget], report.budget.curve_delta)[0] == pytest.approx(5.0)
 
 
 def test_unbounded_charges(tmp_path):
     nzc = unbounded_charge("constant follows the plurality", label="nzc")
-    with PrivacyLedger(tmp_path / "finite.db", 100.0, DELTA) as ledger:
+    with PrivacyLedger(tmp_path / "finite.db", DELTA, budget(100.0)) as ledger:
         with pytest.raises(BudgetExceeded, match="no finite privacy guarantee"):
             ledger.charge(nzc)
-        assert ledger.report().charges == 0 and ledger.report().sound
-    with PrivacyLedger(tmp_path / "report.db", math.inf, DELTA) as ledger:
+        assert ledger.report().charges == 0 and ledger.report().bounded
+    with PrivacyLedger(tmp_path / "record.db", DELTA) as ledger:
         ledger.charge(gaussian_charge(5.0, label="g"))
         report = ledger.charge(nzc)
-        assert report.epsilon == math.inf and not report.sound and report.order is None
+        assert report.epsilon_spent == math.inf and not report.bounded and report.order is None
         assert report.by_label["nzc"] == math.inf and math.isfinite(report.by_label["g"])
+        assert report.guarantee is None  # no budget: the run's planned work must give the guarantee
+
+
+def test_agrees_with_google_dp_accounting(tmp_path):
+    """The ledger's composition of DP-SGD and Gaussian charges against Google's dp-accounting
+    RDP accountant on the same orders (an independent implementation)."""
+    import mpmath
+    from dp_accounting import dp_event, rdp
+
+    orders = [float(o) for o in DEFAULT_ORDERS if o <= 256]
+    q, sigma, steps = 256 / 60000, 1.1, 2000
+    with PrivacyLedger(tmp_path / "ledger.db", DELTA, orders=orders) as ledger:
+        ledger.charge(sampled_gaussian_charge(q, sigma, steps, orders=orders))
+        ledger.charge(gaussian_charge(3.0, count=4, orders=orders))
+        ledger.charge(pure_epsilon_charge(0.3, orders=orders))
+        spent = ledger.spent().rdp
+    accountant = rdp.RdpAccountant(orders)
+    accountant.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    accountant.compose(dp_event.GaussianDpEvent(3.0), 4)
+    theirs = np.array(accountant._rdp)
+    ours = spent - pure_epsilon_charge(0.3, orders=orders).rdp
+    integer = np.array([o.is_integer() for o in orders])
+    assert np.allclose(ours[integer], theirs[integer], rtol=1e-6)
+    # At fractional orders dp-accounting returns an upper bound; ours is the exact value (an
+    # mpmath integration of the sampled Gaussian's Rényi moment agrees at order 1.1), so ours
+    # is never larger.
+    assert np.all(ours[~integer] <= theirs[~integer] * (1 + 1e-9))
+    mpmath.mp.dps = 30
+    alpha = mpmath.mpf("1.1")
+    mixture = lambda z: (1 - q) * mpmath.npdf(z, 0, sigma) + q * mpmath.npdf(z, 1, sigma)
+    moment = mpmath.quad(lambda z: mpmath.npdf(z, 0, sigma) * (mixture(z) / mpmath.npdf(z, 0, sigma)) ** alpha,
+                         [-mpmath.inf, 0, 1, mpmath.inf])
+    exact = float(steps * mpmath.log(moment) / (alpha - 1) + 4 * 1.1 / (2 * 3.0**2))
+    assert ours[orders.index(1.1)] == pytest.approx(exact, rel=1e-7)
+    # For Laplace dp-accounting uses the exact RDP (Mironov 2017, Prop. 6); ours,
+    # min(ε, λε²/2), is a looser bound of the same mechanism: never below it.
+    laplace = rdp.RdpAccountant(orders)
+    laplace.compose(dp_event.LaplaceDpEvent(1 / 0.3))
+    assert np.all(pure_epsilon_charge(0.3, orders=orders).rdp >= np.array(laplace._rdp) - 1e-12)
 
 
 def test_bad_configuration_and_closed_ledger(tmp_path):
-    with pytest.raises(ValueError, match="epsilon_limit"):
-        PrivacyLedger(tmp_path / "a.db", 0.0, DELTA)
+    with pytest.raises(ValueError, match="no RDP budget"):
+        RenyiFilter(0.01, DELTA, 1.1)
     with pytest.raises(ValueError, match="delta"):
-        PrivacyLedger(tmp_path / "a.db", 1.0, 1.5)
-    ledger = PrivacyLedger(tmp_path / "b.db", 1.0, DELTA)
+        PrivacyLedger(tmp_path / "a.db", 1.5)
+    with pytest.raises(ValueError, match="differs from the ledger's"):
+        PrivacyLedger(tmp_path / "a.db", 1e-6, budget(1.0))
+    ledger = PrivacyLedger(tmp_path / "b.db", DELTA, budget(1.0))
     ledger.close()
     with pytest.raises(RuntimeError, match="closed"):
         ledger.report()

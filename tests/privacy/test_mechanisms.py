@@ -17,7 +17,6 @@ from privacy.mechanisms import (
     Stability,
     build_mechanism,
 )
-from privacy.randomness import make_rng
 
 HISTOGRAM = np.array([10, 8, 5])
 DRAWS = 20_000
@@ -60,7 +59,7 @@ def batch(histogram: np.ndarray, draws: int = DRAWS) -> np.ndarray:
 
 
 def test_gnmax_matches_its_distribution():
-    labels = GNMax(sigma=4.0)(batch(HISTOGRAM), make_rng(1)).labels
+    labels = GNMax(sigma=4.0)(batch(HISTOGRAM), np.random.default_rng(1)).labels
     counts = observed(labels, [0, 1, 2])
     assert chi2_pvalue(counts, gnmax_probabilities(HISTOGRAM, 4.0)) > 1e-3
     # the test has power: the same draws reject the formula at a different σ
@@ -68,7 +67,7 @@ def test_gnmax_matches_its_distribution():
 
 
 def test_lnmax_matches_its_distribution():
-    labels = LNMax(laplace_scale=3.0)(batch(HISTOGRAM), make_rng(2)).labels
+    labels = LNMax(laplace_scale=3.0)(batch(HISTOGRAM), np.random.default_rng(2)).labels
     counts = observed(labels, [0, 1, 2])
     assert chi2_pvalue(counts, lnmax_probabilities(HISTOGRAM, 3.0)) > 1e-3
     assert chi2_pvalue(counts, lnmax_probabilities(HISTOGRAM, 4.5)) < 1e-6
@@ -77,7 +76,7 @@ def test_lnmax_matches_its_distribution():
 
 def test_confident_gnmax_abstains_at_the_gaussian_tail_rate():
     sigma1, threshold, sigma2 = 3.0, 11.0, 4.0
-    result = ConfidentGNMax(sigma1=sigma1, threshold=threshold, sigma2=sigma2)(batch(HISTOGRAM), make_rng(3))
+    result = ConfidentGNMax(sigma1=sigma1, threshold=threshold, sigma2=sigma2)(batch(HISTOGRAM), np.random.default_rng(3))
     p_abstain = stats.norm.cdf((threshold - HISTOGRAM.max()) / sigma1)  # P[max + N(0, σ1²) < T]
     expected = np.concatenate([[p_abstain], (1 - p_abstain) * gnmax_probabilities(HISTOGRAM, sigma2)])
     counts = observed(result.labels, [ABSTAIN, 0, 1, 2])
@@ -93,7 +92,7 @@ def test_confident_gnmax_abstains_at_the_gaussian_tail_rate():
 def test_nzc_is_lnmax_on_the_shifted_histogram():
     # With a moderate constant, NZC = LNMax on n + c·e_{j*}; checks the mechanism as described.
     constant, scale = 4.0, 3.0
-    labels = NZC(constant=constant, laplace_scale=scale)(batch(HISTOGRAM), make_rng(4)).labels
+    labels = NZC(constant=constant, laplace_scale=scale)(batch(HISTOGRAM), np.random.default_rng(4)).labels
     shifted = HISTOGRAM + constant * (np.arange(3) == 0)
     counts = observed(labels, [0, 1, 2])
     assert chi2_pvalue(counts, lnmax_probabilities(shifted, scale)) > 1e-3
@@ -103,19 +102,19 @@ def test_nzc_is_lnmax_on_the_shifted_histogram():
 @pytest.mark.parametrize("noise", [{"laplace_scale": 1e10}, {"sigma": 1e10}])
 def test_nzc_equals_plurality_at_the_papers_constant(noise):
     # Sun et al. 2019, Table 1: c = 1e100 with noise scale 1e10.
-    votes = make_rng(5).multinomial(250, [0.4, 0.3, 0.1, 0.1, 0.1], size=5000)
-    labels = NZC(constant=1e100, **noise)(votes, make_rng(6)).labels
+    votes = np.random.default_rng(5).multinomial(250, [0.4, 0.3, 0.1, 0.1, 0.1], size=5000)
+    labels = NZC(constant=1e100, **noise)(votes, np.random.default_rng(6)).labels
     assert np.array_equal(labels, np.argmax(votes, axis=1))
 
 
 def test_charges_are_the_documented_data_independent_bounds():
     votes = batch(HISTOGRAM, 7)
-    lnmax = LNMax(laplace_scale=20.0)(votes, make_rng(0))
+    lnmax = LNMax(laplace_scale=20.0)(votes, np.random.default_rng(0))
     np.testing.assert_allclose(lnmax.charge.rdp, 7 * pure_dp_rdp(DEFAULT_ORDERS, 0.1))
-    gnmax = GNMax(sigma=40.0)(votes, make_rng(0))
+    gnmax = GNMax(sigma=40.0)(votes, np.random.default_rng(0))
     np.testing.assert_allclose(gnmax.charge.rdp, 7 * DEFAULT_ORDERS / 1600)
     for mechanism in (LNMax(20.0), GNMax(40.0), ConfidentGNMax(150.0, 200.0, 40.0)):
-        result = mechanism(votes, make_rng(0))
+        result = mechanism(votes, np.random.default_rng(0))
         worst = mechanism.worst_case_charge(7)
         assert np.all(result.charge.rdp <= worst.rdp + 1e-15)
         assert result.labels.dtype == np.int64 and result.labels.shape == (7,)
@@ -137,7 +136,7 @@ def test_charges_are_the_documented_data_independent_bounds():
 def test_bad_votes_are_rejected_by_every_mechanism(votes, message):
     for mechanism in (LNMax(1.0), GNMax(1.0), ConfidentGNMax(1.0, 1.0, 1.0), NZC(1.0, sigma=1.0), Stability(1.0, 1e-5, 5)):
         with pytest.raises(ValueError, match=message):
-            mechanism(votes, make_rng(0))
+            mechanism(votes, np.random.default_rng(0))
 
 
 def test_build_mechanism_uses_the_cli_names():
@@ -148,14 +147,19 @@ def test_build_mechanism_uses_the_cli_names():
     assert build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0) == ConfidentGNMax(150.0, 200.0, 40.0)
     assert build_mechanism("nzc", constant=1e100, laplace_scale=1e10) == NZC(1e100, laplace_scale=1e10)
     stability = build_mechanism("stability", epsilon=2.0, delta=1e-5, max_unstable=10)
-    assert stability.guarantee() == (2.0, 1e-5)
+    assert stability.run_charge(1, 1).extra_delta == 1e-5
     for name in MECHANISMS:
-        assert build_mechanism(name, **_example_params(name)).name == name
+        mechanism = build_mechanism(name, **_example_params(name))
+        assert mechanism.name == name
+        description = mechanism.describe()  # each mechanism describes itself for reports
+        assert description.name == name and description.analysis and description.releases
+        assert description.bounded == (name != "nzc")
+        assert set(mechanism.help) <= set(description.parameters) | {"max_queries", "laplace_scale", "sigma"}
     with pytest.raises(ValueError, match="unknown mechanism"):
         build_mechanism("gnmax2", sigma=1.0)
     with pytest.raises(ValueError, match="does not take threshold"):
         build_mechanism("gnmax", sigma=1.0, threshold=3.0)
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="missing parameter.*threshold"):
         build_mechanism("confident-gnmax", sigma1=1.0, sigma=1.0)
     with pytest.raises(ValueError, match="sigma must be > 0"):
         build_mechanism("gnmax", sigma=-1.0)
@@ -171,3 +175,12 @@ def _example_params(name: str) -> dict:
         "nzc": {"constant": 1e100, "sigma": 1e10},
         "stability": {"epsilon": 1.0, "delta": 1e-5, "max_unstable": 10, "max_queries": 100},
     }[name]
+
+
+def test_vote_mechanism_charges_hold_for_one_vote_and_restate_for_records():
+    for name in MECHANISMS:
+        charge = build_mechanism(name, **_example_params(name)).worst_case_charge(3)
+        assert charge.neighbouring == "one-vote"
+        with pytest.raises(ValueError, match="must say why"):
+            charge.for_records("add-remove", "")
+        assert charge.for_records("add-remove", "keyed-hash shards").neighbouring == "add-remove"

@@ -10,8 +10,9 @@ import pytest
 from scipy import stats
 
 from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from privacy.mechanisms import NZC, nzc_report
-from privacy.randomness import make_rng
+from privacy.accounting.filter import RenyiFilter
+from privacy.accounting.report import analysis_report
+from privacy.mechanisms import NZC
 
 PAPER_CONSTANT, PAPER_SCALE = 1e100, 1e10
 # 250 teachers, two classes. D: a tie, the plurality is class 0 (lowest index).
@@ -70,8 +71,8 @@ def test_answers_are_not_epsilon_close_at_the_papers_settings():
 def test_executed_mechanism_is_deterministic_on_neighbours(noise):
     # The mechanism as run: answers on D are all 0 and on D' all 1 — P[A] = 1, P'[A] = 0.
     mechanism = NZC(PAPER_CONSTANT, **noise)
-    on_d = mechanism(np.tile(D, (20_000, 1)), make_rng(7)).labels
-    on_d_prime = mechanism(np.tile(D_PRIME, (20_000, 1)), make_rng(8)).labels
+    on_d = mechanism(np.tile(D, (20_000, 1)), np.random.default_rng(7)).labels
+    on_d_prime = mechanism(np.tile(D_PRIME, (20_000, 1)), np.random.default_rng(8)).labels
     assert np.all(on_d == 0) and np.all(on_d_prime == 1)
 
 
@@ -86,29 +87,34 @@ def test_papers_immutability_holds_only_under_the_untested_data_condition():
     # a property of the private votes, which NZC never checks privately.
     mechanism = NZC(PAPER_CONSTANT, laplace_scale=PAPER_SCALE)
     stable, neighbour = np.array([[130, 120]]), np.array([[129, 121]])
-    assert mechanism(stable, make_rng(0)).labels[0] == mechanism(neighbour, make_rng(1)).labels[0] == 0
+    assert mechanism(stable, np.random.default_rng(0)).labels[0] == mechanism(neighbour, np.random.default_rng(1)).labels[0] == 0
 
 
 def test_sound_report_is_unbounded_beside_the_claim(tmp_path):
     mechanism = NZC(PAPER_CONSTANT, laplace_scale=PAPER_SCALE)
     charge = mechanism.worst_case_charge(10)
     assert charge.unbounded and np.all(np.isinf(charge.rdp)) and charge.reason
-    result = mechanism(np.tile(D, (10, 1)), make_rng(0))
+    result = mechanism(np.tile(D, (10, 1)), np.random.default_rng(0))
     assert result.charge.unbounded
 
-    report = nzc_report(mechanism, queries=9000, delta=1e-5)
-    assert report["epsilon"] == math.inf and report["sound"] is False and report["reason"]
-    assert report["claimed_epsilon_per_query"] == pytest.approx(2e-10)
-    assert 0 < report["claimed_epsilon"] < 1e-6 and "claim" in report["claimed_epsilon_source"]
+    report = analysis_report(mechanism, np.tile(D, (9000, 1)), None, 1e-5).public()
+    guarantee = report["guarantee"]
+    assert guarantee["epsilon"] == math.inf and guarantee["basis"] == "unbounded" and not report["sound"]
+    assert "NZC adds the constant" in report["unsound_reasons"][0]
+    (claim,) = report["estimates"]  # the paper's figure, beside the guarantee, labelled
+    assert claim["name"] == "paper-claim" and claim["label"] == "estimate: not a DP guarantee"
+    assert claim["epsilon_per_query"] == pytest.approx(2e-10)
+    assert 0 < claim["epsilon"] < 1e-6 and "NOT a valid DP guarantee" in claim["source"]
 
-    # A ledger with a finite limit refuses NZC and records nothing; a report-only one shows ε = inf.
-    with PrivacyLedger(tmp_path / "finite.db", epsilon_limit=10.0, delta=1e-5) as ledger:
+    # A ledger with a budget refuses NZC and records nothing; a record-only one shows ε = inf.
+    vote = result.charge.for_records("add-remove", "one teacher per record")
+    with PrivacyLedger(tmp_path / "finite.db", 1e-5, RenyiFilter(10.0, 1e-5, 32.0)) as ledger:
         with pytest.raises(BudgetExceeded, match="no finite privacy guarantee"):
-            ledger.charge(result.charge)
+            ledger.charge(vote)
         assert ledger.report().charges == 0
-    with PrivacyLedger(tmp_path / "report.db", epsilon_limit=math.inf, delta=1e-5) as ledger:
-        spent = ledger.charge(result.charge)
-        assert spent.epsilon == math.inf and spent.sound is False
+    with PrivacyLedger(tmp_path / "record.db", 1e-5) as ledger:
+        spent = ledger.charge(vote)
+        assert spent.epsilon_spent == math.inf and not spent.bounded
 
 
 def test_claimed_epsilon_composes_as_the_paper_does():

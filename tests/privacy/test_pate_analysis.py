@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 
 from privacy.accounting import pate
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from privacy.accounting.report import analysis_report
+from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import build_mechanism
+from privacy.noise import NoisePolicy
 
 mp.mp.dps = 50
 ORDERS = np.array([1.5, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0])
@@ -65,20 +69,17 @@ def test_gnmax_data_independent_epsilon_matches_the_analytic_optimum():
     sigma, queries, delta = 40.0, 300, 1e-5
     best_order = 1 + sigma * math.sqrt(math.log(1 / delta) / queries)
     expected = queries / sigma**2 + 2 * math.sqrt(queries * math.log(1 / delta)) / sigma
-    votes = np.tile([250, 0, 0], (queries, 1))
     orders = np.array([2.0, best_order - 1, best_order, best_order + 1, 200.0])
-    report = pate.privacy_report(
-        build_mechanism("gnmax", sigma=sigma), votes, None, delta, orders=orders, conversion="classic",
-        rng=np.random.default_rng(0),
-    )
-    assert report["epsilon_data_independent"] == pytest.approx(expected, rel=1e-12)
-    assert report["order_data_independent"] == pytest.approx(best_order)
-    assert report["rdp_data_independent"] == pytest.approx((queries * orders / sigma**2).tolist(), rel=1e-12)
-    # the tight conversion never loses to the classic one
-    tight = pate.privacy_report(
-        build_mechanism("gnmax", sigma=sigma), votes, None, delta, orders=orders, rng=np.random.default_rng(0)
-    )
-    assert tight["epsilon_data_independent"] < expected
+    curve = queries * pate.gnmax_rdp_data_independent(sigma, orders)
+    assert curve == pytest.approx(queries * orders / sigma**2, rel=1e-12)
+    epsilon, order = epsilon_from_rdp(orders, curve, delta, conversion="classic")
+    assert epsilon == pytest.approx(expected, rel=1e-12) and order == pytest.approx(best_order)
+    # the run's guarantee (worst case of the file's queries, tight conversion on the ledger's
+    # grid) never loses to the classic optimum
+    report = analysis_report(build_mechanism("gnmax", sigma=sigma), np.tile([250, 0, 0], (queries, 1)), None, delta)
+    assert report.guarantee.basis == "worst-case" and report.guarantee.epsilon < expected
+    assert report.guarantee.epsilon == pytest.approx(
+        epsilon_from_rdp(DEFAULT_ORDERS, queries * DEFAULT_ORDERS / sigma**2, delta)[0], rel=1e-12)
 
 
 def test_lnmax_data_independent_is_min_of_zcdp_and_pure_bounds():
@@ -270,15 +271,12 @@ def test_cost_decreases_with_sigma_at_a_fixed_q_bound_and_data_independently():
     rng = np.random.default_rng(3)
     top = rng.integers(150, 250, size=100)
     votes = np.stack([top, 250 - top, np.zeros_like(top)], axis=1)
-    reports = [
-        pate.privacy_report(build_mechanism("gnmax", sigma=s), votes, None, 1e-5, rng=np.random.default_rng(0))
-        for s in sigmas
-    ]
-    independent = [r["epsilon_data_independent"] for r in reports]
+    reports = [analysis_report(build_mechanism("gnmax", sigma=s), votes, None, 1e-5) for s in sigmas]
+    independent = [r.guarantee.epsilon for r in reports]
     assert all(a > b for a, b in zip(independent, independent[1:]))
     # At fixed votes the data-dependent ε is NOT monotone in σ: less noise also shrinks q.
     # (σ = 10 costs less than σ = 30 on these confident votes.) Nothing here pretends otherwise.
-    dependent = [r["epsilon_data_dependent"] for r in reports]
+    dependent = [r.estimate("data-dependent").epsilon for r in reports]
     assert dependent[0] < dependent[2]
     assert all(d <= i + 1e-12 for d, i in zip(dependent, independent))
 
@@ -290,23 +288,22 @@ def test_confident_gnmax_charges_threshold_on_every_query_and_gnmax_on_answered(
     votes = np.array([[240, 10, 0], [120, 100, 30], [90, 80, 80], [250, 0, 0]])
     answered = np.array([True, False, False, True])
     mech = build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0)
-    costs = pate.query_costs(mech, votes, answered, ORDERS)
-    expected_ind = 4 * ORDERS / (2 * 150.0**2) + 2 * ORDERS / 40.0**2
-    assert costs.total_data_independent == pytest.approx(expected_ind)
+    realised = mech.run_charge(4, 2)
+    assert realised.rdp == pytest.approx(4 * DEFAULT_ORDERS / (2 * 150.0**2) + 2 * DEFAULT_ORDERS / 40.0**2)
     threshold = pate.threshold_rdp(pate.threshold_logq(votes, 200.0, 150.0), 150.0, ORDERS).sum(axis=0)
     gnmax = pate.gnmax_rdp(pate.gnmax_logq(votes[answered], 40.0), 40.0, ORDERS).sum(axis=0)
-    assert costs.total_data_dependent == pytest.approx(threshold + gnmax)
-    none = pate.query_costs(mech, votes, np.zeros(4, dtype=bool), ORDERS)
-    assert none.total_data_dependent == pytest.approx(threshold)
+    assert mech.data_dependent_rdp(votes, answered, ORDERS).sum(axis=0) == pytest.approx(threshold + gnmax)
+    none = mech.data_dependent_rdp(votes, np.zeros(4, dtype=bool), ORDERS).sum(axis=0)
+    assert none == pytest.approx(threshold)
 
 
 def test_mask_limits_gnmax_charges_to_answered_queries():
     votes = np.array([[240, 10, 0]] * 5)
     mech = build_mechanism("gnmax", sigma=40.0)
-    all_answered = pate.query_costs(mech, votes, None, ORDERS)
-    two = pate.query_costs(mech, votes, np.array([True, True, False, False, False]), ORDERS)
-    assert two.total_data_dependent == pytest.approx(all_answered.total_data_dependent * 2 / 5)
-    assert two.total_data_independent == pytest.approx(2 * ORDERS / 40.0**2)
+    every = mech.data_dependent_rdp(votes, np.ones(5, dtype=bool), ORDERS).sum(axis=0)
+    two = mech.data_dependent_rdp(votes, np.array([True, True, False, False, False]), ORDERS).sum(axis=0)
+    assert two == pytest.approx(every * 2 / 5)
+    assert mech.run_charge(5, 2).rdp == pytest.approx(2 * DEFAULT_ORDERS / 40.0**2)
 
 
 def mnist_like_votes(rng: np.random.Generator, queries: int = 640, teachers: int = 250, classes: int = 10):
@@ -321,31 +318,39 @@ def mnist_like_votes(rng: np.random.Generator, queries: int = 640, teachers: int
     return votes
 
 
-def test_mnist_settings_data_dependent_far_below_data_independent():
+def test_mnist_settings_data_dependent_far_below_the_guarantee():
     rng = np.random.default_rng(2018)
     votes = mnist_like_votes(rng)
     answered = votes.max(axis=1) + rng.normal(0, 150, size=len(votes)) >= 200  # the threshold step
     mech = build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0)
-    report = pate.privacy_report(mech, votes, answered, 1e-5, conversion="classic", rng=np.random.default_rng(1))
-    assert report["queries"] == 640 and report["answered"] == int(answered.sum())
-    assert report["sound"] is True
-    assert report["epsilon_data_dependent"] < 0.6 * report["epsilon_data_independent"]
-    # the data-independent figure is the closed form of Σ per-query Gaussian curves
-    orders = np.array(report["orders"])
-    ind = 640 * orders / (2 * 150.0**2) + answered.sum() * orders / 40.0**2
-    assert report["epsilon_data_independent"] == pytest.approx(
-        float(np.min(ind + math.log(1e5) / (orders - 1))), rel=1e-12
-    )
-    ss = report["smooth_sensitivity"]
-    assert ss["available"] and ss["conditions"] == {"C5": True, "C6": True}
-    # the published figure is the data-dependent one plus the release's cost and its noise
-    order = ss["order"]
-    rdp_at_order = report["rdp_data_dependent"][report["orders"].index(order)]
-    assert abs(ss["released_rdp"] - rdp_at_order) < 5 * ss["noise_std"]
-    assert report["epsilon_smooth_sensitivity"] == pytest.approx(
-        ss["released_rdp"] + ss["gnss_rdp"] + math.log(1e5) / (order - 1)
-    )
-    assert report["epsilon_smooth_sensitivity"] < report["epsilon_data_independent"]
+    smooth = SmoothSensitivityParameters(order=15.0, beta=0.4 / 15.0, sigma_ss=6.0)  # fixed in advance
+    report = analysis_report(mech, votes, answered, 1e-5, smooth=smooth, conversion="classic",
+                             noise=NoisePolicy(insecure_seed=1))
+    assert report.queries == 640 and report.answered == int(answered.sum())
+    # the guarantee: all 640 queries answered, plus the release's own cost, composed in RDP
+    planned = 640 * DEFAULT_ORDERS / (2 * 150.0**2) + 640 * DEFAULT_ORDERS / 40.0**2 + smooth.charge(DEFAULT_ORDERS).rdp
+    assert report.guarantee.epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, planned, 1e-5)[0], rel=1e-12)
+    dependent = report.estimate("data-dependent")
+    assert dependent.private and dependent.epsilon < 0.5 * report.guarantee.epsilon
+    released = report.estimate("smooth-sensitivity")
+    assert not released.private and released.details["available"]
+    # the released figure is the private one plus the release's cost and noise, at the fixed order
+    exact = mech.data_dependent_rdp(votes, answered, np.array([15.0])).sum()
+    assert abs(released.details["released_rdp"] - exact) < 2.0
+    assert released.epsilon == pytest.approx(
+        released.details["released_rdp"] + released.details["release_rdp_cost"] + math.log(1e5) / 14)
+    public = report.public()
+    assert [e["name"] for e in public["estimates"]] == ["smooth-sensitivity"]  # the private figure stays home
+    assert "smooth_sensitivity" not in json_keys(public) and "noise_std" not in json_keys(public)
+    assert not report.sound and "insecure_noise_seed" in report.guarantee.unsound_reasons[0]
+
+
+def json_keys(node) -> set[str]:
+    if isinstance(node, dict):
+        return set(node) | {k for v in node.values() for k in json_keys(v)}
+    if isinstance(node, list):
+        return {k for v in node for k in json_keys(v)}
+    return set()
 
 
 # --- NZC and stability ---------------------------------------------------------------------
@@ -353,25 +358,41 @@ def test_mnist_settings_data_dependent_far_below_data_independent():
 
 def test_nzc_report_is_unbounded_beside_the_papers_claim():
     votes = np.array([[130, 120, 0], [200, 50, 0]])
-    report = pate.privacy_report(build_mechanism("nzc", constant=1000.0, laplace_scale=20.0), votes, None, 1e-5)
-    assert report["sound"] is False and report["reason"]
-    assert math.isinf(report["epsilon_data_independent"]) and math.isinf(report["epsilon_data_dependent"])
-    assert all(math.isinf(v) for v in report["rdp_data_dependent"])
-    claim = report["claimed"]
-    assert claim["epsilon_per_query"] == pytest.approx(0.1)  # Theorem 4: 2γ = 2/b
+    report = analysis_report(build_mechanism("nzc", constant=1000.0, laplace_scale=20.0), votes, None, 1e-5)
+    assert not report.sound and math.isinf(report.guarantee.epsilon) and report.guarantee.unsound_reasons
+    claim = report.estimate("paper-claim")
+    assert claim.details["epsilon_per_query"] == pytest.approx(0.1)  # Theorem 4: 2γ = 2/b
     # T = 2 answers: the smaller of basic composition (2·2γ) and the advanced composition the
     # paper states, 4Tγ² + 2γ·sqrt(2T·log(1/δ))
     advanced = 4 * 2 * 0.05**2 + 0.1 * math.sqrt(4 * math.log(1e5))
-    assert claim["epsilon_total"] == pytest.approx(min(0.2, advanced))
-    assert "claim" in claim["label"] and "NOT" in claim["label"]
+    assert claim.epsilon == pytest.approx(min(0.2, advanced))
+    assert "NOT" in claim.source and claim.as_dict()["label"] == "estimate: not a DP guarantee"
 
 
 def test_stability_report_carries_its_epsilon_delta():
-    mech = build_mechanism("stability", epsilon=2.0, delta=1e-5, max_unstable=50)
-    report = pate.privacy_report(mech, np.array([[250, 0], [130, 120]]), None, 1e-5)
-    assert report["sound"] is True
-    assert report["epsilon_data_independent"] == pytest.approx(2.0)
-    assert report["delta"] == pytest.approx(1e-5)
+    mech = build_mechanism("stability", epsilon=2.0, delta=1e-6, max_unstable=50)
+    report = analysis_report(mech, np.array([[250, 0], [130, 120]]), None, 1e-5)
+    assert report.sound and report.estimates == ()
+    # the whole run's (2, 1e-6) is charged once; the guarantee converts it at δ − 1e-6
+    charge = mech.run_charge(2, 2)
+    assert charge.extra_delta == 1e-6
+    assert report.guarantee.epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, charge.rdp, 9e-6)[0])
+    # composed as RDP on a finite grid, pure ε = 2 converts to 2 plus a hair at the top order 8192
+    assert 2.0 <= report.guarantee.epsilon < 2.0 + 1e-3
+
+
+def test_a_budget_gives_the_filters_guarantee_and_says_whether_the_run_fits():
+    votes = mnist_like_votes(np.random.default_rng(5), queries=300)
+    mech = build_mechanism("gnmax", sigma=40.0)
+    worst = analysis_report(mech, votes, None, 1e-5).guarantee.epsilon
+    roomy = analysis_report(mech, votes, None, 1e-5, budget=worst + 1.0)
+    assert roomy.details["budget"]["fits"] and roomy.guarantee.epsilon == pytest.approx(worst)  # the better one
+    for_100 = 1.05 * analysis_report(mech, votes[:100], None, 1e-5).guarantee.epsilon
+    tight = analysis_report(mech, votes, np.arange(300) < 100, 1e-5, budget=for_100)
+    assert tight.details["budget"]["fits"]  # 100 of 300 answered: within a budget sized for 100
+    assert tight.guarantee.basis == "renyi-filter" and tight.guarantee.epsilon == for_100 < worst
+    over = analysis_report(mech, votes, None, 1e-5, budget=for_100)
+    assert not over.details["budget"]["fits"] and over.guarantee.basis == "worst-case"
 
 
 # --- input checks --------------------------------------------------------------------------
@@ -390,4 +411,4 @@ def test_stability_report_carries_its_epsilon_delta():
 )
 def test_bad_votes_are_rejected_with_a_message(votes, answered, message):
     with pytest.raises(ValueError, match=message):
-        pate.privacy_report(build_mechanism("gnmax", sigma=40.0), votes, answered, 1e-5)
+        analysis_report(build_mechanism("gnmax", sigma=40.0), votes, answered, 1e-5)

@@ -1,4 +1,4 @@
-"""Analyze Gauss DP-PCA and Laplace noisy counts: calibration, noise shape, separability."""
+"""Analyze Gauss DP-PCA and discrete-Laplace noisy counts: calibration, noise shape, separability."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +7,7 @@ from scipy import stats
 
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, pure_dp_rdp
 from privacy.counts import LaplaceCounts
+from privacy.noise import SECURE, NoisePolicy
 from privacy.pca import AnalyzeGauss, covariance_sum, gaussian_noise_for_epsilon, normalise_rows
 
 
@@ -45,8 +46,8 @@ def test_covariance_sum_is_separable_over_shards_and_rows_are_unit():
 
 def test_noise_is_symmetric_with_the_calibrated_scale():
     mechanism = AnalyzeGauss(epsilon=1.0, delta=1e-5)
-    rng = np.random.default_rng(1)
-    draws = np.stack([mechanism.noisy_covariance(np.zeros((6, 6)), rng) for _ in range(2000)])
+    noise = SECURE.source("dp-pca")
+    draws = np.stack([mechanism.noisy_covariance(np.zeros((6, 6)), noise) for _ in range(2000)])
     np.testing.assert_array_equal(draws, np.swapaxes(draws, 1, 2))
     upper = draws[:, *np.triu_indices(6)]
     assert upper.std() == pytest.approx(mechanism.noise_multiplier, rel=0.03)
@@ -57,7 +58,7 @@ def test_release_finds_the_dominant_subspace():
     rng = np.random.default_rng(2)
     basis = np.linalg.qr(rng.normal(size=(10, 2)))[0]
     x = rng.normal(size=(5000, 2)) * [3.0, 2.0] @ basis.T + 0.05 * rng.normal(size=(5000, 10))
-    projection = AnalyzeGauss(epsilon=1.0, delta=1e-5).release(covariance_sum(x), 2, rng)
+    projection = AnalyzeGauss(epsilon=1.0, delta=1e-5).release(covariance_sum(x), 2, SECURE.source("dp-pca"))
     assert projection.shape == (10, 2)
     # principal angles between the released and the true subspace are small
     cosines = np.linalg.svd(projection.T @ basis, compute_uv=False)
@@ -67,11 +68,12 @@ def test_release_finds_the_dominant_subspace():
 def test_laplace_counts_have_scale_one_over_epsilon():
     mechanism = LaplaceCounts(epsilon=0.5)
     counts = np.arange(20000) % 7
-    noise = mechanism.release(counts, np.random.default_rng(3)) - counts
-    assert mechanism.scale == 2.0
-    assert np.mean(np.abs(noise)) == pytest.approx(2.0, rel=0.03)  # E|Lap(b)| = b
-    assert stats.kstest(noise, stats.laplace(scale=2.0).cdf).pvalue > 0.01
-    assert stats.kstest(noise, stats.laplace(scale=1.5).cdf).pvalue < 1e-6
+    released = mechanism.release(counts, SECURE.source("counts"))
+    noise = released - counts
+    assert mechanism.scale == 2.0 and released.dtype == np.int64  # integers: nothing hides in low bits
+    t = np.exp(-1 / 2.0)
+    assert np.mean(np.abs(noise)) == pytest.approx(2 * t / (1 - t**2), rel=0.03)  # E|Z| of the discrete Laplace
+    assert np.mean(np.abs(noise)) > 1.1 * 2 * np.exp(-1 / 1.5) / (1 - np.exp(-2 / 1.5))  # not a larger ε's
     np.testing.assert_allclose(mechanism.charge().rdp, pure_dp_rdp(DEFAULT_ORDERS, 0.5))
 
 
@@ -82,7 +84,10 @@ def test_bad_inputs_are_refused():
         AnalyzeGauss(epsilon=-1, delta=1e-5)
     with pytest.raises(ValueError, match="delta"):
         AnalyzeGauss(epsilon=1, delta=0)
+    noise = NoisePolicy(insecure_seed=0).source("test")
     with pytest.raises(ValueError, match="non-negative"):
-        LaplaceCounts(1.0).release(np.array([-1.0]), np.random.default_rng(0))
+        LaplaceCounts(1.0).release(np.array([-1]), noise)
+    with pytest.raises(ValueError, match="integer"):
+        LaplaceCounts(1.0).release(np.array([1.5]), noise)
     with pytest.raises(ValueError, match="components"):
-        AnalyzeGauss(1.0, 1e-5).release(np.eye(3), 4, np.random.default_rng(0))
+        AnalyzeGauss(1.0, 1e-5).release(np.eye(3), 4, noise)

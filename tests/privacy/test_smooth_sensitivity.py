@@ -14,8 +14,10 @@ import pytest
 
 from privacy.accounting import pate
 from privacy.accounting import smooth_sensitivity as ss
-from privacy.accounting.rdp import epsilon_from_rdp
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
+from privacy.accounting.report import analysis_report
 from privacy.mechanisms import build_mechanism
+from privacy.noise import NoisePolicy
 
 # --- values from the PATE 2018 reference analysis' tests --------------------------------------
 
@@ -146,54 +148,74 @@ def test_gnss_rdp_is_theorem_23():
         ss.gnss_rdp(0.05, 5.0, 15.0)  # λ must stay below 1/(2β) = 10
 
 
-def test_optimal_sigma_minimises_cost_plus_two_noise_stds():
-    ls = np.full(50, 0.01)
-    beta, sigma_ss, smooth = ss.optimal_parameters(1.0, ls, 15.0)
-    assert 0.3 / 15 <= beta < 0.495 / 15
-    cost = lambda s: 15.0 * math.exp(2 * beta) / s**2 + 2 * smooth * s  # noqa: E731
-    assert cost(sigma_ss) < min(cost(0.99 * sigma_ss), cost(1.01 * sigma_ss))
+def test_default_parameters_come_from_the_planned_workload_alone():
+    planned = gaussian_charge(40.0 / math.sqrt(2), count=640)  # 640 GNMax answers at σ = 40
+    params = ss.SmoothSensitivityParameters.for_workload(planned, 1e-5)
+    _, worst_order = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)
+    assert params.order == pytest.approx(1 + 2 * (worst_order - 1))
+    assert params.beta == pytest.approx(0.4 / params.order)
+    # σ_ss puts the release's main cost term at 5% of the worst case at that order
+    worst_at_order = 640 * params.order / 40.0**2
+    assert params.order * math.exp(2 * params.beta) / params.sigma_ss**2 == pytest.approx(0.05 * worst_at_order)
+    with pytest.raises(ValueError, match="order < 1/\\(2 beta\\)"):
+        ss.SmoothSensitivityParameters(order=20.0, beta=0.03, sigma_ss=5.0)
+
+
+def test_the_release_is_charged_like_any_release():
+    params = ss.SmoothSensitivityParameters(order=20.0, beta=0.02, sigma_ss=5.0)
+    charge = params.charge(DEFAULT_ORDERS)
+    valid = DEFAULT_ORDERS < 25.0  # Theorem 23 holds below 1/(2β)
+    assert np.isinf(charge.rdp[~valid]).all()
+    assert charge.rdp[valid] == pytest.approx([ss.gnss_rdp(0.02, 5.0, lam) for lam in DEFAULT_ORDERS[valid]])
+    assert charge.neighbouring == "one-vote"
 
 
 def test_release_adds_gaussian_noise_scaled_to_smooth_sensitivity():
     ls = np.linspace(0.05, 0.01, 100)
-    released = ss.release(1.5, ls, 15.0, np.random.default_rng(7), beta=0.02, sigma_ss=6.0)
-    z = np.random.default_rng(7).normal(0.0, 1.0)
+    params = ss.SmoothSensitivityParameters(order=15.0, beta=0.02, sigma_ss=6.0)
+    policy = NoisePolicy(insecure_seed=7)
+    estimate = ss.release_estimate(ss.SmoothTerms(1.5, ls), params, 1e-5, "tight", policy.source("s"))
+    z = policy.source("s").rng.normal(0.0, 1.0)
     smooth = ss.smooth_sensitivity(ls, 0.02)
-    assert released.noise_std == pytest.approx(smooth * 6.0)
-    assert released.released_rdp == pytest.approx(1.5 + smooth * 6.0 * z)
-    assert released.gnss_rdp == pytest.approx(ss.gnss_rdp(0.02, 6.0, 15.0))
-    flat = ss.release(1.5, np.zeros(100), 15.0, np.random.default_rng(7))
-    assert flat.released_rdp == 1.5 and flat.noise_std == 0 and flat.gnss_rdp == 0
+    assert estimate.details["released_rdp"] == pytest.approx(1.5 + smooth * 6.0 * z)
+    assert estimate.details["release_rdp_cost"] == pytest.approx(ss.gnss_rdp(0.02, 6.0, 15.0))
+    assert "smooth_sensitivity" not in estimate.details and "noise_std" not in estimate.details
+    flat = ss.release_estimate(ss.SmoothTerms(1.5, np.zeros(100)), params, 1e-5, "tight", policy.source("s"))
+    assert flat.details["released_rdp"] == 1.5  # a cost equal on every histogram reveals nothing
 
 
 def test_report_release_with_fixed_public_parameters():
     votes = np.array([[240, 5, 5], [200, 40, 10], [250, 0, 0], [180, 60, 10]] * 20)
     mech = build_mechanism("gnmax", sigma=40.0)
-    report = pate.privacy_report(
-        mech, votes, None, 1e-5, rng=np.random.default_rng(5), ss_order=20.0, ss_beta=0.02, ss_sigma=5.0
-    )
-    release = report["smooth_sensitivity"]
-    assert release["available"] and release["parameters_from_data"] is False
-    assert release["order"] == 20.0 and release["beta"] == 0.02 and release["sigma_ss"] == 5.0
+    params = ss.SmoothSensitivityParameters(order=20.0, beta=0.02, sigma_ss=5.0)
+    report = analysis_report(mech, votes, None, 1e-5, smooth=params, noise=NoisePolicy(insecure_seed=5))
+    release = report.estimate("smooth-sensitivity")
+    assert release.details["available"] and not release.private
+    assert (release.details["order"], release.details["beta"], release.details["sigma_ss"]) == (20.0, 0.02, 5.0)
     ls = ss.gnmax_local_sensitivity_by_distance(votes, 250, 40.0, 20.0).sum(axis=0)
-    assert release["smooth_sensitivity"] == pytest.approx(ss.smooth_sensitivity(ls, 0.02))
     exact = pate.gnmax_rdp(pate.gnmax_logq(votes, 40.0), 40.0, [20.0]).sum()
-    z = np.random.default_rng(5).normal()
-    assert release["released_rdp"] == pytest.approx(exact + release["smooth_sensitivity"] * 5.0 * z)
-    expected, _ = epsilon_from_rdp([20.0], [release["released_rdp"] + release["gnss_rdp"]], 1e-5)
-    assert report["epsilon_smooth_sensitivity"] == pytest.approx(expected)
+    z = NoisePolicy(insecure_seed=5).source("smooth-sensitivity").rng.normal()
+    assert release.details["released_rdp"] == pytest.approx(exact + ss.smooth_sensitivity(ls, 0.02) * 5.0 * z)
+    expected, _ = epsilon_from_rdp([20.0], [release.details["released_rdp"] + ss.gnss_rdp(0.02, 5.0, 20.0)], 1e-5)
+    assert release.epsilon == pytest.approx(expected)
+    # the guarantee pays for the release: the worst case of 80 answers plus its own cost
+    planned = 80 * DEFAULT_ORDERS / 40.0**2 + params.charge(DEFAULT_ORDERS).rdp
+    assert report.guarantee.epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, planned, 1e-5)[0])
 
 
 def test_release_is_refused_when_conditions_fail():
     # σ = 3, k = 3, λ = 8 violates C6 (see above): no data-dependent figure may be published
     votes = np.array([[30, 0, 0], [20, 8, 2]])
-    report = pate.privacy_report(build_mechanism("gnmax", sigma=3.0), votes, None, 1e-5, orders=[8.0])
-    assert report["smooth_sensitivity"]["available"] is False
-    assert "C5/C6" in report["smooth_sensitivity"]["reason"]
-    assert report["epsilon_smooth_sensitivity"] is None
+    params = ss.SmoothSensitivityParameters(order=8.0, beta=0.05, sigma_ss=5.0)
+    report = analysis_report(build_mechanism("gnmax", sigma=3.0), votes, None, 1e-5, smooth=params)
+    release = report.estimate("smooth-sensitivity")
+    assert release.details["available"] is False and "C5/C6" in release.details["reason"]
+    assert release.epsilon is None
 
 
 def test_lnmax_has_no_release():
-    report = pate.privacy_report(build_mechanism("lnmax", laplace_scale=20.0), np.array([[250, 0]]), None, 1e-5)
-    assert report["smooth_sensitivity"]["available"] is False
-    assert report["epsilon_smooth_sensitivity"] is None
+    params = ss.SmoothSensitivityParameters(order=8.0, beta=0.05, sigma_ss=5.0)
+    report = analysis_report(build_mechanism("lnmax", laplace_scale=20.0), np.array([[250, 0]]), None, 1e-5,
+                             smooth=params)
+    release = report.estimate("smooth-sensitivity")
+    assert release.details["available"] is False and release.epsilon is None

@@ -1,6 +1,7 @@
-"""The stability + sparse-vector mechanism (Bassily, Thakkar, Thakurta 2018): its distance is
-sensitivity 1, its calibration meets the stated (ε, δ), and neighbouring histograms get
-output distributions within e^ε·P + δ of each other."""
+"""The stability + sparse-vector mechanism (Bassily, Thakkar, Thakurta 2018, calibrated as Lyu,
+Su & Li 2017, Alg. 1): its distance is sensitivity 1, its calibration meets the stated (ε, δ),
+neighbouring histograms get output distributions within e^ε·P + δ of each other, the
+propose-test-release failure stays within c·p₀, and the ledger pays for a run once."""
 from __future__ import annotations
 
 import functools
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from privacy.accounting.charge import ADD_REMOVE
+from privacy.accounting.ledger import PrivacyLedger
 from privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
 from privacy.mechanisms import ABSTAIN, Stability
-from privacy.mechanisms.stability import composed_epsilon, distance_to_instability, laplace_difference_tail
-from privacy.randomness import make_rng
+from privacy.mechanisms.stability import distance_to_instability, laplace_difference_tail
 
 RUNS = 10_000
 
@@ -27,7 +29,7 @@ def test_distance_hand_values():
 
 
 def test_distance_has_sensitivity_one_and_certifies_the_plurality():
-    rng = make_rng(0)
+    rng = np.random.default_rng(0)
     for votes in rng.multinomial(20, [0.5, 0.3, 0.1, 0.1], size=200):
         d = distance_to_instability(votes[None])[0]
         for a, b in itertools.permutations(range(4), 2):
@@ -49,15 +51,21 @@ def test_laplace_difference_tail_matches_monte_carlo():
         assert (diff >= t).mean() == pytest.approx(laplace_difference_tail(t, 4.0, 2.0), abs=3e-3)
 
 
-@pytest.mark.parametrize("epsilon, delta, cap, queries", [(1.0, 1e-5, 20, 1000), (8.0, 1e-5, 3, 100), (1.0, 0.2, 1, 1)])
-def test_calibration_meets_the_stated_guarantee(epsilon, delta, cap, queries):
-    mechanism = Stability(epsilon, delta, cap, queries)
-    eps1 = mechanism.instance_epsilon
-    assert eps1 >= epsilon / cap  # never worse than basic composition
-    assert composed_epsilon(eps1, cap, delta / 2) <= epsilon + 1e-12 or eps1 * cap <= epsilon + 1e-12
-    assert (mechanism.query_scale, mechanism.threshold_scale) == pytest.approx((4 / eps1, 2 / eps1))
-    assert queries * mechanism.failure_probability <= delta / 2
-    assert queries * mechanism.failure_probability >= 0.999 * delta / 2  # and not wastefully high
+@pytest.mark.parametrize("epsilon, delta, cap", [(1.0, 1e-5, 20), (8.0, 1e-5, 3), (1.0, 0.2, 1)])
+def test_calibration_meets_the_stated_guarantee(epsilon, delta, cap):
+    mechanism = Stability(epsilon, delta, cap)
+    epsilon1 = epsilon / (1 + (2 * cap) ** (2 / 3))  # Lyu et al.'s allocation between ρ and ν
+    assert mechanism.threshold_scale == pytest.approx(1 / epsilon1)
+    assert mechanism.query_scale == pytest.approx(2 * cap / (epsilon - epsilon1))
+    assert cap * mechanism.failure_probability <= delta  # the union over c segments
+    assert cap * mechanism.failure_probability >= 0.999 * delta  # and not wastefully low
+
+
+def test_threshold_at_one_abstention():
+    # ε = 1, δ = 1e-5, c = 1: ρ ~ Lap(2.587), ν ~ Lap(3.260); Pr[ν − ρ ≥ w] = δ at w ≈ 38.4
+    # (about 79 votes of margin), where a union over 1,000 queries needed w ≈ 75.
+    mechanism = Stability(1.0, 1e-5, 1)
+    assert mechanism.threshold == pytest.approx(38.415, abs=0.01)
 
 
 def pass_probability(mechanism: Stability, distance: int) -> float:
@@ -67,9 +75,9 @@ def pass_probability(mechanism: Stability, distance: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _outcomes(histogram: tuple[int, ...], seed: int) -> tuple[int, int, int]:
-    rng = make_rng(seed)
+    rng = np.random.default_rng(seed)
     votes = np.array([histogram])
-    labels = np.array([Stability(1.0, 0.2, 1, 1)(votes, rng).labels[0] for _ in range(RUNS)])
+    labels = np.array([Stability(1.0, 0.2, 1)(votes, rng).labels[0] for _ in range(RUNS)])
     return int((labels == 0).sum()), int((labels == 1).sum()), int((labels == ABSTAIN).sum())
 
 
@@ -86,9 +94,8 @@ def single_query_outcomes(histogram: np.ndarray, seed: int) -> np.ndarray:
     ],
 )
 def test_neighbouring_histograms_respect_the_bound(first, second):
-    mechanism = Stability(1.0, 0.2, 1, 1)  # one query, cap 1: a single ε′ = ε instance
-    epsilon, delta = mechanism.guarantee()
-    assert mechanism.instance_epsilon == epsilon
+    mechanism = Stability(1.0, 0.2, 1)  # one query: the whole run's (ε, δ) applies to it
+    epsilon, delta = mechanism.epsilon, mechanism.delta
 
     def exact(histogram: np.ndarray) -> np.ndarray:
         p = pass_probability(mechanism, int(distance_to_instability(histogram[None])[0]))
@@ -115,67 +122,118 @@ def test_neighbouring_histograms_respect_the_bound(first, second):
 
 
 def test_a_distance_zero_query_passes_with_at_most_the_failure_probability():
-    mechanism = Stability(1.0, 0.2, 1, 1)
+    mechanism = Stability(1.0, 0.2, 1)
     assert pass_probability(mechanism, 0) == pytest.approx(mechanism.failure_probability)
     counts = single_query_outcomes(np.array([125, 125]), 11)
     assert counts[1] == 0  # never the other class: on a tie class 0 is the plurality
     assert counts[0] / RUNS == pytest.approx(mechanism.failure_probability, abs=4 * math.sqrt(0.1 * 0.9 / RUNS))
 
 
+def test_propose_test_release_fails_at_most_c_times_p0():
+    """Monte Carlo over whole runs on a stream that keeps offering distance-0 queries between
+    stable ones: the share of runs in which some distance-0 query passed stays within c·p₀."""
+    cap = 4
+    mechanism_of = lambda: Stability(1.0, 0.4, cap)  # p₀ = δ/c = 0.1
+    p0 = mechanism_of().failure_probability
+    stream = np.array([[120, 0], [5, 5]] * 20)  # d = 59, then d = 0, twenty times
+    runs, failed = 3000, 0
+    rng = np.random.default_rng(7)
+    for _ in range(runs):
+        mechanism = mechanism_of()
+        labels = mechanism(stream, rng).labels
+        failed += bool(np.any(labels[1::2] != ABSTAIN))  # a tie answered: the test failed on an unstable query
+    rate, bound = failed / runs, cap * p0
+    assert rate <= bound + 4 * math.sqrt(bound * (1 - bound) / runs)
+    assert rate > p0  # more than one segment's worth: the union over segments is needed
+
+
 STABLE, UNSTABLE = np.array([10_000, 0]), np.array([5_000, 5_000])
 
 
+def committed(mechanism: Stability, votes: np.ndarray, rng: np.random.Generator):
+    result = mechanism(votes, rng)
+    result.commit()
+    return result
+
+
 def test_run_releases_exact_pluralities_until_the_cap_then_abstains():
-    mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=3, max_queries=100)
-    rng = make_rng(3)
-    eps1, p0 = mechanism.instance_epsilon, mechanism.failure_probability
+    mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=3)
+    rng = np.random.default_rng(3)
+    whole_run = pure_dp_rdp(DEFAULT_ORDERS, 8.0)
 
-    first = mechanism(np.array([STABLE, STABLE]), rng)
+    assert np.allclose(mechanism.worst_case_charge(2).rdp, whole_run)  # reserved before the run opens
+    first = committed(mechanism, np.array([STABLE, STABLE]), rng)
     assert first.labels.tolist() == [0, 0]
-    assert np.allclose(first.charge.rdp, pure_dp_rdp(DEFAULT_ORDERS, eps1))  # one instance
-    assert first.charge.extra_delta == pytest.approx(2 * p0)
+    assert np.allclose(first.charge.rdp, whole_run) and first.charge.extra_delta == 1e-5  # paid once, in full
 
-    # the open instance continues into this batch and is paid again; the ⊥ opens a second
-    second = mechanism(np.array([STABLE, UNSTABLE, STABLE[::-1]]), rng)
+    second = committed(mechanism, np.array([STABLE, UNSTABLE, STABLE[::-1]]), rng)
     assert second.labels.tolist() == [0, ABSTAIN, 1]
-    assert np.allclose(second.charge.rdp, 2 * pure_dp_rdp(DEFAULT_ORDERS, eps1))
+    assert np.all(second.charge.rdp == 0) and second.charge.extra_delta == 0  # the open run costs nothing more
     assert mechanism.unstable_count == 1 and not mechanism.exhausted
+    assert np.all(mechanism.worst_case_charge(10).rdp == 0)
 
-    worst = mechanism.worst_case_charge(10)
-    assert np.allclose(worst.rdp, 2 * pure_dp_rdp(DEFAULT_ORDERS, eps1))  # only 2 ⊥s left
-    assert worst.extra_delta == pytest.approx(10 * p0)
-
-    third = mechanism(np.array([UNSTABLE, STABLE, UNSTABLE, STABLE, STABLE]), rng)
-    assert third.labels.tolist() == [ABSTAIN, 0, ABSTAIN, ABSTAIN, ABSTAIN]  # cap reached at the third ⊥
-    assert np.allclose(third.charge.rdp, 2 * pure_dp_rdp(DEFAULT_ORDERS, eps1))
-    assert third.charge.extra_delta == pytest.approx(3 * p0)
+    third = committed(mechanism, np.array([UNSTABLE, STABLE, UNSTABLE, STABLE, STABLE]), rng)
+    assert third.labels.tolist() == [ABSTAIN, 0, ABSTAIN, ABSTAIN, ABSTAIN]  # stopped at the third ⊥
     assert mechanism.exhausted
-    assert np.all(third.charge.rdp <= worst.rdp + 1e-15)
 
-    after = mechanism(np.array([STABLE] * 4), rng)
+    after = committed(mechanism, np.array([STABLE] * 4), rng)
     assert np.all(after.labels == ABSTAIN)
     assert np.all(after.charge.rdp == 0) and after.charge.extra_delta == 0
-    assert np.all(mechanism.worst_case_charge(4).rdp == 0)
 
 
 def test_stops_after_max_queries():
     mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=3, max_queries=5)
-    result = mechanism(np.array([STABLE] * 8), make_rng(4))
+    result = committed(mechanism, np.array([STABLE] * 8), np.random.default_rng(4))
     assert result.labels.tolist() == [0] * 5 + [ABSTAIN] * 3
-    assert result.charge.extra_delta == pytest.approx(5 * mechanism.failure_probability)
     assert mechanism.exhausted
 
 
+def test_state_advances_only_on_commit():
+    mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=3)
+    refused = mechanism(np.array([UNSTABLE, UNSTABLE]), np.random.default_rng(5))
+    assert refused.labels.tolist() == [ABSTAIN, ABSTAIN]
+    # not committed (the ledger refused it): nothing moved, and the run is still unopened
+    assert mechanism.unstable_count == 0 and not mechanism.opened
+    assert np.allclose(mechanism.worst_case_charge(1).rdp, pure_dp_rdp(DEFAULT_ORDERS, 8.0))
+    accepted = mechanism(np.array([UNSTABLE]), np.random.default_rng(6))
+    accepted.commit()
+    assert mechanism.unstable_count == 1 and mechanism.opened
+    with pytest.raises(RuntimeError, match="state moved"):
+        refused.commit()  # computed from a state that is gone
+
+
+def test_a_ledger_pays_for_a_run_once_however_many_batches(tmp_path):
+    mechanism = Stability(epsilon=1.0, delta=1e-6, max_unstable=5)
+    rng = np.random.default_rng(8)
+    with PrivacyLedger(tmp_path / "ledger.db", 1e-5) as ledger:
+        for _ in range(1000):  # one-query batches, as a streaming client sends them
+            worst = mechanism.worst_case_charge(1).for_records(ADD_REMOVE, "one teacher per record")
+            result = mechanism(np.array([STABLE]), rng)
+            if not result.charge.is_free:
+                ledger.charge(result.charge.for_records(ADD_REMOVE, "one teacher per record"), worst_case=worst)
+            result.commit()
+        spent = ledger.spent()
+        assert ledger.report().charges == 1
+    assert np.allclose(spent.rdp, pure_dp_rdp(DEFAULT_ORDERS, 1.0)) and spent.extra_delta == 1e-6
+
+
 def test_concurrent_callers_never_pass_the_cap():
-    mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=25, max_queries=10_000)
+    mechanism = Stability(epsilon=8.0, delta=1e-5, max_unstable=25)
     batch = np.array([UNSTABLE, STABLE] * 5)
     results, start = [], threading.Barrier(8)
 
     def worker(seed: int) -> None:
-        rng = make_rng(seed)
+        rng = np.random.default_rng(seed)
         start.wait()
         for _ in range(5):
-            results.append(mechanism(batch, rng))
+            while True:  # optimistic: a batch computed from a state another caller moved is rerun
+                result = mechanism(batch, rng)
+                try:
+                    result.commit()
+                    break
+                except RuntimeError:
+                    continue
+            results.append(result)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
     for thread in threads:

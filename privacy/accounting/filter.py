@@ -1,0 +1,120 @@
+"""A privacy budget declared in advance and enforced at one fixed Rényi order.
+
+Why a filter: which releases a run makes, and what each costs, depend on earlier outputs
+(Confident-GNMax pays GNMax only for answered queries; a student stops when refused). RDP
+composition with such adaptively chosen costs is covered by Feldman & Zrnic, "Individual
+privacy accounting via a Rényi filter" (NeurIPS 2021), Thm 3.1: if every release is
+(α, ρ_t)-RDP with ρ_t chosen adaptively and Σ_t ρ_t ≤ B holds on every run, the whole run
+is (α, B)-RDP. A ledger that refuses any charge that would take the sum at **one fixed
+order α** past B enforces exactly that; the guarantee is the budget, not the realised spend.
+A filter on the minimum over many orders is not covered by the theorem.
+
+The order must be fixed before any private data is touched, from public settings only:
+``choose_order`` takes the planned worst-case workload (e.g. every planned query answered)
+and picks the grid order at which the budget admits the largest multiple of it.
+
+(α, B)-RDP converts to (ε, δ′)-DP by Balle et al. 2020, Thm 21 (the ledger's "tight"
+conversion); we solve it for B given the declared (ε, δ). Mechanisms that spend δ outside
+their RDP curve (the stability mechanism's propose-test-release failure) draw on
+``reserved_delta``, a separate cap fixed with the budget: on the event that none of those
+failures happens, the run is the RDP filter above (a union bound adds the reserved δ),
+so the curve is converted at δ′ = δ − reserved_delta.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import DEFAULT_ORDERS
+
+THEOREM = ("Rényi filter at a fixed order (Feldman & Zrnic, NeurIPS 2021, Thm 3.1), converted to (ε, δ) "
+           "by Balle et al. 2020, Thm 21")
+
+
+def rdp_budget(epsilon: float, delta: float, order: float) -> float:
+    """B such that (``order``, B)-RDP converts to exactly (``epsilon``, ``delta``)-DP (Balle et al. 2020, Thm 21)."""
+    lam = float(order)
+    return epsilon - math.log((lam - 1) / lam) + (math.log(delta) + math.log(lam)) / (lam - 1)
+
+
+@dataclass(frozen=True)
+class RenyiFilter:
+    """(``epsilon``, ``delta``) declared in advance, enforced as RDP ≤ ``rdp_budget`` at ``order``."""
+
+    epsilon: float
+    delta: float
+    order: float
+    reserved_delta: float = 0.0  # δ for releases that spend δ outside their RDP curve
+
+    def __post_init__(self) -> None:
+        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise ValueError(f"a budget needs a finite epsilon > 0, got {self.epsilon}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if not 0 <= self.reserved_delta < self.delta:
+            raise ValueError(f"reserved_delta must be in [0, delta), got {self.reserved_delta}")
+        if not (self.order > 1 and math.isfinite(self.order)):
+            raise ValueError(f"the filter's order must be a finite number > 1, got {self.order}")
+        if not self.rdp_budget > 0:
+            raise ValueError(
+                f"epsilon={self.epsilon:g} at delta={self.delta:g} leaves no RDP budget at order {self.order:g}"
+            )
+
+    @property
+    def curve_delta(self) -> float:
+        """The δ the RDP curve is converted at: δ − reserved_delta."""
+        return self.delta - self.reserved_delta
+
+    @property
+    def rdp_budget(self) -> float:
+        return rdp_budget(self.epsilon, self.curve_delta, self.order)
+
+    def admits(self, rdp_at_order: float, extra_delta: float) -> bool:
+        """Whether spent-plus-new (RDP at ``order``, δ outside the curve) stays within the budget."""
+        # A relative slack of 1e-12 absorbs the rounding of a sum that lands exactly on B.
+        return rdp_at_order <= self.rdp_budget * (1 + 1e-12) and extra_delta <= self.reserved_delta * (1 + 1e-12)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "rdp_budget": self.rdp_budget, "theorem": THEOREM}
+
+
+def order_index(order: float, orders: np.ndarray = DEFAULT_ORDERS) -> int:
+    """Position of ``order`` on the grid ``orders`` (the filter's order must be a grid order)."""
+    matches = np.flatnonzero(np.asarray(orders) == order)
+    if matches.size != 1:
+        raise ValueError(f"the filter's order {order:g} is not on the ledger's grid of orders")
+    return int(matches[0])
+
+
+def choose_order(planned: PrivacyCharge, epsilon: float, delta: float) -> float:
+    """The grid order where the budget (ε, δ) admits the largest multiple of ``planned``.
+
+    ``planned`` is the worst-case workload the run intends (public settings only: e.g. the
+    mechanism's charge with every planned query answered, or a DP-SGD schedule). Its
+    ``extra_delta`` is reserved out of δ.
+    """
+    if planned.unbounded:
+        raise ValueError(f"no budget can hold an unbounded workload ({planned.reason})")
+    curve_delta = delta - planned.extra_delta
+    if not curve_delta > 0:
+        raise ValueError(f"the planned workload's δ outside its RDP curve ({planned.extra_delta:g}) "
+                         f"leaves nothing of delta={delta:g}")
+    orders, rdp = planned.orders, planned.rdp
+    if not np.any(rdp > 0):
+        raise ValueError("the planned workload costs nothing: plan at least one release")
+    budgets = np.array([rdp_budget(epsilon, curve_delta, lam) for lam in orders])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(rdp > 0, budgets / rdp, np.inf)
+    ratio = np.where(np.isfinite(rdp) & (budgets > 0), ratio, -np.inf)
+    best = int(np.argmax(ratio))
+    if not ratio[best] > 0:
+        raise ValueError(f"epsilon={epsilon:g} at delta={delta:g} leaves no RDP budget at any order")
+    return float(orders[best])
+
+
+def filter_for(planned: PrivacyCharge, epsilon: float, delta: float) -> RenyiFilter:
+    """The filter a run declares before touching data: budget (ε, δ) at ``choose_order(planned)``."""
+    return RenyiFilter(epsilon, delta, choose_order(planned, epsilon, delta), reserved_delta=planned.extra_delta)

@@ -1,0 +1,118 @@
+"""The one answer to "what ε may I publish": a ``Guarantee`` that a theorem backs for every
+pair of neighbouring datasets, and ``Estimate``s that are labelled as not being one.
+
+A guarantee has one of three bases:
+
+* ``renyi-filter`` — the budget declared before the run, enforced by the ledger at a fixed
+  order (``privacy.accounting.filter``). It holds whatever the data and however the run
+  adapted, because the ledger refused everything past it.
+* ``worst-case`` — the data-independent worst case of work fixed in advance (e.g. every
+  planned query answered, a DP-SGD schedule), composed in RDP (Mironov 2017, Prop. 1,
+  which allows adaptively chosen mechanisms with fixed costs) and converted at its best
+  order (Balle et al. 2020, Thm 21). Stopping early is post-processing, so it still holds.
+* ``unbounded`` — no finite ε holds (NZC as published, or a run with neither).
+
+Where a run has both a budget and fixed planned work, both are theorems for the same run,
+so the smaller ε at the same δ holds (``best``). A run whose noise was reproducible
+(``privacy.noise``) gets ``sound = False`` and the reason, whatever its ε.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from privacy.accounting.charge import NEIGHBOURING, PrivacyCharge
+from privacy.accounting.filter import THEOREM as FILTER_THEOREM
+from privacy.accounting.filter import RenyiFilter
+from privacy.accounting.rdp import epsilon_from_rdp
+
+WORST_CASE_THEOREM = ("data-independent worst case of the planned work: RDP composition (Mironov 2017, Prop. 1), "
+                      "converted at its best order (Balle et al. 2020, Thm 21)")
+NOT_A_GUARANTEE = "estimate: not a DP guarantee"
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """(ε, δ)-DP for every pair of ``neighbouring`` datasets, by ``theorem``."""
+
+    epsilon: float
+    delta: float
+    basis: str  # "renyi-filter" | "worst-case" | "unbounded"
+    neighbouring: str
+    theorem: str
+    order: float | None = None  # the RDP order the figure comes from
+    unsound_reasons: tuple[str, ...] = ()
+
+    @property
+    def sound(self) -> bool:
+        return not self.unsound_reasons and math.isfinite(self.epsilon)
+
+    def marked(self, reasons: tuple[str, ...]) -> Guarantee:
+        """The same figure with more reasons it is not sound (e.g. reproducible noise)."""
+        extra = tuple(r for r in reasons if r and r not in self.unsound_reasons)
+        return Guarantee(self.epsilon, self.delta, self.basis, self.neighbouring, self.theorem, self.order,
+                         self.unsound_reasons + extra)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"epsilon": self.epsilon, "delta": self.delta, "basis": self.basis,
+                "neighbouring": self.neighbouring, "neighbouring_means": NEIGHBOURING.get(self.neighbouring, ""),
+                "theorem": self.theorem, "order": self.order, "sound": self.sound,
+                "unsound_reasons": list(self.unsound_reasons)}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A data-dependent or claimed figure: shown beside the guarantee, never as one.
+
+    ``private`` estimates are computed from private data without a mechanism: they may be
+    shown to the data holder (``conclave analyze``) but never leave in a run's outputs.
+    """
+
+    name: str
+    epsilon: float | None
+    delta: float
+    source: str  # the analysis or the claim it comes from
+    private: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "epsilon": self.epsilon, "delta": self.delta, "label": NOT_A_GUARANTEE,
+                "source": self.source, "private": self.private, **self.details}
+
+
+def filter_guarantee(budget: RenyiFilter, neighbouring: str) -> Guarantee:
+    return Guarantee(budget.epsilon, budget.delta, "renyi-filter", neighbouring, FILTER_THEOREM, budget.order)
+
+
+def worst_case_guarantee(planned: PrivacyCharge, delta: float) -> Guarantee:
+    """The guarantee of work fixed in advance whose worst-case cost is ``planned``."""
+    if planned.unbounded:
+        return unbounded_guarantee(delta, planned.neighbouring, planned.reason)
+    curve_delta = delta - planned.extra_delta
+    if not curve_delta > 0:
+        return unbounded_guarantee(delta, planned.neighbouring,
+                                   f"the work spends δ {planned.extra_delta:g} outside its RDP curve, not below {delta:g}")
+    epsilon, order = epsilon_from_rdp(planned.orders, planned.rdp, curve_delta)
+    return Guarantee(epsilon, delta, "worst-case", planned.neighbouring, WORST_CASE_THEOREM,
+                     None if math.isnan(order) else order)
+
+
+def unbounded_guarantee(delta: float, neighbouring: str, reason: str) -> Guarantee:
+    return Guarantee(math.inf, delta, "unbounded", neighbouring, "none: " + reason, None, (reason,))
+
+
+def best(*guarantees: Guarantee | None) -> Guarantee:
+    """The smallest ε among guarantees of the same run at the same δ (each holds, so the minimum does)."""
+    candidates = [g for g in guarantees if g is not None]
+    if not candidates:
+        raise ValueError("no guarantee to choose from")
+    if len({(g.delta, g.neighbouring) for g in candidates}) != 1:
+        raise ValueError("guarantees of one run must share δ and the neighbouring relation")
+    bounded = [g for g in candidates if math.isfinite(g.epsilon)]
+    if not bounded:
+        return candidates[0]
+    winner = min(bounded, key=lambda g: g.epsilon)
+    # Reasons against soundness (reproducible noise) apply to the run, whatever the basis.
+    reasons = tuple(r for g in candidates for r in g.unsound_reasons if g.basis != "unbounded")
+    return winner.marked(reasons)

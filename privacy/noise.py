@@ -1,0 +1,119 @@
+"""Where DP noise comes from: OS entropy, always, unless a run asks loudly for the opposite.
+
+A run's experiment seed decides splits, initialisation and batch order; it never decides
+noise. If it did, anyone holding the repository could replay the noise and subtract it:
+the privacy loss would be unbounded. So every process that draws DP noise gets a
+``NoiseSource`` from a ``NoisePolicy``:
+
+* the default policy seeds a PCG64DXSM generator with 256 bits from the operating system's
+  CSPRNG (``secrets``) for every source, and draws released floating-point values and
+  counts with OpenDP's samplers, which sample the discrete Laplace / discrete Gaussian
+  exactly (Canonne, Kamath & Steinke, NeurIPS 2020) and so do not leak through the low
+  bits of a textbook float sampler (Mironov, CCS 2012);
+* ``NoisePolicy(insecure_seed=N)`` derives every source from N and a stream name, for
+  debugging and tests. Such noise can be replayed, so every report of such a run carries
+  ``sound: false`` with ``INSECURE_REASON``.
+
+Mechanisms that release only an argmax (the vote mechanisms) use ``NoiseSource.rng``;
+released numbers use ``laplace_counts`` and ``gaussian``; torch code (DP-SGD noise and
+Poisson sampling) seeds its generators with ``NoiseSource.seed()``.
+"""
+from __future__ import annotations
+
+import functools
+import secrets
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+INSECURE_REASON = (
+    "DP noise was drawn from the public seed privacy.insecure_noise_seed={seed}: anyone with the seed "
+    "can replay and subtract it, so no epsilon holds for this run"
+)
+
+
+@dataclass(frozen=True)
+class NoisePolicy:
+    """How a run draws DP noise; picklable, so actors build their own sources from it."""
+
+    insecure_seed: int | None = None  # None: OS entropy (the only sound choice)
+
+    @property
+    def sound(self) -> bool:
+        return self.insecure_seed is None
+
+    @property
+    def unsound_reason(self) -> str | None:
+        return None if self.sound else INSECURE_REASON.format(seed=self.insecure_seed)
+
+    def source(self, stream: str) -> NoiseSource:
+        """A fresh source for one named use (``stream``, e.g. "aggregator", "dp-pca").
+
+        With OS entropy every call is independent. With an insecure seed the stream name
+        picks the sub-stream, so callers must name each release differently.
+        """
+        if self.insecure_seed is None:
+            return NoiseSource(np.random.Generator(np.random.PCG64DXSM(secrets.randbits(256))), secure=True)
+        sequence = np.random.SeedSequence(entropy=self.insecure_seed, spawn_key=(zlib.crc32(stream.encode()),))
+        return NoiseSource(np.random.Generator(np.random.PCG64DXSM(sequence)), secure=False)
+
+
+SECURE = NoisePolicy()
+
+
+class NoiseSource:
+    """One process's DP noise for one use; see the module docstring."""
+
+    def __init__(self, rng: np.random.Generator, secure: bool) -> None:
+        self.rng = rng
+        self.secure = secure
+
+    def seed(self) -> int:
+        """A 63-bit seed for another generator (e.g. torch's): from the OS when secure."""
+        return secrets.randbits(63) if self.secure else int(self.rng.integers(0, 2**63 - 1))
+
+    def laplace_counts(self, counts: np.ndarray, scale: float) -> np.ndarray:
+        """Integer ``counts`` plus discrete Laplace noise, P(z) ∝ exp(−|z|/scale): ε = Δ₁/scale."""
+        values = np.asarray(counts)
+        if not np.issubdtype(values.dtype, np.integer) or values.ndim != 1:
+            raise ValueError(f"expected a 1-D integer vector of counts, got {values.dtype} {values.shape}")
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        if self.secure:
+            return np.asarray(_opendp_laplace_ints(float(scale))(values.astype(np.int64).tolist()), dtype=np.int64)
+        # Difference of two geometric variables is discrete Laplace (insecure path only).
+        p = -np.expm1(-1.0 / scale)
+        return values.astype(np.int64) + self.rng.geometric(p, values.shape) - self.rng.geometric(p, values.shape)
+
+    def gaussian(self, values: np.ndarray, sigma: float) -> np.ndarray:
+        """Float ``values`` plus N(0, σ²) noise, sampled exactly and rounded once (no low-bit leak)."""
+        array = np.asarray(values, dtype=np.float64)
+        if not np.isfinite(array).all():
+            raise ValueError("values to be released must be finite")
+        if not sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {sigma}")
+        if self.secure:
+            flat = _opendp_gaussian_floats(float(sigma))(array.reshape(-1).tolist())
+            return np.asarray(flat, dtype=np.float64).reshape(array.shape)
+        return array + self.rng.normal(0.0, sigma, size=array.shape)
+
+
+# OpenDP measurements are built once per scale; building one costs more than a small release.
+
+
+@functools.lru_cache(maxsize=64)
+def _opendp_laplace_ints(scale: float):
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp.m.make_laplace(dp.vector_domain(dp.atom_domain(T=int)), dp.l1_distance(T=int), scale=scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _opendp_gaussian_floats(sigma: float):
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp.m.make_gaussian(dp.vector_domain(dp.atom_domain(T=float, nan=False)), dp.l2_distance(T=float),
+                              scale=sigma)
