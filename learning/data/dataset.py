@@ -8,6 +8,7 @@ only be finite.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -112,15 +113,31 @@ def split_datasets(train: Dataset, test: Dataset, *, public_size: int, seed: int
     )
 
 
-def shard(dataset: Dataset, num_shards: int, seed: int) -> list[Dataset]:
-    """Split ``dataset`` into ``num_shards`` disjoint shards covering it, sizes differing by ≤ 1.
+SHARD_LEMMA = ("a record's shard is a keyed hash of the record alone (learning.data.shard), so adding or "
+               "removing one record changes one shard: one teacher's training set, hence at most one vote")
 
-    Examples are shuffled with ``seed`` first, so each teacher sees a random slice
-    rather than, say, a block of sorted labels.
+
+def record_hashes(dataset: Dataset, key: int) -> np.ndarray:
+    """uint64 per record: a BLAKE2b hash, keyed with ``key``, of the record's own bytes (input and label)."""
+    key_bytes = int(key).to_bytes(16, "little", signed=True)
+    rows = np.ascontiguousarray(dataset.x).reshape(len(dataset), -1)
+    labels = dataset.y.astype("<i8")
+    return np.array([int.from_bytes(hashlib.blake2b(row.tobytes() + label.tobytes(), digest_size=8,
+                                                     key=key_bytes).digest(), "little")
+                     for row, label in zip(rows, labels)], dtype=np.uint64)
+
+
+def shard(dataset: Dataset, num_shards: int, seed: int) -> list[Dataset]:
+    """Split ``dataset`` into ``num_shards`` disjoint shards that cover it.
+
+    A record's shard is a keyed hash of the record itself (``record_hashes`` with key
+    ``seed``), not of its position: adding or removing one record changes exactly one shard,
+    so a teacher ensemble's one-vote analysis holds for add/remove neighbours (a shuffle of
+    positions would reshuffle every shard). Shard sizes are therefore equal only on
+    average (multinomial); records keep their source order within a shard.
     """
     if not 1 <= num_shards <= len(dataset):
         raise ValueError(f"num_shards must be in [1, {len(dataset)}] for {dataset.name} "
                          f"({len(dataset)} examples), got {num_shards}")
-    order = np.random.default_rng(seed).permutation(len(dataset))
-    return [dataset.subset(np.sort(part), f"{dataset.name}/shard{i}")
-            for i, part in enumerate(np.array_split(order, num_shards))]
+    assignment = record_hashes(dataset, seed) % np.uint64(num_shards)
+    return [dataset.subset(np.flatnonzero(assignment == i), f"{dataset.name}/shard{i}") for i in range(num_shards)]

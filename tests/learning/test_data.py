@@ -378,20 +378,38 @@ def test_the_student_side_of_splits_has_no_private_split():
     assert not hasattr(student, "private")
 
 
-@pytest.mark.parametrize("n, num_shards", [(100, 7), (250, 250), (10, 1), (1297, 250)])
-def test_shards_are_disjoint_cover_everything_and_balanced(n, num_shards):
+@pytest.mark.parametrize("n, num_shards", [(100, 7), (250, 250), (10, 1), (1297, 250), (20000, 10)])
+def test_shards_are_disjoint_cover_everything_and_balanced_on_average(n, num_shards):
     dataset = indexed_dataset(n)
     shards = shard(dataset, num_shards, seed=5)
     members = [ids(s, n) for s in shards]
     assert len(shards) == num_shards
     assert sorted(np.concatenate(members).tolist()) == list(range(n))  # disjoint and covering
-    sizes = [len(s) for s in shards]
-    assert max(sizes) - min(sizes) <= 1
+    sizes = np.array([len(s) for s in shards])
+    mean = n / num_shards  # multinomial sizes: within 6 standard deviations of the mean
+    assert np.all(np.abs(sizes - mean) <= 6 * np.sqrt(mean * (1 - 1 / num_shards)) + 1)
     assert all(np.array_equal(s.y, dataset.y[m]) for s, m in zip(shards, members))
+    assert all(np.all(np.diff(m) > 0) for m in members)  # source order kept
     again = shard(dataset, num_shards, seed=5)
     assert all(np.array_equal(a.x, b.x) for a, b in zip(shards, again))
     if num_shards > 1:
         assert not all(np.array_equal(a.x, b.x) for a, b in zip(shards, shard(dataset, num_shards, seed=6)))
+
+
+def test_adding_or_removing_one_record_changes_exactly_one_shard():
+    dataset = indexed_dataset(300)
+    before = shard(dataset, 25, seed=9)
+    extra = indexed_dataset(301).subset([300])  # a record not in the dataset
+    grown = Dataset(np.concatenate([dataset.x, extra.x]), np.concatenate([dataset.y, extra.y]),
+                    dataset.num_classes, dataset.name)
+    after = shard(grown, 25, seed=9)
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if not np.array_equal(a.x, b.x)]
+    assert len(changed) == 1 and len(after[changed[0]]) == len(before[changed[0]]) + 1
+    for removed in (0, 137, 299):
+        smaller = dataset.subset(np.delete(np.arange(300), removed))
+        after = shard(smaller, 25, seed=9)
+        changed = [i for i, (a, b) in enumerate(zip(before, after)) if not np.array_equal(a.x, b.x)]
+        assert len(changed) == 1 and len(after[changed[0]]) == len(before[changed[0]]) - 1
 
 
 def test_shard_rejects_impossible_counts():
