@@ -29,11 +29,15 @@ Two ways to train:
 
     Every epoch rank 0 saves a checkpoint carrying its ε; the driver charges the ledger with
     ``DPCheckpoint.charge()`` of the checkpoint it releases.
+
+Noise and Poisson sampling come from the run's ``NoisePolicy`` (OS entropy unless the run asks
+for reproducible, unsound noise), drawn in the process that uses them; the schedule (q, σ,
+steps) comes from ``learning.dpsgd.dp_schedule`` alone. No loss or other statistic of the
+private data leaves these processes: only DP weights, their ε, and noisy releases.
 """
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +51,7 @@ from torch import nn
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
 from learning.data.features import apply_features
-from learning.dpsgd import DPSGDConfig, lr_scheduler, torch_generator, train_dp
+from learning.dpsgd import DPSGDConfig, dp_schedule, lr_scheduler, torch_generator, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
 from learning.models import build_model
 from learning.selection.entropy import logit_entropy
@@ -55,8 +59,8 @@ from learning.training import embed, predict_logits
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import sampled_gaussian_charge
 from privacy.counts import LaplaceCounts
+from privacy.noise import NoisePolicy
 from privacy.pca import AnalyzeGauss
-from privacy.randomness import make_rng
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,6 @@ class DPCheckpoint:
     sample_rate: float
     noise_multiplier: float
     steps: int
-    loss: float
     state: dict[str, np.ndarray] = field(repr=False)
 
     def charge(self) -> PrivacyCharge:
@@ -158,19 +161,19 @@ class ShardActor:
     def size(self) -> int:
         return len(self._data)
 
-    def train_dp(self, config: DPSGDConfig, progress: bool = False) -> list[DPCheckpoint]:
+    def train_dp(self, config: DPSGDConfig, noise: NoisePolicy, progress: bool = False) -> list[DPCheckpoint]:
         """DP-SGD alone on the held shards; one checkpoint per epoch (the weights are DP output)."""
         model = self._spec.build()
         snapshots: list[dict[str, np.ndarray]] = []
         # train_dp updates ``model``'s parameters in place, so a snapshot after each epoch is
         # that epoch's DP model.
-        result = train_dp(model, self._data, config, on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)),
-                          progress=progress)
+        result = train_dp(model, self._data, config, noise.source("dpsgd"),
+                          on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)), progress=progress)
         steps_per_epoch = result.steps // config.epochs
         self.set_weights(snapshots[-1])
         return [DPCheckpoint(epoch + 1, eps, config.delta, result.sample_rate, result.noise_multiplier,
-                             steps_per_epoch * (epoch + 1), loss, state)
-                for epoch, (eps, loss, state) in enumerate(zip(result.epsilons, result.losses, snapshots))]
+                             steps_per_epoch * (epoch + 1), state)
+                for epoch, (eps, state) in enumerate(zip(result.epsilons, snapshots))]
 
     def set_weights(self, state: dict[str, np.ndarray]) -> None:
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
@@ -195,38 +198,34 @@ class ShardActor:
 
 
 @ray.remote(num_cpus=0)
-def _release_projection(mechanism: AnalyzeGauss, components: int, seed: int | None, *parts: np.ndarray) -> np.ndarray:
+def _release_projection(mechanism: AnalyzeGauss, components: int, noise: NoisePolicy, *parts: np.ndarray) -> np.ndarray:
     # Ray resolves ``parts`` (object refs from the shard actors) here, not on the driver.
-    return mechanism.release(np.sum(parts, axis=0), components, make_rng(seed))
+    return mechanism.release(np.sum(parts, axis=0), components, noise.source("dp-pca"))
 
 
 @ray.remote(num_cpus=0)
-def _release_counts(mechanism: LaplaceCounts, seed: int | None, *parts: np.ndarray) -> np.ndarray:
-    return mechanism.release(np.sum(parts, axis=0), make_rng(seed))
+def _release_counts(mechanism: LaplaceCounts, noise: NoisePolicy, *parts: np.ndarray) -> np.ndarray:
+    return mechanism.release(np.sum(parts, axis=0), noise.source("support-counts"))
 
 
 class ShardSupport:
     """NearPrivate's ``PrivateSupport`` over shard actors: sums inside the actors, noise added
-    once to the total in a Ray task, the ledger charged (``charge``) before each release.
-    ``seed=None`` (serving) draws the noise from OS entropy."""
+    once to the total in a Ray task, the ledger charged (``charge``) before each release."""
 
     def __init__(self, actors: Sequence, pca: AnalyzeGauss, counts: LaplaceCounts,
-                 charge: Callable[[PrivacyCharge], object], seed: int | None) -> None:
+                 charge: Callable[[PrivacyCharge], object], noise: NoisePolicy) -> None:
         self._actors, self._pca, self._counts, self._charge = list(actors), pca, counts, charge
-        self._seeds = None if seed is None else np.random.SeedSequence(seed)
-
-    def _next_seed(self) -> int | None:
-        return None if self._seeds is None else int(self._seeds.spawn(1)[0].generate_state(1)[0])
+        self._noise = noise
 
     def dp_projection(self, components: int) -> np.ndarray:
         parts = [a.covariance_sum.remote() for a in self._actors]
         self._charge(self._pca.charge())
-        return ray.get(_release_projection.remote(self._pca, components, self._next_seed(), *parts))
+        return ray.get(_release_projection.remote(self._pca, components, self._noise, *parts))
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
         parts = [a.support_counts.remote(projection, public_points, threshold) for a in self._actors]
         self._charge(self._counts.charge())
-        return ray.get(_release_counts.remote(self._counts, self._next_seed(), *parts))
+        return ray.get(_release_counts.remote(self._counts, self._noise, *parts))
 
 
 # ---- (b) data-parallel DP-SGD with Ray Train ---------------------------------------------
@@ -238,13 +237,13 @@ def _distributed_worker(cfg: dict) -> None:
     import torch.distributed as dist
     from opacus import GradSampleModule
     from opacus.accountants import RDPAccountant
-    from opacus.accountants.utils import get_noise_multiplier
     from opacus.data_loader import DPDataLoader
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from opacus.optimizers import DistributedDPOptimizer
     from torch.utils.data import TensorDataset
 
     config: DPSGDConfig = cfg["dpsgd"]
+    noise: NoisePolicy = cfg["noise"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.set_num_threads(cfg["torch_threads"])
@@ -252,32 +251,29 @@ def _distributed_worker(cfg: dict) -> None:
 
     total = torch.tensor([len(data)], dtype=torch.long)
     dist.all_reduce(total)  # N, the size of the union (public in DP-SGD's analysis, as in train_dp)
-    n_total = int(total.item())
-    sample_rate = 1 / math.ceil(n_total / config.batch_size)
-    sigma = config.noise_multiplier or get_noise_multiplier(
-        target_epsilon=config.target_epsilon, target_delta=config.delta, sample_rate=sample_rate,
-        epochs=config.epochs, accountant="rdp", epsilon_tolerance=0.005)
+    schedule = dp_schedule(int(total.item()), config)
+    sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
 
     model = cfg["model"].build()
     private_model = GradSampleModule(DPDDP(model))  # DPDDP broadcasts rank 0's weights
-    base_seed = None if config.seed is None else config.seed * 1000
     optimizer = DistributedDPOptimizer(
         torch.optim.SGD(private_model.parameters(), lr=config.lr, momentum=config.momentum),
         noise_multiplier=sigma, max_grad_norm=config.max_grad_norm,
-        expected_batch_size=sample_rate * n_total / world,  # per worker: the all-reduce mean divides by W
-        generator=torch_generator(None if base_seed is None else base_seed + 999))
+        # per worker: the all-reduce mean divides by W
+        expected_batch_size=sample_rate * int(total.item()) / world,
+        generator=torch_generator(noise.source(f"dpsgd-noise-{rank}")), secure_mode=True)
     accountant = RDPAccountant()
     optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-    # Independent Poisson draws per worker (distinct seeds), same rate, same number of steps.
+    # Independent Poisson draws per worker, same rate, same number of steps.
     loader = DPDataLoader(TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y)),
-                          sample_rate=sample_rate,
-                          generator=torch_generator(None if base_seed is None else base_seed + rank))
-    scheduler = lr_scheduler(optimizer.original_optimizer, config, total_steps=len(loader) * config.epochs)
+                          sample_rate=sample_rate, generator=torch_generator(noise.source(f"dpsgd-sampling-{rank}")))
+    if len(loader) * config.epochs != schedule.steps:
+        raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
+    scheduler = lr_scheduler(optimizer.original_optimizer, config, total_steps=schedule.steps)
     criterion = nn.CrossEntropyLoss()
     steps = 0
     for epoch in range(1, config.epochs + 1):
         private_model.train()
-        stats = torch.zeros(2, dtype=torch.float64)
         for x, y in loader:
             optimizer.zero_grad()
             out = private_model(x)
@@ -287,21 +283,20 @@ def _distributed_worker(cfg: dict) -> None:
             optimizer.step()
             scheduler.step()
             steps += 1
-            stats += torch.tensor([float(loss.detach()) * len(y), len(y)], dtype=torch.float64)
-        dist.all_reduce(stats)
         epsilon = float(accountant.get_epsilon(config.delta))
-        metrics = {"epoch": epoch, "loss": float(stats[0] / max(stats[1], 1)), "epsilon": epsilon, "steps": steps}
+        metrics = {"epoch": epoch, "epsilon": epsilon, "steps": steps}  # nothing about the data itself
         if rank == 0:
             with tempfile.TemporaryDirectory() as directory:
-                DPCheckpoint(epoch, epsilon, config.delta, sample_rate, float(sigma), steps, metrics["loss"],
+                DPCheckpoint(epoch, epsilon, config.delta, sample_rate, float(sigma), steps,
                              _state_of(model)).save(Path(directory) / "dp_checkpoint.pt")
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
         else:
             ray.train.report(metrics)
 
 
-def train_distributed(source: PrivateSource, model: ModelSpec, config: DPSGDConfig, storage_path: str,
-                      name: str = "dpsgd", cpus_per_worker: float = 1.0, torch_threads: int = 1) -> list[DPCheckpoint]:
+def train_distributed(source: PrivateSource, model: ModelSpec, config: DPSGDConfig, noise: NoisePolicy,
+                      storage_path: str, name: str = "dpsgd", cpus_per_worker: float = 1.0,
+                      torch_threads: int = 1) -> list[DPCheckpoint]:
     """Central-equivalent DP-SGD over ``source.num_shards`` Ray Train workers (one shard each);
     returns one checkpoint per epoch, oldest first."""
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
@@ -309,7 +304,8 @@ def train_distributed(source: PrivateSource, model: ModelSpec, config: DPSGDConf
 
     trainer = TorchTrainer(
         _distributed_worker,
-        train_loop_config={"source": source, "model": model, "dpsgd": config, "torch_threads": torch_threads},
+        train_loop_config={"source": source, "model": model, "dpsgd": config, "noise": noise,
+                           "torch_threads": torch_threads},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=source.num_shards, use_gpu=False,
                                      resources_per_worker={"CPU": cpus_per_worker}),

@@ -4,7 +4,8 @@ The actor reads its private data itself (``TransferSource.load``), so it never p
 through the driver. It receives the *public* pre-trained weights, builds the variant's plan
 (the mask comes from those public weights only), charges the run's ledger with the DP-SGD
 schedule's cost *before* training, then trains with ``learning.dpsgd.train_dp`` and returns
-the DP model's weights — the only thing derived from private data that leaves.
+the DP model's weights — the only thing derived from private data that leaves (no losses). Noise and Poisson sampling
+come from the run's ``NoisePolicy``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from learning.data import Dataset
 from learning.dpsgd import DPSGDConfig, dp_schedule, train_dp
 from learning.models import build_model
 from learning.sparse import plan_variant, replace_classifier, transfer_split
+from privacy.accounting.filter import RenyiFilter
 from privacy.accounting.ledger import BudgetReport, PrivacyLedger
+from privacy.noise import NoisePolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +61,11 @@ class PublicModel:
 
 @dataclass(frozen=True)
 class FinetuneResult:
-    """What leaves the actor: DP weights, their cost, and the training curve."""
+    """What leaves the actor: DP weights and their cost (nothing else about the private data)."""
 
     variant: str
     state: dict[str, np.ndarray] = field(repr=False)
     epsilons: list[float]
-    losses: list[float]
     noise_multiplier: float
     sample_rate: float
     steps: int
@@ -75,17 +77,20 @@ class FinetuneResult:
 class SparseTrainer:
     """Holds the private transfer set and fine-tunes public models on it with DP-SGD.
 
-    Every fine-tuning is charged to the ledger at ``ledger_path`` before it starts; a run
-    the budget cannot afford raises ``BudgetExceeded`` and trains nothing.
+    Every fine-tuning is charged to the ledger at ``ledger_path`` (with the ``budget`` the
+    driver declared) before it starts; a run the budget cannot afford raises
+    ``BudgetExceeded`` and trains nothing.
     """
 
     def __init__(
-        self, source: TransferSource, ledger_path: str, epsilon_limit: float, delta: float, torch_threads: int = 1
+        self, source: TransferSource, ledger_path: str, delta: float, budget: RenyiFilter | None,
+        noise: NoisePolicy, torch_threads: int = 1,
     ) -> None:
         torch.set_num_threads(max(1, torch_threads))
         self._data = source.load()
-        self._ledger = PrivacyLedger(ledger_path, epsilon_limit=epsilon_limit, delta=delta)
+        self._ledger = PrivacyLedger(ledger_path, delta, budget)
         self._delta = delta
+        self._noise = noise
 
     def size(self) -> int:
         return len(self._data)
@@ -109,14 +114,14 @@ class SparseTrainer:
         plan = plan_variant(model, variant, fraction)
         schedule = dp_schedule(len(self._data), config, label=f"dpsgd-sparse-{variant}")
         report = self._ledger.charge(schedule.charge)  # before anything private is computed
-        log.info("charged %s: ledger ε now %.4f", schedule.charge.label, report.epsilon)
-        result = train_dp(model, self._data, config, masks=plan.masks, progress=progress)
+        log.info("charged %s: ledger spend now ε %.4f", schedule.charge.label, report.epsilon_spent)
+        result = train_dp(model, self._data, config, self._noise.source(f"dpsgd-sparse-{variant}"),
+                          masks=plan.masks, progress=progress)
         state = {k: v.detach().cpu().numpy().copy() for k, v in result.model.state_dict().items()}
         return FinetuneResult(
             variant=variant,
             state=state,
             epsilons=result.epsilons,
-            losses=result.losses,
             noise_multiplier=result.noise_multiplier,
             sample_rate=result.sample_rate,
             steps=result.steps,

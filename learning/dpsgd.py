@@ -6,6 +6,14 @@ is the sampled Gaussian mechanism's RDP (Mironov, Talwar, Zhang 2019), composed 
 Opacus's RDP accountant computes it per epoch and the run's charge for the ledger comes from
 ``privacy.accounting.rdp.sampled_gaussian_charge`` with the same (q, σ, steps).
 
+Randomness: Poisson sampling and the Gaussian noise are the mechanism, so both come from the
+run's ``NoiseSource`` (OS entropy unless a run asks for reproducible, unsound noise); the
+model's initialisation is the caller's (the experiment seed). torchcsprng, which Opacus's
+``secure_mode`` needs, has no build for this torch, so the generators are torch's, seeded with
+63 bits from the OS CSPRNG; the optimizer still draws its noise the floating-point-safe way
+(Opacus's secure noise: four Gaussians summed, Holohan et al. 2021 / Opacus 1.1).
+Nothing computed from the private data but the DP weights leaves ``train_dp``: no losses.
+
 Masks (sparse fine-tuning, Luo et al. 2021): a 0/1 tensor per parameter. The mask multiplies
 every per-example gradient *before* clipping, so frozen entries add nothing to the norm and
 the clipping budget goes to the entries that train; it also multiplies the noise, so frozen
@@ -16,8 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -32,6 +39,7 @@ from tqdm import tqdm
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import sampled_gaussian_charge
+from privacy.noise import NoiseSource
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,6 @@ class DPSGDConfig:
     ``batch_size`` is the *expected* batch size: batches are Poisson-sampled with rate
     batch_size / n. ``lr_overrides`` maps parameter-name prefixes to their own learning
     rate (first match wins), e.g. (("classifier.", 0.8),) as in the sparse paper.
-    ``seed=None`` draws the noise seed from the operating system's entropy.
     ``max_physical_batch_size`` processes a large logical batch in chunks (Opacus's batch
     splitting): same step, same noise, same privacy, bounded memory.
     """
@@ -66,7 +73,6 @@ class DPSGDConfig:
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     momentum: float = 0.0
-    seed: int | None = 0
     grad_sample_mode: str = "hooks"
     lr_overrides: tuple[tuple[str, float], ...] = ()
     max_physical_batch_size: int | None = None  # split big Poisson batches to bound memory
@@ -101,7 +107,7 @@ class DPSGDConfig:
 
 @dataclass
 class DPTrainResult:
-    """What a DP-SGD run produced and what it cost."""
+    """What a DP-SGD run produced and what it cost (no statistic of the private data)."""
 
     model: nn.Module
     epsilons: list[float]  # Opacus RDP accountant's ε after each epoch, at config.delta
@@ -109,7 +115,6 @@ class DPTrainResult:
     sample_rate: float
     steps: int
     charge: PrivacyCharge  # the whole run, for the ledger
-    losses: list[float] = field(default_factory=list)  # mean training loss per epoch
 
     @property
     def epsilon(self) -> float:
@@ -203,10 +208,10 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, config: DPSGDConfig,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
-def torch_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A seeded torch generator for experiments, or one seeded from OS entropy when ``seed`` is None."""
+def torch_generator(noise: NoiseSource, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator for DP randomness (sampling or noise), seeded from ``noise``."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+    generator.manual_seed(noise.seed())
     return generator
 
 
@@ -250,6 +255,7 @@ def train_dp(
     model: nn.Module,
     dataset: ArrayDataset,
     config: DPSGDConfig,
+    noise: NoiseSource,
     masks: dict[str, torch.Tensor] | None = None,
     on_epoch: Callable[[int, float], None] | None = None,
     progress: bool = False,
@@ -258,12 +264,12 @@ def train_dp(
 
     Only parameters with ``requires_grad=True`` train; ``masks`` (parameter name → 0/1
     tensor of the parameter's shape) restrict training further, element by element.
-    ``on_epoch(epoch, epsilon)`` is called after every epoch with the ε spent so far.
+    Poisson sampling and noise come from ``noise``. ``on_epoch(epoch, epsilon)`` is called
+    after every epoch with the ε spent so far.
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
-    generator = torch_generator(config.seed)
-    loader = _loader(dataset, config.batch_size, generator)
+    loader = _loader(dataset, config.batch_size, torch_generator(noise))  # Opacus samples with its generator
     schedule = dp_schedule(len(loader.dataset), config)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
     if len(loader) * config.epochs != schedule.steps:
@@ -281,7 +287,7 @@ def train_dp(
         poisson_sampling=True,
         grad_sample_mode=config.grad_sample_mode,
         # The noise is drawn where the gradients live; batches are sampled on the CPU.
-        noise_generator=torch_generator(None if config.seed is None else config.seed + 1, device),
+        noise_generator=torch_generator(noise, device),
     )
     if resolved_masks:
         dp_optimizer = MaskedDPOptimizer(
@@ -294,6 +300,7 @@ def train_dp(
             generator=dp_optimizer.generator,
         )
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    dp_optimizer.secure_mode = True  # floating-point-safe noise (see the module docstring)
     steps = 0
     account = dp_optimizer.step_hook
     scheduler = lr_scheduler(dp_optimizer.original_optimizer, config, schedule.steps)
@@ -312,11 +319,9 @@ def train_dp(
 
     criterion = nn.CrossEntropyLoss()
     epsilons: list[float] = []
-    losses: list[float] = []
     epochs = tqdm(range(config.epochs), desc="DP-SGD", disable=not progress)
     for epoch in epochs:
         private_model.train()
-        loss_sum, seen = 0.0, 0
         for x, y in private_loader:
             x, y = x.to(device), y.to(device)
             dp_optimizer.zero_grad()
@@ -328,12 +333,9 @@ def train_dp(
             dp_optimizer.step()
             if steps > taken:  # a logical step, not one physical chunk of a split batch
                 scheduler.step()
-            loss_sum += float(loss.detach()) * len(y)
-            seen += len(y)
-        losses.append(loss_sum / max(seen, 1))
         epsilons.append(float(engine.get_epsilon(config.delta)))
-        epochs.set_postfix(loss=f"{losses[-1]:.3f}", eps=f"{epsilons[-1]:.3f}")
-        log.info("DP-SGD epoch %d: loss %.4f, ε %.4f (δ=%g)", epoch + 1, losses[-1], epsilons[-1], config.delta)
+        epochs.set_postfix(eps=f"{epsilons[-1]:.3f}")
+        log.info("DP-SGD epoch %d: ε %.4f (δ=%g)", epoch + 1, epsilons[-1], config.delta)
         if on_epoch is not None:
             on_epoch(epoch, epsilons[-1])
 
@@ -350,5 +352,4 @@ def train_dp(
         sample_rate=float(sample_rate),
         steps=steps,
         charge=schedule.charge,
-        losses=losses,
     )

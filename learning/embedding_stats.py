@@ -18,6 +18,7 @@ from sklearn.neighbors import NearestNeighbors
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.counts import LaplaceCounts
+from privacy.noise import NoisePolicy
 from privacy.pca import AnalyzeGauss, covariance_sum, normalise_rows
 
 __all__ = ["covariance_sum", "support_counts", "CentralSupport"]
@@ -43,16 +44,16 @@ class CentralSupport:
     """``PrivateSupport`` over embeddings held in this process; charges via ``charge`` before each release."""
 
     def __init__(self, embeddings: np.ndarray, entropy: np.ndarray, pca: AnalyzeGauss, counts: LaplaceCounts,
-                 charge: Callable[[PrivacyCharge], object], rng: np.random.Generator) -> None:
+                 charge: Callable[[PrivacyCharge], object], noise: NoisePolicy) -> None:
         self._embeddings = np.asarray(embeddings)
         self._entropy = np.asarray(entropy)
-        self._pca, self._counts, self._charge, self._rng = pca, counts, charge, rng
+        self._pca, self._counts, self._charge, self._noise = pca, counts, charge, noise
 
     def dp_projection(self, components: int) -> np.ndarray:
         self._charge(self._pca.charge())
-        return self._pca.release(covariance_sum(self._embeddings), components, self._rng)
+        return self._pca.release(covariance_sum(self._embeddings), components, self._noise.source("dp-pca"))
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
         self._charge(self._counts.charge())
         counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
-        return self._counts.release(counts, self._rng)
+        return self._counts.release(counts, self._noise.source("support-counts"))

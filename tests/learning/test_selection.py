@@ -11,6 +11,7 @@ from learning.selection import PublicPool, build_strategy
 from learning.selection.entropy import logit_entropy
 from learning.selection.margin import top_two_difference
 from privacy.counts import LaplaceCounts
+from privacy.noise import SECURE
 from privacy.pca import AnalyzeGauss
 
 CENTRES = np.eye(8)[:5] * 10.0  # five well-separated blobs in 8-D
@@ -43,8 +44,9 @@ def test_near_private_prefers_public_points_near_the_private_data():
     public_logits[blob >= 2] *= 0.2  # ... and the model is MOST uncertain about them
     private_entropy = np.full(len(private), np.log(10))  # every private point votes
     charges = []
-    support = CentralSupport(private, private_entropy, AnalyzeGauss(1.0, 1e-5), LaplaceCounts(1.0),
-                             charges.append, np.random.default_rng(5))
+    # ε_support = 4 (noise scale 0.25): no out-of-domain point can outvote the ~4 votes of in-domain ones
+    support = CentralSupport(private, private_entropy, AnalyzeGauss(1.0, 1e-5), LaplaceCounts(4.0),
+                             charges.append, SECURE)
     near = build_strategy("near_private", support=support, components=4, uncertain_factor=10)
     chosen = near.select(PublicPool(public_logits, public), [20, 40], np.random.default_rng(2))
     assert set(blob[chosen[40]]) <= {0, 1} and {0, 1} <= set(blob[chosen[40]])
