@@ -4,7 +4,15 @@ For each batch of public inputs it (1) validates the tensor, (2) answers inputs 
 before from a cache — same answer, no new cost, no fresh noise a client could average
 away — and for the rest (3) asks the vote source (the teachers) for vote histograms,
 (4) runs the configured vote mechanism, (5) charges the privacy ledger, and only then
-(6) caches and releases the labels. A refused charge releases, caches and charges nothing.
+(6) commits the mechanism's state, caches and releases the labels. A refused charge
+releases, caches, charges and advances nothing.
+
+The mechanisms' charges hold for one teacher's vote; the vote source states the record-level
+relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), and the
+charges are restated for it before they reach the ledger, which composes one relation only.
+Noise comes from the run's ``NoisePolicy`` (OS entropy unless reproducible noise was asked
+for, which marks the budget reply unsound). The budget reply carries the guarantee the
+server can back: its ledger's declared budget (none without one).
 
 Around that core: bearer-token authentication (a server interceptor), optional TLS, the
 standard health service (SERVING once the teachers are ready) and server reflection, so a
@@ -32,9 +40,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
 from privacy.mechanisms.base import ABSTAIN, VoteMechanism
-from privacy.randomness import make_rng
+from privacy.noise import SECURE, NoisePolicy
 from protos import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,6 +54,9 @@ INPUT_DTYPE = np.dtype("<f4")  # the one dtype the wire format accepts ("float32
 
 class VoteSource(Protocol):
     """What the aggregator needs from the teachers (``actors.teacher.TeacherPool``)."""
+
+    neighbouring: str  # the record-level relation under which one record moves at most one vote
+    neighbouring_lemma: str  # why
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
@@ -131,8 +143,7 @@ def input_keys(inputs: np.ndarray) -> list[bytes]:
 class AggregatorServer:
     """Serve private labels for ``input_shape`` inputs from ``vote_source`` over gRPC.
 
-    ``rng`` defaults to an OS-entropy generator (serving); pass a seeded one only for
-    experiments. ``ready=False`` starts with health NOT_SERVING and Label refused with
+    ``noise`` is the run's noise policy (OS entropy by default). ``ready=False`` starts with health NOT_SERVING and Label refused with
     UNAVAILABLE until ``set_ready(True)`` (e.g. while teachers still train).
     """
 
@@ -143,7 +154,7 @@ class AggregatorServer:
         ledger: PrivacyLedger,
         input_shape: tuple[int, ...],
         settings: ServerSettings = ServerSettings(),
-        rng: np.random.Generator | None = None,
+        noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
         self._vote_source = vote_source
@@ -151,7 +162,8 @@ class AggregatorServer:
         self._ledger = ledger
         self.input_shape = tuple(int(d) for d in input_shape)
         self.settings = settings
-        self._rng = rng if rng is not None else make_rng(None)
+        self._noise = noise
+        self._rng = noise.source("aggregator").rng
         self._ready = ready
         # One lock around the charge step: cache check, mechanism (may be stateful), ledger, cache write.
         self._lock = threading.Lock()
@@ -174,7 +186,7 @@ class AggregatorServer:
             fresh = self._uncached(keys)
         newly_answered = 0
         if fresh:
-            worst = self._mechanism.worst_case_charge(len(fresh))
+            worst = self._for_ledger(self._mechanism.worst_case_charge(len(fresh)))
             # Data-independent early refusal: no point asking teachers for votes we may not release.
             self._require_affordable(worst, len(fresh))
             fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
@@ -197,8 +209,8 @@ class AggregatorServer:
         if not self._ledger.can_afford(worst):
             report = self._ledger.report()
             raise BudgetExceeded(
-                f"privacy budget exhausted: labelling {count} new inputs could cost more than what is left "
-                f"(spent ε={report.epsilon:.4g} of limit ε={report.epsilon_limit:.4g} at δ={report.delta:g})"
+                f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
+                f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
             )
 
     def _teacher_votes(self, inputs: np.ndarray, count: int) -> np.ndarray:
@@ -220,19 +232,42 @@ class AggregatorServer:
             return 0
         keys = [key for key in fresh if key not in self._cache]
         votes = fresh_votes[keep]
-        worst = self._mechanism.worst_case_charge(len(keep))
+        worst = self._for_ledger(self._mechanism.worst_case_charge(len(keep)))
         self._require_affordable(worst, len(keep))  # before the (possibly stateful) mechanism runs
         result = self._mechanism(votes, self._rng)
         labels = np.asarray(result.labels, dtype=np.int64)
         if labels.shape != (len(keep),):
             raise RuntimeError(f"mechanism {self._mechanism.name} returned {labels.shape} labels for {len(keep)} inputs")
-        self._ledger.charge(result.charge, worst_case=worst)  # raises BudgetExceeded: nothing released
+        charge = self._for_ledger(result.charge)
+        if not charge.is_free:  # e.g. an open stability run, paid when it opened
+            self._ledger.charge(charge, worst_case=worst)  # raises BudgetExceeded: nothing released or advanced
+        result.commit()
         self._cache.update(zip(keys, labels.tolist()))
         self._votes.append(votes)
         self._labels.append(labels)
         self._answered += int((labels != ABSTAIN).sum())
         self._abstained += int((labels == ABSTAIN).sum())
         return len(keep)
+
+    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
+        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
+        if charge.neighbouring == self._ledger.neighbouring:
+            return charge
+        relation = getattr(self._vote_source, "neighbouring", None)
+        if relation != self._ledger.neighbouring:
+            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
+                               f"{self._ledger.neighbouring!r} neighbours")
+        return charge.for_records(relation, self._vote_source.neighbouring_lemma)
+
+    def guarantee(self) -> Guarantee:
+        """What this server can back: its ledger's budget, declared in advance (none without one)."""
+        report = self._ledger.report()
+        reasons = (self._noise.unsound_reason,) if self._noise.unsound_reason else ()
+        if report.guarantee is None:
+            return unbounded_guarantee(report.delta, report.neighbouring,
+                                       "no budget was declared: an open-ended service has no guarantee "
+                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
+        return report.guarantee.marked(reasons)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         """(votes int64 [m, k], answered bool [m]) for every input the mechanism saw, in order.
@@ -246,10 +281,24 @@ class AggregatorServer:
             return np.concatenate(self._votes), np.concatenate(self._labels) != ABSTAIN
 
     def budget(self) -> dict:
-        """The ``BudgetReply`` fields as a dict."""
+        """The ``BudgetReply`` fields as a dict (``guarantee`` as a nested dict)."""
         with self._lock:
             counters = (self._answered, self._abstained, self._cache_hits)
-        return _budget_dict(self._ledger.report(), self._mechanism.name, *counters)
+        report, guarantee = self._ledger.report(), self.guarantee()
+        return {
+            "epsilon_spent": float(report.epsilon_spent),
+            "delta": float(report.delta),
+            "epsilon_limit": float(report.epsilon_limit),
+            "mechanism": self._mechanism.name,
+            "sound": guarantee.sound,
+            "queries_answered": counters[0],
+            "queries_abstained": counters[1],
+            "cache_hits": counters[2],
+            "guarantee": {"epsilon": float(guarantee.epsilon), "delta": float(guarantee.delta),
+                          "basis": guarantee.basis, "neighbouring": guarantee.neighbouring,
+                          "theorem": guarantee.theorem, "order": guarantee.order or 0.0,
+                          "unsound_reasons": list(guarantee.unsound_reasons)},
+        }
 
     # ---- readiness, health and the gRPC server ----
 
@@ -317,19 +366,6 @@ class AggregatorServer:
         log.info("aggregator on %s stopped", self._address)
 
 
-def _budget_dict(report: BudgetReport, mechanism: str, answered: int, abstained: int, cache_hits: int) -> dict:
-    return {
-        "epsilon_spent": float(report.epsilon),
-        "delta": float(report.delta),
-        "epsilon_limit": float(report.epsilon_limit),
-        "mechanism": mechanism,
-        "sound": bool(report.sound),
-        "queries_answered": answered,
-        "queries_abstained": abstained,
-        "cache_hits": cache_hits,
-    }
-
-
 class _AggregatorServicer(aggregator_pb2_grpc.AggregatorServicer):
     """gRPC face of ``AggregatorServer``: decode, label, map failures to status codes."""
 
@@ -346,7 +382,7 @@ class _AggregatorServicer(aggregator_pb2_grpc.AggregatorServicer):
             yield self._answer(request, context, "LabelStream")
 
     def GetBudget(self, request: aggregator_pb2.BudgetRequest, context: grpc.ServicerContext) -> aggregator_pb2.BudgetReply:
-        return aggregator_pb2.BudgetReply(**self._aggregator.budget())
+        return budget_reply(self._aggregator.budget())
 
     def _answer(self, request: aggregator_pb2.LabelRequest, context: grpc.ServicerContext, method: str):
         aggregator = self._aggregator
@@ -367,9 +403,13 @@ class _AggregatorServicer(aggregator_pb2_grpc.AggregatorServicer):
         budget = aggregator.budget()
         answered = int((labels != ABSTAIN).sum())
         log.debug("%s from %s: %d inputs, %d labelled", method, context.peer(), len(labels), answered)
-        return aggregator_pb2.LabelReply(
-            labels=labels.tolist(), answered=answered, budget=aggregator_pb2.BudgetReply(**budget)
-        )
+        return aggregator_pb2.LabelReply(labels=labels.tolist(), answered=answered, budget=budget_reply(budget))
+
+
+def budget_reply(budget: dict) -> aggregator_pb2.BudgetReply:
+    """The ``BudgetReply`` message of ``AggregatorServer.budget()``."""
+    fields = {**budget, "guarantee": aggregator_pb2.Guarantee(**budget["guarantee"])}
+    return aggregator_pb2.BudgetReply(**fields)
 
 
 class _BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -411,8 +451,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 class AggregatorActor:
     """``AggregatorServer`` inside a Ray actor (it uses no CPU slot: teachers do the work).
 
-    The ledger is opened inside the actor from its path (an SQLite handle cannot travel).
-    ``seed=None`` draws noise from OS entropy; pass a seed only for experiments.
+    The ledger is opened inside the actor from its path (an SQLite handle cannot travel),
+    with the budget the caller declared.
     """
 
     def __init__(
@@ -420,16 +460,16 @@ class AggregatorActor:
         vote_source: VoteSource,
         mechanism: VoteMechanism,
         ledger_path: str,
-        epsilon_limit: float,
         delta: float,
+        budget,
         input_shape: tuple[int, ...],
         settings: ServerSettings = ServerSettings(),
-        seed: int | None = None,
+        noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
-        self._ledger = PrivacyLedger(ledger_path, epsilon_limit=epsilon_limit, delta=delta)
+        self._ledger = PrivacyLedger(ledger_path, delta, budget, neighbouring=vote_source.neighbouring)
         self._server = AggregatorServer(
-            vote_source, mechanism, self._ledger, input_shape, settings, rng=make_rng(seed), ready=ready
+            vote_source, mechanism, self._ledger, input_shape, settings, noise=noise, ready=ready
         )
 
     def start(self) -> str:
@@ -444,6 +484,26 @@ class AggregatorActor:
 
     def budget(self) -> dict:
         return self._server.budget()
+
+    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
+        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
+        if charge.neighbouring == self._ledger.neighbouring:
+            return charge
+        relation = getattr(self._vote_source, "neighbouring", None)
+        if relation != self._ledger.neighbouring:
+            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
+                               f"{self._ledger.neighbouring!r} neighbours")
+        return charge.for_records(relation, self._vote_source.neighbouring_lemma)
+
+    def guarantee(self) -> Guarantee:
+        """What this server can back: its ledger's budget, declared in advance (none without one)."""
+        report = self._ledger.report()
+        reasons = (self._noise.unsound_reason,) if self._noise.unsound_reason else ()
+        if report.guarantee is None:
+            return unbounded_guarantee(report.delta, report.neighbouring,
+                                       "no budget was declared: an open-ended service has no guarantee "
+                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
+        return report.guarantee.marked(reasons)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         return self._server.answered_votes()

@@ -13,10 +13,13 @@ learn on a fixed representation that each actor computes from its own images, an
 every query the same way: the pool takes images and the aggregator still validates images.
 
 What leaves an actor: a vote histogram ``int[batch, k]`` summed over its teachers (the
-driver adds the actors' partial histograms), each teacher's final training loss for the
-operator's log, and once the number of classes and the input shape. Per-teacher predictions,
-models and data stay inside the actor; only the aggregator's DP mechanism turns histograms
-into answers for anyone else.
+driver adds the actors' partial histograms, which only the aggregator's DP mechanism reads),
+and once the number of classes and the input shape. Per-teacher predictions, losses, models
+and data stay inside the actor.
+
+Shards are cut by a keyed hash of each record (``learning.data.shard``), so adding or
+removing one record changes one teacher's shard and at most one vote: the vote mechanisms'
+one-vote bounds hold for add/remove neighbours of the owners' data (``SHARD_LEMMA``).
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ import torch
 from tqdm import tqdm
 
 from learning.data import Dataset, make_splits, shard
+from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import apply_features, features_of
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
+from privacy.accounting.charge import ADD_REMOVE
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,8 @@ class TeacherGroup:
     transforms its image inputs the same way before the teachers predict.
     """
 
+    neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
+
     def __init__(
         self,
         source: TeacherSource,
@@ -122,20 +129,24 @@ class TeacherGroup:
         Describes the data without revealing any of it."""
         return self.num_classes, self.input_shape
 
-    def train_teacher(self, local_index: int) -> float:
-        """Train one teacher on its own shard; returns its last epoch's mean loss."""
+    def train_teacher(self, local_index: int) -> None:
+        """Train one teacher on its own shard (nothing about the training leaves the actor).
+
+        A shard the hash left empty keeps its initial weights: it still votes, and refusing
+        it would depend on the private data."""
         shard = self.shards[local_index]
         seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
         _, channels, _, side = shard.x.shape
         model = build_model(self.model_name, self.num_classes, in_channels=int(channels), seed=seed,
                             input_size=int(side))
-        losses = fit(model, shard, dataclasses.replace(self.train_config, seed=seed))
+        if len(shard):
+            fit(model, shard, dataclasses.replace(self.train_config, seed=seed))
         model.eval()
         self.models[local_index] = model
-        return float(losses[-1]) if losses else float("nan")
 
-    def train_all(self) -> list[float]:
-        return [self.train_teacher(i) for i in range(len(self.models))]
+    def train_all(self) -> None:
+        for i in range(len(self.models)):
+            self.train_teacher(i)
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
@@ -159,7 +170,9 @@ class TeacherPool:
     """Driver-side handle over the teacher actors; the vote source of the aggregator.
 
     It holds actor handles, the teachers' packing and the shape of their inputs — never
-    their data: each actor loads its own shards from ``source``.
+    their data: each actor loads its own shards from ``source``. ``neighbouring`` and
+    ``neighbouring_lemma`` say which record-level relation the vote mechanisms' one-vote
+    charges hold for over this ensemble.
 
     Args:
         source: where the teachers' shards come from.
@@ -173,6 +186,8 @@ class TeacherPool:
         num_gpus: GPU fraction per actor; ``None`` detects: a share of the cluster's GPUs
             when it has any, else 0 (a CPU-only cluster never waits on a GPU request).
     """
+
+    neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
 
     def __init__(
         self,
@@ -222,22 +237,17 @@ class TeacherPool:
     def num_actors(self) -> int:
         return len(self._actors)
 
-    def train(self, progress: bool = True) -> list[float]:
-        """Train every teacher (actors in parallel); returns each teacher's last-epoch loss."""
+    def train(self, progress: bool = True) -> None:
+        """Train every teacher (actors in parallel)."""
         started = time.perf_counter()
-        pending = {}
-        for actor, (first, last) in zip(self._actors, self._blocks):
-            for local in range(last - first):
-                pending[actor.train_teacher.remote(local)] = first + local
-        losses = [math.nan] * self.num_teachers
+        remaining = [actor.train_teacher.remote(local)
+                     for actor, (first, last) in zip(self._actors, self._blocks) for local in range(last - first)]
         with tqdm(total=self.num_teachers, desc="training teachers", unit="teacher", disable=not progress) as bar:
-            remaining = list(pending)
             while remaining:
                 done, remaining = ray.wait(remaining, num_returns=1)
-                losses[pending[done[0]]] = ray.get(done[0])
+                ray.get(done[0])  # raises here if that teacher failed
                 bar.update(1)
         log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
-        return losses
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""

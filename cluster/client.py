@@ -2,7 +2,7 @@
 
     with AggregatorClient("127.0.0.1:50051", token="...") as client:
         labels = client.label(images)          # int64, -1 where the teachers abstained
-        print(client.budget()["epsilon_spent"])
+        print(client.budget()["guarantee"]["epsilon"])   # what may be published
 
 Server-side failures raise ``grpc.RpcError``; ``err.code()`` tells them apart:
 INVALID_ARGUMENT (bad inputs), UNAUTHENTICATED (token), RESOURCE_EXHAUSTED (privacy budget
@@ -87,4 +87,10 @@ class AggregatorClient:
 
 
 def _budget_dict(reply: aggregator_pb2.BudgetReply) -> dict:
-    return {field.name: getattr(reply, field.name) for field in aggregator_pb2.BudgetReply.DESCRIPTOR.fields}
+    """The reply as a dict; ``guarantee`` is a nested dict (what may be published)."""
+    budget = {field.name: getattr(reply, field.name) for field in aggregator_pb2.BudgetReply.DESCRIPTOR.fields}
+    guarantee = reply.guarantee
+    budget["guarantee"] = {field.name: getattr(guarantee, field.name)
+                           for field in aggregator_pb2.Guarantee.DESCRIPTOR.fields}
+    budget["guarantee"]["unsound_reasons"] = list(guarantee.unsound_reasons)
+    return budget

@@ -76,21 +76,27 @@ def main(args: argparse.Namespace) -> int:
             "labels": labels.tolist(),
             "answered": labelled,
             "abstained": int(len(labels) - labelled),
-            "budget": {key: _finite_or_text(value) for key, value in budget.items()},
+            "budget": _finite_or_text(budget),
         }))
     else:
         print("\n".join(str(label) for label in labels.tolist()))
+        guarantee = budget["guarantee"]
         print(
             f"labelled {labelled} of {len(labels)} inputs ({len(labels) - labelled} abstained); "
-            f"ε spent {budget['epsilon_spent']:.4g} of {budget['epsilon_limit']:.4g} at δ={budget['delta']:g} "
-            f"({budget['mechanism']}{'' if budget['sound'] else ', NOT a sound DP guarantee'})",
+            f"guarantee ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} ({guarantee['basis']}); "
+            f"realised spend ε = {budget['epsilon_spent']:.4g} ({budget['mechanism']}"
+            f"{'' if budget['sound'] else '; NOT a sound DP guarantee: ' + '; '.join(guarantee['unsound_reasons'])})",
             file=sys.stderr,
         )
     return 0
 
 
 def _finite_or_text(value: object) -> object:
-    """JSON has no infinity: write it as the string "inf" (as results/ files do)."""
+    """JSON has no infinity: write it as the string "inf" (as results/ files do), also nested."""
+    if isinstance(value, dict):
+        return {key: _finite_or_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_text(item) for item in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value

@@ -22,8 +22,26 @@ class LabelRequest(_message.Message):
     inputs: Tensor
     def __init__(self, inputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class Guarantee(_message.Message):
+    __slots__ = ("epsilon", "delta", "basis", "neighbouring", "theorem", "order", "unsound_reasons")
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    THEOREM_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    UNSOUND_REASONS_FIELD_NUMBER: _ClassVar[int]
+    epsilon: float
+    delta: float
+    basis: str
+    neighbouring: str
+    theorem: str
+    order: float
+    unsound_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., basis: _Optional[str] = ..., neighbouring: _Optional[str] = ..., theorem: _Optional[str] = ..., order: _Optional[float] = ..., unsound_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class BudgetReply(_message.Message):
-    __slots__ = ("epsilon_spent", "delta", "epsilon_limit", "mechanism", "sound", "queries_answered", "queries_abstained", "cache_hits")
+    __slots__ = ("epsilon_spent", "delta", "epsilon_limit", "mechanism", "sound", "queries_answered", "queries_abstained", "cache_hits", "guarantee")
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +50,7 @@ class BudgetReply(_message.Message):
     QUERIES_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     QUERIES_ABSTAINED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEE_FIELD_NUMBER: _ClassVar[int]
     epsilon_spent: float
     delta: float
     epsilon_limit: float
@@ -40,7 +59,8 @@ class BudgetReply(_message.Message):
     queries_answered: int
     queries_abstained: int
     cache_hits: int
-    def __init__(self, epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., mechanism: _Optional[str] = ..., sound: _Optional[bool] = ..., queries_answered: _Optional[int] = ..., queries_abstained: _Optional[int] = ..., cache_hits: _Optional[int] = ...) -> None: ...
+    guarantee: Guarantee
+    def __init__(self, epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., mechanism: _Optional[str] = ..., sound: _Optional[bool] = ..., queries_answered: _Optional[int] = ..., queries_abstained: _Optional[int] = ..., cache_hits: _Optional[int] = ..., guarantee: _Optional[_Union[Guarantee, _Mapping]] = ...) -> None: ...
 
 class LabelReply(_message.Message):
     __slots__ = ("labels", "answered", "budget")

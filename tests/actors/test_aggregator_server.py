@@ -23,10 +23,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
 from cluster.client import AggregatorClient
 from learning.data import load_digits
+from privacy.accounting.charge import ADD_REMOVE
+from privacy.accounting.filter import RenyiFilter, filter_for
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
-from privacy.randomness import make_rng
+from privacy.noise import SECURE, NoisePolicy
 from protos import aggregator_pb2, aggregator_pb2_grpc
 
 DELTA = 1e-5
@@ -43,14 +45,21 @@ def public(digits) -> np.ndarray:
     return digits[1].x
 
 
+def budget_for(mechanism, epsilon: float, queries: int = 1) -> RenyiFilter:
+    """The budget a run declares for ``queries`` answers of ``mechanism`` at ε (before any vote)."""
+    planned = mechanism.worst_case_charge(queries).for_records(ADD_REMOVE, "one teacher per record")
+    return filter_for(planned, epsilon, DELTA)
+
+
 @contextlib.contextmanager
-def serving(vote_source, tmp_path: Path, mechanism=None, epsilon_limit: float = 50.0, ready: bool = True, **settings):
+def serving(vote_source, tmp_path: Path, mechanism=None, budget: float | RenyiFilter | None = 50.0,
+            ready: bool = True, **settings):
     """A started server (GNMax σ=2 by default) with a fresh ledger; stopped afterwards."""
-    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=epsilon_limit, delta=DELTA)
-    server = AggregatorServer(
-        vote_source, mechanism or build_mechanism("gnmax", sigma=2.0), ledger, INPUT_SHAPE,
-        ServerSettings(**settings), rng=make_rng(0), ready=ready,
-    )
+    mechanism = mechanism or build_mechanism("gnmax", sigma=2.0)
+    if isinstance(budget, float):
+        budget = budget_for(mechanism, budget)
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, budget)
+    server = AggregatorServer(vote_source, mechanism, ledger, INPUT_SHAPE, ServerSettings(**settings), ready=ready)
     address = server.start()
     try:
         yield server, address
@@ -75,7 +84,8 @@ def status_of(call) -> tuple[grpc.StatusCode, str]:
 def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teachers, public, digits, tmp_path):
     x = public[:64]
     sharp = build_mechanism("gnmax", sigma=0.3)  # tiny noise: answers must be the plurality
-    with serving(teachers, tmp_path, mechanism=sharp, epsilon_limit=math.inf) as (server, address), AggregatorClient(
+    roomy = budget_for(sharp, 1e4, queries=64)
+    with serving(teachers, tmp_path, mechanism=sharp, budget=roomy) as (server, address), AggregatorClient(
         address
     ) as client:
         labels, answered, budget = client.label_reply(x)
@@ -91,11 +101,24 @@ def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teache
         # 64 GNMax answers at σ=0.3: RDP 64·λ/σ², converted as the ledger does (tight, at δ)
         expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, 64 * DEFAULT_ORDERS / 0.3**2, DELTA, conversion="tight")
         assert math.isclose(budget["epsilon_spent"], expected, rel_tol=1e-9) and budget["delta"] == DELTA
+        # what may be published: the budget declared in advance, on add/remove neighbours
+        guarantee = budget["guarantee"]
+        assert guarantee["epsilon"] == 1e4 and guarantee["basis"] == "renyi-filter"
+        assert guarantee["neighbouring"] == "add-remove" and guarantee["order"] == roomy.order
+        assert guarantee["unsound_reasons"] == []
         seen, mask = server.answered_votes()
         assert (seen == votes).all() and mask.all()
-    reopened = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=math.inf, delta=DELTA)
-    assert math.isclose(reopened.report().epsilon, budget["epsilon_spent"])
-    reopened.close()
+    with PrivacyLedger.open_existing(tmp_path / "ledger.sqlite") as reopened:
+        assert math.isclose(reopened.report().epsilon_spent, budget["epsilon_spent"])
+
+
+def test_without_a_budget_the_reply_says_there_is_no_guarantee(teachers, public, tmp_path):
+    with serving(teachers, tmp_path, budget=None) as (_, address), AggregatorClient(address) as client:
+        client.label(public[:4])
+        budget = client.budget()
+        assert budget["epsilon_spent"] > 0 and not budget["sound"]
+        assert budget["guarantee"]["basis"] == "unbounded" and budget["guarantee"]["epsilon"] == math.inf
+        assert "no budget was declared" in budget["guarantee"]["unsound_reasons"][0]
 
 
 BAD_REQUESTS = {
@@ -135,7 +158,7 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
     # would change most of 48 labels; the cache must return exactly the first answers.
     noisy = build_mechanism("gnmax", sigma=40.0)
     x = public[:48]
-    with serving(teachers, tmp_path, mechanism=noisy, epsilon_limit=math.inf) as (server, address):
+    with serving(teachers, tmp_path, mechanism=noisy, budget=None) as (server, address):
         with AggregatorClient(address) as client:
             first, _, spent = client.label_reply(x)
             again, _, spent_again = client.label_reply(x[::-1])
@@ -156,13 +179,36 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
         assert len(server.answered_votes()[0]) == 58 + 16
 
 
-def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(teachers, public, tmp_path):
-    # The limit admits exactly 5 batches of 4 GNMax answers at σ=8 (20·λ/σ² RDP), not 6.
-    def epsilon_of(queries: int) -> float:
-        return epsilon_from_rdp(DEFAULT_ORDERS, queries * DEFAULT_ORDERS / 8.0**2, DELTA, conversion="tight")[0]
+def test_two_servers_release_different_noise_unless_reproducible_noise_is_asked_for(teachers, public, tmp_path):
+    # σ = 40 over 4 teachers: the answers are mostly noise, so two independent runs disagree
+    noisy, x = build_mechanism("gnmax", sigma=40.0), public[:48]
 
-    limit = (epsilon_of(20) + epsilon_of(24)) / 2
-    with serving(teachers, tmp_path, mechanism=build_mechanism("gnmax", sigma=8.0), epsilon_limit=limit) as (
+    def labels(noise: NoisePolicy, run: str) -> tuple[np.ndarray, dict]:
+        (tmp_path / run).mkdir()
+        ledger = PrivacyLedger(tmp_path / run / "ledger.sqlite", DELTA, budget_for(noisy, 50.0))
+        server = AggregatorServer(teachers, noisy, ledger, INPUT_SHAPE, noise=noise)
+        try:
+            return server.label(x)[0], server.budget()
+        finally:
+            ledger.close()
+
+    first, budget = labels(SECURE, "a")
+    second, _ = labels(SECURE, "b")
+    assert (first != second).sum() > 10 and budget["sound"]
+    replay = NoisePolicy(insecure_seed=3)
+    again, unsound = labels(replay, "c")
+    assert (again == labels(replay, "d")[0]).all()
+    assert not unsound["sound"] and "insecure_noise_seed=3" in unsound["guarantee"]["unsound_reasons"][0]
+
+
+def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(teachers, public, tmp_path):
+    # A filter at order 16 whose RDP budget, 22·16/σ², admits exactly 5 batches of 4 GNMax
+    # answers at σ = 8 (20·16/64 RDP), not 6 (24·16/64).
+    order = 16.0
+    epsilon = epsilon_from_rdp([order], [22 * order / 8.0**2], DELTA)[0]
+    budget = RenyiFilter(epsilon, DELTA, order)
+    assert budget.rdp_budget == pytest.approx(22 * order / 64)
+    with serving(teachers, tmp_path, mechanism=build_mechanism("gnmax", sigma=8.0), budget=budget) as (
         server, address,
     ), AggregatorClient(address) as client:
         answered_batches = 0
@@ -185,11 +231,12 @@ def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(t
         assert client.label(public[:4]).shape == (4,)
         assert client.budget()["epsilon_spent"] == at_refusal["epsilon_spent"]
         assert len(server.answered_votes()[0]) == 4 * answered_batches
-    reopened = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=limit, delta=DELTA)
-    report = reopened.report()
-    reopened.close()
-    assert report.epsilon <= limit and math.isclose(report.epsilon, epsilon_of(20), rel_tol=1e-9)
-    assert math.isclose(report.epsilon, at_refusal["epsilon_spent"])
+    with PrivacyLedger.open_existing(tmp_path / "ledger.sqlite") as reopened:
+        report = reopened.report()
+    assert report.rdp_at_budget_order == pytest.approx(20 * order / 64)
+    assert report.rdp_at_budget_order <= budget.rdp_budget
+    assert math.isclose(report.epsilon_spent, at_refusal["epsilon_spent"])
+    assert at_refusal["guarantee"]["epsilon"] == pytest.approx(epsilon)  # the guarantee is the budget
 
 
 def test_token_is_required_for_the_aggregator_but_not_for_health(teachers, public, tmp_path):
@@ -220,6 +267,8 @@ def test_stream_answers_batches_in_order(teachers, public, tmp_path):
 
 class BrokenTeachers:
     """A vote source whose actors died: the failure path of a real deployment."""
+
+    neighbouring, neighbouring_lemma = ADD_REMOVE, "one teacher per record"
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         raise ConnectionError("teacher actor 3 died")
@@ -271,9 +320,10 @@ def test_a_client_with_only_reflection_can_call_label(teachers, public, tmp_path
 
 def test_aggregator_actor_serves_from_inside_ray(teachers, public, tmp_path):
     ledger_path = tmp_path / "actor-ledger.sqlite"
+    mechanism = build_mechanism("gnmax", sigma=2.0)
     actor = AggregatorActor.remote(
-        teachers, build_mechanism("gnmax", sigma=2.0), str(ledger_path), 20.0, DELTA, INPUT_SHAPE,
-        ServerSettings(token="actor-token"), seed=7,
+        teachers, mechanism, str(ledger_path), DELTA, budget_for(mechanism, 20.0), INPUT_SHAPE,
+        ServerSettings(token="actor-token"),
     )
     try:
         address = ray.get(actor.start.remote())
@@ -286,6 +336,5 @@ def test_aggregator_actor_serves_from_inside_ray(teachers, public, tmp_path):
     finally:
         ray.get(actor.stop.remote())
         ray.kill(actor)
-    reopened = PrivacyLedger(ledger_path, epsilon_limit=20.0, delta=DELTA)
-    assert reopened.report().charges == 1
-    reopened.close()
+    with PrivacyLedger.open_existing(ledger_path) as reopened:
+        assert reopened.report().charges == 1 and reopened.report().budget.epsilon == 20.0

@@ -13,9 +13,10 @@ from actors.teacher import TeacherGroup, TeacherSource
 from cluster.client import AggregatorClient
 from learning.data import Dataset, make_splits
 from learning.training import TrainConfig
+from privacy.accounting.filter import RenyiFilter
 from privacy.accounting.ledger import PrivacyLedger
+from privacy.accounting.rdp import epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
-from privacy.randomness import make_rng
 
 TOKEN = "student-test-token"
 STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)
@@ -37,10 +38,10 @@ def serve(world, tmp_path):
     _, teachers = world
     servers = []
 
-    def start(mechanism, epsilon_limit=math.inf):
-        ledger = PrivacyLedger(tmp_path / f"ledger{len(servers)}.sqlite", epsilon_limit=epsilon_limit, delta=1e-5)
+    def start(mechanism, budget: RenyiFilter | None = None):
+        ledger = PrivacyLedger(tmp_path / f"ledger{len(servers)}.sqlite", 1e-5, budget)
         server = AggregatorServer(teachers, mechanism, ledger, (1, 8, 8),
-                                  ServerSettings(host="127.0.0.1", port=0, token=TOKEN), rng=make_rng(0))
+                                  ServerSettings(host="127.0.0.1", port=0, token=TOKEN))
         address = server.start()
         servers.append((server, ledger))
         return server, ledger, functools.partial(AggregatorClient, address, TOKEN)
@@ -53,7 +54,7 @@ def serve(world, tmp_path):
 
 def test_student_actor_learns_from_answers_over_grpc(ray_session, world, serve):
     splits, _ = world
-    server, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0), epsilon_limit=1e6)
+    server, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0))
     student = StudentActor.remote(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = ray_session.get(student.query.remote(150, 40, (40, 100), False))
     assert queried["asked"] == 150 and queried["answered"] == 150  # GNMax always answers
@@ -62,7 +63,7 @@ def test_student_actor_learns_from_answers_over_grpc(ray_session, world, serve):
     # Checkpoints at 40, 100 and the end, each with the budget read after it; ε only grows.
     assert [c["asked"] for c in queried["checkpoints"]] == [40, 100, 150]
     spent = [c["budget"]["epsilon_spent"] for c in queried["checkpoints"]]
-    assert spent[0] < spent[1] < spent[2] == pytest.approx(ledger.report().epsilon)
+    assert spent[0] < spent[1] < spent[2] == pytest.approx(ledger.report().epsilon_spent)
     assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 150
     curve = ray_session.get(student.learning_curve.remote())
     assert [p["answered"] for p in curve] == [40, 100, 150]
@@ -103,11 +104,11 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
     student = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9)
     student.query(60, 30, progress=False)
     student.close()
-    spent = ledger.report().epsilon
+    spent = ledger.report().epsilon_spent
     result = student.fit_and_evaluate()
     assert result["answered"] == 60 and 0 < result["pseudo_labelled"] <= len(blind) - 60
     assert result["accuracy"] > 0.6 and result["supervised_accuracy"] > 0.4  # chance is 0.1
-    assert ledger.report().epsilon == spent  # post-processing: nothing more was asked
+    assert ledger.report().epsilon_spent == spent  # post-processing: nothing more was asked
     with pytest.raises(ValueError, match="pseudo_label_threshold"):
         Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=1.5)
 
@@ -115,15 +116,16 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
 def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
     splits, _ = world
     mechanism = build_mechanism("gnmax", sigma=2.0)
-    # Room for some batches of 20, not all 10 of them.
-    limit = 0.5 * (_epsilon_of(mechanism, 100) + _epsilon_of(mechanism, 120))
-    _, ledger, factory = serve(mechanism, epsilon_limit=limit)
+    # A budget at order 16 with room for 110 answers (λ/σ² = 4 each): five batches of 20, not six.
+    budget = RenyiFilter(epsilon_from_rdp([16.0], [110 * 4.0], 1e-5)[0], 1e-5, 16.0)
+    _, ledger, factory = serve(mechanism, budget)
     student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(200, 20, progress=False)
     assert queried["budget_exhausted"]
     assert queried["asked"] == 100  # five batches fit under the limit; the sixth was refused
     assert queried["answered"] == 100 and (student.labels[:100] >= 0).all() and (student.labels[100:] == -1).all()
-    assert ledger.report().epsilon <= limit
+    assert ledger.report().rdp_at_budget_order == pytest.approx(400.0)
+    assert ledger.report().rdp_at_budget_order <= budget.rdp_budget
     assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 100
 
 
@@ -149,9 +151,3 @@ def test_query_rejects_impossible_requests(world, serve):
     with pytest.raises(ValueError, match="batch_size"):
         student.query(10, batch_size=0)
 
-
-def _epsilon_of(mechanism, queries: int) -> float:
-    from privacy.accounting.rdp import epsilon_from_rdp
-
-    charge = mechanism.worst_case_charge(queries)
-    return epsilon_from_rdp(charge.orders, charge.rdp, 1e-5)[0]

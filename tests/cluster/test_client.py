@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import ipaddress
 import json
-import math
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,7 @@ from actors.aggregator import AggregatorServer, ServerSettings
 from cluster import query_command
 from cluster.client import AggregatorClient, encode_inputs
 from learning.data import load_digits
+from privacy.accounting.filter import filter_for
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.mechanisms import build_mechanism
 
@@ -33,11 +33,11 @@ def digits():
 
 
 @contextlib.contextmanager
-def serving(teachers, tmp_path: Path, epsilon_limit: float = 50.0, **settings):
-    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=epsilon_limit, delta=DELTA)
-    server = AggregatorServer(
-        teachers, build_mechanism("gnmax", sigma=4.0), ledger, teachers.input_shape, ServerSettings(**settings)
-    )
+def serving(teachers, tmp_path: Path, budget: float | None = 50.0, **settings):
+    mechanism = build_mechanism("gnmax", sigma=4.0)
+    planned = mechanism.worst_case_charge(1).for_records(teachers.neighbouring, teachers.neighbouring_lemma)
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, None if budget is None else filter_for(planned, budget, DELTA))
+    server = AggregatorServer(teachers, mechanism, ledger, teachers.input_shape, ServerSettings(**settings))
     try:
         yield server.start()
     finally:
@@ -90,6 +90,8 @@ def test_label_stream_and_budget_roundtrip(teachers, digits, tmp_path):
         budget = client.budget()
         assert budget["queries_answered"] == 40 and budget["cache_hits"] == 40
         assert 0 < budget["epsilon_spent"] <= budget["epsilon_limit"] == 50.0
+        assert budget["guarantee"]["epsilon"] == 50.0 and budget["guarantee"]["basis"] == "renyi-filter"
+        assert budget["sound"] and budget["guarantee"]["unsound_reasons"] == []
 
 
 def test_inputs_that_are_not_floats_are_refused_before_sending():
@@ -145,6 +147,8 @@ def test_query_command_reports_refusals_and_unreadable_inputs(teachers, digits, 
 def test_query_command_json_writes_an_unlimited_budget_as_text(teachers, digits, tmp_path, capsys):
     inputs = tmp_path / "inputs.npy"
     np.save(inputs, digits[1].x[:3])
-    with serving(teachers, tmp_path, epsilon_limit=math.inf) as address:
+    with serving(teachers, tmp_path, budget=None) as address:
         assert query(address, "--inputs", str(inputs), "--json") == 0
-        assert json.loads(capsys.readouterr().out)["budget"]["epsilon_limit"] == "inf"
+        budget = json.loads(capsys.readouterr().out)["budget"]
+        assert budget["epsilon_limit"] == "inf" and budget["guarantee"]["epsilon"] == "inf"
+        assert budget["sound"] is False and budget["guarantee"]["basis"] == "unbounded"
