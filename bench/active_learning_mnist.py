@@ -117,7 +117,8 @@ def main() -> int:
             "seconds": round(time.perf_counter() - started, 1), "summary": summary,
             "dp_checkpoints": [{k: c[k] for k in ("epoch", "epsilon", "test_accuracy")} for c in metrics["checkpoints"]],
             "public_pool": metrics["public_pool"], "out_of_domain": metrics["out_of_domain"],
-            "table": table(metrics), "near_private": privacy.get("near_private"), "run_ledger": privacy["run"]}
+            "table": table(metrics), "near_private": privacy.get("near_private"),
+            "guarantee": privacy["guarantee"], "sound": privacy["sound"], "spent": privacy["spent"]}
         save()
 
     report["finished"] = True

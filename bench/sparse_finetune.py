@@ -38,6 +38,7 @@ from learning.dpsgd import DPSGDConfig, dp_schedule, train_dp  # noqa: E402
 from learning.models import build_model  # noqa: E402
 from learning.sparse import VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier  # noqa: E402
 from learning.training import evaluate  # noqa: E402
+from privacy.noise import SECURE  # noqa: E402
 
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 OUTPUT = ROOT / "results" / "bench" / "sparse_finetune.json"
@@ -63,7 +64,7 @@ def finetune(public_model, private: Dataset, test: Dataset, variant: str, fracti
     model = replace_classifier(copy.deepcopy(public_model), private.num_classes, seed=0)
     plan = plan_variant(model, variant, fraction)
     started, cpu_started = time.perf_counter(), time.process_time()
-    result = train_dp(model, private, config, masks=plan.masks)
+    result = train_dp(model, private, config, SECURE.source(f"dpsgd-sparse-{variant}"), masks=plan.masks)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     accuracy = evaluate(result.model, test)
     logging.info("%-16s p=%-6g ε=%.3f σ=%.2f acc=%.4f (%.0f s, %.0f s CPU)", variant, fraction, result.epsilon,
@@ -71,7 +72,7 @@ def finetune(public_model, private: Dataset, test: Dataset, variant: str, fracti
     return {
         "variant": variant, "fraction": fraction, "accuracy": accuracy, "epsilon": result.epsilon,
         "target_epsilon": config.target_epsilon, "noise_multiplier": result.noise_multiplier,
-        "steps": result.steps, "losses": result.losses, "trained_entries": plan.trained_entries,
+        "steps": result.steps, "trained_entries": plan.trained_entries,
         "trained_fraction": plan.trained_fraction, "seconds": seconds,
         "cpu_seconds": cpu_seconds,  # this process only: the machine is shared, wall time is not
     }
@@ -148,7 +149,7 @@ def main() -> int:
 
     def dp(epsilon: float) -> DPSGDConfig:
         return DPSGDConfig(epochs=setting["dp_epochs"], batch_size=setting["batch_size"], lr=setting["lr"],
-                           max_grad_norm=1.0, delta=1e-5, target_epsilon=epsilon, momentum=0.9, seed=0,
+                           max_grad_norm=1.0, delta=1e-5, target_epsilon=epsilon, momentum=0.9,
                            lr_overrides=(("classifier.", setting["classifier_lr"]),))
 
     sigma = dp_schedule(len(private), dp(1.0)).noise_multiplier

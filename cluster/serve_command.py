@@ -1,8 +1,12 @@
 """``conclave serve CONFIG``: train the teachers and serve the aggregator to outside students.
 
 Uses the ``teachers``, ``mechanism``, ``privacy`` and ``server`` sections of a
-teacher_student config. The noise comes from OS entropy (never a seed) and the ledger is
-durable: restarting with the same ``--ledger`` file keeps counting what was spent.
+teacher_student config. The noise comes from OS entropy (``privacy.insecure_noise_seed`` is
+refused here: a served answer is always a release). The ledger is durable: restarting with the
+same ``--ledger`` file keeps counting what was spent, and its budget — declared in the file
+when it is created, at the order that best fits the config's planned queries — cannot be
+changed by a restart. Without ``privacy.budget`` the service records its spend but has no
+guarantee (an open-ended service has no planned worst case); the budget reply says so.
 The bearer token is ``$CONCLAVE_TOKEN`` or a fresh random one, printed once.
 """
 from __future__ import annotations
@@ -44,21 +48,27 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
 
     from cluster.pipelines.teacher_student import start_aggregator, train_teachers
     from cluster.ray_runtime import start_ray
-    from privacy.randomness import make_rng
 
+    if config.privacy.insecure_noise_seed is not None:
+        print("conclave: privacy.insecure_noise_seed: serving draws noise from OS entropy only; remove the seed",
+              file=sys.stderr)
+        return 2
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ledger = config.privacy.open_ledger(ledger_path, config.planned())
+    except ValueError as err:  # e.g. the file was created with another budget
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     start_ray(args.address)
     teachers = train_teachers(config)
-    ledger = config.privacy.open_ledger(ledger_path)
-    server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(None),
-                                       host=args.host, port=args.port)
-    report = ledger.report()
+    server, address = start_aggregator(config, teachers.pool, ledger, token, host=args.host, port=args.port)
+    guarantee, report = server.guarantee(), ledger.report()
     print(f"aggregator serving on {address} ({config.mechanism.name}, {teachers.pool.num_teachers} teachers)")
     print(f"token: {token}" + ("  (from $CONCLAVE_TOKEN)" if os.environ.get(TOKEN_ENV) else ""))
-    print(f"privacy ledger: {ledger_path} (ε spent {report.epsilon:.4g} of {report.epsilon_limit:.4g} "
-          f"at δ = {report.delta:g})")
+    print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
+          f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")
     print("press Ctrl-C to stop", flush=True)
     stop = stop or threading.Event()
     try:
@@ -70,5 +80,6 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         teachers.pool.shutdown()
         report = ledger.report()
         ledger.close()
-        print(f"stopped; ε spent {report.epsilon:.4g} at δ = {report.delta:g}")
+        print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "
+              f"(guarantee ε = {guarantee.epsilon:.4g})")
     return 0

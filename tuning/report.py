@@ -85,14 +85,17 @@ def _label(values: dict[str, Any]) -> str:
 
 
 def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cost: SweepCost,
-          details: dict[str, Any]) -> dict[str, Any]:
-    """Write trials.csv, sweep.json and the plot; return the summary (best trial and cost)."""
+          details: dict[str, Any], hide_count: bool = False) -> dict[str, Any]:
+    """Write trials.csv, sweep.json and the plot; return the summary (best trial and cost).
+
+    ``hide_count``: the rows are the published winner only and the number of trials stays
+    secret (random repetition), so no count is written."""
     best = best_row(rows)
     summary: dict[str, Any] = {
         "name": name,
         "kind": kind,
-        "trials": len(rows),
-        "failed": sum(r.status == "error" for r in rows),
+        "trials": None if hide_count else len(rows),
+        "failed": None if hide_count else sum(r.status == "error" for r in rows),
         "tuning_cost": {"method": cost.method, "free": cost.free, "epsilon": cost.epsilon, "delta": cost.delta,
                         "order": cost.order, "statement": cost.statement},
         **details,

@@ -7,16 +7,21 @@ Checks made before anything runs (each a ``ConfigError`` naming the problem):
 * ASHA only for kinds whose trials report every epoch;
 * random repetition (Papernot & Steinke 2022, Thm 2) only with random search (no grid, no
   ASHA: trials must be independent runs of one algorithm) and with no privacy setting swept.
+
+Random repetition also needs the number of trials K to stay secret and every trial to be an
+independent run: K and the search's random state are drawn from the run's noise source (OS
+entropy), K is neither logged nor written, Tune's own trial folders live in a temporary
+directory removed after the sweep, every trial draws fresh DP noise, and only the winner is
+published (its row, its plot). Theorem 2 covers exactly that release.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from cluster.config import ConfigError
 from cluster.results import RunDirectory
@@ -79,23 +84,25 @@ def _resources(config: TuneConfig) -> dict[str, float]:
     return {"cpu": config.resources.cpu, "gpu": gpu}
 
 
-def number_of_trials(config: TuneConfig) -> tuple[int, TruncatedNegativeBinomial | None]:
-    """``num_samples``, or K drawn from the truncated negative binomial for random repetition."""
-    if config.cost.method != "random-repetition" or KINDS[config.kind].free:
-        return config.num_samples, None
+def random_repetition(config: TuneConfig) -> bool:
+    return config.cost.method == "random-repetition" and not KINDS[config.kind].free
+
+
+def number_of_trials(config: TuneConfig, preview: Any) -> tuple[int, TruncatedNegativeBinomial | None, int]:
+    """(number of trials, K's distribution or None, the search's random state).
+
+    ``num_samples`` and the config's seed, or for random repetition K drawn from the truncated
+    negative binomial and a random state, both from the run's noise source — never logged."""
+    if not random_repetition(config):
+        return config.num_samples, None, config.seed
     distribution = TruncatedNegativeBinomial(config.cost.eta, config.cost.gamma)
-    drawn = distribution.sample(np.random.default_rng(config.seed))
-    log.info("random repetition: K = %d trials drawn (E[K] = %.2f)", drawn, distribution.expected_trials())
-    return drawn, distribution
+    source = preview.privacy.noise.source("tuning-repetitions")
+    return distribution.sample(source.rng), distribution, source.seed() % 2**32
 
 
 def run_sweep(config: TuneConfig, results_root: str | Path = "results", address: str | None = None,
               verbose: int = 1) -> dict[str, Any]:
     """Run the sweep on Ray (joined at ``address`` or started locally) and report it."""
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-    from ray.tune.search import BasicVariantGenerator
-
     from cluster.ray_runtime import start_ray
 
     config = dataclasses.replace(config, base=absolute_roots(config.base))
@@ -105,7 +112,49 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     start_ray(address)
     results = RunDirectory(results_root, config.name)
     prepared = prepare(config.kind, preview, results)
-    num_samples, distribution = number_of_trials(config)
+    num_samples, distribution, search_state = number_of_trials(config, preview)
+    hidden = distribution is not None  # K must not leave: no progress table, no trial folders kept
+    with tempfile.TemporaryDirectory(prefix="conclave-tune-") as scratch:
+        storage = Path(scratch) if hidden else results.path / "ray"
+        grid = _fit(config, kind, preview, prepared, num_samples, search_state, storage, 0 if hidden else verbose)
+        rows, finals = report.collect(grid, config.space)
+    details: dict[str, Any] = {"delta": delta, "scheduler": config.scheduler.name}
+    if not hidden:
+        details["num_samples"] = num_samples
+    if kind.free:
+        cost = sweep_cost("free", delta, release_charge=prepared["charge"])
+        details["release"] = {"what": "DP-SGD checkpoint trained once before the sweep",
+                              "path": prepared["path"], "epsilon": prepared["epsilon"],
+                              "accuracy": prepared["accuracy"]}
+    else:
+        charges = report.charges_of(finals, charge_from_fields)
+        if charges is None:
+            # A trial failed before reporting what it spent: nothing sound can be said.
+            from privacy.accounting.rdp import DEFAULT_ORDERS, unbounded_charge
+
+            cost = sweep_cost("composition", delta, [unbounded_charge(
+                "a trial failed before reporting its charge", orders=DEFAULT_ORDERS)])
+        elif hidden:
+            cost = sweep_cost("random-repetition", delta, charges, distribution=distribution)
+            # Theorem 2 covers publishing the winner only: the other trials, and their number, stay here.
+            winner = report.best_row(rows)
+            rows = [winner] if winner is not None else []
+            details["repetitions"] = {"eta": distribution.eta, "gamma": distribution.gamma,
+                                      "expected_trials": distribution.expected_trials(),
+                                      "published": "the winner only; the number of trials is not published"}
+        else:
+            cost = sweep_cost("composition", delta, charges)
+    summary = report.write(results, config.name, config.kind, rows, cost, details, hide_count=hidden)
+    summary["path"] = str(results.path)
+    return summary
+
+
+def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int, search_state: int,
+         storage: Path, verbose: int):
+    """Run the trials with Ray Tune; returns its ``ResultGrid``."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search import BasicVariantGenerator
 
     if config.scheduler.name == "asha":
         scheduler = ASHAScheduler(time_attr="training_iteration", max_t=_max_reports(preview, config.kind),
@@ -122,41 +171,11 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
         param_space=spaces.search_space(config.space),
         tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=num_samples, scheduler=scheduler,
                                     # (Tune ignores max_concurrent_trials when given a generator)
-                                    search_alg=BasicVariantGenerator(random_state=config.seed,
+                                    search_alg=BasicVariantGenerator(random_state=search_state,
                                                                      max_concurrent=concurrent or 0)),
-        run_config=tune.RunConfig(name=config.name, storage_path=str((results.path / "ray").resolve()),
-                                  verbose=verbose),
+        run_config=tune.RunConfig(name=config.name, storage_path=str(storage.resolve()), verbose=verbose),
     )
-    grid = tuner.fit()
-
-    rows, finals = report.collect(grid, config.space)
-    details: dict[str, Any] = {"delta": delta, "num_samples": num_samples,
-                               "scheduler": config.scheduler.name}
-    if kind.free:
-        cost = sweep_cost("free", delta, release_charge=prepared["charge"])
-        details["release"] = {"what": "DP-SGD checkpoint trained once before the sweep",
-                              "path": prepared["path"], "epsilon": prepared["epsilon"],
-                              "accuracy": prepared["accuracy"]}
-    else:
-        charges = report.charges_of(finals, charge_from_fields)
-        if charges is None:
-            # A trial failed before reporting what it spent: nothing sound can be said.
-            from privacy.accounting.rdp import DEFAULT_ORDERS, unbounded_charge
-
-            cost = sweep_cost("composition", delta, [unbounded_charge(
-                "a trial failed before reporting its charge", orders=DEFAULT_ORDERS)])
-        elif distribution is not None:
-            cost = sweep_cost("random-repetition", delta, charges, distribution=distribution)
-            # Theorem 2 covers publishing the winner only; the table and plot show every trial.
-            table = sweep_cost("composition", delta, charges)
-            details["repetitions"] = {"eta": distribution.eta, "gamma": distribution.gamma,
-                                      "expected": distribution.expected_trials(), "drawn": num_samples,
-                                      "epsilon_publishing_every_trial": table.epsilon}
-        else:
-            cost = sweep_cost("composition", delta, charges)
-    summary = report.write(results, config.name, config.kind, rows, cost, details)
-    summary["path"] = str(results.path)
-    return summary
+    return tuner.fit()
 
 
 def _max_reports(preview: Any, kind: str) -> int:
@@ -169,8 +188,9 @@ def _max_reports(preview: Any, kind: str) -> int:
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """A short human summary of a finished sweep."""
     cost = summary["tuning_cost"]
-    lines = [f"sweep '{summary['name']}' ({summary['kind']}): {summary['trials']} trials, "
-             f"{summary['failed']} failed; results in {summary['path']}/"]
+    count = ("only the winner published" if summary.get("trials") is None
+             else f"{summary['trials']} trials, {summary['failed']} failed")
+    lines = [f"sweep '{summary['name']}' ({summary['kind']}): {count}; results in {summary['path']}/"]
     best = summary.get("best")
     if best:
         values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best["values"].items())
@@ -179,10 +199,6 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                      f"ε including the tuning {_eps(cost['epsilon'])} at δ = {cost['delta']:g}")
     tag = "FREE — " if cost["free"] else ""
     lines.append(f"  tuning cost: {tag}{cost['method']}: {cost['statement']}")
-    repetitions = summary.get("repetitions")
-    if repetitions:
-        lines.append(f"  publishing every trial (trials.csv, the plot) costs the composition: "
-                     f"ε = {_eps(repetitions['epsilon_publishing_every_trial'])}")
     return lines
 
 

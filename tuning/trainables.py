@@ -119,17 +119,17 @@ def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any
 
 @ray.remote(num_cpus=0)
 def _run_pipeline(raw: dict, directory: str) -> tuple[dict, dict, dict]:
-    """Run a pipeline into ``directory``/run; (metrics, privacy, charge fields of its ledger)."""
-    from privacy.accounting.ledger import PrivacyLedger
+    """Run a pipeline into ``directory``/run; (metrics, privacy, charge fields of its planned work).
 
+    A trial's charge is its planned worst case, fixed before it ran: the realised spend
+    depends on what the trial released, and adding those up would not be a guarantee."""
     pipeline, config = load_run_config(raw)
     results = RunDirectory(directory, "run")
-    pipeline_module(pipeline).run(config, RunContext("trial", results, None))
+    module = pipeline_module(pipeline)
+    module.run(config, RunContext("trial", results, None))
     metrics = json.loads((results.path / "metrics.json").read_text())
     privacy = json.loads((results.path / "privacy.json").read_text())
-    with PrivacyLedger(results.path / "ledger.sqlite", math.inf, config.privacy.delta) as ledger:
-        spent = ledger.spent()
-    return metrics, privacy, charge_fields(spent)
+    return metrics, privacy, charge_fields(module.planned_work(config))
 
 
 def _pipeline_outside_trial(raw: dict, trial_dir: Path) -> tuple[dict, dict, PrivacyCharge]:
@@ -143,7 +143,7 @@ def _teacher_ensemble(config: Any, raw: dict, prepared: Any, trial_dir: Path) ->
     for point in metrics["curve"][:-1]:
         _report(point["accuracy"], float(point["budget"].get("epsilon_spent", math.nan)), charge,
                 answered=point["answered"])
-    _report(metrics["student_accuracy"], privacy["ledger"]["epsilon"], charge,
+    _report(metrics["student_accuracy"], privacy["guarantee"]["epsilon"], charge,
             answered=metrics["queries_answered"], asked=metrics["queries_asked"],
             label_accuracy=metrics["label_accuracy"])
 
@@ -203,16 +203,18 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     _, private_test = load_split(config.private, config.seed)
     model = replace_classifier(prepared.build(), private.num_classes, seed=config.seed)
     plan = plan_variant(model, variant, config.finetune.fraction)
-    dp_config = config.finetune.dp_config(config.privacy.delta, config.seed)
+    dp_config = config.finetune.dp_config(config.privacy.delta)
     schedule = dp_schedule(len(private), dp_config, label=f"dpsgd-sparse-{variant}")
-    with config.privacy.open_ledger(trial_dir / "ledger.sqlite") as ledger:
+    with config.privacy.open_ledger(trial_dir / "ledger.sqlite", schedule.charge) as ledger:
         ledger.charge(schedule.charge)  # before anything private is computed
 
-    def on_epoch(epoch: int, epsilon: float) -> None:
+    def on_epoch(epoch: int, epsilon: float) -> None:  # the test split is public: evaluating it is free
         _report(evaluate(model, private_test), epsilon, schedule.charge, epoch=epoch + 1,
                 trained_fraction=plan.trained_fraction, noise_multiplier=schedule.noise_multiplier)
 
-    train_dp(model, private, dp_config, masks=plan.masks, on_epoch=on_epoch)
+    # every trial draws its own fresh noise (independent trials, as Papernot & Steinke's Thm 2 needs)
+    train_dp(model, private, dp_config, config.privacy.noise.source(f"dpsgd-sparse-{variant}"), masks=plan.masks,
+             on_epoch=on_epoch)
 
 
 TRIALS: dict[str, Callable[[Any, dict, Any, Path], None]] = {
@@ -233,21 +235,28 @@ def run_trial(params: dict[str, Any], *, kind: str, base: dict, space: dict, pre
     try:
         TRIALS[kind](config, raw, prepared, trial_dir)
     except Exception:
-        _report_spent_before_failing(trial_dir, config.privacy.delta)
+        _report_planned_before_failing(raw, trial_dir)
         raise
 
 
-def _report_spent_before_failing(trial_dir: Path, delta: float) -> None:
-    """A failed trial still spent what its ledger recorded: report that, so the sweep can
-    account for it (without a report the sweep's ε is unbounded)."""
+def _report_planned_before_failing(raw: dict, trial_dir: Path) -> None:
+    """A failed trial may have released part of its work: report its planned worst case — or
+    a zero charge when no ledger recorded anything, since nothing is released before its
+    charge — so the sweep can account for it (without a report the sweep's ε is unbounded)."""
+    from privacy.accounting.guarantee import worst_case_guarantee
     from privacy.accounting.ledger import PrivacyLedger
 
-    for path in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite"):
-        if path.is_file():
-            with PrivacyLedger(path, math.inf, delta) as ledger:
-                spent, report = ledger.spent(), ledger.report()
-            _report(math.nan, report.epsilon, spent, failed=True)
-            return
+    ledgers = [p for p in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite") if p.is_file()]
+    charged = False
+    for path in ledgers:
+        with PrivacyLedger.open_existing(path) as ledger:
+            charged = charged or ledger.report().charges > 0
+    if not charged:
+        _report(math.nan, 0.0, PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS)), failed=True)
+        return
+    pipeline, config = load_run_config(raw)
+    planned = pipeline_module(pipeline).planned_work(config)
+    _report(math.nan, worst_case_guarantee(planned, config.privacy.delta).epsilon, planned, failed=True)
 
 
 # --- what a sweep prepares once, before its trials ------------------------------------------
@@ -273,10 +282,11 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
     run_dir = RunDirectory(results.path, "checkpoint")
     active_learning.run(once, RunContext("checkpoint", run_dir, None))
     final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
-    with PrivacyLedger(run_dir.path / "ledger.sqlite", math.inf, config.privacy.delta) as ledger:
-        charge, report = ledger.spent(), ledger.report()
+    with PrivacyLedger.open_existing(run_dir.path / "ledger.sqlite") as ledger:
+        charge = ledger.spent()
     metrics = json.loads((run_dir.path / "metrics.json").read_text())
-    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": report.epsilon,
+    privacy = json.loads((run_dir.path / "privacy.json").read_text())
+    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": privacy["guarantee"]["epsilon"],
             "accuracy": metrics["checkpoints"][-1]["test_accuracy"], "path": str(final)}
 
 

@@ -1,5 +1,7 @@
-"""Pipelines a config can name. Each module exposes ``Config`` (a frozen dataclass) and
-``run(config: Config, context: RunContext) -> dict`` returning the run's summary."""
+"""Pipelines a config can name. Each module exposes ``Config`` (a frozen dataclass),
+``run(config: Config, context: RunContext) -> dict`` returning the run's summary, and
+``planned_work(config) -> PrivacyCharge``: the worst case of what the run will release, from
+public settings only (it fixes the budget's order and is the run's worst-case guarantee)."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +11,11 @@ from pathlib import Path
 from types import ModuleType
 
 from cluster.results import RunDirectory
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.filter import RenyiFilter, filter_for
+from privacy.accounting.guarantee import Guarantee, run_guarantee, worst_case_guarantee
 from privacy.accounting.ledger import PrivacyLedger
+from privacy.noise import NoisePolicy
 
 PIPELINES = {
     "teacher_student": "cluster.pipelines.teacher_student",
@@ -29,24 +35,62 @@ class RunContext:
 
 @dataclass(frozen=True)
 class PrivacyConfig:
-    """A config's ``privacy`` section: the run ledger's ε limit and δ."""
+    """A config's ``privacy`` section: the budget declared before the run, δ, and where noise comes from.
 
-    epsilon_limit: float | None = None  # null: a report-only ledger (it refuses nothing)
+    ``budget``: the ε the run may spend at ``delta``, enforced by the ledger as a Rényi
+    filter at an order chosen from the planned work (``privacy.accounting.filter``); null
+    for no budget, when the guarantee is the worst case of the planned work alone.
+    ``insecure_noise_seed``: reproducible DP noise for debugging — every report of such a
+    run says ``sound: false``. Never set it for a result you publish.
+    """
+
+    budget: float | None = None
     delta: float = 1e-5
+    insecure_noise_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.epsilon_limit is not None and not self.epsilon_limit > 0:
-            raise ValueError(f"privacy.epsilon_limit must be > 0 or null, got {self.epsilon_limit}")
+        if self.budget is not None and not (self.budget > 0 and math.isfinite(self.budget)):
+            raise ValueError(f"privacy.budget must be a finite number > 0 or null, got {self.budget}")
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
 
     @property
-    def ledger_limit(self) -> float:
-        """The limit as the ledger takes it: inf for a report-only ledger."""
-        return math.inf if self.epsilon_limit is None else self.epsilon_limit
+    def noise(self) -> NoisePolicy:
+        return NoisePolicy(insecure_seed=self.insecure_noise_seed)
 
-    def open_ledger(self, path: str | Path) -> PrivacyLedger:
-        return PrivacyLedger(path, epsilon_limit=self.ledger_limit, delta=self.delta)
+    def budget_filter(self, planned: PrivacyCharge) -> RenyiFilter | None:
+        """The filter this run declares for its planned worst-case work (None without a budget)."""
+        if self.budget is None:
+            return None
+        try:
+            return filter_for(planned, self.budget, self.delta)
+        except ValueError as err:
+            raise ValueError(f"privacy.budget: {err}") from None
+
+    def open_ledger(self, path: str | Path, planned: PrivacyCharge) -> PrivacyLedger:
+        """The run's ledger, its budget (if any) fixed now from ``planned``, before any data is read."""
+        return PrivacyLedger(path, self.delta, self.budget_filter(planned), neighbouring=planned.neighbouring)
+
+    def guarantee(self, planned: PrivacyCharge) -> Guarantee:
+        """The run's guarantee: the budget or the planned worst case, whichever is smaller."""
+        reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
+        return run_guarantee(planned, self.delta, self.budget_filter(planned), reasons)
+
+    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger) -> dict:
+        """What every run writes about its privacy: the guarantee, then what was spent and planned."""
+        spent = ledger.report()
+        guarantee = self.guarantee(planned)
+        return {
+            "guarantee": guarantee.as_dict(),
+            "sound": guarantee.sound,
+            "unsound_reasons": list(guarantee.unsound_reasons),
+            "budget": None if spent.budget is None else spent.budget.as_dict(),
+            "planned_worst_case": {"epsilon": worst_case_guarantee(planned, self.delta).epsilon,
+                                   "charge": planned.label},
+            "spent": {"epsilon": spent.epsilon_spent, "order": spent.order, "charges": spent.charges,
+                      "by_label": spent.by_label, "rdp_at_budget_order": spent.rdp_at_budget_order,
+                      "note": "realised spend: a function of what was released, not the guarantee"},
+        }
 
 
 def pipeline_module(name: str) -> ModuleType:

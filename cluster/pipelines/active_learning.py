@@ -13,10 +13,14 @@
 4. Labels are bought for each strategy's picks, the checkpoint is fine-tuned on them (public
    data only: no privacy cost) and evaluated on the test set.
 
-Writes ``metrics.json`` (accuracy per strategy per N_labeled, with ε and the share of
-out-of-domain picks), ``privacy.json`` (the run ledger and one ledger per published model)
-and ``accuracy_vs_labels.png``. The run's ledger (``ledger.sqlite``) is durable: running again
-into the same folder composes with what earlier runs spent on the same private data.
+Writes ``metrics.json`` (test accuracy per strategy per N_labeled, with ε and the share of
+out-of-domain picks), ``privacy.json`` (the run's guarantee — its budget or the worst case of
+the planned work: the whole DP-SGD schedule, plus DP-PCA and the noisy counts when NearPrivate
+runs — what it spent, and each published model's own guarantee) and
+``accuracy_vs_labels.png``. The run's ledger (``ledger.sqlite``) is durable: running again into
+the same folder composes with what earlier runs spent on the same private data (and is
+refused if the new run declares a different budget). Noise, Poisson sampling included, comes
+from ``privacy.noise``; the seed only splits data, initialises models and draws public choices.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from cluster.pipelines import PrivacyConfig, RunContext
 from learning.data.features import check_features
+from privacy.accounting.charge import PrivacyCharge
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,13 @@ class DPSGDSection:
             raise ValueError("dpsgd: give exactly one of noise_multiplier and target_epsilon")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("dpsgd.epochs and dpsgd.batch_size must be >= 1")
+
+    def dp_config(self, delta: float):
+        from learning.dpsgd import DPSGDConfig
+
+        return DPSGDConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                           max_grad_norm=self.max_grad_norm, delta=delta, noise_multiplier=self.noise_multiplier,
+                           target_epsilon=self.target_epsilon, momentum=self.momentum, lr_schedule=self.lr_schedule)
 
 
 @dataclass(frozen=True)
@@ -150,10 +162,26 @@ class Config:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     annotator: AnnotatorConfig = field(default_factory=AnnotatorConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # default: a report-only ledger
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # default: no budget, the planned worst case
     checkpoints_from: str | None = None  # reuse an earlier run's DP checkpoints (its results folder)
     seed: int = 0
     torch_threads: int = 1
+
+    def selection_releases(self) -> list:
+        """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none."""
+        from privacy.counts import LaplaceCounts
+        from privacy.pca import AnalyzeGauss
+
+        if "near_private" not in self.selection.strategies:
+            return []
+        return [AnalyzeGauss(self.selection.epsilon_pca, self.privacy.delta),
+                LaplaceCounts(self.selection.epsilon_support)]
+
+    def planned(self, training: PrivacyCharge) -> PrivacyCharge:
+        """The worst case of the planned work: the DP-SGD run ``training`` plus NearPrivate's releases."""
+        from privacy.accounting.rdp import sum_charges
+
+        return sum_charges([training, *(release.charge() for release in self.selection_releases())], label="planned")
 
 
 # ---- out-of-domain images for the pollution experiment --------------------------------
@@ -240,6 +268,16 @@ def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
     return PublicSide(public.x, pool_inputs, annotator, out_of_domain, apply_features(test, data.features))
 
 
+def planned_work(config: Config) -> PrivacyCharge:
+    """The DP-SGD schedule (or the reused checkpoints' cost) plus NearPrivate's releases."""
+    from learning.dpsgd import dp_schedule
+
+    reused = _reused_checkpoints(config)
+    training = reused[-1].charge() if reused else dp_schedule(config.data.private_size,
+                                                              config.dpsgd.dp_config(config.privacy.delta)).charge
+    return config.planned(training)
+
+
 def run(config: Config, context: RunContext) -> dict:
     import torch
 
@@ -269,21 +307,24 @@ def run(config: Config, context: RunContext) -> dict:
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     spec = public.model_spec(config)
 
-    # 2. DP checkpoints, charged to the run's ledger before anything is trained or loaded.
-    ledger = config.privacy.open_ledger(out / "ledger.sqlite")
+    # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
+    #    private is read, and the whole schedule is charged before training starts.
+    reused = _reused_checkpoints(config)
+    planned = planned_work(config)
+    ledger = config.privacy.open_ledger(out / "ledger.sqlite", planned)
     if ledger.report().charges:
         log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
                     "with this run's", ledger.path, ledger.report().charges)
-    checkpoints, dp_info = _dp_checkpoints(config, source, spec, ledger, out)
+    checkpoints, dp_info = _dp_checkpoints(config, source, spec, ledger, out, reused)
     checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": _epsilon([c.charge()], config.privacy.delta),
-                        "test_accuracy": evaluate(c.load_into(spec.build()), test), "train_loss": c.loss}
+                        "test_accuracy": evaluate(c.load_into(spec.build()), test)}
                        for c in checkpoints]
 
     # 3. Strategies → labels → fine-tuning → test accuracy.
     rows, privacy = improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
-    privacy = {"delta": config.privacy.delta, "run": dataclasses.asdict(ledger.report()), "dpsgd": dp_info, **privacy}
+    privacy = {**config.privacy.report(planned, ledger), "delta": config.privacy.delta, "dpsgd": dp_info, **privacy}
     ledger.close()
     if client is not None:
         privacy["annotator_aggregator"] = client.budget()  # its own ledger: the teachers' data
@@ -298,7 +339,9 @@ def run(config: Config, context: RunContext) -> dict:
     curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
     curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
     context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)", "test accuracy")
-    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4), "epsilon_dp": round(final_epsilon, 3)}
+    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4), "epsilon_dp": round(final_epsilon, 3),
+               "guarantee": f"ε = {privacy['guarantee']['epsilon']:.3g} at δ = {config.privacy.delta:g} "
+                            f"({privacy['guarantee']['basis']}){'' if privacy['sound'] else ', NOT SOUND'}"}
     for name in sel.strategies:
         last = [r for r in rows if r["strategy"] == name][-1]
         summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
@@ -306,57 +349,61 @@ def run(config: Config, context: RunContext) -> dict:
 
 
 def _epsilon(charges: list, delta: float) -> float:
-    """ε at ``delta`` of ``charges`` composed in RDP (the ledger's accounting)."""
-    from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sum_charges
+    """ε at ``delta`` of work fixed in advance whose charges are ``charges`` (its worst-case guarantee)."""
+    from privacy.accounting.guarantee import worst_case_guarantee
+    from privacy.accounting.rdp import sum_charges
 
-    return float(epsilon_from_rdp(DEFAULT_ORDERS, sum_charges(charges).rdp, delta)[0])
+    return float(worst_case_guarantee(sum_charges(charges), delta).epsilon)
 
 
-def _dp_checkpoints(config: Config, source, spec, ledger, out: Path) -> tuple[list, dict]:
-    """Train (or reuse, with ``checkpoints_from``) the DP-SGD checkpoints, one per epoch.
-    The whole schedule is charged to ``ledger`` first."""
+def _reused_checkpoints(config: Config) -> list:
+    """The DP checkpoints of an earlier run (``checkpoints_from``: public DP outputs), or none."""
+    from actors.dp_trainer import DPCheckpoint
+
+    if config.checkpoints_from is None:
+        return []
+    files = sorted((Path(config.checkpoints_from) / "checkpoints").glob("epoch-*.pt"))
+    if not files:
+        raise ValueError(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")
+    return [DPCheckpoint.load(f) for f in files]
+
+
+def _dp_checkpoints(config: Config, source, spec, ledger, out: Path, reused: list) -> tuple[list, dict]:
+    """Train (or reuse) the DP-SGD checkpoints, one per epoch. The whole schedule is charged
+    to ``ledger`` first."""
     import ray
-    from opacus.accountants.utils import get_noise_multiplier
 
-    from actors.dp_trainer import DPCheckpoint, ShardActor, train_distributed
-    from learning.dpsgd import DPSGDConfig
-    from privacy.accounting.rdp import sampled_gaussian_charge
+    from actors.dp_trainer import ShardActor, train_distributed
+    from learning.dpsgd import dp_schedule
 
     dp = config.dpsgd
-    if config.checkpoints_from is not None:
-        files = sorted((Path(config.checkpoints_from) / "checkpoints").glob("epoch-*.pt"))
-        if not files:
-            raise ValueError(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")
-        checkpoints = [DPCheckpoint.load(f) for f in files]
-        ledger.charge(checkpoints[-1].charge())
-        final = checkpoints[-1]
-        return checkpoints, {"sample_rate": final.sample_rate, "noise_multiplier": final.noise_multiplier,
-                             "epochs": final.epoch, "reused_from": config.checkpoints_from}
-    steps_per_epoch = math.ceil(config.data.private_size / dp.batch_size)
-    sample_rate = 1 / steps_per_epoch  # Poisson rate over the union, as train_dp computes it
-    sigma = float(dp.noise_multiplier or get_noise_multiplier(
-        target_epsilon=dp.target_epsilon, target_delta=config.privacy.delta, sample_rate=sample_rate,
-        epochs=dp.epochs, accountant="rdp", epsilon_tolerance=0.005))
-    dp_config = DPSGDConfig(epochs=dp.epochs, batch_size=dp.batch_size, lr=dp.lr, max_grad_norm=dp.max_grad_norm,
-                            delta=config.privacy.delta, noise_multiplier=sigma, momentum=dp.momentum, seed=config.seed,
-                            lr_schedule=dp.lr_schedule)
-    ledger.charge(sampled_gaussian_charge(sample_rate, sigma, dp.epochs * steps_per_epoch, label="dpsgd"))
-    log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", sample_rate, sigma, dp.epochs,
+    if reused:
+        ledger.charge(reused[-1].charge())
+        final = reused[-1]
+        return reused, {"sample_rate": final.sample_rate, "noise_multiplier": final.noise_multiplier,
+                        "epochs": final.epoch, "reused_from": config.checkpoints_from}
+    schedule = dp_schedule(config.data.private_size, dp.dp_config(config.privacy.delta))
+    dp_config = dataclasses.replace(dp.dp_config(config.privacy.delta), noise_multiplier=schedule.noise_multiplier,
+                                    target_epsilon=None)
+    ledger.charge(schedule.charge)
+    log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", schedule.sample_rate, schedule.noise_multiplier, dp.epochs,
              "Ray Train" if dp.distributed else "one actor")
+    noise = config.privacy.noise
     if dp.distributed:
-        checkpoints = train_distributed(source, spec, dp_config, str((out / "ray-train").resolve()), name=config.name,
-                                        cpus_per_worker=dp.cpus_per_worker, torch_threads=config.torch_threads)
+        checkpoints = train_distributed(source, spec, dp_config, noise, str((out / "ray-train").resolve()),
+                                        name=config.name, cpus_per_worker=dp.cpus_per_worker,
+                                        torch_threads=config.torch_threads)
     else:
         trainer = ShardActor.remote(source, list(range(source.num_shards)), spec, config.torch_threads)
-        checkpoints = ray.get(trainer.train_dp.remote(dp_config))
+        checkpoints = ray.get(trainer.train_dp.remote(dp_config, noise))
         ray.kill(trainer)
-    if checkpoints[-1].sample_rate != sample_rate or checkpoints[-1].steps != dp.epochs * steps_per_epoch:
+    if checkpoints[-1].sample_rate != schedule.sample_rate or checkpoints[-1].steps != schedule.steps:
         raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
     (out / "checkpoints").mkdir(exist_ok=True)
     for checkpoint in checkpoints:
         checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
-    return checkpoints, {"sample_rate": sample_rate, "noise_multiplier": sigma, "epochs": dp.epochs,
-                         "distributed": dp.distributed}
+    return checkpoints, {"sample_rate": schedule.sample_rate, "noise_multiplier": schedule.noise_multiplier,
+                         "epochs": dp.epochs, "distributed": dp.distributed}
 
 
 def _near_private_start(config: Config, checkpoints: list, extra: list):
@@ -382,6 +429,7 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     from learning.data import Dataset
     from learning.selection import PublicPool, build_strategy
     from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from privacy.accounting.guarantee import worst_case_guarantee
     from privacy.accounting.ledger import PrivacyLedger
     from privacy.counts import LaplaceCounts
     from privacy.pca import AnalyzeGauss
@@ -389,6 +437,7 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     sel, delta = config.selection, config.privacy.delta
     pca, counts = AnalyzeGauss(sel.epsilon_pca, delta), LaplaceCounts(sel.epsilon_support)
     near_start = _near_private_start(config, checkpoints, [pca.charge(), counts.charge()])
+    noise = config.privacy.noise
     finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
                            lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
     model_ledgers: dict[str, PrivacyLedger] = {}
@@ -399,7 +448,7 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     for name in sel.strategies:
         start = near_start if name == "near_private" else checkpoints[-1]
         # What this one model costs on its own: an in-memory view (the run's ledger is the durable one).
-        model_ledger = model_ledgers[name] = PrivacyLedger(":memory:", math.inf, delta)
+        model_ledger = model_ledgers[name] = PrivacyLedger(":memory:", delta)
         model_ledger.charge(start.charge())
         if start.epoch not in pools:
             model = start.load_into(spec.build())
@@ -415,10 +464,10 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
                 ledger.charge(charge)  # the run's ledger first: it may refuse, and then nothing is released
                 model_ledger.charge(charge)
 
-            support = ShardSupport(shard_actors, pca, counts, charge_both, seed=config.seed)
+            support = ShardSupport(shard_actors, pca, counts, charge_both, noise)
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
         selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
-        epsilon = model_ledger.report().epsilon
+        epsilon = _epsilon([model_ledger.spent()], delta)  # fixed work: its worst case is its guarantee
         for size in sorted(selections):
             chosen = selections[size]
             labels = annotator.label(chosen)
@@ -437,7 +486,9 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
     progress.close()
     for actor in shard_actors:
         ray.kill(actor)
-    privacy: dict = {"per_model": {name: dataclasses.asdict(l.report()) for name, l in model_ledgers.items()}}
+    unsound = (noise.unsound_reason,) if noise.unsound_reason else ()
+    privacy: dict = {"per_model": {name: worst_case_guarantee(l.spent(), delta).marked(unsound).as_dict()
+                                   for name, l in model_ledgers.items()}}
     for l in model_ledgers.values():
         l.close()
     if "near_private" in sel.strategies:

@@ -9,9 +9,13 @@
    configured mechanism answers and the privacy ledger is charged before each release.
 4. A student actor asks for labels over gRPC, like any outside client, trains on the
    answers and is evaluated on the test split (at several query checkpoints).
-5. Report privacy: the data-independent ε the ledger composed, and the data-dependent
-   analysis of the answered votes only in its smooth-sensitivity release (PATE 2018 §4);
-   for NZC the paper's claimed ε≈0 beside the sound ε, which is unbounded.
+5. Report privacy (``privacy.json``): the guarantee — the budget declared in advance,
+   enforced by the ledger as a Rényi filter, or the worst case of the planned queries (all
+   answered), whichever is smaller — and, labelled as estimates, the smooth-sensitivity
+   release of the data-dependent cost when ``estimates.smooth_sensitivity`` asks for it
+   (its own cost is planned and charged) and, for NZC, the paper's claimed ε≈0 beside the
+   guarantee, which is unbounded. Nothing computed from the private votes or the teachers'
+   training (losses, the noiseless plurality's accuracy) is written.
 
 With ``data.features`` (e.g. scattering) the teachers and the student learn on a fixed
 representation of the images, each computing it in its own process (teacher actors for their
@@ -34,7 +38,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.pipelines import PrivacyConfig
+from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import check_features
+from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from privacy.accounting.report import planned_charge
+from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import build_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
@@ -116,6 +124,37 @@ class MechanismConfig:
 
 
 @dataclass(frozen=True)
+class EstimatesConfig:
+    """Data-dependent estimates published beside the guarantee (never as it).
+
+    ``smooth_sensitivity``: release the PATE 2018 data-dependent cost by smooth sensitivity
+    (GNMax family). Its parameters are fixed before any vote is seen — given here, or derived
+    from the planned worst case — and its own cost is part of the planned work the budget
+    and the guarantee cover.
+    """
+
+    smooth_sensitivity: bool = False
+    order: float | None = None
+    beta: float | None = None
+    sigma_ss: float | None = None
+
+    def __post_init__(self) -> None:
+        fixed = (self.order, self.beta, self.sigma_ss)
+        if any(v is not None for v in fixed) and any(v is None for v in fixed):
+            raise ValueError("estimates: order, beta and sigma_ss go together (or none, for the defaults)")
+        if all(v is not None for v in fixed):
+            SmoothSensitivityParameters(*fixed)  # a bad value is a config error now
+
+    def parameters(self, mechanism, queries: int, delta: float) -> SmoothSensitivityParameters | None:
+        """The release's parameters, from public settings only (None when off or not applicable)."""
+        if not self.smooth_sensitivity or not hasattr(mechanism, "smooth_sensitivity_terms"):
+            return None
+        if self.order is not None:
+            return SmoothSensitivityParameters(self.order, self.beta, self.sigma_ss)
+        return SmoothSensitivityParameters.for_workload(mechanism.run_charge(queries, queries), delta)
+
+
+@dataclass(frozen=True)
 class StudentConfig:
     queries: int = 300  # inputs of the public pool asked, in pool order
     batch_size: int = 50  # inputs per gRPC call
@@ -157,7 +196,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     teachers: TeachersConfig = field(default_factory=TeachersConfig)
     mechanism: MechanismConfig = field(default_factory=MechanismConfig)
-    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(epsilon_limit=20.0))
+    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=20.0))
+    estimates: EstimatesConfig = field(default_factory=EstimatesConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -168,9 +208,19 @@ class Config:
         if self.student.batch_size > self.server.max_batch:
             raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
                              f"server.max_batch ({self.server.max_batch})")
-        if self.mechanism.name == "nzc" and self.privacy.epsilon_limit is not None:
-            raise ValueError("mechanism nzc has no finite DP guarantee, so no finite budget can "
-                             "gate it: set privacy.epsilon_limit to null (a report-only ledger)")
+        if self.mechanism.name == "nzc" and self.privacy.budget is not None:
+            raise ValueError("mechanism nzc has no finite DP guarantee, so no budget can gate it: "
+                             "set privacy.budget to null (the run records its spend and reports it unbounded)")
+        self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
+
+    def smooth_sensitivity(self) -> SmoothSensitivityParameters | None:
+        return self.estimates.parameters(self.mechanism.build(), self.student.queries, self.privacy.delta)
+
+    def planned(self) -> PrivacyCharge:
+        """The worst case of the planned work, on add/remove neighbours of the owners' records:
+        every one of ``student.queries`` answered, plus the smooth-sensitivity release if asked."""
+        planned = planned_charge(self.mechanism.build(), self.student.queries, self.smooth_sensitivity())
+        return planned.for_records(ADD_REMOVE, SHARD_LEMMA)
 
 
 # --- phases -----------------------------------------------------------------------------
@@ -183,7 +233,6 @@ class Teachers:
 
     splits: StudentSplits
     pool: Any
-    losses: list[float]
     seconds: float
 
 
@@ -192,11 +241,10 @@ def train_teachers(config: Config, progress: bool = True) -> Teachers:
     splits = student_splits(config)
     started = time.perf_counter()
     pool = teacher_pool(config)
-    losses = pool.train(progress=progress)
+    pool.train(progress=progress)
     seconds = time.perf_counter() - started
-    log.info("teachers: %d trained on %d actors in %.1f s (mean last-epoch loss %.3f)",
-             pool.num_teachers, pool.num_actors, seconds, float(np.nanmean(losses)))
-    return Teachers(splits, pool, losses, seconds)
+    log.info("teachers: %d trained on %d actors in %.1f s", pool.num_teachers, pool.num_actors, seconds)
+    return Teachers(splits, pool, seconds)
 
 
 def student_splits(config: Config) -> StudentSplits:
@@ -235,66 +283,54 @@ def teacher_pool(config: Config, num_teachers: int | None = None) -> TeacherPool
                        num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
 
 
-def start_aggregator(config: Config, pool, ledger, token: str, rng: np.random.Generator,
-                     host: str | None = None, port: int | None = None):
+def start_aggregator(config: Config, pool, ledger, token: str, host: str | None = None, port: int | None = None):
     """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
     from actors.aggregator import AggregatorServer, ServerSettings
 
     settings = ServerSettings(host=host or config.server.host,
                               port=config.server.port if port is None else port,
                               token=token, max_batch=config.server.max_batch)
-    server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings, rng=rng)
+    server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings,
+                              noise=config.privacy.noise)
     return server, server.start()
 
 
-def privacy_section(config: Config, ledger_report, votes: np.ndarray, answered: np.ndarray,
-                    rng: np.random.Generator) -> dict[str, Any]:
-    """What a run may publish about its privacy.
+def privacy_section(config: Config, ledger, votes: np.ndarray, answered: np.ndarray) -> dict[str, Any]:
+    """What a run may publish about its privacy (``privacy.json``).
 
-    ``ledger``: the data-independent ε the ledger composed (it gated every release).
-    ``analysis``: ``privacy.accounting.pate.privacy_report`` of the votes the mechanism saw,
-    without the figures computed from the private votes themselves: of the data-dependent
-    analysis only its smooth-sensitivity release (PATE 2018, GNSS) is published. For NZC the
-    report holds the paper's claim beside the sound figure (unbounded).
-    ``epsilon``: the figure to quote, the smaller of the two published bounds.
+    The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
+    report of the votes it answered: only its public view, i.e. the estimates that are not
+    computed from the private votes without a mechanism — the smooth-sensitivity release
+    (charged to the ledger first; skipped, saying why, if the budget has no room left for it)
+    or NZC's claim.
     """
-    from privacy.accounting.pate import privacy_report
+    from privacy.accounting.ledger import BudgetExceeded
+    from privacy.accounting.report import vote_report
 
-    section: dict[str, Any] = {
-        "mechanism": {"name": config.mechanism.name, **config.mechanism.params},
-        "delta": config.privacy.delta,
-        "ledger": {
-            "epsilon": ledger_report.epsilon,
-            "order": ledger_report.order,
-            "sound": ledger_report.sound,
-            "epsilon_limit": ledger_report.epsilon_limit,
-            "charges": ledger_report.charges,
-            "by_label": ledger_report.by_label,
-        },
-        "epsilon": ledger_report.epsilon,
-    }
+    planned = config.planned()
+    smooth = config.smooth_sensitivity() if len(votes) else None
+    skipped = None
+    if smooth is not None:
+        try:  # the release is a release: paid for before it is made
+            ledger.charge(smooth.charge(planned.orders).for_records(ADD_REMOVE, SHARD_LEMMA))
+        except BudgetExceeded as refused:
+            log.warning("no smooth-sensitivity estimate: %s", refused)
+            skipped, smooth = f"smooth-sensitivity release refused by the budget: {refused}", None
+    section: dict[str, Any] = {**config.privacy.report(planned, ledger),
+                               "mechanism": config.mechanism.build().describe().as_dict(),
+                               "delta": config.privacy.delta, "estimates": []}
+    if skipped:
+        section["estimates_skipped"] = skipped
     if len(votes):
-        analysis = publishable(privacy_report(config.mechanism.build(), votes, answered,
-                                              config.privacy.delta, rng=rng))
-        section["analysis"] = analysis
-        released = analysis.get("epsilon_smooth_sensitivity")
-        if released is not None:
-            section["epsilon"] = min(ledger_report.epsilon, float(released))
+        report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
+                             config.privacy.guarantee(planned), smooth=smooth,
+                             noise=config.privacy.noise.source("smooth-sensitivity")).public()
+        section.update(estimates=report["estimates"], queries=report["queries"], answered=report["answered"])
     return section
 
 
-# Computed from the private votes: never written out (PATE 2018 publishes them only via GNSS).
-PRIVATE_KEYS = ("rdp_data_dependent", "epsilon_data_dependent", "order_data_dependent")
-PRIVATE_RELEASE_KEYS = ("smooth_sensitivity", "noise_std")  # the scale of the noise reveals it
-
-
-def publishable(report: dict[str, Any]) -> dict[str, Any]:
-    """A ``privacy_report`` without the raw data-dependent figures."""
-    public = {k: v for k, v in report.items() if k not in PRIVATE_KEYS}
-    release = report.get("smooth_sensitivity")
-    if isinstance(release, dict):
-        public["smooth_sensitivity"] = {k: v for k, v in release.items() if k not in PRIVATE_RELEASE_KEYS}
-    return public
+def planned_work(config: Config) -> PrivacyCharge:
+    return config.planned()
 
 
 def run(config: Config, context) -> dict[str, Any]:
@@ -318,15 +354,14 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
 
     from actors.student import StudentActor
     from cluster.client import AggregatorClient
-    from privacy.randomness import make_rng
 
     phases: dict[str, float] = {"train_teachers": teachers.seconds}
     ledger_path = results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
-    ledger = config.privacy.open_ledger(ledger_path)
+    ledger = config.privacy.open_ledger(ledger_path, config.planned())
     token = secrets.token_urlsafe(24)
-    server, address = start_aggregator(config, teachers.pool, ledger, token, make_rng(config.seed))
+    server, address = start_aggregator(config, teachers.pool, ledger, token)
     log.info("aggregator serving on %s", address)
     try:
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
@@ -348,26 +383,17 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
     finally:
         server.stop()
 
-    # The ensemble's plurality without noise, on the same queries: the papers' "clean votes"
-    # label accuracy (operator-side diagnostic; the driver owns the teachers).
-    asked = queried["asked"]
-    clean_accuracy = math.nan
-    if asked:
-        clean = teachers.pool.votes(teachers.splits.public.x[:asked]).argmax(axis=1)
-        clean_accuracy = float((clean == teachers.splits.public.y[:asked]).mean())
-    teacher_summary = {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
-                       "mean_last_epoch_loss": float(np.nanmean(teachers.losses))}
+    teacher_summary = {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors}
 
     started = time.perf_counter()
-    privacy = privacy_section(config, ledger.report(), votes, answered, make_rng(config.seed + 1))
+    privacy = privacy_section(config, ledger, votes, answered)
     ledger.close()
     phases["privacy_analysis"] = time.perf_counter() - started
 
     final = curve[-1]
     metrics = {
         "student_accuracy": final["accuracy"],
-        "label_accuracy": queried["label_accuracy"],
-        "clean_vote_accuracy": clean_accuracy,  # raw plurality, no noise: the papers' "clean votes", not DP
+        "label_accuracy": queried["label_accuracy"],  # released labels against the public pool's truth
         "queries_asked": queried["asked"],
         "queries_answered": queried["answered"],
         "budget_exhausted": queried["budget_exhausted"],
@@ -407,15 +433,15 @@ def _query_with_progress(student, settings: StudentConfig, batches_per_call: int
 
 
 def _epsilon_line(config: Config, privacy: dict[str, Any]) -> str:
-    analysis = privacy.get("analysis", {})
-    line = (f"ε = {privacy['epsilon']:.3g} at δ = {config.privacy.delta:g} "
-            f"(data-independent, from the ledger: {privacy['ledger']['epsilon']:.3g}")
-    if analysis.get("epsilon_smooth_sensitivity") is not None:
-        line += f"; data-dependent, smooth-sensitivity release: {analysis['epsilon_smooth_sensitivity']:.3g}"
-    line += ")"
-    if "claimed" in analysis:
-        line += (f"; the NZC paper's claim, ε = {analysis['claimed']['epsilon_total']:.3g}, "
-                 "is not a valid DP guarantee")
+    guarantee = privacy["guarantee"]
+    epsilon = guarantee["epsilon"]
+    line = (f"guarantee ε = {epsilon:.3g} at δ = {guarantee['delta']:g} ({guarantee['basis']})"
+            if epsilon != float("inf") else "guarantee ε = inf: no finite guarantee")
+    if guarantee["unsound_reasons"]:
+        line += "; NOT SOUND: " + "; ".join(guarantee["unsound_reasons"])
+    for estimate in privacy.get("estimates", []):
+        if estimate["epsilon"] is not None:
+            line += f"; {estimate['name']} estimate ε = {estimate['epsilon']:.3g} (not a DP guarantee)"
     return line
 
 
@@ -425,6 +451,6 @@ def _plots(results, curve: list[dict[str, Any]]) -> None:
                  xlabel="answered queries", ylabel="student test accuracy")
     epsilons = [float(p["budget"].get("epsilon_spent", math.nan)) for p in curve]
     if all(math.isfinite(e) for e in epsilons):
-        results.plot("epsilon", answered, {"data-independent ε": epsilons},
+        results.plot("epsilon_spent", answered, {"realised spend (the guarantee is the budget)": epsilons},
                      xlabel="answered queries", ylabel="ε spent (ledger)")
 

@@ -116,3 +116,12 @@ def best(*guarantees: Guarantee | None) -> Guarantee:
     # Reasons against soundness (reproducible noise) apply to the run, whatever the basis.
     reasons = tuple(r for g in candidates for r in g.unsound_reasons if g.basis != "unbounded")
     return winner.marked(reasons)
+
+
+def run_guarantee(planned: PrivacyCharge, delta: float, budget: RenyiFilter | None = None,
+                  unsound_reasons: tuple[str, ...] = ()) -> Guarantee:
+    """A run's guarantee: the better of its filter's budget (if it declared one) and the worst
+    case of the work it planned (fixed in advance), marked unsound for ``unsound_reasons``."""
+    worst = worst_case_guarantee(planned, delta)
+    declared = None if budget is None else filter_guarantee(budget, planned.neighbouring)
+    return best(declared, worst).marked(unsound_reasons)

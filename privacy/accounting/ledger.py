@@ -161,6 +161,20 @@ class PrivacyLedger:
             self._db = None
             raise
 
+    @classmethod
+    def open_existing(cls, path: str | Path) -> PrivacyLedger:
+        """Reopen a ledger file with the settings it was created with (to read or keep charging it)."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no privacy ledger at {path}")
+        db = sqlite3.connect(str(path))
+        try:
+            stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        finally:
+            db.close()
+        budget = json.loads(stored["budget"])
+        return cls(path, json.loads(stored["delta"]), None if budget is None else RenyiFilter(**budget),
+                   neighbouring=stored["neighbouring"], orders=json.loads(stored["orders"]))
+
     # --- public API -----------------------------------------------------------------------
 
     def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> BudgetReport:

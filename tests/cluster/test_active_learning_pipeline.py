@@ -24,12 +24,12 @@ def test_both_configs_load():
     for name in ("digits-active.yaml", "mnist-active.yaml"):
         pipeline, config = load_run_config(load_yaml(CONFIGS / name))
         assert pipeline == "active_learning" and len(config.selection.strategies) == 5
-        assert config.privacy == PrivacyConfig(epsilon_limit=None, delta=1e-5)
+        assert config.privacy == PrivacyConfig(budget=None, delta=1e-5)
     for name in ("tune-digits-diverse.yaml", "tune-mnist-diverse.yaml",
                  "tune-digits-nearprivate.yaml", "tune-mnist-nearprivate.yaml"):
         pipeline, config = load_run_config(load_yaml(CONFIGS / name)["base"])
         assert pipeline == "active_learning" and config.privacy.delta == 1e-5
-    # δ and the ε limit live in the shared privacy section: a config from before says so
+    # δ and the budget live in the shared privacy section: a config from before says so
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['delta'\].*privacy"):
         load_run_config({"pipeline": "active_learning", "delta": 1e-5})
     with pytest.raises(ConfigError, match="privacy.delta"):
@@ -69,8 +69,13 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
         else:
             assert r["start_epoch"] == 4 and r["epsilon"] == pytest.approx(final_eps)
         assert 0.0 <= r["out_of_domain_share"] <= 1.0 and 0.1 < r["accuracy"] <= 1.0
-    # The run's ledger holds everything released: all DP-SGD epochs plus NearPrivate's two releases.
-    assert privacy["run"]["epsilon"] > final_eps and privacy["run"]["charges"] == 3
+    # The run's ledger holds everything released: all DP-SGD epochs plus NearPrivate's two releases,
+    # which is the planned work, fixed before the run: its worst case is the run's guarantee.
+    assert privacy["spent"]["charges"] == 3 and privacy["sound"]
+    assert privacy["guarantee"]["basis"] == "worst-case" and privacy["guarantee"]["epsilon"] > final_eps
+    assert privacy["guarantee"]["epsilon"] == pytest.approx(privacy["spent"]["epsilon"])
+    assert privacy["per_model"]["near_private"]["epsilon"] == pytest.approx(near["epsilon_total"])
+    assert "train_loss" not in metrics["checkpoints"][0]  # no statistic of the private data
     assert metrics["labels_bought"] == 5 * (20 + 40)
     assert summary["epsilon_dp"] == pytest.approx(final_eps, abs=1e-3)
     assert all(r["out_of_domain_share"] == 0 for r in rows)
@@ -83,7 +88,7 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     again = json.loads((tmp_path / "p" / "metrics.json").read_text())
     assert again["out_of_domain"] == math.ceil(0.3 * 397) and again["checkpoints"] == metrics["checkpoints"]
     assert [r["strategy"] for r in again["results"]] == ["entropy", "near_private"]
-    assert json.loads((tmp_path / "p" / "privacy.json").read_text())["run"]["charges"] == 3
+    assert json.loads((tmp_path / "p" / "privacy.json").read_text())["spent"]["charges"] == 3
 
 
 def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(ray_session, tmp_path):
@@ -121,6 +126,7 @@ class UnanimousTeachers:
     """Stand-in for the teacher ensemble behind a real aggregator: all 50 vote for class 3."""
 
     num_classes = 10
+    neighbouring, neighbouring_lemma = "add-remove", "a stand-in: one teacher per record"
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         votes = np.zeros((len(inputs), 10), dtype=np.int64)
@@ -137,9 +143,9 @@ def test_the_aggregator_can_be_the_annotator_over_grpc(tmp_path):
 
     train, _ = load_digits()
     pool = train.x[:200]
-    ledger = PrivacyLedger(tmp_path / "aggregator.sqlite", math.inf, 1e-5)
+    ledger = PrivacyLedger(tmp_path / "aggregator.sqlite", 1e-5)
     server = AggregatorServer(UnanimousTeachers(), build_mechanism("gnmax", sigma=2.0), ledger, pool.shape[1:],
-                              ServerSettings(max_batch=64, token="secret"), rng=np.random.default_rng(0))
+                              ServerSettings(max_batch=64, token="secret"))
     address = server.start()
     try:
         with AggregatorClient(address, token="secret") as client:

@@ -129,7 +129,7 @@ name: job-tiny
 seed: 0
 pretrain: {epochs: 1, batch_size: 64, lr: 0.003}
 finetune: {variants: [classifier], epochs: 1, batch_size: 128, target_epsilon: 1.0}
-privacy: {epsilon_limit: 2.0, delta: 1.0e-5}
+privacy: {budget: 2.0, delta: 1.0e-5}
 """
 
 
@@ -160,8 +160,9 @@ def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(tmp_
     privacy = json.loads((run / "privacy.json").read_text())
     assert config["pipeline"] == "sparse_finetune" and config["finetune"]["variants"] == ["classifier"]
     assert 0.0 < metrics["variants"]["classifier"]["accuracy"] <= 1.0
-    # one DP fine-tuning at ε target 1.0, composed by the job's own ledger
-    assert 0.5 < privacy["epsilon"] <= 1.0 + 1e-6 and privacy["charges"] == 1
+    # one DP fine-tuning at ε target 1.0, composed by the job's own ledger, under a budget of 2
+    assert 0.5 < privacy["guarantee"]["epsilon"] <= 1.0 + 1e-6 and privacy["spent"]["charges"] == 1
+    assert privacy["budget"]["epsilon"] == 2.0 and privacy["sound"]
 
 
 def test_cluster_launcher_config_is_valid_for_ray_up():

@@ -51,10 +51,14 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
 
     rdp = 2 * sampled_gaussian_rdp(DEFAULT_ORDERS, one["sample_rate"], one["noise_multiplier"], one["steps"])
     expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, rdp, 1e-5)
-    assert privacy["charges"] == 2 and privacy["sound"]
-    assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9)
-    assert privacy["epsilon"] > max(privacy["per_variant_epsilon"].values())
-    assert summary["epsilon (ledger, all variants)"] == pytest.approx(privacy["epsilon"], abs=1e-4)
+    assert privacy["spent"]["charges"] == 2 and privacy["sound"]
+    # the planned work is both schedules, fixed before the run: its worst case is the guarantee
+    assert privacy["guarantee"]["basis"] == "worst-case"
+    assert privacy["guarantee"]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert privacy["spent"]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert privacy["guarantee"]["epsilon"] > max(privacy["per_variant_epsilon"].values())
+    assert f"ε = {privacy['guarantee']['epsilon']:.4g}" in summary["guarantee (all variants)"]
+    assert "losses" not in metrics["variants"]["all"]  # no statistic of the private data
     assert metrics["variants"]["all"]["trained_fraction"] > metrics["variants"]["classifier"]["trained_fraction"]
 
     # A rerun resumes from the last public checkpoint instead of pre-training again.
@@ -63,7 +67,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
     run(rerun, RunContext("run", results))
     again = json.loads((results.path / "metrics.json").read_text())
     assert again["public"]["losses"] == metrics["public"]["losses"]
-    assert json.loads((results.path / "privacy.json").read_text())["charges"] == 1
+    assert json.loads((results.path / "privacy.json").read_text())["spent"]["charges"] == 1
 
 
 @pytest.mark.parametrize("name", ["mnist-sparse.yaml", "cifar-sparse.yaml"])

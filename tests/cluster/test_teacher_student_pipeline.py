@@ -17,8 +17,8 @@ from cluster.config import ConfigError, from_dict, load_yaml
 from cluster.pipelines.teacher_student import Config, privacy_section
 from cluster.run_command import DEMO_CONFIG, load_run_config
 from privacy.accounting.ledger import PrivacyLedger
+from privacy.accounting.rdp import epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
-from privacy.randomness import make_rng
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers",
@@ -33,7 +33,8 @@ TINY = {
     "data": {"name": "digits", "public_size": 200},
     "teachers": {"count": 10, "model": "digits_cnn", "train": {"epochs": 15, "batch_size": 32, "lr": 0.003}},
     "mechanism": {"name": "confident-gnmax", "params": {"threshold": 6.0, "sigma1": 3.0, "sigma2": 2.0}},
-    "privacy": {"epsilon_limit": 1000.0, "delta": 1.0e-5},
+    "privacy": {"budget": 1000.0, "delta": 1.0e-5},
+    "estimates": {"smooth_sensitivity": True},
     "student": {"queries": 120, "batch_size": 40, "checkpoints": [40],
                 "model": "digits_cnn", "train": {"epochs": 25, "batch_size": 32, "lr": 0.003}},
 }
@@ -44,10 +45,11 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
     config_file.write_text(yaml.safe_dump(TINY))
     assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
     printed = capsys.readouterr().out
-    assert "student_accuracy" in printed and "queries_answered" in printed and "ε =" in printed
+    assert "student_accuracy" in printed and "queries_answered" in printed and "guarantee ε =" in printed
+    assert "smooth-sensitivity estimate ε =" in printed and "(not a DP guarantee)" in printed
 
     run_dir = tmp_path / "results" / "tiny"
-    for name in ("config.json", "metrics.json", "privacy.json", "student_accuracy.png", "epsilon.png"):
+    for name in ("config.json", "metrics.json", "privacy.json", "student_accuracy.png", "epsilon_spent.png"):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     privacy = json.loads((run_dir / "privacy.json").read_text())
@@ -61,18 +63,25 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
     assert [p["asked"] for p in metrics["curve"]] == [40, 120]
     assert metrics["teachers"]["count"] == 10 and metrics["teachers"]["actors"] == 2
 
-    # The ε report agrees with the ledger that gated the answers, and with the counters.
-    ledger = privacy["ledger"]
-    analysis = privacy["analysis"]
-    assert ledger["sound"] and 0 < ledger["epsilon"] <= 1000.0
-    assert analysis["epsilon_data_independent"] == pytest.approx(ledger["epsilon"], rel=1e-6)
-    assert analysis["queries"] == 120 and analysis["answered"] == metrics["queries_answered"]
-    assert metrics["curve"][-1]["budget"]["epsilon_spent"] == pytest.approx(ledger["epsilon"])
-    assert privacy["epsilon"] <= ledger["epsilon"]
-    # Only the smooth-sensitivity release of the data-dependent analysis is published.
-    assert "epsilon_data_dependent" not in analysis and "rdp_data_dependent" not in analysis
-    assert analysis["smooth_sensitivity"]["available"]
-    assert "smooth_sensitivity" not in analysis["smooth_sensitivity"]
+    # The guarantee: the smaller of the declared budget (1000) and the worst case of the
+    # planned work — all 120 queries answered plus the smooth-sensitivity release.
+    config = load_run_config(TINY)[1]
+    planned = config.planned()
+    worst = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
+    guarantee = privacy["guarantee"]
+    assert privacy["sound"] and guarantee["basis"] == "worst-case" and guarantee["epsilon"] == pytest.approx(worst)
+    assert guarantee["neighbouring"] == "add-remove" and privacy["budget"]["epsilon"] == 1000.0
+    assert privacy["queries"] == 120 and privacy["answered"] == metrics["queries_answered"]
+    # The realised spend is shown as such; the release of the estimate was charged after the queries.
+    assert metrics["curve"][-1]["budget"]["epsilon_spent"] < privacy["spent"]["epsilon"] <= worst
+    assert set(privacy["spent"]["by_label"]) == {"confident-gnmax", "smooth-sensitivity-release"}
+    # Only the smooth-sensitivity release of the data-dependent analysis is published, as an estimate.
+    (estimate,) = privacy["estimates"]
+    assert estimate["name"] == "smooth-sensitivity" and estimate["label"] == "estimate: not a DP guarantee"
+    assert estimate["available"] and not estimate["private"]
+    assert "smooth_sensitivity" not in estimate and "noise_std" not in estimate
+    # Nothing computed from the private votes or the teachers' training leaves.
+    assert "clean_vote_accuracy" not in metrics and "mean_last_epoch_loss" not in metrics["teachers"]
 
 
 def test_teachers_and_student_learn_on_scattering_features_of_images(ray_session, tmp_path):
@@ -80,30 +89,36 @@ def test_teachers_and_student_learn_on_scattering_features_of_images(ray_session
     student still asks the aggregator about images (it validates the image shape)."""
     features = {**TINY, "name": "scattering", "data": {**TINY["data"], "features": "scattering"},
                 "teachers": {**TINY["teachers"], "model": "scatternet_cnn"},
-                "student": {**TINY["student"], "model": "scatternet_cnn"}}
+                "student": {**TINY["student"], "model": "scatternet_cnn"},
+                # reproducible noise, as for debugging: the run must say its ε is not sound
+                "privacy": {**TINY["privacy"], "insecure_noise_seed": 7}}
     config_file = tmp_path / "scattering.yaml"
     config_file.write_text(yaml.safe_dump(features))
     assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
     metrics = json.loads((tmp_path / "results" / "scattering" / "metrics.json").read_text())
+    privacy = json.loads((tmp_path / "results" / "scattering" / "privacy.json").read_text())
     assert metrics["queries_asked"] == 120 and metrics["queries_answered"] > 0
-    assert metrics["clean_vote_accuracy"] > 0.7 and metrics["label_accuracy"] > 0.7
+    assert metrics["label_accuracy"] > 0.7
     assert metrics["student_accuracy"] > 0.5  # chance is 0.1
+    assert privacy["sound"] is False and "insecure_noise_seed=7" in privacy["unsound_reasons"][0]
+    assert privacy["guarantee"]["sound"] is False
 
 
 def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tmp_path):
     config = from_dict(Config, {"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}},
-                                "privacy": {"epsilon_limit": None}})
+                                "privacy": {"budget": None}})
     mechanism = config.mechanism.build()
     votes = np.array([[200, 50, 0], [120, 118, 12]])
-    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", epsilon_limit=math.inf, delta=1e-5)
-    result = mechanism(votes, make_rng(0))
-    ledger.charge(result.charge, worst_case=mechanism.worst_case_charge(2))
-    privacy = privacy_section(config, ledger.report(), votes, result.labels >= 0, make_rng(1))
+    ledger = config.privacy.open_ledger(tmp_path / "ledger.sqlite", config.planned())
+    result = mechanism(votes, np.random.default_rng(0))
+    ledger.charge(result.charge.for_records("add-remove", "test"))
+    privacy = privacy_section(config, ledger, votes, result.labels >= 0)
     ledger.close()
-    assert privacy["epsilon"] == math.inf and not privacy["ledger"]["sound"]
-    assert privacy["analysis"]["sound"] is False
-    assert "NOT a valid" in privacy["analysis"]["claimed"]["label"]
-    assert privacy["analysis"]["claimed"]["epsilon_total"] < 1e-6
+    assert privacy["guarantee"]["epsilon"] == math.inf and privacy["guarantee"]["basis"] == "unbounded"
+    assert privacy["sound"] is False and privacy["spent"]["epsilon"] == math.inf
+    (claim,) = privacy["estimates"]  # the paper's claim, beside the guarantee, labelled
+    assert claim["name"] == "paper-claim" and "NOT a valid" in claim["source"]
+    assert claim["epsilon"] < 1e-6
 
 
 def test_the_demo_config_file_is_the_default_config():
@@ -126,7 +141,7 @@ def test_mnist_configs_carry_the_papers_settings():
     assert configs["mnist-lnmax"].mechanism.build() == build_mechanism("lnmax", laplace_scale=20)
     assert configs["mnist-nzc"].teachers.count == 250 and configs["mnist-nzc-5teachers"].teachers.count == 5
     for name in ("mnist-nzc", "mnist-nzc-5teachers"):
-        assert configs[name].student.queries == 9000 and configs[name].privacy.epsilon_limit is None
+        assert configs[name].student.queries == 9000 and configs[name].privacy.budget is None
     assert all(c.teachers.count == 250 for n, c in configs.items() if n != "mnist-nzc-5teachers")
     # The ScatterNet variant differs from mnist-gnmax only in representation, models and training.
     gnmax, scatternet = configs["mnist-gnmax"], configs["mnist-gnmax-scatternet"]
@@ -143,7 +158,9 @@ def test_mnist_configs_carry_the_papers_settings():
         ({"student": {"querries": 5}}, "querries"),
         ({"teachers": {"count": 0}}, "teachers.count"),
         ({"mechanism": {"name": "gnmax", "params": {"sigma1": 3.0}}}, "sigma1"),
-        ({"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}}}, "epsilon_limit"),
+        ({"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}}}, "privacy.budget"),
+        ({"privacy": {"budget": 1e-5}}, "no RDP budget"),
+        ({"estimates": {"smooth_sensitivity": True, "order": 10.0}}, "go together"),
         ({"student": {"queries": 301}}, "public_size"),
         ({"privacy": {"delta": 2.0}}, "delta"),
         ({"data": {"features": "hog"}}, "data.features"),
@@ -188,14 +205,15 @@ def test_serve_answers_outside_clients_until_stopped(ray_session, tmp_path, monk
             budget = client.budget()
         assert labels.shape == (20,) and ((labels >= -1) & (labels < 10)).all()
         assert budget["mechanism"] == "confident-gnmax" and budget["epsilon_spent"] > 0
+        assert budget["guarantee"]["basis"] == "renyi-filter" and budget["guarantee"]["epsilon"] == 1000.0
     finally:
         stop.set()
         thread.join(timeout=60)
     assert outcome == [0]
-    # The ledger outlives the server: reopening it restores what was spent.
-    reopened = PrivacyLedger(tmp_path / "serve-ledger.sqlite", epsilon_limit=1000.0, delta=1e-5)
-    assert reopened.report().epsilon == pytest.approx(budget["epsilon_spent"])
-    reopened.close()
+    # The ledger outlives the server: reopening it restores what was spent, with its budget.
+    with PrivacyLedger.open_existing(tmp_path / "serve-ledger.sqlite") as reopened:
+        assert reopened.report().epsilon_spent == pytest.approx(budget["epsilon_spent"])
+        assert reopened.report().budget.epsilon == 1000.0
 
 
 def _wait_for_address(capsys, thread: threading.Thread, timeout: float = 300.0) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from cluster.config import load_yaml
 from privacy.accounting.ledger import PrivacyLedger
-from privacy.accounting.rdp import DEFAULT_ORDERS, gaussian_charge, unbounded_charge
+from cluster.pipelines import pipeline_module
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, unbounded_charge
 from tuning import trainables
 from tuning.trainables import charge_fields, charge_from_fields, trial_config
 
@@ -42,16 +43,22 @@ def test_reported_charges_round_trip():
         charge_from_fields({"rdp": [1.0, 2.0], "extra_delta": 0.0, "unbounded": False})
 
 
-def test_a_failed_trial_reports_what_its_ledger_recorded(tmp_path, monkeypatch):
+def test_a_failed_trial_reports_its_planned_worst_case_or_nothing_spent(tmp_path, monkeypatch):
     reports = []
     monkeypatch.setattr(trainables, "_report", lambda accuracy, epsilon, charge, **extra:
                         reports.append((accuracy, epsilon, charge, extra)))
-    (tmp_path / "run").mkdir()
-    with PrivacyLedger(tmp_path / "run" / "ledger.sqlite", math.inf, 1e-5) as ledger:
-        ledger.charge(gaussian_charge(2.0, count=3, label="dpsgd"))
-        expected = ledger.report().epsilon
-    trainables._report_spent_before_failing(tmp_path, 1e-5)
+    raw, config = trial_config("sparsity", load_yaml(CONFIGS / "tune-digits-sparsity.yaml")["base"],
+                               {"finetune.variants": ["all"]})
+    trainables._report_planned_before_failing(raw, tmp_path)  # no ledger: nothing was released
     (accuracy, epsilon, charge, extra), = reports
-    assert math.isnan(accuracy) and extra == {"failed": True}
-    assert epsilon == pytest.approx(expected)
-    np.testing.assert_allclose(charge.rdp, 3 * DEFAULT_ORDERS / (2 * 2.0**2))
+    assert math.isnan(accuracy) and extra == {"failed": True} and epsilon == 0 and not np.any(charge.rdp)
+
+    reports.clear()
+    (tmp_path / "run").mkdir()
+    with PrivacyLedger(tmp_path / "run" / "ledger.sqlite", 1e-5) as ledger:
+        ledger.charge(gaussian_charge(2.0, count=3, label="dpsgd"))  # something was released
+    trainables._report_planned_before_failing(raw, tmp_path)
+    (accuracy, epsilon, charge, extra), = reports
+    planned = pipeline_module("sparse_finetune").planned_work(config)
+    np.testing.assert_allclose(charge.rdp, planned.rdp)  # the whole planned work, not what was recorded
+    assert epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, planned.rdp, 1e-5)[0])
