@@ -1,7 +1,6 @@
 """Confident-GNMax: answer only when the teachers agree strongly (Papernot et al., ICLR 2018)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
