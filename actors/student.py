@@ -5,17 +5,21 @@ The student never touches a teacher: it is an ordinary gRPC client of the aggreg
 ``cluster/``), exactly as an outside party would be. It trains only on the labels the
 aggregator released (abstentions are dropped) and is evaluated on the held-out test split.
 
+Which public inputs it asks about is its own choice (``QuerySelection``): the pool in order,
+or in rounds chosen by an active-learning strategy (``learning.selection``: uncertain and
+diverse inputs) from a model trained on the answers so far. Every choice is a pool input
+not asked before; choosing reads only public inputs and released labels.
+
+How it learns from the answers: supervised; with self-training (``pseudo_label_threshold``:
+its own confident guesses on the rest of the pool become extra labels, Lee 2013); or with
+FixMatch (``semi_supervised``, ``learning.semi_supervised``: consistency between weak and
+strong augmentations of every pool input). All three are post-processing of released
+labels with public inputs: they cost no privacy.
+
 The public pool's ground-truth labels are kept only to measure how often the released
-labels are right (the papers' "label accuracy"); they are never used for training.
-
-With ``features`` (see ``learning.data.features``) the student still asks about images, as
-any client does, but its model learns on and is evaluated on their features, computed here.
-
-With ``pseudo_label_threshold`` the student is semi-supervised by self-training (Lee 2013):
-after learning from the answers, it labels the rest of its public pool with its own
-predictions where their softmax confidence reaches the threshold, and a fresh model learns
-from the answers and those. PATE's students are semi-supervised too (PATE 2018 uses GANs).
-This is post-processing of released labels with public inputs, so it costs no privacy.
+labels are right (the papers' "label accuracy"); they are never used for training. With
+``features`` (see ``learning.data.features``) the student still asks about images, as any
+client does, but its model learns on and is evaluated on their features, computed here.
 """
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ import torch
 from tqdm import tqdm
 
 from learning.data import Dataset
-from learning.data.features import apply_features
+from learning.data.features import apply_features, batch_transform
 from learning.models import build_model
-from learning.training import TrainConfig, evaluate, fit, predict_logits
+from learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
+from learning.semi_supervised import FixMatchConfig, fixmatch
+from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,9 @@ class Student:
         train: how each student model is trained (``train.seed`` seeds its initial weights).
         client_factory: builds a connected aggregator client (``label``, ``budget``, ``close``).
         features: the representation the student's model learns on (None: the images).
+        pseudo_label_threshold: self-training at this confidence (None: off).
+        semi_supervised: FixMatch settings (None: off); exclusive with self-training.
+        selection: which pool inputs to ask about.
     """
 
     def __init__(
@@ -68,25 +77,38 @@ class Student:
         num_threads: int | None = None,
         features: str | None = None,
         pseudo_label_threshold: float | None = None,
+        semi_supervised: FixMatchConfig | None = None,
+        selection: QuerySelection = QuerySelection(),
     ) -> None:
         if pseudo_label_threshold is not None and not 0 < pseudo_label_threshold <= 1:
             raise ValueError(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
+        if pseudo_label_threshold is not None and semi_supervised is not None:
+            raise ValueError("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
         self.public = public  # images: what the student asks about
         self.features = features
         self.pseudo_label_threshold = pseudo_label_threshold
+        self.semi_supervised = semi_supervised
+        self.selection = selection
         self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
         self.model_name = model_name
         self.train_config = train
         self.client_factory = client_factory
-        self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)
-        self.asked = 0
+        self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)  # by pool index
+        self.asked_order: list[int] = []  # pool indices, in the order they were asked
+        self._round: list[int] = []  # chosen for the current round, not asked yet
+        self._rng = np.random.default_rng(selection.seed)
         self.exhausted = False  # the aggregator refused: no budget left
         self.query_seconds = 0.0
+        self.selection_seconds = 0.0
         self.snapshots: list[dict[str, Any]] = []
         self._client: Any = None
+
+    @property
+    def asked(self) -> int:
+        return len(self.asked_order)
 
     def query(
         self,
@@ -96,7 +118,7 @@ class Student:
         progress: bool = True,
         max_batches: int | None = None,
     ) -> dict[str, Any]:
-        """Ask for labels of the first ``num_queries`` pool inputs, ``batch_size`` per call.
+        """Ask for labels of ``num_queries`` pool inputs (chosen by ``selection``), ``batch_size`` per call.
 
         After each checkpoint (a number of inputs asked) the aggregator's budget is read and
         kept, so accuracy can later be plotted against ε. Stops early, keeping every answer
@@ -117,17 +139,18 @@ class Student:
                   disable=not progress) as bar:
             for stop in (s for s in stops if s > self._last_snapshot()):
                 while self.asked < stop and not self.exhausted and (max_batches is None or calls < max_batches):
-                    end = min(self.asked + batch_size, stop)
+                    chosen = self._next_batch(min(batch_size, stop - self.asked))
                     try:
-                        self.labels[self.asked:end] = self._client.label(self.public.x[self.asked:end])
+                        self.labels[chosen] = self._client.label(self.public.x[chosen])
                     except Exception as err:  # only a budget refusal is an expected end
                         if not _is_budget_refusal(err):
                             raise
                         log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
                         self.exhausted = True
+                        self._round = [*chosen.tolist(), *self._round]  # not asked after all
                         break
-                    bar.update(end - self.asked)
-                    self.asked = end
+                    bar.update(len(chosen))
+                    self.asked_order.extend(chosen.tolist())
                     calls += 1
                 if self.asked == stop or self.exhausted:
                     self.snapshots.append(self._snapshot(self._client.budget()))
@@ -136,22 +159,55 @@ class Student:
         self.query_seconds += time.perf_counter() - started
         return self.summary()
 
+    # ---- which inputs to ask ----
+
+    def _next_batch(self, count: int) -> np.ndarray:
+        """The next ``count`` pool indices to ask: from the current round, choosing a new one when it is spent."""
+        if not self._round:
+            started = time.perf_counter()
+            self._round = self._choose_round().tolist()
+            self.selection_seconds += time.perf_counter() - started
+        chosen, self._round = self._round[:count], self._round[count:]
+        return np.asarray(chosen, dtype=np.int64)
+
+    def _choose_round(self) -> np.ndarray:
+        unasked = np.setdiff1d(np.arange(len(self.public)), np.asarray(self.asked_order, dtype=np.int64))
+        if self.selection.strategy == POOL_ORDER:
+            return unasked  # setdiff1d keeps the pool's order
+        size = min(self.selection.round_size, len(unasked))
+        answered = np.asarray([i for i in self.asked_order if self.labels[i] != ABSTAIN], dtype=np.int64)
+        if len(np.unique(self.labels[answered])) < 2:  # nothing to learn from yet
+            return self._rng.choice(unasked, size=size, replace=False)
+        pool = self._pool()
+        model = self._fit_fresh(Dataset(pool[answered], self.labels[answered], self.public.num_classes,
+                                        "student/answered", self.features), progress=False)
+        candidates = PublicPool(predict_logits(model, pool[unasked]), embed(model, pool[unasked]))
+        picked = build_strategy(self.selection.strategy).select(candidates, [size], self._rng)[size]
+        return unasked[picked]
+
+    # ---- what the answers gave ----
+
     def _last_snapshot(self) -> int:
         return self.snapshots[-1]["asked"] if self.snapshots else 0
 
     def _snapshot(self, budget: dict[str, Any]) -> dict[str, Any]:
-        answered = int((self.labels[: self.asked] != ABSTAIN).sum())
-        return {"asked": self.asked, "answered": answered, "budget": dict(budget)}
+        return {"asked": self.asked, "answered": len(self._answered(self.asked)), "budget": dict(budget)}
+
+    def _answered(self, asked: int) -> np.ndarray:
+        """Pool indices answered with a label among the first ``asked`` asked."""
+        first = np.asarray(self.asked_order[:asked], dtype=np.int64)
+        return first[self.labels[first] != ABSTAIN]
 
     def summary(self) -> dict[str, Any]:
         """What the queries so far gave: counts, label accuracy, speed and the checkpoints."""
         seconds = self.query_seconds
         return {
             "asked": self.asked,
-            "answered": int((self.labels[: self.asked] != ABSTAIN).sum()),
+            "answered": len(self._answered(self.asked)),
             "budget_exhausted": self.exhausted,
             "label_accuracy": self.label_accuracy(),
             "query_seconds": seconds,
+            "selection_seconds": self.selection_seconds,
             "labels_per_second": self.asked / seconds if seconds > 0 else math.nan,
             "checkpoints": list(self.snapshots),
         }
@@ -164,36 +220,38 @@ class Student:
 
     def label_accuracy(self) -> float:
         """Fraction of released labels that match the pool's ground truth (nan if none)."""
-        answered = self.labels[: self.asked] != ABSTAIN
-        if not answered.any():
+        answered = self._answered(self.asked)
+        if not len(answered):
             return math.nan
-        return float((self.labels[: self.asked][answered] == self.public.y[: self.asked][answered]).mean())
+        return float((self.labels[answered] == self.public.y[answered]).mean())
 
     def fit_and_evaluate(self, asked: int | None = None, progress: bool = False) -> dict[str, Any]:
         """Train a fresh model on the answers among the first ``asked`` queries; test accuracy."""
         asked = self.asked if asked is None else min(asked, self.asked)
-        labels = self.labels[:asked]
-        keep = np.flatnonzero(labels != ABSTAIN)
+        keep = self._answered(asked)
+        labels = self.labels[keep]
         result: dict[str, Any] = {"asked": asked, "answered": int(len(keep))}
         if len(keep) == 0:
             result["accuracy"] = math.nan
             return result
-        answers = Dataset(self.public.x[keep], labels[keep], self.public.num_classes, "student/answered")
-        # Without self-training only the asked images are transformed: the pool is large.
-        training = apply_features(answers, self.features)
         started = time.perf_counter()
-        model = self._fit_fresh(training, progress)
-        if self.pseudo_label_threshold is not None:
-            pool = self._pool()
-            others = np.setdiff1d(np.arange(len(pool)), keep)
-            probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
-            sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
-            confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
-            training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels[keep], guessed]),
-                               self.public.num_classes, "student/self-trained", self.features)
-            result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds
-            model = self._fit_fresh(training, progress)
-            result["pseudo_labelled"] = int(len(confident))
+        if self.semi_supervised is not None:
+            model = self._fit_fixmatch(keep, labels, progress)
+        else:
+            # Without self-training only the answered images are transformed: the pool is large.
+            answers = Dataset(self.public.x[keep], labels, self.public.num_classes, "student/answered")
+            model = self._fit_fresh(apply_features(answers, self.features), progress)
+            if self.pseudo_label_threshold is not None:
+                pool = self._pool()
+                others = np.setdiff1d(np.arange(len(pool)), keep)
+                probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
+                sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
+                confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
+                training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels, guessed]),
+                                   self.public.num_classes, "student/self-trained", self.features)
+                result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds
+                model = self._fit_fresh(training, progress)
+                result["pseudo_labelled"] = int(len(confident))
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
         return result
@@ -203,11 +261,22 @@ class Student:
             self._pool_inputs = apply_features(self.public, self.features).x
         return self._pool_inputs
 
+    def _new_model(self, channels: int, side: int) -> torch.nn.Module:
+        return build_model(self.model_name, self.public.num_classes, in_channels=channels,
+                           seed=self.train_config.seed, input_size=side)
+
     def _fit_fresh(self, training: Dataset, progress: bool) -> torch.nn.Module:
         _, channels, _, side = training.x.shape
-        model = build_model(self.model_name, self.public.num_classes, in_channels=int(channels),
-                            seed=self.train_config.seed, input_size=int(side))
+        model = self._new_model(int(channels), int(side))
         fit(model, training, self.train_config, progress=progress)
+        return model
+
+    def _fit_fixmatch(self, keep: np.ndarray, labels: np.ndarray, progress: bool) -> torch.nn.Module:
+        """FixMatch on the answered images and the whole pool; the model reads ``features``."""
+        _, channels, _, side = self.test.x.shape
+        model = self._new_model(int(channels), int(side))
+        fixmatch(model, self.public.x[keep], labels, self.public.x, self.semi_supervised,
+                 represent=batch_transform(self.features, self.public.x.shape[-2:]), progress=progress)
         return model
 
     def learning_curve(self, progress: bool = False) -> list[dict[str, Any]]:

@@ -22,8 +22,8 @@ representation of the images, each computing it in its own process (teacher acto
 shards and every query, the student for its answered images and test split); the student and
 outside clients still send images, so the gRPC API and its shape checks are unchanged.
 
-``Config()`` is the demo (``conclave demo``): digits, 50 teachers, Confident-GNMax (about a
-minute on 2 CPUs; few teachers leave little room for noise, so its ε is large).
+``Config()`` is the demo (``conclave demo``): digits, 50 teachers, Confident-GNMax under a
+budget of ε = 4, a FixMatch student (about a minute on 2 CPUs).
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ import numpy as np
 from cluster.pipelines import PrivacyConfig
 from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import check_features
+from learning.selection import QuerySelection
+from learning.semi_supervised import FixMatchConfig
 from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from privacy.accounting.report import planned_charge
 from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
@@ -111,7 +113,7 @@ class MechanismConfig:
     """A ``privacy.mechanisms.build_mechanism`` name and its parameters."""
 
     name: str = "confident-gnmax"
-    params: dict = field(default_factory=lambda: {"threshold": 35.0, "sigma1": 20.0, "sigma2": 8.0})
+    params: dict = field(default_factory=lambda: {"threshold": 30.0, "sigma1": 20.0, "sigma2": 12.0})
 
     def __post_init__(self) -> None:
         self.build()  # an unknown name or a bad parameter is a config error now, not mid-run
@@ -164,8 +166,14 @@ class StudentConfig:
     # Self-training on the rest of the public pool (free post-processing; actors/student.py):
     # the student's own predictions at least this confident become extra labels. null: off.
     pseudo_label_threshold: float | None = None
+    # FixMatch on the whole pool (learning.semi_supervised; free post-processing). null: off.
+    semi_supervised: FixMatchConfig | None = None
+    # Which pool inputs to ask about: the pool in order, or rounds of an active-learning strategy.
+    selection: QuerySelection = field(default_factory=QuerySelection)
 
     def __post_init__(self) -> None:
+        if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
+            raise ValueError("student: choose pseudo_label_threshold (self-training) or semi_supervised (FixMatch)")
         if self.pseudo_label_threshold is not None and not 0 < self.pseudo_label_threshold <= 1:
             raise ValueError(f"student.pseudo_label_threshold must be in (0, 1] or null, "
                              f"got {self.pseudo_label_threshold}")
@@ -196,9 +204,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     teachers: TeachersConfig = field(default_factory=TeachersConfig)
     mechanism: MechanismConfig = field(default_factory=MechanismConfig)
-    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=20.0))
+    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=4.0))
     estimates: EstimatesConfig = field(default_factory=EstimatesConfig)
-    student: StudentConfig = field(default_factory=StudentConfig)
+    student: StudentConfig = field(default_factory=lambda: StudentConfig(
+        batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9)))
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
@@ -301,32 +310,29 @@ def privacy_section(config: Config, ledger, votes: np.ndarray, answered: np.ndar
     The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
     report of the votes it answered: only its public view, i.e. the estimates that are not
     computed from the private votes without a mechanism — the smooth-sensitivity release
-    (charged to the ledger first; skipped, saying why, if the budget has no room left for it)
-    or NZC's claim.
+    (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim.
     """
-    from privacy.accounting.ledger import BudgetExceeded
     from privacy.accounting.report import vote_report
 
     planned = config.planned()
-    smooth = config.smooth_sensitivity() if len(votes) else None
-    skipped = None
-    if smooth is not None:
-        try:  # the release is a release: paid for before it is made
-            ledger.charge(smooth.charge(planned.orders).for_records(ADD_REMOVE, SHARD_LEMMA))
-        except BudgetExceeded as refused:
-            log.warning("no smooth-sensitivity estimate: %s", refused)
-            skipped, smooth = f"smooth-sensitivity release refused by the budget: {refused}", None
     section: dict[str, Any] = {**config.privacy.report(planned, ledger),
                                "mechanism": config.mechanism.build().describe().as_dict(),
                                "delta": config.privacy.delta, "estimates": []}
-    if skipped:
-        section["estimates_skipped"] = skipped
     if len(votes):
         report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
-                             config.privacy.guarantee(planned), smooth=smooth,
+                             config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
                              noise=config.privacy.noise.source("smooth-sensitivity")).public()
         section.update(estimates=report["estimates"], queries=report["queries"], answered=report["answered"])
     return section
+
+
+def reserve_estimates(config: Config, ledger) -> None:
+    """Charge the smooth-sensitivity release before the first query: its cost is fixed by
+    public parameters, and paying first keeps a student that spends the budget from leaving
+    no room for it."""
+    smooth = config.smooth_sensitivity()
+    if smooth is not None:
+        ledger.charge(smooth.charge(ledger.orders).for_records(ADD_REMOVE, SHARD_LEMMA))
 
 
 def planned_work(config: Config) -> PrivacyCharge:
@@ -360,6 +366,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
     ledger = config.privacy.open_ledger(ledger_path, config.planned())
+    reserve_estimates(config, ledger)
     token = secrets.token_urlsafe(24)
     server, address = start_aggregator(config, teachers.pool, ledger, token)
     log.info("aggregator serving on %s", address)
@@ -372,6 +379,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
             functools.partial(AggregatorClient, address, token),
             num_threads=max(1, int(student_cpus)), features=config.data.features,
             pseudo_label_threshold=config.student.pseudo_label_threshold,
+            semi_supervised=config.student.semi_supervised, selection=config.student.selection,
         )
         queried = _query_with_progress(student, config.student)
         phases["query"] = queried["query_seconds"]

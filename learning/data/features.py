@@ -87,6 +87,21 @@ def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -
     return scattering(dataset, progress=progress)
 
 
+def batch_transform(name: str | None, image_shape: tuple[int, int]):
+    """The representation ``name`` as a function of a torch image batch ``[n, C, H, W]`` of
+    side ``image_shape``, for code that augments images and then represents them."""
+    check_features(name)
+    if name is None:
+        return lambda batch: batch
+    transform = _scattering_transform(2, tuple(image_shape), 8)
+
+    def represent(batch):
+        coefficients = transform(batch)  # [n, C, K, H', W']
+        return coefficients.reshape(len(batch), -1, *coefficients.shape[-2:])
+
+    return represent
+
+
 def features_of(images: np.ndarray, name: str | None) -> np.ndarray:
     """Unlabelled ``images`` (e.g. queries) in the representation ``name`` (``None``: as they are)."""
     check_features(name)

@@ -57,6 +57,28 @@ STRATEGIES = {
 }
 
 
+POOL_ORDER = "pool"
+
+
+@dataclass(frozen=True)
+class QuerySelection:
+    """Which public inputs a student asks the teachers about: ``strategy`` "pool" (the pool in
+    order) or a strategy above choosing ``round_size`` inputs at a time from a model trained on
+    the answers so far (the first round, before any answer, is random). NearPrivate reads
+    private data, so a student cannot use it."""
+
+    strategy: str = POOL_ORDER
+    round_size: int = 100
+    seed: int = 0  # the random first round and the strategies' own choices (public data only)
+
+    def __post_init__(self) -> None:
+        usable = sorted(set(STRATEGIES) - {"near_private"})
+        if self.strategy != POOL_ORDER and self.strategy not in usable:
+            raise ValueError(f"selection strategy must be {POOL_ORDER!r} or one of {usable}, got {self.strategy!r}")
+        if self.round_size < 1:
+            raise ValueError(f"round_size must be >= 1, got {self.round_size}")
+
+
 def build_strategy(name: str, **params: Any) -> SelectionStrategy:
     """The strategy registered as ``name``, built with ``params`` (its dataclass fields)."""
     import importlib
