@@ -21,6 +21,11 @@ from its planned worst case, ``privacy.accounting.guarantee``).
 A charge must hold for the ledger's neighbouring relation; add/remove and replace-one bounds
 do not compose as one, so a mismatch is an error, not a refusal.
 
+A charge can carry the answers it pays for (key → released value): they are written in the
+same transaction, so after a crash either both the charge and its answers are on disk or
+neither is, and a restarted service answers a repeated input with what it released before,
+at no new cost (``answers()``).
+
 The realised spend (``BudgetReport.epsilon_spent``) composes the charges at their best order
 with the tight conversion (Balle et al. 2020, Thm 21), at δ − Σ extra δ. It is a function of
 what was released, so it may be shown, but it is an odometer reading, not the guarantee:
@@ -58,6 +63,11 @@ CREATE TABLE IF NOT EXISTS charges (
     details TEXT NOT NULL,        -- JSON, for people reading the file
     neighbouring TEXT NOT NULL,
     created REAL NOT NULL         -- seconds since the epoch
+);
+CREATE TABLE IF NOT EXISTS answers (   -- what was released, so a restart answers repeats alike
+    key BLOB PRIMARY KEY,              -- e.g. a hash of the input
+    answer INTEGER NOT NULL,
+    charge_id INTEGER REFERENCES charges (id)  -- NULL: paid for earlier (a stability run's opening charge)
 );
 """
 
@@ -177,10 +187,12 @@ class PrivacyLedger:
 
     # --- public API -----------------------------------------------------------------------
 
-    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> BudgetReport:
-        """Record ``charge`` durably and return the new report — or raise BudgetExceeded
-        (recording nothing) when spent + ``worst_case`` (default: the charge) would pass
-        the budget. Call before releasing anything the charge pays for."""
+    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None,
+               answers: dict[bytes, int] | None = None) -> BudgetReport:
+        """Record ``charge`` (and the ``answers`` it pays for) durably and return the new
+        report — or raise BudgetExceeded (recording nothing) when spent + ``worst_case``
+        (default: the charge) would pass the budget. Call before releasing anything the
+        charge pays for."""
         self._check_charge(charge)
         if worst_case is not None:
             self._check_charge(worst_case)
@@ -192,7 +204,7 @@ class PrivacyLedger:
             with self._transaction():
                 self._read_new_rows()
                 self._refuse_if_over(worst_case if worst_case is not None else charge)
-                self._connection().execute(
+                cursor = self._connection().execute(
                     "INSERT INTO charges (label, rdp, extra_delta, unbounded, reason, details, neighbouring, created) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
@@ -206,6 +218,11 @@ class PrivacyLedger:
                         time.time(),
                     ),
                 )
+                if answers:
+                    self._connection().executemany(
+                        "INSERT OR IGNORE INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
+                        [(key, int(answer), cursor.lastrowid) for key, answer in answers.items()],
+                    )
             # Only after COMMIT succeeded does the new row enter the running totals.
             self._read_new_rows()
             return self._report()
@@ -225,6 +242,20 @@ class PrivacyLedger:
         with self._lock, self._transaction(write=False):
             self._read_new_rows()
             return self._report()
+
+    def record_answers(self, answers: dict[bytes, int]) -> None:
+        """Record answers whose cost an earlier charge already paid (e.g. inside an open
+        stability run), so that a restart repeats them too."""
+        with self._lock, self._transaction():
+            self._connection().executemany(
+                "INSERT OR IGNORE INTO answers (key, answer, charge_id) VALUES (?, ?, NULL)",
+                [(key, int(answer)) for key, answer in answers.items()],
+            )
+
+    def answers(self) -> dict[bytes, int]:
+        """Every answer recorded with a charge (key → released value)."""
+        with self._lock, self._transaction(write=False):
+            return dict(self._connection().execute("SELECT key, answer FROM answers").fetchall())
 
     def spent(self) -> PrivacyCharge:
         """Everything recorded so far as one composed charge (curve, Σ extra δ, unbounded)."""

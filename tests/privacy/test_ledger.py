@@ -337,3 +337,17 @@ def test_bad_configuration_and_closed_ledger(tmp_path):
     ledger.close()
     with pytest.raises(RuntimeError, match="closed"):
         ledger.report()
+
+
+def test_answers_are_stored_with_their_charge_and_survive_a_reopening(tmp_path):
+    path = tmp_path / "ledger.db"
+    with PrivacyLedger(path, DELTA, budget(1.0)) as ledger:
+        ledger.charge(gaussian_charge(10.0, label="gnmax"), answers={b"a": 3, b"b": -1})
+        with pytest.raises(BudgetExceeded):
+            ledger.charge(gaussian_charge(0.5, label="gnmax"), answers={b"c": 7})
+        assert ledger.answers() == {b"a": 3, b"b": -1}  # the refused charge's answers were not written
+        ledger.record_answers({b"d": 2})  # paid for earlier (e.g. by an open stability run)
+    with PrivacyLedger(path, DELTA, budget(1.0)) as reopened:
+        assert reopened.answers() == {b"a": 3, b"b": -1, b"d": 2} and reopened.report().charges == 1
+    with sqlite3.connect(path) as db:  # each answer points at the charge that paid for it
+        assert db.execute("SELECT COUNT(*) FROM answers JOIN charges ON charges.id = answers.charge_id").fetchone()[0] == 2
