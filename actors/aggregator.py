@@ -1,75 +1,86 @@
-"""The teacher aggregator: a gRPC server that turns teacher votes into private labels.
+"""The teacher aggregator as a gRPC service: the labelling core (``actors.labeller``) behind
+an asyncio server that idle or hostile clients cannot starve.
 
-For each batch of public inputs it (1) validates the tensor, (2) answers inputs it has seen
-before from a cache — same answer, no new cost, no fresh noise a client could average
-away — and for the rest (3) asks the vote source (the teachers) for vote histograms,
-(4) runs the configured vote mechanism, (5) charges the privacy ledger, and only then
-(6) commits the mechanism's state, caches and releases the labels. A refused charge
-releases, caches, charges and advances nothing.
+Why asyncio: a thread-per-call server is starved by a handful of idle streams (STACK.md).
+Here an open stream costs an asyncio task, not a thread; the blocking work — hashing inputs,
+waiting for the teachers' votes, charging the SQLite ledger — runs in a bounded pool of
+label threads, and budget reads in a pool of their own, so GetBudget answers while every
+label thread waits on the teachers. On top of that, every limit is explicit: label calls
+beyond ``label_workers + max_queued`` are told UNAVAILABLE at once, open LabelStreams and
+unauthenticated calls (health, reflection) are capped, a stream idle for
+``stream_idle_timeout`` seconds is closed, keepalive pings find dead peers, and the largest
+message the port accepts follows from the input shape and ``max_batch``.
 
-The mechanisms' charges hold for one teacher's vote; the vote source states the record-level
-relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), and the
-charges are restated for it before they reach the ledger, which composes one relation only.
-Noise comes from the run's ``NoisePolicy`` (OS entropy unless reproducible noise was asked
-for, which marks the budget reply unsound). The budget reply carries the guarantee the
-server can back: its ledger's declared budget (none without one).
+One meaning per status code (the proto file lists them). Requests are read as raw bytes and
+parsed here, so an undecodable message is INVALID_ARGUMENT with a short message and one
+rate-limited log line, not a traceback. RESOURCE_EXHAUSTED means the privacy budget and
+nothing else; its trailing metadata says so (``conclave-reason: privacy-budget``), which is
+what ``cluster.client.is_budget_refusal`` checks. (A message over the port's size limit
+gets gRPC's own RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest
+batch the server accepts, so a well-formed client never meets it.)
 
-Around that core: bearer-token authentication (a server interceptor), optional TLS, the
-standard health service (SERVING once the teachers are ready) and server reflection, so a
-client that has nothing but the address can discover and call the service.
+Health is SERVING while the operator has marked the teachers ready and every teacher can
+vote: a failed vote turns it NOT_SERVING at once, and a watcher asks the vote source until
+it recovers (teacher actors restart and reload their saved models, ``actors.teacher``).
 
-Status codes: INVALID_ARGUMENT (bad tensor), UNAUTHENTICATED, RESOURCE_EXHAUSTED (the ledger
-refused), UNAVAILABLE (teachers not ready or failing).
+Bearer-token authentication (the scheme matched case-insensitively, RFC 6750), TLS and
+mutual TLS; a port on a non-loopback address without TLS is refused unless explicitly
+allowed, since the token would travel in clear.
 """
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import hmac
+import inspect
+import ipaddress
 import logging
 import math
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
 import ray
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.guarantee import Guarantee, unbounded_guarantee
-from privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
-from privacy.mechanisms.base import ABSTAIN, VoteMechanism
+from actors.labeller import (
+    INPUT_DTYPE,
+    BudgetStatus,
+    InvalidInput,
+    LabelOutcome,
+    PrivateLabeller,
+    TeachersUnavailable,
+    VoteSource,
+    decode_inputs,
+)
+from privacy.accounting.guarantee import Guarantee
+from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from privacy.mechanisms.base import VoteMechanism
 from privacy.noise import SECURE, NoisePolicy
-from protos import aggregator_pb2, aggregator_pb2_grpc
+from protos import aggregator_pb2
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = aggregator_pb2.DESCRIPTOR.services_by_name["Aggregator"].full_name
-INPUT_DTYPE = np.dtype("<f4")  # the one dtype the wire format accepts ("float32")
-
-
-class VoteSource(Protocol):
-    """What the aggregator needs from the teachers (``actors.teacher.TeacherPool``)."""
-
-    neighbouring: str  # the record-level relation under which one record moves at most one vote
-    neighbouring_lemma: str  # why
-
-    def votes(self, inputs: np.ndarray) -> np.ndarray:
-        """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
-        ...
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # trailing metadata of a budget refusal
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Where and how the aggregator listens.
+    """Where the aggregator listens, who may call it, and how much it takes on at once.
 
     ``port=0`` picks a free port (``AggregatorServer.start`` returns the bound address).
-    With ``token`` set, Aggregator calls need ``authorization: Bearer <token>`` metadata;
-    with ``tls_cert`` and ``tls_key`` (PEM files) the port speaks TLS.
+    With ``token`` set, Aggregator calls need ``authorization: Bearer <token>`` metadata.
+    With ``tls_cert`` and ``tls_key`` (PEM files) the port speaks TLS; with ``tls_client_ca``
+    too, clients must present a certificate that CA signed (mutual TLS). A non-loopback
+    ``host`` without TLS is refused unless ``allow_plaintext`` (the token would travel in clear).
     """
 
     host: str = "127.0.0.1"
@@ -78,7 +89,14 @@ class ServerSettings:
     max_batch: int = 1024
     tls_cert: str | None = None
     tls_key: str | None = None
-    max_workers: int = 8
+    tls_client_ca: str | None = None
+    allow_plaintext: bool = False
+    label_workers: int = 8  # threads doing label work (each may wait on the teachers)
+    max_queued: int = 64  # label calls waiting for a thread; more → UNAVAILABLE
+    max_streams: int = 64  # LabelStreams open at once; more → UNAVAILABLE
+    max_unauthenticated: int = 32  # health and reflection calls open at once; more → UNAVAILABLE
+    stream_idle_timeout: float = 60.0  # seconds a stream may wait for its next request
+    health_interval: float = 2.0  # seconds between checks that every teacher can vote
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -87,64 +105,47 @@ class ServerSettings:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM files), or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file {path}")
         if self.token is not None and not self.token:
             raise ValueError("token must be non-empty (or None for no authentication)")
-        if self.max_workers < 1:
-            raise ValueError(f"max_workers must be at least 1, got {self.max_workers}")
+        if not self.tls_cert and not self.allow_plaintext and not is_loopback(self.host):
+            raise ValueError(f"host {self.host!r} is reachable from other machines: serve it with TLS "
+                             "(tls_cert, tls_key), or allow plaintext explicitly")
+        for name in ("label_workers", "max_streams", "max_unauthenticated"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if self.stream_idle_timeout <= 0 or self.health_interval <= 0:
+            raise ValueError("stream_idle_timeout and health_interval must be positive")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
 
-class InvalidInput(ValueError):
-    """A request tensor the aggregator cannot label; the message names the problem."""
-
-
-class TeachersUnavailable(RuntimeError):
-    """The vote source is not ready or failed to vote."""
-
-
-def decode_inputs(tensor: aggregator_pb2.Tensor, input_shape: tuple[int, ...], max_batch: int) -> np.ndarray:
-    """The float32 array [batch, *input_shape] a ``Tensor`` carries, or ``InvalidInput``."""
-    shape = tuple(int(d) for d in tensor.shape)
-    expected = "[batch, " + ", ".join(str(d) for d in input_shape) + "]"
-    if len(shape) != 1 + len(input_shape) or shape[1:] != tuple(input_shape):
-        raise InvalidInput(f"wrong shape {list(shape)}: inputs must have shape {expected}")
-    batch = shape[0]
-    if batch <= 0:
-        raise InvalidInput(f"empty batch (shape {list(shape)}): send at least one input")
-    if batch > max_batch:
-        raise InvalidInput(f"batch of {batch} inputs is over this server's maximum of {max_batch}")
-    if tensor.dtype != "float32":
-        raise InvalidInput(f"dtype {tensor.dtype!r} is not supported: send 'float32' (little-endian)")
-    expected_bytes = math.prod(shape) * INPUT_DTYPE.itemsize
-    if len(tensor.data) != expected_bytes:
-        raise InvalidInput(
-            f"data has {len(tensor.data)} bytes, but shape {list(shape)} of float32 needs {expected_bytes}"
-        )
-    inputs = np.frombuffer(tensor.data, dtype=INPUT_DTYPE).reshape(shape)
-    finite = np.isfinite(inputs.reshape(batch, -1)).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise InvalidInput(f"inputs contain NaN or infinity (examples {bad[:5].tolist()}{'...' if bad.size > 5 else ''})")
-    # Teachers learned on images scaled to [0, 1] (learning.data.Dataset); anything else is a
-    # client bug (e.g. raw 0–255 bytes) that would buy labels for meaningless inputs.
-    in_range = ((inputs >= 0) & (inputs <= 1)).reshape(batch, -1).all(axis=1)
-    if not in_range.all():
-        bad = np.flatnonzero(~in_range)
-        raise InvalidInput(f"pixel values must be in [0, 1] (examples {bad[:5].tolist()}{'...' if bad.size > 5 else ''}"
-                           f" hold values in [{inputs.min():g}, {inputs.max():g}])")
-    return inputs.astype(np.float32)  # native byte order, writable copy
-
-
-def input_keys(inputs: np.ndarray) -> list[bytes]:
-    """Cache key of each example: sha256 of its float32 bytes."""
-    flat = np.ascontiguousarray(inputs, dtype=INPUT_DTYPE).reshape(len(inputs), -1)
-    return [hashlib.sha256(row.tobytes()).digest() for row in flat]
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``: addresses other machines cannot reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class AggregatorServer:
     """Serve private labels for ``input_shape`` inputs from ``vote_source`` over gRPC.
 
-    ``noise`` is the run's noise policy (OS entropy by default). ``ready=False`` starts with health NOT_SERVING and Label refused with
-    UNAVAILABLE until ``set_ready(True)`` (e.g. while teachers still train).
+    ``noise`` is the run's noise policy (OS entropy by default). ``ready=False`` starts with
+    health NOT_SERVING and Label refused with UNAVAILABLE until ``set_ready(True)`` (e.g.
+    while teachers still train). ``start`` runs the server on an event loop in a thread of
+    its own, so callers stay synchronous.
     """
 
     def __init__(
@@ -157,199 +158,102 @@ class AggregatorServer:
         noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
-        self._vote_source = vote_source
-        self._mechanism = mechanism
-        self._ledger = ledger
+        self.labeller = PrivateLabeller(vote_source, mechanism, ledger, noise)
         self.input_shape = tuple(int(d) for d in input_shape)
         self.settings = settings
-        self._noise = noise
-        self._rng = noise.source("aggregator").rng
-        self._ready = ready
-        # One lock around the charge step: cache check, mechanism (may be stateful), ledger, cache write.
-        self._lock = threading.Lock()
-        self._cache: dict[bytes, int] = {}
-        self._votes: list[np.ndarray] = []  # histograms the mechanism answered, in order
-        self._labels: list[np.ndarray] = []  # what it released for them (ABSTAIN included)
-        self._answered = self._abstained = self._cache_hits = 0  # distinct inputs; repeats
-        self._health = health.HealthServicer()
-        self._server: grpc.Server | None = None
+        self._operator_ready = ready  # set_ready: e.g. False while teachers train
+        self._teachers_alive = True  # the watcher's view: every teacher can vote
+        self._wake_watcher = threading.Event()
+        self._stopped = threading.Event()
+        self._service: _Service | None = None
         self._address: str | None = None
 
-    # ---- the labelling core (usable in-process, without gRPC) ----
+    # ---- the labelling core, in-process ----
 
-    def label(self, inputs: np.ndarray) -> tuple[np.ndarray, BudgetReport]:
-        """Labels (int64, ABSTAIN = -1) for validated float32 inputs [batch, *input_shape]."""
-        if not self._ready:
-            raise TeachersUnavailable("teachers are not ready yet; retry when health reports SERVING")
-        keys = input_keys(inputs)
-        with self._lock:
-            fresh = self._uncached(keys)
-        newly_answered = 0
-        if fresh:
-            worst = self._for_ledger(self._mechanism.worst_case_charge(len(fresh)))
-            # Data-independent early refusal: no point asking teachers for votes we may not release.
-            self._require_affordable(worst, len(fresh))
-            fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
-            with self._lock:
-                newly_answered = self._answer_fresh(fresh, fresh_votes)
-        with self._lock:
-            labels = np.array([self._cache[key] for key in keys], dtype=np.int64)
-            self._cache_hits += len(keys) - newly_answered
-        return labels, self._ledger.report()
-
-    def _uncached(self, keys: list[bytes]) -> dict[bytes, int]:
-        """First row index of each distinct key not yet answered (dedupes within the batch)."""
-        fresh: dict[bytes, int] = {}
-        for row, key in enumerate(keys):
-            if key not in self._cache and key not in fresh:
-                fresh[key] = row
-        return fresh
-
-    def _require_affordable(self, worst: PrivacyCharge, count: int) -> None:
-        if not self._ledger.can_afford(worst):
-            report = self._ledger.report()
-            raise BudgetExceeded(
-                f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
-                f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
-            )
-
-    def _teacher_votes(self, inputs: np.ndarray, count: int) -> np.ndarray:
+    def label(self, inputs: np.ndarray) -> LabelOutcome:
+        """Labels for validated float32 inputs [batch, *input_shape] (no gRPC involved)."""
+        if not self.serving:
+            raise TeachersUnavailable("teachers are not ready; retry when health reports SERVING")
         try:
-            votes = np.asarray(self._vote_source.votes(inputs))
-        except Exception as err:  # teachers' failures must not leak their details to clients
-            log.warning("vote source failed: %r", err)
-            raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
-        if votes.ndim != 2 or votes.shape[0] != count or not np.issubdtype(votes.dtype, np.integer) or (votes < 0).any():
-            log.error("vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count)
-            raise TeachersUnavailable("teachers returned malformed vote histograms")
-        return votes.astype(np.int64)
-
-    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> int:
-        """Mechanism → ledger → cache for inputs still unanswered (returns how many); caller holds the lock."""
-        # Another request may have answered some of these while we waited for the teachers.
-        keep = [i for i, key in enumerate(fresh) if key not in self._cache]
-        if not keep:
-            return 0
-        keys = [key for key in fresh if key not in self._cache]
-        votes = fresh_votes[keep]
-        worst = self._for_ledger(self._mechanism.worst_case_charge(len(keep)))
-        self._require_affordable(worst, len(keep))  # before the (possibly stateful) mechanism runs
-        result = self._mechanism(votes, self._rng)
-        labels = np.asarray(result.labels, dtype=np.int64)
-        if labels.shape != (len(keep),):
-            raise RuntimeError(f"mechanism {self._mechanism.name} returned {labels.shape} labels for {len(keep)} inputs")
-        charge = self._for_ledger(result.charge)
-        if not charge.is_free:  # e.g. an open stability run, paid when it opened
-            self._ledger.charge(charge, worst_case=worst)  # raises BudgetExceeded: nothing released or advanced
-        result.commit()
-        self._cache.update(zip(keys, labels.tolist()))
-        self._votes.append(votes)
-        self._labels.append(labels)
-        self._answered += int((labels != ABSTAIN).sum())
-        self._abstained += int((labels == ABSTAIN).sum())
-        return len(keep)
-
-    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
-        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
-        if charge.neighbouring == self._ledger.neighbouring:
-            return charge
-        relation = getattr(self._vote_source, "neighbouring", None)
-        if relation != self._ledger.neighbouring:
-            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
-                               f"{self._ledger.neighbouring!r} neighbours")
-        return charge.for_records(relation, self._vote_source.neighbouring_lemma)
+            return self.labeller.label(inputs)
+        except TeachersUnavailable:
+            self._teachers_failed()
+            raise
 
     def guarantee(self) -> Guarantee:
-        """What this server can back: its ledger's budget, declared in advance (none without one)."""
-        report = self._ledger.report()
-        reasons = (self._noise.unsound_reason,) if self._noise.unsound_reason else ()
-        if report.guarantee is None:
-            return unbounded_guarantee(report.delta, report.neighbouring,
-                                       "no budget was declared: an open-ended service has no guarantee "
-                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
-        return report.guarantee.marked(reasons)
+        return self.labeller.guarantee()
+
+    def budget(self) -> BudgetStatus:
+        return self.labeller.budget()
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
-        """(votes int64 [m, k], answered bool [m]) for every input the mechanism saw, in order.
+        return self.labeller.answered_votes()
 
-        This is what the run's privacy report analyses (abstentions cost privacy too).
-        """
-        with self._lock:
-            if not self._votes:
-                classes = int(getattr(self._vote_source, "num_classes", 0))
-                return np.zeros((0, classes), dtype=np.int64), np.zeros(0, dtype=bool)
-            return np.concatenate(self._votes), np.concatenate(self._labels) != ABSTAIN
+    # ---- readiness and health ----
 
-    def budget(self) -> dict:
-        """The ``BudgetReply`` fields as a dict (``guarantee`` as a nested dict)."""
-        with self._lock:
-            counters = (self._answered, self._abstained, self._cache_hits)
-        report, guarantee = self._ledger.report(), self.guarantee()
-        return {
-            "epsilon_spent": float(report.epsilon_spent),
-            "delta": float(report.delta),
-            "epsilon_limit": float(report.epsilon_limit),
-            "mechanism": self._mechanism.name,
-            "sound": guarantee.sound,
-            "queries_answered": counters[0],
-            "queries_abstained": counters[1],
-            "cache_hits": counters[2],
-            "guarantee": {"epsilon": float(guarantee.epsilon), "delta": float(guarantee.delta),
-                          "basis": guarantee.basis, "neighbouring": guarantee.neighbouring,
-                          "theorem": guarantee.theorem, "order": guarantee.order or 0.0,
-                          "unsound_reasons": list(guarantee.unsound_reasons)},
-        }
-
-    # ---- readiness, health and the gRPC server ----
+    @property
+    def serving(self) -> bool:
+        return self._operator_ready and self._teachers_alive
 
     def set_ready(self, ready: bool) -> None:
-        """Mark the teachers ready (health SERVING) or not (NOT_SERVING, Label → UNAVAILABLE)."""
-        self._ready = ready
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            self._health.set(service, status)
+        """Mark the teachers ready (health SERVING when they can vote) or not (NOT_SERVING, Label → UNAVAILABLE)."""
+        self._operator_ready = ready
+        self._publish_health()
+
+    def _teachers_failed(self) -> None:
+        if self._teachers_alive:
+            log.warning("teachers failed to vote: health NOT_SERVING until every teacher answers again")
+        self._teachers_alive = False
+        self._publish_health()
+        self._wake_watcher.set()
+
+    def _publish_health(self) -> None:
+        if self._service is not None:
+            self._service.set_health(self.serving)
+
+    def _watch_teachers(self) -> None:
+        """Ask the vote source whether every teacher can vote; health follows the answer."""
+        check = getattr(self.labeller.vote_source, "ready", None)
+        if check is None:
+            return
+        interval = self.settings.health_interval
+        while not self._stopped.is_set():
+            woken = self._wake_watcher.wait(interval)
+            self._wake_watcher.clear()
+            if self._stopped.is_set():
+                return
+            if woken and not self._teachers_alive:
+                time.sleep(min(interval, 0.5))  # a failure was just reported; let the actor restart
+            try:
+                alive = bool(check(timeout=interval))
+            except Exception as err:  # a broken check means we cannot vouch for the teachers
+                log.warning("teacher health check failed: %s", type(err).__name__)
+                alive = False
+            if alive != self._teachers_alive:
+                log.warning("teachers %s", "recovered: health SERVING" if alive else "lost: health NOT_SERVING")
+                self._teachers_alive = alive
+                self._publish_health()
+
+    # ---- the gRPC server ----
 
     def start(self) -> str:
         """Start serving; returns the bound address ``host:port``."""
-        if self._server is not None:
+        if self._service is not None:
             raise RuntimeError("aggregator already started")
+        self._stopped.clear()
+        self._service = _Service(self)
+        try:
+            port = self._service.start()
+        except Exception:
+            self._service = None
+            raise
+        self._address = f"{self.settings.host}:{port}"
+        self._publish_health()
+        threading.Thread(target=self._watch_teachers, name="aggregator-health", daemon=True).start()
         settings = self.settings
-        interceptors = [_BearerTokenInterceptor(settings.token)] if settings.token else []
-        batch_bytes = settings.max_batch * math.prod(self.input_shape) * INPUT_DTYPE.itemsize
-        # Room for batches somewhat over max_batch, so they get INVALID_ARGUMENT, not a size error.
-        max_message = max(64 << 20, 2 * batch_bytes + (1 << 20))
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="aggregator"),
-            interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", max_message)],
-        )
-        aggregator_pb2_grpc.add_AggregatorServicer_to_server(_AggregatorServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
-        self.set_ready(self._ready)
-        target = f"{settings.host}:{settings.port}"
-        if settings.tls_cert:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())]
-            )
-            port = server.add_secure_port(target, credentials)
-        else:
-            port = server.add_insecure_port(target)
-        if port == 0:
-            raise OSError(f"could not bind the aggregator to {target}")
-        server.start()
-        self._server = server
-        self._address = f"{settings.host}:{port}"
-        log.info(
-            "aggregator serving on %s (%s, %s, mechanism %s)",
-            self._address,
-            "TLS" if settings.tls_cert else "plaintext",
-            "token auth" if settings.token else "no auth",
-            self._mechanism.name,
-        )
+        log.info("aggregator serving on %s (%s, %s, mechanism %s)", self._address,
+                 "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext",
+                 "token auth" if settings.token else "no auth", self.labeller.mechanism.name)
         return self._address
 
     @property
@@ -358,93 +262,286 @@ class AggregatorServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds)."""
-        if self._server is None:
+        if self._service is None:
             return
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
-        self._server = None
+        self._stopped.set()
+        self._wake_watcher.set()
+        self._service.stop(grace)
+        self._service = None
         log.info("aggregator on %s stopped", self._address)
 
 
-class _AggregatorServicer(aggregator_pb2_grpc.AggregatorServicer):
-    """gRPC face of ``AggregatorServer``: decode, label, map failures to status codes."""
+class _RateLimitedLog:
+    """At most one log line per ``interval`` seconds per kind, with the count of those left out."""
 
-    def __init__(self, aggregator: AggregatorServer) -> None:
-        self._aggregator = aggregator
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
 
-    def Label(self, request: aggregator_pb2.LabelRequest, context: grpc.ServicerContext) -> aggregator_pb2.LabelReply:
-        return self._answer(request, context, "Label")
+    def __call__(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -math.inf) < self._interval:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        skipped = self._suppressed.pop(kind, 0)
+        self._last[kind] = now
+        log.info(message + (f" (and {skipped} more since the last line)" if skipped else ""), *args)
 
-    def LabelStream(
-        self, requests: Iterator[aggregator_pb2.LabelRequest], context: grpc.ServicerContext
-    ) -> Iterator[aggregator_pb2.LabelReply]:
-        for request in requests:
-            yield self._answer(request, context, "LabelStream")
 
-    def GetBudget(self, request: aggregator_pb2.BudgetRequest, context: grpc.ServicerContext) -> aggregator_pb2.BudgetReply:
-        return budget_reply(self._aggregator.budget())
+class _Service:
+    """The asyncio gRPC server of one ``AggregatorServer``, on an event loop in its own thread.
 
-    def _answer(self, request: aggregator_pb2.LabelRequest, context: grpc.ServicerContext, method: str):
-        aggregator = self._aggregator
+    Handlers run on the loop and never block it: label work goes to ``label_pool`` (bounded
+    admission), budget reads to ``budget_pool``. Counters are touched only on the loop.
+    """
+
+    def __init__(self, owner: AggregatorServer) -> None:
+        self._owner = owner
+        self._settings = settings = owner.settings
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aggregator-grpc", daemon=True)
+        self._label_pool = futures.ThreadPoolExecutor(settings.label_workers, thread_name_prefix="aggregator-label")
+        self._budget_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="aggregator-budget")
+        self._label_calls = self._open_streams = self._open_unauthenticated = 0
+        self._rejections = _RateLimitedLog()
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        example = math.prod(owner.input_shape) * INPUT_DTYPE.itemsize
+        # Twice the largest batch (plus framing): a batch somewhat over max_batch still gets a
+        # clear INVALID_ARGUMENT; anything larger is refused by gRPC before it is buffered.
+        self.max_message = 2 * settings.max_batch * example + (64 << 10)
+
+    # -- lifecycle (called from the owner's thread) --
+
+    def start(self) -> int:
+        self._thread.start()
         try:
-            inputs = decode_inputs(request.inputs, aggregator.input_shape, aggregator.settings.max_batch)
-            labels, _ = aggregator.label(inputs)
-        except InvalidInput as err:
-            log.debug("%s from %s: rejected, %s", method, context.peer(), err)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            return self._run(self._start())
+        except Exception:
+            self.stop(0)
+            raise
+
+    def stop(self, grace: float) -> None:
+        if self._server is not None:
+            self._run(self._stop(grace))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        self._label_pool.shutdown(wait=False, cancel_futures=True)
+        self._budget_pool.shutdown(wait=False, cancel_futures=True)
+
+    def set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._health is not None and not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._set_health(status), self._loop)
+
+    def _run(self, coroutine: Awaitable[Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=30)
+
+    # -- on the loop --
+
+    async def _start(self) -> int:
+        settings = self._settings
+        server = grpc.aio.server(
+            interceptors=[_Gatekeeper(settings.token, settings.max_unauthenticated, settings.stream_idle_timeout)],
+            options=[
+                ("grpc.max_receive_message_length", self.max_message),
+                ("grpc.max_send_message_length", 4 * settings.max_batch * 8 + (1 << 20)),
+                ("grpc.max_concurrent_streams", 256),  # per connection (HTTP/2)
+                ("grpc.keepalive_time_ms", 60_000),  # ping idle connections to find dead peers
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # refuse ping floods
+                ("grpc.max_connection_idle_ms", 15 * 60_000),  # drop connections with no calls
+            ],
+        )
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            # request_deserializer=None: handlers get the raw bytes and parse them themselves.
+            "Label": grpc.unary_unary_rpc_method_handler(
+                self._label, response_serializer=aggregator_pb2.LabelReply.SerializeToString),
+            "LabelStream": grpc.stream_stream_rpc_method_handler(
+                self._label_stream, response_serializer=aggregator_pb2.LabelReply.SerializeToString),
+            "GetBudget": grpc.unary_unary_rpc_method_handler(
+                self._get_budget, response_serializer=aggregator_pb2.BudgetReply.SerializeToString),
+        })])
+        self._health = health.aio.HealthServicer()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING if self._owner.serving
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        target = f"{settings.host}:{settings.port}"
+        port = server.add_secure_port(target, _credentials(settings)) if settings.tls else server.add_insecure_port(target)
+        if port == 0:
+            raise OSError(f"could not bind the aggregator to {target}")
+        await server.start()
+        self._server = server
+        return port
+
+    async def _stop(self, grace: float) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _label(self, raw: bytes, context: grpc.aio.ServicerContext) -> aggregator_pb2.LabelReply:
+        return await self._answer(raw, context, "Label")
+
+    async def _label_stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        if self._open_streams >= self._settings.max_streams:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this server has {self._open_streams} streams open, its limit; retry later")
+        self._open_streams += 1
+        try:
+            async for raw in _idle_limited(requests, self._settings.stream_idle_timeout, context):
+                yield await self._answer(raw, context, "LabelStream")
+        finally:
+            self._open_streams -= 1
+
+    async def _get_budget(self, raw: bytes, context: grpc.aio.ServicerContext) -> aggregator_pb2.BudgetReply:
+        status = await self._loop.run_in_executor(self._budget_pool, self._owner.budget)
+        return budget_reply(status)
+
+    async def _answer(self, raw: bytes, context: grpc.aio.ServicerContext, method: str) -> aggregator_pb2.LabelReply:
+        owner, settings = self._owner, self._settings
+        try:
+            request = aggregator_pb2.LabelRequest.FromString(raw)
+            tensor = request.inputs
+            inputs = decode_inputs(tensor.shape, tensor.dtype, tensor.data, owner.input_shape, settings.max_batch)
+        except (DecodeError, InvalidInput) as err:
+            message = str(err) if isinstance(err, InvalidInput) else "the request is not a LabelRequest message"
+            self._rejections("invalid", "%s from %s rejected: %s", method, context.peer(), message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        if self._label_calls >= settings.label_workers + settings.max_queued:
+            self._rejections("busy", "%s from %s turned away: %d label calls in progress", method, context.peer(),
+                             self._label_calls)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the aggregator is at its limit of {self._label_calls} label calls; retry later")
+        self._label_calls += 1
+        try:
+            outcome = await self._loop.run_in_executor(self._label_pool, owner.label, inputs)
+            status = await self._loop.run_in_executor(self._budget_pool, owner.budget)
         except BudgetExceeded as err:
-            log.debug("%s from %s: budget refused", method, context.peer())
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released or charged")
+            self._rejections("budget", "%s from %s refused: privacy budget spent", method, context.peer())
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released or charged",
+                                trailing_metadata=((REASON_KEY, BUDGET_REASON),))
         except TeachersUnavailable as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except Exception:  # a bug must not look like a client error, nor leak internals
             log.exception("%s failed", method)
-            context.abort(grpc.StatusCode.INTERNAL, "internal error in the aggregator (see its log)")
-        budget = aggregator.budget()
-        answered = int((labels != ABSTAIN).sum())
-        log.debug("%s from %s: %d inputs, %d labelled", method, context.peer(), len(labels), answered)
-        return aggregator_pb2.LabelReply(labels=labels.tolist(), answered=answered, budget=budget_reply(budget))
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the aggregator (see its log)")
+        finally:
+            self._label_calls -= 1
+        return aggregator_pb2.LabelReply(labels=outcome.labels.tolist(), answered=outcome.answered,
+                                         budget=budget_reply(status),
+                                         budget_refused=outcome.refused.tolist() if outcome.refused.any() else [])
 
 
-def budget_reply(budget: dict) -> aggregator_pb2.BudgetReply:
-    """The ``BudgetReply`` message of ``AggregatorServer.budget()``."""
-    fields = {**budget, "guarantee": aggregator_pb2.Guarantee(**budget["guarantee"])}
-    return aggregator_pb2.BudgetReply(**fields)
+def budget_reply(status: BudgetStatus) -> aggregator_pb2.BudgetReply:
+    """The ``BudgetReply`` message of a ``BudgetStatus``."""
+    fields = status.as_dict()
+    return aggregator_pb2.BudgetReply(**{**fields, "guarantee": aggregator_pb2.Guarantee(**fields["guarantee"])})
 
 
-class _BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuse Aggregator calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+def _credentials(settings: ServerSettings) -> grpc.ServerCredentials:
+    pairs = [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())]
+    if settings.tls_client_ca is None:
+        return grpc.ssl_server_credentials(pairs)
+    return grpc.ssl_server_credentials(pairs, root_certificates=Path(settings.tls_client_ca).read_bytes(),
+                                       require_client_auth=True)
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+async def _idle_limited(requests: AsyncIterator[Any], timeout: float, context: grpc.aio.ServicerContext):
+    """The stream's requests, ending the call with DEADLINE_EXCEEDED when none comes for ``timeout`` s."""
+    iterator = requests.__aiter__()
+    while True:
+        try:
+            request = await asyncio.wait_for(iterator.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request for {timeout:g} s: this stream is closed, open a new one")
+        yield request
+
+
+class _Gatekeeper(grpc.aio.ServerInterceptor):
+    """Aggregator calls need the bearer token; the open services (health, reflection) are
+    capped in number and their streams in idle time, so they can never crowd out the work."""
+
+    def __init__(self, token: str | None, max_open: int, idle_timeout: float) -> None:
+        self._expected = token.encode() if token else None
         self._protected = f"/{SERVICE_NAME}/"
+        self._max_open = max_open
+        self._idle_timeout = idle_timeout
+        self._open = 0
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(self._protected):
-            return handler
-        supplied = [value for key, value in handler_call_details.invocation_metadata or () if key == "authorization"]
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if details.method.startswith(self._protected):
+            problem = self._token_problem(details.invocation_metadata or ())
+            return handler if problem is None else _replaced(handler, _refuse(grpc.StatusCode.UNAUTHENTICATED, problem))
+        return _replaced(handler, self._bounded(_behaviour(handler), handler.request_streaming))
+
+    def _token_problem(self, metadata) -> str | None:
+        if self._expected is None:
+            return None
+        supplied = [value for key, value in metadata if key == "authorization"]
         if not supplied:
-            return _refusal(handler, "missing 'authorization: Bearer <token>' metadata")
+            return "missing 'authorization: Bearer <token>' metadata"
         value = supplied[0] if isinstance(supplied[0], bytes) else supplied[0].encode()
-        if len(supplied) == 1 and hmac.compare_digest(value, self._expected):
-            return handler
-        return _refusal(handler, "invalid bearer token")
+        scheme, _, token = value.partition(b" ")
+        # compare_digest on the token alone: constant time in its content
+        if len(supplied) == 1 and scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected):
+            return None
+        return "invalid bearer token"
+
+    def _bounded(self, behaviour: Callable, request_streaming: bool) -> Callable:
+        async def bounded(request_or_iterator, context):
+            if self._open >= self._max_open:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "too many open health/reflection calls; retry later")
+            self._open += 1
+            try:
+                if request_streaming:
+                    request_or_iterator = _idle_limited(request_or_iterator, self._idle_timeout, context)
+                result = behaviour(request_or_iterator, context)
+                if inspect.isasyncgen(result):  # a streaming handler written as a generator
+                    async for reply in result:
+                        await context.write(reply)
+                    return None
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                self._open -= 1
+
+        return bounded
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
-    def refuse(request_or_iterator, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+def _refuse(code: grpc.StatusCode, message: str) -> Callable:
+    async def refuse(request_or_iterator, context):
+        await context.abort(code, message)
+
+    return refuse
+
+
+def _replaced(handler: grpc.RpcMethodHandler, behaviour: Callable) -> grpc.RpcMethodHandler:
+    """A handler of the same kind and (de)serializers as ``handler`` running ``behaviour``."""
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 @ray.remote(num_cpus=0)
@@ -455,22 +552,12 @@ class AggregatorActor:
     with the budget the caller declared.
     """
 
-    def __init__(
-        self,
-        vote_source: VoteSource,
-        mechanism: VoteMechanism,
-        ledger_path: str,
-        delta: float,
-        budget,
-        input_shape: tuple[int, ...],
-        settings: ServerSettings = ServerSettings(),
-        noise: NoisePolicy = SECURE,
-        ready: bool = True,
-    ) -> None:
+    def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger_path: str, delta: float, budget,
+                 input_shape: tuple[int, ...], settings: ServerSettings = ServerSettings(),
+                 noise: NoisePolicy = SECURE, ready: bool = True) -> None:
         self._ledger = PrivacyLedger(ledger_path, delta, budget, neighbouring=vote_source.neighbouring)
-        self._server = AggregatorServer(
-            vote_source, mechanism, self._ledger, input_shape, settings, noise=noise, ready=ready
-        )
+        self._server = AggregatorServer(vote_source, mechanism, self._ledger, input_shape, settings,
+                                        noise=noise, ready=ready)
 
     def start(self) -> str:
         return self._server.start()
@@ -483,27 +570,7 @@ class AggregatorActor:
         self._server.set_ready(ready)
 
     def budget(self) -> dict:
-        return self._server.budget()
-
-    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
-        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
-        if charge.neighbouring == self._ledger.neighbouring:
-            return charge
-        relation = getattr(self._vote_source, "neighbouring", None)
-        if relation != self._ledger.neighbouring:
-            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
-                               f"{self._ledger.neighbouring!r} neighbours")
-        return charge.for_records(relation, self._vote_source.neighbouring_lemma)
-
-    def guarantee(self) -> Guarantee:
-        """What this server can back: its ledger's budget, declared in advance (none without one)."""
-        report = self._ledger.report()
-        reasons = (self._noise.unsound_reason,) if self._noise.unsound_reason else ()
-        if report.guarantee is None:
-            return unbounded_guarantee(report.delta, report.neighbouring,
-                                       "no budget was declared: an open-ended service has no guarantee "
-                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
-        return report.guarantee.marked(reasons)
+        return self._server.budget().as_dict()
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         return self._server.answered_votes()

@@ -46,12 +46,6 @@ log = logging.getLogger(__name__)
 ABSTAIN = -1
 
 
-def _is_budget_refusal(err: Exception) -> bool:
-    """True for the gRPC RESOURCE_EXHAUSTED status: the ledger refused, nothing was released."""
-    code = getattr(err, "code", None)
-    return callable(code) and getattr(code(), "name", "") == "RESOURCE_EXHAUSTED"
-
-
 class Student:
     """Holds the public pool and the answers it has received (plain class; see ``StudentActor``).
 
@@ -60,7 +54,8 @@ class Student:
         test: held-out split the student is evaluated on.
         model_name: a ``learning.models.build_model`` name.
         train: how each student model is trained (``train.seed`` seeds its initial weights).
-        client_factory: builds a connected aggregator client (``label``, ``budget``, ``close``).
+        client_factory: builds a connected aggregator client (``label_reply``, ``budget``,
+            ``is_budget_refusal``, ``close``: ``cluster.client.AggregatorClient``).
         features: the representation the student's model learns on (None: the images).
         pseudo_label_threshold: self-training at this confidence (None: off).
         semi_supervised: FixMatch settings (None: off); exclusive with self-training.
@@ -141,17 +136,21 @@ class Student:
                 while self.asked < stop and not self.exhausted and (max_batches is None or calls < max_batches):
                     chosen = self._next_batch(min(batch_size, stop - self.asked))
                     try:
-                        self.labels[chosen] = self._client.label(self.public.x[chosen])
+                        reply = self._client.label_reply(self.public.x[chosen])
                     except Exception as err:  # only a budget refusal is an expected end
-                        if not _is_budget_refusal(err):
+                        if not self._client.is_budget_refusal(err):
                             raise
                         log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
                         self.exhausted = True
                         self._round = [*chosen.tolist(), *self._round]  # not asked after all
                         break
+                    self.labels[chosen] = reply.labels  # -1 where refused: as good as never asked
                     bar.update(len(chosen))
                     self.asked_order.extend(chosen.tolist())
                     calls += 1
+                    if reply.refused.any():  # the pool repeats an input answered before; the rest was refused
+                        log.warning("aggregator refused new inputs at %d queries: privacy budget exhausted", self.asked)
+                        self.exhausted = True
                 if self.asked == stop or self.exhausted:
                     self.snapshots.append(self._snapshot(self._client.budget()))
                 if self.asked < stop:

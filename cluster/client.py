@@ -6,17 +6,40 @@
 
 Server-side failures raise ``grpc.RpcError``; ``err.code()`` tells them apart:
 INVALID_ARGUMENT (bad inputs), UNAUTHENTICATED (token), RESOURCE_EXHAUSTED (privacy budget
-spent: nothing was released or charged), UNAVAILABLE (teachers not ready).
+spent: nothing was released or charged — ``is_budget_refusal(err)`` checks the server's
+reason too), UNAVAILABLE (teachers not ready, or the server busy: retry later),
+DEADLINE_EXCEEDED (the call's deadline, or a stream left idle too long).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import grpc
 import numpy as np
 
 from protos import aggregator_pb2, aggregator_pb2_grpc
+
+REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # as actors.aggregator sends them
+
+
+def is_budget_refusal(err: BaseException) -> bool:
+    """True when ``err`` is the aggregator saying the privacy budget is spent (nothing was
+    released or charged) — not any other RESOURCE_EXHAUSTED, such as gRPC's own message size limit."""
+    if not isinstance(err, grpc.RpcError) or not hasattr(err, "code") or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    trailing = err.trailing_metadata() or ()
+    return any(key == REASON_KEY and value == BUDGET_REASON for key, value in trailing)
+
+
+class LabelResult(NamedTuple):
+    """One batch's answer: labels (int64, -1 = abstain or refused), how many are labels, which
+    new inputs the spent budget refused (a batch also holding earlier answers), the budget after it."""
+
+    labels: np.ndarray
+    answered: int
+    refused: np.ndarray
+    budget: dict
 
 
 def encode_inputs(inputs: np.ndarray) -> aggregator_pb2.Tensor:
@@ -29,7 +52,10 @@ def encode_inputs(inputs: np.ndarray) -> aggregator_pb2.Tensor:
 
 
 class AggregatorClient:
-    """Talk to one aggregator; plaintext unless ``root_cert`` (PEM path or bytes) is given."""
+    """Talk to one aggregator; plaintext unless ``root_cert`` (PEM path or bytes) is given,
+    with a client certificate (``client_cert``, ``client_key``) for mutual TLS."""
+
+    is_budget_refusal = staticmethod(is_budget_refusal)  # for callers handed only a client
 
     def __init__(
         self,
@@ -37,28 +63,38 @@ class AggregatorClient:
         token: str | None = None,
         root_cert: str | Path | bytes | None = None,
         timeout: float = 30.0,
+        client_cert: str | Path | bytes | None = None,
+        client_key: str | Path | bytes | None = None,
     ) -> None:
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("mutual TLS needs both client_cert and client_key")
+        if client_cert is not None and root_cert is None:
+            raise ValueError("a client certificate needs TLS: give root_cert too")
         self.address = address
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                   # gRPC's default reconnect backoff grows to 2 minutes: a client would go on
+                   # failing fast long after a restarted server is back.
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
         if root_cert is not None:
-            pem = root_cert if isinstance(root_cert, bytes) else Path(root_cert).read_bytes()
-            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=pem), options)
+            credentials = grpc.ssl_channel_credentials(root_certificates=_pem(root_cert), private_key=_pem(client_key),
+                                                       certificate_chain=_pem(client_cert))
+            self._channel = grpc.secure_channel(address, credentials, options)
         else:
             self._channel = grpc.insecure_channel(address, options)
         self._stub = aggregator_pb2_grpc.AggregatorStub(self._channel)
 
     def label(self, inputs: np.ndarray) -> np.ndarray:
-        """Labels for one batch [batch, *input_shape]: int64, -1 = abstain."""
-        return self.label_reply(inputs)[0]
+        """Labels for one batch [batch, *input_shape]: int64, -1 = abstain (or refused)."""
+        return self.label_reply(inputs).labels
 
-    def label_reply(self, inputs: np.ndarray) -> tuple[np.ndarray, int, dict]:
-        """(labels, answered count, budget snapshot after the batch) for one batch."""
+    def label_reply(self, inputs: np.ndarray) -> LabelResult:
+        """The whole answer for one batch (labels, answered count, refused mask, budget after it)."""
         reply = self._stub.Label(
             aggregator_pb2.LabelRequest(inputs=encode_inputs(inputs)), timeout=self.timeout, metadata=self._metadata
         )
-        return np.asarray(reply.labels, dtype=np.int64), int(reply.answered), _budget_dict(reply.budget)
+        return _result(reply)
 
     def label_stream(self, batches: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """Labels for each batch, in order, over one bidirectional stream.
@@ -67,9 +103,14 @@ class AggregatorClient:
         stream; batches answered before it were already yielded (and are cached server-side,
         so asking again costs nothing).
         """
+        for result in self.label_stream_replies(batches):
+            yield result.labels
+
+    def label_stream_replies(self, batches: Iterable[np.ndarray]) -> Iterator[LabelResult]:
+        """``label_stream`` with the whole answer for each batch."""
         requests = (aggregator_pb2.LabelRequest(inputs=encode_inputs(batch)) for batch in batches)
         for reply in self._stub.LabelStream(requests, metadata=self._metadata):
-            yield np.asarray(reply.labels, dtype=np.int64)
+            yield _result(reply)
 
     def budget(self) -> dict:
         """The server's privacy budget and query counters (``BudgetReply`` fields)."""
@@ -84,6 +125,18 @@ class AggregatorClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _pem(value: str | Path | bytes | None) -> bytes | None:
+    return value if value is None or isinstance(value, bytes) else Path(value).read_bytes()
+
+
+def _result(reply: aggregator_pb2.LabelReply) -> LabelResult:
+    labels = np.asarray(reply.labels, dtype=np.int64)
+    refused = np.zeros(len(labels), dtype=bool)
+    if reply.budget_refused:
+        refused[:] = np.asarray(reply.budget_refused, dtype=bool)
+    return LabelResult(labels, int(reply.answered), refused, _budget_dict(reply.budget))
 
 
 def _budget_dict(reply: aggregator_pb2.BudgetReply) -> dict:

@@ -3,7 +3,8 @@
 Prints one label per line on stdout (-1 = the teachers abstained) and a one-line budget
 summary on stderr; ``--json`` prints labels, counts and the budget as one JSON object.
 Exit status: 0 answered, 1 the server refused (status code and reason on stderr),
-2 the inputs could not be read.
+2 the inputs could not be read, 3 the privacy budget is spent (nothing was charged for the
+refused inputs; inputs answered before are still answered, free).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cluster.client import AggregatorClient
+from cluster.client import AggregatorClient, is_budget_refusal
 
 TOKEN_ENV = "CONCLAVE_TOKEN"
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--inputs", required=True, help=".npy file: float array [n, *input_shape], scaled like the training data")
     parser.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV})")
     parser.add_argument("--root-cert", default=None, help="PEM certificate to trust: connect with TLS")
+    parser.add_argument("--client-cert", default=None, help="PEM client certificate, for a server that asks for mutual TLS")
+    parser.add_argument("--client-key", default=None, help="PEM key of --client-cert")
     parser.add_argument("--batch-size", type=int, default=256, help="inputs per request (default 256)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a single request")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of one label per line")
@@ -51,23 +54,32 @@ def main(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or None
     batches = [inputs[start : start + args.batch_size] for start in range(0, len(inputs), args.batch_size)]
     answered: list[np.ndarray] = []
-    with AggregatorClient(args.address, token=token, root_cert=args.root_cert, timeout=args.timeout) as client:
+    refused = 0
+    try:
+        client = AggregatorClient(args.address, token=token, root_cert=args.root_cert, timeout=args.timeout,
+                                  client_cert=args.client_cert, client_key=args.client_key)
+    except (OSError, ValueError) as err:
+        print(f"conclave query: {err}", file=sys.stderr)
+        return 2
+    with client:
         try:
-            if len(batches) == 1:
-                answered.append(client.label(batches[0]))
-            else:
-                answered.extend(client.label_stream(batches))
+            for result in ([client.label_reply(batches[0])] if len(batches) == 1
+                           else client.label_stream_replies(batches)):
+                answered.append(result.labels)
+                refused += int(result.refused.sum())
             budget = client.budget()
         except grpc.RpcError as err:
-            print(f"conclave query: {err.code().name}: {err.details()}", file=sys.stderr)
+            spent = is_budget_refusal(err)
+            print(f"conclave query: {'privacy budget spent' if spent else err.code().name}: {err.details()}",
+                  file=sys.stderr)
             done = sum(len(labels) for labels in answered)
             if done:
                 print(
                     f"conclave query: {done} of {len(inputs)} inputs were labelled before the error; "
-                    "asking again for them costs nothing (the server caches answers)",
+                    "asking again for them costs nothing (the server keeps its answers)",
                     file=sys.stderr,
                 )
-            return 1
+            return 3 if spent else 1
 
     labels = np.concatenate(answered)
     labelled = int((labels >= 0).sum())
@@ -75,20 +87,22 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({
             "labels": labels.tolist(),
             "answered": labelled,
-            "abstained": int(len(labels) - labelled),
+            "abstained": int(len(labels) - labelled - refused),
+            "budget_refused": refused,
             "budget": _finite_or_text(budget),
         }))
     else:
         print("\n".join(str(label) for label in labels.tolist()))
         guarantee = budget["guarantee"]
         print(
-            f"labelled {labelled} of {len(labels)} inputs ({len(labels) - labelled} abstained); "
+            f"labelled {labelled} of {len(labels)} inputs ({len(labels) - labelled - refused} abstained"
+            f"{f', {refused} refused: privacy budget spent' if refused else ''}); "
             f"guarantee ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} ({guarantee['basis']}); "
             f"realised spend ε = {budget['epsilon_spent']:.4g} ({budget['mechanism']}"
             f"{'' if budget['sound'] else '; NOT a sound DP guarantee: ' + '; '.join(guarantee['unsound_reasons'])})",
             file=sys.stderr,
         )
-    return 0
+    return 3 if refused else 0
 
 
 def _finite_or_text(value: object) -> object:

@@ -63,14 +63,16 @@ class BudgetReply(_message.Message):
     def __init__(self, epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., mechanism: _Optional[str] = ..., sound: _Optional[bool] = ..., queries_answered: _Optional[int] = ..., queries_abstained: _Optional[int] = ..., cache_hits: _Optional[int] = ..., guarantee: _Optional[_Union[Guarantee, _Mapping]] = ...) -> None: ...
 
 class LabelReply(_message.Message):
-    __slots__ = ("labels", "answered", "budget")
+    __slots__ = ("labels", "answered", "budget", "budget_refused")
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_REFUSED_FIELD_NUMBER: _ClassVar[int]
     labels: _containers.RepeatedScalarFieldContainer[int]
     answered: int
     budget: BudgetReply
-    def __init__(self, labels: _Optional[_Iterable[int]] = ..., answered: _Optional[int] = ..., budget: _Optional[_Union[BudgetReply, _Mapping]] = ...) -> None: ...
+    budget_refused: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, labels: _Optional[_Iterable[int]] = ..., answered: _Optional[int] = ..., budget: _Optional[_Union[BudgetReply, _Mapping]] = ..., budget_refused: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class BudgetRequest(_message.Message):
     __slots__ = ()

@@ -88,7 +88,8 @@ def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teache
     with serving(teachers, tmp_path, mechanism=sharp, budget=roomy) as (server, address), AggregatorClient(
         address
     ) as client:
-        labels, answered, budget = client.label_reply(x)
+        labels, answered, refused, budget = client.label_reply(x)
+        assert not refused.any()
         assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
         assert labels.shape == (64,) and answered == 64  # GNMax always answers
         votes = teachers.votes(x)
@@ -160,13 +161,13 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
     x = public[:48]
     with serving(teachers, tmp_path, mechanism=noisy, budget=None) as (server, address):
         with AggregatorClient(address) as client:
-            first, _, spent = client.label_reply(x)
-            again, _, spent_again = client.label_reply(x[::-1])
+            first, _, _, spent = client.label_reply(x)
+            again, _, _, spent_again = client.label_reply(x[::-1])
             assert (again[::-1] == first).all()
             assert spent_again["epsilon_spent"] == spent["epsilon_spent"]
             assert spent_again["queries_answered"] == 48 and spent_again["cache_hits"] == 48
             # duplicates inside one batch are charged once and answered alike
-            doubled, _, after = client.label_reply(np.concatenate([public[200:210], public[200:210]]))
+            doubled, _, _, after = client.label_reply(np.concatenate([public[200:210], public[200:210]]))
             assert (doubled[:10] == doubled[10:]).all()
             assert after["queries_answered"] == 58 and after["cache_hits"] == 58
             # the same new batch from several clients at once: answered (and charged) once
@@ -188,7 +189,7 @@ def test_two_servers_release_different_noise_unless_reproducible_noise_is_asked_
         ledger = PrivacyLedger(tmp_path / run / "ledger.sqlite", DELTA, budget_for(noisy, 50.0))
         server = AggregatorServer(teachers, noisy, ledger, INPUT_SHAPE, noise=noise)
         try:
-            return server.label(x)[0], server.budget()
+            return server.label(x).labels, server.budget().as_dict()
         finally:
             ledger.close()
 

@@ -1,0 +1,314 @@
+"""The aggregator's core: teacher votes in, private labels out, every release paid for first.
+
+For each batch of public inputs ``PrivateLabeller.label`` (1) answers inputs it has seen
+before with what it released then — same answer, no new cost, no fresh noise a client could
+average away — and for the rest (2) asks the vote source (the teachers) for vote histograms,
+refusing any that does not count every teacher (no answer from a partial ensemble),
+(3) runs the configured vote mechanism, (4) charges the privacy ledger, writing the answers
+in the same transaction, and only then (5) commits the mechanism's state and releases the
+labels. A refused charge releases, records, charges and advances nothing.
+
+Answers live in the ledger file, so a restarted service repeats them, free and identical.
+Once the budget is spent, a batch still gets the answers it has on record; its new inputs
+are marked refused (``LabelOutcome.refused``), and a batch with nothing on record is refused
+whole (``BudgetExceeded``).
+
+The mechanisms' charges hold for one teacher's vote; the vote source states the record-level
+relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), and the
+charges are restated for it before they reach the ledger, which composes one relation only.
+Noise comes from the run's ``NoisePolicy`` (OS entropy unless reproducible noise was asked
+for, which marks the guarantee unsound). No gRPC here: ``actors.aggregator`` serves this.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.guarantee import Guarantee, unbounded_guarantee
+from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from privacy.mechanisms.base import ABSTAIN, VoteMechanism
+from privacy.noise import SECURE, NoisePolicy
+
+log = logging.getLogger(__name__)
+
+INPUT_DTYPE = np.dtype("<f4")  # the one dtype the wire format accepts ("float32")
+WIRE_DTYPE = "float32"
+
+
+class VoteSource(Protocol):
+    """What the aggregator needs from the teachers (``actors.teacher.TeacherPool``).
+
+    Optional: ``num_teachers`` (every histogram row must count that many votes) and
+    ``ready(timeout) -> bool`` (whether every teacher can vote now; health follows it).
+    """
+
+    neighbouring: str  # the record-level relation under which one record moves at most one vote
+    neighbouring_lemma: str  # why
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
+        ...
+
+
+class InvalidInput(ValueError):
+    """A request the aggregator cannot label; the message names the problem (bounded length)."""
+
+
+class TeachersUnavailable(RuntimeError):
+    """The vote source is not ready or failed to vote."""
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """A client's string as it may appear in an error message: short, printable."""
+    text = text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def decode_inputs(shape: tuple[int, ...], dtype: str, data: bytes, input_shape: tuple[int, ...],
+                  max_batch: int) -> np.ndarray:
+    """The float32 array [batch, *input_shape] a request tensor carries, or ``InvalidInput``."""
+    shape = tuple(int(d) for d in shape)
+    expected = "[batch, " + ", ".join(str(d) for d in input_shape) + "]"
+    if len(shape) != 1 + len(input_shape) or shape[1:] != tuple(input_shape):
+        shown = list(shape[:8]) + (["..."] if len(shape) > 8 else [])
+        raise InvalidInput(f"wrong shape {shown}: inputs must have shape {expected}")
+    batch = shape[0]
+    if batch <= 0:
+        raise InvalidInput(f"empty batch (shape {list(shape)}): send at least one input")
+    if batch > max_batch:
+        raise InvalidInput(f"batch of {batch} inputs is over this server's maximum of {max_batch}")
+    if dtype != WIRE_DTYPE:
+        raise InvalidInput(f"dtype {_clip(dtype)!r} is not supported: send 'float32' (little-endian)")
+    expected_bytes = math.prod(shape) * INPUT_DTYPE.itemsize
+    if len(data) != expected_bytes:
+        raise InvalidInput(f"data has {len(data)} bytes, but shape {list(shape)} of float32 needs {expected_bytes}")
+    inputs = np.frombuffer(data, dtype=INPUT_DTYPE).reshape(shape)
+    finite = np.isfinite(inputs.reshape(batch, -1)).all(axis=1)
+    if not finite.all():
+        raise InvalidInput(f"inputs contain NaN or infinity (examples {_first(~finite)})")
+    # Teachers learned on images scaled to [0, 1] (learning.data.Dataset); anything else is a
+    # client bug (e.g. raw 0–255 bytes) that would buy labels for meaningless inputs.
+    in_range = ((inputs >= 0) & (inputs <= 1)).reshape(batch, -1).all(axis=1)
+    if not in_range.all():
+        raise InvalidInput(f"pixel values must be in [0, 1] (examples {_first(~in_range)} hold values "
+                           f"in [{inputs.min():g}, {inputs.max():g}])")
+    return inputs.astype(np.float32)  # native byte order, writable copy
+
+
+def _first(mask: np.ndarray, count: int = 5) -> str:
+    bad = np.flatnonzero(mask)
+    return str(bad[:count].tolist())[:-1] + (", ...]" if bad.size > count else "]")
+
+
+def input_keys(inputs: np.ndarray) -> list[bytes]:
+    """Answer key of each example: sha256 of its float32 bytes."""
+    flat = np.ascontiguousarray(inputs, dtype=INPUT_DTYPE).reshape(len(inputs), -1)
+    return [hashlib.sha256(row.tobytes()).digest() for row in flat]
+
+
+@dataclass(frozen=True)
+class LabelOutcome:
+    """What one batch got: a label per input (``ABSTAIN`` = -1 where the mechanism declined
+    or the budget refused), and which inputs the budget refused (new inputs in a batch
+    answered partly from the record after the budget was spent)."""
+
+    labels: np.ndarray  # int64 [batch]
+    refused: np.ndarray  # bool [batch]
+
+    @property
+    def answered(self) -> int:
+        return int((self.labels != ABSTAIN).sum())
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """The budget reply: what was spent, what may be published, and the query counters."""
+
+    epsilon_spent: float  # realised spend (an odometer reading, not a guarantee)
+    delta: float
+    epsilon_limit: float  # the declared budget's ε; inf without one
+    mechanism: str
+    guarantee: Guarantee  # what may be published
+    queries_answered: int  # distinct inputs answered with a label
+    queries_abstained: int  # distinct inputs the mechanism declined to label
+    cache_hits: int  # repeated inputs answered from the record at no cost
+
+    @property
+    def sound(self) -> bool:
+        return self.guarantee.sound
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reply's fields as the client library returns them (``guarantee`` nested)."""
+        guarantee = self.guarantee
+        return {
+            "epsilon_spent": float(self.epsilon_spent), "delta": float(self.delta),
+            "epsilon_limit": float(self.epsilon_limit), "mechanism": self.mechanism, "sound": self.sound,
+            "queries_answered": self.queries_answered, "queries_abstained": self.queries_abstained,
+            "cache_hits": self.cache_hits,
+            "guarantee": {"epsilon": float(guarantee.epsilon), "delta": float(guarantee.delta),
+                          "basis": guarantee.basis, "neighbouring": guarantee.neighbouring,
+                          "theorem": guarantee.theorem, "order": guarantee.order or 0.0,
+                          "unsound_reasons": list(guarantee.unsound_reasons)},
+        }
+
+
+@dataclass
+class _Counters:
+    answered: int = 0
+    abstained: int = 0
+    cache_hits: int = 0
+    votes: list[np.ndarray] = field(default_factory=list)  # histograms the mechanism answered, in order
+    labels: list[np.ndarray] = field(default_factory=list)  # what it released for them (ABSTAIN included)
+
+
+class PrivateLabeller:
+    """Private labels for inputs from ``vote_source``, paid for from ``ledger``.
+
+    ``noise`` is the run's noise policy (OS entropy by default). The answers already in the
+    ledger (from an earlier run of the service) are answered again, free.
+    """
+
+    def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: PrivacyLedger,
+                 noise: NoisePolicy = SECURE) -> None:
+        self.vote_source = vote_source
+        self.mechanism = mechanism
+        self.ledger = ledger
+        self.noise = noise
+        self._rng = noise.source("aggregator").rng
+        # One lock around the charge step: record check, mechanism (may be stateful), ledger, record write.
+        self._lock = threading.Lock()
+        self._answers: dict[bytes, int] = ledger.answers()
+        self._counters = _Counters()
+        if self._answers:
+            log.info("%d answers on record in %s: repeated inputs get them again, free", len(self._answers), ledger.path)
+
+    def label(self, inputs: np.ndarray) -> LabelOutcome:
+        """Labels for validated float32 inputs [batch, *input_shape]; ``BudgetExceeded`` when
+        the budget cannot pay for the batch's new inputs and none of it is on record,
+        ``TeachersUnavailable`` when the teachers cannot vote."""
+        keys = input_keys(inputs)
+        with self._lock:
+            fresh = self._unanswered(keys)
+        newly_answered = 0
+        if fresh:
+            try:
+                worst = self._for_ledger(self.mechanism.worst_case_charge(len(fresh)))
+                # Data-independent early refusal: no point asking teachers for votes we may not release.
+                self._require_affordable(worst, len(fresh))
+                fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
+                with self._lock:
+                    newly_answered = self._answer_fresh(fresh, fresh_votes)
+            except BudgetExceeded:
+                with self._lock:
+                    if not any(key in self._answers for key in keys):
+                        raise  # nothing in this batch is on record: refuse it whole
+        with self._lock:
+            labels = np.array([self._answers.get(key, ABSTAIN) for key in keys], dtype=np.int64)
+            refused = np.array([key not in self._answers for key in keys], dtype=bool)
+            self._counters.cache_hits += len(keys) - newly_answered - int(refused.sum())
+        return LabelOutcome(labels, refused)
+
+    def _unanswered(self, keys: list[bytes]) -> dict[bytes, int]:
+        """First row index of each distinct key not answered yet (dedupes within the batch)."""
+        fresh: dict[bytes, int] = {}
+        for row, key in enumerate(keys):
+            if key not in self._answers and key not in fresh:
+                fresh[key] = row
+        return fresh
+
+    def _require_affordable(self, worst: PrivacyCharge, count: int) -> None:
+        if not self.ledger.can_afford(worst):
+            report = self.ledger.report()
+            raise BudgetExceeded(
+                f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
+                f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
+            )
+
+    def _teacher_votes(self, inputs: np.ndarray, count: int) -> np.ndarray:
+        try:
+            votes = np.asarray(self.vote_source.votes(inputs))
+        except Exception as err:  # teachers' failures must not leak their details to clients
+            log.warning("vote source failed: %s", type(err).__name__)
+            raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
+        if votes.ndim != 2 or votes.shape[0] != count or not np.issubdtype(votes.dtype, np.integer) or (votes < 0).any():
+            log.error("vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count)
+            raise TeachersUnavailable("teachers returned malformed vote histograms")
+        teachers = getattr(self.vote_source, "num_teachers", None)
+        if teachers is not None and (votes.sum(axis=1) != teachers).any():
+            # The charges assume the whole ensemble voted; a partial one must never answer.
+            log.error("vote histograms count %s votes, not %d", np.unique(votes.sum(axis=1)).tolist(), teachers)
+            raise TeachersUnavailable("not every teacher voted; retry later")
+        return votes.astype(np.int64)
+
+    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> int:
+        """Mechanism → ledger (with the answers) → release, for inputs still unanswered
+        (returns how many); the caller holds the lock."""
+        # Another request may have answered some of these while we waited for the teachers.
+        keep = [i for i, key in enumerate(fresh) if key not in self._answers]
+        if not keep:
+            return 0
+        keys = [key for key in fresh if key not in self._answers]
+        votes = fresh_votes[keep]
+        worst = self._for_ledger(self.mechanism.worst_case_charge(len(keep)))
+        self._require_affordable(worst, len(keep))  # before the (possibly stateful) mechanism runs
+        result = self.mechanism(votes, self._rng)
+        labels = np.asarray(result.labels, dtype=np.int64)
+        if labels.shape != (len(keep),):
+            raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for {len(keep)} inputs")
+        answers = dict(zip(keys, labels.tolist()))
+        charge = self._for_ledger(result.charge)
+        if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
+            self.ledger.record_answers(answers)
+        else:  # raises BudgetExceeded: nothing released, recorded or advanced
+            self.ledger.charge(charge, worst_case=worst, answers=answers)
+        result.commit()
+        self._answers.update(answers)
+        self._counters.votes.append(votes)
+        self._counters.labels.append(labels)
+        self._counters.answered += int((labels != ABSTAIN).sum())
+        self._counters.abstained += int((labels == ABSTAIN).sum())
+        return len(keep)
+
+    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
+        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
+        if charge.neighbouring == self.ledger.neighbouring:
+            return charge
+        relation = getattr(self.vote_source, "neighbouring", None)
+        if relation != self.ledger.neighbouring:
+            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
+                               f"{self.ledger.neighbouring!r} neighbours")
+        return charge.for_records(relation, self.vote_source.neighbouring_lemma)
+
+    def guarantee(self) -> Guarantee:
+        """What this service can back: its ledger's budget, declared in advance (none without one)."""
+        report = self.ledger.report()
+        reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
+        if report.guarantee is None:
+            return unbounded_guarantee(report.delta, report.neighbouring,
+                                       "no budget was declared: an open-ended service has no guarantee "
+                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
+        return report.guarantee.marked(reasons)
+
+    def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(votes int64 [m, k], answered bool [m]) for every input the mechanism saw in this
+        process, in order: what the run's privacy report analyses (abstentions cost privacy too)."""
+        with self._lock:
+            if not self._counters.votes:
+                classes = int(getattr(self.vote_source, "num_classes", 0))
+                return np.zeros((0, classes), dtype=np.int64), np.zeros(0, dtype=bool)
+            return np.concatenate(self._counters.votes), np.concatenate(self._counters.labels) != ABSTAIN
+
+    def budget(self) -> BudgetStatus:
+        with self._lock:
+            counters = self._counters
+            answered, abstained, hits = counters.answered, counters.abstained, counters.cache_hits
+        report = self.ledger.report()
+        return BudgetStatus(report.epsilon_spent, report.delta, report.epsilon_limit, self.mechanism.name,
+                            self.guarantee(), answered, abstained, hits)
