@@ -20,13 +20,23 @@ and data stay inside the actor.
 Shards are cut by a keyed hash of each record (``learning.data.shard``), so adding or
 removing one record changes one teacher's shard and at most one vote: the vote mechanisms'
 one-vote bounds hold for add/remove neighbours of the owners' data (``SHARD_LEMMA``).
+
+A lost actor is not a lost ensemble: each actor saves every teacher it trains to a
+checkpoint directory on its own node (models of private data never travel), and Ray
+restarts a dead actor (``max_restarts``), which reloads its shards and saved teachers instead
+of retraining. Until then the pool is not ``ready`` and no vote is taken from the rest: a
+histogram always counts every teacher.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -111,6 +121,7 @@ class TeacherGroup:
         model_name: str,
         train: TrainConfig,
         num_threads: int | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
@@ -122,7 +133,11 @@ class TeacherGroup:
         self.first_teacher = first
         self.model_name = model_name
         self.num_classes = self.shards[0].num_classes
-        self.models: list[torch.nn.Module | None] = [None] * len(self.shards)
+        self.checkpoint_dir = checkpoint_dir
+        self.models: list[torch.nn.Module | None] = [self._load(i) for i in range(len(self.shards))]
+        restored = sum(model is not None for model in self.models)
+        if restored:
+            log.info("teachers %d..%d: %d restored from %s", first, last - 1, restored, checkpoint_dir)
 
     def data_shape(self) -> tuple[int, tuple[int, ...]]:
         """(number of classes, shape of one input image): what the pool checks queries against.
@@ -130,19 +145,63 @@ class TeacherGroup:
         return self.num_classes, self.input_shape
 
     def train_teacher(self, local_index: int) -> None:
-        """Train one teacher on its own shard (nothing about the training leaves the actor).
+        """Train one teacher on its own shard (nothing about the training leaves the actor);
+        a teacher already trained (or restored from its checkpoint) is left as it is.
 
         A shard the hash left empty keeps its initial weights: it still votes, and refusing
         it would depend on the private data."""
+        if self.models[local_index] is not None:
+            return
         shard = self.shards[local_index]
         seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
-        _, channels, _, side = shard.x.shape
-        model = build_model(self.model_name, self.num_classes, in_channels=int(channels), seed=seed,
-                            input_size=int(side))
+        model = self._new_model(local_index)
         if len(shard):
             fit(model, shard, dataclasses.replace(self.train_config, seed=seed))
         model.eval()
+        self._save(local_index, model)
         self.models[local_index] = model
+
+    def _new_model(self, local_index: int) -> torch.nn.Module:
+        shard = self.shards[local_index]
+        _, channels, _, side = shard.x.shape
+        seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
+        return build_model(self.model_name, self.num_classes, in_channels=int(channels), seed=seed,
+                           input_size=int(side))
+
+    def _checkpoint(self, local_index: int) -> str | None:
+        if self.checkpoint_dir is None:
+            return None
+        return os.path.join(self.checkpoint_dir, f"teacher-{self.first_teacher + local_index}.pt")
+
+    def _save(self, local_index: int, model: torch.nn.Module) -> None:
+        path = self._checkpoint(local_index)
+        if path is None:
+            return
+        os.makedirs(self.checkpoint_dir, mode=0o700, exist_ok=True)  # private models: owner only
+        torch.save(model.state_dict(), path + ".partial")
+        os.replace(path + ".partial", path)  # a crash mid-write leaves no half checkpoint
+
+    def _load(self, local_index: int) -> torch.nn.Module | None:
+        path = self._checkpoint(local_index)
+        if path is None or not os.path.exists(path):
+            return None
+        model = self._new_model(local_index)
+        model.load_state_dict(torch.load(path, weights_only=True))
+        model.eval()
+        return model
+
+    def is_trained(self) -> bool:
+        """Whether every teacher here can vote."""
+        return all(model is not None for model in self.models)
+
+    def forget(self) -> None:
+        """Delete this group's checkpoints (the pool is shutting down)."""
+        for i in range(len(self.models)):
+            path = self._checkpoint(i)
+            if path is not None and os.path.exists(path):
+                os.remove(path)
+        if self.checkpoint_dir is not None and os.path.isdir(self.checkpoint_dir) and not os.listdir(self.checkpoint_dir):
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
 
     def train_all(self) -> None:
         for i in range(len(self.models)):
@@ -151,7 +210,7 @@ class TeacherGroup:
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
         ``inputs`` (in the teachers' representation first, when they learn on features)."""
-        if any(model is None for model in self.models):
+        if not self.is_trained():
             raise RuntimeError("teachers must be trained before they vote")
         inputs = features_of(inputs, self.features)
         histogram = np.zeros((len(inputs), self.num_classes), dtype=np.int64)
@@ -162,8 +221,10 @@ class TeacherGroup:
         return histogram
 
 
-# The Ray actor is the same class; Ray imports it by module path in the worker.
-TeacherGroupActor = ray.remote(TeacherGroup)
+# The Ray actor is the same class; Ray imports it by module path in the worker. A dead actor
+# is restarted (its constructor reloads the saved teachers); calls to it are not retried, so
+# a vote fails at once and the aggregator turns NOT_SERVING rather than waiting.
+TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0)(TeacherGroup)
 
 
 class TeacherPool:
@@ -185,6 +246,8 @@ class TeacherPool:
         num_cpus_per_actor: CPUs each actor reserves; also its torch thread count (≥ 1).
         num_gpus: GPU fraction per actor; ``None`` detects: a share of the cluster's GPUs
             when it has any, else 0 (a CPU-only cluster never waits on a GPU request).
+        checkpoint_dir: where each actor saves its trained teachers, on its own node
+            (default: a fresh directory under the node's temp dir, deleted by ``shutdown``).
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
@@ -199,6 +262,7 @@ class TeacherPool:
         seed: int | None = None,
         num_cpus_per_actor: float = 1.0,
         num_gpus: float | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         if not 1 <= num_teachers <= source.num_teachers:
             raise ValueError(f"num_teachers must be in [1, {source.num_teachers}], got {num_teachers}")
@@ -214,9 +278,11 @@ class TeacherPool:
         bounds = np.linspace(0, self.num_teachers, num_actors + 1).round().astype(int)
         self._blocks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         threads = max(1, math.floor(num_cpus_per_actor))
+        self.checkpoint_dir = checkpoint_dir or os.path.join(tempfile.gettempdir(), "conclave-teachers",
+                                                             uuid.uuid4().hex)
         self._actors = [
             TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus).remote(
-                source, a, b, model_name, train, num_threads=threads
+                source, a, b, model_name, train, num_threads=threads, checkpoint_dir=self.checkpoint_dir
             )
             for a, b in self._blocks
         ]
@@ -237,17 +303,33 @@ class TeacherPool:
     def num_actors(self) -> int:
         return len(self._actors)
 
-    def train(self, progress: bool = True) -> None:
-        """Train every teacher (actors in parallel)."""
+    def train(self, progress: bool = True, retries: int = 2) -> None:
+        """Train every teacher (actors in parallel). A teacher whose actor died is asked
+        again of the restarted actor (which keeps what it saved) up to ``retries`` times."""
         started = time.perf_counter()
-        remaining = [actor.train_teacher.remote(local)
-                     for actor, (first, last) in zip(self._actors, self._blocks) for local in range(last - first)]
+        tasks = {actor.train_teacher.remote(local): (actor, local, 0)
+                 for actor, (first, last) in zip(self._actors, self._blocks) for local in range(last - first)}
         with tqdm(total=self.num_teachers, desc="training teachers", unit="teacher", disable=not progress) as bar:
-            while remaining:
-                done, remaining = ray.wait(remaining, num_returns=1)
-                ray.get(done[0])  # raises here if that teacher failed
+            while tasks:
+                [done], _ = ray.wait(list(tasks), num_returns=1)
+                actor, local, attempt = tasks.pop(done)
+                try:
+                    ray.get(done)  # raises here if that teacher failed
+                except ray.exceptions.RayActorError:
+                    if attempt >= retries:
+                        raise
+                    log.warning("a teacher actor died while training; asking its restarted actor again")
+                    tasks[actor.train_teacher.remote(local)] = (actor, local, attempt + 1)
+                    continue
                 bar.update(1)
         log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        """Whether every actor is up and every teacher can vote (False while one restarts)."""
+        try:
+            return all(ray.get([actor.is_trained.remote() for actor in self._actors], timeout=timeout))
+        except ray.exceptions.RayError:  # includes GetTimeoutError
+            return False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""
@@ -259,7 +341,11 @@ class TeacherPool:
         return np.sum(partials, axis=0, dtype=np.int64)
 
     def shutdown(self) -> None:
-        """Stop the actors (their models and shards go with them)."""
+        """Stop the actors (their models and shards go with them, their checkpoints are deleted)."""
+        try:
+            ray.get([actor.forget.remote() for actor in self._actors], timeout=30)
+        except ray.exceptions.RayError as err:  # includes GetTimeoutError
+            log.warning("teacher checkpoints under %s may remain: %s", self.checkpoint_dir, type(err).__name__)
         for actor in self._actors:
-            ray.kill(actor)
+            ray.kill(actor)  # no_restart: gone for good
         self._actors = []
