@@ -8,6 +8,15 @@ when it is created, at the order that best fits the config's planned queries —
 changed by a restart. Without ``privacy.budget`` the service records its spend but has no
 guarantee (an open-ended service has no planned worst case); the budget reply says so.
 The bearer token is ``$CONCLAVE_TOKEN`` or a fresh random one, printed once.
+
+``--tls-cert``/``--tls-key`` (or ``server.tls_cert``/``tls_key``) serve TLS, and
+``--tls-client-ca`` mutual TLS. A host other machines can reach (e.g. ``0.0.0.0``) without
+TLS is refused unless ``--allow-plaintext`` says the network is trusted: the token would
+travel in clear. Everything is checked before Ray starts or a teacher trains.
+
+Without ``--address`` (or ``RAY_ADDRESS``) Ray runs embedded in this process and never joins
+another cluster on the machine; if an earlier ``serve`` was killed, the Ray processes it left
+are stopped first (``cluster.ray_runtime``).
 """
 from __future__ import annotations
 
@@ -33,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (default: the config's; 0 = any free port)")
     parser.add_argument("--ledger", default=None,
                         help="privacy ledger file, kept across restarts (default: results/<name>/serve-ledger.sqlite)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", default=None,
+                        help="PEM CA: require client certificates it signed (mutual TLS)")
+    parser.add_argument("--allow-plaintext", action="store_true", default=None,
+                        help="serve a non-loopback host without TLS (only on a network you trust)")
 
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
@@ -46,14 +61,21 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
 
-    from cluster.pipelines.teacher_student import start_aggregator, train_teachers
-    from cluster.ray_runtime import start_ray
+    from cluster.pipelines.teacher_student import server_settings, start_aggregator, train_teachers
+    from cluster.ray_runtime import record_ray_processes, start_ray
 
     if config.privacy.insecure_noise_seed is not None:
         print("conclave: privacy.insecure_noise_seed: serving draws noise from OS entropy only; remove the seed",
               file=sys.stderr)
         return 2
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    try:
+        settings = server_settings(config, token, host=args.host, port=args.port, tls_cert=args.tls_cert,
+                                   tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                                   allow_plaintext=args.allow_plaintext)
+    except ValueError as err:
+        print(f"conclave: server: {err}", file=sys.stderr)
+        return 2
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -63,9 +85,12 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         return 2
     start_ray(args.address)
     teachers = train_teachers(config)
-    server, address = start_aggregator(config, teachers.pool, ledger, token, host=args.host, port=args.port)
+    record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
+    server, address = start_aggregator(config, teachers.pool, ledger, settings)
     guarantee, report = server.guarantee(), ledger.report()
-    print(f"aggregator serving on {address} ({config.mechanism.name}, {teachers.pool.num_teachers} teachers)")
+    security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
+    print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, "
+          f"{teachers.pool.num_teachers} teachers)")
     print(f"token: {token}" + ("  (from $CONCLAVE_TOKEN)" if os.environ.get(TOKEN_ENV) else ""))
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")

@@ -27,6 +27,7 @@ budget of ε = 4, a FixMatch student (about a minute on 2 CPUs).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -186,9 +187,15 @@ class StudentConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """How ``conclave serve`` listens (``actors.aggregator.ServerSettings`` says what each means)."""
+
     host: str = "127.0.0.1"
     port: int = 0  # 0: an ephemeral port
     max_batch: int = 1024
+    tls_cert: str | None = None  # PEM: serve TLS (with tls_key)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM: also require client certificates it signed (mutual TLS)
+    allow_plaintext: bool = False  # a non-loopback host without TLS is refused unless this is set
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -292,13 +299,19 @@ def teacher_pool(config: Config, num_teachers: int | None = None) -> TeacherPool
                        num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
 
 
-def start_aggregator(config: Config, pool, ledger, token: str, host: str | None = None, port: int | None = None):
-    """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
-    from actors.aggregator import AggregatorServer, ServerSettings
+def server_settings(config: Config, token: str, **overrides: Any):
+    """The aggregator's ``ServerSettings`` from ``config.server`` (``overrides`` that are not
+    None replace its fields; ``ValueError`` names a bad one, e.g. plaintext on a public host)."""
+    from actors.aggregator import ServerSettings
 
-    settings = ServerSettings(host=host or config.server.host,
-                              port=config.server.port if port is None else port,
-                              token=token, max_batch=config.server.max_batch)
+    fields = {**dataclasses.asdict(config.server), **{k: v for k, v in overrides.items() if v is not None}}
+    return ServerSettings(token=token, **fields)
+
+
+def start_aggregator(config: Config, pool, ledger, settings):
+    """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
+    from actors.aggregator import AggregatorServer
+
     server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings,
                               noise=config.privacy.noise)
     return server, server.start()
@@ -368,7 +381,7 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
     ledger = config.privacy.open_ledger(ledger_path, config.planned())
     reserve_estimates(config, ledger)
     token = secrets.token_urlsafe(24)
-    server, address = start_aggregator(config, teachers.pool, ledger, token)
+    server, address = start_aggregator(config, teachers.pool, ledger, server_settings(config, token))
     log.info("aggregator serving on %s", address)
     try:
         cpus = float(ray.cluster_resources().get("CPU", 1.0))

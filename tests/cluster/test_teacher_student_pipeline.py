@@ -181,41 +181,62 @@ def test_cli_reports_a_bad_config_key_without_running(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
-def test_serve_answers_outside_clients_until_stopped(ray_session, tmp_path, monkeypatch, capsys):
-    import argparse
+def _serve_args(*argv: str):
+    from cluster.cli import build_parser
 
+    return build_parser("serve").parse_args(["serve", *argv])
+
+
+def test_serve_over_tls_answers_outside_clients_and_repeats_answers_after_a_restart(ray_session, tmp_path,
+                                                                                   monkeypatch, capsys):
     from cluster import serve_command
     from cluster.client import AggregatorClient
     from learning.data import load_digits
+    from tests.certificates import make_certificates
 
     small = {**TINY, "name": "served", "teachers": {**TINY["teachers"], "count": 5, "train": {"epochs": 5}}}
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump(small))
+    certs = make_certificates(tmp_path / "certs")
     monkeypatch.setenv("CONCLAVE_TOKEN", "serve-test-token")
-    stop = threading.Event()
-    args = argparse.Namespace(config=str(config_file), address=None, host=None, port=None,
-                              ledger=str(tmp_path / "serve-ledger.sqlite"))
-    outcome = []
-    thread = threading.Thread(target=lambda: outcome.append(serve_command.main(args, stop)))
-    thread.start()
-    try:
-        address = _wait_for_address(capsys, thread)
-        assert address.startswith("127.0.0.1:")
-        _, test = load_digits()
-        with AggregatorClient(address, token="serve-test-token") as client:
-            labels = client.label(test.x[:20])
-            budget = client.budget()
-        assert labels.shape == (20,) and ((labels >= -1) & (labels < 10)).all()
-        assert budget["mechanism"] == "confident-gnmax" and budget["epsilon_spent"] > 0
-        assert budget["guarantee"]["basis"] == "renyi-filter" and budget["guarantee"]["epsilon"] == 1000.0
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert outcome == [0]
+    args = _serve_args(str(config_file), "--ledger", str(tmp_path / "serve-ledger.sqlite"),
+                       "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key))
+    _, test = load_digits()
+    answers = []
+    for _ in range(2):  # the second run restarts on the same ledger: repeats are free and identical
+        stop, outcome = threading.Event(), []
+        thread = threading.Thread(target=lambda: outcome.append(serve_command.main(args, stop)))
+        thread.start()
+        try:
+            address = _wait_for_address(capsys, thread)
+            assert address.startswith("127.0.0.1:")
+            with AggregatorClient(address, token="serve-test-token", root_cert=certs.ca) as client:
+                answers.append((client.label(test.x[:20]), client.budget()))
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+        assert outcome == [0]
+    (labels, budget), (repeated, after_restart) = answers
+    assert labels.shape == (20,) and ((labels >= -1) & (labels < 10)).all()
+    assert budget["mechanism"] == "confident-gnmax" and budget["epsilon_spent"] > 0
+    assert budget["guarantee"]["basis"] == "renyi-filter" and budget["guarantee"]["epsilon"] == 1000.0
+    assert (repeated == labels).all() and after_restart["epsilon_spent"] == budget["epsilon_spent"]
+    assert after_restart["cache_hits"] == 20
     # The ledger outlives the server: reopening it restores what was spent, with its budget.
     with PrivacyLedger.open_existing(tmp_path / "serve-ledger.sqlite") as reopened:
         assert reopened.report().epsilon_spent == pytest.approx(budget["epsilon_spent"])
         assert reopened.report().budget.epsilon == 1000.0
+        assert len(reopened.answers()) == 20
+
+
+def test_serve_refuses_a_public_host_without_tls_before_starting_anything(tmp_path, capsys):
+    from cluster import serve_command
+
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump({**TINY, "name": "public"}))
+    assert serve_command.main(_serve_args(str(config_file), "--host", "0.0.0.0",
+                                          "--ledger", str(tmp_path / "l.sqlite"))) == 2
+    assert "TLS" in capsys.readouterr().err and not (tmp_path / "l.sqlite").exists()
 
 
 def _wait_for_address(capsys, thread: threading.Thread, timeout: float = 300.0) -> str:
