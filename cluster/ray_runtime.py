@@ -1,22 +1,38 @@
-"""Starting or joining Ray, with local traffic kept on loopback.
+"""Starting or joining Ray, with local traffic kept on loopback and no process left behind.
 
-With no address, ``ray.init()`` starts an embedded single-node cluster. Ray 2.60 binds the
-machine's external interface by default. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray
-takes 127.0.0.1 as the node address and every listener (GCS, raylet, workers, dashboard
-agent) binds loopback — measured with ``ss -ltnp``. Ray reads that variable once, when
-``ray`` is first imported, so we also set the constant it was read into. With an address (``--address`` or ``RAY_ADDRESS``), we
-join that cluster and leave its networking alone.
+With an address (``--address`` or ``RAY_ADDRESS``) we join that cluster and leave its
+networking alone. Without one we start an embedded single-node cluster — with
+``address="local"``: a bare ``ray.init()`` joins whatever cluster ``/tmp/ray`` points to,
+and the teachers' private shards would load in a stranger's workers.
+
+Ray 2.60 binds the machine's external interface by default. With
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes 127.0.0.1 as the node address and every
+listener (GCS, raylet, workers, dashboard agent) binds loopback — measured with ``ss -ltnp``.
+Ray reads that variable once, when ``ray`` is first imported, so we also set the constant it
+was read into.
+
+A driver killed with SIGKILL cannot stop the Ray processes it started, and some (the
+dashboard and runtime-env agents) outlive it, holding ports. So each embedded start records
+the processes it started (PID and start time, in a per-user directory), and the next start
+stops those whose driver is gone — only those, by PID, checked against the recorded start
+time so a reused PID is never touched — and says so.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import os
+import tempfile
+from pathlib import Path
 
+import psutil
 import ray
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_started_here = False  # whether this process started the Ray it uses (and so records its processes)
 
 
 def keep_ray_on_loopback() -> None:
@@ -28,7 +44,8 @@ def keep_ray_on_loopback() -> None:
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None) -> None:
-    """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster."""
+    """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster
+    (after stopping what an earlier, killed driver left running)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -46,8 +63,86 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
         kwargs["num_cpus"] = num_cpus
     if temp_dir is not None:
         kwargs["_temp_dir"] = temp_dir
+    reclaim_orphaned_ray()
     log.info("starting embedded Ray on %s", LOOPBACK)
-    ray.init(**kwargs)
+    ray.init(address="local", **kwargs)
+    global _started_here
+    _started_here = True
+    record_ray_processes()
+    atexit.register(_forget_record)
+
+
+def _records_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"conclave-ray-{os.getuid()}"
+
+
+def _identity(process: psutil.Process) -> dict:
+    return {"pid": process.pid, "create_time": process.create_time(), "name": process.name()}
+
+
+def _same_process(record: dict) -> psutil.Process | None:
+    """The live process ``record`` describes, or None (gone, a zombie holding nothing, or its
+    PID now names another process)."""
+    try:
+        process = psutil.Process(record["pid"])
+        same = abs(process.create_time() - record["create_time"]) < 0.01
+        return process if same and process.status() != psutil.STATUS_ZOMBIE else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def record_ray_processes() -> None:
+    """Write down the processes this driver's embedded Ray runs now (call again after it
+    started more: actors' workers, agents); nothing when this process joined a cluster."""
+    if not _started_here:
+        return
+    me = psutil.Process()
+    children = []
+    for child in me.children(recursive=True):
+        try:
+            children.append(_identity(child))
+        except psutil.NoSuchProcess:
+            continue
+    directory = _records_dir()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{me.pid}.json"
+    path.with_suffix(".partial").write_text(json.dumps({"driver": _identity(me), "processes": children}))
+    path.with_suffix(".partial").replace(path)
+
+
+def _forget_record() -> None:
+    (_records_dir() / f"{os.getpid()}.json").unlink(missing_ok=True)
+
+
+def reclaim_orphaned_ray(wait: float = 5.0) -> list[int]:
+    """Stop the Ray processes recorded by embedded starts whose driver is gone; returns their PIDs."""
+    directory = _records_dir()
+    stopped: list[int] = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _same_process(record["driver"]) is not None:
+            continue  # its driver still runs: those processes are in use
+        alive = [p for p in map(_same_process, record["processes"]) if p is not None]
+        for process in alive:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, left = psutil.wait_procs(alive, timeout=wait)
+        for process in left:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if alive:
+            log.warning("stopped %d Ray processes left running by an earlier embedded run (driver PID %d was "
+                        "killed): PIDs %s", len(alive), record["driver"]["pid"], [p.pid for p in alive])
+        stopped.extend(p.pid for p in alive)
+        path.unlink(missing_ok=True)
+    return stopped
 
 
 def gpus_available() -> float:
