@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from learning.models.pooling import MaxPool2d
+
 
 class FeatureClassifier(nn.Module):
     """``forward(x) = classifier(features(x))``, with the two parts reachable by name."""
@@ -47,8 +49,8 @@ def tutorial_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 
     if size < 1:
         raise ValueError(f"tutorial_cnn needs inputs of at least 16×16, got {input_size}×{input_size}")
     body = nn.Sequential(
-        nn.Conv2d(in_channels, 16, 8, stride=2, padding=3), act(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, stride=2), act(), nn.MaxPool2d(2, 1),
+        nn.Conv2d(in_channels, 16, 8, stride=2, padding=3), act(), MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2), act(), MaxPool2d(2, 1),
         nn.Flatten(), nn.Linear(32 * size * size, 32), act(),
     )
     return FeatureClassifier(body, nn.Linear(32, num_classes))
@@ -71,7 +73,7 @@ def digits_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8)
     size = input_size // 2
     body = nn.Sequential(
         nn.Conv2d(in_channels, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), MaxPool2d(2),
         nn.Flatten(), nn.Linear(32 * size * size, 64), nn.ReLU(),
     )
     return FeatureClassifier(body, nn.Linear(64, num_classes))

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from learning.models.pooling import MaxPool2d
+
 
 def group_norm(channels: int) -> nn.GroupNorm:
     """At most 32 groups, at least 2 channels per group when there are ≥ 2 channels."""
@@ -92,7 +94,7 @@ class GNCNN(nn.Module):
         for stage, out in enumerate(widths):
             layers += [nn.Conv2d(previous, out, 3, padding=1, bias=False), group_norm(out), nn.ReLU()]
             if stage < len(widths) - 1:
-                layers.append(nn.MaxPool2d(2))
+                layers.append(MaxPool2d(2))
             previous = out
         self.body = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from learning.models.cnn import FeatureClassifier
+from learning.models.pooling import MaxPool2d
 
 SCATTERING_COEFFICIENTS = 81  # per image channel, J = 2, L = 8
 
@@ -33,7 +34,7 @@ def scatternet_cnn(num_classes: int = 10, in_channels: int = SCATTERING_COEFFICI
         raise ValueError(f"scatternet_cnn needs feature maps of at least 2×2, got {input_size}×{input_size}")
     body = nn.Sequential(
         _norm(in_channels),
-        nn.Conv2d(in_channels, width, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Conv2d(in_channels, width, 3, padding=1), nn.Tanh(), MaxPool2d(2),
         nn.Conv2d(width, width, 3, padding=1), nn.Tanh(),
         nn.Flatten(), nn.Linear(width * pooled * pooled, width), nn.Tanh(),
     )

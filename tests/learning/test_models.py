@@ -121,3 +121,38 @@ def test_registry_names_and_unknown_model():
         build_model("vgg", 10)
     with pytest.raises(ValueError, match="at least 16"):
         build_model("tutorial_cnn", 10, input_size=8)
+
+
+@pytest.mark.parametrize("kernel, stride, shape", [(2, 1, (3, 16, 14, 14)), (2, 2, (2, 32, 8, 8)),
+                                                   (3, 2, (2, 4, 9, 7)), (2, 2, (1, 2, 5, 5))])
+def test_index_free_max_pool_equals_torch_and_keeps_the_training_path(kernel, stride, shape):
+    from learning.models.pooling import MaxPool2d
+
+    x = torch.randn(*shape)
+    x[0, 0, :2, :2] = 1.5  # ties inside a window
+    pool = MaxPool2d(kernel, stride)
+    reference = nn.functional.max_pool2d(x, kernel, stride)
+    with torch.no_grad():
+        assert torch.equal(pool(x), reference)
+    # with gradients it is torch's layer: the same gradient, the whole window's max gets it
+    x.requires_grad_(True)
+    pool(x).sum().backward()
+    expected = torch.autograd.grad(nn.functional.max_pool2d(x, kernel, stride).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("name, channels, size, kwargs", CASES)
+def test_inference_votes_equal_torch_max_pool(name, channels, size, kwargs):
+    """The index-free pooling changes no prediction: the same model with torch's own pooling
+    layers gives bit-identical logits."""
+    from learning.models import pooling
+
+    model = build_model(name, num_classes=10, in_channels=channels, seed=3, input_size=size, **kwargs).eval()
+    reference = copy.deepcopy(model)
+    for parent in reference.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, pooling.MaxPool2d):
+                setattr(parent, child_name, nn.MaxPool2d(child.kernel_size, child.stride))
+    x = torch.rand(17, channels, size, size)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
