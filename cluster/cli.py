@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from learning.threads import share_cores
+
 COMMANDS = {
     "demo": ("cluster.run_command", "run the teacher/student demo on scikit-learn digits"),
     "run": ("cluster.run_command", "run a pipeline described by a YAML config"),
@@ -41,6 +43,7 @@ def _selected_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    share_cores()  # before any command imports torch
     parser = build_parser(_selected_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
