@@ -43,9 +43,13 @@ from privacy.noise import NoiseSource
 
 log = logging.getLogger(__name__)
 
-# Grad-sample modes that materialise per-example gradients. Ghost clipping never does (so a
-# per-element mask could not act before its clipping) and is not offered.
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew")
+# How per-example gradient norms are found. "hooks", "functorch" and "ew" materialise every
+# per-example gradient; "ghost" (ghost clipping, Li et al. 2022, "Large language models can be
+# strong differentially private learners") computes the norms of Linear layers without them and
+# takes a second backward pass with per-example weights, falling back to per-example gradients
+# for other layers. The clipped sum and the noise are the same, so is the privacy. A mask must
+# act on each per-example gradient before its norm is taken, so masks need a materialising mode.
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -269,6 +273,9 @@ def train_dp(
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
+    ghost = config.grad_sample_mode == "ghost"
+    if ghost and resolved_masks:
+        raise ValueError("masks need per-example gradients before clipping: use grad_sample_mode 'hooks', not 'ghost'")
     loader = _loader(dataset, config.batch_size, torch_generator(noise))  # Opacus samples with its generator
     schedule = dp_schedule(len(loader.dataset), config)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
@@ -278,9 +285,11 @@ def train_dp(
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
     engine = PrivacyEngine(accountant="rdp")
-    private_model, dp_optimizer, private_loader = engine.make_private(
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.CrossEntropyLoss()
+    private = engine.make_private(
         module=model,
         optimizer=optimizer,
+        criterion=criterion,
         data_loader=loader,
         noise_multiplier=sigma,
         max_grad_norm=config.max_grad_norm,
@@ -289,6 +298,10 @@ def train_dp(
         # The noise is drawn where the gradients live; batches are sampled on the CPU.
         noise_generator=torch_generator(noise, device),
     )
+    if ghost:  # its loss wrapper runs the two backward passes
+        private_model, dp_optimizer, criterion, private_loader = private
+    else:
+        private_model, dp_optimizer, private_loader = private
     if resolved_masks:
         dp_optimizer = MaskedDPOptimizer(
             dp_optimizer.original_optimizer,
@@ -317,7 +330,7 @@ def train_dp(
             data_loader=private_loader, max_batch_size=config.max_physical_batch_size, optimizer=dp_optimizer
         )
 
-    criterion = nn.CrossEntropyLoss()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     epsilons: list[float] = []
     epochs = tqdm(range(config.epochs), desc="DP-SGD", disable=not progress)
     for epoch in epochs:
@@ -327,8 +340,13 @@ def train_dp(
             dp_optimizer.zero_grad()
             # An empty Poisson batch still takes a (pure noise) step: skipping it would
             # reveal that the batch was empty, and the accountant counts every step.
-            loss = criterion(private_model(x), y) if len(y) else private_model(x).sum() * 0.0
-            loss.backward()
+            if len(y):
+                criterion(private_model(x), y).backward()
+            elif config.grad_sample_mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
+                for parameter in trainable:
+                    parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))
+            else:
+                (private_model(x).sum() * 0.0).backward()
             taken = steps
             dp_optimizer.step()
             if steps > taken:  # a logical step, not one physical chunk of a split batch

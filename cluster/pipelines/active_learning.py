@@ -73,6 +73,9 @@ class DPSGDSection:
     target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
     momentum: float = 0.0
     lr_schedule: str = "constant"  # or "cosine" (see learning.dpsgd.lr_scheduler)
+    # How Opacus clips per example: the same training, different speed (bench/perf.py: "ew"
+    # is fastest for the tutorial CNNs, "hooks" for scatternet_cnn).
+    grad_sample_mode: str = "hooks"
     distributed: bool = False  # Ray Train data-parallel over the shards (else one actor trains)
     cpus_per_worker: float = 1.0
 
@@ -81,13 +84,16 @@ class DPSGDSection:
             raise ValueError("dpsgd: give exactly one of noise_multiplier and target_epsilon")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("dpsgd.epochs and dpsgd.batch_size must be >= 1")
+        if self.distributed and self.grad_sample_mode != "hooks":
+            raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
     def dp_config(self, delta: float):
         from learning.dpsgd import DPSGDConfig
 
         return DPSGDConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            max_grad_norm=self.max_grad_norm, delta=delta, noise_multiplier=self.noise_multiplier,
-                           target_epsilon=self.target_epsilon, momentum=self.momentum, lr_schedule=self.lr_schedule)
+                           target_epsilon=self.target_epsilon, momentum=self.momentum, lr_schedule=self.lr_schedule,
+                           grad_sample_mode=self.grad_sample_mode)
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,10 @@ def test_target_epsilon_calibrates_noise(digits):
     assert result.noise_multiplier > 0
 
 
-def test_empty_poisson_batches_still_take_a_noise_step(digits):
+@pytest.mark.parametrize("mode", ["hooks", "ew", "ghost"])
+def test_empty_poisson_batches_still_take_a_noise_step(digits, mode):
     tiny = digits.subset(np.arange(6))
-    config = DPSGDConfig(epochs=3, batch_size=1, lr=0.1, noise_multiplier=1.0)
+    config = DPSGDConfig(epochs=3, batch_size=1, lr=0.1, noise_multiplier=1.0, grad_sample_mode=mode)
     result = train_dp(gn_cnn(10, 1, channels=4), tiny, config, SECURE.source("dpsgd"))
     assert result.steps == 3 * 6  # some of these batches are empty (P = (5/6)^6 ≈ 0.33 each)
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
@@ -181,7 +182,37 @@ def test_config_needs_exactly_one_noise_setting():
     with pytest.raises(ValueError, match="exactly one"):
         DPSGDConfig()
     with pytest.raises(ValueError, match="grad_sample_mode"):
-        DPSGDConfig(noise_multiplier=1.0, grad_sample_mode="ghost")
+        DPSGDConfig(noise_multiplier=1.0, grad_sample_mode="ghosts")
+
+
+@pytest.mark.parametrize("model_name, mode", [("digits_cnn", "ghost"), ("gn_cnn", "ghost"), ("digits_cnn", "ew")])
+def test_faster_grad_sample_modes_are_the_same_training(digits, model_name, mode):
+    """Ghost clipping finds the same per-example norms without materialising every gradient,
+    expanded weights ("ew") the same gradients another way: with the same Poisson batches and
+    noise, the weights agree with hooks' to rounding."""
+    from learning.models import build_model
+
+    trained = []
+    for mode in ("hooks", mode):
+        model = build_model(model_name, 10, 1, seed=0, input_size=8)
+        config = DPSGDConfig(epochs=2, batch_size=30, lr=0.5, noise_multiplier=1.0, max_grad_norm=0.5,
+                             grad_sample_mode=mode)
+        trained.append(train_dp(model, digits.subset(np.arange(150)), config,
+                                NoisePolicy(insecure_seed=5).source("dpsgd")))
+    assert trained[0].steps == trained[1].steps == 10
+    assert trained[0].epsilons == trained[1].epsilons
+    for (name, a), b in zip(trained[0].model.state_dict().items(), trained[1].model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    initial = build_model(model_name, 10, 1, seed=0, input_size=8).state_dict()
+    moved = max(float((initial[name] - a).abs().max()) for name, a in trained[1].model.state_dict().items())
+    assert moved > 0.01  # it did train
+
+
+def test_ghost_clipping_refuses_masks(digits):
+    config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0, grad_sample_mode="ghost")
+    with pytest.raises(ValueError, match="masks need per-example gradients"):
+        train_dp(gn_cnn(10, 1, channels=4), digits, config, SECURE.source("dpsgd"),
+                 masks={"classifier.bias": torch.ones(10)})
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
