@@ -155,6 +155,7 @@ class PrivacyLedger:
         self._budget_index = None if budget is None else order_index(budget.order, self.orders)
         self._lock = threading.Lock()
         self._totals = _Totals(self.orders.size)
+        self._cached_report: tuple[tuple[int, int], BudgetReport] | None = None
         # autocommit mode: transactions are opened explicitly with BEGIN IMMEDIATE.
         self._db: sqlite3.Connection | None = sqlite3.connect(
             str(self.path), timeout=60.0, isolation_level=None, check_same_thread=False
@@ -385,13 +386,17 @@ class PrivacyLedger:
             )
 
     def _report(self) -> BudgetReport:
+        """The report for the rows read so far; computed once per new row (the conversions to
+        ε are most of a read's cost, and a label call reads the budget several times)."""
         spent = self._totals
+        if self._cached_report is not None and self._cached_report[0] == (spent.last_id, spent.count):
+            return self._cached_report[1]
         epsilon, order = self._epsilon(spent.rdp, spent.extra_delta, spent.unbounded)
         by_label = {
             label: self._epsilon(curve, extra, unbounded)[0]
             for label, (curve, extra, unbounded) in spent.by_label.items()
         }
-        return BudgetReport(
+        report = BudgetReport(
             epsilon_spent=epsilon,
             delta=self.delta,
             order=order,
@@ -403,6 +408,8 @@ class PrivacyLedger:
             rdp_at_budget_order=None if self._budget_index is None else float(spent.rdp[self._budget_index]),
             extra_delta=spent.extra_delta,
         )
+        self._cached_report = ((spent.last_id, spent.count), report)
+        return report
 
 
 def _short(text: str) -> str:
