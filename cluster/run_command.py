@@ -48,7 +48,11 @@ def main(args: argparse.Namespace) -> int:
     results = RunDirectory(args.results_dir, run_name)
     results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
     started = time.perf_counter()
-    summary = pipeline_module(pipeline).run(config, RunContext(run_name, results, args.address))
+    try:
+        summary = pipeline_module(pipeline).run(config, RunContext(run_name, results, args.address))
+    except ConfigError as err:  # found when the run started reading its data: still the config's fault
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - started
     print(f"\n{pipeline} run '{run_name}' finished in {elapsed:.0f} s; results in {results.path}/")
     for key, value in summary.items():

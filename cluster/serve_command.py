@@ -61,7 +61,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
 
-    from cluster.pipelines.teacher_student import server_settings, start_aggregator, train_teachers
+    from cluster.pipelines.teacher_student import checked_splits, server_settings, start_aggregator, train_teachers
     from cluster.ray_runtime import record_ray_processes, start_ray
 
     if config.privacy.insecure_noise_seed is not None:
@@ -76,6 +76,11 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     except ValueError as err:
         print(f"conclave: server: {err}", file=sys.stderr)
         return 2
+    try:
+        splits = checked_splits(config)
+    except ConfigError as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -84,7 +89,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     start_ray(args.address)
-    teachers = train_teachers(config)
+    teachers = train_teachers(config, splits=splits)
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
     server, address = start_aggregator(config, teachers.pool, ledger, settings)
     guarantee, report = server.guarantee(), ledger.report()

@@ -252,9 +252,10 @@ class Teachers:
     seconds: float
 
 
-def train_teachers(config: Config, progress: bool = True) -> Teachers:
-    """Train the teachers on Ray actors, which read their own shards (Ray must be running)."""
-    splits = student_splits(config)
+def train_teachers(config: Config, progress: bool = True, splits: StudentSplits | None = None) -> Teachers:
+    """Train the teachers on Ray actors, which read their own shards (Ray must be running);
+    ``splits``: the driver's public and test data, when already loaded (``checked_splits``)."""
+    splits = splits if splits is not None else student_splits(config)
     started = time.perf_counter()
     pool = teacher_pool(config)
     pool.train(progress=progress)
@@ -270,6 +271,17 @@ def student_splits(config: Config) -> StudentSplits:
 
     return make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
                        seed=config.seed, private_size=config.data.private_size).student_side()
+
+
+def checked_splits(config: Config) -> StudentSplits:
+    """The driver's data, loaded before Ray starts: a missing file, a bad format or a size the
+    dataset cannot satisfy is a one-line ``ConfigError`` now, not a traceback after start-up."""
+    from cluster.config import ConfigError
+
+    try:
+        return student_splits(config)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"data: {err}") from err
 
 
 def teacher_source(config: Config) -> TeacherSource:
@@ -355,8 +367,9 @@ def planned_work(config: Config) -> PrivacyCharge:
 def run(config: Config, context) -> dict[str, Any]:
     from cluster.ray_runtime import start_ray
 
+    splits = checked_splits(config)
     start_ray(context.ray_address)
-    teachers = train_teachers(config)
+    teachers = train_teachers(config, splits=splits)
     try:
         return teach_student(config, teachers, context.results)
     finally:

@@ -181,6 +181,22 @@ def test_cli_reports_a_bad_config_key_without_running(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_data_the_driver_cannot_load_fails_in_one_line_before_ray_starts(tmp_path, capsys, command):
+    import ray
+
+    config_file = tmp_path / "big-pool.yaml"
+    config_file.write_text(yaml.safe_dump({**TINY, "name": "big", "data": {"name": "digits", "public_size": 5000}}))
+    argv = [command, str(config_file)]
+    argv += ["--results-dir", str(tmp_path)] if command == "run" else ["--ledger", str(tmp_path / "l.sqlite")]
+    was_running = ray.is_initialized()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and "public_size" in err[0] and err[0].startswith("conclave: data:")
+    assert ray.is_initialized() == was_running  # nothing was started
+    assert not (tmp_path / "l.sqlite").exists()
+
+
 def _serve_args(*argv: str):
     from cluster.cli import build_parser
 
