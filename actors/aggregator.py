@@ -422,8 +422,8 @@ class _Service:
                                 f"the aggregator is at its limit of {self._label_calls} label calls; retry later")
         self._label_calls += 1
         try:
-            outcome = await self._loop.run_in_executor(self._label_pool, owner.label, inputs)
-            status = await self._loop.run_in_executor(self._budget_pool, owner.budget)
+            # One hop to a label thread for both: each hand-off between threads costs a call latency.
+            outcome, status = await self._loop.run_in_executor(self._label_pool, _label_then_budget, owner, inputs)
         except BudgetExceeded as err:
             self._rejections("budget", "%s from %s refused: privacy budget spent", method, context.peer())
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released or charged",
@@ -438,6 +438,10 @@ class _Service:
         return aggregator_pb2.LabelReply(labels=outcome.labels.tolist(), answered=outcome.answered,
                                          budget=budget_reply(status),
                                          budget_refused=outcome.refused.tolist() if outcome.refused.any() else [])
+
+
+def _label_then_budget(owner: AggregatorServer, inputs: np.ndarray) -> tuple[LabelOutcome, BudgetStatus]:
+    return owner.label(inputs), owner.budget()
 
 
 def budget_reply(status: BudgetStatus) -> aggregator_pb2.BudgetReply:
