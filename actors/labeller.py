@@ -185,6 +185,7 @@ class PrivateLabeller:
         # One lock around the charge step: record check, mechanism (may be stateful), ledger, record write.
         self._lock = threading.Lock()
         self._answers: dict[bytes, int] = ledger.answers()
+        self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
         self._counters = _Counters()
         if self._answers:
             log.info("%d answers on record in %s: repeated inputs get them again, free", len(self._answers), ledger.path)
@@ -199,7 +200,7 @@ class PrivateLabeller:
         newly_answered = 0
         if fresh:
             try:
-                worst = self._for_ledger(self.mechanism.worst_case_charge(len(fresh)))
+                worst = self._worst_case(len(fresh))
                 # Data-independent early refusal: no point asking teachers for votes we may not release.
                 self._require_affordable(worst, len(fresh))
                 fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
@@ -256,7 +257,7 @@ class PrivateLabeller:
             return 0
         keys = [key for key in fresh if key not in self._answers]
         votes = fresh_votes[keep]
-        worst = self._for_ledger(self.mechanism.worst_case_charge(len(keep)))
+        worst = self._worst_case(len(keep))
         self._require_affordable(worst, len(keep))  # before the (possibly stateful) mechanism runs
         result = self.mechanism(votes, self._rng)
         labels = np.asarray(result.labels, dtype=np.int64)
@@ -275,6 +276,15 @@ class PrivateLabeller:
         self._counters.answered += int((labels != ABSTAIN).sum())
         self._counters.abstained += int((labels == ABSTAIN).sum())
         return len(keep)
+
+    def _worst_case(self, count: int) -> PrivacyCharge:
+        """The ledger-ready worst case of ``count`` new inputs, computed once per count when the
+        mechanism is stateless (the accounting was a third of a single-input call)."""
+        if not getattr(self.mechanism, "stateless", False):
+            return self._for_ledger(self.mechanism.worst_case_charge(count))
+        if count not in self._worst_cases:
+            self._worst_cases[count] = self._for_ledger(self.mechanism.worst_case_charge(count))
+        return self._worst_cases[count]
 
     def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
         """The mechanism's one-vote charge restated for the ledger's record-level relation."""

@@ -67,7 +67,9 @@ class VoteMechanism(Protocol):
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         """The most the next batch of this size can cost, whatever the votes; the ledger checks
-        this *before* the mechanism runs, so a refusal reveals nothing."""
+        this *before* the mechanism runs, so a refusal reveals nothing. A mechanism whose worst
+        case depends on the batch size alone says so with ``stateless = True`` (callers may then
+        reuse it); one with state (e.g. an open stability run) leaves it out."""
         ...
 
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:

@@ -30,6 +30,7 @@ class ConfidentGNMax:
     threshold: float
     sigma2: float
     name: ClassVar[str] = "confident-gnmax"
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
     aliases: ClassVar[dict[str, str]] = {"sigma": "sigma2"}
     help: ClassVar[dict[str, str]] = {

@@ -31,6 +31,7 @@ class GNMax:
 
     sigma: float
     name: ClassVar[str] = "gnmax"
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {"sigma": "GNMax noise sigma"}
 

@@ -25,6 +25,7 @@ class LNMax:
 
     laplace_scale: float
     name: ClassVar[str] = "lnmax"
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {"laplace_scale": "Laplace scale b (the papers' 1/gamma)"}
 

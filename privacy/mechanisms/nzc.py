@@ -51,6 +51,7 @@ class NZC:
     laplace_scale: float | None = None
     sigma: float | None = None
     name: ClassVar[str] = "nzc"
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {
         "constant": "the constant c added to the top count",
