@@ -190,8 +190,10 @@ class TeacherGroup:
         model.eval()
         return model
 
+    @ray.method(concurrency_group="probe")
     def is_trained(self) -> bool:
-        """Whether every teacher here can vote."""
+        """Whether every teacher here can vote. In the actor it runs in its own thread, so the
+        aggregator's health probe is answered while a long vote is under way."""
         return all(model is not None for model in self.models)
 
     def forget(self) -> None:
@@ -223,8 +225,9 @@ class TeacherGroup:
 
 # The Ray actor is the same class; Ray imports it by module path in the worker. A dead actor
 # is restarted (its constructor reloads the saved teachers); calls to it are not retried, so
-# a vote fails at once and the aggregator turns NOT_SERVING rather than waiting.
-TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0)(TeacherGroup)
+# a vote fails at once and the aggregator turns NOT_SERVING rather than waiting. Training and
+# voting run one at a time; only the health probe has a thread of its own.
+TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(TeacherGroup)
 
 
 class TeacherPool:
@@ -325,7 +328,8 @@ class TeacherPool:
         log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
 
     def ready(self, timeout: float = 2.0) -> bool:
-        """Whether every actor is up and every teacher can vote (False while one restarts)."""
+        """Whether every actor is up and every teacher can vote (False while one restarts).
+        The probe has its own thread in each actor, so a long vote does not delay it."""
         try:
             return all(ray.get([actor.is_trained.remote() for actor in self._actors], timeout=timeout))
         except ray.exceptions.RayError:  # includes GetTimeoutError

@@ -12,6 +12,8 @@ DEADLINE_EXCEEDED (the call's deadline, or a stream left idle too long).
 """
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
@@ -19,6 +21,8 @@ import grpc
 import numpy as np
 
 from protos import aggregator_pb2, aggregator_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # as actors.aggregator sends them
 
@@ -53,7 +57,11 @@ def encode_inputs(inputs: np.ndarray) -> aggregator_pb2.Tensor:
 
 class AggregatorClient:
     """Talk to one aggregator; plaintext unless ``root_cert`` (PEM path or bytes) is given,
-    with a client certificate (``client_cert``, ``client_key``) for mutual TLS."""
+    with a client certificate (``client_cert``, ``client_key``) for mutual TLS.
+
+    ``retry_unavailable``: for this many seconds, a ``Label`` answered UNAVAILABLE (teachers
+    restarting, server busy; nothing was charged) is asked again with backoff; 0 raises at once.
+    """
 
     is_budget_refusal = staticmethod(is_budget_refusal)  # for callers handed only a client
 
@@ -65,6 +73,7 @@ class AggregatorClient:
         timeout: float = 30.0,
         client_cert: str | Path | bytes | None = None,
         client_key: str | Path | bytes | None = None,
+        retry_unavailable: float = 0.0,
     ) -> None:
         if (client_cert is None) != (client_key is None):
             raise ValueError("mutual TLS needs both client_cert and client_key")
@@ -72,6 +81,7 @@ class AggregatorClient:
             raise ValueError("a client certificate needs TLS: give root_cert too")
         self.address = address
         self.timeout = timeout
+        self.retry_unavailable = retry_unavailable
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
                    # gRPC's default reconnect backoff grows to 2 minutes: a client would go on
@@ -91,10 +101,17 @@ class AggregatorClient:
 
     def label_reply(self, inputs: np.ndarray) -> LabelResult:
         """The whole answer for one batch (labels, answered count, refused mask, budget after it)."""
-        reply = self._stub.Label(
-            aggregator_pb2.LabelRequest(inputs=encode_inputs(inputs)), timeout=self.timeout, metadata=self._metadata
-        )
-        return _result(reply)
+        request = aggregator_pb2.LabelRequest(inputs=encode_inputs(inputs))
+        deadline, pause = time.monotonic() + self.retry_unavailable, 0.2
+        while True:
+            try:
+                return _result(self._stub.Label(request, timeout=self.timeout, metadata=self._metadata))
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
+                    raise
+                log.info("aggregator unavailable (%s); asking again in %.1f s", err.details(), pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 5.0)
 
     def label_stream(self, batches: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """Labels for each batch, in order, over one bidirectional stream.

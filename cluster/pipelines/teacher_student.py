@@ -402,7 +402,8 @@ def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]
         student = StudentActor.options(num_cpus=student_cpus).remote(
             teachers.splits.public, teachers.splits.test, config.student.model,
             config.student.train.with_seed(config.seed),
-            functools.partial(AggregatorClient, address, token),
+            # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
+            functools.partial(AggregatorClient, address, token, retry_unavailable=300.0),
             num_threads=max(1, int(student_cpus)), features=config.data.features,
             pseudo_label_threshold=config.student.pseudo_label_threshold,
             semi_supervised=config.student.semi_supervised, selection=config.student.selection,

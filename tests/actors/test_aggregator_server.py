@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -291,6 +292,17 @@ def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_p
         code, details = status_of(lambda: client.label(public[:2]))
         assert code == grpc.StatusCode.UNAVAILABLE and "actor 3" not in details
         assert client.budget()["epsilon_spent"] == 0 and client.budget()["queries_answered"] == 0
+
+
+def test_clients_can_wait_out_unavailable(teachers, public, tmp_path):
+    with serving(teachers, tmp_path) as (server, address):
+        server.set_ready(False)  # e.g. teachers restarting: UNAVAILABLE, nothing charged
+        threading.Timer(1.0, server.set_ready, (True,)).start()
+        with AggregatorClient(address) as impatient:
+            assert status_of(lambda: impatient.label(public[:2]))[0] == grpc.StatusCode.UNAVAILABLE
+        with AggregatorClient(address, retry_unavailable=30.0) as patient:
+            assert patient.label(public[:2]).shape == (2,)  # asked again once the server was back
+            assert patient.budget()["queries_answered"] + patient.budget()["queries_abstained"] == 2
 
 
 def test_a_client_with_only_reflection_can_call_label(teachers, public, tmp_path):

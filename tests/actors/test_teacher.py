@@ -137,6 +137,19 @@ def test_teachers_are_packed_several_per_actor(pool):
     assert teachers.input_shape == (1, 8, 8)
 
 
+def test_the_health_probe_is_answered_while_a_long_vote_runs(pool, digits):
+    """An actor votes one batch at a time; its readiness probe has a thread of its own, so a
+    long vote is never mistaken for a lost teacher (health would turn NOT_SERVING)."""
+    import ray
+
+    many = np.tile(digits[0].public.x, (1000, 1, 1, 1))  # 200,000 inputs: seconds of voting
+    actor = pool._actors[0]
+    voting = actor.votes.remote(ray.put(many))
+    assert ray.get(actor.is_trained.remote(), timeout=30)
+    assert ray.wait([voting], timeout=0)[1] == [voting]  # the probe came back first
+    ray.cancel(voting, force=False)
+
+
 def test_the_pool_states_the_record_level_relation_its_shards_give(pool):
     assert pool.neighbouring == "add-remove" and "keyed hash" in pool.neighbouring_lemma
 
