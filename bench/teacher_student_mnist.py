@@ -142,6 +142,7 @@ def individual_teachers(config: Config, splits, count: int = 10) -> dict:
     from learning.data.features import features_of
     from learning.training import predict
 
+    count = min(count, config.teachers.count)
     group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
                          config.teachers.train.with_seed(config.seed), num_threads=1)
     group.train_all()
@@ -173,7 +174,8 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     compared, startup = pool_of(config, student_splits(config), count)
     one_process: dict[int, float] = {}
     for threads in sorted({1, compared.pool.num_actors}):
-        group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
+        count = min(count, config.teachers.count)
+    group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
                              config.teachers.train.with_seed(config.seed), num_threads=threads)
         started = time.perf_counter()
         group.train_all()
