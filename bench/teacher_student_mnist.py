@@ -174,8 +174,7 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     compared, startup = pool_of(config, student_splits(config), count)
     one_process: dict[int, float] = {}
     for threads in sorted({1, compared.pool.num_actors}):
-        count = min(count, config.teachers.count)
-    group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
+        group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
                              config.teachers.train.with_seed(config.seed), num_threads=threads)
         started = time.perf_counter()
         group.train_all()
