@@ -22,6 +22,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/teacher_student_mnist.py
 	$(BIN)/python bench/active_learning_mnist.py
 	$(BIN)/python bench/sparse_finetune.py
+	$(BIN)/python bench/service_soak.py
+	$(BIN)/python bench/perf.py
 
 proto: $(STAMP)
 	$(BIN)/python -m protos.generate

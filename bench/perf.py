@@ -1,0 +1,381 @@
+"""Benchmark: speed against this machine's own limits, as ratios measured in one run.
+
+Every comparison runs its variants alternately inside each repetition (the machine is
+shared, absolute times drift) and reports min and median. Writes results/bench/perf.json:
+
+  threads                torch training at 2 threads against 1, in one process
+  teacher_inference      250 tutorial-CNN teachers voting on 256 MNIST images: the index-free
+                         pooling against torch's pooling (votes must be identical), and the
+                         achieved FLOP rate as a fraction of a large matmul's (``flop_fraction``)
+  dpsgd.<model>          a DP-SGD step against a plain SGD step, batch 256, for each way
+                         Opacus clips per example (hooks, expanded weights, ghost clipping);
+                         ``step_ratio`` is the fastest's
+  aggregator             single-input Label calls through gRPC on 127.0.0.1 against the same
+                         call in-process, and the ledger's charge alone (``p99_ms``)
+  teacher_pool           training teachers on a Ray pool of 2 one-CPU actors against one
+                         process at its best thread count (``speedup``)
+  gpu                    whether a GPU was available for these figures
+
+    python bench/perf.py            # the whole set (about 10 minutes on 2 cores)
+    python bench/perf.py --quick    # fewer repetitions and smaller sizes
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from learning.threads import share_cores, thread_settings  # noqa: E402
+
+share_cores()  # before torch loads
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+log = logging.getLogger("bench.perf")
+
+
+def interleaved(variants: dict[str, Callable[[], object]], repetitions: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, the variants alternating within every repetition."""
+    for run in variants.values():  # warm-up: allocators, kernels, lazy imports
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repetitions):
+        for name, run in variants.items():
+            started = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - started)
+    return seconds
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values)}
+
+
+def ratios(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """min and median of per-repetition ratios (each pair measured back to back)."""
+    return spread([a / b for a, b in zip(numerator, denominator)])
+
+
+def flops_per_example(model: nn.Module, example: torch.Tensor) -> int:
+    """2 × multiply-adds of every Conv2d and Linear for one example (the rest is negligible)."""
+    total = 0
+
+    def count(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(module, nn.Conv2d):
+            per_output = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            total += 2 * output[0].numel() * per_output
+        elif isinstance(module, nn.Linear):
+            total += 2 * module.in_features * module.out_features
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        model(example[None])
+    for hook in hooks:
+        hook.remove()
+    return total
+
+
+def matmul_gflops(size: int = 1024, times: int = 8) -> Callable[[], float]:
+    a, b = torch.rand(size, size), torch.rand(size, size)
+    return lambda: [a @ b for _ in range(times)]
+
+
+def mnist_or_random(count: int) -> np.ndarray:
+    root = ROOT.parent / "shared" / "data" / "mnist"
+    if root.is_dir():
+        from learning.data import load_mnist
+
+        return load_mnist(str(root))[1].x[:count]
+    return np.random.default_rng(0).random((count, 1, 28, 28), dtype=np.float32)
+
+
+def bench_threads(repetitions: int, quick: bool) -> dict:
+    from learning.models import build_model
+
+    x = torch.rand(512 if quick else 2048, 1, 28, 28)
+    y = torch.randint(0, 10, (len(x),))
+
+    def train(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(threads)
+            model = build_model("tutorial_cnn", 10, seed=0)
+            optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+            for start in range(0, len(x), 64):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x[start:start + 64]), y[start:start + 64]).backward()
+                optimizer.step()
+        return run
+
+    seconds = interleaved({"1": train(1), "2": train(2)}, repetitions)
+    torch.set_num_threads(1)
+    return {"work": f"tutorial_cnn, one epoch over {len(x)} examples, batch 64",
+            "seconds_by_threads": {k: spread(v) for k, v in seconds.items()},
+            "two_over_one": ratios(seconds["2"], seconds["1"])}
+
+
+def bench_teacher_inference(repetitions: int, quick: bool) -> dict:
+    from learning.models import build_model
+    from learning.models.pooling import MaxPool2d
+    from learning.training import predict
+
+    teachers = 25 if quick else 250
+    images = mnist_or_random(256)
+    models = [build_model("tutorial_cnn", 10, seed=i).eval() for i in range(teachers)]
+    torch_pooled = copy.deepcopy(models)
+    for model in torch_pooled:
+        for parent in model.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, MaxPool2d):
+                    setattr(parent, name, nn.MaxPool2d(child.kernel_size, child.stride))
+
+    def votes(ensemble: list[nn.Module]) -> Callable[[], np.ndarray]:
+        def run() -> np.ndarray:  # what TeacherGroup.votes does
+            histogram = np.zeros((len(images), 10), dtype=np.int64)
+            for model in ensemble:
+                np.add.at(histogram, (np.arange(len(images)), predict(model, images)), 1)
+            return histogram
+        return run
+
+    identical = bool(np.array_equal(votes(models)(), votes(torch_pooled)()))
+    bound = matmul_gflops()
+    seconds = interleaved({"index_free_pool": votes(models), "torch_pool": votes(torch_pooled), "matmul": bound},
+                          repetitions)
+    flops = flops_per_example(models[0], torch.from_numpy(images[0])) * teachers * len(images)
+    matmul_flops = 8 * 2 * 1024 ** 3
+    achieved = [flops / s / 1e9 for s in seconds["index_free_pool"]]
+    peak = [matmul_flops / s / 1e9 for s in seconds["matmul"]]
+    return {
+        "teachers": teachers, "images": len(images), "flops_per_image_per_teacher": flops // (teachers * len(images)),
+        "identical_votes": identical,
+        "labels_per_second": spread([len(images) / s for s in seconds["index_free_pool"]]),
+        "labels_per_second_torch_pool": spread([len(images) / s for s in seconds["torch_pool"]]),
+        "speedup_over_torch_pool": ratios(seconds["torch_pool"], seconds["index_free_pool"]),
+        "gflops": spread(achieved), "matmul_gflops": spread(peak),
+        "flop_fraction": spread([a / p for a, p in zip(achieved, peak)]),
+    }
+
+
+DPSGD_MODELS = {  # name: (in_channels, input side, kwargs), as the configs use them
+    "tutorial_cnn": (1, 28, {}), "tutorial_cnn_tanh": (1, 28, {}), "scatternet_cnn": (81, 7, {}),
+    "digits_cnn": (1, 8, {}), "gn_cnn": (3, 32, {}), "gn_resnet18": (3, 32, {"width": 0.25}),
+}
+
+
+DPSGD_MODES = ("hooks", "ew", "ghost")  # Opacus's ways to clip per example (learning.dpsgd)
+
+
+def bench_dpsgd(repetitions: int, quick: bool) -> dict:
+    import warnings
+
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from learning.models import build_model
+
+    warnings.filterwarnings("ignore", module="opacus")
+    warnings.filterwarnings("ignore", message="Full backward hook")
+    batch = 64 if quick else 256
+    out = {}
+    for name, (channels, side, kwargs) in DPSGD_MODELS.items():
+        if quick and name == "gn_resnet18":
+            continue
+        x, y = torch.rand(batch, channels, side, side), torch.randint(0, 10, (batch,))
+
+        def plain() -> Callable[[], None]:
+            model = build_model(name, 10, channels, seed=0, input_size=side, **kwargs)
+            optimizer = torch.optim.SGD(model.parameters(), 0.01)
+
+            def step() -> None:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            return step
+
+        def private(mode: str) -> Callable[[], None]:
+            model = build_model(name, 10, channels, seed=0, input_size=side, **kwargs)
+            optimizer = torch.optim.SGD(model.parameters(), 0.01)
+            loader = DataLoader(TensorDataset(x, y), batch_size=batch)
+            made = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                                max_grad_norm=1.0, grad_sample_mode=mode)
+            private_model, dp_optimizer = made[0], made[1]
+            criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+
+            def step() -> None:
+                dp_optimizer.zero_grad()
+                criterion(private_model(x), y).backward()
+                dp_optimizer.step()
+            return step
+
+        seconds = interleaved({"plain": plain(), **{mode: private(mode) for mode in DPSGD_MODES}}, repetitions)
+        by_mode = {mode: ratios(seconds[mode], seconds["plain"]) for mode in DPSGD_MODES}
+        fastest = min(by_mode, key=lambda mode: by_mode[mode]["median"])
+        out[name] = {"batch": batch, "plain_step_seconds": spread(seconds["plain"]), "fastest_mode": fastest,
+                     "step_ratio": by_mode[fastest], "step_ratio_by_mode": by_mode}
+        log.info("dpsgd %s: %s", name, ", ".join(f"{m} {r['median']:.2f}×" for m, r in by_mode.items()))
+    return out
+
+
+class FixedVotes:
+    """A vote source that answers at once, so the figures are the aggregator's own cost."""
+
+    neighbouring = "add-remove"
+    neighbouring_lemma = "benchmark: no data"
+    num_teachers = 250
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        histogram = np.zeros((len(inputs), 10), dtype=np.int64)
+        histogram[:, 3], histogram[:, 5] = 200, 50
+        return histogram
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        return True
+
+
+def bench_aggregator(calls: int) -> dict:
+    from actors.aggregator import AggregatorServer, ServerSettings
+    from cluster.client import AggregatorClient
+    from privacy.accounting.ledger import PrivacyLedger
+    from privacy.mechanisms import build_mechanism
+
+    rng = np.random.default_rng(0)
+    inputs = rng.random((2 * calls + 20, 1, 8, 8), dtype=np.float32)  # distinct: every call is charged
+    with tempfile.TemporaryDirectory() as folder:
+        mechanism = build_mechanism("gnmax", sigma=40.0)
+        ledger = PrivacyLedger(Path(folder) / "ledger.sqlite", 1e-5)
+        server = AggregatorServer(FixedVotes(), mechanism, ledger, (1, 8, 8), ServerSettings())
+        address = server.start()
+        client = AggregatorClient(address)
+        cursor = iter(range(len(inputs)))
+        grpc_ms, local_ms = [], []
+        try:
+            for i in range(calls + 10):
+                started = time.perf_counter()
+                client.label(inputs[next(cursor)][None])
+                middle = time.perf_counter()
+                server.label(inputs[next(cursor)][None])
+                done = time.perf_counter()
+                if i >= 10:  # warm-up
+                    grpc_ms.append(1e3 * (middle - started))
+                    local_ms.append(1e3 * (done - middle))
+        finally:
+            client.close()
+            server.stop()
+        charge = mechanism.run_charge(1, 1).for_records("add-remove", "benchmark")
+        charge_ms = []
+        for i in range(calls):
+            started = time.perf_counter()
+            ledger.charge(charge, answers={i.to_bytes(8, "little") + b"bench": 1})
+            charge_ms.append(1e3 * (time.perf_counter() - started))
+        ledger.close()
+
+    def percentiles(values: list[float]) -> dict[str, float]:
+        return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+    return {"calls": calls, "single_input_grpc_ms": percentiles(grpc_ms), "single_input_in_process_ms": percentiles(local_ms),
+            "p99_ms": percentiles(grpc_ms)["p99"], "ledger_charge_ms": percentiles(charge_ms)}
+
+
+def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
+    from actors.teacher import TeacherGroup, TeacherPool, TeacherSource
+    from cluster.ray_runtime import start_ray
+    from learning.training import TrainConfig
+
+    import ray
+
+    teachers = 4 if quick else 8
+    mnist = ROOT.parent / "shared" / "data" / "mnist"
+    if mnist.is_dir() and not quick:  # enough work per teacher that a process's first-use costs are small
+        source = TeacherSource("mnist", str(mnist), public_size=1000, num_teachers=teachers)
+        model, train = "tutorial_cnn", TrainConfig(epochs=2, batch_size=64, lr=1e-3)
+    else:
+        source = TeacherSource("digits", None, public_size=300, num_teachers=teachers)
+        model, train = "digits_cnn", TrainConfig(epochs=5, batch_size=32, lr=3e-3)
+    start_ray(num_cpus=2)
+
+    def pool() -> tuple[Callable[[], None], Callable[[], None]]:
+        teacher_pool = TeacherPool(source, teachers, model, train, num_actors=2)
+        return (lambda: teacher_pool.train(progress=False)), teacher_pool.shutdown
+
+    def one_process(threads: int) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:
+        def make() -> tuple[Callable[[], None], Callable[[], None]]:
+            group = TeacherGroup(source, 0, teachers, model, train, num_threads=threads)
+            return group.train_all, (lambda: None)
+        return make
+
+    # Each variant is set up (actors started, shards loaded) outside the timing, then trains.
+    variants = {"pool": pool, "one_process_1_thread": one_process(1), "one_process_2_threads": one_process(2)}
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    setup: dict[str, list[float]] = {name: [] for name in variants}
+    for repetition in range(repetitions + 1):  # the first is a warm-up
+        for name, make in variants.items():
+            started = time.perf_counter()
+            train_all, release = make()
+            ready = time.perf_counter()
+            train_all()
+            done = time.perf_counter()
+            release()
+            if repetition:
+                setup[name].append(ready - started)
+                seconds[name].append(done - ready)
+    torch.set_num_threads(1)
+    ray.shutdown()
+    best_one = [min(a, b) for a, b in zip(seconds["one_process_1_thread"], seconds["one_process_2_threads"])]
+    return {"teachers": teachers, "actors": 2, "cpus": 2, "model": model, "epochs": train.epochs,
+            "train_seconds": {name: spread(v) for name, v in seconds.items()},
+            "setup_seconds": {name: spread(v) for name, v in setup.items()},
+            "speedup": ratios(best_one, seconds["pool"]),
+            "speedup_including_setup": ratios([b + min(s1, s2) for b, s1, s2 in zip(best_one, setup["one_process_1_thread"],
+                                                                                    setup["one_process_2_threads"])],
+                                              [a + b for a, b in zip(seconds["pool"], setup["pool"])])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "perf.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    repetitions = 2 if args.quick else 5
+    sections: dict[str, Callable[[], dict]] = {
+        "threads": lambda: bench_threads(repetitions, args.quick),
+        "teacher_inference": lambda: bench_teacher_inference(repetitions, args.quick),
+        "dpsgd": lambda: bench_dpsgd(repetitions, args.quick),
+        "aggregator": lambda: bench_aggregator(200 if args.quick else 2000),
+        "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
+    }
+    results: dict = {"benchmark": "perf", "quick": args.quick, "thread_settings": thread_settings(),
+                     "gpu": {"available": torch.cuda.is_available(),
+                             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    for name, run in sections.items():
+        if args.only and name not in args.only:
+            continue
+        log.info("%s ...", name)
+        results[name] = run()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")  # after every section
+    summary = [f"{k}: {v}" for k, v in {
+        "teacher_inference.flop_fraction": results.get("teacher_inference", {}).get("flop_fraction"),
+        "aggregator.p99_ms": results.get("aggregator", {}).get("p99_ms"),
+        "teacher_pool.speedup": results.get("teacher_pool", {}).get("speedup"),
+    }.items()]
+    print("perf: " + "; ".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
