@@ -73,8 +73,8 @@ class DPSGDSection:
     target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
     momentum: float = 0.0
     lr_schedule: str = "constant"  # or "cosine" (see learning.dpsgd.lr_scheduler)
-    # How Opacus clips per example: the same training, different speed (bench/perf.py: "ew"
-    # is fastest for the tutorial CNNs, "hooks" for scatternet_cnn).
+    # How Opacus clips per example: the same training, different speed (bench/perf.py measures
+    # each per model; on 2 CPUs "ew" was fastest for the tutorial and ScatterNet CNNs).
     grad_sample_mode: str = "hooks"
     distributed: bool = False  # Ray Train data-parallel over the shards (else one actor trains)
     cpus_per_worker: float = 1.0
