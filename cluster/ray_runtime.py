@@ -137,6 +137,7 @@ def reclaim_orphaned_ray(wait: float = 5.0) -> list[int]:
                 process.kill()
             except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs(left, timeout=wait)  # gone, ports released, before a new Ray starts
         if alive:
             log.warning("stopped %d Ray processes left running by an earlier embedded run (driver PID %d was "
                         "killed): PIDs %s", len(alive), record["driver"]["pid"], [p.pid for p in alive])
