@@ -6,11 +6,9 @@ stub directly, so the server (not the client library) is what refuses them.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -25,15 +23,14 @@ from actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
 from cluster.client import AggregatorClient
 from learning.data import load_digits
 from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import RenyiFilter, filter_for
+from privacy.accounting.filter import RenyiFilter
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
 from privacy.noise import SECURE, NoisePolicy
 from protos import aggregator_pb2, aggregator_pb2_grpc
+from tests.aggregators import DELTA, INPUT_SHAPE, budget_for, serving
 
-DELTA = 1e-5
-INPUT_SHAPE = (1, 8, 8)
 
 
 @pytest.fixture(scope="module")
@@ -44,29 +41,6 @@ def digits():
 @pytest.fixture
 def public(digits) -> np.ndarray:
     return digits[1].x
-
-
-def budget_for(mechanism, epsilon: float, queries: int = 1) -> RenyiFilter:
-    """The budget a run declares for ``queries`` answers of ``mechanism`` at ε (before any vote)."""
-    planned = mechanism.worst_case_charge(queries).for_records(ADD_REMOVE, "one teacher per record")
-    return filter_for(planned, epsilon, DELTA)
-
-
-@contextlib.contextmanager
-def serving(vote_source, tmp_path: Path, mechanism=None, budget: float | RenyiFilter | None = 50.0,
-            ready: bool = True, **settings):
-    """A started server (GNMax σ=2 by default) with a fresh ledger; stopped afterwards."""
-    mechanism = mechanism or build_mechanism("gnmax", sigma=2.0)
-    if isinstance(budget, float):
-        budget = budget_for(mechanism, budget)
-    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, budget)
-    server = AggregatorServer(vote_source, mechanism, ledger, INPUT_SHAPE, ServerSettings(**settings), ready=ready)
-    address = server.start()
-    try:
-        yield server, address
-    finally:
-        server.stop()
-        ledger.close()
 
 
 def tensor(array: np.ndarray, dtype: str = "float32", shape=None, data: bytes | None = None) -> aggregator_pb2.Tensor:
@@ -86,7 +60,7 @@ def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teache
     x = public[:64]
     sharp = build_mechanism("gnmax", sigma=0.3)  # tiny noise: answers must be the plurality
     roomy = budget_for(sharp, 1e4, queries=64)
-    with serving(teachers, tmp_path, mechanism=sharp, budget=roomy) as (server, address), AggregatorClient(
+    with serving(teachers, tmp_path / "ledger.sqlite", mechanism=sharp, budget=roomy) as (server, address), AggregatorClient(
         address
     ) as client:
         labels, answered, refused, budget = client.label_reply(x)
@@ -115,7 +89,7 @@ def test_answers_are_the_teachers_plurality_and_cost_what_the_ledger_says(teache
 
 
 def test_without_a_budget_the_reply_says_there_is_no_guarantee(teachers, public, tmp_path):
-    with serving(teachers, tmp_path, budget=None) as (_, address), AggregatorClient(address) as client:
+    with serving(teachers, tmp_path / "ledger.sqlite", budget=None) as (_, address), AggregatorClient(address) as client:
         client.label(public[:4])
         budget = client.budget()
         assert budget["epsilon_spent"] > 0 and not budget["sound"]
@@ -140,7 +114,7 @@ BAD_REQUESTS = {
 
 def test_each_bad_input_gets_invalid_argument_and_spends_nothing(teachers, public, tmp_path):
     x = public[:8]  # max_batch is 8 here
-    with serving(teachers, tmp_path, max_batch=8) as (server, address), grpc.insecure_channel(address) as channel:
+    with serving(teachers, tmp_path / "ledger.sqlite", max_batch=8) as (server, address), grpc.insecure_channel(address) as channel:
         stub = aggregator_pb2_grpc.AggregatorStub(channel)
         stub.Label(aggregator_pb2.LabelRequest(inputs=tensor(public[100:102])))  # something spent already
         before = stub.GetBudget(aggregator_pb2.BudgetRequest())
@@ -160,7 +134,7 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
     # would change most of 48 labels; the cache must return exactly the first answers.
     noisy = build_mechanism("gnmax", sigma=40.0)
     x = public[:48]
-    with serving(teachers, tmp_path, mechanism=noisy, budget=None) as (server, address):
+    with serving(teachers, tmp_path / "ledger.sqlite", mechanism=noisy, budget=None) as (server, address):
         with AggregatorClient(address) as client:
             first, _, _, spent = client.label_reply(x)
             again, _, _, spent_again = client.label_reply(x[::-1])
@@ -210,7 +184,7 @@ def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(t
     epsilon = epsilon_from_rdp([order], [22 * order / 8.0**2], DELTA)[0]
     budget = RenyiFilter(epsilon, DELTA, order)
     assert budget.rdp_budget == pytest.approx(22 * order / 64)
-    with serving(teachers, tmp_path, mechanism=build_mechanism("gnmax", sigma=8.0), budget=budget) as (
+    with serving(teachers, tmp_path / "ledger.sqlite", mechanism=build_mechanism("gnmax", sigma=8.0), budget=budget) as (
         server, address,
     ), AggregatorClient(address) as client:
         answered_batches = 0
@@ -242,7 +216,7 @@ def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(t
 
 
 def test_token_is_required_for_the_aggregator_but_not_for_health(teachers, public, tmp_path):
-    with serving(teachers, tmp_path, token="s3cret") as (_, address):
+    with serving(teachers, tmp_path / "ledger.sqlite", token="s3cret") as (_, address):
         for token, expected in ((None, "missing"), ("wrong", "invalid")):
             with AggregatorClient(address, token=token) as client:
                 for call in (lambda: client.label(public[:2]), client.budget, lambda: list(client.label_stream([public[:2]]))):
@@ -258,7 +232,7 @@ def test_token_is_required_for_the_aggregator_but_not_for_health(teachers, publi
 
 def test_stream_answers_batches_in_order(teachers, public, tmp_path):
     batches = [public[0:3], public[10:15], public[20:27], public[0:3]]
-    with serving(teachers, tmp_path) as (_, address), AggregatorClient(address) as client:
+    with serving(teachers, tmp_path / "ledger.sqlite") as (_, address), AggregatorClient(address) as client:
         streamed = list(client.label_stream(batches))
         assert [len(labels) for labels in streamed] == [3, 5, 7, 3]
         assert (streamed[3] == streamed[0]).all()
@@ -277,7 +251,7 @@ class BrokenTeachers:
 
 
 def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_path):
-    with serving(teachers, tmp_path, ready=False) as (server, address), grpc.insecure_channel(address) as channel:
+    with serving(teachers, tmp_path / "ledger.sqlite", ready=False) as (server, address), grpc.insecure_channel(address) as channel:
         assert server.answered_votes()[0].shape == (0, 10)  # nothing asked yet
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -287,15 +261,14 @@ def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_p
             server.set_ready(True)
             assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
             assert client.label(public[:2]).shape == (2,)
-    (tmp_path / "broken").mkdir()
-    with serving(BrokenTeachers(), tmp_path / "broken") as (_, address), AggregatorClient(address) as client:
+    with serving(BrokenTeachers(), tmp_path / "broken.sqlite") as (_, address), AggregatorClient(address) as client:
         code, details = status_of(lambda: client.label(public[:2]))
         assert code == grpc.StatusCode.UNAVAILABLE and "actor 3" not in details
         assert client.budget()["epsilon_spent"] == 0 and client.budget()["queries_answered"] == 0
 
 
 def test_clients_can_wait_out_unavailable(teachers, public, tmp_path):
-    with serving(teachers, tmp_path) as (server, address):
+    with serving(teachers, tmp_path / "ledger.sqlite") as (server, address):
         server.set_ready(False)  # e.g. teachers restarting: UNAVAILABLE, nothing charged
         threading.Timer(1.0, server.set_ready, (True,)).start()
         with AggregatorClient(address) as impatient:
@@ -307,7 +280,7 @@ def test_clients_can_wait_out_unavailable(teachers, public, tmp_path):
 
 def test_a_client_with_only_reflection_can_call_label(teachers, public, tmp_path):
     """Everything below comes from the server: no protos.* classes are used."""
-    with serving(teachers, tmp_path, token="t0ken") as (_, address), grpc.insecure_channel(address) as channel:
+    with serving(teachers, tmp_path / "ledger.sqlite", token="t0ken") as (_, address), grpc.insecure_channel(address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
         assert {"conclave.v1.Aggregator", "grpc.health.v1.Health", reflection.SERVICE_NAME} <= set(database.get_services())
         pool = descriptor_pool.DescriptorPool(database)

@@ -6,7 +6,6 @@ certificates, real SIGKILLs of a teacher's process; bounded in count and time.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -14,7 +13,6 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,20 +21,18 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from actors.aggregator import AggregatorServer, ServerSettings
+from actors.aggregator import ServerSettings
 from actors.teacher import TeacherPool, TeacherSource
 from cluster.client import AggregatorClient, is_budget_refusal
 from learning.training import TrainConfig
 from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import RenyiFilter, filter_for
-from privacy.accounting.ledger import PrivacyLedger
+from privacy.accounting.filter import RenyiFilter
 from privacy.accounting.rdp import epsilon_from_rdp
 from privacy.mechanisms import build_mechanism
 from protos import aggregator_pb2, aggregator_pb2_grpc
+from tests.aggregators import DELTA, INPUT_SHAPE, serving
 from tests.certificates import make_certificates
 
-DELTA = 1e-5
-INPUT_SHAPE = (1, 8, 8)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -45,23 +41,6 @@ def public(teachers) -> np.ndarray:
     from learning.data import load_digits
 
     return load_digits()[1].x
-
-
-def roomy(mechanism, epsilon: float = 50.0) -> RenyiFilter:
-    return filter_for(mechanism.worst_case_charge(1).for_records(ADD_REMOVE, "one teacher per record"), epsilon, DELTA)
-
-
-@contextlib.contextmanager
-def serving(vote_source, ledger_path: Path, mechanism=None, budget: RenyiFilter | None = None, **settings):
-    mechanism = mechanism or build_mechanism("gnmax", sigma=2.0)
-    ledger = PrivacyLedger(ledger_path, DELTA, budget if budget is not None else roomy(mechanism))
-    server = AggregatorServer(vote_source, mechanism, ledger, INPUT_SHAPE, ServerSettings(**settings))
-    address = server.start()
-    try:
-        yield server, address
-    finally:
-        server.stop()
-        ledger.close()
 
 
 def rpc_error(call) -> grpc.RpcError:

@@ -1,0 +1,38 @@
+"""A real aggregator on 127.0.0.1 with a fresh ledger, for the aggregator tests."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from actors.aggregator import AggregatorServer, ServerSettings
+from privacy.accounting.charge import ADD_REMOVE
+from privacy.accounting.filter import RenyiFilter, filter_for
+from privacy.accounting.ledger import PrivacyLedger
+from privacy.mechanisms import build_mechanism
+
+DELTA = 1e-5
+INPUT_SHAPE = (1, 8, 8)  # scikit-learn's digits
+
+
+def budget_for(mechanism, epsilon: float, queries: int = 1) -> RenyiFilter:
+    """The budget a run declares for ``queries`` answers of ``mechanism`` at ε (before any vote)."""
+    planned = mechanism.worst_case_charge(queries).for_records(ADD_REMOVE, "one teacher per record")
+    return filter_for(planned, epsilon, DELTA)
+
+
+@contextlib.contextmanager
+def serving(vote_source, ledger_path: Path, mechanism=None, budget: float | RenyiFilter | None = 50.0,
+            ready: bool = True, **settings):
+    """A started server (GNMax σ=2 by default) over ``vote_source`` with the ledger at
+    ``ledger_path`` (``budget``: ε, a filter, or None for none); stopped afterwards."""
+    mechanism = mechanism or build_mechanism("gnmax", sigma=2.0)
+    if isinstance(budget, float):
+        budget = budget_for(mechanism, budget)
+    ledger = PrivacyLedger(ledger_path, DELTA, budget)
+    server = AggregatorServer(vote_source, mechanism, ledger, INPUT_SHAPE, ServerSettings(**settings), ready=ready)
+    address = server.start()
+    try:
+        yield server, address
+    finally:
+        server.stop()
+        ledger.close()
