@@ -186,6 +186,7 @@ class PrivateLabeller:
         self._lock = threading.Lock()
         self._answers: dict[bytes, int] = ledger.answers()
         self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
+        self._guarantee: Guarantee | None = None
         self._counters = _Counters()
         if self._answers:
             log.info("%d answers on record in %s: repeated inputs get them again, free", len(self._answers), ledger.path)
@@ -297,7 +298,13 @@ class PrivateLabeller:
         return charge.for_records(relation, self.vote_source.neighbouring_lemma)
 
     def guarantee(self) -> Guarantee:
-        """What this service can back: its ledger's budget, declared in advance (none without one)."""
+        """What this service can back: its ledger's budget, declared in advance (none without one).
+        Fixed for the ledger's life, so worked out once."""
+        if self._guarantee is None:
+            self._guarantee = self._backed_guarantee()
+        return self._guarantee
+
+    def _backed_guarantee(self) -> Guarantee:
         report = self.ledger.report()
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         if report.guarantee is None:
