@@ -59,6 +59,7 @@ from actors.labeller import (
     VoteSource,
     decode_inputs,
 )
+from learning.data.schema import InputSchema
 from privacy.accounting.guarantee import Guarantee
 from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from privacy.mechanisms.base import VoteMechanism
@@ -140,7 +141,9 @@ def is_loopback(host: str) -> bool:
 
 
 class AggregatorServer:
-    """Serve private labels for ``input_shape`` inputs from ``vote_source`` over gRPC.
+    """Serve private labels for inputs of ``input_shape`` (an ``InputSchema``, or a shape that
+    gets its default schema: rows [d] of finite table values, else images in [0, 1]) from
+    ``vote_source`` over gRPC.
 
     ``noise`` is the run's noise policy (OS entropy by default). ``ready=False`` starts with
     health NOT_SERVING and Label refused with UNAVAILABLE until ``set_ready(True)`` (e.g.
@@ -153,13 +156,14 @@ class AggregatorServer:
         vote_source: VoteSource,
         mechanism: VoteMechanism,
         ledger: PrivacyLedger,
-        input_shape: tuple[int, ...],
+        input_shape: tuple[int, ...] | InputSchema,
         settings: ServerSettings = ServerSettings(),
         noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
         self.labeller = PrivateLabeller(vote_source, mechanism, ledger, noise)
-        self.input_shape = tuple(int(d) for d in input_shape)
+        self.schema = input_shape if isinstance(input_shape, InputSchema) else InputSchema.for_shape(input_shape)
+        self.input_shape = self.schema.shape
         self.settings = settings
         self._operator_ready = ready  # set_ready: e.g. False while teachers train
         self._teachers_alive = True  # the watcher's view: every teacher can vote
@@ -410,7 +414,7 @@ class _Service:
         try:
             request = aggregator_pb2.LabelRequest.FromString(raw)
             tensor = request.inputs
-            inputs = decode_inputs(tensor.shape, tensor.dtype, tensor.data, owner.input_shape, settings.max_batch)
+            inputs = decode_inputs(tensor.shape, tensor.dtype, tensor.data, owner.schema, settings.max_batch)
         except (DecodeError, InvalidInput) as err:
             message = str(err) if isinstance(err, InvalidInput) else "the request is not a LabelRequest message"
             self._rejections("invalid", "%s from %s rejected: %s", method, context.peer(), message)
@@ -557,7 +561,7 @@ class AggregatorActor:
     """
 
     def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger_path: str, delta: float, budget,
-                 input_shape: tuple[int, ...], settings: ServerSettings = ServerSettings(),
+                 input_shape: tuple[int, ...] | InputSchema, settings: ServerSettings = ServerSettings(),
                  noise: NoisePolicy = SECURE, ready: bool = True) -> None:
         self._ledger = PrivacyLedger(ledger_path, delta, budget, neighbouring=vote_source.neighbouring)
         self._server = AggregatorServer(vote_source, mechanism, self._ledger, input_shape, settings,

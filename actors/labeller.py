@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from learning.data.schema import InputSchema
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
@@ -71,9 +72,10 @@ def _clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def decode_inputs(shape: tuple[int, ...], dtype: str, data: bytes, input_shape: tuple[int, ...],
+def decode_inputs(shape: tuple[int, ...], dtype: str, data: bytes, schema: InputSchema,
                   max_batch: int) -> np.ndarray:
-    """The float32 array [batch, *input_shape] a request tensor carries, or ``InvalidInput``."""
+    """The float32 array [batch, *schema.shape] a request tensor carries, or ``InvalidInput``."""
+    input_shape = schema.shape
     shape = tuple(int(d) for d in shape)
     expected = "[batch, " + ", ".join(str(d) for d in input_shape) + "]"
     if len(shape) != 1 + len(input_shape) or shape[1:] != tuple(input_shape):
@@ -93,12 +95,14 @@ def decode_inputs(shape: tuple[int, ...], dtype: str, data: bytes, input_shape: 
     finite = np.isfinite(inputs.reshape(batch, -1)).all(axis=1)
     if not finite.all():
         raise InvalidInput(f"inputs contain NaN or infinity (examples {_first(~finite)})")
-    # Teachers learned on images scaled to [0, 1] (learning.data.Dataset); anything else is a
-    # client bug (e.g. raw 0–255 bytes) that would buy labels for meaningless inputs.
-    in_range = ((inputs >= 0) & (inputs <= 1)).reshape(batch, -1).all(axis=1)
-    if not in_range.all():
-        raise InvalidInput(f"pixel values must be in [0, 1] (examples {_first(~in_range)} hold values "
-                           f"in [{inputs.min():g}, {inputs.max():g}])")
+    # Where the schema has a range (images: [0, 1], learning.data.Dataset), a value outside it
+    # is a client bug (e.g. raw 0–255 bytes) that would buy labels for meaningless inputs.
+    if schema.low is not None:
+        in_range = ((inputs >= schema.low) & (inputs <= schema.high)).reshape(batch, -1).all(axis=1)
+        if not in_range.all():
+            what = "pixel values" if schema.kind == "image" else "values"
+            raise InvalidInput(f"{what} must be in [{schema.low:g}, {schema.high:g}] (examples {_first(~in_range)} "
+                               f"hold values in [{inputs.min():g}, {inputs.max():g}])")
     return inputs.astype(np.float32)  # native byte order, writable copy
 
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from learning.data import Dataset
 from learning.data.features import apply_features, batch_transform
+from learning.data.schema import Standardiser
 from learning.models import build_model
 from learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
 from learning.semi_supervised import FixMatchConfig, fixmatch
@@ -60,6 +61,7 @@ class Student:
         pseudo_label_threshold: self-training at this confidence (None: off).
         semi_supervised: FixMatch settings (None: off); exclusive with self-training.
         selection: which pool inputs to ask about.
+        standardiser: public column statistics for a table model.
     """
 
     def __init__(
@@ -74,7 +76,11 @@ class Student:
         pseudo_label_threshold: float | None = None,
         semi_supervised: FixMatchConfig | None = None,
         selection: QuerySelection = QuerySelection(),
+        standardiser: Standardiser | None = None,
     ) -> None:
+        if semi_supervised is not None and not public.is_image:
+            raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
+                             "pseudo_label_threshold or neither")
         if pseudo_label_threshold is not None and not 0 < pseudo_label_threshold <= 1:
             raise ValueError(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
         if pseudo_label_threshold is not None and semi_supervised is not None:
@@ -89,6 +95,7 @@ class Student:
         self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
         self.model_name = model_name
+        self.standardiser = standardiser
         self.train_config = train
         self.client_factory = client_factory
         self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)  # by pool index
@@ -218,9 +225,10 @@ class Student:
             self._client = None
 
     def label_accuracy(self) -> float:
-        """Fraction of released labels that match the pool's ground truth (nan if none)."""
+        """Fraction of released labels that match the pool's ground truth (nan if none, or if
+        the pool has no labels)."""
         answered = self._answered(self.asked)
-        if not len(answered):
+        if not len(answered) or self.public.unlabeled:
             return math.nan
         return float((self.labels[answered] == self.public.y[answered]).mean())
 
@@ -260,20 +268,18 @@ class Student:
             self._pool_inputs = apply_features(self.public, self.features).x
         return self._pool_inputs
 
-    def _new_model(self, channels: int, side: int) -> torch.nn.Module:
-        return build_model(self.model_name, self.public.num_classes, in_channels=channels,
-                           seed=self.train_config.seed, input_size=side)
+    def _new_model(self, input_shape: tuple[int, ...]) -> torch.nn.Module:
+        return build_model(self.model_name, self.public.num_classes, input_shape=input_shape,
+                           standardiser=self.standardiser, seed=self.train_config.seed)
 
     def _fit_fresh(self, training: Dataset, progress: bool) -> torch.nn.Module:
-        _, channels, _, side = training.x.shape
-        model = self._new_model(int(channels), int(side))
+        model = self._new_model(training.input_shape)
         fit(model, training, self.train_config, progress=progress)
         return model
 
     def _fit_fixmatch(self, keep: np.ndarray, labels: np.ndarray, progress: bool) -> torch.nn.Module:
         """FixMatch on the answered images and the whole pool; the model reads ``features``."""
-        _, channels, _, side = self.test.x.shape
-        model = self._new_model(int(channels), int(side))
+        model = self._new_model(self.test.input_shape)
         fixmatch(model, self.public.x[keep], labels, self.public.x, self.semi_supervised,
                  represent=batch_transform(self.features, self.public.x.shape[-2:]), progress=progress)
         return model

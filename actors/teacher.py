@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -45,9 +45,12 @@ import ray
 import torch
 from tqdm import tqdm
 
+from actors.placement import Placement, require_node
 from learning.data import Dataset, make_splits, shard
 from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import apply_features, features_of
+from learning.data.schema import Standardiser
+from learning.data.sources import DataSource
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
 from privacy.accounting.charge import ADD_REMOVE
@@ -99,13 +102,63 @@ class TeacherSource:
         shards = shard(splits.private, self.num_teachers, self.seed)
         return [shards[i] for i in teacher_ids]
 
+    @property
+    def owner(self) -> str:
+        return f"{self.dataset} (private split)"
+
+
+@dataclass(frozen=True)
+class OwnerSource:
+    """One owner's own data, read only where its teachers run, cut into ``num_teachers`` shards.
+
+    ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
+    labels are mapped onto ``classes`` (the run's class list, from the config or the public
+    test data). ``seed`` keys the shard hash, as for ``TeacherSource``.
+    """
+
+    owner: str
+    data: DataSource
+    num_teachers: int
+    classes: tuple[str, ...]
+    seed: int = 0
+    features: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_teachers < 1:
+            raise ValueError(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
+
+    def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
+        dataset = self.data.read(self.classes, name=self.owner)
+        if dataset.unlabeled:
+            raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
+        if len(dataset) < self.num_teachers:
+            raise ValueError(f"{self.num_teachers} teachers need at least as many records")
+        shards = shard(dataset, self.num_teachers, self.seed)
+        return [shards[i] for i in teacher_ids]
+
+
+class OwnerDataError(RuntimeError):
+    """An owner's data could not be read where its teachers run (one line naming the owner)."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What a teacher group says about itself: the shape of its inputs and where it runs —
+    nothing about its data."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    node_id: str
+
 
 class TeacherGroup:
-    """Teachers ``first``..``last - 1`` (global indices) in one process, on shards it loads
+    """Teachers ``first``..``last - 1`` of ``source`` in one process, on shards it loads
     itself from ``source`` — in an actor, the private data is read where it stays.
 
-    No Ray here, so a benchmark can also run it in-process. Seeds follow global indices, so
-    the same teacher gets the same seed however the teachers are packed.
+    No Ray here, so a benchmark can also run it in-process. Seeds and checkpoints follow the
+    ensemble-wide index (``teacher_offset`` + index in the source), so the same teacher gets the
+    same seed however the teachers are packed. A source that cannot be read is kept as an
+    error that ``describe`` raises as ``OwnerDataError`` (one line, naming the owner).
 
     With ``source.features`` the shards are kept in that representation only, and ``votes``
     transforms its image inputs the same way before the teachers predict.
@@ -122,27 +175,40 @@ class TeacherGroup:
         train: TrainConfig,
         num_threads: int | None = None,
         checkpoint_dir: str | None = None,
+        teacher_offset: int = 0,
+        standardiser: Standardiser | None = None,
     ) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
-        images = source.load(range(first, last))
-        self.input_shape = images[0].input_shape  # queries are images, whatever the teachers learn on
+        self.owner = source.owner
         self.features = source.features
-        self.shards = [apply_features(shard, self.features) for shard in images]
         self.train_config = train
-        self.first_teacher = first
+        self.first_teacher = teacher_offset + first
         self.model_name = model_name
-        self.num_classes = self.shards[0].num_classes
+        self.standardiser = standardiser
         self.checkpoint_dir = checkpoint_dir
+        self.load_error: str | None = None
+        try:
+            raw = source.load(range(first, last))
+        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
+            self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
+            self.shards, self.models, self.num_classes, self.input_shape = [], [], 0, ()
+            return
+        self.input_shape = raw[0].input_shape  # what queries look like, whatever the teachers learn on
+        self.shards = [apply_features(shard, self.features) for shard in raw]
+        self.num_classes = self.shards[0].num_classes
         self.models: list[torch.nn.Module | None] = [self._load(i) for i in range(len(self.shards))]
         restored = sum(model is not None for model in self.models)
         if restored:
             log.info("teachers %d..%d: %d restored from %s", first, last - 1, restored, checkpoint_dir)
 
-    def data_shape(self) -> tuple[int, tuple[int, ...]]:
-        """(number of classes, shape of one input image): what the pool checks queries against.
-        Describes the data without revealing any of it."""
-        return self.num_classes, self.input_shape
+    def describe(self) -> GroupInfo:
+        """Classes, input shape and node: what the pool checks queries against and records.
+        Describes the data without revealing any of it; raises if the data could not be read."""
+        if self.load_error is not None:
+            raise OwnerDataError(self.load_error)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return GroupInfo(self.num_classes, self.input_shape, node)
 
     def train_teacher(self, local_index: int) -> None:
         """Train one teacher on its own shard (nothing about the training leaves the actor);
@@ -162,11 +228,9 @@ class TeacherGroup:
         self.models[local_index] = model
 
     def _new_model(self, local_index: int) -> torch.nn.Module:
-        shard = self.shards[local_index]
-        _, channels, _, side = shard.x.shape
         seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
-        return build_model(self.model_name, self.num_classes, in_channels=int(channels), seed=seed,
-                           input_size=int(side))
+        return build_model(self.model_name, self.num_classes, input_shape=self.shards[local_index].input_shape,
+                           standardiser=self.standardiser, seed=seed)
 
     def _checkpoint(self, local_index: int) -> str | None:
         if self.checkpoint_dir is None:
@@ -194,7 +258,7 @@ class TeacherGroup:
     def is_trained(self) -> bool:
         """Whether every teacher here can vote. In the actor it runs in its own thread, so the
         aggregator's health probe is answered while a long vote is under way."""
-        return all(model is not None for model in self.models)
+        return self.load_error is None and all(model is not None for model in self.models)
 
     def forget(self) -> None:
         """Delete this group's checkpoints (the pool is shutting down)."""
@@ -212,7 +276,7 @@ class TeacherGroup:
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
         ``inputs`` (in the teachers' representation first, when they learn on features)."""
-        if not self.is_trained():
+        if self.load_error is not None or not self.is_trained():
             raise RuntimeError("teachers must be trained before they vote")
         inputs = features_of(inputs, self.features)
         histogram = np.zeros((len(inputs), self.num_classes), dtype=np.int64)
@@ -230,77 +294,123 @@ class TeacherGroup:
 TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(TeacherGroup)
 
 
-class TeacherPool:
-    """Driver-side handle over the teacher actors; the vote source of the aggregator.
+@dataclass(frozen=True)
+class OwnerShare:
+    """One owner's part of an ensemble: its source, how many teachers (the first
+    ``num_teachers`` of the source's shards), on how many actors, placed where."""
 
-    It holds actor handles, the teachers' packing and the shape of their inputs — never
-    their data: each actor loads its own shards from ``source``. ``neighbouring`` and
-    ``neighbouring_lemma`` say which record-level relation the vote mechanisms' one-vote
-    charges hold for over this ensemble.
+    source: TeacherSource | OwnerSource
+    num_teachers: int
+    num_actors: int = 1
+    placement: Placement = field(default_factory=Placement)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_teachers <= self.source.num_teachers:
+            raise ValueError(f"num_teachers must be in [1, {self.source.num_teachers}], got {self.num_teachers}")
+        if self.num_actors < 1:
+            raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
+
+
+class TeacherPool:
+    """Driver-side handle over the teacher actors of one or more owners; the vote source of
+    the aggregator.
+
+    It holds actor handles, the teachers' packing, the shape of their inputs and the node each
+    owner's actors run on — never their data: each actor loads its own shards from its owner's
+    source, on the node its placement picks. ``neighbouring`` and ``neighbouring_lemma`` say
+    which record-level relation the vote mechanisms' one-vote charges hold for over this
+    ensemble (each record is one owner's, in one shard: one vote).
 
     Args:
-        source: where the teachers' shards come from.
-        num_teachers: how many teachers to train, on the first ``num_teachers`` of
-            ``source``'s shards (all of them in a run; fewer in the benchmark's comparison).
-        model_name: a ``learning.models.build_model`` name.
+        shares: each owner's source, teacher count, actor count and placement.
+        model_name: a ``learning.models.build_model`` name (or ``module:function``).
         train: training settings; ``train.seed`` is the base of every teacher's seed.
-        num_actors: how many Ray actors share the teachers (capped at the number of teachers).
         seed: base seed (replaces ``train.seed`` when given, so one config seed drives a run).
         num_cpus_per_actor: CPUs each actor reserves; also its torch thread count (≥ 1).
         num_gpus: GPU fraction per actor; ``None`` detects: a share of the cluster's GPUs
             when it has any, else 0 (a CPU-only cluster never waits on a GPU request).
         checkpoint_dir: where each actor saves its trained teachers, on its own node
             (default: a fresh directory under the node's temp dir, deleted by ``shutdown``).
+        standardiser: public column statistics for table models.
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
 
     def __init__(
         self,
-        source: TeacherSource,
-        num_teachers: int,
+        shares: Sequence[OwnerShare],
         model_name: str,
         train: TrainConfig,
-        num_actors: int,
         seed: int | None = None,
         num_cpus_per_actor: float = 1.0,
         num_gpus: float | None = None,
         checkpoint_dir: str | None = None,
+        standardiser: Standardiser | None = None,
     ) -> None:
-        if not 1 <= num_teachers <= source.num_teachers:
-            raise ValueError(f"num_teachers must be in [1, {source.num_teachers}], got {num_teachers}")
-        if num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+        if not shares:
+            raise ValueError("an ensemble needs at least one owner")
         if seed is not None:
             train = dataclasses.replace(train, seed=seed)
-        self.num_teachers = num_teachers
-        num_actors = min(num_actors, self.num_teachers)
+        self.num_teachers = sum(share.num_teachers for share in shares)
+        total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
         if num_gpus is None:
-            num_gpus = gpu_share(float(ray.cluster_resources().get("GPU", 0.0)), num_actors)
-        # Contiguous blocks of teachers per actor, sizes differing by at most one.
-        bounds = np.linspace(0, self.num_teachers, num_actors + 1).round().astype(int)
-        self._blocks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            num_gpus = gpu_share(float(ray.cluster_resources().get("GPU", 0.0)), total_actors)
         threads = max(1, math.floor(num_cpus_per_actor))
         self.checkpoint_dir = checkpoint_dir or os.path.join(tempfile.gettempdir(), "conclave-teachers",
                                                              uuid.uuid4().hex)
-        self._actors = [
-            TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus).remote(
-                source, a, b, model_name, train, num_threads=threads, checkpoint_dir=self.checkpoint_dir
-            )
-            for a, b in self._blocks
-        ]
+        self._actors, self._blocks, self._owners = [], [], []
+        offset = 0
+        for share in shares:
+            owner = share.source.owner
+            num_actors = min(share.num_actors, share.num_teachers)
+            options = share.placement.actor_options(num_actors)
+            # A request no node can take would queue forever: one line naming it instead.
+            require_node(f"owner {owner}'s teachers", num_cpus_per_actor, num_gpus,
+                         options.get("resources"), options.get("label_selector"))
+            # Contiguous blocks of teachers per actor, sizes differing by at most one.
+            bounds = np.linspace(0, share.num_teachers, num_actors + 1).round().astype(int)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    self._actors.append(TeacherGroupActor.options(
+                        num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote(
+                        share.source, int(a), int(b), model_name, train, num_threads=threads,
+                        checkpoint_dir=self.checkpoint_dir, teacher_offset=offset, standardiser=standardiser))
+                    self._blocks.append((int(a), int(b)))
+                    self._owners.append(owner)
+            offset += share.num_teachers
         # Waits until every actor has loaded its shards (a missing data file fails here, not
-        # mid-training) and learns the input shape queries must have.
+        # mid-training), learns the input shape queries must have and where each owner runs.
         try:
-            described = ray.get([actor.data_shape.remote() for actor in self._actors])
-        except Exception:
+            described: list[GroupInfo] = ray.get([actor.describe.remote() for actor in self._actors])
+        except ray.exceptions.RayTaskError as err:
             self.shutdown()  # the actors that did start would otherwise hold their CPUs
+            if isinstance(err.cause, OwnerDataError):
+                raise OwnerDataError(str(err.cause)) from None
             raise
-        self.num_classes, self.input_shape = described[0]  # one dataset: the same for every actor
-        log.info(
-            "%d teachers on %d actors (%s CPU, %s GPU each)",
-            self.num_teachers, len(self._actors), num_cpus_per_actor, num_gpus,
-        )
+        except Exception:
+            self.shutdown()
+            raise
+        shapes = {(info.num_classes, info.input_shape) for info in described}
+        if len(shapes) > 1:
+            self.shutdown()
+            found = ", ".join(f"owner {o}: {i.num_classes} classes, inputs {list(i.input_shape)}"
+                              for o, i in zip(self._owners, described))
+            raise OwnerDataError(f"owners' data do not share one input shape and class list ({found})")
+        self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
+        self.placement: dict[str, list[str]] = {}
+        for owner, info in zip(self._owners, described):
+            nodes = self.placement.setdefault(owner, [])
+            if info.node_id not in nodes:
+                nodes.append(info.node_id)
+        log.info("%d teachers of %d owner(s) on %d actors (%s CPU, %s GPU each)", self.num_teachers,
+                 len(shares), len(self._actors), num_cpus_per_actor, num_gpus)
+
+    @classmethod
+    def of_source(cls, source: TeacherSource | OwnerSource, num_teachers: int, model_name: str,
+                  train: TrainConfig, num_actors: int, **kwargs) -> TeacherPool:
+        """The first ``num_teachers`` teachers of one source on ``num_actors`` actors (capped at
+        the number of teachers) anywhere in the cluster."""
+        return cls([OwnerShare(source, num_teachers, num_actors)], model_name, train, **kwargs)
 
     @property
     def num_actors(self) -> int:

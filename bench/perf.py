@@ -307,7 +307,7 @@ def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
     start_ray(num_cpus=2)
 
     def pool() -> tuple[Callable[[], None], Callable[[], None]]:
-        teacher_pool = TeacherPool(source, teachers, model, train, num_actors=2)
+        teacher_pool = TeacherPool.of_source(source, teachers, model, train, num_actors=2)
         return (lambda: teacher_pool.train(progress=False)), teacher_pool.shutdown
 
     def one_process(threads: int) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:

@@ -95,8 +95,8 @@ def _batched(model: nn.Module, x: np.ndarray, batch_size: int,
              fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> np.ndarray:
     """Apply ``fn(model, batch)`` over ``x`` in eval mode without gradients, as float32 numpy."""
     x = np.asarray(x)
-    if x.ndim != 4 or not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"inputs must be a float array [n, C, H, W], got {x.dtype} {x.shape}")
+    if x.ndim not in (2, 4) or not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"inputs must be a float array [n, C, H, W] or [n, d], got {x.dtype} {x.shape}")
     model.eval()
     device = _model_device(model)
     outputs = []

@@ -46,7 +46,7 @@ def teachers(ray_session):
 
     # The whole digits train set in 4 shards (public_size only cuts the test set).
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
-    pool = TeacherPool(
+    pool = TeacherPool.of_source(
         source, 4, "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
         num_actors=1, seed=0, num_cpus_per_actor=0.5,
     )

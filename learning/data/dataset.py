@@ -1,10 +1,11 @@
 """The in-memory dataset type, the private/public/test split, and disjoint teacher shards.
 
-Every source reader returns ``Dataset`` objects in one layout — images as float32
-``[n, C, H, W]`` scaled to [0, 1], labels as int64 ``[n]`` — so models and training code
-never need to know where the data came from. A dataset in a fixed feature representation
-(``learning.data.features``) keeps the layout and names its ``features``; its values need
-only be finite.
+Every source reader returns ``Dataset`` objects in one layout — inputs as float32
+``[n, *input_shape]``: images ``[n, C, H, W]`` scaled to [0, 1], table rows ``[n, d]`` of
+finite numbers — and labels as int64 ``[n]`` (``UNLABELED`` = -1 throughout for a public pool
+without labels), so models and training code never need to know where the data came from.
+A dataset in a fixed feature representation (``learning.data.features``) keeps the layout and
+names its ``features``; its values need only be finite.
 """
 from __future__ import annotations
 
@@ -14,38 +15,42 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 
+UNLABELED = -1  # the label of every example of a pool that has none
+
+
 class DataFormatError(ValueError):
     """A data file exists but does not hold what its format promises (names the file)."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: numpy arrays have no single truth value
 class Dataset:
-    x: np.ndarray  # float32 [n, C, H, W]: images scaled to [0, 1], or features
-    y: np.ndarray  # int64 [n], values in [0, num_classes)
+    x: np.ndarray  # float32 [n, C, H, W]: images scaled to [0, 1], or features; [n, d]: table rows
+    y: np.ndarray  # int64 [n], values in [0, num_classes), or all UNLABELED
     num_classes: int
     name: str
     features: str | None = None  # the representation of x; None: images
 
     def __post_init__(self) -> None:
-        if not isinstance(self.x, np.ndarray) or self.x.dtype != np.float32 or self.x.ndim != 4:
-            raise ValueError(f"{self.name}: x must be a float32 array [n, C, H, W], got "
+        if not isinstance(self.x, np.ndarray) or self.x.dtype != np.float32 or self.x.ndim not in (2, 4):
+            raise ValueError(f"{self.name}: x must be a float32 array [n, C, H, W] or [n, d], got "
                              f"{getattr(self.x, 'dtype', type(self.x))} {getattr(self.x, 'shape', '')}")
         if not isinstance(self.y, np.ndarray) or self.y.dtype != np.int64 or self.y.ndim != 1:
             raise ValueError(f"{self.name}: y must be an int64 array [n], got "
                              f"{getattr(self.y, 'dtype', type(self.y))} {getattr(self.y, 'shape', '')}")
         # NaN fails both comparisons, so this also rejects non-finite pixels
-        if self.features is None and self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
+        if self.is_image and self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
             raise ValueError(f"{self.name}: pixel values must be finite and in [0, 1], "
                              f"got [{self.x.min()}, {self.x.max()}]")
-        if self.features is not None and not np.isfinite(self.x).all():
-            raise ValueError(f"{self.name}: {self.features} features must be finite")
+        if not self.is_image and not np.isfinite(self.x).all():
+            raise ValueError(f"{self.name}: {f'{self.features} features' if self.features else 'table values'} "
+                             "must be finite")
         if len(self.x) != len(self.y):
             raise ValueError(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
         if self.num_classes < 1:
             raise ValueError(f"{self.name}: num_classes must be positive, got {self.num_classes}")
-        if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
-            raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}), "
-                             f"got [{self.y.min()}, {self.y.max()}]")
+        if len(self.y) and not self.unlabeled and (self.y.min() < 0 or self.y.max() >= self.num_classes):
+            raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}) (or all be "
+                             f"UNLABELED), got [{self.y.min()}, {self.y.max()}]")
 
     def __len__(self) -> int:
         return len(self.y)
@@ -57,8 +62,18 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one example, (C, H, W)."""
+        """Shape of one example: (C, H, W) for images and features, (d,) for table rows."""
         return tuple(self.x.shape[1:])
+
+    @property
+    def is_image(self) -> bool:
+        """Pixels in [0, 1] (not a table, not a feature representation)."""
+        return self.features is None and self.x.ndim == 4
+
+    @property
+    def unlabeled(self) -> bool:
+        """A pool without labels: every label is ``UNLABELED``."""
+        return bool(len(self.y)) and bool((self.y == UNLABELED).all())
 
     def subset(self, indices: np.ndarray | list[int], name: str | None = None) -> Dataset:
         """The examples at ``indices`` (copied, in that order)."""

@@ -237,7 +237,7 @@ def test_tls_and_mutual_tls(teachers, public, tmp_path):
 
 def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retraining(ray_session, public, tmp_path):
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
-    pool = TeacherPool(source, 4, "digits_cnn", TrainConfig(epochs=1, batch_size=32, lr=1e-2), num_actors=2,
+    pool = TeacherPool.of_source(source, 4, "digits_cnn", TrainConfig(epochs=1, batch_size=32, lr=1e-2), num_actors=2,
                        seed=0, num_cpus_per_actor=0.25, checkpoint_dir=str(tmp_path / "checkpoints"))
     try:
         pool.train(progress=False)

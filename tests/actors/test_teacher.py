@@ -31,7 +31,7 @@ def digits():
 @pytest.fixture(scope="module")
 def pool(ray_session, digits):
     _, source = digits
-    pool = TeacherPool(source, 5, "digits_cnn", TRAIN, num_actors=2, seed=3, num_cpus_per_actor=0.5)
+    pool = TeacherPool.of_source(source, 5, "digits_cnn", TRAIN, num_actors=2, seed=3, num_cpus_per_actor=0.5)
     pool.train(progress=False)
     yield pool
     pool.shutdown()
@@ -84,7 +84,7 @@ def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch)
 
     monkeypatch.setattr(TeacherSource, "load", tripwire)
     monkeypatch.setattr(learning.data, "load_dataset", tripwire)
-    pool = TeacherPool(source, 3, "digits_cnn", dataclasses.replace(TRAIN, epochs=2), num_actors=2,
+    pool = TeacherPool.of_source(source, 3, "digits_cnn", dataclasses.replace(TRAIN, epochs=2), num_actors=2,
                        num_cpus_per_actor=0.5)
     try:
         assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
@@ -100,14 +100,15 @@ def test_a_group_keeps_its_shards_as_features_and_reports_the_image_shape(digits
     _, source = digits
     group = TeacherGroup(dataclasses.replace(source, features="scattering"), 0, 2, "scatternet_cnn", TRAIN)
     assert [shard.input_shape for shard in group.shards] == [(81, 2, 2)] * 2  # 81 maps of 8/4 × 8/4
-    assert group.data_shape() == (10, (1, 8, 8))
+    info = group.describe()
+    assert (info.num_classes, info.input_shape) == (10, (1, 8, 8))
 
 
 def test_teachers_on_scattering_features_take_images(ray_session, digits, tmp_path):
     """Each actor computes the features of its shards and of every query itself, so the pool
     takes images, reports the image shape, and the aggregator validates images against it."""
     splits, source = digits
-    pool = TeacherPool(dataclasses.replace(source, features="scattering"), 3, "scatternet_cnn",
+    pool = TeacherPool.of_source(dataclasses.replace(source, features="scattering"), 3, "scatternet_cnn",
                        dataclasses.replace(TRAIN, epochs=15), num_actors=2, num_cpus_per_actor=0.5)
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", 1e-5)
     server = AggregatorServer(pool, build_mechanism("gnmax", sigma=1.0), ledger, pool.input_shape,
@@ -204,7 +205,7 @@ def test_gpu_requests_only_when_the_cluster_has_gpus():
 
 def test_more_actors_than_teachers_is_capped(ray_session, digits):
     _, source = digits
-    pool = TeacherPool(source, 2, "digits_cnn", TRAIN, num_actors=8, num_cpus_per_actor=0.25)
+    pool = TeacherPool.of_source(source, 2, "digits_cnn", TRAIN, num_actors=8, num_cpus_per_actor=0.25)
     try:
         assert pool.num_actors == 2
     finally:
@@ -215,4 +216,4 @@ def test_more_actors_than_teachers_is_capped(ray_session, digits):
 def test_a_pool_trains_only_teachers_its_source_has(digits, count):
     _, source = digits
     with pytest.raises(ValueError, match="num_teachers"):
-        TeacherPool(source, count, "digits_cnn", TRAIN, num_actors=1)
+        TeacherPool.of_source(source, count, "digits_cnn", TRAIN, num_actors=1)

@@ -1,0 +1,69 @@
+"""What a query must look like, and how table inputs are scaled — both from public data only.
+
+``InputSchema`` is the contract the aggregator checks every request against (shape, and the
+value range where the inputs have one: images in [0, 1]); teachers, student and outside
+clients share it. ``Standardiser`` centres and scales table columns with statistics of the
+*public* pool (or given in the config): computing them from an owner's records would be a
+release of private data without a mechanism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from learning.data.dataset import Dataset
+
+
+@dataclass(frozen=True)
+class InputSchema:
+    """One example's shape and, where the inputs have one, its value range (inclusive)."""
+
+    shape: tuple[int, ...]
+    kind: str = "image"  # image | table | features
+    low: float | None = 0.0
+    high: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(int(d) < 1 for d in self.shape):
+            raise ValueError(f"input shape must be non-empty and positive, got {self.shape}")
+
+    @classmethod
+    def of(cls, dataset: Dataset) -> InputSchema:
+        """The schema ``dataset``'s inputs follow (queries are what the student's pool holds)."""
+        shape = tuple(int(d) for d in dataset.input_shape)
+        if dataset.is_image:
+            return cls(shape, "image", 0.0, 1.0)
+        return cls(shape, "table" if dataset.features is None else "features", None, None)
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...]) -> InputSchema:
+        """The schema queries of this shape follow by default: rows [d] are table inputs,
+        anything else images in [0, 1] (teachers on features still take images)."""
+        shape = tuple(int(d) for d in shape)
+        return cls(shape, "table", None, None) if len(shape) == 1 else cls(shape, "image", 0.0, 1.0)
+
+    def describe(self) -> str:
+        bounds = "" if self.low is None else f", values in [{self.low:g}, {self.high:g}]"
+        return f"{self.kind} inputs of shape [batch, {', '.join(map(str, self.shape))}] float32{bounds}"
+
+
+@dataclass(frozen=True, eq=False)
+class Standardiser:
+    """Per-column ``(x - mean) / scale`` for table models; statistics of public data only."""
+
+    mean: np.ndarray  # float32 [d]
+    scale: np.ndarray  # float32 [d], > 0
+
+    @classmethod
+    def of_public(cls, public: Dataset) -> Standardiser:
+        """Column statistics of the public pool (a constant column gets scale 1)."""
+        if public.x.ndim != 2:
+            raise ValueError(f"a standardiser is for table rows [n, d], got {public.x.shape}")
+        mean = public.x.mean(axis=0, dtype=np.float64)
+        scale = public.x.std(axis=0, dtype=np.float64)
+        return cls(mean.astype(np.float32), np.where(scale > 0, scale, 1.0).astype(np.float32))
+
+    def __post_init__(self) -> None:
+        if self.mean.shape != self.scale.shape or self.mean.ndim != 1 or not (self.scale > 0).all():
+            raise ValueError("standardiser: mean and scale must be [d] arrays with scale > 0")

@@ -1,0 +1,67 @@
+"""Models for table rows ``[n, d]``: logistic regression and a small MLP.
+
+Both start with a fixed ``Standardise`` layer whose statistics come from public data
+(``learning.data.schema.Standardiser``), so clients send raw column values and nothing about
+an owner's records is baked into the model's input scaling. The layer has buffers, no
+parameters: DP-SGD and the optimiser never touch it.
+"""
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+
+from learning.data.schema import Standardiser
+
+
+class Standardise(nn.Module):
+    def __init__(self, width: int, standardiser: Standardiser | None) -> None:
+        super().__init__()
+        mean = torch.zeros(width) if standardiser is None else torch.from_numpy(standardiser.mean)
+        scale = torch.ones(width) if standardiser is None else torch.from_numpy(standardiser.scale)
+        if mean.shape != (width,):
+            raise ValueError(f"standardiser has {mean.shape[0]} columns, the inputs {width}")
+        self.register_buffer("mean", mean.float().clone())
+        self.register_buffer("scale", scale.float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.scale
+
+
+class TableModel(nn.Module):
+    """``features`` (standardise, hidden layers) then ``classifier`` (the last Linear)."""
+
+    def __init__(self, features: nn.Module, classifier: nn.Linear) -> None:
+        super().__init__()
+        self.features = features
+        self.classifier = classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _width(input_shape: tuple[int, ...]) -> int:
+    if len(input_shape) != 1:
+        raise ValueError(f"table models take rows [n, d]; got inputs of shape {list(input_shape)}")
+    return int(input_shape[0])
+
+
+def mlp(num_classes: int, in_channels: int = 1, *, input_shape: tuple[int, ...],
+        standardiser: Standardiser | None = None, hidden: int = 64) -> TableModel:
+    """Two hidden layers of ``hidden`` tanh units (tanh: bounded activations suit DP-SGD)."""
+    width = _width(input_shape)
+    features = nn.Sequential(Standardise(width, standardiser), nn.Linear(width, hidden), nn.Tanh(),
+                             nn.Linear(hidden, hidden), nn.Tanh())
+    return TableModel(features, nn.Linear(hidden, num_classes))
+
+
+def logistic_regression(num_classes: int, in_channels: int = 1, *, input_shape: tuple[int, ...],
+                        standardiser: Standardiser | None = None) -> TableModel:
+    """Multinomial logistic regression on the standardised columns."""
+    width = _width(input_shape)
+    model = TableModel(Standardise(width, standardiser), nn.Linear(width, num_classes))
+    nn.init.zeros_(model.classifier.weight)  # the convex problem needs no symmetry breaking
+    nn.init.zeros_(model.classifier.bias)
+    return model
+
+
