@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import ray
-
 
 class PlacementError(RuntimeError):
     """No node of the cluster can ever take an actor (the message names the missing resource)."""
@@ -50,6 +48,8 @@ def _share(amount: float, parts: int) -> float:
 def require_node(what: str, cpus: float = 0.0, gpus: float = 0.0, resources: dict[str, float] | None = None,
                  labels: dict[str, str] | None = None) -> None:
     """Raise ``PlacementError`` unless some alive node has (in total) what ``what`` asks for."""
+    import ray  # here: a config that names a placement loads without Ray
+
     wanted = {"CPU": cpus, "GPU": gpus, **(resources or {})}
     wanted = {k: v for k, v in wanted.items() if v > 0}
     nodes = [n for n in ray.nodes() if n.get("Alive")]

@@ -358,15 +358,17 @@ class TeacherPool:
         threads = max(1, math.floor(num_cpus_per_actor))
         self.checkpoint_dir = checkpoint_dir or os.path.join(tempfile.gettempdir(), "conclave-teachers",
                                                              uuid.uuid4().hex)
-        self._actors, self._blocks, self._owners = [], [], []
-        offset = 0
-        for share in shares:
-            owner = share.source.owner
+        plans = []
+        for share in shares:  # every placement checked before any actor starts
             num_actors = min(share.num_actors, share.num_teachers)
             options = share.placement.actor_options(num_actors)
             # A request no node can take would queue forever: one line naming it instead.
-            require_node(f"owner {owner}'s teachers", num_cpus_per_actor, num_gpus,
+            require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus,
                          options.get("resources"), options.get("label_selector"))
+            plans.append((share, num_actors, options))
+        self._actors, self._blocks, self._owners = [], [], []
+        offset = 0
+        for share, num_actors, options in plans:
             # Contiguous blocks of teachers per actor, sizes differing by at most one.
             bounds = np.linspace(0, share.num_teachers, num_actors + 1).round().astype(int)
             for a, b in zip(bounds[:-1], bounds[1:]):
@@ -376,7 +378,7 @@ class TeacherPool:
                         share.source, int(a), int(b), model_name, train, num_threads=threads,
                         checkpoint_dir=self.checkpoint_dir, teacher_offset=offset, standardiser=standardiser))
                     self._blocks.append((int(a), int(b)))
-                    self._owners.append(owner)
+                    self._owners.append(share.source.owner)
             offset += share.num_teachers
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.

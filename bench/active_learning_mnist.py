@@ -109,10 +109,8 @@ def main() -> int:
     for key, run_config in (("clean", config), ("polluted", polluted)):
         log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
-        summary = run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
-        folder = runs_dir / run_config.name
-        metrics = json.loads((folder / "metrics.json").read_text())
-        privacy = json.loads((folder / "privacy.json").read_text())
+        outcome = run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
+        summary, metrics, privacy = outcome.summary, outcome.metrics, outcome.privacy
         report["runs"][key] = {
             "seconds": round(time.perf_counter() - started, 1), "summary": summary,
             "dp_checkpoints": [{k: c[k] for k in ("epoch", "epsilon", "test_accuracy")} for c in metrics["checkpoints"]],

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.config import load_yaml  # noqa: E402
 from cluster.pipelines.teacher_student import (  # noqa: E402
-    Config, Teachers, TrainingConfig, student_splits, teach_student, teacher_pool, teacher_source,
-    train_teachers,
+    Config, Ensemble, TrainingConfig, public_data, teach_student, teacher_pool, teacher_source, train_teachers,
 )
+from cluster.pipelines import RunOutcome  # noqa: E402
 from cluster.results import RunDirectory  # noqa: E402
 from cluster.run_command import load_run_config  # noqa: E402
 
@@ -99,9 +99,8 @@ def teacher_key(config: Config) -> tuple:
     return (config.seed, config.data, config.teachers)
 
 
-def run_summary(name: str, config: Config, results: RunDirectory) -> dict:
-    metrics = json.loads((results.path / "metrics.json").read_text())
-    privacy = json.loads((results.path / "privacy.json").read_text())
+def run_summary(name: str, config: Config, outcome: RunOutcome) -> dict:
+    metrics, privacy = outcome.metrics, outcome.privacy
     guarantee = privacy["guarantee"]
     return {
         "teachers": config.teachers.count,
@@ -123,7 +122,7 @@ def run_summary(name: str, config: Config, results: RunDirectory) -> dict:
     }
 
 
-def clean_votes(teachers: Teachers, asked: int) -> dict:
+def clean_votes(teachers: Ensemble, asked: int) -> dict:
     """NON-PRIVATE DIAGNOSTIC: the noiseless plurality on the first ``asked`` pool inputs.
 
     Read straight from the teachers' votes, without a mechanism: for the operator of a
@@ -151,15 +150,15 @@ def individual_teachers(config: Config, splits, count: int = 10) -> dict:
     return {"teachers": count, "mean": float(np.mean(accuracies)), "min": min(accuracies), "max": max(accuracies)}
 
 
-def pool_of(config: Config, splits, count: int) -> tuple[Teachers, float]:
+def pool_of(config: Config, public, count: int) -> tuple[Ensemble, float]:
     """A Ray pool of the first ``count`` teachers, packed and trained as ``train_teachers``
     does; also the seconds its actors took to start and load their shards (so training speed
     can be compared warm)."""
     started = time.perf_counter()
-    pool = teacher_pool(config, count)
+    pool = teacher_pool(config, public, count)
     up = time.perf_counter()
     pool.train()
-    return Teachers(splits, pool, time.perf_counter() - up), up - started
+    return Ensemble(public, pool, time.perf_counter() - up), up - started
 
 
 def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
@@ -171,7 +170,7 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     """
     from actors.teacher import TeacherGroup
 
-    compared, startup = pool_of(config, student_splits(config), count)
+    compared, startup = pool_of(config, public_data(config), count)
     one_process: dict[int, float] = {}
     for threads in sorted({1, compared.pool.num_actors}):
         group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
@@ -290,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in names:
                 results = RunDirectory(run_root, name)
-                teach_student(configs[name], teachers, results)
-                out["runs"][name] = run_summary(name, configs[name], results)
+                out["runs"][name] = run_summary(name, configs[name], teach_student(configs[name], teachers, results))
                 diagnostics[name] = clean_votes(teachers, out["runs"][name]["queries_asked"])
                 save()
         finally:

@@ -43,16 +43,21 @@ def keep_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False  # already read at import time in this process
 
 
-def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None) -> None:
+def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None,
+              resources: dict[str, float] | None = None, runtime_env: dict | None = None) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster
-    (after stopping what an earlier, killed driver left running)."""
+    (after stopping what an earlier, killed driver left running) whose one node declares
+    ``resources`` (the owners' placements, so an owners config runs on one machine).
+    ``runtime_env``: Ray's, for every worker of this driver (e.g. ``py_modules`` with a user's
+    model). Returns whether the Ray in use is the embedded one."""
+    global _started_here
     if ray.is_initialized():
-        return
+        return _started_here
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, logging_level=logging.WARNING)
-        return
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env or None)
+        return False
     keep_ray_on_loopback()
     kwargs: dict = {
         "include_dashboard": False,
@@ -63,13 +68,17 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
         kwargs["num_cpus"] = num_cpus
     if temp_dir is not None:
         kwargs["_temp_dir"] = temp_dir
+    if resources:
+        kwargs["resources"] = dict(resources)
+    if runtime_env:
+        kwargs["runtime_env"] = dict(runtime_env)
     reclaim_orphaned_ray()
     log.info("starting embedded Ray on %s", LOOPBACK)
     ray.init(address="local", **kwargs)
-    global _started_here
     _started_here = True
     record_ray_processes()
     atexit.register(_forget_record)
+    return True
 
 
 def _records_dir() -> Path:

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from actors.placement import PlacementError
 from cluster.config import ConfigError, from_dict, load_yaml
 from cluster.pipelines import RunContext, pipeline_module
 from cluster.results import RunDirectory
@@ -44,13 +45,21 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
+    module = pipeline_module(pipeline)
+    try:  # what the driver can check without Ray (its data, models): before anything is recorded
+        config = module.validate(config) if hasattr(module, "validate") else config
+    except ConfigError as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
     results = RunDirectory(args.results_dir, run_name)
     results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
+    from actors.teacher import OwnerDataError  # here: torch and Ray load only for a run
+
     started = time.perf_counter()
     try:
-        summary = pipeline_module(pipeline).run(config, RunContext(run_name, results, args.address))
-    except ConfigError as err:  # found when the run started reading its data: still the config's fault
+        summary = module.run(config, RunContext(run_name, results, args.address)).summary
+    except (ConfigError, OwnerDataError, PlacementError) as err:  # one line: the config's or an owner's data
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - started

@@ -61,7 +61,11 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
 
-    from cluster.pipelines.teacher_student import checked_splits, server_settings, start_aggregator, train_teachers
+    from actors.placement import PlacementError
+    from actors.teacher import OwnerDataError
+    from cluster.pipelines.teacher_student import (
+        checked_public, owner_resources, resolved, server_settings, start_aggregator, train_teachers,
+    )
     from cluster.ray_runtime import record_ray_processes, start_ray
 
     if config.privacy.insecure_noise_seed is not None:
@@ -77,7 +81,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: server: {err}", file=sys.stderr)
         return 2
     try:
-        splits = checked_splits(config)
+        public = checked_public(config)
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
@@ -88,8 +92,13 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     except ValueError as err:  # e.g. the file was created with another budget
         print(f"conclave: {err}", file=sys.stderr)
         return 2
-    start_ray(args.address)
-    teachers = train_teachers(config, splits=splits)
+    config = resolved(config, public)
+    embedded = start_ray(args.address, resources=owner_resources(config), runtime_env=config.runtime_env)
+    try:
+        teachers = train_teachers(config, public=public, embedded=embedded)
+    except (OwnerDataError, PlacementError) as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
     server, address = start_aggregator(config, teachers.pool, ledger, settings)
     guarantee, report = server.guarantee(), ledger.report()

@@ -26,7 +26,6 @@ for everything it could have released.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -126,10 +125,8 @@ def _run_pipeline(raw: dict, directory: str) -> tuple[dict, dict, dict]:
     pipeline, config = load_run_config(raw)
     results = RunDirectory(directory, "run")
     module = pipeline_module(pipeline)
-    module.run(config, RunContext("trial", results, None))
-    metrics = json.loads((results.path / "metrics.json").read_text())
-    privacy = json.loads((results.path / "privacy.json").read_text())
-    return metrics, privacy, charge_fields(module.planned_work(config))
+    outcome = module.run(config, RunContext("trial", results, None))
+    return outcome.metrics, outcome.privacy, charge_fields(module.planned_work(config))
 
 
 def _pipeline_outside_trial(raw: dict, trial_dir: Path) -> tuple[dict, dict, PrivacyCharge]:
@@ -280,14 +277,12 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
 
     once = dataclasses.replace(config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",)))
     run_dir = RunDirectory(results.path, "checkpoint")
-    active_learning.run(once, RunContext("checkpoint", run_dir, None))
+    outcome = active_learning.run(once, RunContext("checkpoint", run_dir, None))
     final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
     with PrivacyLedger.open_existing(run_dir.path / "ledger.sqlite") as ledger:
         charge = ledger.spent()
-    metrics = json.loads((run_dir.path / "metrics.json").read_text())
-    privacy = json.loads((run_dir.path / "privacy.json").read_text())
-    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": privacy["guarantee"]["epsilon"],
-            "accuracy": metrics["checkpoints"][-1]["test_accuracy"], "path": str(final)}
+    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": outcome.privacy["guarantee"]["epsilon"],
+            "accuracy": outcome.metrics["checkpoints"][-1]["test_accuracy"], "path": str(final)}
 
 
 def _prepare_public_model(config: Any, results: RunDirectory):

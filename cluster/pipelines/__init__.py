@@ -1,5 +1,5 @@
 """Pipelines a config can name. Each module exposes ``Config`` (a frozen dataclass),
-``run(config: Config, context: RunContext) -> dict`` returning the run's summary, and
+``run(config: Config, context: RunContext) -> RunOutcome`` (what it wrote, as values), and
 ``planned_work(config) -> PrivacyCharge``: the worst case of what the run will release, from
 public settings only (it fixes the budget's order and is the run's worst-case guarantee)."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from cluster.results import RunDirectory
 from privacy.accounting.charge import PrivacyCharge
@@ -22,6 +23,16 @@ PIPELINES = {
     "active_learning": "cluster.pipelines.active_learning",
     "sparse_finetune": "cluster.pipelines.sparse_finetune",
 }
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a run returns: the short summary the CLI prints, and the metrics and privacy
+    report it wrote to ``metrics.json`` and ``privacy.json`` (so callers need not read them back)."""
+
+    summary: dict[str, Any]
+    metrics: dict[str, Any]
+    privacy: dict[str, Any]
 
 
 @dataclass

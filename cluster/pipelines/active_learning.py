@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cluster.pipelines import PrivacyConfig, RunContext
+from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome
 from learning.data.features import check_features
 from privacy.accounting.charge import PrivacyCharge
 
@@ -284,7 +284,7 @@ def planned_work(config: Config) -> PrivacyCharge:
     return config.planned(training)
 
 
-def run(config: Config, context: RunContext) -> dict:
+def run(config: Config, context: RunContext) -> RunOutcome:
     import torch
 
     from actors.dp_trainer import PrivateSource
@@ -338,9 +338,9 @@ def run(config: Config, context: RunContext) -> dict:
 
     # 4. Evidence.
     context.results.write_json("privacy", privacy)
-    context.results.write_json("metrics", {"checkpoints": checkpoint_rows, "results": rows,
-                                           "public_pool": len(pool_inputs), "out_of_domain": int(out_of_domain.sum()),
-                                           "labels_bought": annotator.bought})
+    metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": len(pool_inputs),
+               "out_of_domain": int(out_of_domain.sum()), "labels_bought": annotator.bought}
+    context.results.write_json("metrics", metrics)
     final_epsilon = checkpoint_rows[-1]["epsilon"]
     curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
     curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
@@ -351,7 +351,7 @@ def run(config: Config, context: RunContext) -> dict:
     for name in sel.strategies:
         last = [r for r in rows if r["strategy"] == name][-1]
         summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
-    return summary
+    return RunOutcome(summary, metrics, privacy)
 
 
 def _epsilon(charges: list, delta: float) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.pipelines import PrivacyConfig
+from cluster.pipelines import PrivacyConfig, RunOutcome
 from learning.sparse import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def planned_work(config: Config):
                         for v in config.finetune.variants], label="planned")
 
 
-def run(config: Config, context) -> dict[str, Any]:
+def run(config: Config, context) -> RunOutcome:
     import ray
 
     from actors.sparse_trainer import PublicModel, SparseTrainerActor, TransferSource
@@ -237,4 +237,4 @@ def run(config: Config, context) -> dict[str, Any]:
     guarantee = privacy["guarantee"]
     summary["guarantee (all variants)"] = (f"ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} "
                                            f"({guarantee['basis']}){'' if privacy['sound'] else ', NOT SOUND'}")
-    return summary
+    return RunOutcome(summary, metrics, privacy)

@@ -28,19 +28,21 @@ budget of ε = 4, a FixMatch student (about a minute on 2 CPUs).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
-import secrets
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.pipelines import PrivacyConfig
-from learning.data.dataset import SHARD_LEMMA
+from actors.placement import Placement
+from cluster.pipelines import PrivacyConfig, RunOutcome
+from learning.data.dataset import SHARD_LEMMA, StudentSplits
+from learning.data.schema import InputSchema, Standardiser
 from learning.data.features import check_features
+from learning.data.sources import DataSource
 from learning.selection import QuerySelection
 from learning.semi_supervised import FixMatchConfig
 from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
@@ -49,8 +51,7 @@ from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import build_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
-    from actors.teacher import TeacherPool, TeacherSource
-    from learning.data import StudentSplits
+    from actors.teacher import OwnerShare, TeacherPool, TeacherSource
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,38 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class OwnerConfig:
+    """One data owner: its data (a path on its own node), its teachers, and where they run.
+
+    ``resources``: Ray custom resources its node declares (``ray start --resources``); its
+    actors split the amounts. ``labels``: node labels its node carries (``ray start
+    --labels``). On the embedded local Ray every owner's resources are granted to the one
+    node and labels are not used, so the same config runs on one machine.
+    """
+
+    name: str
+    data: DataSource
+    teachers: int = 10
+    actors: int = 1  # Ray actors the owner's teachers are packed into
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
+        if self.teachers < 1 or self.actors < 1:
+            raise ValueError(f"owner {self.name}: teachers and actors must be >= 1")
+        Placement(self.resources, self.labels)  # a bad amount is a config error now
+
+    def placement(self, embedded: bool) -> Placement:
+        return Placement(self.resources, {} if embedded else self.labels)
+
+
+@dataclass(frozen=True)
 class TeachersConfig:
-    count: int = 50
+    count: int = 50  # with owners: the sum of the owners' teachers (leave it out)
     per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
-    model: str = "digits_cnn"
+    model: str | None = None  # None: by the inputs (learning.models.default_model)
     train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=60, batch_size=32, lr=3e-3))
 
     def __post_init__(self) -> None:
@@ -162,7 +191,7 @@ class StudentConfig:
     queries: int = 300  # inputs of the public pool asked, in pool order
     batch_size: int = 50  # inputs per gRPC call
     checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
-    model: str = "digits_cnn"
+    model: str | None = None  # None: by the inputs (learning.models.default_model)
     train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=40, batch_size=32, lr=3e-3))
     # Self-training on the rest of the public pool (free post-processing; actors/student.py):
     # the student's own predictions at least this confident become extra labels. null: off.
@@ -204,6 +233,11 @@ class ServerConfig:
             raise ValueError(f"server.max_batch must be >= 1, got {self.max_batch}")
 
 
+DEFAULT_STUDENT = StudentConfig(batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9))
+# For table inputs FixMatch (image augmentations) does not apply: self-training instead.
+DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=None, pseudo_label_threshold=0.9)
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "demo"
@@ -213,12 +247,22 @@ class Config:
     mechanism: MechanismConfig = field(default_factory=MechanismConfig)
     privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=4.0))
     estimates: EstimatesConfig = field(default_factory=EstimatesConfig)
-    student: StudentConfig = field(default_factory=lambda: StudentConfig(
-        batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9)))
+    student: StudentConfig = field(default_factory=lambda: DEFAULT_STUDENT)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # Owners' own data (instead of ``data``): each owner's source is read only by its actors.
+    owners: tuple[OwnerConfig, ...] = ()
+    public: DataSource | None = None  # the student's pool (labels optional), read by the driver
+    test: DataSource | None = None  # labelled public test data, read by the driver
+    classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
+    # Ray's runtime_env for the run's workers, e.g. {py_modules: [./mypkg]} for a model of your own.
+    runtime_env: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.student.queries > self.data.public_size:
+        if self.owners:
+            self._check_owners()
+        elif self.public is not None or self.test is not None or self.classes is not None:
+            raise ValueError("public, test and classes go with owners (or use the data section alone)")
+        if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
         if self.student.batch_size > self.server.max_batch:
@@ -228,6 +272,26 @@ class Config:
             raise ValueError("mechanism nzc has no finite DP guarantee, so no budget can gate it: "
                              "set privacy.budget to null (the run records its spend and reports it unbounded)")
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
+
+    def _check_owners(self) -> None:
+        if self.public is None or self.test is None:
+            raise ValueError("owners need a public pool and a test set: give public and test sources")
+        if self.test.label is None:
+            raise ValueError("test: name its label (column, key or file): the student is evaluated on it")
+        names = [owner.name for owner in self.owners]
+        if len(set(names)) != len(names):
+            raise ValueError(f"owner names must be distinct, got {names}")
+        if dataclasses.replace(self.data, features=None) != DataConfig():
+            raise ValueError("with owners, the data section may only set features (the sources say the rest)")
+        if self.teachers.count not in (TeachersConfig.count, self.num_teachers):
+            raise ValueError(f"teachers.count ({self.teachers.count}) disagrees with the owners' teachers "
+                             f"({self.num_teachers}): leave it out")
+        if self.classes is not None and len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"classes must be distinct, got {list(self.classes)}")
+
+    @property
+    def num_teachers(self) -> int:
+        return sum(owner.teachers for owner in self.owners) if self.owners else self.teachers.count
 
     def smooth_sensitivity(self) -> SmoothSensitivityParameters | None:
         return self.estimates.parameters(self.mechanism.build(), self.student.queries, self.privacy.delta)
@@ -242,50 +306,137 @@ class Config:
 # --- phases -----------------------------------------------------------------------------
 
 
-@dataclass
-class Teachers:
-    """Trained teachers and the student's splits of the same data (the private split stays
-    with the teacher actors)."""
+@dataclass(frozen=True, eq=False)
+class PublicData:
+    """What the driver holds: the student's pool and the test split (public data only), the
+    class list, the query schema, and for tables the public column statistics."""
 
     splits: StudentSplits
-    pool: Any
+    classes: tuple[str, ...]
+    schema: InputSchema
+    standardiser: Standardiser | None
+
+    @classmethod
+    def of(cls, splits: StudentSplits, classes: tuple[str, ...]) -> PublicData:
+        schema = InputSchema.of(splits.public)
+        standardiser = Standardiser.of_public(splits.public) if schema.kind == "table" else None
+        return cls(splits, classes, schema, standardiser)
+
+
+@dataclass
+class Ensemble:
+    """Trained teachers (``pool``, the aggregator's vote source) and the driver's public data;
+    the private data stays with the teacher actors, on their owners' nodes. A context manager:
+    leaving it stops the actors."""
+
+    public: PublicData
+    pool: TeacherPool
     seconds: float
 
+    @property
+    def splits(self) -> StudentSplits:
+        return self.public.splits
 
-def train_teachers(config: Config, progress: bool = True, splits: StudentSplits | None = None) -> Teachers:
-    """Train the teachers on Ray actors, which read their own shards (Ray must be running);
-    ``splits``: the driver's public and test data, when already loaded (``checked_splits``)."""
-    splits = splits if splits is not None else student_splits(config)
+    @property
+    def nodes(self) -> dict[str, list[str]]:
+        """Owner → the Ray node ids its teachers run on."""
+        return self.pool.placement
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+    def __enter__(self) -> Ensemble:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def train_teachers(config: Config, progress: bool = True, public: PublicData | None = None,
+                   embedded: bool = True) -> Ensemble:
+    """Train the teachers on Ray actors, which read their own data (Ray must be running);
+    ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
+    whether this is the embedded one-node Ray (owners' node labels are then not used)."""
+    public = public if public is not None else public_data(config)
     started = time.perf_counter()
-    pool = teacher_pool(config)
-    pool.train(progress=progress)
+    pool = teacher_pool(config, public, embedded=embedded)
+    try:
+        pool.train(progress=progress)
+    except BaseException:
+        pool.shutdown()
+        raise
     seconds = time.perf_counter() - started
     log.info("teachers: %d trained on %d actors in %.1f s", pool.num_teachers, pool.num_actors, seconds)
-    return Teachers(splits, pool, seconds)
+    return Ensemble(public, pool, seconds)
 
 
 def student_splits(config: Config) -> StudentSplits:
-    """The public pool and the test split, all of the data the driver keeps. Reading the
-    files loads the training set too, but the private split is dropped here, unsharded."""
+    """The public pool and the test split of the ``data`` section's benchmark, all of the data
+    the driver keeps. Reading the files loads the training set too, but the private split is
+    dropped here, unsharded."""
     from learning.data import make_splits
 
     return make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
                        seed=config.seed, private_size=config.data.private_size).student_side()
 
 
-def checked_splits(config: Config) -> StudentSplits:
+def public_data(config: Config) -> PublicData:
+    """The driver's data: the benchmark's public side, or the config's ``public`` and ``test``
+    sources (never an owner's: those are read by the owners' actors only)."""
+    if not config.owners:
+        splits = student_splits(config)
+        return PublicData.of(splits, tuple(str(c) for c in range(splits.test.num_classes)))
+    from learning.data.sources import class_names
+
+    classes = config.classes or class_names(config.test.read_raw().labels)
+    splits = StudentSplits(public=config.public.read(classes, "public"), test=config.test.read(classes, "test"))
+    if splits.public.input_shape != splits.test.input_shape:
+        raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
+                         f"{list(splits.test.input_shape)} differ in shape")
+    if config.student.queries > len(splits.public):
+        raise ValueError(f"student.queries ({config.student.queries}) exceeds the public pool "
+                         f"({len(splits.public)} inputs)")
+    return PublicData.of(splits, classes)
+
+
+def checked_public(config: Config) -> PublicData:
     """The driver's data, loaded before Ray starts: a missing file, a bad format or a size the
-    dataset cannot satisfy is a one-line ``ConfigError`` now, not a traceback after start-up."""
+    data cannot satisfy is a one-line ``ConfigError`` now, not a traceback after start-up."""
     from cluster.config import ConfigError
 
     try:
-        return student_splits(config)
+        public = public_data(config)
+        resolved(config, public)  # the models and the student fit these inputs
     except (ValueError, OSError) as err:
-        raise ConfigError(f"data: {err}") from err
+        where = "data" if not config.owners else "public/test"
+        raise ConfigError(f"{where}: {err}") from err
+    return public
+
+
+def resolved(config: Config, public: PublicData) -> Config:
+    """``config`` with what it left to the inputs filled in: the models, and for table inputs
+    a student without FixMatch (its augmentations are for images)."""
+    from learning.models import default_model, factory_of
+
+    kind = "features" if config.data.features else public.schema.kind
+    teacher_model = config.teachers.model or ("scatternet_cnn" if kind == "features"
+                                              else default_model(public.schema.shape, kind))
+    student_model = config.student.model or teacher_model
+    for model in (teacher_model, student_model):
+        factory_of(model)  # an unknown name fails now; a user's factory must import here too
+    student = config.student
+    if kind == "table" and student.semi_supervised is not None:
+        if student != DEFAULT_STUDENT:
+            raise ValueError("student.semi_supervised (FixMatch) augments images; for table inputs "
+                             "use pseudo_label_threshold or neither")
+        student = DEFAULT_TABLE_STUDENT
+    return dataclasses.replace(config, teachers=dataclasses.replace(config.teachers, model=teacher_model),
+                               student=dataclasses.replace(student, model=student_model))
 
 
 def teacher_source(config: Config) -> TeacherSource:
-    """The spec of the teachers' private shards, which only the teacher actors load."""
+    """The spec of the teachers' private shards of the ``data`` section's benchmark, which only
+    the teacher actors load."""
     from actors.teacher import TeacherSource
 
     return TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
@@ -293,22 +444,42 @@ def teacher_source(config: Config) -> TeacherSource:
                          private_size=config.data.private_size, features=config.data.features)
 
 
-def teacher_pool(config: Config, num_teachers: int | None = None) -> TeacherPool:
-    """Untrained teacher actors, packed as ``config.teachers`` says: all ``teachers.count``
-    teachers, or the first ``num_teachers`` of them (the benchmark compares a few)."""
+def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_actors: int) -> list[OwnerShare]:
+    """Each owner's source, teachers, actors and placement (the benchmark: one share of
+    ``num_actors`` actors, anywhere)."""
+    from actors.teacher import OwnerShare, OwnerSource
+
+    if not config.owners:
+        return [OwnerShare(teacher_source(config), config.teachers.count, num_actors)]
+    # A relative path is the launching directory's (on a cluster, give owners absolute paths).
+    here = os.getcwd()
+    return [OwnerShare(OwnerSource(owner.name, owner.data.anchored(here), owner.teachers, classes, config.seed,
+                                   config.data.features), owner.teachers, owner.actors, owner.placement(embedded))
+            for owner in config.owners]
+
+
+def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = None,
+                 embedded: bool = True) -> TeacherPool:
+    """Untrained teacher actors: the owners' on their nodes, or the benchmark's packed as
+    ``config.teachers`` says (all ``teachers.count``, or the first ``num_teachers`` of them:
+    the benchmark compares a few). Teachers reserve half the CPUs; the student (and the
+    aggregator in the driver) the rest."""
     import ray
 
-    from actors.teacher import TeacherPool
+    from actors.teacher import OwnerShare, TeacherPool
 
-    count = config.teachers.count if num_teachers is None else num_teachers
+    config = resolved(config, public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    count = config.teachers.count if num_teachers is None else num_teachers
     per_actor = config.teachers.per_actor
-    num_actors = math.ceil(count / per_actor) if per_actor else max(1, int(cpus))
-    num_actors = min(num_actors, count)
-    # Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
-    return TeacherPool(teacher_source(config), count, config.teachers.model,
-                       config.teachers.train.with_seed(config.seed), num_actors=num_actors, seed=config.seed,
-                       num_cpus_per_actor=max(cpus / 2, 0.01) / num_actors)
+    num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
+    shares = owner_shares(config, public.classes, embedded, num_actors)
+    if num_teachers is not None and not config.owners:
+        shares = [OwnerShare(shares[0].source, count, num_actors)]
+    total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
+    return TeacherPool(shares, config.teachers.model, config.teachers.train.with_seed(config.seed),
+                       seed=config.seed, num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors,
+                       standardiser=public.standardiser)
 
 
 def server_settings(config: Config, token: str, **overrides: Any):
@@ -364,107 +535,70 @@ def planned_work(config: Config) -> PrivacyCharge:
     return config.planned()
 
 
-def run(config: Config, context) -> dict[str, Any]:
-    from cluster.ray_runtime import start_ray
-
-    splits = checked_splits(config)
-    start_ray(context.ray_address)
-    teachers = train_teachers(config, splits=splits)
-    try:
-        return teach_student(config, teachers, context.results)
-    finally:
-        teachers.pool.shutdown()
+def validate(config: Config) -> Config:
+    """Everything the driver can check before Ray starts (``ConfigError``, one line): its
+    public data, the models for those inputs. Returns the config with its defaults resolved."""
+    return resolved(config, checked_public(config))
 
 
-def teach_student(config: Config, teachers: Teachers, results) -> dict[str, Any]:
+def owner_resources(config: Config) -> dict[str, float]:
+    """The custom resources the owners' placements name: granted to the embedded local node,
+    so an owners config runs on one machine unchanged."""
+    granted: dict[str, float] = {}
+    for owner in config.owners:
+        for name, amount in owner.resources.items():
+            granted[name] = granted.get(name, 0.0) + amount
+    return granted
+
+
+def run(config: Config, context) -> RunOutcome:
+    from cluster import api
+
+    with api.train_ensemble(config, context.ray_address) as ensemble:
+        return teach_student(config, ensemble, context.results)
+
+
+def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     """Serve ``teachers`` over gRPC, let a student actor learn from them, write the results.
 
     Separate from ``run`` so one set of trained teachers can serve several mechanisms
     (the benchmark does this for the three 250-teacher MNIST configs).
     """
-    import ray
+    from cluster import api
 
-    from actors.student import StudentActor
-    from cluster.client import AggregatorClient
-
+    config = resolved(config, teachers.public)
     phases: dict[str, float] = {"train_teachers": teachers.seconds}
-    ledger_path = results.path / "ledger.sqlite"
-    for stale in ledger_path.parent.glob(ledger_path.name + "*"):
-        stale.unlink()  # a run accounts for its own releases; serving keeps its ledger instead
-    ledger = config.privacy.open_ledger(ledger_path, config.planned())
-    reserve_estimates(config, ledger)
-    token = secrets.token_urlsafe(24)
-    server, address = start_aggregator(config, teachers.pool, ledger, server_settings(config, token))
-    log.info("aggregator serving on %s", address)
-    try:
-        cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        student_cpus = min(1.0, cpus / 2)
-        student = StudentActor.options(num_cpus=student_cpus).remote(
-            teachers.splits.public, teachers.splits.test, config.student.model,
-            config.student.train.with_seed(config.seed),
-            # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
-            functools.partial(AggregatorClient, address, token, retry_unavailable=300.0),
-            num_threads=max(1, int(student_cpus)), features=config.data.features,
-            pseudo_label_threshold=config.student.pseudo_label_threshold,
-            semi_supervised=config.student.semi_supervised, selection=config.student.selection,
-        )
-        queried = _query_with_progress(student, config.student)
-        phases["query"] = queried["query_seconds"]
+    with api.serve(config, teachers, results.path / "ledger.sqlite") as aggregator:
+        student = api.train_student(config, teachers, aggregator)
+        aggregator.stop()
         started = time.perf_counter()
-        curve = ray.get(student.learning_curve.remote())
-        phases["train_student"] = time.perf_counter() - started
-        votes, answered = server.answered_votes()
-        ray.kill(student)  # frees its CPU now, not whenever the handle is collected
-    finally:
-        server.stop()
-
-    teacher_summary = {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors}
-
-    started = time.perf_counter()
-    privacy = privacy_section(config, ledger, votes, answered)
-    ledger.close()
-    phases["privacy_analysis"] = time.perf_counter() - started
-
-    final = curve[-1]
+        privacy = aggregator.privacy_report()
+        phases.update(query=student.query_seconds, train_student=student.train_seconds,
+                      privacy_analysis=time.perf_counter() - started)
     metrics = {
-        "student_accuracy": final["accuracy"],
-        "label_accuracy": queried["label_accuracy"],  # released labels against the public pool's truth
-        "queries_asked": queried["asked"],
-        "queries_answered": queried["answered"],
-        "budget_exhausted": queried["budget_exhausted"],
-        "labels_per_second": queried["labels_per_second"],
-        "teachers": teacher_summary,
-        "curve": curve,
+        "student_accuracy": student.accuracy,
+        "label_accuracy": student.label_accuracy,  # released labels against the pool's truth (None: no labels)
+        "queries_asked": student.asked,
+        "queries_answered": student.answered,
+        "budget_exhausted": student.budget_exhausted,
+        "labels_per_second": student.labels_per_second,
+        "teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
+                     "model": config.teachers.model,
+                     "nodes": teachers.nodes},  # owner → Ray node ids its teachers ran on
+        "curve": student.curve,
         "seconds": phases,
     }
     results.write_json("metrics", metrics)
     results.write_json("privacy", privacy)
-    _plots(results, curve)
-
+    _plots(results, student.curve)
     summary = {
-        "student_accuracy": round(final["accuracy"], 4),
-        "label_accuracy": round(queried["label_accuracy"], 4),
-        "queries_asked": queried["asked"],
-        "queries_answered": queried["answered"],
+        "student_accuracy": round(student.accuracy, 4),
+        "label_accuracy": None if student.label_accuracy is None else round(student.label_accuracy, 4),
+        "queries_asked": student.asked,
+        "queries_answered": student.answered,
         "epsilon": _epsilon_line(config, privacy),
     }
-    return summary
-
-
-def _query_with_progress(student, settings: StudentConfig, batches_per_call: int = 4) -> dict[str, Any]:
-    """Let the student actor query in short stretches so the driver can show a progress bar."""
-    import ray
-    from tqdm import tqdm
-
-    with tqdm(total=settings.queries, desc="student queries", unit="query") as bar:
-        while True:
-            state = ray.get(student.query.remote(settings.queries, settings.batch_size, settings.checkpoints,
-                                                 progress=False, max_batches=batches_per_call))
-            bar.update(state["asked"] - bar.n)
-            if state["asked"] >= settings.queries or state["budget_exhausted"]:
-                break
-    ray.get(student.close.remote())
-    return state
+    return RunOutcome(summary, metrics, privacy)
 
 
 def _epsilon_line(config: Config, privacy: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ owner's actors, on the owner's node. Nothing here opens a file at construction.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,15 @@ class DataSource:
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
         if self.split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {self.split!r}")
+
+    def anchored(self, base: str) -> DataSource:
+        """The same source with relative paths taken from ``base`` (a string operation: no
+        file is touched, so the driver can anchor an owner's path without opening it)."""
+        def anchor(path: str | None) -> str | None:
+            return path if path is None or os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
+
+        label = anchor(self.label) if self.format == "npy" and self.label else self.label
+        return replace(self, path=anchor(self.path), label=label)
 
     @property
     def describes(self) -> str:

@@ -17,12 +17,12 @@ from learning.data.schema import Standardiser
 class Standardise(nn.Module):
     def __init__(self, width: int, standardiser: Standardiser | None) -> None:
         super().__init__()
-        mean = torch.zeros(width) if standardiser is None else torch.from_numpy(standardiser.mean)
-        scale = torch.ones(width) if standardiser is None else torch.from_numpy(standardiser.scale)
+        mean = torch.zeros(width) if standardiser is None else torch.tensor(standardiser.mean)
+        scale = torch.ones(width) if standardiser is None else torch.tensor(standardiser.scale)
         if mean.shape != (width,):
             raise ValueError(f"standardiser has {mean.shape[0]} columns, the inputs {width}")
-        self.register_buffer("mean", mean.float().clone())
-        self.register_buffer("scale", scale.float().clone())
+        self.register_buffer("mean", mean.float())
+        self.register_buffer("scale", scale.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.scale

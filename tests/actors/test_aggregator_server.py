@@ -324,3 +324,21 @@ def test_aggregator_actor_serves_from_inside_ray(teachers, public, tmp_path):
         ray.kill(actor)
     with PrivacyLedger.open_existing(ledger_path) as reopened:
         assert reopened.report().charges == 1 and reopened.report().budget.epsilon == 20.0
+
+
+def test_table_inputs_are_checked_against_their_schema_not_the_pixel_range():
+    from actors.labeller import InvalidInput, decode_inputs
+    from learning.data.schema import InputSchema
+
+    schema = InputSchema.for_shape((3,))
+    rows = np.array([[120.0, -4.5, 1e4], [0.0, 0.0, 0.0]], dtype="<f4")
+    decoded = decode_inputs((2, 3), "float32", rows.tobytes(), schema, max_batch=8)
+    np.testing.assert_array_equal(decoded, rows)
+    with pytest.raises(InvalidInput, match=r"wrong shape \[2, 4\]: inputs must have shape \[batch, 3\]"):
+        decode_inputs((2, 4), "float32", np.zeros((2, 4), "<f4").tobytes(), schema, max_batch=8)
+    rows[1, 2] = np.inf
+    with pytest.raises(InvalidInput, match=r"NaN or infinity \(examples \[1\]\)"):
+        decode_inputs((2, 3), "float32", rows.tobytes(), schema, max_batch=8)
+    bounded = InputSchema((3,), "table", -1.0, 1.0)
+    with pytest.raises(InvalidInput, match=r"values must be in \[-1, 1\] \(examples \[0\]"):
+        decode_inputs((1, 3), "float32", np.array([[2.0, 0, 0]], "<f4").tobytes(), bounded, max_batch=8)

@@ -48,7 +48,7 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
         selection=dataclasses.replace(config.selection, sizes=(20, 40), epsilon_pca=0.2, epsilon_support=0.3),
         finetune=dataclasses.replace(config.finetune, epochs=3),
     )
-    summary = run(config, RunContext("t", RunDirectory(tmp_path, "t")))
+    summary = run(config, RunContext("t", RunDirectory(tmp_path, "t"))).summary
     out = tmp_path / "t"
     metrics = json.loads((out / "metrics.json").read_text())
     privacy = json.loads((out / "privacy.json").read_text())

@@ -34,7 +34,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
                                 target_epsilon=1.0),
     )
     results = RunDirectory(tmp_path, "run")
-    summary = run(config, RunContext("run", results))
+    summary = run(config, RunContext("run", results)).summary
     metrics = json.loads((results.path / "metrics.json").read_text())
     privacy = json.loads((results.path / "privacy.json").read_text())
 

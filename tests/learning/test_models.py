@@ -156,3 +156,29 @@ def test_inference_votes_equal_torch_max_pool(name, channels, size, kwargs):
     x = torch.rand(17, channels, size, size)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_table_models_standardise_with_the_given_public_statistics_and_train_under_dp_sgd():
+    import numpy as np
+
+    from learning.data.schema import Standardiser
+
+    mean, scale = np.array([10.0, -2.0, 0.0], np.float32), np.array([2.0, 0.5, 1.0], np.float32)
+    model = build_model("logistic_regression", 3, input_shape=(3,), standardiser=Standardiser(mean, scale), seed=0)
+    assert torch.allclose(model.features(torch.tensor([[12.0, -2.5, 4.0]])), torch.tensor([[1.0, -1.0, 4.0]]))
+    assert count(model) == linear_params(3, 3)  # the standardiser holds buffers, not parameters
+    mlp = build_model("mlp", 2, input_shape=(3,), seed=0)
+    assert count(mlp) == linear_params(3, 64) + linear_params(64, 64) + linear_params(64, 2)
+    assert ModuleValidator.validate(mlp, strict=False) == []
+    GradSampleModule(mlp)(torch.zeros(4, 3)).sum().backward()  # per-sample gradients: DP-SGD can train it
+    with pytest.raises(ValueError, match=r"table models take rows \[n, d\]"):
+        build_model("mlp", 2, input_shape=(1, 8, 8))
+
+
+def test_a_users_model_by_import_path_gets_the_same_arguments():
+    model = build_model("learning.models.table:logistic_regression", 4, input_shape=(5,), seed=1)
+    assert model(torch.zeros(2, 5)).shape == (2, 4)
+    with pytest.raises(ValueError, match="cannot be imported here"):
+        build_model("no_such_package.models:build", 2, input_shape=(5,))
+    with pytest.raises(ValueError, match="unknown model 'resnet'"):
+        build_model("resnet", 2)

@@ -1,0 +1,218 @@
+"""Owners' own data: the three-hospital CSV example on the embedded Ray and on a three-node
+local cluster, placement by node, the driver never opening an owner's file, one-line errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_yaml
+from cluster.run_command import load_run_config
+from tests.conftest import PROJECT_ROOT
+
+HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
+DATA = PROJECT_ROOT / "examples" / "hospitals" / "data"
+
+
+def hospitals(**changes):
+    _, config = load_run_config(load_yaml(HOSPITALS))
+    return dataclasses.replace(config, **changes)
+
+
+def test_the_example_data_is_what_make_data_writes(tmp_path):
+    """The committed CSVs are reproducible from scikit-learn's bundled data by one command."""
+    subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "make_data.py"),
+                    "--out", str(tmp_path)], check=True, capture_output=True)
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.csv"))
+    assert written == sorted(p.relative_to(DATA) for p in DATA.rglob("*.csv")) and len(written) == 5
+    assert all((tmp_path / p).read_bytes() == (DATA / p).read_bytes() for p in written)
+
+
+@pytest.mark.slow
+def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_reading_owner_files(
+        ray_session, tmp_path, monkeypatch, capsys):
+    from cluster import cli
+
+    opened: list[str] = []
+    # An audit hook sees every open() of this process (the driver); it cannot be removed,
+    # so it only records while this test runs.
+    recording = [True]
+    sys.addaudithook(lambda event, args: opened.append(str(args[0]))
+                     if recording[0] and event == "open" and args else None)
+    monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are relative to where it is run
+    try:
+        code = cli.main(["run", str(HOSPITALS), "--results-dir", str(tmp_path)])
+    finally:
+        recording[0] = False
+    assert code == 0, capsys.readouterr().err
+    owner_files = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
+    assert not owner_files & {str(Path(p).resolve()) for p in opened}
+    assert str((DATA / "public" / "unlabeled.csv").resolve()) in {str(Path(p).resolve()) for p in opened}
+    metrics = json.loads((tmp_path / "hospitals" / "metrics.json").read_text())
+    assert metrics["teachers"]["count"] == 30 and set(metrics["teachers"]["nodes"]) == {
+        "hospital_a", "hospital_b", "hospital_c"}
+    assert metrics["label_accuracy"] is None  # the pool has no labels
+    assert metrics["queries_answered"] > 0 and metrics["student_accuracy"] > 0.8  # majority class: 0.63
+    config = json.loads((tmp_path / "hospitals" / "config.json").read_text())
+    assert config["teachers"]["model"] == config["student"]["model"] == "logistic_regression"
+
+
+@pytest.mark.slow
+def test_each_owners_teachers_run_on_its_own_node_of_a_three_node_cluster(tmp_path):
+    """Head + three owner nodes (``ray.cluster_utils.Cluster`` on loopback), in a process of
+    its own; owners pinned by custom resource and node label."""
+    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
+                          str(HOSPITALS), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["teacher_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
+    assert len(set(result["owner_nodes"].values())) == 3
+    assert result["driver_opened_owner_files"] == []
+    assert any(p.endswith("unlabeled.csv") for p in result["driver_opened_public_files"])  # the hook saw opens
+    assert result["summary"]["queries_answered"] > 0
+    # An owner whose resource no node declares: one line naming it, within seconds.
+    assert "owner hospital_d's teachers: no node of the cluster has" in result["placement_error"]
+    assert "hospital_d=1" in result["placement_error"] and "\n" not in result["placement_error"]
+    assert result["placement_error_seconds"] < 10
+
+
+def test_a_missing_owner_file_is_one_line_naming_the_owner(ray_session, tmp_path):
+    from actors.teacher import OwnerDataError
+    from cluster.pipelines.teacher_student import public_data, teacher_pool
+
+    owners = list(hospitals().owners)
+    owners[1] = dataclasses.replace(owners[1], data=dataclasses.replace(owners[1].data, path=str(tmp_path / "gone.csv")))
+    config = hospitals(owners=tuple(owners), public=hospitals().public.anchored(str(PROJECT_ROOT)),
+                       test=hospitals().test.anchored(str(PROJECT_ROOT)))
+    started = time.perf_counter()
+    with pytest.raises(OwnerDataError) as err:
+        teacher_pool(config, public_data(config))
+    assert str(err.value) == f"owner hospital_b: {tmp_path / 'gone.csv'}: no such file or folder"
+    assert time.perf_counter() - started < 60
+    assert _released(ray_session, "hospital_a")  # the actors that did start were stopped
+
+
+def _released(ray, resource: str, timeout: float = 20.0) -> bool:
+    """Whether the node's whole ``resource`` is free again (Ray frees a killed actor's share
+    asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get(resource) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get(resource) == 1
+
+
+def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, tmp_path):
+    import pandas as pd
+
+    from actors.teacher import OwnerDataError
+    from cluster.pipelines.teacher_student import public_data, teacher_pool
+
+    table = pd.read_csv(DATA / "hospital_c" / "records.csv").drop(columns="worst_area")
+    table.to_csv(tmp_path / "c.csv", index=False)
+    owners = list(hospitals().owners)
+    owners[2] = dataclasses.replace(owners[2], data=dataclasses.replace(owners[2].data, path=str(tmp_path / "c.csv")))
+    config = hospitals(owners=tuple(owners), public=hospitals().public.anchored(str(PROJECT_ROOT)),
+                       test=hospitals().test.anchored(str(PROJECT_ROOT)))
+    with pytest.raises(OwnerDataError, match=r"owner hospital_c: 2 classes, inputs \[29\]"):
+        teacher_pool(config, public_data(config))
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"public": None}, "owners need a public pool and a test set"),
+    ({"classes": ("a", "a")}, "classes must be distinct"),
+])
+def test_an_owners_config_that_cannot_run_is_a_config_error(change, named):
+    with pytest.raises(ValueError, match=named):
+        hospitals(**change)
+
+
+def test_owner_names_and_placements_are_checked_when_the_config_loads():
+    raw = load_yaml(HOSPITALS)
+    raw["owners"][1]["name"] = raw["owners"][0]["name"]
+    with pytest.raises(ConfigError, match="owner names must be distinct"):
+        load_run_config(raw)
+    raw = load_yaml(HOSPITALS)
+    raw["owners"][0]["resources"] = {"CPU": 1}
+    with pytest.raises(ConfigError, match="custom resources"):
+        load_run_config(raw)
+    raw = load_yaml(HOSPITALS)
+    raw["owners"][0]["data"]["format"] = "xlsx"
+    with pytest.raises(ConfigError, match="unknown data format 'xlsx'"):
+        load_run_config(raw)
+
+
+def test_a_public_file_the_driver_cannot_read_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from cluster import cli
+
+    raw = load_yaml(HOSPITALS)
+    raw["test"]["path"] = str(tmp_path / "missing.csv")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(PROJECT_ROOT)
+    was_running = ray.is_initialized()
+    assert cli.main(["run", str(path), "--results-dir", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"conclave: public/test: {tmp_path / 'missing.csv'}: no such file or folder"
+    assert ray.is_initialized() == was_running
+    assert not (tmp_path / "results").exists()  # config.json only after validation
+
+
+def test_table_student_defaults_to_self_training_and_refuses_fixmatch(ray_session):
+    from cluster.pipelines.teacher_student import DEFAULT_STUDENT, FixMatchConfig, public_data, resolved
+
+    config = hospitals(public=hospitals().public.anchored(str(PROJECT_ROOT)),
+                       test=hospitals().test.anchored(str(PROJECT_ROOT)))
+    public = public_data(config)
+    assert public.schema.kind == "table" and public.schema.shape == (30,) and public.classes == ("benign", "malignant")
+    defaulted = resolved(dataclasses.replace(config, student=DEFAULT_STUDENT,
+                                             teachers=dataclasses.replace(config.teachers, model=None)), public)
+    assert defaulted.teachers.model == "mlp" and defaulted.student.semi_supervised is None
+    fixmatch = dataclasses.replace(config.student, semi_supervised=FixMatchConfig(), pseudo_label_threshold=None)
+    with pytest.raises(ValueError, match="FixMatch"):
+        resolved(dataclasses.replace(config, student=fixmatch), public)
+
+
+@pytest.mark.slow
+def test_the_library_example_runs_the_three_owners_without_the_cli():
+    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "library.py")],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("teachers: 30 on nodes {'hospital_a': [")
+    assert lines[1].startswith("student: ") and lines[2].startswith("guarantee: ε = ")
+
+
+@pytest.mark.slow
+def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtime_env(tmp_path):
+    """The factory's package is on the driver's path only (inserted in-process, not through
+    the environment the workers inherit): the teachers and the student can build it only
+    because ``runtime_env.py_modules`` ships it to them."""
+    package = tmp_path / "clinicmodels"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from torch import nn\n"
+        "from learning.models.table import Standardise, TableModel\n\n"
+        "def build(num_classes, in_channels=1, *, input_shape, standardiser=None):\n"
+        "    return TableModel(Standardise(input_shape[0], standardiser), nn.Linear(input_shape[0], num_classes))\n")
+    raw = load_yaml(HOSPITALS)
+    for section in [owner["data"] for owner in raw["owners"]] + [raw["public"], raw["test"]]:
+        section["path"] = str(PROJECT_ROOT / section["path"])
+    raw["teachers"]["model"] = raw["student"]["model"] = "clinicmodels:build"
+    raw["runtime_env"] = {"py_modules": [str(package)]}
+    raw["student"].update(queries=10, checkpoints=[])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    driver = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from cluster.cli import main; "
+              f"sys.exit(main(['run', {str(tmp_path / 'config.yaml')!r}, '--results-dir', {str(tmp_path / 'out')!r}]))")
+    run = subprocess.run([sys.executable, "-c", driver], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "hospitals" / "metrics.json").read_text())
+    assert metrics["teachers"]["model"] == "clinicmodels:build" and metrics["queries_answered"] > 0

@@ -1,0 +1,112 @@
+"""Data sources in each format, written here as small real files, read into one Dataset layout."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from learning.data.dataset import UNLABELED, DataFormatError
+from learning.data.sources import DataSource, class_names
+
+CLASSES = ("cat", "dog", "eel")
+
+
+def table(rows: int = 6) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    return pd.DataFrame({"age": rng.integers(20, 90, rows), "weight": rng.normal(70, 9, rows),
+                         "kind": [CLASSES[i % 3] for i in range(rows)]})
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_table_reads_its_numeric_columns_and_maps_labels_onto_the_class_list(tmp_path, fmt):
+    frame = table()
+    path = tmp_path / f"t.{fmt}"
+    frame.to_csv(path, index=False) if fmt == "csv" else frame.to_parquet(path, index=False)
+    dataset = DataSource(fmt, str(path), label="kind").read(CLASSES)
+    assert dataset.x.dtype == np.float32 and dataset.input_shape == (2,) and not dataset.is_image
+    np.testing.assert_allclose(dataset.x, frame[["age", "weight"]].to_numpy(), rtol=1e-6)
+    assert dataset.y.tolist() == [0, 1, 2, 0, 1, 2] and dataset.num_classes == 3
+    only_age = DataSource(fmt, str(path), label="kind", columns=("age",)).read(CLASSES)
+    assert only_age.input_shape == (1,)
+    unlabeled = DataSource(fmt, str(path), columns=("age", "weight")).read(CLASSES)
+    assert unlabeled.unlabeled and (unlabeled.y == UNLABELED).all()
+
+
+def test_table_errors_name_the_file_and_the_column(tmp_path):
+    frame = table()
+    frame["note"] = "x"
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(DataFormatError, match=r"t.csv: input column\(s\) \['note'\] are not numeric"):
+        DataSource("csv", str(tmp_path / "t.csv"), label="kind").read(CLASSES)
+    with pytest.raises(DataFormatError, match=r"no column\(s\) \['diagnosis'\]"):
+        DataSource("csv", str(tmp_path / "t.csv"), label="diagnosis").read(CLASSES)
+    with pytest.raises(DataFormatError, match=r"label\(s\) 'eel' not among the classes \['cat', 'dog'\]"):
+        DataSource("csv", str(tmp_path / "t.csv"), label="kind", columns=("age",)).read(("cat", "dog"))
+    frame = table()
+    frame.loc[2, "weight"] = np.nan
+    frame.to_csv(tmp_path / "gap.csv", index=False)
+    with pytest.raises(DataFormatError, match=r"column\(s\) \['weight'\] have missing or infinite values"):
+        DataSource("csv", str(tmp_path / "gap.csv"), label="kind").read(CLASSES)
+    (tmp_path / "not.parquet").write_text("a,b\n1,2\n")
+    with pytest.raises(DataFormatError, match="not a readable Parquet file"):
+        DataSource("parquet", str(tmp_path / "not.parquet")).read(CLASSES)
+    with pytest.raises(FileNotFoundError, match="gone.csv: no such file or folder"):
+        DataSource("csv", str(tmp_path / "gone.csv")).read(CLASSES)
+
+
+def test_npz_and_npy_arrays_as_tables_and_as_images(tmp_path):
+    rows = np.arange(12, dtype=np.float64).reshape(4, 3)
+    np.savez(tmp_path / "t.npz", x=rows, y=np.array([0, 2, 1, 0]))
+    dataset = DataSource("npz", str(tmp_path / "t.npz"), label="y").read(("0", "1", "2"))
+    assert dataset.input_shape == (3,) and dataset.y.tolist() == [0, 2, 1, 0]
+    images = np.random.default_rng(1).integers(0, 256, (5, 6, 6), dtype=np.uint8)  # [n, H, W] bytes
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", np.array([1, 1, 0, 1, 0]))
+    dataset = DataSource("npy", str(tmp_path / "x.npy"), label=str(tmp_path / "y.npy")).read(("0", "1"))
+    assert dataset.is_image and dataset.input_shape == (1, 6, 6)
+    np.testing.assert_allclose(dataset.x[:, 0], images / 255.0, rtol=1e-6)
+    with pytest.raises(DataFormatError, match=r"needs arrays \['x', 'labels'\]; it holds \['x', 'y'\]"):
+        DataSource("npz", str(tmp_path / "t.npz"), label="labels").read(("0", "1", "2"))
+    np.save(tmp_path / "big.npy", np.full((2, 1, 4, 4), 3.0))
+    with pytest.raises(DataFormatError, match=r"float images must be scaled to \[0, 1\]"):
+        DataSource("npy", str(tmp_path / "big.npy")).read(("0",))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(DataFormatError, match="not a readable .npy array"):  # no pickles: no code from a file
+        DataSource("npy", str(tmp_path / "objects.npy")).read(("0",))
+
+
+def test_an_image_folder_reads_one_class_per_subfolder(tmp_path):
+    rng = np.random.default_rng(2)
+    for name, count in (("cat", 2), ("dog", 3)):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)).save(tmp_path / "train" / name / f"{i}.png")
+    gray = DataSource("images", str(tmp_path / "train")).read(("cat", "dog"))
+    assert gray.is_image and gray.input_shape == (1, 7, 5) and gray.y.tolist() == [0, 0, 1, 1, 1]
+    rgb = DataSource("images", str(tmp_path / "train"), channels=3).read(("cat", "dog"))
+    saved = np.asarray(Image.open(tmp_path / "train" / "dog" / "0.png"))
+    np.testing.assert_allclose(rgb.x[2], saved.transpose(2, 0, 1) / 255.0, rtol=1e-6)
+    (tmp_path / "pool").mkdir()
+    Image.fromarray(rng.integers(0, 256, (7, 5), dtype=np.uint8)).save(tmp_path / "pool" / "a.png")
+    assert DataSource("images", str(tmp_path / "pool")).read(("cat", "dog")).unlabeled
+    Image.fromarray(rng.integers(0, 256, (9, 9), dtype=np.uint8)).save(tmp_path / "pool" / "b.png")
+    with pytest.raises(DataFormatError, match="images of different sizes"):
+        DataSource("images", str(tmp_path / "pool")).read(("cat", "dog"))
+    (tmp_path / "pool" / "c.png").write_text("not an image")
+    with pytest.raises(DataFormatError, match="c.png: not a readable image"):
+        DataSource("images", str(tmp_path / "pool")).read(("cat", "dog"))
+
+
+def test_a_benchmark_is_a_source_too():
+    train = DataSource("digits", split="train").read(tuple(str(c) for c in range(10)))
+    assert train.input_shape == (1, 8, 8) and len(train) == 1297
+
+
+def test_class_names_sort_numbers_as_numbers_and_anchoring_touches_no_file(tmp_path):
+    assert class_names(np.array([10, 2, 1, 2])) == ("1", "2", "10")
+    assert class_names(np.array([1.0, 0.0])) == ("0", "1")
+    assert class_names(np.array(["b", "a"])) == ("a", "b")
+    source = DataSource("npy", "x.npy", label="y.npy").anchored("/owner/data")
+    assert (source.path, source.label) == ("/owner/data/x.npy", "/owner/data/y.npy")
+    assert DataSource("csv", "/abs/t.csv", label="y").anchored("/else").path == "/abs/t.csv"
