@@ -113,7 +113,8 @@ class OwnerSource:
 
     ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
     labels are mapped onto ``classes`` (the run's class list, from the config or the public
-    test data). ``seed`` keys the shard hash, as for ``TeacherSource``.
+    test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``records``: the
+    number the owner declared, if any; fewer in the data is an error (more is fine).
     """
 
     owner: str
@@ -122,6 +123,7 @@ class OwnerSource:
     classes: tuple[str, ...]
     seed: int = 0
     features: str | None = None
+    records: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_teachers < 1:
@@ -131,8 +133,9 @@ class OwnerSource:
         dataset = self.data.read(self.classes, name=self.owner)
         if dataset.unlabeled:
             raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
-        if len(dataset) < self.num_teachers:
-            raise ValueError(f"{self.num_teachers} teachers need at least as many records")
+        if len(dataset) < max(self.num_teachers, self.records or 0):
+            raise ValueError(f"{self.data.describes} holds fewer records than the "
+                             f"{'declared ' + str(self.records) if self.records else str(self.num_teachers) + ' teachers need'}")
         shards = shard(dataset, self.num_teachers, self.seed)
         return [shards[i] for i in teacher_ids]
 

@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+
+share_cores()
 
 from cluster.config import load_yaml  # noqa: E402
 from cluster.pipelines import RunContext  # noqa: E402
@@ -91,7 +94,8 @@ def main() -> int:
     config = bench_config(args.mnist, args.quick)
     runs_dir = args.out.parent / "active_learning_mnist"
     mode = "quick" if args.quick else "full"
-    report: dict = {"config": dataclasses.asdict(config), "runs": {}, "finished": False}
+    report: dict = {"config": dataclasses.asdict(config), "thread_settings": thread_settings(), "runs": {},
+                    "finished": False}
     # One file for both modes: a quick run does not erase the full run's figures, nor vice versa.
     everything = json.loads(args.out.read_text()) if args.out.exists() else {}
     everything.update({"seed_reference": SEED_REFERENCE, mode: report})

@@ -50,6 +50,9 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+
+share_cores()
 
 from actors.labeller import input_keys  # noqa: E402
 from cluster.client import AggregatorClient, is_budget_refusal  # noqa: E402
@@ -412,7 +415,7 @@ def main() -> int:
     left_at_end = reclaim_orphaned_ray()
     latencies = np.array(tally.latencies) * 1000
     out = {
-        "benchmark": "service_soak", "quick": args.quick, "plan": plan.__dict__ | {"kills_at": list(plan.kills_at)},
+        "benchmark": "service_soak", "quick": args.quick, "thread_settings": thread_settings(), "plan": plan.__dict__ | {"kills_at": list(plan.kills_at)},
         "config": CONFIG,
         "seconds": time.monotonic() - began,
         "label_calls": {"total": sum(tally.codes.values()), "planned": total, "by_final_status": dict(tally.codes),

@@ -27,10 +27,13 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+
+share_cores()
+import torch  # noqa: E402
 
 from cluster.pipelines.sparse_finetune import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
 from learning.data import Dataset  # noqa: E402
@@ -103,7 +106,7 @@ def summarize(setting: dict, runs: list[dict], planned: int, sigma: float, noise
     pairs = [(a, c) for a, c in zip(table["all"], table["classifier"]) if a is not None and c is not None]
     gaps = [a - c for a, c in pairs]
     return {
-        "benchmark": "sparse_finetune", "setting": setting, "complete": len(runs) == planned,
+        "benchmark": "sparse_finetune", "setting": setting, "thread_settings": thread_settings(), "complete": len(runs) == planned,
         "paper_table3_cifar10": PAPER, "accuracy_by_variant": table,
         "direction": {
             "all_minus_classifier": gaps,

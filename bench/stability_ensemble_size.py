@@ -33,6 +33,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+
+share_cores()
 
 from learning.data import Dataset, load_mnist  # noqa: E402
 from learning.data.dataset import record_hashes  # noqa: E402
@@ -142,7 +145,7 @@ def main() -> int:
         log.info("idealised, n=%d: answered %.3f (c=%s)", n, row["answered"], row["cap"])
 
     out = {
-        "benchmark": "stability_ensemble_size", "quick": args.quick, "epsilon": EPSILON, "delta": DELTA,
+        "benchmark": "stability_ensemble_size", "quick": args.quick, "thread_settings": thread_settings(), "epsilon": EPSILON, "delta": DELTA,
         "queries": queries_count, "runs_per_cap": runs, "caps": CAPS,
         "teachers_model": "1-nearest-neighbour on 40 PCA components fitted on public MNIST test images",
         "mnist_as_is": real, "idealised_250_teacher_quality": idealised,

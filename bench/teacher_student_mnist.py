@@ -39,6 +39,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+
+share_cores()
 
 from cluster.config import load_yaml  # noqa: E402
 from cluster.pipelines.teacher_student import (  # noqa: E402
@@ -250,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.ray_runtime import start_ray
 
-    out: dict = {"quick": args.quick, "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out: dict = {"quick": args.quick, "thread_settings": thread_settings(), "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bench_dir = RunDirectory(args.results_dir, "bench")
     previous = bench_dir.path / "teacher_student_mnist.json"
     if args.merge and previous.is_file():  # keep what an earlier run measured, replace what this one does
-        out = {**json.loads(previous.read_text()), "quick": args.quick}
+        out = {**json.loads(previous.read_text()), "quick": args.quick, "thread_settings": thread_settings()}
     run_root = bench_dir.path / "teacher_student_mnist"
 
     diagnostics_file = bench_dir.path / "teacher_student_mnist.nonprivate-diagnostics.json"

@@ -103,7 +103,9 @@ class OwnerConfig:
     ``resources``: Ray custom resources its node declares (``ray start --resources``); its
     actors split the amounts. ``labels``: node labels its node carries (``ray start
     --labels``). On the embedded local Ray every owner's resources are granted to the one
-    node and labels are not used, so the same config runs on one machine.
+    node and labels are not used, so the same config runs on one machine. ``records``: how
+    many records the owner declares (optional): the teachers are checked against it before
+    anything starts, and its node checks the data holds at least that many.
     """
 
     name: str
@@ -112,12 +114,16 @@ class OwnerConfig:
     actors: int = 1  # Ray actors the owner's teachers are packed into
     resources: dict[str, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    records: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
         if self.teachers < 1 or self.actors < 1:
             raise ValueError(f"owner {self.name}: teachers and actors must be >= 1")
+        if self.records is not None and self.records < self.teachers:
+            raise ValueError(f"owner {self.name}: {self.teachers} teachers need at least as many records "
+                             f"(it declares {self.records})")
         Placement(self.resources, self.labels)  # a bad amount is a config error now
 
     def placement(self, embedded: bool) -> Placement:
@@ -454,7 +460,8 @@ def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_a
     # A relative path is the launching directory's (on a cluster, give owners absolute paths).
     here = os.getcwd()
     return [OwnerShare(OwnerSource(owner.name, owner.data.anchored(here), owner.teachers, classes, config.seed,
-                                   config.data.features), owner.teachers, owner.actors, owner.placement(embedded))
+                                   config.data.features, owner.records),
+                       owner.teachers, owner.actors, owner.placement(embedded))
             for owner in config.owners]
 
 

@@ -108,6 +108,19 @@ def _released(ray, resource: str, timeout: float = 20.0) -> bool:
     return ray.available_resources().get(resource) == 1
 
 
+def test_an_owner_whose_data_holds_fewer_records_than_declared_is_refused_on_its_node(ray_session):
+    from actors.teacher import OwnerDataError
+    from cluster.pipelines.teacher_student import public_data, teacher_pool
+
+    owners = list(hospitals().owners)
+    owners[0] = dataclasses.replace(owners[0], records=500)
+    config = hospitals(owners=tuple(owners), public=hospitals().public.anchored(str(PROJECT_ROOT)),
+                       test=hospitals().test.anchored(str(PROJECT_ROOT)))
+    with pytest.raises(OwnerDataError, match=r"^owner hospital_a: csv .*records.csv holds fewer records than the "
+                                             r"declared 500$"):
+        teacher_pool(config, public_data(config))
+
+
 def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, tmp_path):
     import pandas as pd
 
@@ -141,6 +154,10 @@ def test_owner_names_and_placements_are_checked_when_the_config_loads():
     raw = load_yaml(HOSPITALS)
     raw["owners"][0]["resources"] = {"CPU": 1}
     with pytest.raises(ConfigError, match="custom resources"):
+        load_run_config(raw)
+    raw = load_yaml(HOSPITALS)
+    raw["owners"][0]["records"] = 4
+    with pytest.raises(ConfigError, match="owner hospital_a: 10 teachers need at least as many records"):
         load_run_config(raw)
     raw = load_yaml(HOSPITALS)
     raw["owners"][0]["data"]["format"] = "xlsx"
