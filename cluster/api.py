@@ -38,6 +38,7 @@ from learning.data.sources import DataSource
 log = logging.getLogger(__name__)
 
 STUDENT_START_TIMEOUT = 60.0  # seconds a student actor may wait for a CPU before the run fails
+MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
 
 
 def train_ensemble(config: Config, ray_address: str | None = None, progress: bool = True) -> Ensemble:
@@ -132,13 +133,18 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray
 
-    from actors.placement import PlacementError, require_node
+    from actors.placement import PlacementError, largest_free_cpu, require_node
     from actors.student import StudentActor
     from cluster.client import AggregatorClient
 
     config = resolved(config, ensemble.public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    student_cpus = min(1.0, cpus / 2)
+    free = largest_free_cpu()
+    # On small nodes the student takes what one node has free (it trains a small model).
+    student_cpus = min(1.0, cpus / 2) if free is None else min(1.0, cpus / 2, free)
+    if free is not None and student_cpus < MIN_STUDENT_CPUS:
+        raise PlacementError(f"the student: no node has {MIN_STUDENT_CPUS:g} CPU free (the most on one node: "
+                             f"{free:g}); give the cluster a node with a free CPU")
     require_node("the student", cpus=student_cpus)
     student = StudentActor.options(num_cpus=student_cpus).remote(
         ensemble.splits.public, ensemble.splits.test, config.student.model, config.student.train.with_seed(config.seed),

@@ -2,7 +2,8 @@
 
     python examples/hospitals/three_nodes.py [CONFIG] [RESULTS_DIR]   # from the repository root
 
-Starts a head (1 CPU) and one node per owner of CONFIG (default configs/hospitals.yaml), each
+Starts a head with no CPU for actors (the driver and its aggregator only) and one node per
+owner of CONFIG (default configs/hospitals.yaml), each
 with 1 CPU, the owner's custom resource and an ``owner`` node label — what ``ray start
 --resources ... --labels ...`` gives each owner's machine in a real deployment
 (``ray.cluster_utils.Cluster``: Ray 2.60 refuses ``ray start`` worker nodes on loopback).
@@ -43,7 +44,7 @@ def main(config_path: str, results_dir: str) -> None:
     _, config = load_run_config(load_yaml(config_path))
     owners = tuple(dataclasses.replace(o, labels={"owner": o.name}) for o in config.owners)
     config = validate(dataclasses.replace(config, owners=owners))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # small nodes: the student fits beside a teacher
     try:
         nodes = {o.name: cluster.add_node(num_cpus=1, resources=dict(o.resources), labels={"owner": o.name})
                  for o in owners}

@@ -233,3 +233,10 @@ def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtim
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "hospitals" / "metrics.json").read_text())
     assert metrics["teachers"]["model"] == "clinicmodels:build" and metrics["queries_answered"] > 0
+
+
+def test_the_largest_free_cpu_of_a_node_is_known_so_the_student_can_fit_small_nodes(ray_session):
+    from actors.placement import largest_free_cpu
+
+    free = largest_free_cpu()
+    assert free is not None and 0 <= free <= 2  # the session's one node has 2 CPUs
