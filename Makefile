@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench proto clean
+.PHONY: demo hospitals test bench proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/conclave demo
+
+hospitals: $(STAMP)
+	$(BIN)/conclave run configs/hospitals.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
