@@ -29,9 +29,9 @@ from typing import Any
 
 from cluster.pipelines import PrivacyConfig
 from cluster.pipelines.teacher_student import (
-    Config, Ensemble, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TrainingConfig, checked_public,
-    owner_resources, privacy_section, reserve_estimates, resolved, server_settings, start_aggregator,
-    train_teachers,
+    Config, Ensemble, MechanismConfig, OwnerConfig, PublicData, StudentConfig, TeachersConfig, TrainingConfig,
+    checked_public, owner_resources, privacy_section, reserve_estimates, resolved, server_settings,
+    start_aggregator, train_teachers,
 )
 from learning.data.sources import DataSource
 
@@ -41,10 +41,12 @@ STUDENT_START_TIMEOUT = 60.0  # seconds a student actor may wait for a CPU befor
 MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
 
 
-def train_ensemble(config: Config, ray_address: str | None = None, progress: bool = True) -> Ensemble:
+def train_ensemble(config: Config, ray_address: str | None = None, progress: bool = True,
+                   public: PublicData | None = None) -> Ensemble:
     """Check what the driver can (``ConfigError``), start or join Ray, and train every owner's
-    teachers on its own node. Use as a context manager (or call ``shutdown``)."""
-    public = checked_public(config)
+    teachers on its own node. Use as a context manager (or call ``shutdown``). ``public``: the
+    driver's data when already loaded and checked (``checked_public``)."""
+    public = public if public is not None else checked_public(config)
     config = resolved(config, public)
     from cluster.ray_runtime import start_ray
 

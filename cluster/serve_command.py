@@ -63,10 +63,9 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
 
     from actors.placement import PlacementError
     from actors.teacher import OwnerDataError
-    from cluster.pipelines.teacher_student import (
-        checked_public, owner_resources, resolved, server_settings, start_aggregator, train_teachers,
-    )
-    from cluster.ray_runtime import record_ray_processes, start_ray
+    from cluster.api import train_ensemble
+    from cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
+    from cluster.ray_runtime import record_ray_processes
 
     if config.privacy.insecure_noise_seed is not None:
         print("conclave: privacy.insecure_noise_seed: serving draws noise from OS entropy only; remove the seed",
@@ -93,10 +92,10 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     config = resolved(config, public)
-    embedded = start_ray(args.address, resources=owner_resources(config), runtime_env=config.runtime_env)
     try:
-        teachers = train_teachers(config, public=public, embedded=embedded)
+        teachers = train_ensemble(config, args.address, public=public)
     except (OwnerDataError, PlacementError) as err:
+        ledger.close()
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed

@@ -450,13 +450,14 @@ def teacher_source(config: Config) -> TeacherSource:
                          private_size=config.data.private_size, features=config.data.features)
 
 
-def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_actors: int) -> list[OwnerShare]:
-    """Each owner's source, teachers, actors and placement (the benchmark: one share of
-    ``num_actors`` actors, anywhere)."""
+def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_actors: int,
+                 count: int) -> list[OwnerShare]:
+    """Each owner's source, teachers, actors and placement (the benchmark: one share of its
+    first ``count`` teachers on ``num_actors`` actors, anywhere)."""
     from actors.teacher import OwnerShare, OwnerSource
 
     if not config.owners:
-        return [OwnerShare(teacher_source(config), config.teachers.count, num_actors)]
+        return [OwnerShare(teacher_source(config), count, num_actors)]
     # A relative path is the launching directory's (on a cluster, give owners absolute paths).
     here = os.getcwd()
     return [OwnerShare(OwnerSource(owner.name, owner.data.anchored(here), owner.teachers, classes, config.seed,
@@ -473,16 +474,14 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     aggregator in the driver) the rest."""
     import ray
 
-    from actors.teacher import OwnerShare, TeacherPool
+    from actors.teacher import TeacherPool
 
     config = resolved(config, public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     count = config.teachers.count if num_teachers is None else num_teachers
     per_actor = config.teachers.per_actor
     num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
-    shares = owner_shares(config, public.classes, embedded, num_actors)
-    if num_teachers is not None and not config.owners:
-        shares = [OwnerShare(shares[0].source, count, num_actors)]
+    shares = owner_shares(config, public.classes, embedded, num_actors, count)
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
     return TeacherPool(shares, config.teachers.model, config.teachers.train.with_seed(config.seed),
                        seed=config.seed, num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors,
