@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
-from opacus.optimizers import DPOptimizer
+from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.utils.batch_memory_manager import wrap_data_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -134,6 +136,7 @@ class DPSchedule:
     sample_rate: float
     steps: int
     charge: PrivacyCharge
+    num_examples: int  # the N it was computed from (declared, public)
 
 
 def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd") -> DPSchedule:
@@ -158,7 +161,8 @@ def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd") ->
             )
         )
     steps = steps_per_epoch * config.epochs
-    return DPSchedule(sigma, sample_rate, steps, sampled_gaussian_charge(sample_rate, sigma, steps, label=label))
+    return DPSchedule(sigma, sample_rate, steps, sampled_gaussian_charge(sample_rate, sigma, steps, label=label),
+                      num_examples)
 
 
 class MaskedDPOptimizer(DPOptimizer):
@@ -198,6 +202,11 @@ class MaskedDPOptimizer(DPOptimizer):
             mask = self._mask_of(p)
             if mask is not None:
                 p.grad = p.grad * mask
+
+
+class MaskedDistributedDPOptimizer(MaskedDPOptimizer, DistributedDPOptimizer):
+    """The masks above on Opacus's data-parallel optimizer: each rank masks its per-example
+    gradients before clipping; rank 0's noise is masked before the all-reduce."""
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, config: DPSGDConfig,
@@ -248,11 +257,15 @@ def _check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[nn.Pa
     return resolved
 
 
-def _loader(dataset: ArrayDataset, batch_size: int, generator: torch.Generator) -> DataLoader:
+def _poisson_loader(dataset: ArrayDataset, sample_rate: float, steps: int, generator: torch.Generator) -> DataLoader:
+    """Opacus's Poisson loader at ``sample_rate`` for exactly ``steps`` batches an epoch (its
+    default, int(1/q), is one short for some q = 1/k in floating point, e.g. k = 93)."""
     if len(dataset.x) != len(dataset.y) or len(dataset.y) == 0:
         raise ValueError(f"dataset needs matching, non-empty x and y (got {len(dataset.x)} and {len(dataset.y)})")
     tensors = TensorDataset(torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long))
-    return DataLoader(tensors, batch_size=batch_size, generator=generator)
+    loader = DPDataLoader(tensors, sample_rate=sample_rate, generator=generator)
+    loader.batch_sampler.steps = steps
+    return loader
 
 
 def train_dp(
@@ -263,6 +276,8 @@ def train_dp(
     masks: dict[str, torch.Tensor] | None = None,
     on_epoch: Callable[[int, float], None] | None = None,
     progress: bool = False,
+    num_examples: int | None = None,
+    data_parallel: bool = False,
 ) -> DPTrainResult:
     """Train ``model`` in place with DP-SGD on ``dataset`` (``.x`` float32 [n, ...], ``.y`` int64).
 
@@ -270,30 +285,47 @@ def train_dp(
     tensor of the parameter's shape) restrict training further, element by element.
     Poisson sampling and noise come from ``noise``. ``on_epoch(epoch, epsilon)`` is called
     after every epoch with the ε spent so far.
+
+    ``num_examples``: the size N the schedule is computed from (rate q = 1/⌈N/B⌉, ⌈N/B⌉ steps
+    per epoch). It must be fixed before the data is read — a size the owners declared —
+    because the number of steps is released; default ``len(dataset)``, for public-sized splits.
+    The examples actually held are each sampled at rate q whatever their number.
+
+    ``data_parallel``: this process is one rank of a ``torch.distributed`` group, each rank
+    holding a disjoint part of the N examples. Every rank Poisson-samples ITS examples at the
+    same q for the same number of steps, so the union of the batches is a Poisson sample of
+    the union; the clipped sums are all-reduced and rank 0 alone adds the Gaussian noise
+    (Opacus's ``DistributedDPOptimizer``); each rank divides by qN/W, so after the all-reduce
+    mean the update is (Σ clipped + noise)/(qN): exactly central DP-SGD on the union, with
+    the same (q, σ, steps) and so the same sampled Gaussian RDP (Mironov, Talwar, Zhang 2019).
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
     ghost = config.grad_sample_mode == "ghost"
     if ghost and resolved_masks:
         raise ValueError("masks need per-example gradients before clipping: use grad_sample_mode 'hooks', not 'ghost'")
-    loader = _loader(dataset, config.batch_size, torch_generator(noise))  # Opacus samples with its generator
-    schedule = dp_schedule(len(loader.dataset), config)
+    if data_parallel and config.grad_sample_mode != "hooks":
+        raise ValueError("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
+    schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
-    if len(loader) * config.epochs != schedule.steps:
-        raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
+    loader = _poisson_loader(dataset, sample_rate, schedule.steps // config.epochs, torch_generator(noise))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
+    # Groups by parameter name, so before a data-parallel wrapper prefixes the names.
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
+    world = torch.distributed.get_world_size() if data_parallel else 1
+    # Every rank starts from rank 0's weights.
+    module = DifferentiallyPrivateDistributedDataParallel(model) if data_parallel else model
     engine = PrivacyEngine(accountant="rdp")
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.CrossEntropyLoss()
     private = engine.make_private(
-        module=model,
+        module=module,
         optimizer=optimizer,
         criterion=criterion,
-        data_loader=loader,
+        data_loader=loader,  # already Poisson: Opacus takes its rate as 1/len(loader) = q
         noise_multiplier=sigma,
         max_grad_norm=config.max_grad_norm,
-        poisson_sampling=True,
+        poisson_sampling=False,
         grad_sample_mode=config.grad_sample_mode,
         # The noise is drawn where the gradients live; batches are sampled on the CPU.
         noise_generator=torch_generator(noise, device),
@@ -302,8 +334,12 @@ def train_dp(
         private_model, dp_optimizer, criterion, private_loader = private
     else:
         private_model, dp_optimizer, private_loader = private
+    # Opacus divides by its own guess from the examples held here; the sum is divided by the
+    # declared expected batch, split across the ranks (a public constant, not a private size).
+    dp_optimizer.expected_batch_size = sample_rate * schedule.num_examples / world
     if resolved_masks:
-        dp_optimizer = MaskedDPOptimizer(
+        masked = MaskedDistributedDPOptimizer if data_parallel else MaskedDPOptimizer
+        dp_optimizer = masked(
             dp_optimizer.original_optimizer,
             masks=resolved_masks,
             noise_multiplier=sigma,
@@ -360,11 +396,11 @@ def train_dp(
     history_steps = sum(n for _, _, n in engine.accountant.history)
     if not history_steps == steps == schedule.steps:
         raise RuntimeError(f"accountant saw {history_steps} steps, {steps} were taken, {schedule.steps} planned")
-    trained = private_model.to_standard_module()
-    for p in trained.parameters():
+    private_model.to_standard_module()  # removes Opacus's hooks from ``model``
+    for p in model.parameters():
         p.grad = None
     return DPTrainResult(
-        model=trained,
+        model=model,
         epsilons=epsilons,
         noise_multiplier=float(sigma),
         sample_rate=float(sample_rate),

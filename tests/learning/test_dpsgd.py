@@ -265,3 +265,23 @@ def test_two_runs_release_different_noise_unless_reproducible_noise_is_asked_for
     assert not torch.equal(weights(SECURE.source("dpsgd")), weights(SECURE.source("dpsgd")))
     replay = NoisePolicy(insecure_seed=11)
     assert torch.equal(weights(replay.source("dpsgd")), weights(replay.source("dpsgd")))
+
+
+def test_every_planned_step_is_taken_when_one_over_q_rounds_down(digits):
+    # 1/(1/93) is 92.99999999999999 in floating point, so Opacus's loader alone takes 92 steps
+    # an epoch; the schedule (and the ledger's charge) says 93.
+    assert int(1 / (1 / 93)) == 92
+    result = train_dp(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), digits.subset(np.arange(93)),
+                      DPSGDConfig(epochs=1, batch_size=1, lr=0.1, noise_multiplier=1.0), SECURE.source("dpsgd"))
+    assert result.steps == 93 and result.sample_rate == 1 / 93
+
+
+def test_the_schedule_comes_from_the_declared_size_not_the_records_held(digits):
+    config = DPSGDConfig(epochs=2, batch_size=50, lr=0.1, noise_multiplier=1.0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    # 300 records held, 1,000 declared: 20 steps an epoch at q = 1/20, as for any 951..1,000 records
+    result = train_dp(model, digits, config, SECURE.source("dpsgd"), num_examples=1_000)
+    assert (result.steps, result.sample_rate) == (40, 1 / 20)
+    fewer = train_dp(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), digits.subset(np.arange(10)), config,
+                     SECURE.source("dpsgd"), num_examples=1_000)
+    np.testing.assert_allclose(fewer.charge.rdp, result.charge.rdp)  # the same cost: it is the declared work
