@@ -1,57 +1,52 @@
 """DP-SGD on private shards held by Ray actors, and the private side of NearPrivate.
 
-Private data is read by the process that keeps it — a ``ShardActor`` or a Ray Train worker —
-from a ``PrivateSource`` (dataset name, root, split seed); it never passes through the driver.
-What leaves those processes is DP output only: model checkpoints of DP-SGD, and aggregates
-(summed covariances, neighbour counts) that go straight to a Ray task that adds them up,
-draws the noise once and returns the noisy release. The driver charges the ledger before it
-asks for a release and never sees an exact private sum.
+Private data is read by the actor that keeps it — a ``ShardActor`` placed on its owner's
+node — from a ``ShardSource``: a benchmark's seeded private split (``PrivateSource``) or an
+owner's own file (``OwnerShards``); it never passes through the driver. What leaves those
+actors is DP output only: model checkpoints of DP-SGD, and aggregates (summed covariances,
+neighbour counts) that go straight to a Ray task that adds them up, draws the noise once and
+returns the noisy release. The driver charges the ledger before it asks for a release and
+never sees an exact private sum.
 
-Two ways to train:
+A ``ShardGroup`` trains with ``learning.dpsgd.train_dp`` (Opacus, Poisson sampling): one
+actor alone, or — with several actors, e.g. one per owner — data-parallel over a gloo
+``torch.distributed`` group formed by the actors themselves, which is central DP-SGD on the
+union of the shards (see ``train_dp``'s ``data_parallel``): the same (q, σ, steps), the same
+sampled Gaussian RDP (Mironov, Talwar, Zhang 2019), the same ε. Plain actors rather than Ray
+Train workers, because Ray Train gives every worker the same resources, so it cannot pin each
+owner's worker to the node that declares that owner's resource; and the same actors, data
+already loaded, then answer NearPrivate's private sums.
 
-(a) ``ShardActor.train_dp`` — one actor trains alone on the shards it holds, with
-    ``learning.dpsgd.train_dp`` (Opacus, Poisson sampling).
-(b) ``train_distributed`` — data-parallel DP-SGD across one Ray Train worker per shard
-    (``TorchTrainer``, gloo on CPU) with Opacus's distributed pieces (``DPDDP`` to start every
-    worker from the same weights, ``DistributedDPOptimizer``). It is calibrated to be exactly
-    central DP-SGD on the union of the shards (Abadi et al. 2016 with Poisson sampling):
-
-    * every worker includes each of ITS examples independently with the SAME probability
-      q = 1/⌈N/B⌉ (N = total private size, B = expected global batch; the rate
-      ``train_dp`` uses), so the union of the workers' batches is a Poisson sample of the
-      union at rate q, and all workers take the same ⌈N/B⌉ steps per epoch;
-    * each worker clips its examples' gradients to C and sums them; the sums are all-reduced
-      and Gaussian noise N(0, σ²C²) is added ONCE, by rank 0 (``DistributedDPOptimizer``),
-      not once per worker; each worker divides by qN/W, so after the all-reduce mean the
-      update is (Σ clipped + noise)/(qN) as in central DP-SGD;
-    * hence the privacy cost is the sampled Gaussian mechanism with (q, σ, steps) —
-      Mironov, Talwar, Zhang 2019 — the same accountant and the same ε as central DP-SGD.
-
-    Every epoch rank 0 saves a checkpoint carrying its ε; the driver charges the ledger with
-    ``DPCheckpoint.charge()`` of the checkpoint it releases.
-
-Noise and Poisson sampling come from the run's ``NoisePolicy`` (OS entropy unless the run asks
-for reproducible, unsound noise), drawn in the process that uses them; the schedule (q, σ,
-steps) comes from ``learning.dpsgd.dp_schedule`` alone. No loss or other statistic of the
-private data leaves these processes: only DP weights, their ε, and noisy releases.
+The schedule (q, σ, steps) comes from ``learning.dpsgd.dp_schedule`` of a size fixed before
+any data is read (the benchmark's configured split, or the sizes the owners declare): the
+number of steps is released, so it must not be the private count. Every epoch rank 0 keeps a
+checkpoint carrying its ε; the driver charges the ledger with ``DPCheckpoint.charge()`` of
+the checkpoint it releases. Noise and Poisson sampling come from the run's ``NoisePolicy``
+(OS entropy unless the run asks for reproducible, unsound noise), drawn in the process that
+uses them. No loss, count or other statistic of the private data leaves these actors.
 """
 from __future__ import annotations
 
+import datetime
 import logging
-import tempfile
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import ray
 import torch
 from torch import nn
 
+from actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
+from actors.placement import Placement, require_node
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
 from learning.data.features import apply_features
-from learning.dpsgd import DPSGDConfig, dp_schedule, lr_scheduler, torch_generator, train_dp
+from learning.data.schema import Standardiser
+from learning.dpsgd import DPSGDConfig, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
 from learning.models import build_model
 from learning.selection.entropy import logit_entropy
@@ -65,12 +60,25 @@ from privacy.pca import AnalyzeGauss
 log = logging.getLogger(__name__)
 
 
+class ShardSource(Protocol):
+    """Private shards as a spec the driver can pass around; only a shard actor calls ``load``."""
+
+    owner: str
+
+    def load(self, shard_ids: Sequence[int]) -> Dataset: ...
+
+
+def _union(parts: Sequence[Dataset], name: str) -> Dataset:
+    return Dataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
+                   parts[0].num_classes, name)
+
+
 @dataclass(frozen=True)
 class PrivateSource:
-    """Where the private shards come from: a seeded ``private_size`` subset of ``dataset``'s
+    """A benchmark's private shards: a seeded ``private_size`` subset of ``dataset``'s
     training set (the rest is the public pool, see ``split_private_public``), cut into
     ``num_shards`` disjoint shards, in the representation ``features`` (see
-    ``learning.data.features``; None: images). Only the processes that hold shards call
+    ``learning.data.features``; None: images). Only the actors that hold shards call
     ``load``, so the features of private images are computed where the images stay."""
 
     dataset: str
@@ -80,31 +88,73 @@ class PrivateSource:
     seed: int = 0
     features: str | None = None
 
+    @property
+    def owner(self) -> str:
+        return f"{self.dataset} (private split)"
+
     def load(self, shard_ids: Sequence[int]) -> Dataset:
         train, _ = load_dataset(self.dataset, self.root)
         private, _ = split_private_public(train, self.private_size, self.seed)
         shards = shard(private, self.num_shards, self.seed)
         if not shard_ids or any(not 0 <= i < self.num_shards for i in shard_ids):
             raise ValueError(f"shard ids must be in [0, {self.num_shards}), got {list(shard_ids)}")
-        parts = [shards[i] for i in shard_ids]
-        held = Dataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
-                       private.num_classes, f"{private.name}/shards{list(shard_ids)}")
+        held = _union([shards[i] for i in shard_ids], f"{private.name}/shards{list(shard_ids)}")
         return apply_features(held, self.features)
 
 
 @dataclass(frozen=True)
+class OwnerShards:
+    """An owner's own data on its node (``OwnerSource``), one shard per actor of the owner."""
+
+    source: OwnerSource
+
+    @property
+    def owner(self) -> str:
+        return self.source.owner
+
+    def load(self, shard_ids: Sequence[int]) -> Dataset:
+        held = _union(self.source.load(shard_ids), f"{self.owner}/shards{list(shard_ids)}")
+        return apply_features(held, self.source.features)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """How every holder builds the same network (initial weights depend on ``seed`` only)."""
+    """How every holder builds the same network (initial weights depend on ``seed`` only).
+    The input hints go to ``build_model``: an image's side, or a table row's shape and the
+    public column statistics."""
 
     name: str
     num_classes: int
     in_channels: int = 1
     seed: int = 0
     input_size: int | None = None  # the inputs' side, for models whose layers depend on it
+    input_shape: tuple[int, ...] | None = None
+    standardiser: Standardiser | None = None
 
     def build(self) -> nn.Module:
         return build_model(self.name, self.num_classes, self.in_channels, seed=self.seed,
-                           input_size=self.input_size)
+                           input_size=self.input_size, input_shape=self.input_shape,
+                           standardiser=self.standardiser)
+
+    def prepare(self) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        """The network to train and its masks (none: every parameter trains)."""
+        return self.build(), {}
+
+
+class TrainingRecipe(Protocol):
+    """What a shard actor trains: a network and its per-parameter 0/1 masks (see ``train_dp``)."""
+
+    def prepare(self) -> tuple[nn.Module, dict[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """One actor's place in a gloo group: where rank 0 listens, its rank, the group's size."""
+
+    address: str  # tcp://host:port
+    rank: int
+    world: int
+    timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -145,35 +195,73 @@ def _tensors(state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
 
-@ray.remote
-class ShardActor:
-    """Holds private shards; trains on them and answers with DP output or aggregates only."""
+class ShardHolder:
+    """Holds private shards; trains on them and answers with DP output or aggregates only.
+    A source that cannot be read is kept as an error that ``describe`` raises (one line,
+    naming the owner), so the driver learns of it before any training starts."""
 
-    def __init__(self, source: PrivateSource, shard_ids: Sequence[int], model: ModelSpec,
+    def __init__(self, source: ShardSource, shard_ids: Sequence[int], model: ModelSpec,
                  torch_threads: int = 1) -> None:
-        torch.set_num_threads(torch_threads)
-        self._data = source.load(list(shard_ids))
+        torch.set_num_threads(max(1, torch_threads))
         self._spec = model
         self._model = model.build()
         self._embeddings: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
+        self._load_error: str | None = None
+        try:
+            self._data = source.load(list(shard_ids))
+        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
+            self._load_error = f"owner {source.owner}: {err}".splitlines()[0]
 
-    def size(self) -> int:
-        return len(self._data)
+    def describe(self) -> GroupInfo:
+        if self._load_error is not None:
+            raise OwnerDataError(self._load_error)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return GroupInfo(self._data.num_classes, self._data.input_shape, node)
 
-    def train_dp(self, config: DPSGDConfig, noise: NoisePolicy, progress: bool = False) -> list[DPCheckpoint]:
-        """DP-SGD alone on the held shards; one checkpoint per epoch (the weights are DP output)."""
-        model = self._spec.build()
+    def rendezvous(self) -> str:
+        """An address for rank 0 of a gloo group: this node's IP and a port free now."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            return f"tcp://{host}:{probe.getsockname()[1]}"
+
+    def train_dp(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
+                 group: DataParallelGroup | None = None, recipe: TrainingRecipe | None = None,
+                 progress: bool = False) -> list[DPCheckpoint]:
+        """DP-SGD on the held shards with the schedule of ``num_examples`` (declared, see the
+        module docstring), alone or as one rank of ``group``; rank 0 returns one checkpoint
+        per epoch (the weights are DP output), the other ranks nothing."""
+        model, masks = (recipe or self._spec).prepare()
         snapshots: list[dict[str, np.ndarray]] = []
-        # train_dp updates ``model``'s parameters in place, so a snapshot after each epoch is
-        # that epoch's DP model.
-        result = train_dp(model, self._data, config, noise.source("dpsgd"),
-                          on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)), progress=progress)
+        rank = group.rank if group else 0
+        if group is not None:
+            self._join(group)
+        try:
+            # train_dp updates ``model``'s parameters in place, so a snapshot after each epoch
+            # is that epoch's DP model.
+            result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
+                              on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)) if rank == 0 else None,
+                              progress=progress, num_examples=num_examples, data_parallel=group is not None)
+        finally:
+            if group is not None:
+                torch.distributed.destroy_process_group()
+        if rank != 0:
+            return []
         steps_per_epoch = result.steps // config.epochs
-        self.set_weights(snapshots[-1])
+        if recipe is None:
+            self.set_weights(snapshots[-1])
         return [DPCheckpoint(epoch + 1, eps, config.delta, result.sample_rate, result.noise_multiplier,
                              steps_per_epoch * (epoch + 1), state)
                 for epoch, (eps, state) in enumerate(zip(result.epsilons, snapshots))]
+
+    @staticmethod
+    def _join(group: DataParallelGroup) -> None:
+        if group.address.startswith("tcp://127."):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster stays on loopback
+        torch.distributed.init_process_group("gloo", init_method=group.address, rank=group.rank,
+                                             world_size=group.world,
+                                             timeout=datetime.timedelta(seconds=group.timeout_s))
 
     def set_weights(self, state: dict[str, np.ndarray]) -> None:
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
@@ -195,6 +283,9 @@ class ShardActor:
     def _require_weights(self) -> None:
         if self._embeddings is None:
             raise RuntimeError("call set_weights(checkpoint.state) before asking for private sums")
+
+
+ShardActor = ray.remote(ShardHolder)
 
 
 @ray.remote(num_cpus=0)
@@ -228,95 +319,64 @@ class ShardSupport:
         return ray.get(_release_counts.remote(self._counts, self._noise, *parts))
 
 
-# ---- (b) data-parallel DP-SGD with Ray Train ---------------------------------------------
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard actor: its owner's source, the shards it holds, and where it runs."""
+
+    source: ShardSource
+    shard_ids: tuple[int, ...]
+    placement: Placement = field(default_factory=Placement)
+    num_actors_sharing: int = 1  # the owner's actors that split the placement's amounts
 
 
-def _distributed_worker(cfg: dict) -> None:
-    """One Ray Train worker: holds shard ``rank``; see the module docstring for the calibration."""
-    import ray.train
-    import torch.distributed as dist
-    from opacus import GradSampleModule
-    from opacus.accountants import RDPAccountant
-    from opacus.data_loader import DPDataLoader
-    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from opacus.optimizers import DistributedDPOptimizer
-    from torch.utils.data import TensorDataset
+class ShardGroup:
+    """The run's shard actors: each placed where its owner's data is, checked before any
+    starts (a request no node can take fails at once, one line), loaded before any trains."""
 
-    config: DPSGDConfig = cfg["dpsgd"]
-    noise: NoisePolicy = cfg["noise"]
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    torch.set_num_threads(cfg["torch_threads"])
-    data = cfg["source"].load([rank])
+    def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec, torch_threads: int = 1,
+                 num_cpus: float = 1.0, num_gpus: float = 0.0) -> None:
+        if not plans:
+            raise ValueError("a shard group needs at least one shard actor")
+        options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
+        for plan, option in zip(plans, options):
+            require_node(f"owner {plan.source.owner}'s DP-SGD", num_cpus, num_gpus,
+                         option.get("resources"), option.get("label_selector"))
+        self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, **option).remote(
+                           plan.source, list(plan.shard_ids), model, torch_threads)
+                       for plan, option in zip(plans, options)]
+        owners = [plan.source.owner for plan in plans]
+        described = describe_all(self.actors, owners, self.shutdown)
+        self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
+        self.placement = nodes_of(owners, described)
 
-    total = torch.tensor([len(data)], dtype=torch.long)
-    dist.all_reduce(total)  # N, the size of the union (public in DP-SGD's analysis, as in train_dp)
-    schedule = dp_schedule(int(total.item()), config)
-    sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
+    def train(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
+              recipe: TrainingRecipe | None = None, progress: bool = False) -> list[DPCheckpoint]:
+        """DP-SGD with the schedule of ``num_examples`` over all actors (data-parallel when
+        there are several); one checkpoint per epoch, oldest first."""
+        if len(self.actors) == 1:
+            return ray.get(self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe, progress))
+        address = ray.get(self.actors[0].rendezvous.remote())
+        world = len(self.actors)
+        log.info("data-parallel DP-SGD over %d shard actors (rank 0 at %s)", world, address)
+        pending = [actor.train_dp.remote(config, noise, num_examples, DataParallelGroup(address, rank, world),
+                                         recipe, progress and rank == 0)
+                   for rank, actor in enumerate(self.actors)]
+        rank0 = pending[0]
+        while pending:  # the first failure raises at once instead of after the others time out
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        return ray.get(rank0)
 
-    model = cfg["model"].build()
-    private_model = GradSampleModule(DPDDP(model))  # DPDDP broadcasts rank 0's weights
-    optimizer = DistributedDPOptimizer(
-        torch.optim.SGD(private_model.parameters(), lr=config.lr, momentum=config.momentum),
-        noise_multiplier=sigma, max_grad_norm=config.max_grad_norm,
-        # per worker: the all-reduce mean divides by W
-        expected_batch_size=sample_rate * int(total.item()) / world,
-        generator=torch_generator(noise.source(f"dpsgd-noise-{rank}")), secure_mode=True)
-    accountant = RDPAccountant()
-    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-    # Independent Poisson draws per worker, same rate, same number of steps.
-    loader = DPDataLoader(TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y)),
-                          sample_rate=sample_rate, generator=torch_generator(noise.source(f"dpsgd-sampling-{rank}")))
-    if len(loader) * config.epochs != schedule.steps:
-        raise RuntimeError("the data loader and the privacy schedule disagree on the number of steps")
-    scheduler = lr_scheduler(optimizer.original_optimizer, config, total_steps=schedule.steps)
-    criterion = nn.CrossEntropyLoss()
-    steps = 0
-    for epoch in range(1, config.epochs + 1):
-        private_model.train()
-        for x, y in loader:
-            optimizer.zero_grad()
-            out = private_model(x)
-            # An empty local batch still steps (the others' examples and rank 0's noise still count).
-            loss = criterion(out, y) if len(y) else out.sum() * 0.0
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            steps += 1
-        epsilon = float(accountant.get_epsilon(config.delta))
-        metrics = {"epoch": epoch, "epsilon": epsilon, "steps": steps}  # nothing about the data itself
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as directory:
-                DPCheckpoint(epoch, epsilon, config.delta, sample_rate, float(sigma), steps,
-                             _state_of(model)).save(Path(directory) / "dp_checkpoint.pt")
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        else:
-            ray.train.report(metrics)
+    def support(self, pca: AnalyzeGauss, counts: LaplaceCounts, charge: Callable[[PrivacyCharge], object],
+                noise: NoisePolicy) -> ShardSupport:
+        return ShardSupport(self.actors, pca, counts, charge, noise)
 
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
 
-def train_distributed(source: PrivateSource, model: ModelSpec, config: DPSGDConfig, noise: NoisePolicy,
-                      storage_path: str, name: str = "dpsgd", cpus_per_worker: float = 1.0,
-                      torch_threads: int = 1) -> list[DPCheckpoint]:
-    """Central-equivalent DP-SGD over ``source.num_shards`` Ray Train workers (one shard each);
-    returns one checkpoint per epoch, oldest first."""
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    def __enter__(self) -> ShardGroup:
+        return self
 
-    trainer = TorchTrainer(
-        _distributed_worker,
-        train_loop_config={"source": source, "model": model, "dpsgd": config, "noise": noise,
-                           "torch_threads": torch_threads},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=source.num_shards, use_gpu=False,
-                                     resources_per_worker={"CPU": cpus_per_worker}),
-        run_config=RunConfig(name=name, storage_path=storage_path, checkpoint_config=CheckpointConfig(num_to_keep=None)),
-    )
-    log.info("data-parallel DP-SGD over %d Ray Train workers", source.num_shards)
-    result = trainer.fit()
-    checkpoints = []
-    for checkpoint, _ in result.best_checkpoints or []:
-        with checkpoint.as_directory() as directory:
-            checkpoints.append(DPCheckpoint.load(Path(directory) / "dp_checkpoint.pt"))
-    if len(checkpoints) != config.epochs:
-        raise RuntimeError(f"expected {config.epochs} checkpoints from Ray Train, got {len(checkpoints)}")
-    return sorted(checkpoints, key=lambda c: c.epoch)
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

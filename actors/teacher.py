@@ -45,12 +45,12 @@ import ray
 import torch
 from tqdm import tqdm
 
+from actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from actors.placement import Placement, require_node
 from learning.data import Dataset, make_splits, shard
 from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import apply_features, features_of
 from learning.data.schema import Standardiser
-from learning.data.sources import DataSource
 from learning.models import build_model
 from learning.training import TrainConfig, fit, predict
 from privacy.accounting.charge import ADD_REMOVE
@@ -105,53 +105,6 @@ class TeacherSource:
     @property
     def owner(self) -> str:
         return f"{self.dataset} (private split)"
-
-
-@dataclass(frozen=True)
-class OwnerSource:
-    """One owner's own data, read only where its teachers run, cut into ``num_teachers`` shards.
-
-    ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
-    labels are mapped onto ``classes`` (the run's class list, from the config or the public
-    test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``records``: the
-    number the owner declared, if any; fewer in the data is an error (more is fine).
-    """
-
-    owner: str
-    data: DataSource
-    num_teachers: int
-    classes: tuple[str, ...]
-    seed: int = 0
-    features: str | None = None
-    records: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_teachers < 1:
-            raise ValueError(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
-
-    def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
-        dataset = self.data.read(self.classes, name=self.owner)
-        if dataset.unlabeled:
-            raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
-        if len(dataset) < max(self.num_teachers, self.records or 0):
-            raise ValueError(f"{self.data.describes} holds fewer records than the "
-                             f"{'declared ' + str(self.records) if self.records else str(self.num_teachers) + ' teachers need'}")
-        shards = shard(dataset, self.num_teachers, self.seed)
-        return [shards[i] for i in teacher_ids]
-
-
-class OwnerDataError(RuntimeError):
-    """An owner's data could not be read where its teachers run (one line naming the owner)."""
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """What a teacher group says about itself: the shape of its inputs and where it runs —
-    nothing about its data."""
-
-    num_classes: int
-    input_shape: tuple[int, ...]
-    node_id: str
 
 
 class TeacherGroup:
@@ -385,28 +338,9 @@ class TeacherPool:
             offset += share.num_teachers
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
-        try:
-            described: list[GroupInfo] = ray.get([actor.describe.remote() for actor in self._actors])
-        except ray.exceptions.RayTaskError as err:
-            self.shutdown()  # the actors that did start would otherwise hold their CPUs
-            if isinstance(err.cause, OwnerDataError):
-                raise OwnerDataError(str(err.cause)) from None
-            raise
-        except Exception:
-            self.shutdown()
-            raise
-        shapes = {(info.num_classes, info.input_shape) for info in described}
-        if len(shapes) > 1:
-            self.shutdown()
-            found = ", ".join(f"owner {o}: {i.num_classes} classes, inputs {list(i.input_shape)}"
-                              for o, i in zip(self._owners, described))
-            raise OwnerDataError(f"owners' data do not share one input shape and class list ({found})")
+        described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
-        self.placement: dict[str, list[str]] = {}
-        for owner, info in zip(self._owners, described):
-            nodes = self.placement.setdefault(owner, [])
-            if info.node_id not in nodes:
-                nodes.append(info.node_id)
+        self.placement = nodes_of(self._owners, described)
         log.info("%d teachers of %d owner(s) on %d actors (%s CPU, %s GPU each)", self.num_teachers,
                  len(shares), len(self._actors), num_cpus_per_actor, num_gpus)
 

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
     results = RunDirectory(args.results_dir, run_name)
     results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
-    from actors.teacher import OwnerDataError  # here: torch and Ray load only for a run
+    from actors.owners import OwnerDataError  # here: torch and Ray load only for a run
 
     started = time.perf_counter()
     try:

@@ -62,7 +62,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         return 2
 
     from actors.placement import PlacementError
-    from actors.teacher import OwnerDataError
+    from actors.owners import OwnerDataError
     from cluster.api import train_ensemble
     from cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
     from cluster.ray_runtime import record_ray_processes

@@ -334,6 +334,8 @@ def train_dp(
         private_model, dp_optimizer, criterion, private_loader = private
     else:
         private_model, dp_optimizer, private_loader = private
+    if data_parallel and not isinstance(dp_optimizer, DistributedDPOptimizer):
+        raise RuntimeError("Opacus did not pick its data-parallel optimizer: the ranks would not all-reduce")
     # Opacus divides by its own guess from the examples held here; the sum is divided by the
     # declared expected batch, split across the ranks (a public constant, not a private size).
     dp_optimizer.expected_batch_size = sample_rate * schedule.num_examples / world

@@ -454,7 +454,8 @@ def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_a
                  count: int) -> list[OwnerShare]:
     """Each owner's source, teachers, actors and placement (the benchmark: one share of its
     first ``count`` teachers on ``num_actors`` actors, anywhere)."""
-    from actors.teacher import OwnerShare, OwnerSource
+    from actors.owners import OwnerSource
+    from actors.teacher import OwnerShare
 
     if not config.owners:
         return [OwnerShare(teacher_source(config), count, num_actors)]

@@ -84,7 +84,7 @@ def test_each_owners_teachers_run_on_its_own_node_of_a_three_node_cluster(tmp_pa
 
 
 def test_a_missing_owner_file_is_one_line_naming_the_owner(ray_session, tmp_path):
-    from actors.teacher import OwnerDataError
+    from actors.owners import OwnerDataError
     from cluster.pipelines.teacher_student import public_data, teacher_pool
 
     owners = list(hospitals().owners)
@@ -109,7 +109,7 @@ def _released(ray, resource: str, timeout: float = 20.0) -> bool:
 
 
 def test_an_owner_whose_data_holds_fewer_records_than_declared_is_refused_on_its_node(ray_session):
-    from actors.teacher import OwnerDataError
+    from actors.owners import OwnerDataError
     from cluster.pipelines.teacher_student import public_data, teacher_pool
 
     owners = list(hospitals().owners)
@@ -124,7 +124,7 @@ def test_an_owner_whose_data_holds_fewer_records_than_declared_is_refused_on_its
 def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, tmp_path):
     import pandas as pd
 
-    from actors.teacher import OwnerDataError
+    from actors.owners import OwnerDataError
     from cluster.pipelines.teacher_student import public_data, teacher_pool
 
     table = pd.read_csv(DATA / "hospital_c" / "records.csv").drop(columns="worst_area")

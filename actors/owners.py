@@ -1,0 +1,95 @@
+"""An owner's data, read only on the owner's node, and what its actors may say about it.
+
+Teacher groups and DP-SGD shard actors both load an owner's source in their own process
+(``OwnerSource.load``) and answer ``describe`` with a ``GroupInfo``: the class count, the input
+shape and the node they run on — nothing about the records. A source that cannot be read
+there comes back to the driver as one ``OwnerDataError`` line naming the owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import ray
+
+from learning.data import Dataset, shard
+from learning.data.sources import DataSource
+
+
+@dataclass(frozen=True)
+class OwnerSource:
+    """One owner's own data, read only where its actors run, cut into ``num_teachers`` shards.
+
+    ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
+    labels are mapped onto ``classes`` (the run's class list, from the config or the public
+    test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``records``: the
+    number the owner declared, if any; fewer in the data is an error (more is fine).
+    ``num_teachers`` is the number of shards: teachers, or DP-SGD shard actors.
+    """
+
+    owner: str
+    data: DataSource
+    num_teachers: int
+    classes: tuple[str, ...]
+    seed: int = 0
+    features: str | None = None
+    records: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_teachers < 1:
+            raise ValueError(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
+
+    def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
+        dataset = self.data.read(self.classes, name=self.owner)
+        if dataset.unlabeled:
+            raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
+        if len(dataset) < max(self.num_teachers, self.records or 0):
+            raise ValueError(f"{self.data.describes} holds fewer records than the "
+                             f"{'declared ' + str(self.records) if self.records else str(self.num_teachers) + ' teachers need'}")
+        shards = shard(dataset, self.num_teachers, self.seed)
+        return [shards[i] for i in teacher_ids]
+
+
+class OwnerDataError(RuntimeError):
+    """An owner's data could not be read where its actors run (one line naming the owner)."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What an actor holding an owner's data says about itself: the shape of its inputs and
+    where it runs — nothing about its data."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    node_id: str
+
+
+def describe_all(actors: Sequence, owners: Sequence[str], on_failure: Callable[[], None]) -> list[GroupInfo]:
+    """Every actor's ``describe()``, once each has loaded its data. A source that could not be
+    read, or owners whose data disagree in shape or classes, call ``on_failure`` (to free
+    the actors that did start) and raise ``OwnerDataError`` in one line."""
+    try:
+        described: list[GroupInfo] = ray.get([actor.describe.remote() for actor in actors])
+    except ray.exceptions.RayTaskError as err:
+        on_failure()
+        if isinstance(err.cause, OwnerDataError):
+            raise OwnerDataError(str(err.cause)) from None
+        raise
+    except Exception:
+        on_failure()
+        raise
+    if len({(info.num_classes, info.input_shape) for info in described}) > 1:
+        on_failure()
+        found = ", ".join(f"owner {o}: {i.num_classes} classes, inputs {list(i.input_shape)}"
+                          for o, i in zip(owners, described))
+        raise OwnerDataError(f"owners' data do not share one input shape and class list ({found})")
+    return described
+
+
+def nodes_of(owners: Sequence[str], described: Sequence[GroupInfo]) -> dict[str, list[str]]:
+    """Owner → the Ray node ids its actors run on (for the results: where the data stayed)."""
+    nodes: dict[str, list[str]] = {}
+    for owner, info in zip(owners, described):
+        if info.node_id not in nodes.setdefault(owner, []):
+            nodes[owner].append(info.node_id)
+    return nodes
