@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.owners import owner_resources
 from cluster.pipelines import PrivacyConfig
 from cluster.pipelines.teacher_student import (
     Config, Ensemble, MechanismConfig, OwnerConfig, PublicData, StudentConfig, TeachersConfig, TrainingConfig,
-    checked_public, owner_resources, privacy_section, reserve_estimates, resolved, server_settings,
+    checked_public, privacy_section, reserve_estimates, resolved, server_settings,
     start_aggregator, train_teachers,
 )
 from learning.data.sources import DataSource
@@ -50,7 +51,7 @@ def train_ensemble(config: Config, ray_address: str | None = None, progress: boo
     config = resolved(config, public)
     from cluster.ray_runtime import start_ray
 
-    embedded = start_ray(ray_address, resources=owner_resources(config), runtime_env=config.runtime_env)
+    embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env)
     return train_teachers(config, progress=progress, public=public, embedded=embedded)
 
 

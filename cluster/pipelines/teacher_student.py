@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from actors.placement import Placement
+from cluster.owners import DataOwner, PublicData, check_owners
 from cluster.pipelines import PrivacyConfig, RunOutcome
 from learning.data.dataset import SHARD_LEMMA, StudentSplits
-from learning.data.schema import InputSchema, Standardiser
 from learning.data.features import check_features
 from learning.data.sources import DataSource
 from learning.selection import QuerySelection
@@ -97,37 +96,19 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
-class OwnerConfig:
-    """One data owner: its data (a path on its own node), its teachers, and where they run.
+class OwnerConfig(DataOwner):
+    """A data owner (``cluster.owners.DataOwner``) and its ``teachers``, packed into its
+    ``actors``. ``records``, if declared, is checked against the teachers before anything starts."""
 
-    ``resources``: Ray custom resources its node declares (``ray start --resources``); its
-    actors split the amounts. ``labels``: node labels its node carries (``ray start
-    --labels``). On the embedded local Ray every owner's resources are granted to the one
-    node and labels are not used, so the same config runs on one machine. ``records``: how
-    many records the owner declares (optional): the teachers are checked against it before
-    anything starts, and its node checks the data holds at least that many.
-    """
-
-    name: str
-    data: DataSource
     teachers: int = 10
-    actors: int = 1  # Ray actors the owner's teachers are packed into
-    resources: dict[str, float] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    records: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
-        if self.teachers < 1 or self.actors < 1:
-            raise ValueError(f"owner {self.name}: teachers and actors must be >= 1")
+        super().__post_init__()
+        if self.teachers < 1:
+            raise ValueError(f"owner {self.name}: teachers must be >= 1")
         if self.records is not None and self.records < self.teachers:
             raise ValueError(f"owner {self.name}: {self.teachers} teachers need at least as many records "
                              f"(it declares {self.records})")
-        Placement(self.resources, self.labels)  # a bad amount is a config error now
-
-    def placement(self, embedded: bool) -> Placement:
-        return Placement(self.resources, {} if embedded else self.labels)
 
 
 @dataclass(frozen=True)
@@ -280,20 +261,12 @@ class Config:
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 
     def _check_owners(self) -> None:
-        if self.public is None or self.test is None:
-            raise ValueError("owners need a public pool and a test set: give public and test sources")
-        if self.test.label is None:
-            raise ValueError("test: name its label (column, key or file): the student is evaluated on it")
-        names = [owner.name for owner in self.owners]
-        if len(set(names)) != len(names):
-            raise ValueError(f"owner names must be distinct, got {names}")
+        check_owners(self.owners, self.public, self.test, self.classes)
         if dataclasses.replace(self.data, features=None) != DataConfig():
             raise ValueError("with owners, the data section may only set features (the sources say the rest)")
         if self.teachers.count not in (TeachersConfig.count, self.num_teachers):
             raise ValueError(f"teachers.count ({self.teachers.count}) disagrees with the owners' teachers "
                              f"({self.num_teachers}): leave it out")
-        if self.classes is not None and len(set(self.classes)) != len(self.classes):
-            raise ValueError(f"classes must be distinct, got {list(self.classes)}")
 
     @property
     def num_teachers(self) -> int:
@@ -310,23 +283,6 @@ class Config:
 
 
 # --- phases -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class PublicData:
-    """What the driver holds: the student's pool and the test split (public data only), the
-    class list, the query schema, and for tables the public column statistics."""
-
-    splits: StudentSplits
-    classes: tuple[str, ...]
-    schema: InputSchema
-    standardiser: Standardiser | None
-
-    @classmethod
-    def of(cls, splits: StudentSplits, classes: tuple[str, ...]) -> PublicData:
-        schema = InputSchema.of(splits.public)
-        standardiser = Standardiser.of_public(splits.public) if schema.kind == "table" else None
-        return cls(splits, classes, schema, standardiser)
 
 
 @dataclass
@@ -392,17 +348,11 @@ def public_data(config: Config) -> PublicData:
     if not config.owners:
         splits = student_splits(config)
         return PublicData.of(splits, tuple(str(c) for c in range(splits.test.num_classes)))
-    from learning.data.sources import class_names
-
-    classes = config.classes or class_names(config.test.read_raw().labels)
-    splits = StudentSplits(public=config.public.read(classes, "public"), test=config.test.read(classes, "test"))
-    if splits.public.input_shape != splits.test.input_shape:
-        raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
-                         f"{list(splits.test.input_shape)} differ in shape")
-    if config.student.queries > len(splits.public):
+    public = PublicData.read(config.public, config.test, config.classes)
+    if config.student.queries > len(public.splits.public):
         raise ValueError(f"student.queries ({config.student.queries}) exceeds the public pool "
-                         f"({len(splits.public)} inputs)")
-    return PublicData.of(splits, classes)
+                         f"({len(public.splits.public)} inputs)")
+    return public
 
 
 def checked_public(config: Config) -> PublicData:
@@ -546,16 +496,6 @@ def validate(config: Config) -> Config:
     """Everything the driver can check before Ray starts (``ConfigError``, one line): its
     public data, the models for those inputs. Returns the config with its defaults resolved."""
     return resolved(config, checked_public(config))
-
-
-def owner_resources(config: Config) -> dict[str, float]:
-    """The custom resources the owners' placements name: granted to the embedded local node,
-    so an owners config runs on one machine unchanged."""
-    granted: dict[str, float] = {}
-    for owner in config.owners:
-        for name, amount in owner.resources.items():
-            granted[name] = granted.get(name, 0.0) + amount
-    return granted
 
 
 def run(config: Config, context) -> RunOutcome:

@@ -1,0 +1,103 @@
+"""The ``owners`` section every pipeline shares, and the public data the driver may read.
+
+An owner names its data (a path on its own node, read only by its actors), how many actors
+its part runs on, and where they run (Ray custom resources and/or node labels). On the
+embedded local Ray every owner's resources are granted to the one node and labels are not
+used, so the same config runs on one machine. Each pipeline adds what its owners do (e.g.
+teachers); the driver itself reads only the ``public`` and ``test`` sources.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from actors.placement import Placement
+from learning.data.dataset import StudentSplits
+from learning.data.schema import InputSchema, Standardiser
+from learning.data.sources import DataSource
+
+
+@dataclass(frozen=True)
+class DataOwner:
+    """One data owner: its data (a path on its own node), its actors, and where they run.
+
+    ``resources``: Ray custom resources its node declares (``ray start --resources``); its
+    actors split the amounts. ``labels``: node labels its node carries (``ray start
+    --labels``). ``records``: how many records the owner declares; its node checks the data
+    holds at least that many. DP-SGD needs it: the sampling rate and the number of steps,
+    which are released, come from the declared sizes, never from the private count.
+    """
+
+    name: str
+    data: DataSource
+    actors: int = 1  # Ray actors the owner's part runs on
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    records: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
+        if self.actors < 1:
+            raise ValueError(f"owner {self.name}: actors must be >= 1")
+        if self.records is not None and self.records < self.actors:
+            raise ValueError(f"owner {self.name}: {self.actors} actors need at least as many records "
+                             f"(it declares {self.records})")
+        Placement(self.resources, self.labels)  # a bad amount is a config error now
+
+    def placement(self, embedded: bool) -> Placement:
+        return Placement(self.resources, {} if embedded else self.labels)
+
+
+def check_owners(owners: Sequence[DataOwner], public: DataSource | None, test: DataSource | None,
+                 classes: tuple[str, ...] | None) -> None:
+    """What every owners config needs: distinct names, a public pool and a labelled test set."""
+    if public is None or test is None:
+        raise ValueError("owners need a public pool and a test set: give public and test sources")
+    if test.label is None:
+        raise ValueError("test: name its label (column, key or file): the models are evaluated on it")
+    names = [owner.name for owner in owners]
+    if len(set(names)) != len(names):
+        raise ValueError(f"owner names must be distinct, got {names}")
+    if classes is not None and len(set(classes)) != len(classes):
+        raise ValueError(f"classes must be distinct, got {list(classes)}")
+
+
+def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
+    """The custom resources the owners' placements name: granted to the embedded local node,
+    so an owners config runs on one machine unchanged."""
+    granted: dict[str, float] = {}
+    for owner in owners:
+        for name, amount in owner.resources.items():
+            granted[name] = granted.get(name, 0.0) + amount
+    return granted
+
+
+@dataclass(frozen=True, eq=False)
+class PublicData:
+    """What the driver holds: the public pool and the test split (public data only), the
+    class list, the input schema, and for tables the public column statistics."""
+
+    splits: StudentSplits
+    classes: tuple[str, ...]
+    schema: InputSchema
+    standardiser: Standardiser | None
+
+    @classmethod
+    def of(cls, splits: StudentSplits, classes: tuple[str, ...]) -> PublicData:
+        schema = InputSchema.of(splits.public)
+        standardiser = Standardiser.of_public(splits.public) if schema.kind == "table" else None
+        return cls(splits, classes, schema, standardiser)
+
+    @classmethod
+    def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
+        """The ``public`` and ``test`` sources; the class list is ``classes`` or the test labels'
+        (never an owner's)."""
+        from learning.data.sources import class_names
+
+        classes = classes or class_names(test.read_raw().labels)
+        splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
+        if splits.public.input_shape != splits.test.input_shape:
+            raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
+                             f"{list(splits.test.input_shape)} differ in shape")
+        return cls.of(splits, classes)
