@@ -200,11 +200,10 @@ class ShardHolder:
     A source that cannot be read is kept as an error that ``describe`` raises (one line,
     naming the owner), so the driver learns of it before any training starts."""
 
-    def __init__(self, source: ShardSource, shard_ids: Sequence[int], model: ModelSpec,
+    def __init__(self, source: ShardSource, shard_ids: Sequence[int], model: ModelSpec | None = None,
                  torch_threads: int = 1) -> None:
         torch.set_num_threads(max(1, torch_threads))
-        self._spec = model
-        self._model = model.build()
+        self._spec = model  # what ``train_dp`` trains unless given a recipe, and NearPrivate embeds with
         self._embeddings: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
         self._load_error: str | None = None
@@ -232,7 +231,10 @@ class ShardHolder:
         """DP-SGD on the held shards with the schedule of ``num_examples`` (declared, see the
         module docstring), alone or as one rank of ``group``; rank 0 returns one checkpoint
         per epoch (the weights are DP output), the other ranks nothing."""
-        model, masks = (recipe or self._spec).prepare()
+        recipe = recipe or self._spec
+        if recipe is None:
+            raise ValueError("nothing to train: this shard actor has no model spec, so give a recipe")
+        model, masks = recipe.prepare()
         snapshots: list[dict[str, np.ndarray]] = []
         rank = group.rank if group else 0
         if group is not None:
@@ -249,8 +251,6 @@ class ShardHolder:
         if rank != 0:
             return []
         steps_per_epoch = result.steps // config.epochs
-        if recipe is None:
-            self.set_weights(snapshots[-1])
         return [DPCheckpoint(epoch + 1, eps, config.delta, result.sample_rate, result.noise_multiplier,
                              steps_per_epoch * (epoch + 1), state)
                 for epoch, (eps, state) in enumerate(zip(result.epsilons, snapshots))]
@@ -265,9 +265,10 @@ class ShardHolder:
 
     def set_weights(self, state: dict[str, np.ndarray]) -> None:
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
-        self._model.load_state_dict(_tensors(state))
-        self._embeddings = embed(self._model, self._data.x)
-        self._entropy = logit_entropy(predict_logits(self._model, self._data.x))
+        model = self._spec.build()
+        model.load_state_dict(_tensors(state))
+        self._embeddings = embed(model, self._data.x)
+        self._entropy = logit_entropy(predict_logits(model, self._data.x))
 
     def covariance_sum(self) -> np.ndarray:
         """[d, d] Σ x xᵀ of the unit-normalised embeddings of the held points (an aggregate)."""
@@ -333,8 +334,8 @@ class ShardGroup:
     """The run's shard actors: each placed where its owner's data is, checked before any
     starts (a request no node can take fails at once, one line), loaded before any trains."""
 
-    def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec, torch_threads: int = 1,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0) -> None:
+    def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec | None = None, torch_threads: int = 1,
+                 num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0) -> None:
         if not plans:
             raise ValueError("a shard group needs at least one shard actor")
         options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
@@ -345,7 +346,8 @@ class ShardGroup:
                            plan.source, list(plan.shard_ids), model, torch_threads)
                        for plan, option in zip(plans, options)]
         owners = [plan.source.owner for plan in plans]
-        described = describe_all(self.actors, owners, self.shutdown)
+        # They train as one group, so all must run at once: fail rather than wait forever.
+        described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         self.placement = nodes_of(owners, described)
 

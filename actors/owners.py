@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import ray
 
+from actors.placement import PlacementError
 from learning.data import Dataset, shard
 from learning.data.sources import DataSource
 
@@ -64,12 +65,18 @@ class GroupInfo:
     node_id: str
 
 
-def describe_all(actors: Sequence, owners: Sequence[str], on_failure: Callable[[], None]) -> list[GroupInfo]:
+def describe_all(actors: Sequence, owners: Sequence[str], on_failure: Callable[[], None],
+                 timeout_s: float | None = None) -> list[GroupInfo]:
     """Every actor's ``describe()``, once each has loaded its data. A source that could not be
     read, or owners whose data disagree in shape or classes, call ``on_failure`` (to free
-    the actors that did start) and raise ``OwnerDataError`` in one line."""
+    the actors that did start) and raise ``OwnerDataError`` in one line; actors not all
+    started within ``timeout_s`` (None: wait) raise ``PlacementError``."""
     try:
-        described: list[GroupInfo] = ray.get([actor.describe.remote() for actor in actors])
+        described: list[GroupInfo] = ray.get([actor.describe.remote() for actor in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        on_failure()
+        raise PlacementError(f"the actors of {', '.join(sorted(set(owners)))} did not all start within "
+                             f"{timeout_s:g} s: the cluster has no room for all of them at once") from None
     except ray.exceptions.RayTaskError as err:
         on_failure()
         if isinstance(err.cause, OwnerDataError):

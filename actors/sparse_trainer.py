@@ -1,36 +1,30 @@
-"""The private side of sparse DP fine-tuning: a Ray actor that holds the private transfer set.
+"""The private side of sparse DP fine-tuning: what the shard actors fine-tune, and on what.
 
-The actor reads its private data itself (``TransferSource.load``), so it never passes
-through the driver. It receives the *public* pre-trained weights, builds the variant's plan
-(the mask comes from those public weights only), charges the run's ledger with the DP-SGD
-schedule's cost *before* training, then trains with ``learning.dpsgd.train_dp`` and returns
-the DP model's weights — the only thing derived from private data that leaves (no losses). Noise and Poisson sampling
-come from the run's ``NoisePolicy``.
+A ``SparseVariant`` is a training recipe for ``actors.dp_trainer.ShardGroup``: the *public*
+pre-trained weights with a fresh classifier, and the variant's plan (which parameters train,
+and the magnitude mask, computed from those public weights only). The private transfer set is
+read by the shard actors themselves — a benchmark's (``TransferSource``) or the owners' own
+files — so it never passes through the driver, which charges the run's ledger with each
+variant's DP-SGD schedule before asking the actors to train. Only the DP weights come back.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
-import ray
 import torch
 
 from learning.data import Dataset
-from learning.dpsgd import DPSGDConfig, dp_schedule, train_dp
 from learning.models import build_model
-from learning.sparse import plan_variant, replace_classifier, transfer_split
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.ledger import BudgetReport, PrivacyLedger
-from privacy.noise import NoisePolicy
-
-log = logging.getLogger(__name__)
+from learning.sparse import SparsePlan, plan_variant, replace_classifier, transfer_split
 
 
 @dataclass(frozen=True)
 class TransferSource:
-    """The private set: ``dataset``'s training split restricted to ``classes`` (relabelled
-    0..k-1; all classes when empty), optionally a seeded subsample of ``size`` examples."""
+    """A benchmark's private set: ``dataset``'s training split restricted to ``classes``
+    (relabelled 0..k-1; all classes when empty), optionally a seeded subsample of ``size``
+    examples; held whole by one shard actor (shard 0)."""
 
     dataset: str
     root: str | None = None
@@ -38,7 +32,13 @@ class TransferSource:
     size: int | None = None
     seed: int = 0
 
-    def load(self) -> Dataset:
+    @property
+    def owner(self) -> str:
+        return f"{self.dataset} (private split)"
+
+    def load(self, shard_ids: Sequence[int] = (0,)) -> Dataset:
+        if list(shard_ids) != [0]:
+            raise ValueError(f"a transfer set is one shard (0), got {list(shard_ids)}")
         train, _ = transfer_split(self.dataset, self.root, self.classes, self.size, self.seed)
         return train
 
@@ -60,78 +60,26 @@ class PublicModel:
 
 
 @dataclass(frozen=True)
-class FinetuneResult:
-    """What leaves the actor: DP weights and their cost (nothing else about the private data)."""
+class SparseVariant:
+    """Fine-tune ``public`` for ``num_classes`` private classes under ``variant`` (see
+    ``learning.sparse``): what a shard actor trains, with DP-SGD, on its private data."""
 
+    public: PublicModel
     variant: str
-    state: dict[str, np.ndarray] = field(repr=False)
-    epsilons: list[float]
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
-    trained_entries: int
-    total_entries: int
-    budget: BudgetReport
+    fraction: float
+    num_classes: int
+    classifier_seed: int = 0
 
+    def planned(self) -> tuple[torch.nn.Module, SparsePlan]:
+        model = replace_classifier(self.public.build(), self.num_classes, seed=self.classifier_seed)
+        return model, plan_variant(model, self.variant, self.fraction)
 
-class SparseTrainer:
-    """Holds the private transfer set and fine-tunes public models on it with DP-SGD.
+    def prepare(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        model, plan = self.planned()
+        return model, plan.masks
 
-    Every fine-tuning is charged to the ledger at ``ledger_path`` (with the ``budget`` the
-    driver declared) before it starts; a run the budget cannot afford raises
-    ``BudgetExceeded`` and trains nothing.
-    """
-
-    def __init__(
-        self, source: TransferSource, ledger_path: str, delta: float, budget: RenyiFilter | None,
-        noise: NoisePolicy, torch_threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(max(1, torch_threads))
-        self._data = source.load()
-        self._ledger = PrivacyLedger(ledger_path, delta, budget)
-        self._delta = delta
-        self._noise = noise
-
-    def size(self) -> int:
-        return len(self._data)
-
-    def num_classes(self) -> int:
-        return self._data.num_classes
-
-    def finetune(
-        self,
-        public: PublicModel,
-        variant: str,
-        fraction: float,
-        config: DPSGDConfig,
-        classifier_seed: int = 0,
-        progress: bool = False,
-    ) -> FinetuneResult:
-        """Fine-tune ``public`` with DP-SGD under ``variant`` (see ``learning.sparse``)."""
-        if config.delta != self._delta:
-            raise ValueError(f"DP-SGD delta {config.delta} must equal the ledger's delta {self._delta}")
-        model = replace_classifier(public.build(), self._data.num_classes, seed=classifier_seed)
-        plan = plan_variant(model, variant, fraction)
-        schedule = dp_schedule(len(self._data), config, label=f"dpsgd-sparse-{variant}")
-        report = self._ledger.charge(schedule.charge)  # before anything private is computed
-        log.info("charged %s: ledger spend now ε %.4f", schedule.charge.label, report.epsilon_spent)
-        result = train_dp(model, self._data, config, self._noise.source(f"dpsgd-sparse-{variant}"),
-                          masks=plan.masks, progress=progress)
-        state = {k: v.detach().cpu().numpy().copy() for k, v in result.model.state_dict().items()}
-        return FinetuneResult(
-            variant=variant,
-            state=state,
-            epsilons=result.epsilons,
-            noise_multiplier=result.noise_multiplier,
-            sample_rate=result.sample_rate,
-            steps=result.steps,
-            trained_entries=plan.trained_entries,
-            total_entries=plan.total_entries,
-            budget=report,
-        )
-
-    def close(self) -> None:
-        self._ledger.close()
-
-
-SparseTrainerActor = ray.remote(SparseTrainer)
+    def released(self, state: dict[str, np.ndarray]) -> torch.nn.Module:
+        """The fine-tuned network with the DP weights ``state``."""
+        model = replace_classifier(self.public.build(), self.num_classes)
+        model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+        return model

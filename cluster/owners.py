@@ -49,11 +49,14 @@ class DataOwner:
         return Placement(self.resources, {} if embedded else self.labels)
 
 
-def check_owners(owners: Sequence[DataOwner], public: DataSource | None, test: DataSource | None,
-                 classes: tuple[str, ...] | None) -> None:
-    """What every owners config needs: distinct names, a public pool and a labelled test set."""
-    if public is None or test is None:
-        raise ValueError("owners need a public pool and a test set: give public and test sources")
+def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: tuple[str, ...] | None,
+                 public: DataSource | None, needs_public: bool = True) -> None:
+    """What an owners config needs: distinct names, a labelled test set, and (where the
+    pipeline learns from one) a public pool."""
+    if test is None or (needs_public and public is None):
+        needed = "a public pool and a test set: give public and test sources" if needs_public else \
+            "a labelled test set: give a test source"
+        raise ValueError(f"owners need {needed}")
     if test.label is None:
         raise ValueError("test: name its label (column, key or file): the models are evaluated on it")
     names = [owner.name for owner in owners]
@@ -101,3 +104,19 @@ class PublicData:
             raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
                              f"{list(splits.test.input_shape)} differ in shape")
         return cls.of(splits, classes)
+
+
+def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], seed: int,
+                      features: str | None, embedded: bool) -> list:
+    """DP-SGD shard actors for the owners: each owner's data cut into one shard per actor,
+    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``)."""
+    import os
+
+    from actors.dp_trainer import OwnerShards, ShardPlan
+    from actors.owners import OwnerSource
+
+    here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
+    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner.data.anchored(here), owner.actors, classes, seed,
+                                              features, owner.records)),
+                      (i,), owner.placement(embedded), owner.actors)
+            for owner in owners for i in range(owner.actors)]

@@ -3,9 +3,12 @@
 1. Split one training set: a seeded private subset, sharded to Ray actors (they read it
    themselves), and the disjoint rest as the public pool, whose labels only the annotator
    knows (optionally polluted with out-of-domain images); the test set is the dataset's.
-2. DP-SGD on the private shards — one actor alone, or data-parallel over one Ray Train worker
-   per shard (central-equivalent, see ``actors.dp_trainer``). Its whole cost is charged to the
-   run's ledger before training starts; every epoch's checkpoint is kept with its ε.
+   Or, with ``owners``: each owner's own file, read only by its shard actors on its node,
+   and the config's ``public`` pool and ``test`` set, the only files the driver reads.
+2. DP-SGD on the private shards — one actor alone, or data-parallel over one actor per shard
+   or per owner's actor (central-equivalent, see ``actors.dp_trainer``), on the schedule of
+   the declared private size. Its whole cost is charged to the run's ledger before training
+   starts; every epoch's checkpoint is kept with its ε.
 3. Every strategy starts from the same final checkpoint, except NearPrivate, which starts from
    the latest earlier checkpoint whose ε_dp ⊕ ε_dpPCA ⊕ ε_support (composed in RDP) does not
    exceed the final checkpoint's ε, so all models compared carry the same guarantee
@@ -34,8 +37,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cluster.owners import DataOwner, PublicData, check_owners
 from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome
 from learning.data.features import check_features
+from learning.data.sources import DataSource
 from privacy.accounting.charge import PrivacyCharge
 
 log = logging.getLogger(__name__)
@@ -76,8 +81,10 @@ class DPSGDSection:
     # How Opacus clips per example: the same training, different speed (bench/perf.py measures
     # each per model; on 2 CPUs "ew" was fastest for the tutorial and ScatterNet CNNs).
     grad_sample_mode: str = "hooks"
-    distributed: bool = False  # Ray Train data-parallel over the shards (else one actor trains)
-    cpus_per_worker: float = 1.0
+    # Data-parallel over one actor per shard (else one actor holds and trains them all).
+    # With owners it is always data-parallel over the owners' actors.
+    distributed: bool = False
+    cpus_per_worker: float = 1.0  # per shard actor (capped so that all fit in the cluster at once)
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -162,7 +169,7 @@ class AnnotatorConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "active-digits"
-    model: str = "digits_cnn"
+    model: str | None = None  # None: by the inputs (see learning.models.default_model)
     data: DataConfig = field(default_factory=DataConfig)
     dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
@@ -172,6 +179,32 @@ class Config:
     checkpoints_from: str | None = None  # reuse an earlier run's DP checkpoints (its results folder)
     seed: int = 0
     torch_threads: int = 1
+    # Owners' own data (instead of the data section's benchmark): each owner's source is read
+    # only by its shard actors, on its node; every owner declares its ``records``.
+    owners: tuple[DataOwner, ...] = ()
+    public: DataSource | None = None  # the pool (labels: only for the oracle annotator), read by the driver
+    test: DataSource | None = None  # labelled public test data, read by the driver
+    classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            if self.public is not None or self.test is not None or self.classes is not None:
+                raise ValueError("public, test and classes go with owners (or use the data section alone)")
+            return
+        check_owners(self.owners, self.test, self.classes, self.public)
+        undeclared = [owner.name for owner in self.owners if owner.records is None]
+        if undeclared:
+            raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
+                             "steps are released, so they come from declared sizes, not the private count")
+        allowed = DataConfig(public_size=self.data.public_size, features=self.data.features)
+        if self.data != allowed:
+            raise ValueError("with owners, the data section may only set public_size and features "
+                             "(the sources say the rest)")
+
+    @property
+    def private_size(self) -> int:
+        """The private records DP-SGD's schedule is computed from: declared, never counted."""
+        return sum(owner.records for owner in self.owners) if self.owners else self.data.private_size
 
     def selection_releases(self) -> list:
         """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none."""
@@ -241,61 +274,145 @@ def aggregator_annotator(inputs: np.ndarray, client, batch: int = 512):
 class PublicSide:
     """What the driver holds: the public pool (labels behind ``annotator``) with its
     out-of-domain mask, and the test split — both in the models' representation
-    (``data.features``) — and the pool's images for annotators that look at images."""
+    (``data.features``) — the pool's raw inputs for annotators that look at them, the class
+    list, and for tables the pool's column statistics."""
 
     pool_images: np.ndarray
     pool_inputs: np.ndarray
     annotator: Any
     out_of_domain: np.ndarray
     test: Any
+    classes: tuple[str, ...]
+    standardiser: Any = None
 
     def model_spec(self, config: Config):
         """The network every holder builds, sized for these inputs."""
         from actors.dp_trainer import ModelSpec
+        from learning.models import default_model
 
-        _, channels, _, side = self.test.x.shape
-        return ModelSpec(config.model, self.test.num_classes, channels, seed=config.seed, input_size=side)
+        shape = self.test.input_shape
+        kind = "table" if len(shape) == 1 else "image"
+        name = config.model or ("scatternet_cnn" if config.data.features else default_model(shape, kind))
+        channels, side = (shape[0], shape[-1]) if kind == "image" else (1, None)
+        return ModelSpec(name, self.test.num_classes, channels, seed=config.seed, input_size=side,
+                         input_shape=shape, standardiser=self.standardiser)
 
 
 def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
-    """The public pool and test split of ``config.data``. Both come from the same files as the
-    private part, so the driver reads them too, but keeps only the public rest."""
+    """The public pool and test split: the ``public`` and ``test`` sources with owners, else
+    those of ``config.data``'s benchmark (whose files hold the private part too: the driver
+    reads them but keeps only the public rest)."""
     from learning.annotation import hide_labels, split_private_public
     from learning.data import load_dataset
     from learning.data.features import apply_features
 
     data = config.data
-    train, test = load_dataset(data.name, data.root)
-    _, public = split_private_public(train, data.private_size, config.seed)
+    if config.owners:
+        read = PublicData.read(config.public, config.test, config.classes)
+        public, test, classes, standardiser = read.splits.public, read.splits.test, read.classes, read.standardiser
+        if public.unlabeled and config.annotator.kind == "oracle":
+            raise ValueError("public: the oracle annotator reveals the pool's labels, and it has none; name its "
+                             "label, or label with a running aggregator (annotator.kind: aggregator)")
+    else:
+        train, test = load_dataset(data.name, data.root)
+        _, public = split_private_public(train, data.private_size, config.seed)
+        classes, standardiser = tuple(str(c) for c in range(test.num_classes)), None
     if data.public_size is not None:
         public = public.subset(np.arange(min(data.public_size, len(public))))
     public, out_of_domain = pollute(public, data.pollution, rng)  # images first, then features
     pool_inputs, annotator = hide_labels(apply_features(public, data.features, progress=True))
-    return PublicSide(public.x, pool_inputs, annotator, out_of_domain, apply_features(test, data.features))
+    return PublicSide(public.x, pool_inputs, annotator, out_of_domain, apply_features(test, data.features),
+                      classes, standardiser)
+
+
+def validate(config: Config) -> Config:
+    """What the driver can check before Ray starts (one-line ``ConfigError``): the public
+    data, the label budgets against the pool, the model for these inputs."""
+    from cluster.config import ConfigError
+    from learning.models import factory_of
+
+    try:
+        if not config.owners:  # a benchmark's files are known; its pool is checked when the run reads it
+            if config.model is not None:
+                factory_of(config.model)
+            return config
+        public = public_side(config, np.random.default_rng(config.seed))
+        if max(config.selection.sizes) > len(public.pool_inputs):
+            raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
+                             f"{len(public.pool_inputs)} points")
+        factory_of(public.model_spec(config).name)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"{'public/test' if config.owners else 'data'}: {err}") from err
+    return config
 
 
 def planned_work(config: Config) -> PrivacyCharge:
-    """The DP-SGD schedule (or the reused checkpoints' cost) plus NearPrivate's releases."""
+    """The DP-SGD schedule of the declared private size (or the reused checkpoints' cost)
+    plus NearPrivate's releases."""
     from learning.dpsgd import dp_schedule
 
     reused = _reused_checkpoints(config)
-    training = reused[-1].charge() if reused else dp_schedule(config.data.private_size,
+    training = reused[-1].charge() if reused else dp_schedule(config.private_size,
                                                               config.dpsgd.dp_config(config.privacy.delta)).charge
     return config.planned(training)
+
+
+def shard_plans(config: Config, classes: tuple[str, ...], embedded: bool) -> list:
+    """Where the private shards are held: each owner's on its ``actors`` actors, on its node;
+    the benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
+    from actors.dp_trainer import PrivateSource, ShardPlan
+    from cluster.owners import owner_shard_plans
+
+    data = config.data
+    if config.owners:
+        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded)
+    source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
+    if config.dpsgd.distributed:
+        return [ShardPlan(source, (i,)) for i in range(data.num_shards)]
+    return [ShardPlan(source, tuple(range(data.num_shards)))]
+
+
+class PrivateShards:
+    """The run's shard actors, started the first time they are needed (to train, or for
+    NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
+
+    def __init__(self, config: Config, spec, classes: tuple[str, ...], embedded: bool) -> None:
+        self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
+        self._group = None
+
+    @property
+    def group(self):
+        import ray
+
+        from actors.dp_trainer import ShardGroup
+
+        if self._group is None:
+            plans = shard_plans(self._config, self._classes, self._embedded)
+            cpus = min(self._config.dpsgd.cpus_per_worker, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
+            self._group = ShardGroup(plans, self._spec, self._config.torch_threads, num_cpus=cpus)
+        return self._group
+
+    @property
+    def nodes(self) -> dict[str, list[str]]:
+        return {} if self._group is None else self._group.placement
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
 
 
 def run(config: Config, context: RunContext) -> RunOutcome:
     import torch
 
-    from actors.dp_trainer import PrivateSource
+    from cluster.owners import owner_resources
     from cluster.ray_runtime import start_ray
     from learning.training import evaluate
 
-    start_ray(context.ray_address)
+    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
     torch.set_num_threads(config.torch_threads)
     out = Path(context.results.path)
     rng = np.random.default_rng(config.seed)
-    data, sel = config.data, config.selection
+    sel = config.selection
 
     # 1. Public pool (labels hidden behind the annotator) and test set; the private part is
     #    read only by the actors that hold it.
@@ -310,8 +427,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
         annotator = aggregator_annotator(public.pool_images, client, config.annotator.batch)  # teachers see images
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
-    source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     spec = public.model_spec(config)
+    shards = PrivateShards(config, spec, public.classes, embedded)
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
@@ -321,13 +438,18 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     if ledger.report().charges:
         log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
                     "with this run's", ledger.path, ledger.report().charges)
-    checkpoints, dp_info = _dp_checkpoints(config, source, spec, ledger, out, reused)
-    checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon, "epsilon": _epsilon([c.charge()], config.privacy.delta),
-                        "test_accuracy": evaluate(c.load_into(spec.build()), test)}
-                       for c in checkpoints]
+    try:
+        checkpoints, dp_info = _dp_checkpoints(config, shards, ledger, out, reused)
+        checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon,
+                            "epsilon": _epsilon([c.charge()], config.privacy.delta),
+                            "test_accuracy": evaluate(c.load_into(spec.build()), test)}
+                           for c in checkpoints]
 
-    # 3. Strategies → labels → fine-tuning → test accuracy.
-    rows, privacy = improve(config, checkpoints, source, spec, ledger, pool_inputs, annotator, out_of_domain, test, rng, out)
+        # 3. Strategies → labels → fine-tuning → test accuracy.
+        rows, privacy = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator, out_of_domain,
+                                test, rng, out)
+    finally:
+        shards.shutdown()
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
     privacy = {**config.privacy.report(planned, ledger), "delta": config.privacy.delta, "dpsgd": dp_info, **privacy}
@@ -339,7 +461,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     # 4. Evidence.
     context.results.write_json("privacy", privacy)
     metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": len(pool_inputs),
-               "out_of_domain": int(out_of_domain.sum()), "labels_bought": annotator.bought}
+               "out_of_domain": int(out_of_domain.sum()), "labels_bought": annotator.bought,
+               "shards": {"nodes": shards.nodes}}  # owner → the Ray nodes its shard actors ran on
     context.results.write_json("metrics", metrics)
     final_epsilon = checkpoint_rows[-1]["epsilon"]
     curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
@@ -374,12 +497,9 @@ def _reused_checkpoints(config: Config) -> list:
     return [DPCheckpoint.load(f) for f in files]
 
 
-def _dp_checkpoints(config: Config, source, spec, ledger, out: Path, reused: list) -> tuple[list, dict]:
+def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, reused: list) -> tuple[list, dict]:
     """Train (or reuse) the DP-SGD checkpoints, one per epoch. The whole schedule is charged
     to ``ledger`` first."""
-    import ray
-
-    from actors.dp_trainer import ShardActor, train_distributed
     from learning.dpsgd import dp_schedule
 
     dp = config.dpsgd
@@ -388,28 +508,22 @@ def _dp_checkpoints(config: Config, source, spec, ledger, out: Path, reused: lis
         final = reused[-1]
         return reused, {"sample_rate": final.sample_rate, "noise_multiplier": final.noise_multiplier,
                         "epochs": final.epoch, "reused_from": config.checkpoints_from}
-    schedule = dp_schedule(config.data.private_size, dp.dp_config(config.privacy.delta))
+    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta))
     dp_config = dataclasses.replace(dp.dp_config(config.privacy.delta), noise_multiplier=schedule.noise_multiplier,
                                     target_epsilon=None)
+    group = shards.group  # started (and every owner's data loaded) before anything is charged
     ledger.charge(schedule.charge)
-    log.info("DP-SGD: q=%.5f σ=%.3f %d epochs (%s)", schedule.sample_rate, schedule.noise_multiplier, dp.epochs,
-             "Ray Train" if dp.distributed else "one actor")
-    noise = config.privacy.noise
-    if dp.distributed:
-        checkpoints = train_distributed(source, spec, dp_config, noise, str((out / "ray-train").resolve()),
-                                        name=config.name, cpus_per_worker=dp.cpus_per_worker,
-                                        torch_threads=config.torch_threads)
-    else:
-        trainer = ShardActor.remote(source, list(range(source.num_shards)), spec, config.torch_threads)
-        checkpoints = ray.get(trainer.train_dp.remote(dp_config, noise))
-        ray.kill(trainer)
+    log.info("DP-SGD: q=%.5f σ=%.3f %d epochs over %d shard actor(s)", schedule.sample_rate,
+             schedule.noise_multiplier, dp.epochs, len(group.actors))
+    checkpoints = group.train(dp_config, config.privacy.noise, config.private_size, progress=True)
     if checkpoints[-1].sample_rate != schedule.sample_rate or checkpoints[-1].steps != schedule.steps:
         raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
     (out / "checkpoints").mkdir(exist_ok=True)
     for checkpoint in checkpoints:
         checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
     return checkpoints, {"sample_rate": schedule.sample_rate, "noise_multiplier": schedule.noise_multiplier,
-                         "epochs": dp.epochs, "distributed": dp.distributed}
+                         "epochs": dp.epochs, "declared_private_size": config.private_size,
+                         "shard_actors": len(group.actors)}
 
 
 def _near_private_start(config: Config, checkpoints: list, extra: list):
@@ -425,13 +539,12 @@ def _near_private_start(config: Config, checkpoints: list, extra: list):
     return matching[-1] if matching else checkpoints[0]
 
 
-def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs: np.ndarray, annotator,
+def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledger, pool_inputs: np.ndarray, annotator,
             out_of_domain: np.ndarray, test, rng: np.random.Generator, out: Path) -> tuple[list[dict], dict]:
     """Every strategy from its starting checkpoint; one report-only ledger per published model."""
     import ray
     from tqdm.auto import tqdm
 
-    from actors.dp_trainer import ShardActor, ShardSupport
     from learning.data import Dataset
     from learning.selection import PublicPool, build_strategy
     from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
@@ -448,7 +561,6 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
                            lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
-    shard_actors: list = []
     rows: list[dict] = []
     progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="model")
     for name in sel.strategies:
@@ -463,14 +575,13 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
         if name == "diverse_public":
             params = {"components": sel.components, "n_each": sel.n_each, "uncertain_factor": sel.uncertain_factor}
         elif name == "near_private":
-            shard_actors = [ShardActor.remote(source, [i], spec, config.torch_threads) for i in range(source.num_shards)]
-            ray.get([a.set_weights.remote(start.state) for a in shard_actors])
+            ray.get([actor.set_weights.remote(start.state) for actor in shards.group.actors])
 
             def charge_both(charge, model_ledger=model_ledger):
                 ledger.charge(charge)  # the run's ledger first: it may refuse, and then nothing is released
                 model_ledger.charge(charge)
 
-            support = ShardSupport(shard_actors, pca, counts, charge_both, noise)
+            support = shards.group.support(pca, counts, charge_both, noise)
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
         selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
         epsilon = _epsilon([model_ledger.spent()], delta)  # fixed work: its worst case is its guarantee
@@ -490,8 +601,6 @@ def improve(config: Config, checkpoints: list, source, spec, ledger, pool_inputs
                          "out_of_domain_share": float(np.mean(out_of_domain[chosen]))})
             progress.update(1)
     progress.close()
-    for actor in shard_actors:
-        ray.kill(actor)
     unsound = (noise.unsound_reason,) if noise.unsound_reason else ()
     privacy: dict = {"per_model": {name: worst_case_guarantee(l.spent(), delta).marked(unsound).as_dict()
                                    for name, l in model_ledgers.items()}}

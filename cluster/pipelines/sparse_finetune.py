@@ -3,10 +3,13 @@
 1. Pre-train the network on the public data without privacy, saving a checkpoint every
    ``pretrain.checkpoint_every`` epochs under ``results/<run>/checkpoints/``; a rerun of the
    same run resumes from the latest one.
-2. Send the public weights to a ``SparseTrainerActor`` that holds the private transfer set.
-   For each configured variant it replaces the classifier, builds the plan (the magnitude
-   mask comes from the public weights only), charges the run's ledger, and DP-fine-tunes.
-3. Evaluate each released DP model on the private task's test split (not private data).
+2. For each configured variant, charge the run's ledger with its DP-SGD schedule, then send
+   the public weights to the shard actors that hold the private transfer set (a benchmark's
+   split on one actor, or with ``owners`` each owner's own file on its own node, trained
+   data-parallel): they replace the classifier, build the plan (the magnitude mask comes
+   from the public weights only) and DP-fine-tune (``actors.sparse_trainer.SparseVariant``).
+3. Evaluate each released DP model on the private task's test split (public: the benchmark's
+   test split, or the config's ``test`` source).
 4. Report the guarantee: every variant trains on the same private data, so the planned work
    is all of their DP-SGD schedules (fixed before the data is read), and the ledger's budget,
    if declared, is a Rényi filter over them; each variant's own ε is reported beside it.
@@ -20,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.owners import DataOwner, check_owners
 from cluster.pipelines import PrivacyConfig, RunOutcome
+from learning.data.sources import DataSource
 from learning.sparse import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -112,6 +117,33 @@ class Config:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    # Owners' own data (instead of ``private``): each owner's images, read only by its shard
+    # actors on its node; every owner declares its ``records``. ``test``: the private task's
+    # labelled public test set, ``classes`` its label names (None: the test data's).
+    owners: tuple[DataOwner, ...] = ()
+    test: DataSource | None = None
+    classes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            if self.test is not None or self.classes is not None:
+                raise ValueError("test and classes go with owners (or use the private section alone)")
+            return
+        check_owners(self.owners, self.test, self.classes, None, needs_public=False)
+        undeclared = [owner.name for owner in self.owners if owner.records is None]
+        if undeclared:
+            raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
+                             "steps are released, so they come from declared sizes, not the private count")
+        if self.private != DataSpec():
+            raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
+
+    @property
+    def private_size(self) -> int:
+        """The private examples DP-SGD's schedule is computed from. Owners declare theirs; a
+        benchmark split's is counted from its files (a split of public files: treated as public)."""
+        if self.owners:
+            return sum(owner.records for owner in self.owners)
+        return len(load_split(self.private, self.seed)[0])
 
 
 # --- phases -----------------------------------------------------------------------------
@@ -158,28 +190,53 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
 
 
 def planned_work(config: Config):
-    """Every variant's DP-SGD schedule. The number of private examples sets the Poisson rate and
-    is treated as public, as in every DP-SGD accountant: here the size of a split of a public
-    benchmark dataset, counted from the files (the examples themselves are dropped at once)."""
+    """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
+    owners, or the size of a split of a public benchmark's files)."""
     from learning.dpsgd import dp_schedule
     from privacy.accounting.rdp import sum_charges
 
-    size = len(load_split(config.private, config.seed)[0])
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    return sum_charges([dp_schedule(size, dp_config, label=f"dpsgd-sparse-{v}").charge
+    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}").charge
                         for v in config.finetune.variants], label="planned")
+
+
+def private_test(config: Config):
+    """The private task's test split and class names: the ``test`` source with owners, else
+    the benchmark's (public data, read by the driver)."""
+    if config.owners:
+        from learning.data.sources import class_names
+
+        classes = config.classes or class_names(config.test.read_raw().labels)
+        return config.test.read(classes, "test"), classes
+    _, test = load_split(config.private, config.seed)
+    return test, tuple(str(c) for c in range(test.num_classes))
+
+
+def validate(config: Config) -> Config:
+    """With owners, the test source is read (and its classes found) before Ray starts."""
+    from cluster.config import ConfigError
+
+    if config.owners:
+        try:
+            private_test(config)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"test: {err}") from err
+    return config
 
 
 def run(config: Config, context) -> RunOutcome:
     import ray
 
-    from actors.sparse_trainer import PublicModel, SparseTrainerActor, TransferSource
+    from actors.dp_trainer import ShardGroup, ShardPlan
+    from actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
+    from cluster.owners import owner_resources, owner_shard_plans
     from cluster.ray_runtime import gpus_available, start_ray
+    from learning.dpsgd import dp_schedule
     from learning.models import build_model
     from learning.training import evaluate
     from privacy.accounting.ledger import PrivacyLedger
 
-    start_ray(context.ray_address)
+    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
     public_train, public_test = load_split(config.public, config.seed)
     model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
                         seed=config.seed, **config.model.kwargs)
@@ -194,41 +251,45 @@ def run(config: Config, context) -> RunOutcome:
     ledger_path = context.results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
         stale.unlink()  # a run accounts for its own fine-tunings
-    source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
-                            config.private.size, config.seed)
-    _, private_test = load_split(config.private, config.seed)
+    test, classes = private_test(config)
     dp_config = config.finetune.dp_config(config.privacy.delta)
     planned = planned_work(config)
-    # The actor takes a GPU when the cluster has one (train_dp then trains on it).
-    trainer = SparseTrainerActor.options(num_cpus=1, num_gpus=min(1.0, gpus_available())).remote(
-        source, str(ledger_path), config.privacy.delta, config.privacy.budget_filter(planned), config.privacy.noise)
-
+    if config.owners:
+        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded)
+    else:
+        source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
+                                config.private.size, config.seed)
+        plans = [ShardPlan(source, (0,))]
+    # One actor takes a GPU when the cluster has one (train_dp then trains on it).
+    gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
+    cpus = min(1.0, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
     variants: dict[str, dict[str, Any]] = {}
-    for variant in config.finetune.variants:
-        result = ray.get(trainer.finetune.remote(public, variant, config.finetune.fraction, dp_config,
-                                                 classifier_seed=config.seed, progress=True))
-        released = PublicModel(config.model.name, private_test.num_classes, config.model.in_channels,
-                               dict(config.model.kwargs), result.state).build()
-        accuracy = evaluate(released, private_test)
-        log.info("variant %s: accuracy %.4f at ε %.3f", variant, accuracy, result.epsilons[-1])
-        variants[variant] = {
-            "accuracy": accuracy, "epsilon": result.epsilons[-1], "epsilons": result.epsilons,
-            "noise_multiplier": result.noise_multiplier,
-            "sample_rate": result.sample_rate, "steps": result.steps,
-            "trained_entries": result.trained_entries, "trained_fraction": result.trained_entries / result.total_entries,
-        }
-    ray.get(trainer.close.remote())
-    ray.kill(trainer)
-
-    with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger:
+    with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger, \
+            ShardGroup(plans, num_cpus=cpus, num_gpus=gpus) as shards:
+        for variant in config.finetune.variants:
+            recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
+            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}")
+            ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
+            checkpoints = shards.train(dp_config, config.privacy.noise, config.private_size, recipe, progress=True)
+            accuracy = evaluate(recipe.released(checkpoints[-1].state), test)
+            _, plan = recipe.planned()
+            log.info("variant %s: accuracy %.4f at ε %.3f", variant, accuracy, checkpoints[-1].epsilon)
+            variants[variant] = {
+                "accuracy": accuracy, "epsilon": checkpoints[-1].epsilon,
+                "epsilons": [c.epsilon for c in checkpoints], "noise_multiplier": schedule.noise_multiplier,
+                "sample_rate": schedule.sample_rate, "steps": checkpoints[-1].steps,
+                "trained_entries": plan.trained_entries, "trained_fraction": plan.trained_entries / plan.total_entries,
+            }
         privacy = {
             **config.privacy.report(planned, ledger), "delta": config.privacy.delta,
             "per_variant_epsilon": {v: r["epsilon"] for v, r in variants.items()},
             "note": "every variant fine-tuned on the same private data; the run's guarantee composes them all",
         }
+        nodes = shards.placement
     metrics = {
         "public": {"losses": public_losses, "accuracy": public_accuracy, "dataset": public_test.name},
-        "private_test": private_test.name, "variants": variants,
+        "private_test": test.name, "variants": variants,
+        "shards": {"nodes": nodes},  # owner → the Ray nodes its shard actors ran on
     }
     context.results.write_json("metrics", metrics)
     context.results.write_json("privacy", privacy)

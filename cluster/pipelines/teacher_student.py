@@ -261,7 +261,7 @@ class Config:
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 
     def _check_owners(self) -> None:
-        check_owners(self.owners, self.public, self.test, self.classes)
+        check_owners(self.owners, self.test, self.classes, self.public)
         if dataclasses.replace(self.data, features=None) != DataConfig():
             raise ValueError("with owners, the data section may only set features (the sources say the rest)")
         if self.teachers.count not in (TeachersConfig.count, self.num_teachers):

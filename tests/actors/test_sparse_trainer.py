@@ -1,18 +1,16 @@
-"""The sparse fine-tuning actor: charges the ledger first, trains only the plan, refuses overspend."""
+"""Sparse fine-tuning on shard actors: only the plan trains, the cost is the schedule's."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
 
-from actors.sparse_trainer import PublicModel, SparseTrainer, SparseTrainerActor, TransferSource
+from actors.dp_trainer import ShardGroup, ShardPlan
+from actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
 from learning.data import load_digits
 from learning.dpsgd import DPSGDConfig, dp_schedule
 from learning.models import build_model
 from learning.sparse import magnitude_masks, select_classes
 from learning.training import TrainConfig, evaluate, fit
-from privacy.accounting.filter import RenyiFilter, filter_for
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from privacy.accounting.rdp import epsilon_from_rdp
 from privacy.noise import SECURE
 
@@ -32,51 +30,36 @@ def public_model() -> PublicModel:
 SOURCE = TransferSource("digits", classes=(5, 6, 7, 8, 9), size=400, seed=0)
 
 
-def test_finetune_charges_ledger_and_keeps_masked_weights(ray_session, tmp_path, public_model):
-    ledger_path = str(tmp_path / "ledger.sqlite")
+def test_a_shard_actor_finetunes_the_variant_and_only_its_masked_weights_move(ray_session, public_model):
     config = DPSGDConfig(epochs=3, batch_size=80, lr=0.5, noise_multiplier=1.0, delta=DELTA,
                          lr_overrides=(("classifier.", 1.0),))
-    budget = filter_for(dp_schedule(400, config).charge, 20.0, DELTA)
-    actor = SparseTrainerActor.remote(SOURCE, ledger_path, DELTA, budget, SECURE)
-    assert ray.get(actor.size.remote()) == 400
-    result = ray.get(actor.finetune.remote(public_model, "all", 0.1, config))
-    ray.get(actor.close.remote())
-
-    # The charge in the ledger is the run's: same ε as the Opacus accountant reported.
-    with PrivacyLedger.open_existing(ledger_path) as with_ledger:
-        report = with_ledger.report()
-    assert report.charges == 1 and report.bounded and report.budget == budget
-    assert report.epsilon_spent == pytest.approx(result.epsilons[-1], rel=0.01)
-    assert report.epsilon_spent == pytest.approx(result.budget.epsilon_spent, rel=1e-12)
-    assert result.steps == 3 * 5 and result.sample_rate == pytest.approx(0.2)
+    recipe = SparseVariant(public_model, "all", 0.1, num_classes=5)
+    with ShardGroup([ShardPlan(SOURCE, (0,))], num_cpus=0.5) as group:
+        checkpoints = group.train(config, SECURE, 400, recipe)
+    state = checkpoints[-1].state
+    assert checkpoints[-1].steps == 3 * 5 and checkpoints[-1].sample_rate == pytest.approx(0.2)
+    # what the driver charges for it (the schedule) is what Opacus's accountant says it spent
+    charged, _ = epsilon_from_rdp(checkpoints[-1].charge().orders, checkpoints[-1].charge().rdp, DELTA)
+    assert charged == pytest.approx(checkpoints[-1].epsilon, rel=0.01)
+    np.testing.assert_allclose(checkpoints[-1].charge().rdp, dp_schedule(400, config).charge.rdp)
 
     # Masked-out convolution weights are exactly the public ones; masked-in ones moved.
     public_net = public_model.build()
     masks = magnitude_masks(public_net, 0.1)
     for name, mask in masks.items():
-        before, after = public_model.state[name], result.state[name]
+        before, after = public_model.state[name], state[name]
         frozen = mask.numpy() == 0
         assert np.array_equal(after[frozen], before[frozen]), name
         assert np.all(after[~frozen] != before[~frozen]), name
-    assert result.state["classifier.weight"].shape == (5, public_net.classifier.in_features)
+    assert state["classifier.weight"].shape == (5, public_net.classifier.in_features)
     # it learned the private task (measured on its public test split, outside the actor)
     _, private_test = load_digits()
-    released = PublicModel("gn_cnn", 5, 1, {"channels": 4}, result.state).build()
-    assert evaluate(released, select_classes(private_test, (5, 6, 7, 8, 9))) > 0.4  # chance is 0.2
+    assert evaluate(recipe.released(state), select_classes(private_test, (5, 6, 7, 8, 9))) > 0.4  # chance: 0.2
 
 
-def test_overspending_is_refused_before_training(tmp_path, public_model):
-    # The actor's class in-process (the Ray path is exercised above): same ledger, same code.
-    ledger_path = str(tmp_path / "ledger.sqlite")
-    trainer = SparseTrainer(SOURCE, ledger_path, DELTA, RenyiFilter(0.5, DELTA, 256.0), SECURE)
-    config = DPSGDConfig(epochs=3, batch_size=80, lr=0.5, noise_multiplier=1.0, delta=DELTA)
-    with pytest.raises(BudgetExceeded, match="over the budget"):
-        trainer.finetune(public_model, "classifier", 0.01, config)
-    with pytest.raises(ValueError, match="delta"):
-        trainer.finetune(public_model, "classifier", 0.01, DPSGDConfig(noise_multiplier=1.0, delta=1e-6))
-    trainer.close()
-    with PrivacyLedger.open_existing(ledger_path) as ledger:
-        assert ledger.report().charges == 0
+def test_a_transfer_set_is_one_shard():
+    with pytest.raises(ValueError, match="one shard"):
+        SOURCE.load([1])
 
 
 def test_charge_matches_the_schedule_epsilon(public_model):
