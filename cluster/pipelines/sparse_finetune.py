@@ -107,13 +107,16 @@ class FinetuneConfig:
         )
 
 
+DEFAULT_PRIVATE = DataSpec("digits", classes=(5, 6, 7, 8, 9))
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "sparse-demo"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     public: DataSpec = field(default_factory=lambda: DataSpec("digits", classes=(0, 1, 2, 3, 4)))
-    private: DataSpec = field(default_factory=lambda: DataSpec("digits", classes=(5, 6, 7, 8, 9)))
+    private: DataSpec = field(default_factory=lambda: DEFAULT_PRIVATE)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -134,7 +137,7 @@ class Config:
         if undeclared:
             raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
                              "steps are released, so they come from declared sizes, not the private count")
-        if self.private != DataSpec():
+        if self.private != DEFAULT_PRIVATE:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
 
     @property

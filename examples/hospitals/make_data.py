@@ -4,8 +4,10 @@ bundled breast-cancer data (569 patients, 30 numeric columns, diagnosis benign/m
     python examples/hospitals/make_data.py            # writes examples/hospitals/data/
 
 Each hospital gets its own CSV (in a real deployment each sits on that hospital's machine);
-the public pool has no labels; the test table keeps them to measure the student. The split
-is fixed (seed 0), so the files are the same on every machine.
+the public pool has no labels; the test table keeps them to measure the student. The pool
+again with the diagnosis an annotator would give (``annotated.csv``) is for active learning,
+whose oracle annotator reveals the labels it is paid for, one by one. The split is fixed
+(seed 0), so the files are the same on every machine.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> None:
     (out / "public").mkdir(parents=True, exist_ok=True)
     test.to_csv(out / "public" / "test.csv", index=False)
     public.drop(columns="diagnosis").to_csv(out / "public" / "unlabeled.csv", index=False)
+    public.to_csv(out / "public" / "annotated.csv", index=False)
     for name, part in zip(HOSPITALS, np.array_split(np.arange(len(rest)), len(HOSPITALS))):
         (out / name).mkdir(exist_ok=True)
         rest.iloc[part].to_csv(out / name / "records.csv", index=False)

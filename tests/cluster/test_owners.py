@@ -17,6 +17,7 @@ from cluster.run_command import load_run_config
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
+HOSPITALS_ACTIVE = PROJECT_ROOT / "configs" / "hospitals-active.yaml"
 DATA = PROJECT_ROOT / "examples" / "hospitals" / "data"
 
 
@@ -64,21 +65,26 @@ def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_rea
 
 
 @pytest.mark.slow
-def test_each_owners_teachers_run_on_its_own_node_of_a_three_node_cluster(tmp_path):
+@pytest.mark.parametrize("config, actors", [(HOSPITALS, "teachers"), (HOSPITALS_ACTIVE, "DP-SGD")])
+def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path, config, actors):
     """Head + three owner nodes (``ray.cluster_utils.Cluster`` on loopback), in a process of
-    its own; owners pinned by custom resource and node label."""
+    its own; owners pinned by custom resource and node label. Teachers, or DP-SGD shard
+    actors that train as one data-parallel group across the three nodes."""
     run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
-                          str(HOSPITALS), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          str(config), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["teacher_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
+    assert result["actor_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
     assert len(set(result["owner_nodes"].values())) == 3
     assert result["driver_opened_owner_files"] == []
-    assert any(p.endswith("unlabeled.csv") for p in result["driver_opened_public_files"])  # the hook saw opens
-    assert result["summary"]["queries_answered"] > 0
+    assert any(p.endswith("test.csv") for p in result["driver_opened_public_files"])  # the hook saw opens
+    if actors == "teachers":
+        assert result["summary"]["queries_answered"] > 0
+    else:
+        assert result["summary"]["dp_checkpoint_accuracy"] > 0.8  # majority class: 0.63
     # An owner whose resource no node declares: one line naming it, within seconds.
-    assert "owner hospital_d's teachers: no node of the cluster has" in result["placement_error"]
+    assert f"owner hospital_d's {actors}: no node of the cluster has" in result["placement_error"]
     assert "hospital_d=1" in result["placement_error"] and "\n" not in result["placement_error"]
     assert result["placement_error_seconds"] < 10
 

@@ -1,0 +1,129 @@
+"""Owners in the DP-SGD pipelines: each owner's shard actors hold its file and train one
+data-parallel DP-SGD model on the schedule of the declared sizes; the driver reads only
+public files; what cannot run fails before Ray starts, in one line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_yaml
+from cluster.run_command import load_run_config
+from tests.conftest import PROJECT_ROOT
+
+ACTIVE = PROJECT_ROOT / "configs" / "hospitals-active.yaml"
+DATA = PROJECT_ROOT / "examples" / "hospitals" / "data"
+
+
+def active(**changes):
+    _, config = load_run_config(load_yaml(ACTIVE))
+    return dataclasses.replace(config, **changes)
+
+
+@pytest.mark.slow
+def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_files(
+        ray_session, tmp_path, monkeypatch, capsys):
+    from cluster import cli
+
+    opened: list[str] = []
+    recording = [True]  # an audit hook cannot be removed: it records only while this test runs
+    sys.addaudithook(lambda event, args: opened.append(str(Path(args[0]).resolve()))
+                     if recording[0] and event == "open" and args and isinstance(args[0], str) else None)
+    monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are relative to where it is run
+    try:
+        code = cli.main(["run", str(ACTIVE), "--results-dir", str(tmp_path)])
+    finally:
+        recording[0] = False
+    assert code == 0, capsys.readouterr().err
+    owners = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
+    assert not owners & set(opened) and str((DATA / "public" / "annotated.csv").resolve()) in opened
+    metrics = json.loads((tmp_path / "hospitals-active" / "metrics.json").read_text())
+    privacy = json.loads((tmp_path / "hospitals-active" / "privacy.json").read_text())
+    assert set(metrics["shards"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
+    # the schedule of the declared 299 records at batch 30: q = 1/10, 10 steps an epoch, 15 epochs
+    assert privacy["dpsgd"]["declared_private_size"] == 299 and privacy["dpsgd"]["shard_actors"] == 3
+    assert privacy["dpsgd"]["sample_rate"] == pytest.approx(0.1)
+    assert metrics["checkpoints"][-1]["test_accuracy"] > 0.8  # majority class: 0.63
+    assert privacy["guarantee"]["epsilon"] <= 6.0 and privacy["sound"]
+    assert {r["strategy"] for r in metrics["results"]} == {"random", "entropy", "diverse_public", "near_private"}
+
+
+def test_dp_sgd_owners_must_declare_their_records():
+    raw = load_yaml(ACTIVE)
+    del raw["owners"][1]["records"]
+    with pytest.raises(ConfigError, match=r"owners \['hospital_b'\]: declare records"):
+        load_run_config(raw)
+    raw = load_yaml(ACTIVE)
+    raw["data"] = {"name": "mnist"}
+    with pytest.raises(ConfigError, match="may only set public_size and features"):
+        load_run_config(raw)
+
+
+def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from cluster import cli
+
+    raw = load_yaml(ACTIVE)
+    raw["public"] = {"format": "csv", "path": "examples/hospitals/data/public/unlabeled.csv"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(PROJECT_ROOT)
+    was_running = ray.is_initialized()
+    assert cli.main(["run", str(path), "--results-dir", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("conclave: public/test: public: the oracle annotator reveals the pool's labels")
+    assert "\n" not in err and ray.is_initialized() == was_running and not (tmp_path / "results").exists()
+
+
+def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_session, tmp_path, monkeypatch):
+    from actors.owners import OwnerDataError
+    from cluster.pipelines import RunContext
+    from cluster.pipelines.active_learning import run
+    from cluster.results import RunDirectory
+    from privacy.accounting.ledger import PrivacyLedger
+
+    monkeypatch.chdir(PROJECT_ROOT)
+    owners = list(active().owners)
+    owners[2] = dataclasses.replace(owners[2], data=dataclasses.replace(owners[2].data, path=str(tmp_path / "gone.csv")))
+    with pytest.raises(OwnerDataError) as err:
+        run(active(owners=tuple(owners)), RunContext("gone", RunDirectory(tmp_path, "gone")))
+    assert str(err.value) == f"owner hospital_c: {tmp_path / 'gone.csv'}: no such file or folder"
+    with PrivacyLedger.open_existing(tmp_path / "gone" / "ledger.sqlite") as ledger:
+        assert ledger.report().charges == 0
+
+
+@pytest.mark.slow
+def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
+    """Two owners hold digits 5–9 as .npz images; a public model pre-trained on digits 0–4 is
+    fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
+    from cluster.pipelines import RunContext
+    from cluster.pipelines.sparse_finetune import Config, FinetuneConfig, PretrainConfig, run, validate
+    from cluster.owners import DataOwner
+    from cluster.results import RunDirectory
+    from learning.data import load_digits
+    from learning.data.sources import DataSource
+
+    train, test = load_digits()
+    private = np.flatnonzero(train.y >= 5)
+    names = ("clinic_a", "clinic_b")
+    for name, part in zip(names, np.array_split(private, 2)):
+        np.savez(tmp_path / f"{name}.npz", x=train.x[part], y=train.y[part])
+    wanted = test.y >= 5
+    np.savez(tmp_path / "test.npz", x=test.x[wanted], y=test.y[wanted])
+    owners = tuple(DataOwner(name, DataSource("npz", str(tmp_path / f"{name}.npz"), label="y"), records=300,
+                             resources={"hospital_a" if i == 0 else "hospital_b": 1}) for i, name in enumerate(names))
+    config = validate(Config(name="clinics", owners=owners, test=DataSource("npz", str(tmp_path / "test.npz"), label="y"),
+                             pretrain=PretrainConfig(epochs=3),
+                             finetune=FinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
+    outcome = run(config, RunContext("clinics", RunDirectory(tmp_path / "results", "clinics")))
+    variant = outcome.metrics["variants"]["classifier"]
+    assert set(outcome.metrics["shards"]["nodes"]) == set(names)
+    assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch
+    assert variant["accuracy"] > 0.5  # five classes: chance is 0.2
+    assert outcome.privacy["sound"] and outcome.privacy["guarantee"]["epsilon"] <= 2.05  # the target, at δ
