@@ -5,6 +5,7 @@ MNIST lives at ../shared/data/mnist beside the project for tests that need real 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,39 @@ import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = PROJECT_ROOT.parent / "shared" / "data" / "mnist"
+
+
+_opened: list[str] | None = None  # the running test's record of opened files, if it asked for one
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if _opened is not None and event == "open" and args and isinstance(args[0], str):
+        _opened.append(args[0])
+
+
+@pytest.fixture
+def driver_opens():
+    """The files this process (the driver) opens while the test runs, as resolved paths. An
+    audit hook sees every ``open`` but cannot be removed, so one is installed once and
+    records only for the test that asks."""
+    global _opened
+    if not getattr(sys, "_conclave_open_hook", False):
+        sys.addaudithook(_record_open)
+        sys._conclave_open_hook = True
+    _opened = []
+    record = _opened
+    try:
+        yield _ResolvedPaths(record)
+    finally:
+        _opened = None
+
+
+class _ResolvedPaths:
+    def __init__(self, raw: list[str]) -> None:
+        self._raw = raw
+
+    def __call__(self) -> set[str]:
+        return {str(Path(p).resolve()) for p in list(self._raw)}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -54,7 +54,7 @@ class DataConfig:
     root: str | None = None  # directory of the files (not needed for digits)
     private_size: int = 900  # seeded subset of the training set; the rest is the public pool
     public_size: int | None = None  # keep only this many public points (None: all the rest)
-    num_shards: int = 2  # private shards, one Ray actor (or Ray Train worker) each
+    num_shards: int = 2  # private shards (one shard actor each with dpsgd.distributed)
     pollution: float = 0.0  # add this fraction (of the public pool) of out-of-domain images
     features: str | None = None  # a fixed representation, e.g. scattering (learning.data.features)
 

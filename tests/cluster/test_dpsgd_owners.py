@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,28 +25,22 @@ def active(**changes):
 
 @pytest.mark.slow
 def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_files(
-        ray_session, tmp_path, monkeypatch, capsys):
+        ray_session, tmp_path, monkeypatch, capsys, driver_opens):
     from cluster import cli
 
-    opened: list[str] = []
-    recording = [True]  # an audit hook cannot be removed: it records only while this test runs
-    sys.addaudithook(lambda event, args: opened.append(str(Path(args[0]).resolve()))
-                     if recording[0] and event == "open" and args and isinstance(args[0], str) else None)
     monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are relative to where it is run
-    try:
-        code = cli.main(["run", str(ACTIVE), "--results-dir", str(tmp_path)])
-    finally:
-        recording[0] = False
+    code = cli.main(["run", str(ACTIVE), "--results-dir", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
+    opened = driver_opens()
     owners = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
-    assert not owners & set(opened) and str((DATA / "public" / "annotated.csv").resolve()) in opened
+    assert not owners & opened and str((DATA / "public" / "annotated.csv").resolve()) in opened
     metrics = json.loads((tmp_path / "hospitals-active" / "metrics.json").read_text())
     privacy = json.loads((tmp_path / "hospitals-active" / "privacy.json").read_text())
     assert set(metrics["shards"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
     # the schedule of the declared 299 records at batch 30: q = 1/10, 10 steps an epoch, 15 epochs
     assert privacy["dpsgd"]["declared_private_size"] == 299 and privacy["dpsgd"]["shard_actors"] == 3
     assert privacy["dpsgd"]["sample_rate"] == pytest.approx(0.1)
-    assert metrics["checkpoints"][-1]["test_accuracy"] > 0.8  # majority class: 0.63
+    assert metrics["checkpoints"][-1]["test_accuracy"] > 0.75  # majority class: 0.63; runs: 0.94–0.97
     assert privacy["guarantee"]["epsilon"] <= 6.0 and privacy["sound"]
     assert {r["strategy"] for r in metrics["results"]} == {"random", "entropy", "diverse_public", "near_private"}
 
@@ -125,5 +117,5 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     variant = outcome.metrics["variants"]["classifier"]
     assert set(outcome.metrics["shards"]["nodes"]) == set(names)
     assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch
-    assert variant["accuracy"] > 0.5  # five classes: chance is 0.2
+    assert variant["accuracy"] > 0.4  # five classes: chance is 0.2; runs scored 0.58–0.60
     assert outcome.privacy["sound"] and outcome.privacy["guarantee"]["epsilon"] <= 2.05  # the target, at δ
