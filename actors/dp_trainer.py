@@ -332,10 +332,12 @@ class ShardPlan:
 
 class ShardGroup:
     """The run's shard actors: each placed where its owner's data is, checked before any
-    starts (a request no node can take fails at once, one line), loaded before any trains."""
+    starts (a request no node can take fails at once, one line), loaded before any trains,
+    their inputs (if ``input_shape`` is given) of the shape the model is built for."""
 
     def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec | None = None, torch_threads: int = 1,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0) -> None:
+                 num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0,
+                 input_shape: tuple[int, ...] | None = None) -> None:
         if not plans:
             raise ValueError("a shard group needs at least one shard actor")
         options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
@@ -349,6 +351,10 @@ class ShardGroup:
         # They train as one group, so all must run at once: fail rather than wait forever.
         described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
+        if input_shape is not None and self.input_shape != tuple(input_shape):
+            self.shutdown()
+            raise OwnerDataError(f"the owners' inputs are {list(self.input_shape)}, the public data's "
+                                 f"{list(input_shape)}: the model is built for the public data's")
         self.placement = nodes_of(owners, described)
 
     def train(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,

@@ -389,7 +389,8 @@ class PrivateShards:
         if self._group is None:
             plans = shard_plans(self._config, self._classes, self._embedded)
             cpus = min(self._config.dpsgd.cpus_per_worker, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
-            self._group = ShardGroup(plans, self._spec, self._config.torch_threads, num_cpus=cpus)
+            self._group = ShardGroup(plans, self._spec, self._config.torch_threads, num_cpus=cpus,
+                                     input_shape=self._spec.input_shape)
         return self._group
 
     @property

@@ -268,7 +268,7 @@ def run(config: Config, context) -> RunOutcome:
     cpus = min(1.0, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
     variants: dict[str, dict[str, Any]] = {}
     with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger, \
-            ShardGroup(plans, num_cpus=cpus, num_gpus=gpus) as shards:
+            ShardGroup(plans, num_cpus=cpus, num_gpus=gpus, input_shape=test.input_shape) as shards:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
             schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}")

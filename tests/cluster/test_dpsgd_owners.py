@@ -119,3 +119,20 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch
     assert variant["accuracy"] > 0.4  # five classes: chance is 0.2; runs scored 0.58–0.60
     assert outcome.privacy["sound"] and outcome.privacy["guarantee"]["epsilon"] <= 2.05  # the target, at δ
+
+
+def test_owner_inputs_of_another_shape_than_the_public_data_are_refused_in_one_line(ray_session, tmp_path):
+    import pandas as pd
+
+    from actors.dp_trainer import ShardGroup
+    from actors.owners import OwnerDataError
+    from cluster.owners import DataOwner, owner_shard_plans
+    from learning.data.sources import DataSource
+
+    narrow = tmp_path / "narrow.csv"
+    pd.read_csv(DATA / "hospital_a" / "records.csv").iloc[:, 5:].to_csv(narrow, index=False)  # 25 columns left
+    owner = DataOwner("narrow", DataSource("csv", str(narrow), label="diagnosis"), records=50,
+                      resources={"hospital_a": 1})
+    plans = owner_shard_plans((owner,), ("benign", "malignant"), seed=0, features=None, embedded=False)
+    with pytest.raises(OwnerDataError, match=r"^the owners' inputs are \[25\], the public data's \[30\]"):
+        ShardGroup(plans, num_cpus=0.5, input_shape=(30,))
