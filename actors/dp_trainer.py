@@ -340,6 +340,8 @@ class ShardGroup:
                  input_shape: tuple[int, ...] | None = None) -> None:
         if not plans:
             raise ValueError("a shard group needs at least one shard actor")
+        # They train as one group, so all must run at once: no more CPU each than an even share.
+        num_cpus = min(num_cpus, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
         options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
         for plan, option in zip(plans, options):
             require_node(f"owner {plan.source.owner}'s DP-SGD", num_cpus, num_gpus,
@@ -348,7 +350,7 @@ class ShardGroup:
                            plan.source, list(plan.shard_ids), model, torch_threads)
                        for plan, option in zip(plans, options)]
         owners = [plan.source.owner for plan in plans]
-        # They train as one group, so all must run at once: fail rather than wait forever.
+        # Fail rather than wait forever for actors that cannot start beside the others.
         described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         if input_shape is not None and self.input_shape != tuple(input_shape):

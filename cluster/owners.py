@@ -66,6 +66,15 @@ def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: 
         raise ValueError(f"classes must be distinct, got {list(classes)}")
 
 
+def require_declared_records(owners: Sequence[DataOwner]) -> None:
+    """DP-SGD's sampling rate and number of steps are released, so they come from the sizes
+    the owners declare: every owner must declare ``records``."""
+    undeclared = [owner.name for owner in owners if owner.records is None]
+    if undeclared:
+        raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
+                         "steps are released, so they come from declared sizes, not the private count")
+
+
 def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
     """The custom resources the owners' placements name: granted to the embedded local node,
     so an owners config runs on one machine unchanged."""

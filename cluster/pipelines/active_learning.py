@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cluster.owners import DataOwner, PublicData, check_owners
+from cluster.owners import DataOwner, PublicData, check_owners, require_declared_records
 from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome
 from learning.data.features import check_features
 from learning.data.sources import DataSource
@@ -192,10 +192,7 @@ class Config:
                 raise ValueError("public, test and classes go with owners (or use the data section alone)")
             return
         check_owners(self.owners, self.test, self.classes, self.public)
-        undeclared = [owner.name for owner in self.owners if owner.records is None]
-        if undeclared:
-            raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
-                             "steps are released, so they come from declared sizes, not the private count")
+        require_declared_records(self.owners)
         allowed = DataConfig(public_size=self.data.public_size, features=self.data.features)
         if self.data != allowed:
             raise ValueError("with owners, the data section may only set public_size and features "
@@ -382,14 +379,12 @@ class PrivateShards:
 
     @property
     def group(self):
-        import ray
-
         from actors.dp_trainer import ShardGroup
 
         if self._group is None:
             plans = shard_plans(self._config, self._classes, self._embedded)
-            cpus = min(self._config.dpsgd.cpus_per_worker, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
-            self._group = ShardGroup(plans, self._spec, self._config.torch_threads, num_cpus=cpus,
+            self._group = ShardGroup(plans, self._spec, self._config.torch_threads,
+                                     num_cpus=self._config.dpsgd.cpus_per_worker,
                                      input_shape=self._spec.input_shape)
         return self._group
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.owners import DataOwner, check_owners
+from cluster.owners import DataOwner, check_owners, require_declared_records
 from cluster.pipelines import PrivacyConfig, RunOutcome
 from learning.data.sources import DataSource
 from learning.sparse import VARIANTS
@@ -133,10 +133,7 @@ class Config:
                 raise ValueError("test and classes go with owners (or use the private section alone)")
             return
         check_owners(self.owners, self.test, self.classes, None, needs_public=False)
-        undeclared = [owner.name for owner in self.owners if owner.records is None]
-        if undeclared:
-            raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
-                             "steps are released, so they come from declared sizes, not the private count")
+        require_declared_records(self.owners)
         if self.private != DEFAULT_PRIVATE:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
 
@@ -228,8 +225,6 @@ def validate(config: Config) -> Config:
 
 
 def run(config: Config, context) -> RunOutcome:
-    import ray
-
     from actors.dp_trainer import ShardGroup, ShardPlan
     from actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
     from cluster.owners import owner_resources, owner_shard_plans
@@ -265,10 +260,9 @@ def run(config: Config, context) -> RunOutcome:
         plans = [ShardPlan(source, (0,))]
     # One actor takes a GPU when the cluster has one (train_dp then trains on it).
     gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
-    cpus = min(1.0, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
     variants: dict[str, dict[str, Any]] = {}
     with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger, \
-            ShardGroup(plans, num_cpus=cpus, num_gpus=gpus, input_shape=test.input_shape) as shards:
+            ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
             schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}")
