@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import ray
@@ -52,6 +52,7 @@ from learning.data.dataset import SHARD_LEMMA
 from learning.data.features import apply_features, features_of
 from learning.data.schema import Standardiser
 from learning.models import build_model
+from learning.models.ensemble import StackedEnsemble
 from learning.training import TrainConfig, fit, predict
 from privacy.accounting.charge import ADD_REMOVE
 
@@ -144,6 +145,7 @@ class TeacherGroup:
         self.standardiser = standardiser
         self.checkpoint_dir = checkpoint_dir
         self.load_error: str | None = None
+        self._predict_all: Callable[[np.ndarray], np.ndarray] | None = None  # built at the first vote
         try:
             raw = source.load(range(first, last))
         except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
@@ -229,18 +231,25 @@ class TeacherGroup:
         for i in range(len(self.models)):
             self.train_teacher(i)
 
+    def _ensemble_predictor(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Every teacher's classes for a batch: stacked into one wide network where the
+        architecture allows (``learning.models.ensemble``), else teacher by teacher."""
+        stacked = StackedEnsemble.of(self.models)
+        if stacked is not None:
+            return stacked.predict
+        return lambda inputs: np.stack([predict(model, inputs) for model in self.models])
+
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
         ``inputs`` (in the teachers' representation first, when they learn on features)."""
         if self.load_error is not None or not self.is_trained():
             raise RuntimeError("teachers must be trained before they vote")
         inputs = features_of(inputs, self.features)
-        histogram = np.zeros((len(inputs), self.num_classes), dtype=np.int64)
-        rows = np.arange(len(inputs))
-        for model in self.models:
-            predicted = predict(model, inputs)
-            np.add.at(histogram, (rows, predicted), 1)
-        return histogram
+        if self._predict_all is None:  # once: every teacher is trained now, and none changes afterwards
+            self._predict_all = self._ensemble_predictor()
+        predicted = self._predict_all(inputs)  # int64 [teachers, batch]
+        cells = np.arange(len(inputs)) * self.num_classes + predicted  # (input, class) of every vote
+        return np.bincount(cells.ravel(), minlength=len(inputs) * self.num_classes).reshape(len(inputs), -1)
 
 
 # The Ray actor is the same class; Ray imports it by module path in the worker. A dead actor
@@ -383,6 +392,14 @@ class TeacherPool:
             return all(ray.get([actor.is_trained.remote() for actor in self._actors], timeout=timeout))
         except ray.exceptions.RayError:  # includes GetTimeoutError
             return False
+
+    def _ensemble_predictor(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Every teacher's classes for a batch: stacked into one wide network where the
+        architecture allows (``learning.models.ensemble``), else teacher by teacher."""
+        stacked = StackedEnsemble.of(self.models)
+        if stacked is not None:
+            return stacked.predict
+        return lambda inputs: np.stack([predict(model, inputs) for model in self.models])
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""

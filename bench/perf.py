@@ -4,9 +4,11 @@ Every comparison runs its variants alternately inside each repetition (the machi
 shared, absolute times drift) and reports min and median. Writes results/bench/perf.json:
 
   threads                torch training at 2 threads against 1, in one process
-  teacher_inference      250 tutorial-CNN teachers voting on 256 MNIST images: the index-free
-                         pooling against torch's pooling (votes must be identical), and the
-                         achieved FLOP rate as a fraction of a large matmul's (``flop_fraction``)
+  teacher_inference      250 tutorial-CNN teachers voting on 256 MNIST images: stacked into one
+                         network (learning.models.ensemble, what the teacher actors run) against
+                         the models one by one, with index-free and with torch's pooling (votes
+                         must be identical), and the stacked path's FLOP rate as a fraction of
+                         a large matmul's (``flop_fraction``)
   dpsgd.<model>          a DP-SGD step against a plain SGD step, batch 256, for each way
                          Opacus clips per example (hooks, expanded weights, ghost clipping);
                          ``step_ratio`` is the fastest's
@@ -128,6 +130,7 @@ def bench_threads(repetitions: int, quick: bool) -> dict:
 
 def bench_teacher_inference(repetitions: int, quick: bool) -> dict:
     from learning.models import build_model
+    from learning.models.ensemble import StackedEnsemble
     from learning.models.pooling import MaxPool2d
     from learning.training import predict
 
@@ -140,29 +143,34 @@ def bench_teacher_inference(repetitions: int, quick: bool) -> dict:
             for name, child in parent.named_children():
                 if isinstance(child, MaxPool2d):
                     setattr(parent, name, nn.MaxPool2d(child.kernel_size, child.stride))
+    stacked = StackedEnsemble.of(models)
 
-    def votes(ensemble: list[nn.Module]) -> Callable[[], np.ndarray]:
-        def run() -> np.ndarray:  # what TeacherGroup.votes does
-            histogram = np.zeros((len(images), 10), dtype=np.int64)
-            for model in ensemble:
-                np.add.at(histogram, (np.arange(len(images)), predict(model, images)), 1)
-            return histogram
-        return run
+    def histogram(predicted: np.ndarray) -> np.ndarray:
+        counts = np.zeros((len(images), 10), dtype=np.int64)
+        for row in predicted:
+            counts[np.arange(len(images)), row] += 1
+        return counts
 
-    identical = bool(np.array_equal(votes(models)(), votes(torch_pooled)()))
-    bound = matmul_gflops()
-    seconds = interleaved({"index_free_pool": votes(models), "torch_pool": votes(torch_pooled), "matmul": bound},
-                          repetitions)
+    def one_by_one(ensemble: list[nn.Module]) -> Callable[[], np.ndarray]:
+        return lambda: histogram(np.stack([predict(model, images) for model in ensemble]))
+
+    variants = {"stacked": lambda: histogram(stacked.predict(images)),  # what TeacherGroup.votes does
+                "one_by_one": one_by_one(models), "torch_pool": one_by_one(torch_pooled)}
+    reference = variants["torch_pool"]()
+    identical = all(np.array_equal(run(), reference) for run in variants.values())
+    seconds = interleaved({**variants, "matmul": matmul_gflops()}, repetitions)
     flops = flops_per_example(models[0], torch.from_numpy(images[0])) * teachers * len(images)
     matmul_flops = 8 * 2 * 1024 ** 3
-    achieved = [flops / s / 1e9 for s in seconds["index_free_pool"]]
+    achieved = [flops / s / 1e9 for s in seconds["stacked"]]
     peak = [matmul_flops / s / 1e9 for s in seconds["matmul"]]
     return {
         "teachers": teachers, "images": len(images), "flops_per_image_per_teacher": flops // (teachers * len(images)),
         "identical_votes": identical,
-        "labels_per_second": spread([len(images) / s for s in seconds["index_free_pool"]]),
+        "labels_per_second": spread([len(images) / s for s in seconds["stacked"]]),
+        "labels_per_second_one_by_one": spread([len(images) / s for s in seconds["one_by_one"]]),
         "labels_per_second_torch_pool": spread([len(images) / s for s in seconds["torch_pool"]]),
-        "speedup_over_torch_pool": ratios(seconds["torch_pool"], seconds["index_free_pool"]),
+        "speedup_over_one_by_one": ratios(seconds["one_by_one"], seconds["stacked"]),
+        "speedup_over_torch_pool": ratios(seconds["torch_pool"], seconds["stacked"]),
         "gflops": spread(achieved), "matmul_gflops": spread(peak),
         "flop_fraction": spread([a / p for a, p in zip(achieved, peak)]),
     }

@@ -23,11 +23,11 @@ class MaxPool2d(nn.MaxPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return F.max_pool2d(x, self.kernel_size, self.stride)
-        rows = _window_max(x, x.dim() - 2, self.kernel_size, self.stride)
-        return _window_max(rows, x.dim() - 1, self.kernel_size, self.stride)
+        rows = window_max(x, x.dim() - 2, self.kernel_size, self.stride)
+        return window_max(rows, x.dim() - 1, self.kernel_size, self.stride)
 
 
-def _window_max(x: torch.Tensor, dim: int, kernel: int, stride: int) -> torch.Tensor:
+def window_max(x: torch.Tensor, dim: int, kernel: int, stride: int) -> torch.Tensor:
     """Maximum over windows of ``kernel`` along ``dim``, one every ``stride``: one pass per offset."""
     windows = (x.shape[dim] - kernel) // stride + 1
     if windows < 1:

@@ -14,7 +14,7 @@ from actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gpu_share
 from cluster.client import AggregatorClient
 from learning.data import Dataset, make_splits, shard
 from learning.data.features import apply_features
-from learning.training import TrainConfig
+from learning.training import TrainConfig, predict
 from privacy.accounting.ledger import PrivacyLedger
 from privacy.mechanisms import build_mechanism
 
@@ -163,6 +163,20 @@ def test_a_teacher_whose_hashed_shard_is_empty_still_votes():
     assert group.train_all() is None  # nothing about the training leaves
     votes = group.votes(make_splits("digits", public_size=200, seed=0).public.x[:10])
     assert (votes.sum(axis=1) == 20).all()
+
+
+def test_the_stacked_teachers_vote_as_the_teachers_do_one_by_one(digits):
+    """``votes`` runs the teachers stacked into one network; the histogram is the one their
+    predictions make one teacher at a time."""
+    splits, source = digits
+    group = TeacherGroup(source, 0, 5, "digits_cnn", TrainConfig(epochs=2, batch_size=32, lr=3e-3, seed=3))
+    group.train_all()
+    x = splits.public.x[:64]
+    expected = np.zeros((len(x), 10), dtype=np.int64)
+    for model in group.models:
+        expected[np.arange(len(x)), predict(model, x)] += 1
+    assert len(np.unique(expected.argmax(axis=1))) >= 3
+    np.testing.assert_array_equal(group.votes(x), expected)
 
 
 def test_votes_are_a_histogram_with_one_vote_per_teacher(pool, digits):

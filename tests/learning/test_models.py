@@ -182,3 +182,33 @@ def test_a_users_model_by_import_path_gets_the_same_arguments():
         build_model("no_such_package.models:build", 2, input_shape=(5,))
     with pytest.raises(ValueError, match="unknown model 'resnet'"):
         build_model("resnet", 2)
+
+
+@pytest.mark.parametrize("name, shape", [("tutorial_cnn", (1, 28, 28)), ("tutorial_cnn_tanh", (1, 28, 28)),
+                                         ("digits_cnn", (1, 8, 8))])
+def test_stacked_ensemble_predicts_what_each_model_predicts(name, shape):
+    """Seven models (a block of 4 and a partial block of 3) on 50 inputs in chunks of 16 (a
+    partial chunk too) predict through the stacked network exactly what each predicts alone."""
+    import numpy as np
+
+    from learning.models.ensemble import StackedEnsemble
+    from learning.training import predict
+
+    models = [build_model(name, 10, input_shape=shape, seed=i).eval() for i in range(7)]
+    x = np.random.default_rng(0).normal(0, 3, (50, *shape)).astype(np.float32)
+    alone = np.stack([predict(model, x) for model in models])
+    assert len(np.unique(alone)) >= 3  # the models disagree, so a mix-up of teachers would show
+    stacked = StackedEnsemble.of(models, block=4, chunk=16)
+    assert stacked is not None
+    np.testing.assert_array_equal(stacked.predict(x), alone)
+
+
+def test_models_the_stacked_ensemble_cannot_run_are_left_to_the_caller():
+    from learning.models.ensemble import StackedEnsemble, stackable
+
+    assert not stackable([build_model("gn_cnn", 10, 3, seed=0, input_size=32)])  # GroupNorm
+    assert not stackable([build_model("mlp", 10, input_shape=(5,), seed=0)])  # the standardising layer
+    mixed = [build_model("tutorial_cnn", 10, seed=0), build_model("tutorial_cnn_tanh", 10, seed=1)]
+    assert StackedEnsemble.of(mixed) is None
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        StackedEnsemble(mixed)
