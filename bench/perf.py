@@ -11,7 +11,8 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          a large matmul's (``flop_fraction``)
   dpsgd.<model>          a DP-SGD step against a plain SGD step, batch 256, for each way
                          Opacus clips per example (hooks, expanded weights, ghost clipping);
-                         ``step_ratio`` is the fastest's
+                         ``step_ratio`` is the fastest's, ``auto_mode`` what train_dp's
+                         "auto" picks
   aggregator             single-input Label calls through gRPC on 127.0.0.1 against the same
                          call in-process, and the ledger's charge alone (``p99_ms``)
   teacher_pool           training teachers on a Ray pool of 2 one-CPU actors against one
@@ -44,6 +45,8 @@ share_cores()  # before torch loads
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from learning.grad_sample_modes import PROBED as DPSGD_MODES  # noqa: E402  Opacus's ways to clip per example
 
 log = logging.getLogger("bench.perf")
 
@@ -182,7 +185,6 @@ DPSGD_MODELS = {  # name: (in_channels, input side, kwargs), as the configs use 
 }
 
 
-DPSGD_MODES = ("hooks", "ew", "ghost")  # Opacus's ways to clip per example (learning.dpsgd)
 
 
 def bench_dpsgd(repetitions: int, quick: bool) -> dict:
@@ -191,6 +193,7 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
+    from learning.grad_sample_modes import fastest_mode
     from learning.models import build_model
 
     warnings.filterwarnings("ignore", module="opacus")
@@ -231,8 +234,11 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
         seconds = interleaved({"plain": plain(), **{mode: private(mode) for mode in DPSGD_MODES}}, repetitions)
         by_mode = {mode: ratios(seconds[mode], seconds["plain"]) for mode in DPSGD_MODES}
         fastest = min(by_mode, key=lambda mode: by_mode[mode]["median"])
+        # What train_dp's "auto" picks for this model at this batch (its probe: 2 steps each).
+        auto = fastest_mode(build_model(name, 10, channels, seed=0, input_size=side, **kwargs), (channels, side, side),
+                            batch, DPSGD_MODES)
         out[name] = {"batch": batch, "plain_step_seconds": spread(seconds["plain"]), "fastest_mode": fastest,
-                     "step_ratio": by_mode[fastest], "step_ratio_by_mode": by_mode}
+                     "auto_mode": auto, "step_ratio": by_mode[fastest], "step_ratio_by_mode": by_mode}
         log.info("dpsgd %s: %s", name, ", ".join(f"{m} {r['median']:.2f}×" for m, r in by_mode.items()))
     return out
 

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from learning.grad_sample_modes import PROBED, fastest_mode
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import sampled_gaussian_charge
 from privacy.noise import NoiseSource
@@ -51,7 +52,9 @@ log = logging.getLogger(__name__)
 # takes a second backward pass with per-example weights, falling back to per-example gradients
 # for other layers. The clipped sum and the noise are the same, so is the privacy. A mask must
 # act on each per-example gradient before its norm is taken, so masks need a materialising mode.
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+# "auto" (the default) times a step of each on a synthetic batch and keeps the fastest
+# (``learning.grad_sample_modes``).
+GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -79,7 +82,7 @@ class DPSGDConfig:
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     momentum: float = 0.0
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "auto"
     lr_overrides: tuple[tuple[str, float], ...] = ()
     max_physical_batch_size: int | None = None  # split big Poisson batches to bound memory
     lr_schedule: str = "constant"  # or "cosine": decays every learning rate to 0 over the run
@@ -301,19 +304,27 @@ def train_dp(
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
-    ghost = config.grad_sample_mode == "ghost"
-    if ghost and resolved_masks:
+    if config.grad_sample_mode == "ghost" and resolved_masks:
         raise ValueError("masks need per-example gradients before clipping: use grad_sample_mode 'hooks', not 'ghost'")
-    if data_parallel and config.grad_sample_mode != "hooks":
+    if data_parallel and config.grad_sample_mode not in ("auto", "hooks"):
         raise ValueError("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
     schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
     loader = _poisson_loader(dataset, sample_rate, schedule.steps // config.epochs, torch_generator(noise))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = torch.distributed.get_world_size() if data_parallel else 1
+    mode = config.grad_sample_mode
+    if mode == "auto":  # the masked and data-parallel optimizers are built on the hooks
+        # (and Opacus's physical batch splitting is tested with them only).
+        plain = not (resolved_masks or data_parallel or config.max_physical_batch_size is not None)
+        candidates = PROBED if plain else ("hooks",)
+        # At the batch it will train with: which mode wins changes with it (cache sizes).
+        probe_batch = min(max(1, round(sample_rate * schedule.num_examples / world)), 512)
+        mode = fastest_mode(model, dataset.x.shape[1:], probe_batch, candidates, device)
+    ghost = mode == "ghost"
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
-    world = torch.distributed.get_world_size() if data_parallel else 1
     # Every rank starts from rank 0's weights.
     module = DifferentiallyPrivateDistributedDataParallel(model) if data_parallel else model
     engine = PrivacyEngine(accountant="rdp")
@@ -326,7 +337,7 @@ def train_dp(
         noise_multiplier=sigma,
         max_grad_norm=config.max_grad_norm,
         poisson_sampling=False,
-        grad_sample_mode=config.grad_sample_mode,
+        grad_sample_mode=mode,
         # The noise is drawn where the gradients live; batches are sampled on the CPU.
         noise_generator=torch_generator(noise, device),
     )
@@ -380,7 +391,7 @@ def train_dp(
             # reveal that the batch was empty, and the accountant counts every step.
             if len(y):
                 criterion(private_model(x), y).backward()
-            elif config.grad_sample_mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
+            elif mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
                 for parameter in trainable:
                     parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))
             else:

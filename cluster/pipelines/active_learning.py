@@ -78,9 +78,10 @@ class DPSGDSection:
     target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
     momentum: float = 0.0
     lr_schedule: str = "constant"  # or "cosine" (see learning.dpsgd.lr_scheduler)
-    # How Opacus clips per example: the same training, different speed (bench/perf.py measures
-    # each per model; on 2 CPUs "ew" was fastest for the tutorial and ScatterNet CNNs).
-    grad_sample_mode: str = "hooks"
+    # How Opacus clips per example: the same training, different speed. "auto" times each on a
+    # synthetic batch and keeps the fastest (learning.grad_sample_modes); bench/perf.py measures
+    # them per model.
+    grad_sample_mode: str = "auto"
     # Data-parallel over one actor per shard (else one actor holds and trains them all).
     # With owners it is always data-parallel over the owners' actors.
     distributed: bool = False
@@ -91,7 +92,7 @@ class DPSGDSection:
             raise ValueError("dpsgd: give exactly one of noise_multiplier and target_epsilon")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("dpsgd.epochs and dpsgd.batch_size must be >= 1")
-        if self.distributed and self.grad_sample_mode != "hooks":
+        if self.distributed and self.grad_sample_mode not in ("auto", "hooks"):
             raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
     def dp_config(self, delta: float):

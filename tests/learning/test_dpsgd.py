@@ -285,3 +285,38 @@ def test_the_schedule_comes_from_the_declared_size_not_the_records_held(digits):
     fewer = train_dp(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), digits.subset(np.arange(10)), config,
                      SECURE.source("dpsgd"), num_examples=1_000)
     np.testing.assert_allclose(fewer.charge.rdp, result.charge.rdp)  # the same cost: it is the declared work
+
+
+def test_auto_mode_times_the_candidates_on_a_copy_and_keeps_one():
+    """The probe runs on synthetic data and a copy: the model's weights and the global RNG are
+    as they were; a mode Opacus cannot run is skipped, and none at all is one clear error."""
+    from learning.grad_sample_modes import PROBED, fastest_mode
+
+    model = gn_cnn(10, 1, channels=4)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    rng_state = torch.get_rng_state()
+    assert fastest_mode(model, (1, 8, 8), 16, PROBED) in PROBED
+    assert fastest_mode(model, (1, 8, 8), 16, ("no-such-mode", "ew")) == "ew"
+    with pytest.raises(ValueError, match="none of the grad_sample_modes"):
+        fastest_mode(model, (1, 8, 8), 16, ("no-such-mode", "nor-this"))
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeypatch, masked):
+    from learning import dpsgd
+    from learning.grad_sample_modes import PROBED
+
+    asked = []
+
+    def record(model, example_shape, batch_size, candidates, device):
+        asked.append((tuple(example_shape), batch_size, tuple(candidates)))
+        return candidates[-1]
+
+    monkeypatch.setattr(dpsgd, "fastest_mode", record)
+    masks = {"classifier.bias": torch.ones(10)} if masked else None
+    config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0)
+    train_dp(gn_cnn(10, 1, channels=4), digits.subset(np.arange(200)), config, SECURE.source("dpsgd"), masks=masks)
+    # q = 1/4 of 200 records: the probe batch is the expected batch, 50
+    assert asked == [((1, 8, 8), 50, ("hooks",) if masked else PROBED)]
