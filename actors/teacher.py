@@ -393,14 +393,6 @@ class TeacherPool:
         except ray.exceptions.RayError:  # includes GetTimeoutError
             return False
 
-    def _ensemble_predictor(self) -> Callable[[np.ndarray], np.ndarray]:
-        """Every teacher's classes for a batch: stacked into one wide network where the
-        architecture allows (``learning.models.ensemble``), else teacher by teacher."""
-        stacked = StackedEnsemble.of(self.models)
-        if stacked is not None:
-            return stacked.predict
-        return lambda inputs: np.stack([predict(model, inputs) for model in self.models])
-
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
