@@ -10,7 +10,8 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          must be identical), and the stacked path's FLOP rate as a fraction of
                          a large matmul's (``flop_fraction``)
   dpsgd.<model>          a DP-SGD step against a plain SGD step, batch 256, for each way
-                         Opacus clips per example (hooks, expanded weights, ghost clipping);
+                         Opacus clips per example (hooks, expanded weights, ghost clipping)
+                         and for book-keeping (learning.bookkeeping, where it applies);
                          ``step_ratio`` is the fastest's, ``auto_mode`` what train_dp's
                          "auto" picks
   aggregator             single-input Label calls through gRPC on 127.0.0.1 against the same
@@ -190,10 +191,7 @@ DPSGD_MODELS = {  # name: (in_channels, input side, kwargs), as the configs use 
 def bench_dpsgd(repetitions: int, quick: bool) -> dict:
     import warnings
 
-    from opacus import PrivacyEngine
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from learning.grad_sample_modes import fastest_mode
+    from learning.grad_sample_modes import fastest_mode, private_step
     from learning.models import build_model
 
     warnings.filterwarnings("ignore", module="opacus")
@@ -215,24 +213,15 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
                 optimizer.step()
             return step
 
-        def private(mode: str) -> Callable[[], None]:
-            model = build_model(name, 10, channels, seed=0, input_size=side, **kwargs)
-            optimizer = torch.optim.SGD(model.parameters(), 0.01)
-            loader = DataLoader(TensorDataset(x, y), batch_size=batch)
-            made = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0,
-                                                max_grad_norm=1.0, grad_sample_mode=mode)
-            private_model, dp_optimizer = made[0], made[1]
-            criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+        def private(mode: str) -> Callable[[], None] | None:
+            try:
+                return private_step(build_model(name, 10, channels, seed=0, input_size=side, **kwargs), x, y, mode)
+            except ValueError:  # book-keeping refuses models with layers it cannot clip
+                return None
 
-            def step() -> None:
-                dp_optimizer.zero_grad()
-                criterion(private_model(x), y).backward()
-                dp_optimizer.step()
-            return step
-
-        seconds = interleaved({"plain": plain(), **{mode: private(mode) for mode in DPSGD_MODES}}, repetitions)
-        by_mode = {mode: ratios(seconds[mode], seconds["plain"]) for mode in DPSGD_MODES}
+        steps = {mode: step for mode in DPSGD_MODES if (step := private(mode)) is not None}
+        seconds = interleaved({"plain": plain(), **steps}, repetitions)
+        by_mode = {mode: ratios(seconds[mode], seconds["plain"]) for mode in steps}
         fastest = min(by_mode, key=lambda mode: by_mode[mode]["median"])
         # What train_dp's "auto" picks for this model at this batch (its probe: 2 steps each).
         auto = fastest_mode(build_model(name, 10, channels, seed=0, input_size=side, **kwargs), (channels, side, side),

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from learning.bookkeeping import BookKeeping, private_optimizer
 from learning.grad_sample_modes import PROBED, fastest_mode
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import sampled_gaussian_charge
@@ -52,9 +53,11 @@ log = logging.getLogger(__name__)
 # takes a second backward pass with per-example weights, falling back to per-example gradients
 # for other layers. The clipped sum and the noise are the same, so is the privacy. A mask must
 # act on each per-example gradient before its norm is taken, so masks need a materialising mode.
+# "bk" is book-keeping (``learning.bookkeeping``): norms and the clipped sum from one backward
+# pass, for models that train Linear and Conv2d layers only.
 # "auto" (the default) times a step of each on a synthetic batch and keeps the fastest
 # (``learning.grad_sample_modes``).
-GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -304,8 +307,9 @@ def train_dp(
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
-    if config.grad_sample_mode == "ghost" and resolved_masks:
-        raise ValueError("masks need per-example gradients before clipping: use grad_sample_mode 'hooks', not 'ghost'")
+    if config.grad_sample_mode in ("ghost", "bk") and resolved_masks:
+        raise ValueError(f"masks need per-example gradients before clipping: use grad_sample_mode 'hooks', "
+                         f"not {config.grad_sample_mode!r}")
     if data_parallel and config.grad_sample_mode not in ("auto", "hooks"):
         raise ValueError("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
     schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config)
@@ -328,40 +332,49 @@ def train_dp(
     # Every rank starts from rank 0's weights.
     module = DifferentiallyPrivateDistributedDataParallel(model) if data_parallel else model
     engine = PrivacyEngine(accountant="rdp")
-    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.CrossEntropyLoss()
-    private = engine.make_private(
-        module=module,
-        optimizer=optimizer,
-        criterion=criterion,
-        data_loader=loader,  # already Poisson: Opacus takes its rate as 1/len(loader) = q
-        noise_multiplier=sigma,
-        max_grad_norm=config.max_grad_norm,
-        poisson_sampling=False,
-        grad_sample_mode=mode,
-        # The noise is drawn where the gradients live; batches are sampled on the CPU.
-        noise_generator=torch_generator(noise, device),
-    )
-    if ghost:  # its loss wrapper runs the two backward passes
-        private_model, dp_optimizer, criterion, private_loader = private
-    else:
-        private_model, dp_optimizer, private_loader = private
-    if data_parallel and not isinstance(dp_optimizer, DistributedDPOptimizer):
-        raise RuntimeError("Opacus did not pick its data-parallel optimizer: the ranks would not all-reduce")
     # Opacus divides by its own guess from the examples held here; the sum is divided by the
     # declared expected batch, split across the ranks (a public constant, not a private size).
-    dp_optimizer.expected_batch_size = sample_rate * schedule.num_examples / world
-    if resolved_masks:
-        masked = MaskedDistributedDPOptimizer if data_parallel else MaskedDPOptimizer
-        dp_optimizer = masked(
-            dp_optimizer.original_optimizer,
-            masks=resolved_masks,
+    expected_batch = sample_rate * schedule.num_examples / world
+    clipper: BookKeeping | None = None
+    if mode == "bk":  # our hooks clip in one backward pass; Opacus's optimizer adds the noise
+        clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=sigma,
+                                                  max_grad_norm=config.max_grad_norm, expected_batch_size=expected_batch,
+                                                  generator=torch_generator(noise, device))
+        dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+        private_model, criterion, private_loader = model, clipper.loss, loader
+    else:
+        criterion = nn.CrossEntropyLoss()
+        private = engine.make_private(
+            module=module,
+            optimizer=optimizer,
+            criterion=criterion,
+            data_loader=loader,  # already Poisson: Opacus takes its rate as 1/len(loader) = q
             noise_multiplier=sigma,
             max_grad_norm=config.max_grad_norm,
-            expected_batch_size=dp_optimizer.expected_batch_size,
-            loss_reduction=dp_optimizer.loss_reduction,
-            generator=dp_optimizer.generator,
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+            # The noise is drawn where the gradients live; batches are sampled on the CPU.
+            noise_generator=torch_generator(noise, device),
         )
-        dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+        if ghost:  # its loss wrapper runs the two backward passes
+            private_model, dp_optimizer, criterion, private_loader = private
+        else:
+            private_model, dp_optimizer, private_loader = private
+        if data_parallel and not isinstance(dp_optimizer, DistributedDPOptimizer):
+            raise RuntimeError("Opacus did not pick its data-parallel optimizer: the ranks would not all-reduce")
+        dp_optimizer.expected_batch_size = expected_batch
+        if resolved_masks:
+            masked = MaskedDistributedDPOptimizer if data_parallel else MaskedDPOptimizer
+            dp_optimizer = masked(
+                dp_optimizer.original_optimizer,
+                masks=resolved_masks,
+                noise_multiplier=sigma,
+                max_grad_norm=config.max_grad_norm,
+                expected_batch_size=dp_optimizer.expected_batch_size,
+                loss_reduction=dp_optimizer.loss_reduction,
+                generator=dp_optimizer.generator,
+            )
+            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     dp_optimizer.secure_mode = True  # floating-point-safe noise (see the module docstring)
     steps = 0
     account = dp_optimizer.step_hook
@@ -394,6 +407,9 @@ def train_dp(
             elif mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
                 for parameter in trainable:
                     parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))
+            elif mode == "bk":  # the clipped sum of no examples
+                for parameter in trainable:
+                    parameter.grad = torch.zeros_like(parameter)
             else:
                 (private_model(x).sum() * 0.0).backward()
             taken = steps
@@ -409,7 +425,10 @@ def train_dp(
     history_steps = sum(n for _, _, n in engine.accountant.history)
     if not history_steps == steps == schedule.steps:
         raise RuntimeError(f"accountant saw {history_steps} steps, {steps} were taken, {schedule.steps} planned")
-    private_model.to_standard_module()  # removes Opacus's hooks from ``model``
+    if clipper is not None:
+        clipper.remove()
+    else:
+        private_model.to_standard_module()  # removes Opacus's hooks from ``model``
     for p in model.parameters():
         p.grad = None
     return DPTrainResult(

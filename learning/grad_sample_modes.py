@@ -1,9 +1,9 @@
 """Which of Opacus's ways to clip per example is fastest for a model: the "auto" mode.
 
-No mode wins everywhere. On 2 CPU cores at batch 256 (``bench/perf.py``) expanded weights
-("ew") was fastest for the tutorial CNNs, ``gn_cnn``, ``scatternet_cnn`` and the ResNet, ghost
-clipping for ``digits_cnn`` (2.4× a plain step where "ew" took 5.3×), and the hooks Opacus
-defaults to were never first. So "auto" times one step of each candidate on a copy of the
+No mode wins everywhere. On 2 CPU cores at batch 256 (``bench/perf.py``), of Opacus's modes
+expanded weights ("ew") was fastest for the tutorial CNNs, ``scatternet_cnn`` and the ResNet,
+ghost clipping for ``digits_cnn`` (2.4× a plain step where "ew" took 5.3×), and hooks for
+``gn_cnn``; book-keeping ("bk", ``learning.bookkeeping``) beats them all where it applies. So "auto" times one step of each candidate on a copy of the
 model, on a synthetic batch, and keeps the fastest.
 
 The probe reads no private data (random inputs of the model's input shape, random labels,
@@ -16,17 +16,21 @@ import copy
 import logging
 import time
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from learning.bookkeeping import private_optimizer
+
 log = logging.getLogger(__name__)
 
 MATERIALISING = ("hooks", "functorch", "ew")  # every per-example gradient exists before clipping
-PROBED = ("hooks", "ew", "ghost")  # the candidates of "auto" ("functorch" was never faster than "hooks")
+# The candidates of "auto" ("functorch" was never faster than "hooks"); "bk" is book-keeping
+# (learning.bookkeeping), which refuses models with layers it cannot clip.
+PROBED = ("hooks", "ew", "ghost", "bk")
 
 
 def fastest_mode(model: nn.Module, example_shape: Sequence[int], batch_size: int, candidates: Sequence[str] = PROBED,
@@ -61,22 +65,36 @@ def fastest_mode(model: nn.Module, example_shape: Sequence[int], batch_size: int
     return chosen
 
 
-def _time_mode(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, repetitions: int) -> float:
+def private_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> Callable[[], None]:
+    """One DP-SGD step of ``model`` on the batch (x, y) clipped the ``mode`` way (C = 1, σ = 1)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus's notes on secure mode and hooks, once per probe
-        made = PrivacyEngine().make_private(
-            module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
-            criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-            grad_sample_mode=mode)
-        private_model, dp_optimizer = made[0], made[1]
-        criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
-        best = float("inf")
-        for repetition in range(repetitions + 1):  # the first is a warm-up
-            started = time.perf_counter()
-            dp_optimizer.zero_grad()
-            criterion(private_model(x), y).backward()
-            dp_optimizer.step()
-            if repetition:
-                best = min(best, time.perf_counter() - started)
+        warnings.simplefilter("ignore")  # Opacus's notes on secure mode and hooks
+        if mode == "bk":
+            clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
+                                                      expected_batch_size=len(y))
+            private_model, criterion = model, clipper.loss
+        else:
+            made = PrivacyEngine().make_private(
+                module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
+                criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+                grad_sample_mode=mode)
+            private_model, dp_optimizer = made[0], made[1]
+            criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+
+    def step() -> None:
+        dp_optimizer.zero_grad()
+        criterion(private_model(x), y).backward()
+        dp_optimizer.step()
+    return step
+
+
+def _time_mode(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, repetitions: int) -> float:
+    step = private_step(model, x, y, mode)
+    best = float("inf")
+    for repetition in range(repetitions + 1):  # the first is a warm-up
+        started = time.perf_counter()
+        step()
+        if repetition:
+            best = min(best, time.perf_counter() - started)
     return best

@@ -148,11 +148,14 @@ def test_target_epsilon_calibrates_noise(digits):
     assert result.noise_multiplier > 0
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ew", "ghost"])
+@pytest.mark.parametrize("mode", ["hooks", "ew", "ghost", "bk"])
 def test_empty_poisson_batches_still_take_a_noise_step(digits, mode):
+    from learning.models import build_model
+
     tiny = digits.subset(np.arange(6))
     config = DPSGDConfig(epochs=3, batch_size=1, lr=0.1, noise_multiplier=1.0, grad_sample_mode=mode)
-    result = train_dp(gn_cnn(10, 1, channels=4), tiny, config, SECURE.source("dpsgd"))
+    model = build_model("digits_cnn", 10, 1, seed=0, input_size=8) if mode == "bk" else gn_cnn(10, 1, channels=4)
+    result = train_dp(model, tiny, config, SECURE.source("dpsgd"))
     assert result.steps == 3 * 6  # some of these batches are empty (P = (5/6)^6 ≈ 0.33 each)
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
 
@@ -185,11 +188,13 @@ def test_config_needs_exactly_one_noise_setting():
         DPSGDConfig(noise_multiplier=1.0, grad_sample_mode="ghosts")
 
 
-@pytest.mark.parametrize("model_name, mode", [("digits_cnn", "ghost"), ("gn_cnn", "ghost"), ("digits_cnn", "ew")])
+@pytest.mark.parametrize("model_name, mode", [("digits_cnn", "ghost"), ("gn_cnn", "ghost"), ("digits_cnn", "ew"),
+                                             ("digits_cnn", "bk")])
 def test_faster_grad_sample_modes_are_the_same_training(digits, model_name, mode):
     """Ghost clipping finds the same per-example norms without materialising every gradient,
-    expanded weights ("ew") the same gradients another way: with the same Poisson batches and
-    noise, the weights agree with hooks' to rounding."""
+    expanded weights ("ew") the same gradients another way, book-keeping ("bk") the same
+    clipped sum in one backward pass: with the same Poisson batches and noise, the weights
+    agree with hooks' to rounding."""
     from learning.models import build_model
 
     trained = []
@@ -208,8 +213,9 @@ def test_faster_grad_sample_modes_are_the_same_training(digits, model_name, mode
     assert moved > 0.01  # it did train
 
 
-def test_ghost_clipping_refuses_masks(digits):
-    config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0, grad_sample_mode="ghost")
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_clipping_without_per_example_gradients_refuses_masks(digits, mode):
+    config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0, grad_sample_mode=mode)
     with pytest.raises(ValueError, match="masks need per-example gradients"):
         train_dp(gn_cnn(10, 1, channels=4), digits, config, SECURE.source("dpsgd"),
                  masks={"classifier.bias": torch.ones(10)})
@@ -312,7 +318,7 @@ def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeyp
 
     def record(model, example_shape, batch_size, candidates, device):
         asked.append((tuple(example_shape), batch_size, tuple(candidates)))
-        return candidates[-1]
+        return candidates[0]
 
     monkeypatch.setattr(dpsgd, "fastest_mode", record)
     masks = {"classifier.bias": torch.ones(10)} if masked else None
@@ -320,3 +326,49 @@ def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeyp
     train_dp(gn_cnn(10, 1, channels=4), digits.subset(np.arange(200)), config, SECURE.source("dpsgd"), masks=masks)
     # q = 1/4 of 200 records: the probe batch is the expected batch, 50
     assert asked == [((1, 8, 8), 50, ("hooks",) if masked else PROBED)]
+
+
+@pytest.mark.parametrize("name, shape, kwargs", [
+    ("digits_cnn", (1, 8, 8), {}), ("tutorial_cnn", (1, 28, 28), {}), ("scatternet_cnn", (81, 7, 7), {}),
+    ("gn_cnn", (3, 32, 32), {}), ("gn_resnet18", (3, 16, 16), {"width": 0.25}),
+    ("mlp", (5,), {}), ("logistic_regression", (5,), {})])
+def test_book_keeping_leaves_the_clipped_sum_of_the_per_example_gradients(name, shape, kwargs):
+    """Against Opacus's per-example gradients, clipped and summed one by one; the clipping norm
+    is the median, so half the examples are clipped and half are not. The ResNet's last stages
+    take the ghost-norm path for their convolutions, the other convolutions the formed one."""
+    from learning.bookkeeping import BookKeeping
+    from learning.models import build_model
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn((40, *shape), generator=generator), torch.randint(0, 10, (40,), generator=generator)
+    model = build_model(name, 10, input_shape=shape, seed=1, **kwargs)
+    per_example = GradSampleModule(model, loss_reduction="sum")
+    nn.functional.cross_entropy(per_example(x), y, reduction="sum").backward()
+    samples = {n: p.grad_sample.flatten(1).clone() for n, p in model.named_parameters()}
+    per_example._close()
+    norms = torch.cat(list(samples.values()), 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    assert 0 < int((factors < 1).sum()) < len(factors)
+    for p in model.parameters():
+        p.grad = None
+    clipper = BookKeeping(model, clip)
+    clipper.loss(model(x), y).backward()
+    clipper.remove()
+    for n, p in model.named_parameters():
+        expected = (factors @ samples[n]).view_as(p)  # float32 sums in another order: rounding to the scale
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()), msg=n)
+
+
+def test_book_keeping_refuses_what_it_cannot_clip():
+    from learning.bookkeeping import BookKeeping
+
+    with pytest.raises(ValueError, match="Linear, Conv2d, GroupNorm layers only.*BatchNorm2d"):
+        BookKeeping(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 1.0)
+    shared = nn.Linear(4, 4)
+    twice = BookKeeping(nn.Sequential(shared, nn.Tanh(), shared), 1.0)
+    with pytest.raises(ValueError, match="ran twice"):
+        twice.loss(nn.Sequential(shared, nn.Tanh(), shared)(torch.randn(3, 4)), torch.tensor([0, 1, 2]))
+    sequence = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="rows only"):
+        BookKeeping(sequence, 1.0).loss(sequence(torch.randn(2, 5, 4)).sum(1), torch.tensor([0, 1]))
