@@ -30,7 +30,7 @@ from torch import nn
 
 from learning.models.pooling import window_max
 
-ACTIVATIONS: dict[type[nn.Module], object] = {nn.ReLU: torch.relu_, nn.Tanh: torch.tanh_}
+IN_PLACE_ACTIVATIONS: dict[type[nn.Module], object] = {nn.ReLU: torch.relu_, nn.Tanh: torch.tanh_}
 
 
 def layers_of(model: nn.Module) -> list[nn.Module] | None:
@@ -54,7 +54,7 @@ def _supported(layer: nn.Module) -> bool:
                 and layer.dilation == 1 and not layer.ceil_mode)
     if isinstance(layer, nn.Flatten):
         return layer.start_dim == 1 and layer.end_dim == -1
-    return type(layer) in (nn.Linear, *ACTIVATIONS)
+    return type(layer) in (nn.Linear, *IN_PLACE_ACTIVATIONS)
 
 
 def _same_layer(a: nn.Module, b: nn.Module) -> bool:
@@ -190,7 +190,7 @@ class StackedEnsemble:
                     state = state.flatten(1)
                 continue
             else:  # an activation, in place on the block's own tensor
-                state = ACTIVATIONS[type(layer)](state)
+                state = IN_PLACE_ACTIVATIONS[type(layer)](state)
                 continue
             shared = False
         return state
@@ -211,7 +211,7 @@ def _pool_rows_read(layers: list[nn.Module], position: int, size: int, dim: int)
     needs: fewer than all when the next convolution (unpadded, strided) skips the last rows."""
     pool = layers[position]
     pooled = (size - pool.kernel_size) // pool.stride + 1
-    following = next((layer for layer in layers[position + 1:] if type(layer) not in ACTIVATIONS), None)
+    following = next((layer for layer in layers[position + 1:] if type(layer) not in IN_PLACE_ACTIVATIONS), None)
     if not isinstance(following, nn.Conv2d) or following.padding[dim] != 0:
         return size
     read = (_out_size(pooled, following, dim) - 1) * following.stride[dim] \
