@@ -40,6 +40,21 @@ def driver_opens():
         _opened = None
 
 
+@pytest.fixture
+def run_config_opening(tmp_path, monkeypatch, capsys, driver_opens):
+    """``run(config)``: ``conclave run config`` from the project root (the configs' paths are
+    relative to it), results under ``tmp_path``; it must succeed, and it returns the files the
+    driver opened meanwhile."""
+    from cluster import cli
+
+    def run(config: Path) -> set[str]:
+        monkeypatch.chdir(PROJECT_ROOT)
+        code = cli.main(["run", str(config), "--results-dir", str(tmp_path)])
+        assert code == 0, capsys.readouterr().err
+        return driver_opens()
+    return run
+
+
 class _ResolvedPaths:
     def __init__(self, raw: list[str]) -> None:
         self._raw = raw

@@ -25,13 +25,8 @@ def active(**changes):
 
 @pytest.mark.slow
 def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_files(
-        ray_session, tmp_path, monkeypatch, capsys, driver_opens):
-    from cluster import cli
-
-    monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are relative to where it is run
-    code = cli.main(["run", str(ACTIVE), "--results-dir", str(tmp_path)])
-    assert code == 0, capsys.readouterr().err
-    opened = driver_opens()
+        ray_session, tmp_path, run_config_opening):
+    opened = run_config_opening(ACTIVE)
     owners = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
     assert not owners & opened and str((DATA / "public" / "annotated.csv").resolve()) in opened
     metrics = json.loads((tmp_path / "hospitals-active" / "metrics.json").read_text())

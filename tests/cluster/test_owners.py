@@ -36,13 +36,8 @@ def test_the_example_data_is_what_make_data_writes(tmp_path):
 
 @pytest.mark.slow
 def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_reading_owner_files(
-        ray_session, tmp_path, monkeypatch, capsys, driver_opens):
-    from cluster import cli
-
-    monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are relative to where it is run
-    code = cli.main(["run", str(HOSPITALS), "--results-dir", str(tmp_path)])
-    assert code == 0, capsys.readouterr().err
-    opened = driver_opens()
+        ray_session, tmp_path, run_config_opening):
+    opened = run_config_opening(HOSPITALS)
     owner_files = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
     assert not owner_files & opened
     assert str((DATA / "public" / "unlabeled.csv").resolve()) in opened
