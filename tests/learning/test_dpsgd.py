@@ -334,8 +334,9 @@ def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeyp
     ("mlp", (5,), {}), ("logistic_regression", (5,), {})])
 def test_book_keeping_leaves_the_clipped_sum_of_the_per_example_gradients(name, shape, kwargs):
     """Against Opacus's per-example gradients, clipped and summed one by one; the clipping norm
-    is the median, so half the examples are clipped and half are not. The ResNet's last stages
-    take the ghost-norm path for their convolutions, the other convolutions the formed one."""
+    is the median, so half the examples are clipped and half are not. ScatterNet's convolutions,
+    one of gn_cnn's and the ResNet's later stages take the ghost-norm path, the other
+    convolutions the formed one."""
     from learning.bookkeeping import BookKeeping
     from learning.models import build_model
 
@@ -358,6 +359,23 @@ def test_book_keeping_leaves_the_clipped_sum_of_the_per_example_gradients(name, 
     for n, p in model.named_parameters():
         expected = (factors @ samples[n]).view_as(p)  # float32 sums in another order: rounding to the scale
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()), msg=n)
+
+
+@pytest.mark.parametrize("in_channels, out_channels, kernel, stride, padding, dilation, side", [
+    (81, 32, 3, 1, 1, 1, 7), (3, 8, 5, 2, 2, 1, 11), (4, 6, 3, 2, 0, 2, 13), (5, 7, (3, 2), (1, 2), (2, 1), 1, 9)])
+def test_convolution_ghost_norms_equal_the_norms_of_per_example_gradients(in_channels, out_channels, kernel, stride,
+                                                                          padding, dilation, side):
+    """The ghost norm from the input's Gram matrix, on strided, dilated, rectangular and
+    unevenly padded convolutions, against each example's weight gradient taken by autograd."""
+    from learning.bookkeeping import _conv_ghost_norms_squared
+
+    generator = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(in_channels, out_channels, kernel, stride, padding, dilation).double()
+    x = torch.randn(5, in_channels, side, side, generator=generator, dtype=torch.double)
+    grad = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad((conv(x[b:b + 1]) * grad[b:b + 1]).sum(), conv.weight)[0].square().sum()
+                            for b in range(len(x))])
+    torch.testing.assert_close(_conv_ghost_norms_squared(conv, x, grad), expected, rtol=1e-10, atol=0)
 
 
 def test_book_keeping_refuses_what_it_cannot_clip():
