@@ -14,6 +14,9 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          and for book-keeping (learning.bookkeeping, where it applies);
                          ``step_ratio`` is the fastest's, ``auto_mode`` what train_dp's
                          "auto" picks
+  allocator              book-keeping's step ratio (ScatterNet, ResNet) with glibc's allocator
+                         defaults against learning.allocator's, one fresh process each per
+                         repetition (``bk_speedup``)
   aggregator             single-input Label calls through gRPC on 127.0.0.1 against the same
                          call in-process, and the ledger's charge alone (``p99_ms``)
   teacher_pool           training teachers on a Ray pool of 2 one-CPU actors against one
@@ -29,7 +32,9 @@ import argparse
 import copy
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -188,6 +193,17 @@ DPSGD_MODELS = {  # name: (in_channels, input side, kwargs), as the configs use 
 
 
 
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One non-private SGD step of ``model`` on the batch (x, y): what a DP-SGD step is against."""
+    optimizer = torch.optim.SGD(model.parameters(), 0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return step
+
+
 def bench_dpsgd(repetitions: int, quick: bool) -> dict:
     import warnings
 
@@ -203,16 +219,6 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
             continue
         x, y = torch.rand(batch, channels, side, side), torch.randint(0, 10, (batch,))
 
-        def plain() -> Callable[[], None]:
-            model = build_model(name, 10, channels, seed=0, input_size=side, **kwargs)
-            optimizer = torch.optim.SGD(model.parameters(), 0.01)
-
-            def step() -> None:
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-            return step
-
         def private(mode: str) -> Callable[[], None] | None:
             try:
                 return private_step(build_model(name, 10, channels, seed=0, input_size=side, **kwargs), x, y, mode)
@@ -220,7 +226,8 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
                 return None
 
         steps = {mode: step for mode in DPSGD_MODES if (step := private(mode)) is not None}
-        seconds = interleaved({"plain": plain(), **steps}, repetitions)
+        seconds = interleaved({"plain": plain_step(build_model(name, 10, channels, seed=0, input_size=side, **kwargs),
+                                                   x, y), **steps}, repetitions)
         by_mode = {mode: ratios(seconds[mode], seconds["plain"]) for mode in steps}
         fastest = min(by_mode, key=lambda mode: by_mode[mode]["median"])
         # What train_dp's "auto" picks for this model at this batch (its probe: 2 steps each).
@@ -230,6 +237,55 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
                      "auto_mode": auto, "step_ratio": by_mode[fastest], "step_ratio_by_mode": by_mode}
         log.info("dpsgd %s: %s", name, ", ".join(f"{m} {r['median']:.2f}×" for m, r in by_mode.items()))
     return out
+
+
+ALLOCATOR_SETTINGS = {  # process environments: glibc's behaviour chosen explicitly, or ours by default
+    "glibc_defaults": {"MALLOC_MMAP_MAX_": "65536"}, "keep_freed_memory": {},
+}
+
+
+def bench_allocator(repetitions: int, quick: bool) -> dict:
+    """Book-keeping and plain steps with glibc's allocator defaults against
+    ``learning.allocator``'s settings. The settings hold for a whole process, so every
+    repetition runs one fresh process of each, back to back (``--steps-child``)."""
+    models = ["scatternet_cnn"] if quick else ["scatternet_cnn", "gn_resnet18"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    runs: dict[str, list[dict]] = {setting: [] for setting in ALLOCATOR_SETTINGS}
+    for _ in range(repetitions):
+        for setting, environment in ALLOCATOR_SETTINGS.items():
+            child = subprocess.run([sys.executable, __file__, "--steps-child", *models], env={**clean, **environment},
+                                   capture_output=True, text=True, check=True, timeout=600)
+            runs[setting].append(json.loads(child.stdout.splitlines()[-1]))
+    out = {}
+    for model in models:
+        def seconds(setting: str, step: str) -> list[float]:
+            return [run[model][step] for run in runs[setting]]
+        out[model] = {
+            "step_ratio": {setting: ratios(seconds(setting, "bk"), seconds(setting, "plain")) for setting in runs},
+            "plain_step_seconds": {setting: spread(seconds(setting, "plain")) for setting in runs},
+            "bk_speedup": ratios(seconds("glibc_defaults", "bk"), seconds("keep_freed_memory", "bk"))}
+        log.info("allocator %s: bk step %.2f× plain with glibc's defaults, %.2f× keeping freed memory", model,
+                 out[model]["step_ratio"]["glibc_defaults"]["median"],
+                 out[model]["step_ratio"]["keep_freed_memory"]["median"])
+    return {"batch": 256, "settings": ALLOCATOR_SETTINGS, **out}
+
+
+def steps_child(models: list[str]) -> None:
+    """In a fresh process: median seconds of a plain and a book-keeping step (batch 256, 3
+    interleaved repetitions after a warm-up), printed as one JSON line."""
+    from learning.grad_sample_modes import private_step
+    from learning.models import build_model
+
+    out = {}
+    for name in models:
+        channels, side, kwargs = DPSGD_MODELS[name]
+        x, y = torch.rand(256, channels, side, side), torch.randint(0, 10, (256,))
+
+        def model() -> nn.Module:
+            return build_model(name, 10, channels, seed=0, input_size=side, **kwargs)
+        seconds = interleaved({"plain": plain_step(model(), x, y), "bk": private_step(model(), x, y, "bk")}, 3)
+        out[name] = {step: statistics.median(values) for step, values in seconds.items()}
+    print(json.dumps(out))
 
 
 class FixedVotes:
@@ -351,13 +407,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes")
     parser.add_argument("--only", nargs="*", default=None, help="run only these sections")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "perf.json")
+    parser.add_argument("--steps-child", nargs="+", metavar="MODEL", help=argparse.SUPPRESS)  # bench_allocator's
     args = parser.parse_args()
+    if args.steps_child:
+        steps_child(args.steps_child)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     repetitions = 2 if args.quick else 5
     sections: dict[str, Callable[[], dict]] = {
         "threads": lambda: bench_threads(repetitions, args.quick),
         "teacher_inference": lambda: bench_teacher_inference(repetitions, args.quick),
         "dpsgd": lambda: bench_dpsgd(repetitions, args.quick),
+        "allocator": lambda: bench_allocator(2 if args.quick else 3, args.quick),
         "aggregator": lambda: bench_aggregator(200 if args.quick else 2000),
         "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
     }

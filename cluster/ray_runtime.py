@@ -29,6 +29,8 @@ from pathlib import Path
 import psutil
 import ray
 
+from learning.allocator import SETTINGS
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -56,7 +58,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env or None)
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_with_allocator(runtime_env or {}))
         return False
     keep_ray_on_loopback()
     kwargs: dict = {
@@ -79,6 +81,16 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     record_ray_processes()
     atexit.register(_forget_record)
     return True
+
+
+def _with_allocator(runtime_env: dict) -> dict | None:
+    """The cluster's workers were not started from this process's environment, so the
+    allocator settings it holds (``learning.allocator``) travel in ``env_vars``; the user's
+    own ``env_vars`` win."""
+    settings = {name: os.environ[name] for name in SETTINGS if name in os.environ}
+    if settings:
+        runtime_env = {**runtime_env, "env_vars": {**settings, **runtime_env.get("env_vars", {})}}
+    return runtime_env or None
 
 
 def _records_dir() -> Path:
