@@ -239,8 +239,8 @@ def bench_dpsgd(repetitions: int, quick: bool) -> dict:
     return out
 
 
-ALLOCATOR_SETTINGS = {  # process environments: glibc's behaviour chosen explicitly, or ours by default
-    "glibc_defaults": {"MALLOC_MMAP_MAX_": "65536"}, "keep_freed_memory": {},
+ALLOCATOR_SETTINGS = {  # process environments: glibc's defaults (our opt-out), or ours
+    "glibc_defaults": {"CONCLAVE_KEEP_FREED_MEMORY": "0"}, "keep_freed_memory": {},
 }
 
 
@@ -249,7 +249,8 @@ def bench_allocator(repetitions: int, quick: bool) -> dict:
     ``learning.allocator``'s settings. The settings hold for a whole process, so every
     repetition runs one fresh process of each, back to back (``--steps-child``)."""
     models = ["scatternet_cnn"] if quick else ["scatternet_cnn", "gn_resnet18"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "CONCLAVE_KEEP_FREED_MEMORY")}
     runs: dict[str, list[dict]] = {setting: [] for setting in ALLOCATOR_SETTINGS}
     for _ in range(repetitions):
         for setting, environment in ALLOCATOR_SETTINGS.items():

@@ -12,9 +12,11 @@ it holds, instead of handing it back between steps, as PyTorch's CUDA caching al
 
 ``keep_freed_memory()`` applies the settings to the calling process (``mallopt``) and puts them
 in its environment, where glibc reads them in the processes it starts afterwards (Ray's
-workers). Any of these variables, or ``GLIBC_TUNABLES``, already in the environment means the
-user chose: nothing is changed (``MALLOC_MMAP_MAX_=65536`` restores glibc's default). Off
-glibc it does nothing. This module imports nothing heavy, so it runs before torch loads.
+workers). ``CONCLAVE_KEEP_FREED_MEMORY=0`` keeps glibc's defaults, and any of these variables,
+or ``GLIBC_TUNABLES``, already in the environment means the user chose: nothing is changed.
+(Setting ``MALLOC_MMAP_MAX_`` to glibc's default value is not the default: any setting of it
+turns off glibc's adaptive mmap threshold.) Off glibc it does nothing. This module imports
+nothing heavy, so it runs before torch loads.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import os
 log = logging.getLogger(__name__)
 
 # glibc's environment variable, its mallopt parameter (malloc.h) and our value.
+OPT_OUT = "CONCLAVE_KEEP_FREED_MEMORY"  # "0": leave glibc's defaults
 SETTINGS = {
     "MALLOC_MMAP_MAX_": (-4, 0),  # M_MMAP_MAX: no allocation gets a mapping of its own
     "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap top
@@ -36,7 +39,7 @@ def keep_freed_memory() -> bool:
     """Apply ``SETTINGS`` to this process and its future children; whether they were applied."""
     if not _glibc():
         return False
-    if "GLIBC_TUNABLES" in os.environ or any(name in os.environ for name in SETTINGS):
+    if os.environ.get(OPT_OUT) == "0" or "GLIBC_TUNABLES" in os.environ or any(name in os.environ for name in SETTINGS):
         return False
     libc = ctypes.CDLL(None)
     for name, (parameter, value) in SETTINGS.items():
@@ -56,4 +59,4 @@ def _glibc() -> bool:
 
 def allocator_settings() -> dict[str, str]:
     """What a benchmark records about the allocator."""
-    return {name: os.environ.get(name, "unset") for name in (*SETTINGS, "GLIBC_TUNABLES")}
+    return {name: os.environ.get(name, "unset") for name in (*SETTINGS, "GLIBC_TUNABLES", OPT_OUT)}

@@ -1,11 +1,13 @@
-"""The allocator settings: applied to a fresh process, left alone where the user chose, and
-carried to a joined cluster's workers."""
+"""The allocator settings: applied to a fresh process, left alone where the user chose or opted
+out, and carried to a joined cluster's workers."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import PROJECT_ROOT
 
@@ -32,7 +34,8 @@ print(json.dumps({"applied": applied, "mapped_blocks": mapped, "settings": alloc
 
 
 def _probe(**environment: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "CONCLAVE_KEEP_FREED_MEMORY")}
     completed = subprocess.run([sys.executable, "-c", PROBE], cwd=PROJECT_ROOT, env={**env, **environment},
                                capture_output=True, text=True, timeout=60, check=True)
     return json.loads(completed.stdout)
@@ -45,8 +48,10 @@ def test_a_fresh_process_serves_large_blocks_from_its_heap_and_passes_the_settin
     assert probe["settings"]["MALLOC_MMAP_MAX_"] == "0"  # in the environment its children start with
 
 
-def test_a_users_own_setting_leaves_glibcs_behaviour_alone():
-    probe = _probe(MALLOC_MMAP_MAX_="65536")  # glibc's default, chosen explicitly
+@pytest.mark.parametrize("environment", [{"CONCLAVE_KEEP_FREED_MEMORY": "0"}, {"MALLOC_MMAP_MAX_": "65536"},
+                                         {"MALLOC_TOP_PAD_": "0"}])
+def test_the_opt_out_or_a_users_own_setting_leaves_glibc_alone(environment):
+    probe = _probe(**environment)
     assert probe["applied"] is False
     assert probe["mapped_blocks"] == 1
     assert probe["settings"]["MALLOC_TRIM_THRESHOLD_"] == "unset"
