@@ -419,7 +419,7 @@ def main() -> int:
         "threads": lambda: bench_threads(repetitions, args.quick),
         "teacher_inference": lambda: bench_teacher_inference(repetitions, args.quick),
         "dpsgd": lambda: bench_dpsgd(repetitions, args.quick),
-        "allocator": lambda: bench_allocator(2 if args.quick else 3, args.quick),
+        "allocator": lambda: bench_allocator(2 if args.quick else repetitions, args.quick),
         "aggregator": lambda: bench_aggregator(200 if args.quick else 2000),
         "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
     }
