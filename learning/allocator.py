@@ -3,11 +3,11 @@
 A DP-SGD step allocates and frees the same large tensors every step: per-example gradients,
 patches, a ResNet's activations. glibc serves an allocation above its mmap threshold (at most
 32 MB) with a fresh mapping and unmaps it when freed, and returns the heap's free top to the
-system beyond 128 kB, so every step pays a page fault for each 4 kB page it touches again; on
+system beyond 128 kB (adaptively more), so every step pays a page fault for each 4 kB page it touches again; on
 our 2 shared cores fresh memory is written at about 1 GB/s. Serving every allocation from the
-heap and keeping up to 1 GiB of its free top took a book-keeping step of the ResNet from 2.8×
-a plain step to 1.8× and of ScatterNet from 2.9× to 2.2× (``bench/perf.py``'s ``dpsgd``,
-before and after). The cost: a process keeps the memory it has freed, up to 1 GiB beyond what
+heap and keeping up to 1 GiB of its free top took a book-keeping step of the ResNet from 2.16×
+a plain step to 1.67× (``bench/perf.py``'s ``allocator``: a fresh process of each setting per
+repetition, median of 5). The cost: a process keeps the memory it has freed, up to 1 GiB beyond what
 it holds, instead of handing it back between steps, as PyTorch's CUDA caching allocator does.
 
 ``keep_freed_memory()`` applies the settings to the calling process (``mallopt``) and puts them

@@ -27,8 +27,11 @@ def test_every_teacher_student_run_publishes_its_guarantee_and_keeps_estimates_a
 
 def test_the_perf_benchmark_records_every_ratio_as_min_and_median():
     perf = json.loads((RESULTS / "perf.json").read_text())
+    allocator = [model for model in perf["allocator"].values() if isinstance(model, dict) and "bk_speedup" in model]
     figures = [perf["teacher_inference"]["flop_fraction"], perf["teacher_pool"]["speedup"],
-               *(model["step_ratio"] for model in perf["dpsgd"].values())]
+               *(model["step_ratio"] for model in perf["dpsgd"].values()),
+               *(model["bk_speedup"] for model in allocator)]
+    assert allocator and perf["thread_settings"]["MALLOC_MMAP_MAX_"] == "0"  # the run kept freed memory
     assert all(set(figure) == {"min", "median"} and 0 < figure["min"] <= figure["median"] for figure in figures)
     assert perf["teacher_inference"]["identical_votes"] is True
     assert perf["aggregator"]["p99_ms"] > 0 and "torch_threads" in perf["thread_settings"]
