@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # "bk" is book-keeping (``learning.bookkeeping``): norms and the clipped sum from one backward
 # pass, for models that train Linear and Conv2d layers only.
 # "auto" (the default) times a step of each on a synthetic batch and keeps the fastest
-# (``learning.grad_sample_modes``).
+# (``learning.grad_sample_modes``); with reproducible noise it takes the hooks, untimed.
 GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -319,9 +319,10 @@ def train_dp(
     world = torch.distributed.get_world_size() if data_parallel else 1
     mode = config.grad_sample_mode
     if mode == "auto":  # the masked and data-parallel optimizers are built on the hooks
-        # (and Opacus's physical batch splitting is tested with them only).
+        # (and Opacus's physical batch splitting is tested with them only). Reproducible noise
+        # asks for the same weights every run: modes agree to rounding only, so no timing picks.
         plain = not (resolved_masks or data_parallel or config.max_physical_batch_size is not None)
-        candidates = PROBED if plain else ("hooks",)
+        candidates = PROBED if plain and noise.secure else ("hooks",)
         # At the batch it will train with: which mode wins changes with it (cache sizes).
         probe_batch = min(max(1, round(sample_rate * schedule.num_examples / world)), 512)
         mode = fastest_mode(model, dataset.x.shape[1:], probe_batch, candidates, device)

@@ -309,8 +309,11 @@ def test_auto_mode_times_the_candidates_on_a_copy_and_keeps_one():
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeypatch, masked):
+@pytest.mark.parametrize("masked, reproducible", [(False, False), (True, False), (False, True)])
+def test_auto_mode_probes_every_mode_unless_masks_or_reproducible_noise_need_the_hooks(digits, monkeypatch, masked,
+                                                                                     reproducible):
+    """Reproducible noise must give the same weights every run, so no timing may choose the
+    mode there (modes agree to rounding only)."""
     from learning import dpsgd
     from learning.grad_sample_modes import PROBED
 
@@ -323,9 +326,10 @@ def test_auto_mode_probes_every_mode_unless_masks_need_the_hooks(digits, monkeyp
     monkeypatch.setattr(dpsgd, "fastest_mode", record)
     masks = {"classifier.bias": torch.ones(10)} if masked else None
     config = DPSGDConfig(epochs=1, batch_size=50, noise_multiplier=1.0)
-    train_dp(gn_cnn(10, 1, channels=4), digits.subset(np.arange(200)), config, SECURE.source("dpsgd"), masks=masks)
+    noise = (NoisePolicy(insecure_seed=3) if reproducible else SECURE).source("dpsgd")
+    train_dp(gn_cnn(10, 1, channels=4), digits.subset(np.arange(200)), config, noise, masks=masks)
     # q = 1/4 of 200 records: the probe batch is the expected batch, 50
-    assert asked == [((1, 8, 8), 50, ("hooks",) if masked else PROBED)]
+    assert asked == [((1, 8, 8), 50, ("hooks",) if masked or reproducible else PROBED)]
 
 
 @pytest.mark.parametrize("name, shape, kwargs", [
