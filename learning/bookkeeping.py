@@ -146,9 +146,10 @@ def _conv2d(module: nn.Conv2d, inputs: torch.Tensor, grad: torch.Tensor) -> _Lay
     out, positions = flat.shape[1:]
     taps = module.kernel_size[0] * module.kernel_size[1]
     k = module.in_channels // groups * taps
-    padded = (inputs.shape[2] + 2 * module.padding[0]) * (inputs.shape[3] + 2 * module.padding[1])
+    padded_positions = (inputs.shape[2] + 2 * module.padding[0]) * (inputs.shape[3] + 2 * module.padding[1])
     # Multiply-adds per example: forming G_b U_bᵀ, against the two Gram matrices of the ghost norm.
-    if groups == 1 and padded ** 2 * module.in_channels + positions ** 2 * (out + taps) < out * k * positions:
+    ghost_cost = padded_positions ** 2 * module.in_channels + positions ** 2 * (out + taps)
+    if groups == 1 and ghost_cost < out * k * positions:
         def weight_sum(factors: torch.Tensor) -> torch.Tensor:
             # The clipped sum is the weight gradient of the output gradients scaled by the factors.
             return torch.ops.aten.convolution_backward(

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # for other layers. The clipped sum and the noise are the same, so is the privacy. A mask must
 # act on each per-example gradient before its norm is taken, so masks need a materialising mode.
 # "bk" is book-keeping (``learning.bookkeeping``): norms and the clipped sum from one backward
-# pass, for models that train Linear and Conv2d layers only.
+# pass, for models that train Linear, Conv2d and GroupNorm layers only.
 # "auto" (the default) times a step of each on a synthetic batch and keeps the fastest
 # (``learning.grad_sample_modes``); with reproducible noise it takes the hooks, untimed.
 GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
