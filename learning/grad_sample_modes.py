@@ -1,14 +1,18 @@
-"""Which of Opacus's ways to clip per example is fastest for a model: the "auto" mode.
+"""Which way to clip per example is fastest for a model: the "auto" mode.
 
-No mode wins everywhere. On 2 CPU cores at batch 256 (``bench/perf.py``), of Opacus's modes
-expanded weights ("ew") was fastest for the tutorial CNNs, ``scatternet_cnn`` and the ResNet,
-ghost clipping for ``digits_cnn`` (2.4× a plain step where "ew" took 5.3×), and hooks for
-``gn_cnn``; book-keeping ("bk", ``learning.bookkeeping``) beats them all where it applies. So "auto" times one step of each candidate on a copy of the
-model, on a synthetic batch, and keeps the fastest.
+No mode wins everywhere, and the winner changes with the batch. On 2 CPU cores at batch 256
+(``bench/perf.py``), of Opacus's modes expanded weights ("ew") was fastest for most of our
+models and ghost clipping for ``digits_cnn`` at some batch sizes; book-keeping ("bk",
+``learning.bookkeeping``) was fastest for every model in the last runs except ``gn_cnn``,
+where it and "ew" are within a few percent. So "auto" times steps of each candidate on a copy
+of the model, on a synthetic batch of the training's size, and keeps the fastest (modes closer
+than its timing can tell apart may go either way).
 
 The probe reads no private data (random inputs of the model's input shape, random labels,
 a throwaway copy of the model), and which mode wins changes rounding only: each computes the
-same clipped sum, to which the same noise is added. The privacy is the same whichever runs.
+same clipped sum, to which the same noise is added. The privacy is the same whichever runs;
+a run with reproducible noise skips the probe (``learning.dpsgd``), since rounding would
+differ between runs.
 """
 from __future__ import annotations
 
