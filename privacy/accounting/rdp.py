@@ -13,6 +13,7 @@ releases add up order by order (Mironov 2017, Prop. 1) and the total is converte
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -51,24 +52,37 @@ def epsilon_from_rdp(orders, rdp, delta: float, conversion: str = "tight") -> tu
     """
     if conversion not in CONVERSIONS:
         raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
-    lam = _orders(orders)
+    lam = DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     values = np.asarray(rdp, dtype=float)
     if values.shape != lam.shape:
         raise ValueError(f"rdp {values.shape} must align with orders {lam.shape}")
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if np.all(values == 0):
+    # ε(λ) = RDP(λ) + offset(λ) + log(1/δ)·slope(λ); the terms of the orders are worked out
+    # once per grid (the ledger converts after every charge, and this was half its cost).
+    offset, slope = _conversion_terms(lam.tobytes(), conversion)
+    if not values.any():
         return 0.0, math.nan
-    if conversion == "classic":
-        eps = values + math.log(1 / delta) / (lam - 1)
-    else:
-        eps = values + np.log((lam - 1) / lam) - (math.log(delta) + np.log(lam)) / (lam - 1)
-    eps = np.where(np.isnan(eps), np.inf, eps)
+    eps = values + (offset - math.log(delta) * slope)
+    eps[np.isnan(eps)] = math.inf  # no bound at that order (e.g. ∞ − ∞ in a curve)
     best = int(np.argmin(eps))
     if not np.isfinite(eps[best]):
         return math.inf, math.nan
     # ε-DP with ε < 0 is meaningless; every mechanism is (0, δ)-DP at best.
     return max(float(eps[best]), 0.0), float(lam[best])
+
+
+@functools.lru_cache(maxsize=16)
+def _conversion_terms(grid: bytes, conversion: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offset, slope) of ``conversion`` on the orders whose float64 bytes are ``grid``."""
+    lam = _orders(np.frombuffer(grid, dtype=float))
+    slope = 1 / (lam - 1)
+    if conversion == "classic":  # Mironov 2017, Prop. 3
+        offset = np.zeros_like(lam)
+    else:  # Balle et al. 2020, Thm. 21
+        offset = np.log((lam - 1) / lam) - np.log(lam) * slope
+    offset.flags.writeable = slope.flags.writeable = False  # shared by every later call
+    return offset, slope
 
 
 def gaussian_rdp(orders, noise_multiplier: float) -> np.ndarray:

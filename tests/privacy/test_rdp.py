@@ -63,6 +63,10 @@ def test_conversion_edge_cases():
     assert epsilon_from_rdp(DEFAULT_ORDERS, np.zeros(DEFAULT_ORDERS.size), DELTA)[0] == 0.0
     eps, order = epsilon_from_rdp(DEFAULT_ORDERS, np.full(DEFAULT_ORDERS.size, np.inf), DELTA)
     assert eps == math.inf and math.isnan(order)
+    # An order without a bound (NaN) is skipped, not taken as the minimum.
+    assert epsilon_from_rdp([2.0, 8.0], [np.nan, 1.0], DELTA)[1] == 8.0
+    with pytest.raises(ValueError, match="orders"):
+        epsilon_from_rdp([1.0, 2.0], [0.0, 0.0], DELTA)
     with pytest.raises(ValueError, match="delta"):
         epsilon_from_rdp(DEFAULT_ORDERS, np.zeros(DEFAULT_ORDERS.size), 0.0)
     with pytest.raises(ValueError, match="align"):
