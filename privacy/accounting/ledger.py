@@ -224,8 +224,10 @@ class PrivacyLedger:
                         "INSERT OR IGNORE INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
                         [(key, int(answer), cursor.lastrowid) for key, answer in answers.items()],
                     )
-            # Only after COMMIT succeeded does the new row enter the running totals.
-            self._read_new_rows()
+            # Only after COMMIT succeeded does the new row enter the running totals. The
+            # transaction read every earlier row and held the write lock, so it is the next one.
+            self._totals.add(cursor.lastrowid, charge.label, np.asarray(charge.rdp, dtype="<f8"),
+                             float(charge.extra_delta), bool(charge.unbounded))
             return self._report()
 
     def can_afford(self, charge: PrivacyCharge) -> bool:
@@ -392,10 +394,13 @@ class PrivacyLedger:
         if self._cached_report is not None and self._cached_report[0] == (spent.last_id, spent.count):
             return self._cached_report[1]
         epsilon, order = self._epsilon(spent.rdp, spent.extra_delta, spent.unbounded)
-        by_label = {
-            label: self._epsilon(curve, extra, unbounded)[0]
-            for label, (curve, extra, unbounded) in spent.by_label.items()
-        }
+        if len(spent.by_label) == 1:  # the one label's sums are the totals, bit for bit
+            by_label = dict.fromkeys(spent.by_label, epsilon)
+        else:
+            by_label = {
+                label: self._epsilon(curve, extra, unbounded)[0]
+                for label, (curve, extra, unbounded) in spent.by_label.items()
+            }
         report = BudgetReport(
             epsilon_spent=epsilon,
             delta=self.delta,

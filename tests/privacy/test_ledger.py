@@ -135,6 +135,19 @@ def test_reopening_restores_exactly(tmp_path):
     assert report.charges == 60 and set(report.by_label) == {"gnmax", "counts", "stability", "dpsgd"}
 
 
+def test_one_label_is_reported_at_the_total_epsilon(tmp_path):
+    path = tmp_path / "ledger.db"
+    charges = [gaussian_charge(sigma, count=3, label="gnmax") for sigma in (40.0, 55.0, 70.0)]
+    with PrivacyLedger(path, DELTA) as ledger:
+        for charge in charges:
+            report = ledger.charge(charge)
+    expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, sum(c.rdp for c in charges), DELTA)
+    assert report.epsilon_spent == pytest.approx(expected, rel=1e-12)
+    assert report.by_label == {"gnmax": report.epsilon_spent}
+    with PrivacyLedger(path, DELTA) as reopened:
+        assert reopened.report() == report
+
+
 def test_refuses_a_file_written_with_other_settings(tmp_path):
     path = tmp_path / "ledger.db"
     grid = [2.0, 16.0, 32.0]
