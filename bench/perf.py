@@ -24,7 +24,7 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          process at its best thread count (``speedup``)
   gpu                    whether a GPU was available for these figures
 
-    python bench/perf.py            # the whole set (about 16 minutes on 2 cores)
+    python bench/perf.py            # the whole set (about 12 to 16 minutes on 2 cores)
     python bench/perf.py --quick    # fewer repetitions and smaller sizes
 """
 from __future__ import annotations

@@ -35,3 +35,4 @@ def test_the_perf_benchmark_records_every_ratio_as_min_and_median():
     assert all(set(figure) == {"min", "median"} and 0 < figure["min"] <= figure["median"] for figure in figures)
     assert perf["teacher_inference"]["identical_votes"] is True
     assert perf["aggregator"]["p99_ms"] > 0 and "torch_threads" in perf["thread_settings"]
+    assert perf["aggregator"]["budget_epsilon"] < float("inf") and perf["aggregator"]["thread_handoff_ms"]["p99"] > 0
