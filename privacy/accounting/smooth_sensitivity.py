@@ -10,11 +10,15 @@ smooth sensitivity mechanism (GNSS):
   LS(q) = max(β(u(q)) − β(q), β(q) − β(l(q))), with u/l the largest/smallest q bound of a
   neighbour and β the Theorem 6 bound switched to λ/σ² at the crossing point q₀ (the
   plateau [q₁, q₀] with q₁ = l(q₀) takes the value at q₁);
-- local sensitivity at distance d (Algorithms 4–5): the largest LS among histograms
-  reachable by moving d votes; for the threshold step the cost depends on max_j n_j only,
-  so every reachable value is enumerated;
-- smooth sensitivity SS_β = max_d e^(−βd)·LS^(d), summed over queries (each query's cost
-  moves at most its own LS^(d), so the total moves at most the sum);
+- local sensitivity at distance d (Algorithms 4–5): LS^(d)(x), the largest LS among the
+  histograms within d moves of x, so non-decreasing in d; for the threshold step the cost
+  depends on max_j n_j only, so every reachable value is enumerated;
+- smooth sensitivity SS_β = max_d e^(−βd)·LS^(d) of the queries' summed LS^(d) (each query's
+  cost moves at most its own LS, so the total moves at most the sum). It is β-smooth
+  (SS(x) ≤ e^β·SS(y) for neighbours; Nissim, Raskhodnikova & Smith 2007) because every
+  query's LS^(d)(x) ≤ LS^(d+1)(y) — a neighbour moves at most one vote per query, so the
+  ball of radius d around x lies in the ball of radius d + 1 around y — and the last
+  entry, d = number of teachers, covers every histogram, the same for x and y;
 - GNSS release: value + SS_β·N(0, σ_ss²) is (λ, λe^(2β)/σ_ss² + (βλ − ½log(1 − 2βλ))/(λ−1))-RDP
   for 1 < λ < 1/(2β) (PATE 2018, Theorem 23).
 
@@ -133,28 +137,46 @@ def gnmax_local_sensitivity(logq: np.ndarray, sigma: float, num_classes: int, or
 
 
 def gnmax_local_sensitivity_by_distance(votes: np.ndarray, num_teachers: int, sigma: float, order: float) -> np.ndarray:
-    """PATE 2018 Algorithms 4–5: LS^(d) for d = 0 … num_teachers−1, one row per query.
+    """PATE 2018 Algorithms 4–5: LS^(d) for d = 0 … num_teachers, one row per query.
 
-    From a histogram outside the plateau [q₁, q₀] the worst neighbour within distance d is
-    reached by moving votes between the top two classes, towards the plateau (to the second
-    class when q < q₁, to the top class when q > q₀); once the plateau is reached (or the
-    walk ends) the plateau's value, the global maximum of LS, is used.
+    LS^(d)(x) bounds Algorithm 3's LS at every histogram within d moves of x (a move: one
+    teacher's vote goes to another class). Under C5/C6, LS(q) rises with q below the plateau
+    [q₁, q₀], is flat on it and falls above it, and no move jumps over it (u(q) < q₀ below q₁,
+    l(q) > q₁ above q₀). So LS^(d) is LS at the ball's extreme q, or the plateau's value (the
+    global maximum) once the ball reaches the plateau. The extreme q is reached by a walk
+    between the top two classes (a histogram in the ball led by another class has a twin with
+    those two counts swapped, no farther from x and with the same q, led by x's top class):
+
+    - below q₁, the largest q: d votes from the top class to the second. A move from the top
+      lowers every gap by 1 and the receiver's by one more; the normal tail is convex on
+      [0, ∞), so the extra reductions are worth most concentrated on the smallest gap. Once
+      the top two are within one vote, q ≥ Pr[N(0, 2σ²) ≥ 1] > e^{−(1+1/σ)²} ≥ q₀: the
+      plateau has been reached;
+    - above q₀, the smallest q: one vote at a time from the current second class to the top,
+      the greedy optimum of a separable convex function of the gaps for a fixed number of
+      moves (Federgruen & Groenevelt 1986).
+
+    d = num_teachers reaches every histogram, so the last entry is the global maximum and
+    holds for every larger d. The running maximum keeps the sequence non-decreasing in
+    floating point too, as a maximum over growing balls must be.
     """
     votes = np.asarray(votes, dtype=float)
     queries, num_classes = votes.shape
+    if np.any(votes.sum(axis=1) > num_teachers):
+        raise ValueError(f"vote histograms count more than num_teachers={num_teachers} votes")
     if num_classes < 2:
-        return np.zeros((queries, num_teachers))
+        return np.zeros((queries, num_teachers + 1))
     logq0 = gnmax_logq0(sigma, order)
     logq1 = float(np.log(gnmax_q_lower(math.exp(logq0), sigma, num_classes)))
     plateau = float(gnmax_local_sensitivity(np.array([logq1]), sigma, num_classes, order)[0])
-    result = np.full((queries, num_teachers), plateau)
+    result = np.full((queries, num_teachers + 1), plateau)
 
     current = -np.sort(-votes, axis=1)
     logq = pate.gnmax_logq(current, sigma)
     go_left = logq > logq0
     active = go_left | (logq < logq1)
     result[active, 0] = gnmax_local_sensitivity(logq[active], sigma, num_classes, order)
-    for distance in range(1, num_teachers):
+    for distance in range(1, num_teachers + 1):
         active &= np.where(go_left, (logq > logq0) & (current[:, 1] > 0), logq < logq1)
         if not np.any(active):
             break
@@ -164,17 +186,20 @@ def gnmax_local_sensitivity_by_distance(votes: np.ndarray, num_teachers: int, si
         current[active] = -np.sort(-current[active], axis=1)
         logq[active] = pate.gnmax_logq(current[active], sigma)
         result[active, distance] = gnmax_local_sensitivity(logq[active], sigma, num_classes, order)
-    return result
+    return np.maximum.accumulate(result, axis=1)
 
 
 def threshold_local_sensitivity_by_distance(
     votes: np.ndarray, num_teachers: int, threshold: float, sigma1: float, order: float
 ) -> np.ndarray:
-    """LS^(d) of the threshold step's cost, one row per query (PATE 2018 App. C).
+    """LS^(d) of the threshold step's cost for d = 0 … num_teachers, one row per query (PATE 2018 App. C).
 
-    The cost depends on m = max_j n_j only, and one teacher moves m by at most 1, so the
-    cost at every m in 0…num_teachers is tabulated and LS^(d) is the largest one-step change
-    at m ± d.
+    The cost depends on m = max_j n_j only, and one move changes m by at most 1, so the
+    histograms within d moves have their maximum in [m − d, m + d] ∩ [0, num_teachers], and
+    LS^(d) is the largest one-step change of the tabulated cost from any m' in that interval.
+    The change at exactly m ± d alone (as in the reference code) is not a maximum over the
+    ball: it falls again past the cost's steepest point, and a sum of such sequences over
+    queries is not β-smooth.
     """
     maxima = np.arange(num_teachers + 1, dtype=float)
     logq = pate.threshold_logq(np.stack([maxima, np.zeros_like(maxima)], axis=1), threshold, sigma1)
@@ -185,18 +210,24 @@ def threshold_local_sensitivity_by_distance(
     step_at[1:] = np.maximum(step_at[1:], steps)
 
     current = np.rint(np.asarray(votes, dtype=float).max(axis=1)).astype(int)
-    distances = np.arange(num_teachers)
+    if np.any(current > num_teachers):
+        raise ValueError(f"a vote count exceeds num_teachers={num_teachers}")
+    distances = np.arange(num_teachers + 1)
     up = current[:, None] + distances[None, :]
     down = current[:, None] - distances[None, :]
-    result = np.maximum(
+    exactly_d_away = np.maximum(
         np.where(up <= num_teachers, step_at[np.clip(up, 0, num_teachers)], 0.0),
         np.where(down >= 0, step_at[np.clip(down, 0, num_teachers)], 0.0),
     )
-    return result
+    return np.maximum.accumulate(exactly_d_away, axis=1)  # every m' within d
 
 
 def smooth_sensitivity(ls_by_distance: np.ndarray, beta: float) -> float:
-    """β-smooth sensitivity from local sensitivities at distance d: max_d e^(−βd)·LS^(d)."""
+    """β-smooth sensitivity from local sensitivities at distance d: max_d e^(−βd)·LS^(d).
+
+    The last entry holds for every larger d (the ball then covers every histogram), where
+    e^(−βd) only shrinks, so the maximum over the array is the maximum over all d.
+    """
     ls_by_distance = np.asarray(ls_by_distance, dtype=float)
     return float(np.max(ls_by_distance * np.exp(-beta * np.arange(ls_by_distance.size)))) if ls_by_distance.size else 0.0
 
@@ -256,18 +287,28 @@ def check_conditions(sigma: float, num_classes: int, order: float, points: int =
 @dataclass(frozen=True)
 class SmoothTerms:
     """A run's data-dependent RDP at one order and its LS^(d) (both private), and whether the
-    analysis is valid (C5/C6, which depend on public parameters only)."""
+    analysis is valid (C5/C6, which depend on public parameters only).
+
+    ``ls_by_distance[d]`` is LS^(d) for d = 0 … D: non-decreasing (a maximum over growing
+    balls), its last entry holding for every d ≥ D.
+    """
 
     value: float
     ls_by_distance: np.ndarray
     valid: bool = True
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        ls = np.asarray(self.ls_by_distance)
+        if ls.ndim != 1 or not ls.size or np.any(np.diff(ls) < 0):
+            raise ValueError("ls_by_distance must be a non-empty, non-decreasing 1-d array: LS^(d) is a "
+                             "maximum over the histograms within distance d")
+
     def __add__(self, other: SmoothTerms) -> SmoothTerms:
         size = max(self.ls_by_distance.size, other.ls_by_distance.size)
-        ls = np.zeros(size)
-        ls[: self.ls_by_distance.size] += self.ls_by_distance
-        ls[: other.ls_by_distance.size] += other.ls_by_distance
+        # a sequence's last entry holds for every larger d: extend it, not zeros
+        ls = (np.pad(self.ls_by_distance, (0, size - self.ls_by_distance.size), mode="edge")
+              + np.pad(other.ls_by_distance, (0, size - other.ls_by_distance.size), mode="edge"))
         return SmoothTerms(self.value + other.value, ls, self.valid and other.valid,
                            "; ".join(r for r in (self.reason, other.reason) if r))
 
@@ -276,7 +317,7 @@ def gnmax_terms(answered_votes: np.ndarray, sigma: float, order: float, num_teac
                 num_classes: int) -> SmoothTerms:
     """GNMax's part: β summed over the answered queries and its LS^(d) (Algorithms 3–5)."""
     answered_votes = np.asarray(answered_votes, dtype=float)
-    nothing = np.zeros(max(num_teachers, 1))
+    nothing = np.zeros(num_teachers + 1)
     if num_classes < 2 or not answered_votes.shape[0]:
         return SmoothTerms(0.0, nothing)
     try:
