@@ -16,7 +16,8 @@ finite bound at all. The budget, its order, δ, the grid of orders and the neigh
 relation are written into the file when it is created; reopening with other settings is
 refused, because a budget changed mid-run is no longer a budget declared in advance.
 Without a budget the ledger refuses nothing and only records (a run's guarantee then comes
-from its planned worst case, ``privacy.accounting.guarantee``).
+from its planned worst case, ``privacy.accounting.guarantee``). ``read_ledger`` reads a file's
+declared settings and charges without writing (``conclave analyze --ledger``).
 
 A charge must hold for the ledger's neighbouring relation; add/remove and replace-one bounds
 do not compose as one, so a mismatch is an error, not a refusal.
@@ -182,9 +183,8 @@ class PrivacyLedger:
             stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
         finally:
             db.close()
-        budget = json.loads(stored["budget"])
-        return cls(path, json.loads(stored["delta"]), None if budget is None else RenyiFilter(**budget),
-                   neighbouring=stored["neighbouring"], orders=json.loads(stored["orders"]))
+        delta, budget, neighbouring, orders = _declared(stored)
+        return cls(path, delta, budget, neighbouring=neighbouring, orders=orders)
 
     # --- public API -----------------------------------------------------------------------
 
@@ -415,6 +415,73 @@ class PrivacyLedger:
         )
         self._cached_report = ((spent.last_id, spent.count), report)
         return report
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """A ledger file as it stood when read: the settings declared when it was created, and
+    its charges composed (in row-id order, as the ledger itself adds them)."""
+
+    path: Path
+    delta: float
+    budget: RenyiFilter | None  # None: a record-only ledger, no filter was in force
+    neighbouring: str
+    orders: np.ndarray
+    charges: int
+    answers: int  # released answers on record (a labelling service records one per distinct input)
+    spent: PrivacyCharge  # every charge composed
+    by_label: dict[str, PrivacyCharge]  # each label's charges composed
+
+    @property
+    def guarantee(self) -> Guarantee | None:
+        """The filter's guarantee, or None for a record-only ledger."""
+        return None if self.budget is None else filter_guarantee(self.budget, self.neighbouring)
+
+
+def read_ledger(path: str | Path) -> LedgerSnapshot:
+    """Read a ledger file without writing anything: no file is created where there is none,
+    and a run still charging it is neither blocked nor changed (one read transaction).
+
+    Raises FileNotFoundError without a file and ValueError for a file that is not a ledger.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no privacy ledger at {path}")
+    try:
+        # mode=ro: SQLite never creates or writes the file (PrivacyLedger would set it up for charging).
+        db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=60.0, isolation_level=None)
+        try:
+            db.execute("BEGIN")
+            stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            rows = db.execute("SELECT id, label, rdp, extra_delta, unbounded FROM charges ORDER BY id").fetchall()
+            answers = db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        delta, budget, neighbouring, orders = _declared(stored)
+        totals = _Totals(orders.size)
+        for row_id, label, blob, extra_delta, unbounded in rows:
+            totals.add(row_id, label, np.frombuffer(blob, dtype="<f8"), extra_delta, bool(unbounded))
+
+        def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str) -> PrivacyCharge:
+            return PrivacyCharge(orders, rdp, extra_delta=extra, unbounded=unbounded,
+                                 reason="an unbounded charge was recorded" if unbounded else "", label=label,
+                                 neighbouring=neighbouring)
+
+        return LedgerSnapshot(
+            path, delta, budget, neighbouring, orders, totals.count, int(answers),
+            composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent"),
+            {label: composed(*sums, label) for label, sums in totals.by_label.items()},
+        )
+    except (sqlite3.DatabaseError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} is not a privacy ledger ({error})") from None
+
+
+def _declared(stored: dict[str, str]) -> tuple[float, RenyiFilter | None, str, np.ndarray]:
+    """(δ, budget, neighbouring relation, orders) from a ledger's meta table."""
+    budget = json.loads(stored["budget"])
+    return (float(json.loads(stored["delta"])), None if budget is None else RenyiFilter(**budget),
+            stored["neighbouring"], np.asarray(json.loads(stored["orders"]), dtype=float))
 
 
 def _short(text: str) -> str:
