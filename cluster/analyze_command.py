@@ -3,9 +3,12 @@
 Pure numpy/scipy (no torch, no Ray): it loads the histograms, builds the mechanism with the
 same names the aggregator uses, and prints ``privacy.accounting.report.analysis_report`` —
 one JSON object with ``--json``, a short summary otherwise. The report's ``guarantee`` is
-the worst case of the file's queries (every one answered), or with ``--budget EPS`` the
-budget a run would have declared for them, with whether the realised spend fits it;
-data-dependent figures are ``estimates``. Bad input is one line on stderr and exit status 2.
+the worst case of the file's queries (every one answered), or with ``--ledger PATH`` the
+budget that the run which answered them declared in its ledger (read without writing, and
+checked against the votes: ``report.ledger_checks``). ``--budget EPS`` is only a check,
+labelled "would-have-fitted": a number typed afterwards was not a filter in force while the
+answers were released, so it never becomes the guarantee. Data-dependent figures are
+``estimates``. Bad input is one line on stderr and exit status 2.
 
 The mechanism flags come from the mechanisms' own registry (``privacy.mechanisms``): every
 constructor argument is a flag of the same name, except arguments that clash with this
@@ -23,13 +26,15 @@ from typing import Any
 
 import numpy as np
 
+from privacy.accounting.ledger import LedgerSnapshot, read_ledger
 from privacy.accounting.report import analysis_report, checked_votes
 from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import MECHANISMS, build_mechanism, parameter_names
 from privacy.noise import NoisePolicy
 
 EXIT_BAD_INPUT = 2
-_OWN_FLAGS = {"delta", "orders", "conversion", "budget", "answered", "json"}
+_OWN_FLAGS = {"delta", "orders", "conversion", "budget", "ledger", "answered", "json"}
+DEFAULT_DELTA = 1e-5
 
 
 class BadInput(Exception):
@@ -61,10 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "analyze") -> 
     for flag, (kind, help_text) in _mechanism_flags().items():
         parser.add_argument(f"--{flag}", type=kind, help=help_text)
     parser.add_argument("--answered", metavar="MASK.npy", help="boolean array [queries]: which queries were answered")
-    parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
+    parser.add_argument("--delta", type=float,
+                        help=f"target delta (default: the ledger's with --ledger, else {DEFAULT_DELTA:g})")
+    parser.add_argument("--ledger", metavar="PATH",
+                        help="the privacy ledger of the run that answered these votes, read without writing: "
+                             "when it declared a budget (a Rényi filter in force while it answered) and its charges "
+                             "match the votes, that budget is the guarantee")
     parser.add_argument("--budget", type=float, metavar="EPS",
-                        help="the epsilon a run declared in advance: state the Rényi filter's guarantee and "
-                             "whether the realised spend fits it")
+                        help="a check, never the guarantee: whether a Rényi filter declared at EPS before the run "
+                             "would have admitted these answers (no filter was in force; see --ledger)")
     parser.add_argument("--orders", help="comma-separated RDP orders > 1 for the estimates (the guarantee always "
                                          "uses the ledger's grid)")
     parser.add_argument(
@@ -126,8 +136,28 @@ def _as_flags(name: str, message: str) -> str:
     return message
 
 
-def _smooth(args: argparse.Namespace, mechanism, queries: int) -> SmoothSensitivityParameters | None:
+def _ledger(args: argparse.Namespace) -> LedgerSnapshot | None:
+    if args.ledger is None:
+        return None
+    if args.budget is not None:
+        raise BadInput("--budget cannot go with --ledger: the ledger's declared budget is the guarantee, "
+                       "--budget is a would-have-fitted check for votes answered without one")
+    if any(v is not None for v in (args.ss_order, args.ss_beta, args.ss_sigma)):
+        raise BadInput("--ledger cannot go with --ss-order/--ss-beta/--ss-sigma: a smooth-sensitivity release made "
+                       "here is not paid for by the run's ledger")
+    try:
+        ledger = read_ledger(args.ledger)
+    except (OSError, ValueError) as error:
+        raise BadInput(f"--ledger: {error}") from None
+    if args.delta is not None and args.delta != ledger.delta:
+        raise BadInput(f"--delta {args.delta:g} differs from the ledger's delta {ledger.delta:g}")
+    return ledger
+
+
+def _smooth(args: argparse.Namespace, mechanism, queries: int, delta: float) -> SmoothSensitivityParameters | None:
     fixed = (args.ss_order, args.ss_beta, args.ss_sigma)
+    if args.ledger is not None:
+        return None  # the run's ledger did not pay for a new release (``_ledger`` refused --ss-*)
     if args.no_smooth_sensitivity:
         if any(v is not None for v in fixed):
             raise BadInput("--no-smooth-sensitivity cannot go with --ss-order/--ss-beta/--ss-sigma")
@@ -136,7 +166,7 @@ def _smooth(args: argparse.Namespace, mechanism, queries: int) -> SmoothSensitiv
         return None
     try:
         if all(v is None for v in fixed):
-            return SmoothSensitivityParameters.for_workload(mechanism.run_charge(queries, queries), args.delta)
+            return SmoothSensitivityParameters.for_workload(mechanism.run_charge(queries, queries), delta)
         if any(v is None for v in fixed):
             raise BadInput("--ss-order, --ss-beta and --ss-sigma go together")
         return SmoothSensitivityParameters(*fixed)
@@ -172,10 +202,16 @@ def summary(report: dict) -> str:
                    f"({guarantee['basis']}; {guarantee['neighbouring_means']})"]
     if guarantee["unsound_reasons"]:
         lines.append("    NOT SOUND: " + "; ".join(guarantee["unsound_reasons"]))
-    budget = report.get("budget")
-    if budget:
-        lines.append(f"    budget {budget['epsilon']:g} at order {budget['order']:g}: the realised spend "
-                     f"{'fits' if budget['fits'] else 'does NOT fit'}")
+    ledger = report.get("ledger")
+    if ledger:
+        lines.append(f"    from ledger {ledger['path']}: the budget its run declared, "
+                     "a filter in force while it answered")
+        lines.append("    checked: " + "; ".join(ledger["checked"]))
+        lines.append("    not checked: " + ledger["not_checked"])
+    check = report.get("budget_check")
+    if check:
+        lines.append(f"  check       {check['kind']}: {check['statement']}  — {check['label']} "
+                     f"(no filter was in force)")
     for estimate in report["estimates"]:
         value = estimate["epsilon"]
         text = (f"epsilon = {_number(value)}" if value is not None
@@ -192,20 +228,22 @@ def _number(value: float | str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        if not 0 < args.delta < 1:
+        if args.delta is not None and not 0 < args.delta < 1:
             raise BadInput(f"--delta must be in (0, 1), got {args.delta}")
         if args.budget is not None and not (args.budget > 0 and math.isfinite(args.budget)):
             raise BadInput(f"--budget must be a finite epsilon > 0, got {args.budget}")
         orders = _parse_orders(args.orders)
         mechanism = _mechanism(args)
+        ledger = _ledger(args)
+        delta = ledger.delta if ledger is not None else (DEFAULT_DELTA if args.delta is None else args.delta)
         votes = _load(args.votes, "votes")
         answered = None if args.answered is None else _load(args.answered, "answered mask")
         noise = NoisePolicy(insecure_seed=args.insecure_noise_seed)
         try:
             votes, answered = checked_votes(votes, answered)
-            smooth = _smooth(args, mechanism, len(votes))
-            report = analysis_report(mechanism, votes, answered, args.delta, budget=args.budget, smooth=smooth,
-                                     noise=noise, conversion=args.conversion, orders=orders)
+            smooth = _smooth(args, mechanism, len(votes), delta)
+            report = analysis_report(mechanism, votes, answered, delta, ledger=ledger, budget_check=args.budget,
+                                     smooth=smooth, noise=noise, conversion=args.conversion, orders=orders)
         except ValueError as error:
             raise BadInput(str(error)) from None
     except BadInput as error:

@@ -8,26 +8,35 @@ cost, whose own cost the caller must have charged (it is included in ``planned_c
 
 ``PrivacyReport.public()`` is what may leave: it drops estimates computed from the private
 votes without a mechanism. ``analysis_report`` adds the guarantee for a votes file analysed
-offline: the worst case of its queries (every one answered), or with a budget the filter's.
-Guarantees are always composed on the ledger's grid of orders; a custom grid (``orders``)
-only changes the estimates.
+offline: the worst case of its queries (every one answered), or the budget that the run which
+answered them declared in its ledger — a Rényi filter's guarantee needs the filter in force
+while the answers were released, so a budget is never taken from anywhere else; a budget
+typed afterwards is only a labelled "would-have-fitted" check. Guarantees are always composed
+on the ledger's grid of orders; a custom grid (``orders``) only changes the estimates.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from privacy.accounting import rdp as rdp_lib
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.filter import filter_for, order_index
 from privacy.accounting.guarantee import Estimate, Guarantee, best, filter_guarantee, worst_case_guarantee
+from privacy.accounting.ledger import LedgerSnapshot
 from privacy.accounting.rdp import sum_charges
 from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters, release_estimate
 from privacy.mechanisms.base import Description, VoteMechanism
 from privacy.mechanisms.votes import check_answered, check_votes
 from privacy.noise import SECURE, NoisePolicy, NoiseSource
+
+CHECK_LABEL = "check: not a DP guarantee"
+NOT_CHECKED = ("that the votes are the histograms this run's teachers produced (the ledger keeps the released "
+               "answers, not the votes), that the ledger file is the run's own and unedited, and that the run drew "
+               "its noise from OS entropy")
 
 
 def checked_votes(votes: np.ndarray, answered: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -118,34 +127,102 @@ def vote_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarra
                          votes.shape[1], guarantee, tuple(estimates), dict(details or {}))
 
 
-def analysis_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarray | None, delta: float, *,
-                    budget: float | None = None, smooth: SmoothSensitivityParameters | None = None,
-                    noise: NoisePolicy = SECURE, conversion: str = "tight", orders=None) -> PrivacyReport:
-    """``conclave analyze``: the report of a votes file, on the one-vote neighbouring relation.
+def ledger_checks(ledger: LedgerSnapshot, mechanism: VoteMechanism, queries: int, answered: int) -> list[str]:
+    """What ties ``ledger`` to a votes file of ``queries`` queries, ``answered`` of them answered,
+    one line per check passed; ValueError naming the first that fails."""
+    where = f"ledger {ledger.path}"
+    budget = ledger.budget
+    if budget is None:
+        raise ValueError(f"{where} declares no budget (a record-only run): no filter was in force, so it backs "
+                         "no guarantee")
+    at = order_index(budget.order, ledger.orders)
+    spent = ledger.spent
+    if spent.unbounded or not budget.admits(float(spent.rdp[at]), spent.extra_delta):
+        raise ValueError(f"{where} records more than its declared budget: it is not a filter's record")
+    expected = mechanism.run_charge(queries, answered)
+    charged = ledger.by_label.get(mechanism.name)
+    if charged is None:
+        raise ValueError(f"{where} has no {mechanism.name!r} charges: these votes were not answered by its run")
+    same = (np.array_equal(charged.orders, expected.orders)
+            and np.allclose(charged.rdp, expected.rdp, rtol=1e-9, atol=0)  # summed per batch: rounding only
+            and math.isclose(charged.extra_delta, expected.extra_delta, rel_tol=1e-9))
+    if not same:
+        raise ValueError(f"{where}: its {mechanism.name!r} charges are not what these mechanism settings charge for "
+                         f"{queries} queries with {answered} answered (other settings, other votes or another mask)")
+    if ledger.answers != queries:
+        raise ValueError(f"{where} records {ledger.answers} released answers, the votes file has {queries} queries")
+    return [
+        f"the ledger declares a budget: epsilon={budget.epsilon:g} at delta={budget.delta:g}, order {budget.order:g}",
+        f"its charges stay within it (RDP {float(spent.rdp[at]):.4g} of {budget.rdp_budget:.4g} at order "
+        f"{budget.order:g})",
+        f"its {mechanism.name!r} charges compose to these settings' charge for {queries} queries, {answered} answered",
+        f"it records {ledger.answers} released answers, one per query in the file",
+    ]
 
-    Without ``budget`` the guarantee is the worst case of the file's queries, every one
-    answered (and the smooth-sensitivity release, if made). With ``budget`` (an ε at
-    ``delta``) the filter a run would have declared for this workload is built; when the
-    realised data-independent spend fits it, the guarantee is the better of the filter's and
-    the worst case, and ``details.budget.fits`` says whether it did. Reproducible ``noise``
-    (for the smooth-sensitivity release) marks the report unsound.
+
+def analysis_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarray | None, delta: float, *,
+                    ledger: LedgerSnapshot | None = None, budget_check: float | None = None,
+                    smooth: SmoothSensitivityParameters | None = None, noise: NoisePolicy = SECURE,
+                    conversion: str = "tight", orders=None) -> PrivacyReport:
+    """``conclave analyze``: the report of a votes file.
+
+    The guarantee is the worst case of the file's queries, every one answered (and the
+    smooth-sensitivity release, if made), on the one-vote relation. With ``ledger`` — the
+    ledger of the run that answered these votes, which must pass ``ledger_checks`` — it is the
+    budget that run declared, enforced by its filter while it answered (on the ledger's
+    relation; the better of it and the worst case when that is one-vote too); ``delta`` must
+    be the ledger's, and no new smooth-sensitivity release is made (the ledger did not pay for it).
+
+    ``budget_check`` (an ε at ``delta``) only asks whether the filter a run would have declared
+    for this workload would have admitted these answers: ``details["budget_check"]``, kind
+    "would-have-fitted". It never changes the guarantee: a filter fitted after the answers were
+    released was not in force when they were (Feldman & Zrnic 2021, Thm 3.1 needs it declared
+    before). Reproducible ``noise`` (for the smooth-sensitivity release) marks the report unsound.
     """
     votes, mask = checked_votes(votes, answered)
+    if ledger is not None and delta != ledger.delta:
+        raise ValueError(f"delta {delta:g} differs from the ledger's {ledger.delta:g}")
+    if ledger is not None and smooth is not None:
+        raise ValueError("a smooth-sensitivity release made now is not paid for by the run's ledger")
+    if ledger is not None and budget_check is not None:
+        raise ValueError("a ledger's declared budget is the guarantee; a would-have-fitted budget check is for votes "
+                         "without one")
     planned = planned_charge(mechanism, len(votes), smooth)  # on the ledger's grid, whatever ``orders`` says
     worst = worst_case_guarantee(planned, delta)
     guarantee, details = worst, {}
-    if budget is not None:
-        filter_ = filter_for(planned, budget, delta)
-        realised = mechanism.run_charge(len(votes), int(mask.sum()))
-        at = order_index(filter_.order, realised.orders)
-        extra = realised.extra_delta
-        rdp = float(realised.rdp[at])
-        if smooth is not None and hasattr(mechanism, "smooth_sensitivity_terms"):
-            rdp += float(smooth.charge(realised.orders).rdp[at])
-        fits = filter_.admits(rdp, extra)
-        details["budget"] = {**filter_.as_dict(), "realised_rdp_at_order": rdp, "fits": fits}
-        guarantee = best(filter_guarantee(filter_, ONE_VOTE), worst) if fits else worst
+    if ledger is not None:
+        checked = ledger_checks(ledger, mechanism, len(votes), int(mask.sum()))
+        declared = filter_guarantee(ledger.budget, ledger.neighbouring)
+        guarantee = best(declared, worst) if ledger.neighbouring == worst.neighbouring else declared
+        details["ledger"] = {"path": str(ledger.path), "declared": ledger.budget.as_dict(),
+                             "neighbouring": ledger.neighbouring, "charges": ledger.charges,
+                             "answers": ledger.answers, "checked": checked, "not_checked": NOT_CHECKED}
+    if budget_check is not None:
+        details["budget_check"] = _would_have_fitted(mechanism, mask, planned, budget_check, delta, smooth)
     if smooth is not None and noise.unsound_reason:
         guarantee = guarantee.marked((noise.unsound_reason,))
     return vote_report(mechanism, votes, mask, delta, guarantee, smooth=smooth,
                        noise=noise.source("smooth-sensitivity"), conversion=conversion, orders=orders, details=details)
+
+
+def _would_have_fitted(mechanism: VoteMechanism, mask: np.ndarray, planned: PrivacyCharge, epsilon: float,
+                       delta: float, smooth: SmoothSensitivityParameters | None) -> dict[str, Any]:
+    """Whether the filter a run would have declared at ``epsilon`` (its order from ``planned``,
+    public settings only) admits the realised data-independent spend. A check, not a guarantee."""
+    filter_ = filter_for(planned, epsilon, delta)
+    realised = mechanism.run_charge(len(mask), int(mask.sum()))
+    at = order_index(filter_.order, realised.orders)
+    rdp = float(realised.rdp[at])
+    if smooth is not None and hasattr(mechanism, "smooth_sensitivity_terms"):
+        rdp += float(smooth.charge(realised.orders).rdp[at])
+    fits = filter_.admits(rdp, realised.extra_delta)
+    return {
+        "kind": "would-have-fitted",
+        "label": CHECK_LABEL,
+        "statement": (f"a Rényi filter declared before the run at epsilon={epsilon:g}, delta={delta:g}, order "
+                      f"{filter_.order:g} would {'have' if fits else 'NOT have'} admitted these answers"),
+        "why_not_a_guarantee": "no filter was in force while these answers were released: a budget fitted "
+                               "afterwards proves nothing, the guarantee stays the worst case",
+        "epsilon": epsilon, "delta": delta, "order": filter_.order, "reserved_delta": filter_.reserved_delta,
+        "rdp_budget": filter_.rdp_budget, "realised_rdp_at_order": rdp, "fits": fits,
+    }

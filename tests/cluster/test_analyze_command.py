@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 
 from cluster import analyze_command
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
-from privacy.accounting.report import analysis_report
+from privacy.accounting.charge import ADD_REMOVE
+from privacy.accounting.filter import filter_for
+from privacy.accounting.ledger import PrivacyLedger, read_ledger
+from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
+from privacy.accounting.report import analysis_report, planned_charge
 from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from privacy.mechanisms import build_mechanism
+from privacy.mechanisms.base import ABSTAIN, VoteMechanism
 from privacy.noise import NoisePolicy
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -82,18 +86,146 @@ def test_the_same_numbers_as_the_library_with_the_same_insecure_seed(run_files, 
     assert report["sound"] is False and "insecure_noise_seed=3" in report["unsound_reasons"][0]
 
 
-def test_a_budget_states_the_filters_guarantee_and_whether_the_run_fits(run_files, capsys):
+def test_a_budget_is_a_labelled_would_have_fitted_check_never_the_guarantee(run_files, capsys):
     votes_path, mask_path, _, answered = run_files
     base = [str(votes_path), "--mechanism", "gnmax", "--sigma", "40", "--no-smooth-sensitivity", "--json"]
     code, out, _ = call(capsys, *base)
-    worst = strict_json(out)["guarantee"]["epsilon"]
-    code, out, _ = call(capsys, *base, "--budget", f"{2 * worst}")
-    roomy = strict_json(out)
-    assert code == 0 and roomy["budget"]["fits"] is True and roomy["guarantee"]["epsilon"] == pytest.approx(worst)
-    code, out, _ = call(capsys, *base, "--budget", f"{worst / 3}")
-    over = strict_json(out)
-    assert over["budget"]["fits"] is False and over["guarantee"]["basis"] == "worst-case"
-    assert over["budget"]["order"] in DEFAULT_ORDERS.tolist()
+    worst = strict_json(out)["guarantee"]
+    for budget, fits in ((2 * worst["epsilon"], True), (worst["epsilon"] / 3, False)):
+        code, out, _ = call(capsys, *base, "--budget", f"{budget}")
+        report = strict_json(out)
+        assert code == 0 and report["guarantee"] == worst  # the check never changes the guarantee
+        check = report["budget_check"]
+        assert check["kind"] == "would-have-fitted" and check["label"] == "check: not a DP guarantee"
+        assert check["fits"] is fits and check["epsilon"] == budget and check["order"] in DEFAULT_ORDERS.tolist()
+        assert ("would have admitted" if fits else "would NOT have admitted") in check["statement"]
+        assert "renyi-filter" not in out and "budget" not in report
+    # Fewer answered than the worst case: the answers fit a budget below the worst case, and
+    # the guarantee still is the worst case (it used to say "renyi-filter" here).
+    cgnmax = [str(votes_path), "--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold", "200",
+              "--sigma", "40", "--answered", str(mask_path), "--no-smooth-sensitivity"]
+    code, out, _ = call(capsys, *cgnmax, "--json")
+    worst = strict_json(out)["guarantee"]
+    code, out, _ = call(capsys, *cgnmax, "--budget", f"{0.95 * worst['epsilon']}", "--json")
+    report = strict_json(out)
+    assert answered.sum() < 60 and report["budget_check"]["fits"] is True
+    assert report["guarantee"] == worst and "renyi-filter" not in out
+    code, out, _ = call(capsys, *cgnmax, "--budget", f"{0.95 * worst['epsilon']}")
+    assert "renyi-filter" not in out and "(worst-case;" in out
+    (line,) = [line for line in out.splitlines() if "would-have-fitted" in line]
+    assert line.strip().startswith("check") and "would have admitted" in line and "not a DP guarantee" in line
+
+
+# --- votes answered by a run, with the run's ledger -------------------------------------------
+
+LEMMA = "test: each record is in one teacher's shard"
+SETTINGS = ["--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold", "200", "--sigma", "40"]
+
+
+def answered_by_a_run(folder: Path, votes: np.ndarray, epsilon: float | None,
+                      mechanism: VoteMechanism | None = None) -> tuple[Path, Path, Path]:
+    """What a labelling service leaves behind: its ledger (a filter at ``epsilon`` declared before
+    the first query, or record-only), charged before each batch is released with the answers,
+    as ``actors.labeller`` does; and the votes it answered with the mask of released answers."""
+    mechanism = mechanism or build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0)
+    planned = planned_charge(mechanism, len(votes)).for_records(ADD_REMOVE, LEMMA)
+    budget = None if epsilon is None else filter_for(planned, epsilon, 1e-5)
+    rng = np.random.default_rng(2)  # a test's stand-in: a service draws from OS entropy
+    released = []
+    with PrivacyLedger(folder / "ledger.sqlite", 1e-5, budget) as ledger:
+        # another release of the run (the smooth-sensitivity reservation): its own label
+        ledger.charge(gaussian_charge(200.0, label="smooth-sensitivity", neighbouring=ADD_REMOVE))
+        for start in range(0, len(votes), 16):
+            result = mechanism(votes[start:start + 16], rng)
+            answers = {f"input-{start + row}".encode(): label for row, label in enumerate(result.labels.tolist())}
+            if result.charge.is_free:  # inside an open stability run, paid for when it opened
+                ledger.record_answers(answers)
+            else:
+                ledger.charge(result.charge.for_records(ADD_REMOVE, LEMMA), answers=answers)
+            result.commit()
+            released.append(result.labels != ABSTAIN)
+    np.save(folder / "votes.npy", votes)
+    np.save(folder / "answered.npy", np.concatenate(released))
+    return folder / "ledger.sqlite", folder / "votes.npy", folder / "answered.npy"
+
+
+@pytest.fixture()
+def filtered_run(run_files, tmp_path) -> tuple[Path, Path, Path]:
+    return answered_by_a_run(tmp_path, run_files[2], epsilon=6.0)
+
+
+def test_a_filtered_runs_ledger_states_its_declared_budget_as_the_guarantee(filtered_run, capsys):
+    ledger_path, votes_path, mask_path = filtered_run
+    before = ledger_path.read_bytes()
+    argv = [str(votes_path), *SETTINGS, "--answered", str(mask_path), "--ledger", str(ledger_path)]
+    code, out, err = call(capsys, *argv, "--json")
+    assert code == 0, err
+    report = strict_json(out)
+    declared = read_ledger(ledger_path).budget
+    guarantee = report["guarantee"]
+    assert guarantee["basis"] == "renyi-filter" and guarantee["neighbouring"] == ADD_REMOVE
+    assert (guarantee["epsilon"], guarantee["delta"], guarantee["order"]) == (6.0, 1e-5, declared.order)
+    assert report["sound"] is True and "budget_check" not in report
+    ledger = report["ledger"]
+    assert ledger["path"] == str(ledger_path) and ledger["declared"]["epsilon"] == 6.0
+    assert ledger["charges"] == 1 + 4 and ledger["answers"] == 60 and len(ledger["checked"]) == 4
+    assert "histograms" in ledger["not_checked"] and "unedited" in ledger["not_checked"]
+    # no new release the ledger did not pay for: only the private data-dependent estimate
+    assert [e["name"] for e in report["estimates"]] == ["data-dependent"]
+    code, out, _ = call(capsys, *argv)
+    lines = out.splitlines()
+    assert "(renyi-filter;" in lines[1] and "epsilon = 6.0000" in lines[1]
+    assert f"from ledger {ledger_path}" in lines[2] and lines[3].strip().startswith("checked:")
+    assert lines[4].strip().startswith("not checked:")
+    assert ledger_path.read_bytes() == before  # read without writing
+
+
+def test_a_record_only_runs_ledger_is_refused(run_files, tmp_path, capsys):
+    ledger_path, votes_path, mask_path = answered_by_a_run(tmp_path, run_files[2], epsilon=None)
+    code, out, err = call(capsys, str(votes_path), *SETTINGS, "--answered", str(mask_path),
+                          "--ledger", str(ledger_path))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "declares no budget" in err and "no filter was in force" in err
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (["--sigma", "30"], "not what these mechanism settings charge"),  # other mechanism settings
+        (["--answered", None], "not what these mechanism settings charge"),  # every query taken as answered
+        (["--votes", "first-48"], "charge for 48 queries with"),  # part of the run's votes
+        (["--mechanism", "gnmax"], "no 'gnmax' charges"),
+        (["--budget", "3"], "--budget cannot go with --ledger"),
+        (["--ss-order", "9"], "--ledger cannot go with --ss-order"),
+        (["--delta", "1e-6"], "differs from the ledger's delta 1e-05"),
+        (["--ledger", "missing"], "no privacy ledger at"),
+        (["--ledger", "garbage"], "is not a privacy ledger"),
+    ],
+)
+def test_a_ledger_that_does_not_match_the_votes_is_refused(filtered_run, tmp_path, capsys, change, words):
+    ledger_path, votes_path, mask_path = filtered_run
+    options = {"--votes": str(votes_path), "--mechanism": "confident-gnmax", "--sigma1": "150", "--threshold": "200",
+               "--sigma": "40", "--answered": str(mask_path), "--ledger": str(ledger_path)}
+    flag, value = change
+    if value == "first-48":
+        value = str(tmp_path / "first.npy")
+        np.save(value, np.load(votes_path)[:48])
+        options["--answered"] = str(tmp_path / "first-mask.npy")
+        np.save(options["--answered"], np.load(mask_path)[:48])
+    elif flag == "--mechanism":
+        options = {k: v for k, v in options.items() if k not in ("--sigma1", "--threshold")}
+    elif value == "missing":
+        value = str(tmp_path / "no-ledger.sqlite")
+    elif value == "garbage":
+        value = str(tmp_path / "garbage.sqlite")
+        Path(value).write_bytes(b"not a ledger" * 100)
+    options[flag] = value
+    votes = options.pop("--votes")
+    argv = [votes, *[part for key, v in options.items() if v is not None for part in (key, v)]]
+    code, out, err = call(capsys, *argv)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert words in err
+    assert not (tmp_path / "no-ledger.sqlite").exists()  # a missing ledger is not created
 
 
 def test_python_m_cluster_prints_a_short_summary_labelling_the_private_figure(run_files):
@@ -118,6 +250,20 @@ def test_console_entry_rejects_bad_input_with_one_line_and_status_2(tmp_path):
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "integer" in done.stderr
+
+
+def test_a_ledger_with_another_number_of_answers_is_refused(run_files, tmp_path, capsys):
+    # The stability mechanism pays once for its whole run: only the recorded answers tell 48 from 60.
+    mechanism = build_mechanism("stability", epsilon=2.0, max_unstable=20, delta=1e-6)
+    ledger_path, votes_path, _ = answered_by_a_run(tmp_path, run_files[2], epsilon=6.0, mechanism=mechanism)
+    settings = ["--mechanism", "stability", "--epsilon", "2", "--max-unstable", "20", "--stability-delta", "1e-6",
+                "--ledger", str(ledger_path), "--json"]
+    code, out, err = call(capsys, str(votes_path), *settings)
+    assert code == 0, err
+    assert strict_json(out)["guarantee"]["basis"] == "renyi-filter"
+    np.save(tmp_path / "first.npy", run_files[2][:48])
+    code, out, err = call(capsys, str(tmp_path / "first.npy"), *settings)
+    assert code == 2 and "records 60 released answers, the votes file has 48 queries" in err
 
 
 # --- in-process -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
 from privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
 from privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
@@ -217,7 +217,7 @@ def test_no_overshoot_with_32_threads(tmp_path):
 _CHARGER = """
 import math, os, sys, time
 from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
 from privacy.accounting.rdp import gaussian_charge
 path, go, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ledger = PrivacyLedger(path, 1e-5, RenyiFilter(2.0, 1e-5, 32.0))
@@ -364,3 +364,39 @@ def test_answers_are_stored_with_their_charge_and_survive_a_reopening(tmp_path):
         assert reopened.answers() == {b"a": 3, b"b": -1, b"d": 2} and reopened.report().charges == 1
     with sqlite3.connect(path) as db:  # each answer points at the charge that paid for it
         assert db.execute("SELECT COUNT(*) FROM answers JOIN charges ON charges.id = answers.charge_id").fetchone()[0] == 2
+
+
+def test_read_ledger_reads_the_declared_budget_and_the_charges_without_writing(tmp_path):
+    path = tmp_path / "ledger.db"
+    declared = budget(2.0, reserved=1e-7)
+    with PrivacyLedger(path, DELTA, declared, neighbouring=ONE_VOTE) as ledger:
+        ledger.charge(gaussian_charge(20.0, count=3, label="gnmax", neighbouring=ONE_VOTE), answers={b"a": 1, b"b": 0})
+        ledger.charge(approximate_dp_charge(0.1, 1e-8, label="stability", neighbouring=ONE_VOTE))
+        ledger.record_answers({b"c": 2})
+        snapshot = read_ledger(path)  # while the run still holds it open
+        report, spent = ledger.report(), ledger.spent()
+    before = path.read_bytes()
+    again = read_ledger(path)  # after the run closed it: the same, and the file unchanged
+    assert (again.charges, again.answers) == (snapshot.charges, snapshot.answers) and path.read_bytes() == before
+    assert (snapshot.delta, snapshot.budget, snapshot.neighbouring) == (DELTA, declared, ONE_VOTE)
+    assert snapshot.charges == report.charges == 2 and snapshot.answers == 3
+    assert np.array_equal(snapshot.spent.rdp, spent.rdp) and snapshot.spent.extra_delta == spent.extra_delta
+    assert np.array_equal(snapshot.by_label["gnmax"].rdp, gaussian_charge(20.0, count=3).rdp)
+    assert snapshot.by_label["stability"].extra_delta == 1e-8
+    assert snapshot.guarantee == report.guarantee and snapshot.guarantee.basis == "renyi-filter"
+    with PrivacyLedger(tmp_path / "record-only.db", DELTA) as ledger:
+        ledger.charge(gaussian_charge(20.0, label="gnmax"))
+    assert read_ledger(tmp_path / "record-only.db").budget is None
+    assert read_ledger(tmp_path / "record-only.db").guarantee is None
+
+
+def test_read_ledger_refuses_a_missing_file_without_creating_it_and_a_file_that_is_no_ledger(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no privacy ledger at"):
+        read_ledger(tmp_path / "missing.db")
+    assert not (tmp_path / "missing.db").exists()
+    (tmp_path / "garbage.db").write_bytes(b"not a database" * 100)
+    with sqlite3.connect(tmp_path / "other.db") as db:
+        db.execute("CREATE TABLE meta (key TEXT, value TEXT)")
+    for name in ("garbage.db", "other.db"):
+        with pytest.raises(ValueError, match="is not a privacy ledger"):
+            read_ledger(tmp_path / name)

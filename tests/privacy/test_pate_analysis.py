@@ -381,18 +381,19 @@ def test_stability_report_carries_its_epsilon_delta():
     assert 2.0 <= report.guarantee.epsilon < 2.0 + 1e-3
 
 
-def test_a_budget_gives_the_filters_guarantee_and_says_whether_the_run_fits():
+def test_a_budget_is_only_a_would_have_fitted_check():
     votes = mnist_like_votes(np.random.default_rng(5), queries=300)
     mech = build_mechanism("gnmax", sigma=40.0)
-    worst = analysis_report(mech, votes, None, 1e-5).guarantee.epsilon
-    roomy = analysis_report(mech, votes, None, 1e-5, budget=worst + 1.0)
-    assert roomy.details["budget"]["fits"] and roomy.guarantee.epsilon == pytest.approx(worst)  # the better one
+    worst = analysis_report(mech, votes, None, 1e-5).guarantee
+    roomy = analysis_report(mech, votes, None, 1e-5, budget_check=worst.epsilon + 1.0)
+    assert roomy.details["budget_check"]["fits"] and roomy.guarantee == worst
     for_100 = 1.05 * analysis_report(mech, votes[:100], None, 1e-5).guarantee.epsilon
-    tight = analysis_report(mech, votes, np.arange(300) < 100, 1e-5, budget=for_100)
-    assert tight.details["budget"]["fits"]  # 100 of 300 answered: within a budget sized for 100
-    assert tight.guarantee.basis == "renyi-filter" and tight.guarantee.epsilon == for_100 < worst
-    over = analysis_report(mech, votes, None, 1e-5, budget=for_100)
-    assert not over.details["budget"]["fits"] and over.guarantee.basis == "worst-case"
+    tight = analysis_report(mech, votes, np.arange(300) < 100, 1e-5, budget_check=for_100)
+    assert tight.details["budget_check"]["fits"]  # 100 of 300 answered: a filter sized for 100 would have admitted them
+    # ... but none was in force while they were released: a post-hoc fit is not a filter
+    assert tight.guarantee.basis == "worst-case" and tight.details["budget_check"]["kind"] == "would-have-fitted"
+    over = analysis_report(mech, votes, None, 1e-5, budget_check=for_100)
+    assert not over.details["budget_check"]["fits"] and over.guarantee == worst
 
 
 # --- input checks --------------------------------------------------------------------------
