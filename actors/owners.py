@@ -3,17 +3,27 @@
 Teacher groups and DP-SGD shard actors both load an owner's source in their own process
 (``OwnerSource.load``) and answer ``describe`` with a ``GroupInfo``: the class count, the input
 shape and the node they run on — nothing about the records. A source that cannot be read
-there comes back to the driver as one ``OwnerDataError`` line naming the owner.
+there (no such file or column, not the declared format: the schema, not a record) comes back
+to the driver as one ``OwnerDataError`` line naming the owner.
+
+Nothing else about the records may change the run's course: unusable rows (a missing or
+non-numeric value, a label outside the run's classes) are dropped here, an owner holding fewer
+records than it declared runs with what it has, and one holding more is cut down on its node
+(``learning.data.dataset.cap_shard``). The driver is told none of it; the owner sees it with
+``conclave check-data``.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import ray
 
 from actors.placement import PlacementError
 from learning.data import Dataset, shard
+from learning.data.dataset import cap_shard, shard_cap
 from learning.data.sources import DataSource
 
 
@@ -23,9 +33,14 @@ class OwnerSource:
 
     ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
     labels are mapped onto ``classes`` (the run's class list, from the config or the public
-    test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``records``: the
-    number the owner declared, if any; fewer in the data is an error (more is fine).
-    ``num_teachers`` is the number of shards: teachers, or DP-SGD shard actors.
+    test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``num_teachers`` is the
+    number of shards: teachers, or DP-SGD shard actors.
+
+    ``records``: the owner's declared upper bound, for teachers. Each shard keeps at most
+    ``shard_cap(records, num_teachers)`` records, a uniformly random subset drawn from OS entropy
+    when it holds more; fewer is no error. DP-SGD shard actors leave it None: Poisson sampling at
+    the rate of the declared size covers any number of records held (add/remove neighbours,
+    Mironov et al. 2019), and cutting the shards would turn adding a record into replacing one.
     """
 
     owner: str
@@ -41,14 +56,15 @@ class OwnerSource:
             raise ValueError(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
 
     def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
-        dataset = self.data.read(self.classes, name=self.owner)
-        if dataset.unlabeled:
+        dataset, _ = self.data.read_private(self.classes, name=self.owner)  # what was dropped stays here
+        if dataset.unlabeled:  # the source has no labels at all: its schema, not a record
             raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
-        if len(dataset) < max(self.num_teachers, self.records or 0):
-            raise ValueError(f"{self.data.describes} holds fewer records than the "
-                             f"{'declared ' + str(self.records) if self.records else str(self.num_teachers) + ' teachers need'}")
-        shards = shard(dataset, self.num_teachers, self.seed)
-        return [shards[i] for i in teacher_ids]
+        shards = [shard(dataset, self.num_teachers, self.seed)[i] for i in teacher_ids]
+        if self.records is None:
+            return shards
+        cap = shard_cap(self.records, self.num_teachers)
+        rng = np.random.default_rng(secrets.randbits(128))
+        return [cap_shard(part, cap, rng) for part in shards]
 
 
 class OwnerDataError(RuntimeError):

@@ -19,6 +19,7 @@ COMMANDS = {
     "serve": ("cluster.serve_command", "train teachers and serve the gRPC aggregator"),
     "query": ("cluster.query_command", "ask a running aggregator to label inputs"),
     "analyze": ("cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
+    "check-data": ("cluster.check_data_command", "an owner's look at its own data, run on its own node"),
     "tune": ("tuning.command", "Ray Tune sweep described by a YAML config"),
 }
 

@@ -23,9 +23,10 @@ class DataOwner:
 
     ``resources``: Ray custom resources its node declares (``ray start --resources``); its
     actors split the amounts. ``labels``: node labels its node carries (``ray start
-    --labels``). ``records``: how many records the owner declares; its node checks the data
-    holds at least that many. DP-SGD needs it: the sampling rate and the number of steps,
-    which are released, come from the declared sizes, never from the private count.
+    --labels``). ``records``: how many records the owner declares, a public upper bound: the
+    run never checks it against the data (that would depend on one record). DP-SGD needs it:
+    the sampling rate and the number of steps, which are released, come from the declared
+    sizes, never from the private count; teachers keep at most their share of it.
     """
 
     name: str
@@ -125,7 +126,8 @@ def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], see
     from actors.owners import OwnerSource
 
     here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
+    # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
     return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner.data.anchored(here), owner.actors, classes, seed,
-                                              features, owner.records)),
+                                              features)),
                       (i,), owner.placement(embedded), owner.actors)
             for owner in owners for i in range(owner.actors)]

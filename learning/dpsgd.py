@@ -265,12 +265,20 @@ def _check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[nn.Pa
 
 def _poisson_loader(dataset: ArrayDataset, sample_rate: float, steps: int, generator: torch.Generator) -> DataLoader:
     """Opacus's Poisson loader at ``sample_rate`` for exactly ``steps`` batches an epoch (its
-    default, int(1/q), is one short for some q = 1/k in floating point, e.g. k = 93)."""
-    if len(dataset.x) != len(dataset.y) or len(dataset.y) == 0:
-        raise ValueError(f"dataset needs matching, non-empty x and y (got {len(dataset.x)} and {len(dataset.y)})")
-    tensors = TensorDataset(torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long))
-    loader = DPDataLoader(tensors, sample_rate=sample_rate, generator=generator)
+    default, int(1/q), is one short for some q = 1/k in floating point, e.g. k = 93).
+
+    A rank holding no examples still takes every step (pure noise on its part): whether a
+    shard is empty depends on the records, so it must not stop the run."""
+    if len(dataset.x) != len(dataset.y):
+        raise ValueError(f"dataset needs matching x and y (got {len(dataset.x)} and {len(dataset.y)})")
+    x, y = torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long)
+    empty = len(y) == 0
+    if empty:  # Opacus reads the batch shapes from the first example: a zero row that is never sampled
+        x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
+    loader = DPDataLoader(TensorDataset(x, y), sample_rate=sample_rate, generator=generator)
     loader.batch_sampler.steps = steps
+    if empty:
+        loader.batch_sampler.num_samples = 0
     return loader
 
 

@@ -27,7 +27,8 @@ def read_npz(source: DataSource) -> RawData:
         if isinstance(err, DataFormatError):
             raise
         raise DataFormatError(f"{source.path}: not a readable .npz archive ({err})") from None
-    return RawData(inputs(x, source.path), labels)
+    x, unusable = inputs(x, source.path)
+    return RawData(x, labels, unusable)
 
 
 def read_npy(source: DataSource) -> RawData:
@@ -36,7 +37,8 @@ def read_npy(source: DataSource) -> RawData:
     labels = _load_npy(source.label) if source.label else None
     if labels is not None and labels.ndim != 1:
         raise DataFormatError(f"{source.label}: labels must be one-dimensional, got shape {labels.shape}")
-    return RawData(inputs(x, source.path), labels)
+    x, unusable = inputs(x, source.path)
+    return RawData(x, labels, unusable)
 
 
 def _load_npy(path: str) -> np.ndarray:
@@ -46,17 +48,21 @@ def _load_npy(path: str) -> np.ndarray:
         raise DataFormatError(f"{path}: not a readable .npy array ({err})") from None
 
 
-def inputs(x: np.ndarray, path: str) -> np.ndarray:
-    """float32 table rows or images in [0, 1] from an array as stored."""
+def inputs(x: np.ndarray, path: str) -> tuple[np.ndarray, dict[int, str]]:
+    """float32 table rows or images in [0, 1] from an array as stored, and the rows holding a
+    NaN, an infinity or (float images) a pixel outside [0, 1] (row → why; zeroed here)."""
     if x.ndim == 3:
         x = x[:, None]  # [n, H, W] → one channel
     if x.ndim not in (2, 4) or not np.issubdtype(x.dtype, np.number):
         raise DataFormatError(f"{path}: expected numbers [n, d], [n, H, W] or [n, C, H, W], got {x.dtype} {x.shape}")
     if x.ndim == 4 and x.dtype == np.uint8:
-        return (x.astype(np.float32) / 255.0).astype(np.float32)
+        return (x.astype(np.float32) / 255.0).astype(np.float32), {}
     x = x.astype(np.float32)
-    if not np.isfinite(x).all():
-        raise DataFormatError(f"{path}: inputs hold NaN or infinity")
-    if x.ndim == 4 and not (x.min() >= 0 and x.max() <= 1):
-        raise DataFormatError(f"{path}: float images must be scaled to [0, 1] (store uint8 to have them scaled)")
-    return x
+    flat = x.reshape(len(x), -1)
+    finite = np.isfinite(flat).all(axis=1)
+    in_range = (flat.min(axis=1, initial=0.0) >= 0) & (flat.max(axis=1, initial=0.0) <= 1) if x.ndim == 4 else finite
+    unusable = {int(row): "NaN or infinite value" if not finite[row] else
+                "pixel outside [0, 1] (store uint8 images to have them scaled)"
+                for row in np.flatnonzero(~(finite & in_range))}
+    x[list(unusable)] = 0.0
+    return x, unusable

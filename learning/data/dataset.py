@@ -10,6 +10,7 @@ names its ``features``; its values need only be finite.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -149,10 +150,29 @@ def shard(dataset: Dataset, num_shards: int, seed: int) -> list[Dataset]:
     ``seed``), not of its position: adding or removing one record changes exactly one shard,
     so a teacher ensemble's one-vote analysis holds for add/remove neighbours (a shuffle of
     positions would reshuffle every shard). Shard sizes are therefore equal only on
-    average (multinomial); records keep their source order within a shard.
+    average (multinomial), and a shard may be empty (fewer records than shards is not an error:
+    whether it happens depends on the records); records keep their source order within a shard.
     """
-    if not 1 <= num_shards <= len(dataset):
-        raise ValueError(f"num_shards must be in [1, {len(dataset)}] for {dataset.name} "
-                         f"({len(dataset)} examples), got {num_shards}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     assignment = record_hashes(dataset, seed) % np.uint64(num_shards)
     return [dataset.subset(np.flatnonzero(assignment == i), f"{dataset.name}/shard{i}") for i in range(num_shards)]
+
+
+def shard_cap(declared_records: int, num_shards: int) -> int:
+    """The most records one shard keeps when the owner declared ``declared_records``: its share
+    plus three standard deviations of a hashed shard's size, so an owner holding what it declared
+    loses almost nothing (a shard of a multinomial split passes it with probability ≈ 0.1%)."""
+    share = declared_records / num_shards
+    return math.ceil(share + 3 * math.sqrt(share))
+
+
+def cap_shard(part: Dataset, cap: int, rng: np.random.Generator) -> Dataset:
+    """``part`` itself, or a uniformly random ``cap`` of its records (in source order).
+
+    Cutting each shard on its own keeps the shard lemma: adding or removing one record changes
+    only its own shard's selection. Cutting the whole data to a fixed size would not (a new
+    record would push out one of another shard: two teachers changed)."""
+    if len(part) <= cap:
+        return part
+    return part.subset(np.sort(rng.choice(len(part), size=cap, replace=False)), part.name)

@@ -3,6 +3,7 @@
 Images are read with Pillow, converted to grayscale or RGB as the source says, and scaled to
 [0, 1]; they must all have the same size (a resize would be a modelling choice to make in the
 config, not here). Files are taken in sorted order so a folder reads the same everywhere.
+A file that is not a readable image makes its row unusable (``RawData.unusable``).
 """
 from __future__ import annotations
 
@@ -28,24 +29,28 @@ def read_image_folder(source: DataSource) -> RawData:
     if not files:
         raise DataFormatError(f"{root}: no images ({', '.join(sorted(SUFFIXES))}) found")
     arrays = [_read(path, source.channels) for path, _ in files]
-    sizes = {a.shape for a in arrays}
-    if len(sizes) > 1:
-        raise DataFormatError(f"{root}: images of different sizes {sorted(sizes)[:3]}; make them one size")
-    x = np.stack(arrays).astype(np.float32) / 255.0
+    unusable = {row: f"{files[row][0].name}: not a readable image" for row, a in enumerate(arrays) if a is None}
+    sizes = {a.shape for a in arrays if a is not None}
+    if len(sizes) != 1:
+        raise DataFormatError(f"{root}: " + ("no readable images" if not sizes else
+                                              f"images of different sizes {sorted(sizes)[:3]}; make them one size"))
+    blank = np.zeros(next(iter(sizes)), dtype=np.uint8)
+    x = np.stack([blank if a is None else a for a in arrays]).astype(np.float32) / 255.0
     labels = np.array([label for _, label in files]) if class_dirs else None
-    return RawData(x.astype(np.float32), labels)
+    return RawData(x.astype(np.float32), labels, unusable)
 
 
 def _images(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
 
 
-def _read(path: Path, channels: int) -> np.ndarray:
+def _read(path: Path, channels: int) -> np.ndarray | None:
+    """The image's pixels, or None when the file is not a readable image."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError) as err:
-        raise DataFormatError(f"{path}: not a readable image ({err})") from None
+    except (UnidentifiedImageError, OSError):
+        return None
     return pixels[None] if channels == 1 else pixels.transpose(2, 0, 1)

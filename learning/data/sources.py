@@ -12,12 +12,23 @@ owner's class set is not published by the ensemble's shape.
 
 The reading happens wherever ``read`` is called: for an owner's data that is inside the
 owner's actors, on the owner's node. Nothing here opens a file at construction.
+
+Two ways to read, because the two kinds of data answer to different rules:
+- ``read``: public data (the pool, the test split). Any unusable row is an error naming it:
+  the driver's own files, nothing private.
+- ``read_private``: an owner's data, on its node. A row with a missing, non-numeric or
+  out-of-range value, or a label outside the run's classes, is dropped there and the run goes
+  on: an error would make the run's course depend on one record, outside any mechanism. What
+  was dropped is returned as a ``RowCheck`` that only the owner sees (``conclave check-data``).
+  Problems of the declared schema (no such file or column, an unreadable format) do not depend
+  on any record and stay errors.
 """
 from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +53,40 @@ FORMATS: dict[str, str] = {
 @dataclass(frozen=True, eq=False)
 class RawData:
     """What a reader found: inputs ``float32 [n, C, H, W]`` (pixels in [0, 1]) or ``[n, d]``,
-    and the label of each row as stored (None: the source has no labels)."""
+    and the label of each row as stored (None: the source has no labels).
+
+    ``unusable``: rows whose inputs cannot be used (a missing, non-numeric, infinite or
+    out-of-range value, an unreadable image), row number → why; their ``x`` rows are zeros."""
 
     x: np.ndarray
     labels: np.ndarray | None
+    unusable: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """What reading one source found wrong, row by row (row numbers from 0, in file order).
+    For an owner's data this stays on the owner's node: only ``conclave check-data`` prints it."""
+
+    source: str
+    rows: int  # rows read
+    problems: dict[int, str]  # row → why it was dropped
+
+    @property
+    def kept(self) -> int:
+        return self.rows - len(self.problems)
+
+    def reasons(self) -> Counter:
+        return Counter(self.problems.values())
+
+    def summary(self, limit: int = 3) -> str:
+        """The problems by reason, with the first rows of each, in one line."""
+        rows_of: dict[str, list[int]] = {}
+        for row, why in sorted(self.problems.items()):
+            rows_of.setdefault(why, []).append(row)
+        parts = [f"{why} (row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:3]))}"
+                 f"{f' and {len(rows) - 3} more' if len(rows) > 3 else ''})" for why, rows in rows_of.items()]
+        return "; ".join(parts[:limit]) + (f"; and {len(parts) - limit} other problems" if len(parts) > limit else "")
 
 
 @dataclass(frozen=True)
@@ -97,20 +138,41 @@ class DataSource:
         if self.path is not None and not Path(self.path).exists():
             raise FileNotFoundError(f"{self.path}: no such file or folder")
         raw = reader(self)
-        if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4) or not len(raw.x):
-            raise DataFormatError(f"{self.describes}: read {raw.x.dtype} {raw.x.shape}; expected a non-empty "
+        if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4):
+            raise DataFormatError(f"{self.describes}: read {raw.x.dtype} {raw.x.shape}; expected a "
                                   "float32 [n, d] table or [n, C, H, W] images")
         if raw.labels is not None and len(raw.labels) != len(raw.x):
             raise DataFormatError(f"{self.describes}: {len(raw.x)} inputs but {len(raw.labels)} labels")
         return raw
 
     def read(self, classes: tuple[str, ...], name: str | None = None) -> Dataset:
-        """The source as a ``Dataset`` whose labels index ``classes`` (all ``UNLABELED`` when it
-        has none); a label outside ``classes`` is an error naming it."""
+        """Public data as a ``Dataset`` whose labels index ``classes`` (all ``UNLABELED`` when it
+        has none). Every row must be usable: an empty source, an unusable value or a label outside
+        ``classes`` is an error naming the rows."""
+        dataset, check = self._read(classes, name)
+        if not check.rows:
+            raise DataFormatError(f"{self.describes}: no records")
+        if check.problems:
+            raise DataFormatError(f"{self.describes}: {check.summary()}")
+        return dataset
+
+    def read_private(self, classes: tuple[str, ...], name: str | None = None) -> tuple[Dataset, RowCheck]:
+        """An owner's data on its node: the usable rows as a ``Dataset``, and what was dropped
+        (see the module docstring: never an error, never shown outside the owner's node)."""
+        return self._read(classes, name)
+
+    def _read(self, classes: tuple[str, ...], name: str | None) -> tuple[Dataset, RowCheck]:
         raw = self.read_raw()
-        y = np.full(len(raw.x), UNLABELED, dtype=np.int64) if raw.labels is None else label_indices(
-            raw.labels, classes, self.describes)
-        return Dataset(raw.x, y, len(classes), name or self.describes)
+        problems = dict(raw.unusable)
+        if raw.labels is None:
+            y = np.full(len(raw.x), UNLABELED, dtype=np.int64)
+        else:
+            y, label_problems = label_indices(raw.labels, classes)
+            problems = {**label_problems, **problems}  # an unusable input is the first thing to fix
+        keep = np.ones(len(raw.x), dtype=bool)
+        keep[list(problems)] = False
+        dataset = Dataset(raw.x[keep], y[keep], len(classes), name or self.describes)
+        return dataset, RowCheck(self.describes, len(raw.x), problems)
 
 
 def label_names(labels: np.ndarray) -> list[str]:
@@ -128,11 +190,22 @@ def class_names(labels: np.ndarray) -> tuple[str, ...]:
         return tuple(names)
 
 
-def label_indices(labels: np.ndarray, classes: tuple[str, ...], where: str) -> np.ndarray:
+def label_indices(labels: np.ndarray, classes: tuple[str, ...]) -> tuple[np.ndarray, dict[int, str]]:
+    """Each label's index in ``classes``, and the rows whose label is missing or not among
+    them (row → why; their index is 0, for the caller to drop)."""
     index = {name: i for i, name in enumerate(classes)}
+    missing = _missing(labels)
     names = label_names(labels)
-    unknown = sorted({n for n in names if n not in index})
-    if unknown:
-        shown = ", ".join(repr(u) for u in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise DataFormatError(f"{where}: label(s) {shown} not among the classes {list(classes)}")
-    return np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
+    problems = {row: "missing label" if missing[row] else f"label {names[row]!r} not among the classes {list(classes)}"
+                for row in range(len(names)) if missing[row] or names[row] not in index}
+    y = np.fromiter((index.get(n, 0) for n in names), dtype=np.int64, count=len(names))
+    return y, problems
+
+
+def _missing(labels: np.ndarray) -> np.ndarray:
+    """Which labels are missing (NaN or None), for labels of any dtype."""
+    if labels.dtype.kind == "f":
+        return np.isnan(labels)
+    if labels.dtype.kind == "O":
+        return np.array([v is None or (isinstance(v, float) and v != v) for v in labels.tolist()], dtype=bool)
+    return np.zeros(len(labels), dtype=bool)

@@ -1,7 +1,8 @@
 """CSV and Parquet tables: one row per record, numeric input columns, an optional label column.
 
-Read with pandas (pyarrow for Parquet); a non-numeric or missing input value is an error
-naming the column, not a silent NaN the model would train on.
+Read with pandas (pyarrow for Parquet). A missing, non-numeric or infinite input value makes
+its row unusable (``RawData.unusable``, naming the column), never a silent NaN the model would
+train on; whether that is an error or a dropped row is the caller's rule (``DataSource.read``).
 """
 from __future__ import annotations
 
@@ -42,17 +43,16 @@ def table_data(frame: pd.DataFrame, source: DataSource) -> RawData:
     if not columns:
         raise DataFormatError(f"{source.path}: no input columns")
     inputs = frame[columns]
-    text = [c for c in columns if not pd.api.types.is_numeric_dtype(inputs[c]) or pd.api.types.is_bool_dtype(inputs[c])]
-    if text:
-        raise DataFormatError(f"{source.path}: input column(s) {text[:5]} are not numeric")
-    x = inputs.to_numpy(dtype=np.float64)
-    bad = ~np.isfinite(x).all(axis=0)
-    if bad.any():
-        raise DataFormatError(f"{source.path}: column(s) {[c for c, b in zip(columns, bad) if b][:5]} "
-                              "have missing or infinite values")
-    labels = None
-    if source.label:
-        labels = frame[source.label].to_numpy()
-        if pd.isna(labels).any():
-            raise DataFormatError(f"{source.path}: label column {source.label!r} has missing values")
-    return RawData(x.astype(np.float32), labels)
+    # A value that is not a number becomes NaN here and makes its row unusable: a column's
+    # dtype must not depend on one record's value.
+    x = inputs.apply(pd.to_numeric, errors="coerce").to_numpy(dtype=np.float64, copy=True)
+    bad = ~np.isfinite(x)
+    absent = inputs.isna().to_numpy()
+    unusable = {}
+    for row in np.flatnonzero(bad.any(axis=1)):
+        col = int(np.argmax(bad[row]))
+        what = "missing" if absent[row, col] else "non-numeric" if np.isnan(x[row, col]) else "infinite"
+        unusable[int(row)] = f"{what} value in column {columns[col]!r}"
+    x[bad.any(axis=1)] = 0.0
+    labels = frame[source.label].to_numpy() if source.label else None
+    return RawData(x.astype(np.float32), labels, unusable)

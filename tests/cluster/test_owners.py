@@ -101,17 +101,85 @@ def _released(ray, resource: str, timeout: float = 20.0) -> bool:
     return ray.available_resources().get(resource) == 1
 
 
-def test_an_owner_whose_data_holds_fewer_records_than_declared_is_refused_on_its_node(ray_session):
-    from actors.owners import OwnerDataError
-    from cluster.pipelines.teacher_student import public_data, teacher_pool
+def _flawed_owner_files(tmp_path):
+    """The three hospitals' files with one flaw each: hospital_a holds one record fewer than it
+    declares, hospital_b has a label outside the classes, hospital_c a missing value."""
+    import pandas as pd
 
-    owners = list(hospitals().owners)
-    owners[0] = dataclasses.replace(owners[0], records=500)
-    config = hospitals(owners=tuple(owners), public=hospitals().public.anchored(str(PROJECT_ROOT)),
-                       test=hospitals().test.anchored(str(PROJECT_ROOT)))
-    with pytest.raises(OwnerDataError, match=r"^owner hospital_a: csv .*records.csv holds fewer records than the "
-                                             r"declared 500$"):
-        teacher_pool(config, public_data(config))
+    flawed = {}
+    for name in ("hospital_a", "hospital_b", "hospital_c"):
+        table = pd.read_csv(DATA / name / "records.csv")
+        if name == "hospital_a":
+            table = table.iloc[1:]
+        elif name == "hospital_b":
+            table["diagnosis"] = table["diagnosis"].astype(object)
+            table.loc[3, "diagnosis"] = "unsure"
+        else:
+            table.loc[7, "mean_radius"] = None
+        flawed[name] = tmp_path / f"{name}.csv"
+        table.to_csv(flawed[name], index=False)
+    return flawed
+
+
+@pytest.mark.slow
+def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
+    """One record fewer than declared, an unknown label, a missing value: the run finishes, with
+    the guarantee the config alone fixes, and nothing it prints or writes names a flaw."""
+    from cluster import cli
+
+    flawed = _flawed_owner_files(tmp_path)
+    raw = load_yaml(HOSPITALS)
+    for owner in raw["owners"]:
+        owner["data"]["path"] = str(flawed[owner["name"]])
+    config_file = tmp_path / "flawed.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(PROJECT_ROOT)
+    assert cli.main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
+    out, err = capsys.readouterr()
+    privacy = json.loads((tmp_path / "results" / "hospitals" / "privacy.json").read_text())
+    _, config = load_run_config(load_yaml(HOSPITALS))
+    assert privacy["guarantee"] == config.privacy.guarantee(config.planned()).as_dict() and privacy["sound"]
+    published = out + err + "".join(f.read_text() for f in (tmp_path / "results" / "hospitals").glob("*.json"))
+    assert not any(word in published for word in ("unsure", "missing", "fewer", "dropped", "usable"))
+
+
+def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, monkeypatch, capsys):
+    from cluster import cli
+
+    flawed = _flawed_owner_files(tmp_path)
+    raw = load_yaml(HOSPITALS)
+    for owner in raw["owners"]:
+        owner["data"]["path"] = str(flawed[owner["name"]])
+    config_file = tmp_path / "flawed.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(PROJECT_ROOT)
+    assert cli.main(["check-data", str(config_file), "--owner", "hospital_b"]) == 1
+    out = capsys.readouterr().out
+    assert "rows read: 100; usable: 99; dropped: 1" in out
+    assert "label 'unsure' not among the classes ['benign', 'malignant'] (row 3)" in out
+    assert cli.main(["check-data", str(config_file), "--owner", "hospital_c"]) == 1
+    assert "missing value in column 'mean_radius' (row 7)" in capsys.readouterr().out
+    assert cli.main(["check-data", str(config_file), "--owner", "hospital_a"]) == 0
+    out = capsys.readouterr().out
+    assert "usable here: 99" in out and "fewer than declared: a run uses what there is" in out
+    assert cli.main(["check-data", str(config_file), "--owner", "hospital_z"]) == 2
+    assert "no owner 'hospital_z' in the config" in capsys.readouterr().err
+
+
+def test_teachers_keep_at_most_their_share_of_the_declared_records(ray_session):
+    """An owner holding five times what it declares: each teacher's shard is cut to the cap on
+    the owner's node; one holding fewer than it declares simply runs with them."""
+    from actors.owners import OwnerSource
+    from learning.data.dataset import shard_cap
+
+    owner = hospitals().owners[0]
+    source = OwnerSource(owner.name, owner.data.anchored(str(PROJECT_ROOT)), 10, ("benign", "malignant"),
+                         records=20)
+    shards = source.load(range(10))
+    assert shard_cap(20, 10) == 7 and max(map(len, shards)) <= 7 and sum(map(len, shards)) < 100
+    plenty = OwnerSource(owner.name, owner.data.anchored(str(PROJECT_ROOT)), 10, ("benign", "malignant"),
+                         records=500)
+    assert sum(map(len, plenty.load(range(10)))) == 100
 
 
 def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, tmp_path):

@@ -412,8 +412,20 @@ def test_adding_or_removing_one_record_changes_exactly_one_shard():
         assert len(changed) == 1 and len(after[changed[0]]) == len(before[changed[0]]) - 1
 
 
-def test_shard_rejects_impossible_counts():
-    with pytest.raises(ValueError, match="num_shards"):
-        shard(indexed_dataset(5), 6, seed=0)
+def test_shard_rejects_impossible_counts_and_leaves_shards_empty_when_records_are_few():
+    parts = shard(indexed_dataset(5), 8, seed=0)  # fewer records than shards depends on the data: no error
+    assert len(parts) == 8 and sum(map(len, parts)) == 5 and any(len(p) == 0 for p in parts)
     with pytest.raises(ValueError, match="num_shards"):
         shard(indexed_dataset(5), 0, seed=0)
+
+
+def test_a_shard_over_its_cap_keeps_a_random_subset_of_its_own_records():
+    from learning.data.dataset import cap_shard, shard_cap
+
+    part = indexed_dataset(50)
+    assert shard_cap(100, 10) == 20  # 10 + 3·√10 = 19.5, rounded up
+    kept = cap_shard(part, 20, np.random.default_rng())
+    ids = kept.x[:, 0, 0, 0]
+    assert len(kept) == 20 and set(ids.tolist()) <= set(part.x[:, 0, 0, 0].tolist())
+    assert np.all(np.diff(ids) > 0)  # source order kept
+    assert cap_shard(part, 50, np.random.default_rng()) is part

@@ -37,16 +37,16 @@ def test_table_errors_name_the_file_and_the_column(tmp_path):
     frame = table()
     frame["note"] = "x"
     frame.to_csv(tmp_path / "t.csv", index=False)
-    with pytest.raises(DataFormatError, match=r"t.csv: input column\(s\) \['note'\] are not numeric"):
+    with pytest.raises(DataFormatError, match=r"t.csv: non-numeric value in column 'note' \(rows 0, 1, 2 and 3 more\)"):
         DataSource("csv", str(tmp_path / "t.csv"), label="kind").read(CLASSES)
     with pytest.raises(DataFormatError, match=r"no column\(s\) \['diagnosis'\]"):
         DataSource("csv", str(tmp_path / "t.csv"), label="diagnosis").read(CLASSES)
-    with pytest.raises(DataFormatError, match=r"label\(s\) 'eel' not among the classes \['cat', 'dog'\]"):
+    with pytest.raises(DataFormatError, match=r"label 'eel' not among the classes \['cat', 'dog'\]"):
         DataSource("csv", str(tmp_path / "t.csv"), label="kind", columns=("age",)).read(("cat", "dog"))
     frame = table()
     frame.loc[2, "weight"] = np.nan
     frame.to_csv(tmp_path / "gap.csv", index=False)
-    with pytest.raises(DataFormatError, match=r"column\(s\) \['weight'\] have missing or infinite values"):
+    with pytest.raises(DataFormatError, match=r"gap.csv: missing value in column 'weight' \(row 2\)"):
         DataSource("csv", str(tmp_path / "gap.csv"), label="kind").read(CLASSES)
     (tmp_path / "not.parquet").write_text("a,b\n1,2\n")
     with pytest.raises(DataFormatError, match="not a readable Parquet file"):
@@ -69,7 +69,7 @@ def test_npz_and_npy_arrays_as_tables_and_as_images(tmp_path):
     with pytest.raises(DataFormatError, match=r"needs arrays \['x', 'labels'\]; it holds \['x', 'y'\]"):
         DataSource("npz", str(tmp_path / "t.npz"), label="labels").read(("0", "1", "2"))
     np.save(tmp_path / "big.npy", np.full((2, 1, 4, 4), 3.0))
-    with pytest.raises(DataFormatError, match=r"float images must be scaled to \[0, 1\]"):
+    with pytest.raises(DataFormatError, match=r"pixel outside \[0, 1\] \(store uint8 images to have them scaled\) \(rows 0, 1\)"):
         DataSource("npy", str(tmp_path / "big.npy")).read(("0",))
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(DataFormatError, match="not a readable .npy array"):  # no pickles: no code from a file
@@ -93,6 +93,7 @@ def test_an_image_folder_reads_one_class_per_subfolder(tmp_path):
     Image.fromarray(rng.integers(0, 256, (9, 9), dtype=np.uint8)).save(tmp_path / "pool" / "b.png")
     with pytest.raises(DataFormatError, match="images of different sizes"):
         DataSource("images", str(tmp_path / "pool")).read(("cat", "dog"))
+    (tmp_path / "pool" / "b.png").unlink()
     (tmp_path / "pool" / "c.png").write_text("not an image")
     with pytest.raises(DataFormatError, match="c.png: not a readable image"):
         DataSource("images", str(tmp_path / "pool")).read(("cat", "dog"))
@@ -110,3 +111,32 @@ def test_class_names_sort_numbers_as_numbers_and_anchoring_touches_no_file(tmp_p
     source = DataSource("npy", "x.npy", label="y.npy").anchored("/owner/data")
     assert (source.path, source.label) == ("/owner/data/x.npy", "/owner/data/y.npy")
     assert DataSource("csv", "/abs/t.csv", label="y").anchored("/else").path == "/abs/t.csv"
+
+
+def test_an_owners_unusable_rows_are_dropped_and_told_only_to_the_caller(tmp_path):
+    """``read_private`` (an owner's node) drops what ``read`` (public data) refuses, and returns
+    what it dropped, row by row, for ``conclave check-data``."""
+    frame = table()
+    frame.loc[1, "weight"] = np.nan
+    frame["age"] = frame["age"].astype(object)
+    frame.loc[2, "age"] = "old"
+    frame.loc[4, "kind"] = "fox"
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    source = DataSource("csv", str(tmp_path / "t.csv"), label="kind")
+    dataset, check = source.read_private(CLASSES)
+    assert len(dataset) == check.kept == 3 and check.rows == 6
+    assert check.problems == {1: "missing value in column 'weight'", 2: "non-numeric value in column 'age'",
+                              4: "label 'fox' not among the classes ['cat', 'dog', 'eel']"}
+    np.testing.assert_allclose(dataset.x[:, 0], frame.loc[[0, 3, 5], "age"].astype(float))
+    with pytest.raises(DataFormatError, match="missing value in column 'weight' \\(row 1\\)"):
+        source.read(CLASSES)
+    frame.iloc[:0].to_csv(tmp_path / "empty.csv", index=False)  # no records at all: a run goes on
+    empty, check = DataSource("csv", str(tmp_path / "empty.csv"), label="kind").read_private(CLASSES)
+    assert len(empty) == 0 and empty.input_shape == (2,) and check.rows == 0
+    with pytest.raises(DataFormatError, match="no records"):
+        DataSource("csv", str(tmp_path / "empty.csv"), label="kind").read(CLASSES)
+    images = np.full((3, 1, 2, 2), 0.5, dtype=np.float32)
+    images[1, 0, 0, 0] = np.inf
+    np.save(tmp_path / "x.npy", images)
+    kept, check = DataSource("npy", str(tmp_path / "x.npy")).read_private(("0",))
+    assert len(kept) == 2 and check.problems == {1: "NaN or infinite value"}

@@ -1,0 +1,91 @@
+"""``conclave check-data CONFIG --owner NAME``: an owner's look at its own data, on its own node.
+
+A run never stops on, or says anything about, an owner's records: that would make its course
+depend on one record outside any mechanism. So an owner's node drops unusable rows (a missing,
+non-numeric or out-of-range value, a label outside the run's classes) without a word, runs with
+fewer records than declared, and cuts its teachers' shards down when it holds more
+(``actors.owners.OwnerSource``). This command shows the owner what a run would do with its file.
+
+It reads that owner's file in this process and prints to this terminal only: run it on the
+owner's machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
+every row is usable, 1 when rows would be dropped, 2 when the file or the config cannot be read.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+from cluster.config import ConfigError, load_yaml
+from learning.data.dataset import DataFormatError, shard_cap
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("config", help="the run's YAML config (its owners section names the file)")
+    parser.add_argument("--owner", required=True, help="the owner whose data to check (yours)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from cluster.run_command import load_run_config
+
+    try:
+        pipeline, config = load_run_config(load_yaml(args.config))
+        owner = _owner(config, args.owner)
+        classes = _classes(config)
+        source = owner.data.anchored(os.getcwd())
+        dataset, check = source.read_private(classes, owner.name)
+    except (ConfigError, OSError, DataFormatError) as err:
+        print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"owner {owner.name}: {source.describes}")
+    print(f"  rows read: {check.rows}; usable: {check.kept}; dropped: {len(check.problems)}")
+    for line in check.summary(limit=20).split("; ") if check.problems else ():
+        print(f"    {line}")
+    if not dataset.unlabeled and len(dataset):
+        counts = Counter(dataset.y.tolist())
+        print("  labels: " + ", ".join(f"{name} {counts.get(i, 0)}" for i, name in enumerate(classes)))
+    for line in _against_declared(owner, check.kept):
+        print(f"  {line}")
+    return 1 if check.problems else 0
+
+
+def _owner(config, name: str):
+    owners = getattr(config, "owners", ())
+    for owner in owners:
+        if owner.name == name:
+            return owner
+    known = ", ".join(o.name for o in owners) or "none: this config has no owners section"
+    raise ConfigError(f"no owner {name!r} in the config (owners: {known})")
+
+
+def _classes(config) -> tuple[str, ...]:
+    """The run's class list: the config's, or the public test data's labels, as a run takes it."""
+    from learning.data.sources import class_names
+
+    if getattr(config, "classes", None):
+        return tuple(config.classes)
+    test = config.test.anchored(os.getcwd())
+    try:
+        return class_names(test.read_raw().labels)
+    except OSError as err:
+        raise ConfigError(f"the class list comes from the test data, which cannot be read here ({err}); "
+                          "declare classes in the config") from None
+
+
+def _against_declared(owner, usable: int) -> list[str]:
+    """What a run does with the usable records, given what the owner declared."""
+    declared = owner.records
+    if declared is None:
+        return ["records: none declared (a run uses every usable record)"]
+    lines = [f"records declared: {declared} (a public upper bound); usable here: {usable}"]
+    teachers = getattr(owner, "teachers", None)
+    if usable < declared:
+        lines.append("fewer than declared: a run uses what there is (nothing about it leaves this node)")
+    elif teachers is not None:
+        lines.append(f"each of the {teachers} teachers keeps at most {shard_cap(declared, teachers)} records of "
+                     "its shard, chosen at random here when it holds more")
+    if teachers is None:
+        lines.append("DP-SGD samples every usable record at the rate of the declared size: holding more "
+                     "makes batches larger on average, the guarantee is the same")
+    return lines
