@@ -57,6 +57,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         pipeline, config = load_run_config(load_yaml(args.config))
         if pipeline != "teacher_student":
             raise ConfigError(f"config.pipeline: conclave serve needs a teacher_student config, got {pipeline!r}")
+        config.privacy.require_os_entropy("serving")
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
@@ -67,10 +68,6 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
     from cluster.ray_runtime import record_ray_processes
 
-    if config.privacy.insecure_noise_seed is not None:
-        print("conclave: privacy.insecure_noise_seed: serving draws noise from OS entropy only; remove the seed",
-              file=sys.stderr)
-        return 2
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     try:
         settings = server_settings(config, token, host=args.host, port=args.port, tls_cert=args.tls_cert,

@@ -3,11 +3,13 @@ tuning, and a plot of accuracy against ε per configuration.
 
 Files in ``results/<sweep>/``: ``trials.csv`` (one row per trial), ``sweep.json`` (the
 trials with their accuracy-vs-ε history, the best trial, the sweep's privacy cost and the
-theorem behind it) and ``accuracy_vs_epsilon.png``.
+theorem behind it) and ``accuracy_vs_epsilon.png``. A random-repetition sweep writes its
+winner alone, named ``WINNER`` instead of its Ray trial id (which carries its index).
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,6 +22,11 @@ from privacy.accounting.tuning_cost import SweepCost
 from tuning import spaces
 
 log = logging.getLogger(__name__)
+
+# The published name of a random-repetition sweep's winner. A constant carries nothing about
+# the trials by construction (a token drawn from OS entropy would too, but names nothing more:
+# one winner per sweep, and the sweep has its name).
+WINNER = "winner"
 
 
 @dataclass
@@ -72,6 +79,13 @@ def best_row(rows: list[TrialRow]) -> TrialRow | None:
     return max(finite, key=lambda r: r.accuracy) if finite else None
 
 
+def published_winner(rows: list[TrialRow]) -> list[TrialRow]:
+    """What a random-repetition sweep may publish of its trials: the best one alone (none if
+    every trial failed), renamed ``WINNER`` — its Ray trial id ends in its index."""
+    best = best_row(rows)
+    return [] if best is None else [dataclasses.replace(best, trial_id=WINNER)]
+
+
 def _fmt(value: Any, digits: int = 6) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}g}"
@@ -85,17 +99,17 @@ def _label(values: dict[str, Any]) -> str:
 
 
 def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cost: SweepCost,
-          details: dict[str, Any], hide_count: bool = False) -> dict[str, Any]:
+          details: dict[str, Any], hidden: bool = False) -> dict[str, Any]:
     """Write trials.csv, sweep.json and the plot; return the summary (best trial and cost).
 
-    ``hide_count``: the rows are the published winner only and the number of trials stays
-    secret (random repetition), so no count is written."""
+    ``hidden``: the rows are the published winner only (``published_winner``) and the number
+    of trials stays secret (random repetition), so no count is written."""
     best = best_row(rows)
     summary: dict[str, Any] = {
         "name": name,
         "kind": kind,
-        "trials": None if hide_count else len(rows),
-        "failed": None if hide_count else sum(r.status == "error" for r in rows),
+        "trials": None if hidden else len(rows),
+        "failed": None if hidden else sum(r.status == "error" for r in rows),
         "tuning_cost": {"method": cost.method, "free": cost.free, "epsilon": cost.epsilon, "delta": cost.delta,
                         "order": cost.order, "statement": cost.statement},
         **details,
@@ -164,7 +178,8 @@ def _plot(path: Path, name: str, rows: list[TrialRow], best: TrialRow | None, co
     ax.set_ylabel("test accuracy")
     ax.set_title(name)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # nothing to label when every trial failed
+        ax.legend(fontsize=6, loc="lower right")
     if by_labels:
         axes[0][1].set_xlabel("labels bought (N_labeled)")
         axes[0][1].set_ylabel("test accuracy")

@@ -5,21 +5,30 @@ Checks made before anything runs (each a ``ConfigError`` naming the problem):
 * the base config with one point of the space is a valid run config of the kind's pipeline;
 * keys a kind prepares once (the public model, the fixed DP checkpoint) are not swept;
 * ASHA only for kinds whose trials report every epoch;
+* noise from OS entropy: a base config with ``privacy.insecure_noise_seed`` is refused, as
+  ``conclave serve`` refuses it (the seed would fix every trial's noise and, with random
+  repetition, the number of trials);
 * random repetition (Papernot & Steinke 2022, Thm 2) only with random search (no grid, no
   ASHA: trials must be independent runs of one algorithm) and with no privacy setting swept.
 
 Random repetition also needs the number of trials K to stay secret and every trial to be an
 independent run: K and the search's random state are drawn from the run's noise source (OS
-entropy), K is neither logged nor written, Tune's own trial folders live in a temporary
-directory removed after the sweep, every trial draws fresh DP noise, and only the winner is
-published (its row, its plot). Theorem 2 covers exactly that release.
+entropy), every trial draws fresh DP noise, and only the winner is published — its row and
+its plot, under the opaque name ``report.WINNER``. Nothing written or printed says how many
+trials ran or which one won: Tune's console output is discarded, its storage lives in a
+temporary directory removed after the sweep, and every file of the results folder gets one
+modification time (the sweep's duration tracks K). Theorem 2 covers exactly that release.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import os
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,8 @@ from tuning.config import TuneConfig
 from tuning.trainables import KINDS, TRIAL_MEMORY_BYTES, charge_from_fields, prepare, run_trial, trial_config
 
 log = logging.getLogger(__name__)
+
+_SEED_KEY = "privacy.insecure_noise_seed"
 
 
 def check(config: TuneConfig) -> Any:
@@ -44,6 +55,12 @@ def check(config: TuneConfig) -> Any:
     except ConfigError as err:
         raise ConfigError(f"base + space: {err}") from err
     swept = spaces.swept_keys(config.space)
+    if _SEED_KEY in swept:
+        raise ConfigError(f"space: {_SEED_KEY} cannot be swept: tuning draws noise from OS entropy only")
+    try:
+        preview.privacy.require_os_entropy("tuning")
+    except ConfigError as err:
+        raise ConfigError(f"base.{err}") from None
     fixed = [k for k in swept if k.startswith(kind.fixed_keys)] if kind.fixed_keys else []
     if fixed:
         raise ConfigError(f"space: {fixed} are prepared once for the whole {config.kind} sweep and cannot be swept")
@@ -112,14 +129,25 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     start_ray(address)
     results = RunDirectory(results_root, config.name)
     prepared = prepare(config.kind, preview, results)
+    before_trials = time.time()
     num_samples, distribution, search_state = number_of_trials(config, preview)
-    hidden = distribution is not None  # K must not leave: no progress table, no trial folders kept
+    hidden = distribution is not None  # K, and which trial won, must not leave
     with tempfile.TemporaryDirectory(prefix="conclave-tune-") as scratch:
         storage = Path(scratch) if hidden else results.path / "ray"
-        grid = _fit(config, kind, preview, prepared, num_samples, search_state, storage, 0 if hidden else verbose)
+        with _console_discarded() if hidden else contextlib.nullcontext():
+            grid = _fit(config, kind, preview, prepared, num_samples, search_state, storage,
+                        0 if hidden else verbose)
         rows, finals = report.collect(grid, config.space)
     details: dict[str, Any] = {"delta": delta, "scheduler": config.scheduler.name}
-    if not hidden:
+    if hidden:
+        # Theorem 2 covers publishing the winner's own output (its values, accuracy and reports:
+        # fifo runs every trial to its end, so even how many reports it made is its own) — not
+        # the other trials, their number or the winner's place among them.
+        rows = report.published_winner(rows)
+        details["repetitions"] = {"eta": distribution.eta, "gamma": distribution.gamma,
+                                  "expected_trials": distribution.expected_trials(),
+                                  "published": "the winner only; the number of trials is not published"}
+    else:
         details["num_samples"] = num_samples
     if kind.free:
         cost = sweep_cost("free", delta, release_charge=prepared["charge"])
@@ -136,17 +164,38 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
                 "a trial failed before reporting its charge", orders=DEFAULT_ORDERS)])
         elif hidden:
             cost = sweep_cost("random-repetition", delta, charges, distribution=distribution)
-            # Theorem 2 covers publishing the winner only: the other trials, and their number, stay here.
-            winner = report.best_row(rows)
-            rows = [winner] if winner is not None else []
-            details["repetitions"] = {"eta": distribution.eta, "gamma": distribution.gamma,
-                                      "expected_trials": distribution.expected_trials(),
-                                      "published": "the winner only; the number of trials is not published"}
         else:
             cost = sweep_cost("composition", delta, charges)
-    summary = report.write(results, config.name, config.kind, rows, cost, details, hide_count=hidden)
+    summary = report.write(results, config.name, config.kind, rows, cost, details, hidden=hidden)
+    if hidden:
+        _one_modification_time(results.path, before_trials)
     summary["path"] = str(results.path)
     return summary
+
+
+@contextlib.contextmanager
+def _console_discarded() -> Iterator[None]:
+    """Drop everything Ray and Tune print while a random-repetition sweep runs: Tune prints the
+    number of trials even at verbose=0 (Ray 2.60), its errors name trials by index, and a
+    joined cluster forwards each trial's output. Prints and the log forwarder go to whatever
+    ``sys.stdout``/``sys.stderr`` are at the time; Ray's log handler keeps the stream it was
+    made with, so it is pointed at the sink too."""
+    handlers = [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)]
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        streams = [h.setStream(sink) for h in handlers]
+        try:
+            yield
+        finally:
+            for handler, stream in zip(handlers, streams):
+                if stream is not None:
+                    handler.setStream(stream)
+
+
+def _one_modification_time(folder: Path, when: float) -> None:
+    """Give ``folder`` and everything in it the time ``when`` (taken before the trials):
+    the gap between files written before and after the trials would tell how many ran."""
+    for path in [*folder.rglob("*"), folder]:
+        os.utime(path, (when, when))
 
 
 def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int, search_state: int,

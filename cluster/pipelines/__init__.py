@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from cluster.config import ConfigError
 from cluster.results import RunDirectory
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.filter import RenyiFilter, filter_for
@@ -68,6 +69,12 @@ class PrivacyConfig:
     @property
     def noise(self) -> NoisePolicy:
         return NoisePolicy(insecure_seed=self.insecure_noise_seed)
+
+    def require_os_entropy(self, use: str) -> None:
+        """Refuse reproducible noise for a ``use`` whose output cannot carry ``sound: false``
+        (a served answer; a sweep's winner, whose number of trials the seed would fix)."""
+        if self.insecure_noise_seed is not None:
+            raise ConfigError(f"privacy.insecure_noise_seed: {use} draws noise from OS entropy only; remove the seed")
 
     def budget_filter(self, planned: PrivacyCharge) -> RenyiFilter | None:
         """The filter this run declares for its planned worst-case work (None without a budget)."""

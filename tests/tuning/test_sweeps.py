@@ -4,24 +4,29 @@ is checked against its formula from the trials' own DP-SGD schedules."""
 from __future__ import annotations
 
 import csv
+import io
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from cluster.config import ConfigError, from_dict, load_yaml
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sampled_gaussian_rdp
 from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, random_repetition_rdp
+from tuning import report, sweep as sweep_module
 from tuning.config import TuneConfig
 from tuning.sweep import check, run_sweep, summary_lines
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _config(name: str, **changes) -> TuneConfig:
-    """A shipped configs/tune-digits-*.yaml, shrunk for the test by dotted-key changes."""
+def _raw(name: str, **changes) -> dict:
+    """A shipped configs/tune-digits-*.yaml, shrunk for the test by slash-separated key changes."""
     raw = load_yaml(CONFIGS / name)
     for dotted, value in changes.items():
         node = raw
@@ -29,7 +34,11 @@ def _config(name: str, **changes) -> TuneConfig:
         for part in parents:
             node = node[part]
         node[leaf] = value
-    return from_dict(TuneConfig, raw)
+    return raw
+
+
+def _config(name: str, **changes) -> TuneConfig:
+    return from_dict(TuneConfig, _raw(name, **changes))
 
 
 def _read(summary: dict) -> tuple[dict, list[dict]]:
@@ -60,6 +69,9 @@ def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
     sweep, rows = _read(summary)
     assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     assert {r["finetune.variants"] for r in rows} == {"classifier", "all"}
+    # composition covers publishing every trial: Tune's own ids and folders stay
+    assert sweep["trials"] == 2 and sweep["best"]["trial_id"] in {r["trial_id"] for r in rows}
+    assert report.WINNER not in {r["trial_id"] for r in rows} and (Path(summary["path"]) / "ray").is_dir()
     best = sweep["best"]
     assert best["accuracy"] == pytest.approx(max(float(r["accuracy"]) for r in rows), abs=1e-4)
     assert best["accuracy"] > 0.3  # 5 classes: chance is 0.2
@@ -74,22 +86,54 @@ def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
     assert any("including the tuning" in line for line in summary_lines(summary))
 
 
-def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_session, tmp_path, caplog):
+def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_session, tmp_path, caplog, capfd,
+                                                                      monkeypatch):
     config = _config("tune-digits-sparsity.yaml", **{
         "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "scheduler": {"name": "fifo"},
         "cost": {"method": "random-repetition", "eta": 1.0, "gamma": 0.5}, "seed": 3,
         "space": {"finetune.fraction": {"uniform": [0.01, 0.2]}},
     })
+    # K = 3 (drawn otherwise as the sweep draws it), so the winner has a place among others to hide;
+    # the spy keeps the Ray trial ids, which must then appear nowhere.
+    draw = sweep_module.number_of_trials
+    monkeypatch.setattr(sweep_module, "number_of_trials", lambda c, p: (3, *draw(c, p)[1:]))
+    ray_ids: list[str] = []
+    collect = report.collect
+
+    def spy(grid, space):
+        rows, finals = collect(grid, space)
+        ray_ids.extend(r.trial_id for r in rows)
+        return rows, finals
+
+    monkeypatch.setattr(report, "collect", spy)
     caplog.set_level("DEBUG")
-    summary = run_sweep(config, tmp_path, verbose=0)
+    summary = run_sweep(config, tmp_path, verbose=1)  # asks for Tune's table: a hidden sweep prints none
+    console = capfd.readouterr()
     sweep, rows = _read(summary)
-    # Only the winner is published, and the number of trials K appears in no output:
-    # not in the table, not in sweep.json, not in the summary, not as Tune's trial folders.
-    assert len(rows) == 1 and sweep["best"]["trial_id"] == rows[0]["trial_id"]
-    assert sweep["trials"] is None and sweep["failed"] is None and "num_samples" not in sweep
+    assert len(ray_ids) == 3 and all(re.search(r"_0000[0-2]$", i) for i in ray_ids)
+    # Only the winner is published, under an opaque name, and nothing says how many trials ran
+    # or which one won: not the table, sweep.json, the plot, the summary, the console or the
+    # log, not Tune's trial folders, not the files' modification times.
+    assert len(rows) == 1 and rows[0]["trial_id"] == sweep["best"]["trial_id"] == report.WINNER
+    assert set(sweep) == {"name", "kind", "trials", "failed", "tuning_cost", "delta", "scheduler", "repetitions",
+                          "best", "rows"}
+    assert sweep["trials"] is None and sweep["failed"] is None
     assert set(sweep["repetitions"]) == {"eta", "gamma", "expected_trials", "published"}
-    assert not (Path(summary["path"]) / "ray").exists()
-    assert "only the winner published" in summary_lines(summary)[0]
+    (winner,) = sweep["rows"]
+    assert set(winner["extra"]) == {"epoch", "trained_fraction", "noise_multiplier"}  # what the trial reported
+    assert winner["reports"] == len(winner["history"]) == 1  # its own epochs (fifo: every trial runs to the end)
+    path = Path(summary["path"])
+    assert not (path / "ray").exists()
+    files = [p for p in path.rglob("*") if p.is_file()]
+    assert len({p.stat().st_mtime for p in [path, *path.rglob("*")]}) == 1
+    lines = summary_lines(summary)
+    assert "only the winner published" in lines[0] and f"best: {report.WINNER} (" in lines[1]
+    texts = [*lines, console.out, console.err, *(r.getMessage() for r in caplog.records),
+             *(p.read_text() for p in files if p.suffix in (".json", ".csv"))]
+    assert not any(re.search(r"_\d{5}\b|Number of trials", text) for text in texts)
+    everything = [*texts, *(str(p.relative_to(path)) for p in files),
+                  *(p.read_bytes().decode("latin-1") for p in files)]
+    assert not any(i in text for i in ray_ids for text in everything)
     assert not any("K =" in record.getMessage() or "trials drawn" in record.getMessage() for record in caplog.records)
     trial = _sparse_trial_rdp(float(rows[0]["noise_multiplier"]), _digits_5_to_9_train_size(), 128, 1)
     bound = random_repetition_rdp(DEFAULT_ORDERS, trial, TruncatedNegativeBinomial(1.0, 0.5))
@@ -179,6 +223,59 @@ def test_teacher_sweeps_refuse_what_their_trials_cannot_do(changes, message):
 def test_sparsity_sweeps_refuse_unsound_random_repetition_and_swept_fixed_keys(changes, message):
     with pytest.raises(ConfigError, match=message):
         check(_config("tune-digits-sparsity.yaml", **changes))
+
+
+def test_hidden_sweeps_discard_what_ray_prints_and_restore_its_log_handler(ray_session, capfd):
+    # Ray's handlers keep the stderr they were made with: watch them through a buffer of ours.
+    handlers = [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)]
+    watched = io.StringIO()
+    originals = [h.setStream(watched) for h in handlers]
+    try:
+        with sweep_module._console_discarded():
+            print("Number of trials 3")
+            logging.getLogger("ray.tune.tune").error("Trials did not complete: [run_trial_abcde_00002]")
+        logging.getLogger("ray.tune.tune").warning("after the sweep")
+    finally:
+        for handler, original in zip(handlers, originals):
+            handler.setStream(original)
+    console = capfd.readouterr()
+    assert "Number of trials" not in console.out + console.err
+    assert "after the sweep" in watched.getvalue() and "_00002" not in watched.getvalue()
+
+
+SEEDED = {"budget": None, "delta": 1e-5, "insecure_noise_seed": 3}
+RANDOM_REPETITION = {"scheduler": {"name": "fifo"}, "cost": {"method": "random-repetition"},
+                     "space": {"finetune.fraction": {"uniform": [0.01, 0.2]}}}
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("tune-digits-sparsity.yaml", {**RANDOM_REPETITION, "base/privacy": SEEDED},
+     r"^base\.privacy\.insecure_noise_seed: tuning draws noise from OS entropy only; remove the seed$"),
+    ("tune-digits-sparsity.yaml", {"base/privacy": SEEDED}, "base.privacy.insecure_noise_seed"),
+    ("tune-digits-teachers.yaml", {"base/privacy": SEEDED}, "base.privacy.insecure_noise_seed"),
+    ("tune-digits-diverse.yaml", {"space/privacy.insecure_noise_seed": {"choice": [None, 3]}},
+     "space: privacy.insecure_noise_seed cannot be swept"),
+])
+def test_sweeps_refuse_reproducible_noise(name, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        check(_config(name, **changes))
+
+
+def test_conclave_tune_refuses_a_seeded_sweep_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import cluster.ray_runtime
+    from cluster.cli import main
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a refused sweep")
+
+    monkeypatch.setattr(cluster.ray_runtime, "start_ray", no_ray)
+    seeded = tmp_path / "seeded.yaml"
+    raw = _raw("tune-digits-sparsity.yaml", **{**RANDOM_REPETITION, "base/privacy": SEEDED})
+    seeded.write_text(yaml.safe_dump(raw))
+    assert main(["tune", str(seeded), "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("conclave: base.privacy.insecure_noise_seed: ")
+    assert not (tmp_path / "tune-digits-sparsity").exists()
 
 
 def test_diverse_public_sweeps_refuse_sweeping_what_the_checkpoint_was_trained_with():
