@@ -9,8 +9,8 @@ A second run reuses those checkpoints on a polluted public pool (+20% out-of-dom
 inverted digits, uniform noise, random strokes) and reports the share of out-of-domain picks.
 
 Writes results/bench/active_learning_mnist.json after each run (an interrupted benchmark keeps
-what it measured; "quick" and "full" figures sit side by side in it) and the run folders under
-results/bench/active_learning_mnist/.
+what it measured; "quick" and "full" figures sit side by side in it; ``sound`` at the top is
+false when any run's, of either, is) and the run folders under results/bench/active_learning_mnist/.
 
     python bench/active_learning_mnist.py            # configs/mnist-active.yaml as shipped
     python bench/active_learning_mnist.py --quick    # smaller private set, fewer epochs and budgets
@@ -38,6 +38,8 @@ from cluster.pipelines import RunContext  # noqa: E402
 from cluster.pipelines.active_learning import Config, run  # noqa: E402
 from cluster.results import RunDirectory  # noqa: E402
 from cluster.run_command import load_run_config  # noqa: E402
+
+from bench.soundness import run_reasons, soundness  # noqa: E402
 
 log = logging.getLogger("bench.active_learning_mnist")
 
@@ -101,6 +103,9 @@ def main() -> int:
     everything.update({"seed_reference": SEED_REFERENCE, mode: report})
 
     def save() -> None:
+        runs = {f"{kind}/{name}": run for kind in ("full", "quick") if kind in everything
+                for name, run in everything[kind]["runs"].items()}
+        everything.update(soundness(run_reasons(runs)))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(everything, indent=2, sort_keys=True, default=str) + "\n")
 
@@ -120,7 +125,8 @@ def main() -> int:
             "dp_checkpoints": [{k: c[k] for k in ("epoch", "epsilon", "test_accuracy")} for c in metrics["checkpoints"]],
             "public_pool": metrics["public_pool"], "out_of_domain": metrics["out_of_domain"],
             "table": table(metrics), "near_private": privacy.get("near_private"),
-            "guarantee": privacy["guarantee"], "sound": privacy["sound"], "spent": privacy["spent"]}
+            "guarantee": privacy["guarantee"], "sound": privacy["sound"],
+            "unsound_reasons": privacy["unsound_reasons"], "spent": privacy["spent"]}
         save()
 
     report["finished"] = True

@@ -24,6 +24,9 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          process at its best thread count (``speedup``)
   gpu                    whether a GPU was available for these figures
 
+No ε of any data is published: the aggregator answers fixed votes against a declared budget,
+its noise from OS entropy (``SECURE``, whose soundness the file's ``sound`` reports).
+
     python bench/perf.py            # the whole set (about 12 to 16 minutes on 2 cores)
     python bench/perf.py --quick    # fewer repetitions and smaller sizes
 """
@@ -55,6 +58,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from learning.grad_sample_modes import PROBED as DPSGD_MODES  # noqa: E402  Opacus's ways to clip per example
+from privacy.noise import SECURE  # noqa: E402
+
+from bench.soundness import soundness  # noqa: E402
 
 log = logging.getLogger("bench.perf")
 
@@ -323,7 +329,7 @@ def bench_aggregator(calls: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         mechanism = build_mechanism("gnmax", sigma=40.0)
         ledger = PrivacyLedger(Path(folder) / "ledger.sqlite", 1e-5, budget)
-        server = AggregatorServer(FixedVotes(), mechanism, ledger, (1, 8, 8), ServerSettings())
+        server = AggregatorServer(FixedVotes(), mechanism, ledger, (1, 8, 8), ServerSettings(), noise=SECURE)
         address = server.start()
         client = AggregatorClient(address)
         cursor = iter(range(len(inputs)))
@@ -434,7 +440,8 @@ def main() -> int:
         "aggregator": lambda: bench_aggregator(200 if args.quick else 2000),
         "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
     }
-    results: dict = {"benchmark": "perf", "quick": args.quick, "thread_settings": thread_settings(),
+    results: dict = {"benchmark": "perf", **soundness([SECURE.unsound_reason]), "quick": args.quick,
+                     "thread_settings": thread_settings(),
                      "gpu": {"available": torch.cuda.is_available(),
                              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
     for name, run in sections.items():

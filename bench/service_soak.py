@@ -17,7 +17,8 @@ declared budget that runs out part-way, and meanwhile:
 It writes results/bench/service_soak.json: requests and status codes, answers that changed
 for a repeated input (must be 0), max realised ε against the declared budget, ledger charges
 against distinct inputs answered, recovery times, p50/p99 latency of answered calls, Ray
-processes left by killed runs (and stopped by the next start), and the ledger's integrity.
+processes left by killed runs (and stopped by the next start), the ledger's integrity, and
+``sound`` as the server reports its guarantee.
 
     python bench/service_soak.py [--quick]
 """
@@ -58,6 +59,8 @@ from actors.labeller import input_keys  # noqa: E402
 from cluster.client import AggregatorClient, is_budget_refusal  # noqa: E402
 from learning.data import load_digits  # noqa: E402
 from protos import aggregator_pb2, aggregator_pb2_grpc  # noqa: E402
+
+from bench.soundness import soundness  # noqa: E402
 
 log = logging.getLogger("bench.service_soak")
 
@@ -415,7 +418,10 @@ def main() -> int:
     left_at_end = reclaim_orphaned_ray()
     latencies = np.array(tally.latencies) * 1000
     out = {
-        "benchmark": "service_soak", "quick": args.quick, "thread_settings": thread_settings(), "plan": plan.__dict__ | {"kills_at": list(plan.kills_at)},
+        "benchmark": "service_soak",
+        **soundness(list(final["guarantee"]["unsound_reasons"])
+                    or [None if final["sound"] else "the server reports sound: false, without a reason"]),
+        "quick": args.quick, "thread_settings": thread_settings(), "plan": plan.__dict__ | {"kills_at": list(plan.kills_at)},
         "config": CONFIG,
         "seconds": time.monotonic() - began,
         "label_calls": {"total": sum(tally.codes.values()), "planned": total, "by_final_status": dict(tally.codes),

@@ -13,7 +13,8 @@ ensemble. It also measures
 Writes results/bench/teacher_student_mnist.json (after every stage, so an interrupted run
 keeps what it measured) and each run's folder under results/bench/teacher_student_mnist/.
 Every ε it records is the run's guarantee; data-dependent figures sit beside it under
-``estimates``. The noiseless plurality's accuracy on the students' queries ("clean votes",
+``estimates``; ``sound`` at the top is false when any run's is (NZC as published has no
+finite ε). The noiseless plurality's accuracy on the students' queries ("clean votes",
 computed from the private votes without a mechanism) and the individual teachers' accuracy
 go only to results/bench/teacher_student_mnist.nonprivate-diagnostics.json, a file for the
 operator.
@@ -50,6 +51,8 @@ from cluster.pipelines.teacher_student import (  # noqa: E402
 from cluster.pipelines import RunOutcome  # noqa: E402
 from cluster.results import RunDirectory  # noqa: E402
 from cluster.run_command import load_run_config  # noqa: E402
+
+from bench.soundness import run_reasons, soundness  # noqa: E402
 
 log = logging.getLogger("bench.teacher_student_mnist")
 
@@ -115,6 +118,7 @@ def run_summary(name: str, config: Config, outcome: RunOutcome) -> dict:
         "budget_exhausted": metrics["budget_exhausted"],
         "guarantee": {"epsilon": guarantee["epsilon"], "delta": guarantee["delta"], "basis": guarantee["basis"]},
         "sound": privacy["sound"],
+        "unsound_reasons": privacy["unsound_reasons"],
         "estimates": {e["name"]: e["epsilon"] for e in privacy["estimates"]},  # not guarantees
         "epsilon_spent": privacy["spent"]["epsilon"],  # realised: a function of the answers, not a bound
         # with self-training, also the supervised model's accuracy and how many pseudo-labels
@@ -264,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     diagnostics: dict = json.loads(diagnostics_file.read_text()) if args.merge and diagnostics_file.is_file() else {}
 
     def save() -> None:
+        out.update(soundness(run_reasons(out["runs"])))
         bench_dir.write_json("teacher_student_mnist", out)
         bench_dir.write_json("teacher_student_mnist.nonprivate-diagnostics", {
             "warning": "NON-PRIVATE DIAGNOSTICS: computed from the teachers' votes without a DP mechanism, "
                        "on public benchmark data, for the operator; never part of a published result",
-            **diagnostics})
+            **diagnostics,
+            **soundness(["computed from the teachers' votes without a DP mechanism"])})
 
     wanted = [] if args.speedup_only else (args.only or [n for n in CONFIGS if not (args.no_five and n == "mnist-nzc-5teachers")])
     configs = {name: load_config(name, args.mnist, args.quick) for name in wanted}

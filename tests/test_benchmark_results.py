@@ -8,8 +8,21 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 
+def test_every_benchmark_result_says_whether_it_is_sound_and_why_not():
+    files = sorted(RESULTS.glob("*.json"))
+    assert {"active_learning_mnist", "perf", "service_soak", "sparse_finetune", "stability_ensemble_size",
+            "teacher_student_mnist"} <= {f.stem for f in files}
+    for file in files:
+        result = json.loads(file.read_text())
+        reasons = result["unsound_reasons"]
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), file.name
+        assert result["sound"] is (not reasons), file.name
+
+
 def test_every_teacher_student_run_publishes_its_guarantee_and_keeps_estimates_apart():
-    runs = json.loads((RESULTS / "teacher_student_mnist.json").read_text())["runs"]
+    result = json.loads((RESULTS / "teacher_student_mnist.json").read_text())
+    runs = result["runs"]
+    assert result["sound"] == all(run["sound"] for run in runs.values())  # NZC's runs have no finite ε
     assert {"mnist-gnmax-scatternet", "mnist-gnmax", "mnist-nzc"} <= set(runs)
     for name, run in runs.items():
         guarantee = run["guarantee"]
@@ -36,3 +49,16 @@ def test_the_perf_benchmark_records_every_ratio_as_min_and_median():
     assert perf["teacher_inference"]["identical_votes"] is True
     assert perf["aggregator"]["p99_ms"] > 0 and "torch_threads" in perf["thread_settings"]
     assert perf["aggregator"]["budget_epsilon"] < float("inf") and perf["aggregator"]["thread_handoff_ms"]["p99"] > 0
+
+
+def test_the_sparse_benchmark_publishes_no_private_statistic_and_composes_its_runs():
+    result = json.loads((RESULTS / "sparse_finetune.json").read_text())
+    runs = result["runs"]
+    assert result["sound"] and result["complete"] and len(runs) == 14
+    for run in runs:  # of the private fine-tunings, only the DP model's test accuracy
+        assert not {"losses", "seconds", "cpu_seconds"} & set(run), run["variant"]
+        assert 0 < run["epsilon"] <= run["target_epsilon"], run["variant"]
+    assert "public" in result["noise_to_gradient_ratio_at_epsilon_1"]["measured_on"]
+    guarantee = result["guarantee_all_runs"]  # every run trained on the same private set
+    assert guarantee["basis"] == "worst-case" and guarantee["sound"]
+    assert max(r["epsilon"] for r in runs) < guarantee["epsilon"] <= sum(r["epsilon"] for r in runs)

@@ -1,0 +1,25 @@
+"""The ``sound`` field at the top of every results/bench/*.json.
+
+``sound`` is true exactly when no reason against it is known: every ε the file states is a
+theorem for every pair of neighbouring datasets (finite, its noise from OS entropy), and no
+figure in the file is computed from data in the private role without a mechanism.
+``unsound_reasons`` says why not, one sentence each.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def soundness(reasons: Iterable[str | None]) -> dict[str, Any]:
+    """``{"sound": ..., "unsound_reasons": [...]}``; ``None`` stands for no reason (e.g. a
+    ``NoisePolicy``'s ``unsound_reason`` under OS entropy) and repeats count once."""
+    kept = list(dict.fromkeys(reason for reason in reasons if reason))
+    return {"sound": not kept, "unsound_reasons": kept}
+
+
+def run_reasons(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The reasons of every run whose ``sound`` is false, each prefixed with the run's name."""
+    return [f"{name}: {reason}" for name, run in runs.items() if not run["sound"]
+            # a run merged from a file written before runs listed their reasons
+            for reason in run.get("unsound_reasons") or ["its report says sound: false"]]
