@@ -158,7 +158,8 @@ def noise_to_gradient_ratio(
     masks: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, dict[str, float]]:
     """The paper's Fig. 3: per parameter and per group, the norm of the DP-SGD noise over the
-    norm of the summed clipped gradients of one batch (x, y).
+    norm of the summed clipped gradients of one batch (x, y). No mechanism protects the
+    gradients it reads: give it public data (``bench/sparse_finetune.py`` uses public images).
 
     Gradients are per-example, masked, clipped jointly to ``max_grad_norm`` and summed, as in
     a DP-SGD step; the noise norm is its expectation's usual proxy σC√d, with d the number
