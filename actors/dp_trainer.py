@@ -11,8 +11,9 @@ never sees an exact private sum.
 A ``ShardGroup`` trains with ``learning.dpsgd.train_dp`` (Opacus, Poisson sampling): one
 actor alone, or — with several actors, e.g. one per owner — data-parallel over a gloo
 ``torch.distributed`` group formed by the actors themselves, which is central DP-SGD on the
-union of the shards (see ``train_dp``'s ``data_parallel``): the same (q, σ, steps), the same
-sampled Gaussian RDP (Mironov, Talwar, Zhang 2019), the same ε. Plain actors rather than Ray
+union of the shards whose clipped sums meet only in a secure sum with distributed Skellam
+noise (see ``train_dp``'s ``group_owners`` and ``learning.secure_dpsgd``): no actor sees
+another's clean sum, and the charge is the subsampled Skellam mechanism's. Plain actors rather than Ray
 Train workers, because Ray Train gives every worker the same resources, so it cannot pin each
 owner's worker to the node that declares that owner's resource; and the same actors, data
 already loaded, then answer NearPrivate's private sums.
@@ -46,16 +47,17 @@ from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
 from learning.data.features import apply_features
 from learning.data.schema import Standardiser
-from learning.dpsgd import DPSGDConfig, train_dp
+from learning.dpsgd import DPSGDConfig, dp_step_charge, train_dp
 from learning.embedding_stats import covariance_sum, support_counts
+from learning.secure_dpsgd import SecureGroup
 from learning.models import build_model
 from learning.selection.entropy import logit_entropy
 from learning.training import embed, predict_logits
 from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import sampled_gaussian_charge
 from privacy.counts import LaplaceCounts
 from privacy.noise import NoisePolicy
 from privacy.pca import AnalyzeGauss
+from privacy.secure_sum import MaskKeys
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +151,18 @@ class TrainingRecipe(Protocol):
 
 @dataclass(frozen=True)
 class DataParallelGroup:
-    """One actor's place in a gloo group: where rank 0 listens, its rank, the group's size."""
+    """One actor's place in a gloo group: where rank 0 listens, its rank, and each rank's owner
+    (public: it sizes the secure sum's noise shares)."""
 
     address: str  # tcp://host:port
     rank: int
-    world: int
+    owners: tuple[str, ...]
+    public_keys: tuple[bytes, ...]  # every rank's secure-sum key, passed on through Ray
     timeout_s: float = 300.0
+
+    @property
+    def world(self) -> int:
+        return len(self.owners)
 
 
 @dataclass(frozen=True)
@@ -162,17 +170,19 @@ class DPCheckpoint:
     """The model after ``epoch`` epochs of DP-SGD and what releasing it costs."""
 
     epoch: int
-    epsilon: float  # Opacus RDP accountant, at ``delta``
+    epsilon: float  # the schedule's accounting, at ``delta``
     delta: float
     sample_rate: float
     noise_multiplier: float
     steps: int
     state: dict[str, np.ndarray] = field(repr=False)
+    secure: bool = False  # trained across actors through the secure sum (Skellam noise)
 
     def charge(self) -> PrivacyCharge:
-        """The sampled Gaussian RDP of all steps up to this checkpoint, for the ledger."""
-        return sampled_gaussian_charge(self.sample_rate, self.noise_multiplier, self.steps,
-                                       label=f"dpsgd-epoch-{self.epoch}")
+        """The RDP of all steps up to this checkpoint, for the ledger: the sampled Gaussian,
+        or the subsampled Skellam of the secure sum."""
+        return dp_step_charge(self.sample_rate, self.noise_multiplier, self.steps, f"dpsgd-epoch-{self.epoch}",
+                              self.secure)
 
     def load_into(self, model: nn.Module) -> nn.Module:
         model.load_state_dict(_tensors(self.state))
@@ -207,6 +217,7 @@ class ShardHolder:
         self._embeddings: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
         self._load_error: str | None = None
+        self._mask_keys: MaskKeys | None = None  # the next secure sum's key pair (``mask_key``)
         try:
             self._data = source.load(list(shard_ids))
         except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
@@ -217,6 +228,11 @@ class ShardHolder:
             raise OwnerDataError(self._load_error)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         return GroupInfo(self._data.num_classes, self._data.input_shape, node)
+
+    def mask_key(self, rank: int) -> bytes:
+        """A fresh X25519 key pair for the next secure sum, as rank ``rank``; its public half."""
+        self._mask_keys = MaskKeys(rank)
+        return self._mask_keys.public_bytes
 
     def rendezvous(self) -> str:
         """An address for rank 0 of a gloo group: this node's IP and a port free now."""
@@ -244,7 +260,9 @@ class ShardHolder:
             # is that epoch's DP model.
             result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
                               on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)) if rank == 0 else None,
-                              progress=progress, num_examples=num_examples, data_parallel=group is not None)
+                              progress=progress, num_examples=num_examples,
+                              secure_group=None if group is None else SecureGroup(group.owners, self._mask_keys,
+                                                                                  group.public_keys))
         finally:
             if group is not None:
                 torch.distributed.destroy_process_group()
@@ -252,7 +270,7 @@ class ShardHolder:
             return []
         steps_per_epoch = result.steps // config.epochs
         return [DPCheckpoint(epoch + 1, eps, config.delta, result.sample_rate, result.noise_multiplier,
-                             steps_per_epoch * (epoch + 1), state)
+                             steps_per_epoch * (epoch + 1), state, result.schedule.secure)
                 for epoch, (eps, state) in enumerate(zip(result.epsilons, snapshots))]
 
     @staticmethod
@@ -350,6 +368,7 @@ class ShardGroup:
                            plan.source, list(plan.shard_ids), model, torch_threads)
                        for plan, option in zip(plans, options)]
         owners = [plan.source.owner for plan in plans]
+        self.owners = tuple(owners)  # each rank's owner
         # Fail rather than wait forever for actors that cannot start beside the others.
         described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
@@ -359,6 +378,11 @@ class ShardGroup:
                                  f"{list(input_shape)}: the model is built for the public data's")
         self.placement = nodes_of(owners, described)
 
+    @property
+    def secure(self) -> bool:
+        """Whether training sums across actors, through the secure sum (then charged as such)."""
+        return len(self.actors) > 1
+
     def train(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
               recipe: TrainingRecipe | None = None, progress: bool = False) -> list[DPCheckpoint]:
         """DP-SGD with the schedule of ``num_examples`` over all actors (data-parallel when
@@ -366,9 +390,10 @@ class ShardGroup:
         if len(self.actors) == 1:
             return ray.get(self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe, progress))
         address = ray.get(self.actors[0].rendezvous.remote())
-        world = len(self.actors)
-        log.info("data-parallel DP-SGD over %d shard actors (rank 0 at %s)", world, address)
-        pending = [actor.train_dp.remote(config, noise, num_examples, DataParallelGroup(address, rank, world),
+        public_keys = tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(self.actors)]))
+        log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
+                 len(self.actors), address)
+        pending = [actor.train_dp.remote(config, noise, num_examples, DataParallelGroup(address, rank, self.owners, public_keys),
                                          recipe, progress and rank == 0)
                    for rank, actor in enumerate(self.actors)]
         rank0 = pending[0]

@@ -14,6 +14,10 @@ model's initialisation is the caller's (the experiment seed). torchcsprng, which
 (Opacus's secure noise: four Gaussians summed, Holohan et al. 2021 / Opacus 1.1).
 Nothing computed from the private data but the DP weights leaves ``train_dp``: no losses.
 
+Across owners (``secure``), ranks of a gloo group sum their clipped gradients through secure
+aggregation with distributed Skellam noise (``learning.secure_dpsgd``): no rank sees another's
+clean sum, and the cost is the Poisson-subsampled Skellam mechanism instead of the Gaussian.
+
 Masks (sparse fine-tuning, Luo et al. 2021): a 0/1 tensor per parameter. The mask multiplies
 every per-example gradient *before* clipping, so frozen entries add nothing to the norm and
 the clipping budget goes to the entries that train; it also multiplies the noise, so frozen
@@ -32,8 +36,7 @@ import torch
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers import DPOptimizer
 from opacus.utils.batch_memory_manager import wrap_data_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -41,8 +44,10 @@ from tqdm import tqdm
 
 from learning.bookkeeping import BookKeeping, private_optimizer
 from learning.grad_sample_modes import PROBED, fastest_mode
+from learning.secure_dpsgd import (SecureAggregation, SecureGroup, SecureSumDPOptimizer, broadcast_parameters,
+                                   calibrated_noise_multiplier, secure_charge, trainable_entries)
 from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import sampled_gaussian_charge
+from privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_charge
 from privacy.noise import NoiseSource
 
 log = logging.getLogger(__name__)
@@ -122,11 +127,12 @@ class DPTrainResult:
     """What a DP-SGD run produced and what it cost (no statistic of the private data)."""
 
     model: nn.Module
-    epsilons: list[float]  # Opacus RDP accountant's ε after each epoch, at config.delta
+    epsilons: list[float]  # the schedule's ε after each epoch, at config.delta
     noise_multiplier: float
     sample_rate: float
     steps: int
     charge: PrivacyCharge  # the whole run, for the ledger
+    schedule: DPSchedule  # what each checkpoint of it costs (``charge_after``)
 
     @property
     def epsilon(self) -> float:
@@ -136,23 +142,43 @@ class DPTrainResult:
 @dataclass(frozen=True)
 class DPSchedule:
     """What a run will cost, known before it starts: Poisson rate q, noise multiplier σ and
-    steps fix the sampled Gaussian RDP, so a ledger can be charged before training."""
+    steps fix the sampled Gaussian RDP — or, across owners (``secure``), the subsampled
+    Skellam RDP of the secure sum — so a ledger can be charged before training."""
 
     noise_multiplier: float
     sample_rate: float
     steps: int
     charge: PrivacyCharge
     num_examples: int  # the N it was computed from (declared, public)
+    secure: bool = False  # across owners through secure aggregation (Skellam noise)
+
+    def charge_after(self, steps: int, label: str) -> PrivacyCharge:
+        """The cost of the first ``steps`` steps (a checkpoint's)."""
+        return dp_step_charge(self.sample_rate, self.noise_multiplier, steps, label, self.secure)
 
 
-def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd") -> DPSchedule:
+def dp_step_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str, secure: bool) -> PrivacyCharge:
+    """``steps`` DP-SGD steps: the sampled Gaussian, or across owners the secure sum's Skellam."""
+    if secure:
+        return secure_charge(sample_rate, noise_multiplier, steps, label)
+    return sampled_gaussian_charge(sample_rate, noise_multiplier, steps, label=label)
+
+
+def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd", secure: bool = False) -> DPSchedule:
     """The schedule ``train_dp`` follows on ``num_examples`` examples: ⌈n/B⌉ steps per epoch
-    at rate q = 1/⌈n/B⌉ (Opacus's Poisson loader), σ given or calibrated with Opacus's RDP
-    accountant so that ε after ``config.epochs`` epochs is at most ``target_epsilon``."""
+    at rate q = 1/⌈n/B⌉ (Opacus's Poisson loader), σ given or calibrated so that ε after
+    ``config.epochs`` epochs is at most ``target_epsilon``: with Opacus's RDP accountant, or
+    across owners (``secure``) with the secure sum's own accounting."""
     if num_examples < 1:
         raise ValueError("cannot train on an empty dataset")
     steps_per_epoch = math.ceil(num_examples / config.batch_size)
     sample_rate = 1 / steps_per_epoch
+    steps = steps_per_epoch * config.epochs
+    if secure:
+        sigma = config.noise_multiplier or calibrated_noise_multiplier(sample_rate, steps, config.target_epsilon,
+                                                                       config.delta)
+        return DPSchedule(sigma, sample_rate, steps, secure_charge(sample_rate, sigma, steps, label), num_examples,
+                          secure=True)
     if config.noise_multiplier is not None:
         sigma = float(config.noise_multiplier)
     else:
@@ -166,7 +192,6 @@ def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd") ->
                 epsilon_tolerance=0.005,
             )
         )
-    steps = steps_per_epoch * config.epochs
     return DPSchedule(sigma, sample_rate, steps, sampled_gaussian_charge(sample_rate, sigma, steps, label=label),
                       num_examples)
 
@@ -208,11 +233,6 @@ class MaskedDPOptimizer(DPOptimizer):
             mask = self._mask_of(p)
             if mask is not None:
                 p.grad = p.grad * mask
-
-
-class MaskedDistributedDPOptimizer(MaskedDPOptimizer, DistributedDPOptimizer):
-    """The masks above on Opacus's data-parallel optimizer: each rank masks its per-example
-    gradients before clipping; rank 0's noise is masked before the all-reduce."""
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, config: DPSGDConfig,
@@ -291,7 +311,7 @@ def train_dp(
     on_epoch: Callable[[int, float], None] | None = None,
     progress: bool = False,
     num_examples: int | None = None,
-    data_parallel: bool = False,
+    secure_group: SecureGroup | None = None,
 ) -> DPTrainResult:
     """Train ``model`` in place with DP-SGD on ``dataset`` (``.x`` float32 [n, ...], ``.y`` int64).
 
@@ -305,26 +325,26 @@ def train_dp(
     because the number of steps is released; default ``len(dataset)``, for public-sized splits.
     The examples actually held are each sampled at rate q whatever their number.
 
-    ``data_parallel``: this process is one rank of a ``torch.distributed`` group, each rank
-    holding a disjoint part of the N examples. Every rank Poisson-samples ITS examples at the
-    same q for the same number of steps, so the union of the batches is a Poisson sample of
-    the union; the clipped sums are all-reduced and rank 0 alone adds the Gaussian noise
-    (Opacus's ``DistributedDPOptimizer``); each rank divides by qN/W, so after the all-reduce
-    mean the update is (Σ clipped + noise)/(qN): exactly central DP-SGD on the union, with
-    the same (q, σ, steps) and so the same sampled Gaussian RDP (Mironov, Talwar, Zhang 2019).
+    ``secure_group``: this process is one rank of a ``torch.distributed`` group whose rank r
+    belongs to owner ``secure_group.owners[r]``, each rank holding a disjoint part of the N examples.
+    Every rank Poisson-samples ITS examples at the same q for the same number of steps, so the
+    union of the batches is a Poisson sample of the union; the clipped sums are added up by
+    secure aggregation with distributed Skellam noise (``learning.secure_dpsgd``), and every
+    rank applies the same noised total divided by qN: central DP-SGD on the union, no rank
+    seeing another's clean sum, charged as the Poisson-subsampled Skellam mechanism.
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
     if config.grad_sample_mode in ("ghost", "bk") and resolved_masks:
         raise ValueError(f"masks need per-example gradients before clipping: use grad_sample_mode 'hooks', "
                          f"not {config.grad_sample_mode!r}")
+    data_parallel = secure_group is not None
     if data_parallel and config.grad_sample_mode not in ("auto", "hooks"):
         raise ValueError("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
-    schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config)
+    schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config, secure=data_parallel)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
     loader = _poisson_loader(dataset, sample_rate, schedule.steps // config.epochs, torch_generator(noise))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    world = torch.distributed.get_world_size() if data_parallel else 1
     mode = config.grad_sample_mode
     if mode == "auto":  # the masked and data-parallel optimizers are built on the hooks
         # (and Opacus's physical batch splitting is tested with them only). Reproducible noise
@@ -332,18 +352,18 @@ def train_dp(
         plain = not (resolved_masks or data_parallel or config.max_physical_batch_size is not None)
         candidates = PROBED if plain and noise.secure else ("hooks",)
         # At the batch it will train with: which mode wins changes with it (cache sizes).
-        probe_batch = min(max(1, round(sample_rate * schedule.num_examples / world)), 512)
+        probe_batch = min(max(1, round(sample_rate * schedule.num_examples)), 512)
         mode = fastest_mode(model, dataset.x.shape[1:], probe_batch, candidates, device)
     ghost = mode == "ghost"
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
-    # Every rank starts from rank 0's weights.
-    module = DifferentiallyPrivateDistributedDataParallel(model) if data_parallel else model
+    if data_parallel:
+        broadcast_parameters(model)  # every rank starts from rank 0's weights
     engine = PrivacyEngine(accountant="rdp")
-    # Opacus divides by its own guess from the examples held here; the sum is divided by the
-    # declared expected batch, split across the ranks (a public constant, not a private size).
-    expected_batch = sample_rate * schedule.num_examples / world
+    # Opacus divides by its own guess from the examples held here; the sum (across owners: the
+    # secure sum of every rank's) is divided by the declared expected batch, a public constant.
+    expected_batch = sample_rate * schedule.num_examples
     clipper: BookKeeping | None = None
     if mode == "bk":  # our hooks clip in one backward pass; Opacus's optimizer adds the noise
         clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=sigma,
@@ -354,7 +374,7 @@ def train_dp(
     else:
         criterion = nn.CrossEntropyLoss()
         private = engine.make_private(
-            module=module,
+            module=model,
             optimizer=optimizer,
             criterion=criterion,
             data_loader=loader,  # already Poisson: Opacus takes its rate as 1/len(loader) = q
@@ -369,12 +389,26 @@ def train_dp(
             private_model, dp_optimizer, criterion, private_loader = private
         else:
             private_model, dp_optimizer, private_loader = private
-        if data_parallel and not isinstance(dp_optimizer, DistributedDPOptimizer):
-            raise RuntimeError("Opacus did not pick its data-parallel optimizer: the ranks would not all-reduce")
         dp_optimizer.expected_batch_size = expected_batch
-        if resolved_masks:
-            masked = MaskedDistributedDPOptimizer if data_parallel else MaskedDPOptimizer
-            dp_optimizer = masked(
+        if data_parallel:  # the noise step becomes a round of the secure sum
+            aggregation = SecureAggregation(secure_group.owners, trainable_entries(model, masks))
+            dp_optimizer = SecureSumDPOptimizer(
+                dp_optimizer.original_optimizer,
+                group=secure_group,
+                aggregation=aggregation,
+                plan=aggregation.plan(config.max_grad_norm, sigma, schedule.num_examples, schedule.steps),
+                noise=noise,
+                session="conclave-dpsgd",
+                masks=resolved_masks,
+                noise_multiplier=sigma,
+                max_grad_norm=config.max_grad_norm,
+                expected_batch_size=expected_batch,
+                loss_reduction=dp_optimizer.loss_reduction,
+                generator=dp_optimizer.generator,
+            )
+            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+        elif resolved_masks:
+            dp_optimizer = MaskedDPOptimizer(
                 dp_optimizer.original_optimizer,
                 masks=resolved_masks,
                 noise_multiplier=sigma,
@@ -425,7 +459,11 @@ def train_dp(
             dp_optimizer.step()
             if steps > taken:  # a logical step, not one physical chunk of a split batch
                 scheduler.step()
-        epsilons.append(float(engine.get_epsilon(config.delta)))
+        if not data_parallel:
+            epsilons.append(float(engine.get_epsilon(config.delta)))
+        else:  # Opacus's accountant knows only the Gaussian
+            spent = schedule.charge_after(steps, "")
+            epsilons.append(epsilon_from_rdp(spent.orders, spent.rdp, config.delta)[0])
         epochs.set_postfix(eps=f"{epsilons[-1]:.3f}")
         log.info("DP-SGD epoch %d: ε %.4f (δ=%g)", epoch + 1, epsilons[-1], config.delta)
         if on_epoch is not None:
@@ -447,4 +485,5 @@ def train_dp(
         sample_rate=float(sample_rate),
         steps=steps,
         charge=schedule.charge,
+        schedule=schedule,
     )

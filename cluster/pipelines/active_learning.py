@@ -204,6 +204,13 @@ class Config:
         """The private records DP-SGD's schedule is computed from: declared, never counted."""
         return sum(owner.records for owner in self.owners) if self.owners else self.data.private_size
 
+    @property
+    def secure_training(self) -> bool:
+        """Whether DP-SGD sums across several shard actors, through the secure sum."""
+        actors = sum(owner.actors for owner in self.owners) if self.owners else (
+            self.data.num_shards if self.dpsgd.distributed else 1)
+        return actors > 1
+
     def selection_releases(self) -> list:
         """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none."""
         from privacy.counts import LaplaceCounts
@@ -350,8 +357,8 @@ def planned_work(config: Config) -> PrivacyCharge:
     from learning.dpsgd import dp_schedule
 
     reused = _reused_checkpoints(config)
-    training = reused[-1].charge() if reused else dp_schedule(config.private_size,
-                                                              config.dpsgd.dp_config(config.privacy.delta)).charge
+    training = reused[-1].charge() if reused else dp_schedule(
+        config.private_size, config.dpsgd.dp_config(config.privacy.delta), secure=config.secure_training).charge
     return config.planned(training)
 
 
@@ -505,10 +512,12 @@ def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, re
         final = reused[-1]
         return reused, {"sample_rate": final.sample_rate, "noise_multiplier": final.noise_multiplier,
                         "epochs": final.epoch, "reused_from": config.checkpoints_from}
-    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta))
+    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training)
     dp_config = dataclasses.replace(dp.dp_config(config.privacy.delta), noise_multiplier=schedule.noise_multiplier,
                                     target_epsilon=None)
     group = shards.group  # started (and every owner's data loaded) before anything is charged
+    if group.secure != schedule.secure:
+        raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
     ledger.charge(schedule.charge)
     log.info("DP-SGD: q=%.5f σ=%.3f %d epochs over %d shard actor(s)", schedule.sample_rate,
              schedule.noise_multiplier, dp.epochs, len(group.actors))

@@ -196,7 +196,8 @@ def planned_work(config: Config):
     from privacy.accounting.rdp import sum_charges
 
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}").charge
+    secure = sum(owner.actors for owner in config.owners) > 1  # several shard actors sum securely
+    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}", secure=secure).charge
                         for v in config.finetune.variants], label="planned")
 
 
@@ -265,7 +266,8 @@ def run(config: Config, context) -> RunOutcome:
             ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
-            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}")
+            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
+                                   secure=shards.secure)
             ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
             checkpoints = shards.train(dp_config, config.privacy.noise, config.private_size, recipe, progress=True)
             accuracy = evaluate(recipe.released(checkpoints[-1].state), test)

@@ -1,0 +1,192 @@
+"""Data-parallel DP-SGD across owners through secure aggregation: no rank sees another's sum.
+
+Each rank (a shard actor on its owner's node) clips its Poisson batch's per-example gradients
+as in central DP-SGD and sums them. Instead of all-reducing that clean sum (what Opacus's
+distributed optimizer does, adding noise on rank 0 only: every rank would learn every other
+rank's exact clipped sum, and from a one-record batch the record itself), each rank turns its
+sum into one share of a secure sum (``privacy.secure_sum``, Bonawitz et al. 2017 with the
+Skellam mechanism of Agarwal, Kairouz & Liu 2021):
+
+1. project the sum onto an L2 ball of public radius (non-expansive: the sensitivity stays the
+   clip bound C), scale by γ and round to integers;
+2. add its Skellam noise share, sized so that every owner, even knowing its own share, faces
+   noise of variance μ = (z·Δ₂)² from the others (Δ₂ = γC + √d, the rounding included);
+3. add pairwise masks from an X25519 key exchange among the ranks (fresh keys per run, a fresh
+   ChaCha20 stream per step), which cancel in the sum modulo the ring. The public keys travel
+   through Ray (mutually authenticated under TLS), not the gloo group's plain TCP, so a
+   network attacker cannot swap them; the driver that passes them on is trusted not to.
+
+The int64 all-reduce of the masked shares over the gloo group is the secure sum: every rank
+decodes the same noised total, divides it by the declared expected batch and steps, so the
+ranks stay in step without ever holding a clean sum but their own. The ring and the scale are
+fixed before the run from public numbers (the clip bound, the trained entries d, the ranks,
+the declared records): a setting that would not fit is refused in one line before anything
+trains.
+
+The privacy cost is the Poisson-subsampled Skellam mechanism (``privacy.accounting.skellam``:
+Agarwal, Kairouz & Liu 2021 for the base, Zhu & Wang 2019 for the subsampling). Its charge
+needs no d: the plan picks γ with √d ≤ γC/20 (``SecureSumPlan.rounding_inflation`` = 0.05), so
+Δ₂ = γC + √d ≥ 21√d ≥ 21, and with μ = (z·Δ₂)² the Skellam bound is α/(2z²) plus three
+correction terms — (2α−1)/(4z⁴Δ₂²), 1.5√d/(z⁴Δ₂³) and 1.5√d/(z²Δ₂) — each at most its value
+at Δ₂ = Δ₁ = 21. ``secure_charge`` charges that dominating curve, so the ledger can be charged
+before training, from the config alone, and never less than any plan costs.
+
+Only ``grad_sample_mode`` hooks is supported here (per-example gradients, masks before clipping).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import epsilon_from_rdp
+from privacy.accounting.skellam import subsampled_skellam_charge
+from privacy.noise import NoiseSource
+from privacy.secure_sum import MaskKeys, SecureSumPlan, decode, masked_share, quantize, skellam_noise
+
+
+@dataclass(frozen=True)
+class SecureGroup:
+    """One rank's part in a secure sum: each rank's owner (public), this rank's key pair (its
+    private key never leaves the process) and every rank's public key, in rank order."""
+
+    owners: tuple[str, ...]
+    keys: MaskKeys
+    public_keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """Who takes part in a secure sum (public): ``owners[rank]`` is the owner of each rank,
+    ``dimension`` the entries trained (the model's trainable parameters, inside their masks)."""
+
+    owners: tuple[str, ...]
+    dimension: int
+
+    def __post_init__(self) -> None:
+        if not self.owners or self.dimension < 1:
+            raise ValueError(f"a secure sum needs ranks and a dimension, got {len(self.owners)} ranks, "
+                             f"d = {self.dimension}")
+
+    def plan(self, max_grad_norm: float, noise_multiplier: float, num_examples: int, steps: int) -> SecureSumPlan:
+        """The ring, scale and noise of every step, from public numbers only. A rank's clipped
+        sum has norm ≤ C·(its batch); the ball of C·N (N declared) leaves it untouched unless the
+        rank holds more records than the whole run declared."""
+        plan = SecureSumPlan(dimension=self.dimension, parties=len(self.owners), owners=len(set(self.owners)),
+                             norm_bound=max_grad_norm * num_examples, sensitivity=max_grad_norm,
+                             noise_multiplier=noise_multiplier, rounds=max(steps, 1))
+        if math.sqrt(self.dimension) > plan.rounding_inflation * plan.scale * max_grad_norm:
+            raise ValueError(f"secure sum: the ring cannot hold {self.dimension} entries at the scale "
+                             "secure_charge assumes; declare fewer records or train fewer entries")
+        return plan
+
+
+def secure_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str) -> PrivacyCharge:
+    """``steps`` steps of DP-SGD over any plan of noise multiplier z: the Poisson-subsampled
+    Skellam mechanism at the dominating Δ₂ = Δ₁ = 21 (module docstring)."""
+    bound = 1 + 1 / SecureSumPlan.rounding_inflation
+    return subsampled_skellam_charge(sample_rate, bound, bound, (noise_multiplier * bound) ** 2, steps, label=label)
+
+
+def trainable_entries(model: nn.Module, masks: dict[str, torch.Tensor]) -> int:
+    """How many numbers a step updates: every trainable parameter's entries, inside its mask."""
+    total = 0
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            mask = masks.get(name)
+            total += int(mask.sum().item()) if mask is not None else parameter.numel()
+    return total
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights and buffers (public: built from the run's seed)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+class SecureSumDPOptimizer(DPOptimizer):
+    """Opacus's DPOptimizer whose noise step is one round of the secure sum (module docstring).
+
+    ``masks`` (parameter → 0/1 tensor) restrict training element by element: applied to the
+    per-example gradients before clipping, and only the entries inside them are summed.
+    ``expected_batch_size`` must be the whole group's (q·N), since the total is not averaged.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, group: SecureGroup, aggregation: SecureAggregation,
+                 plan: SecureSumPlan, noise: NoiseSource, session: str,
+                 masks: dict[nn.Parameter, torch.Tensor] | None = None, **kwargs) -> None:
+        super().__init__(optimizer, **kwargs)
+        self._rank = dist.get_rank()
+        if dist.get_world_size() != len(aggregation.owners) or group.keys.rank != self._rank:
+            raise ValueError(f"the gloo group (rank {self._rank} of {dist.get_world_size()}) is not the secure "
+                             f"sum's ({group.keys.rank} of {len(aggregation.owners)})")
+        self._plan, self._noise = plan, noise
+        self._variance = plan.party_variances(aggregation.owners)[self._rank]
+        masks = masks or {}
+        self._masks = {id(p): masks[p].to(device=p.device, dtype=torch.bool) for p in masks}
+        if sum(self._size(p) for p in self.params) != plan.dimension:
+            raise ValueError("the trained entries differ from the plan's dimension")
+        self._pairwise = group.keys.pairwise_masks(list(group.public_keys), session)
+        self._round = 0
+
+    def _size(self, p: nn.Parameter) -> int:
+        mask = self._masks.get(id(p))
+        return int(mask.sum().item()) if mask is not None else p.numel()
+
+    def clip_and_accumulate(self) -> None:
+        for p in self.params:
+            mask = self._masks.get(id(p))
+            if mask is not None and getattr(p, "grad_sample", None) is not None:
+                for g in p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]:
+                    g.mul_(mask)  # before the per-example norms: frozen entries add nothing
+        super().clip_and_accumulate()
+
+    def add_noise(self) -> None:
+        """One round: this rank's clipped sum → masked share → all-reduce → the noised total."""
+        parts = []
+        for p in self.params:
+            mask = self._masks.get(id(p))
+            summed = p.summed_grad.detach().reshape(-1)
+            parts.append(summed[mask.reshape(-1)] if mask is not None else summed)
+        local = torch.cat(parts).cpu().double().numpy()
+        self._round += 1
+        noise = skellam_noise(self._plan.dimension, self._variance, self._noise)
+        share = torch.from_numpy(masked_share(quantize(local, self._plan), noise, self._pairwise, self._plan,
+                                              self._round))
+        dist.all_reduce(share, op=dist.ReduceOp.SUM)  # W·m < 2^63: no overflow before the reduction mod m
+        total = torch.from_numpy(decode(share.numpy(), self._plan))
+        offset = 0
+        for p in self.params:
+            mask = self._masks.get(id(p))
+            size = self._size(p)
+            values = total[offset:offset + size].to(device=p.device, dtype=p.dtype)
+            offset += size
+            if mask is None:
+                p.grad = values.view_as(p).clone()
+            else:
+                grad = torch.zeros_like(p)
+                grad[mask] = values
+                p.grad = grad
+            p.summed_grad = None  # nothing of this rank's clean sum outlives the round
+
+
+def calibrated_noise_multiplier(sample_rate: float, steps: int, target_epsilon: float, delta: float) -> float:
+    """The smallest noise multiplier z (to 0.5%) whose secure charge stays within ``target_epsilon``."""
+    def epsilon(z: float) -> float:
+        charge = secure_charge(sample_rate, z, steps, "calibration")
+        return epsilon_from_rdp(charge.orders, charge.rdp, delta)[0]
+
+    low, high = 0.05, 1.0
+    while epsilon(high) > target_epsilon:
+        low, high = high, high * 2
+        if high > 1e4:
+            raise ValueError(f"no noise multiplier up to 1e4 reaches epsilon {target_epsilon} in {steps} steps")
+    while high / low > 1.005:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if epsilon(middle) > target_epsilon else (low, middle)
+    return high
