@@ -20,6 +20,7 @@ COMMANDS = {
     "query": ("cluster.query_command", "ask a running aggregator to label inputs"),
     "analyze": ("cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
     "check-data": ("cluster.check_data_command", "an owner's look at its own data, run on its own node"),
+    "ray-certs": ("cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
     "tune": ("tuning.command", "Ray Tune sweep described by a YAML config"),
 }
 

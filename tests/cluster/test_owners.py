@@ -55,8 +55,8 @@ def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_rea
 @pytest.mark.parametrize("config, actors", [(HOSPITALS, "teachers"), (HOSPITALS_ACTIVE, "DP-SGD")])
 def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path, config, actors):
     """Head + three owner nodes (``ray.cluster_utils.Cluster`` on loopback), in a process of
-    its own; owners pinned by custom resource and node label. Teachers, or DP-SGD shard
-    actors that train as one data-parallel group across the three nodes."""
+    its own, with Ray's TLS on; owners pinned by custom resource and node label. Teachers, or
+    DP-SGD shard actors that train as one data-parallel group across the three nodes."""
     run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
                           str(config), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
                          timeout=600)
@@ -74,6 +74,15 @@ def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path
     assert f"owner hospital_d's {actors}: no node of the cluster has" in result["placement_error"]
     assert "hospital_d=1" in result["placement_error"] and "\n" not in result["placement_error"]
     assert result["placement_error_seconds"] < 10
+    # Ray's links are TLS, probed on every port the cluster's processes listen on (all loopback):
+    # no gRPC server answers in plaintext or a peer without a certificate from the cluster's CA,
+    # and the GCS and every node's raylet answer one with it.
+    assert result["ray_tls"]
+    listeners = result["listeners"].values()
+    assert {listener["address"] for listener in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    assert not any(listener["plaintext_grpc"] or listener["tls_without_certificate"] for listener in listeners)
+    members = {int(port) for port, listener in result["listeners"].items() if listener["tls_with_node_certificate"]}
+    assert len(result["raylet_ports"]) == 4 and {result["gcs_port"], *result["raylet_ports"]} <= members
 
 
 def test_a_missing_owner_file_is_one_line_naming_the_owner(ray_session, tmp_path):
@@ -301,3 +310,59 @@ def test_the_largest_free_cpu_of_a_node_is_known_so_the_student_can_fit_small_no
 
     free = largest_free_cpu()
     assert free is not None and 0 <= free <= 2  # the session's one node has 2 CPUs
+
+
+def test_ray_certs_writes_a_ca_and_node_certificates_it_signs_for_the_nodes_addresses(tmp_path, capsys):
+    """``conclave ray-certs``: a CA once, then a certificate per node naming its addresses (and
+    loopback), keys readable by their owner only; each node's certificate, presented by a
+    server and by a client, passes the other side's check for mutual TLS."""
+    import socket
+    import ssl
+    import threading
+
+    from cryptography import x509
+
+    from cluster import cli
+
+    assert cli.main(["ray-certs", str(tmp_path / "head"), "--hosts", "10.0.0.1", "head.example"]) == 0
+    assert cli.main(["ray-certs", str(tmp_path / "a"), "--ca", str(tmp_path / "head"), "--hosts", "10.0.0.7"]) == 0
+    out = capsys.readouterr().out
+    assert f"export RAY_USE_TLS=1 RAY_TLS_SERVER_CERT={tmp_path / 'a' / 'node.pem'} " in out
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["ca.pem", "node.key", "node.pem"]
+    for key in (tmp_path / "head" / "ca.key", tmp_path / "head" / "node.key", tmp_path / "a" / "node.key"):
+        assert key.stat().st_mode & 0o777 == 0o600
+    certificate = x509.load_pem_x509_certificate((tmp_path / "a" / "node.pem").read_bytes())
+    names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7", "127.0.0.1"]
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+
+    def context(side, node):
+        made = ssl.SSLContext(side)
+        made.load_verify_locations(tmp_path / node / "ca.pem")
+        made.load_cert_chain(tmp_path / node / "node.pem", tmp_path / node / "node.key")
+        made.verify_mode = ssl.CERT_REQUIRED
+        return made
+
+    server = context(ssl.PROTOCOL_TLS_SERVER, "a")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def accept():
+            connection, _ = listener.accept()
+            with server.wrap_socket(connection, server_side=True) as tls:
+                tls.sendall(tls.getpeercert()["subject"][0][0][1].encode())
+
+        thread = threading.Thread(target=accept)
+        thread.start()
+        with context(ssl.PROTOCOL_TLS_CLIENT, "head").wrap_socket(
+                socket.create_connection(listener.getsockname()), server_hostname="127.0.0.1") as client:
+            assert client.recv(100) == b"10.0.0.1"  # the server saw the head's certificate
+        thread.join(timeout=10)
+
+    # one line each: a second CA over the first, a CA that is not there, a list passed as one host
+    assert cli.main(["ray-certs", str(tmp_path / "head")]) == 2
+    assert "ca.key exists: a new CA would orphan the nodes it signed" in capsys.readouterr().err
+    assert cli.main(["ray-certs", str(tmp_path / "b"), "--ca", str(tmp_path / "none"), "--hosts", "10.0.0.8"]) == 2
+    assert capsys.readouterr().err.strip() == f"conclave: {tmp_path / 'none' / 'ca.pem'}: no such file " \
+                                               "(create the CA first: conclave ray-certs DIR)"
+    assert cli.main(["ray-certs", str(tmp_path / "c"), "--hosts", "10.0.0.8,10.0.0.9"]) == 2
+    assert capsys.readouterr().err.strip() == "conclave: not an IP address or a host name: '10.0.0.8,10.0.0.9'"
+    assert not (tmp_path / "c").exists()  # nothing written
