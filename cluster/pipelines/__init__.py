@@ -94,14 +94,17 @@ class PrivacyConfig:
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         return run_guarantee(planned, self.delta, self.budget_filter(planned), reasons)
 
-    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger) -> dict:
-        """What every run writes about its privacy: the guarantee, then what was spent and planned."""
+    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger, trust: TrustModel) -> dict:
+        """What every run writes about its privacy: the guarantee, who saw what, then what was
+        spent and planned."""
         spent = ledger.report()
         guarantee = self.guarantee(planned)
         return {
             "guarantee": guarantee.as_dict(),
             "sound": guarantee.sound,
             "unsound_reasons": list(guarantee.unsound_reasons),
+            "aggregation": trust.aggregation,
+            "trust_model": trust.as_dict(),
             "budget": None if spent.budget is None else spent.budget.as_dict(),
             "planned_worst_case": {"epsilon": worst_case_guarantee(planned, self.delta).epsilon,
                                    "charge": planned.label},
@@ -109,6 +112,46 @@ class PrivacyConfig:
                       "by_label": spent.by_label, "rdp_at_budget_order": spent.rdp_at_budget_order,
                       "note": "realised spend: a function of what was released, not the guarantee"},
         }
+
+
+@dataclass(frozen=True)
+class TrustModel:
+    """Who sees un-noised values computed from other parties' records in a run (docs/privacy.md,
+    "Who sees what"); written to ``privacy.json``. The guarantee holds against everyone else, and
+    against these parties only as far as ``statement`` says.
+
+    ``aggregation``: "secure" — every sum across shard actors is a secure sum with distributed
+    noise, so whoever sums (and every owner) sees only noised totals; "trusted-aggregator" — the
+    aggregator sees every teacher's clean vote (PATE's classic trust); "single-holder" — one actor
+    holds all the private data, so nothing private crosses between processes but DP releases.
+    """
+
+    aggregation: str
+    trusted: tuple[str, ...]  # parties that see clean values of data not their own
+    statement: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"aggregation": self.aggregation, "trusted": list(self.trusted), "statement": self.statement}
+
+
+TRUSTED_AGGREGATOR = TrustModel(
+    "trusted-aggregator", ("the aggregator",),
+    "the aggregator (in the driver's process) sees every teacher's clean vote on each query; each owner's "
+    "actors see only that owner's records and teachers; students and outsiders see released labels only")
+SECURE_SUMS = TrustModel(
+    "secure", (),
+    "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "
+    "sends a masked share with its noise share in it, so whoever sums, and every owner, sees only noised "
+    "totals; the driver sees DP releases only")
+SINGLE_HOLDER = TrustModel(
+    "single-holder", (),
+    "one actor holds all the private data and adds the noise itself; nothing computed from the records "
+    "leaves it but DP releases")
+
+
+def dp_sgd_trust(secure: bool) -> TrustModel:
+    """The trust model of a DP-SGD run: secure sums across several shard actors, else one holder."""
+    return SECURE_SUMS if secure else SINGLE_HOLDER
 
 
 def pipeline_module(name: str) -> ModuleType:

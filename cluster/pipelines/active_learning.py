@@ -38,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from cluster.owners import DataOwner, PublicData, check_owners, require_declared_records
-from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome
+from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome, dp_sgd_trust
 from learning.data.features import check_features
 from learning.data.sources import DataSource
 from privacy.accounting.charge import PrivacyCharge
@@ -456,7 +456,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
         shards.shutdown()
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
-    privacy = {**config.privacy.report(planned, ledger), "delta": config.privacy.delta, "dpsgd": dp_info, **privacy}
+    privacy = {**config.privacy.report(planned, ledger, dp_sgd_trust(config.secure_training)),
+               "delta": config.privacy.delta, "dpsgd": dp_info, **privacy}
     ledger.close()
     if client is not None:
         privacy["annotator_aggregator"] = client.budget()  # its own ledger: the teachers' data

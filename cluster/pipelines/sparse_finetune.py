@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.owners import DataOwner, check_owners, require_declared_records
-from cluster.pipelines import PrivacyConfig, RunOutcome
+from cluster.pipelines import PrivacyConfig, RunOutcome, dp_sgd_trust
 from learning.data.sources import DataSource
 from learning.sparse import VARIANTS
 
@@ -280,7 +280,7 @@ def run(config: Config, context) -> RunOutcome:
                 "trained_entries": plan.trained_entries, "trained_fraction": plan.trained_entries / plan.total_entries,
             }
         privacy = {
-            **config.privacy.report(planned, ledger), "delta": config.privacy.delta,
+            **config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)), "delta": config.privacy.delta,
             "per_variant_epsilon": {v: r["epsilon"] for v, r in variants.items()},
             "note": "every variant fine-tuned on the same private data; the run's guarantee composes them all",
         }

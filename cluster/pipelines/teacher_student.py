@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.owners import DataOwner, PublicData, check_owners
-from cluster.pipelines import PrivacyConfig, RunOutcome
+from cluster.pipelines import TRUSTED_AGGREGATOR, PrivacyConfig, RunOutcome
 from learning.data.dataset import SHARD_LEMMA, StudentSplits
 from learning.data.features import check_features
 from learning.data.sources import DataSource
@@ -470,7 +470,7 @@ def privacy_section(config: Config, ledger, votes: np.ndarray, answered: np.ndar
     from privacy.accounting.report import vote_report
 
     planned = config.planned()
-    section: dict[str, Any] = {**config.privacy.report(planned, ledger),
+    section: dict[str, Any] = {**config.privacy.report(planned, ledger, TRUSTED_AGGREGATOR),
                                "mechanism": config.mechanism.build().describe().as_dict(),
                                "delta": config.privacy.delta, "estimates": []}
     if len(votes):

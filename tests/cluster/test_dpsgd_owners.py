@@ -37,6 +37,7 @@ def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_fil
     assert privacy["dpsgd"]["sample_rate"] == pytest.approx(0.1)
     assert metrics["checkpoints"][-1]["test_accuracy"] > 0.75  # majority class: 0.63; runs: 0.94–0.97
     assert privacy["guarantee"]["epsilon"] <= 6.0 and privacy["sound"]
+    assert privacy["aggregation"] == "secure" and privacy["trust_model"]["trusted"] == []
     assert {r["strategy"] for r in metrics["results"]} == {"random", "entropy", "diverse_public", "near_private"}
 
 
@@ -114,6 +115,7 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch
     assert variant["accuracy"] > 0.4  # five classes: chance is 0.2; runs scored 0.58–0.60
     assert outcome.privacy["sound"] and outcome.privacy["guarantee"]["epsilon"] <= 2.05  # the target, at δ
+    assert outcome.privacy["aggregation"] == "secure"  # two owners' actors sum through the secure sum
 
 
 def test_owner_inputs_of_another_shape_than_the_public_data_are_refused_in_one_line(ray_session, tmp_path):

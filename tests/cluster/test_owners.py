@@ -148,6 +148,7 @@ def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_ses
     privacy = json.loads((tmp_path / "results" / "hospitals" / "privacy.json").read_text())
     _, config = load_run_config(load_yaml(HOSPITALS))
     assert privacy["guarantee"] == config.privacy.guarantee(config.planned()).as_dict() and privacy["sound"]
+    assert privacy["aggregation"] == "trusted-aggregator"  # the aggregator sees clean votes, and says so
     published = out + err + "".join(f.read_text() for f in (tmp_path / "results" / "hospitals").glob("*.json"))
     assert not any(word in published for word in ("unsure", "missing", "fewer", "dropped", "usable"))
 
