@@ -3,10 +3,11 @@
 Private data is read by the actor that keeps it — a ``ShardActor`` placed on its owner's
 node — from a ``ShardSource``: a benchmark's seeded private split (``PrivateSource``) or an
 owner's own file (``OwnerShards``); it never passes through the driver. What leaves those
-actors is DP output only: model checkpoints of DP-SGD, and aggregates (summed covariances,
-neighbour counts) that go straight to a Ray task that adds them up, draws the noise once and
-returns the noisy release. The driver charges the ledger before it asks for a release and
-never sees an exact private sum.
+actors is DP output only: model checkpoints of DP-SGD, and NearPrivate's releases (DP-PCA of
+the summed covariances, noisy neighbour counts). A lone actor adds the noise itself; several
+send only masked shares of a secure sum with Skellam noise shares (``privacy.secure_release``),
+which the driver adds up and decodes into the noised total. The driver charges the ledger
+before it asks for a release and never sees an exact private sum.
 
 A ``ShardGroup`` trains with ``learning.dpsgd.train_dp`` (Opacus, Poisson sampling): one
 actor alone, or — with several actors, e.g. one per owner — data-parallel over a gloo
@@ -54,10 +55,10 @@ from learning.models import build_model
 from learning.selection.entropy import logit_entropy
 from learning.training import embed, predict_logits
 from privacy.accounting.charge import PrivacyCharge
-from privacy.counts import LaplaceCounts
+from privacy.counts import LaplaceCounts, SkellamCounts
 from privacy.noise import NoisePolicy
-from privacy.pca import AnalyzeGauss
-from privacy.secure_sum import MaskKeys
+from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
+from privacy.secure_sum import MaskKeys, SecureSumPlan
 
 log = logging.getLogger(__name__)
 
@@ -288,16 +289,51 @@ class ShardHolder:
         self._embeddings = embed(model, self._data.x)
         self._entropy = logit_entropy(predict_logits(model, self._data.x))
 
-    def covariance_sum(self) -> np.ndarray:
-        """[d, d] Σ x xᵀ of the unit-normalised embeddings of the held points (an aggregate)."""
-        self._require_weights()
-        return covariance_sum(self._embeddings)
+    # NearPrivate's sums. The clean aggregates (Σ x xᵀ of the unit-normalised embeddings of the
+    # held points; per projected public point, the held points with entropy ≥ the threshold
+    # nearest to it) never leave the actor: only a DP release (one holder) or a masked share.
 
-    def support_counts(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
-        """int64 [m]: per projected public point, the held points with entropy ≥ ``threshold``
-        whose projection is nearest to it (an aggregate)."""
+    def embedding_dimension(self) -> int:
+        """d of the embeddings (public: the width of the model's features, fixed by its architecture)."""
         self._require_weights()
-        return support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        return int(self._embeddings.shape[1])
+
+    def release_projection(self, mechanism: AnalyzeGauss, components: int, noise: NoisePolicy) -> np.ndarray:
+        """DP-PCA of the held points' covariance sum, noised here (this actor holds all private data)."""
+        self._require_weights()
+        return mechanism.release(covariance_sum(self._embeddings), components, noise.source("dp-pca"))
+
+    def release_counts(self, mechanism: LaplaceCounts, projection: np.ndarray, public_points: np.ndarray,
+                       threshold: float, noise: NoisePolicy) -> np.ndarray:
+        """Noisy counts of the held voters nearest each public point, noised here (one holder)."""
+        self._require_weights()
+        counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        return mechanism.release(counts, noise.source("support-counts"))
+
+    def covariance_share(self, mechanism: SecureAnalyzeGauss, plan: SecureSumPlan, owners: tuple[str, ...],
+                         public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy) -> np.ndarray:
+        """This actor's masked share of the secure covariance sum (keys from ``mask_key`` just before)."""
+        self._require_weights()
+        keys = self._take_mask_keys()
+        return mechanism.share(covariance_sum(self._embeddings), plan, owners,
+                               keys.pairwise_masks(public_keys, session), noise.source(f"{session}-{keys.rank}"))
+
+    def counts_share(self, mechanism: SkellamCounts, plan: SecureSumPlan, owners: tuple[str, ...],
+                     public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy, projection: np.ndarray,
+                     public_points: np.ndarray, threshold: float) -> np.ndarray:
+        """This actor's masked share of the secure sum of support counts."""
+        self._require_weights()
+        keys = self._take_mask_keys()
+        counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        return mechanism.share(counts, plan, owners, keys.pairwise_masks(public_keys, session),
+                               noise.source(f"{session}-{keys.rank}"))
+
+    def _take_mask_keys(self) -> MaskKeys:
+        """The key pair of this one release; it is forgotten so that no later sum reuses it."""
+        if self._mask_keys is None:
+            raise RuntimeError("no fresh mask key: call mask_key(rank) before each secure sum")
+        keys, self._mask_keys = self._mask_keys, None
+        return keys
 
     def _require_weights(self) -> None:
         if self._embeddings is None:
@@ -307,35 +343,63 @@ class ShardHolder:
 ShardActor = ray.remote(ShardHolder)
 
 
-@ray.remote(num_cpus=0)
-def _release_projection(mechanism: AnalyzeGauss, components: int, noise: NoisePolicy, *parts: np.ndarray) -> np.ndarray:
-    # Ray resolves ``parts`` (object refs from the shard actors) here, not on the driver.
-    return mechanism.release(np.sum(parts, axis=0), components, noise.source("dp-pca"))
-
-
-@ray.remote(num_cpus=0)
-def _release_counts(mechanism: LaplaceCounts, noise: NoisePolicy, *parts: np.ndarray) -> np.ndarray:
-    return mechanism.release(np.sum(parts, axis=0), noise.source("support-counts"))
-
-
 class ShardSupport:
-    """NearPrivate's ``PrivateSupport`` over shard actors: sums inside the actors, noise added
-    once to the total in a Ray task, the ledger charged (``charge``) before each release."""
+    """NearPrivate's ``PrivateSupport`` over shard actors; the ledger is charged (``charge``)
+    before each release.
 
-    def __init__(self, actors: Sequence, pca: AnalyzeGauss, counts: LaplaceCounts,
-                 charge: Callable[[PrivacyCharge], object], noise: NoisePolicy) -> None:
-        self._actors, self._pca, self._counts, self._charge = list(actors), pca, counts, charge
-        self._noise = noise
+    One actor (it holds all the private data): it computes each sum and adds the noise itself
+    (``AnalyzeGauss``, ``LaplaceCounts``); nothing else leaves it. Several actors
+    (``owners[rank]`` each one's owner): every release is one secure sum (``SecureAnalyzeGauss``,
+    ``SkellamCounts``). Each actor makes a fresh key pair, the driver passes the public keys
+    around through Ray, each actor returns only its masked share (its part quantized, plus its
+    Skellam noise share, under pairwise masks: uniform on the ring on its own), and the driver
+    adds the shares and decodes the noised total. ``records`` (public: the declared private
+    records) bounds every actor's part, to size the ring.
+    """
+
+    def __init__(self, actors: Sequence, owners: Sequence[str], pca: AnalyzeGauss | SecureAnalyzeGauss,
+                 counts: LaplaceCounts | SkellamCounts, charge: Callable[[PrivacyCharge], object],
+                 noise: NoisePolicy, records: int) -> None:
+        self._actors, self._owners = list(actors), tuple(owners)
+        if not self._actors or len(self._owners) != len(self._actors):
+            raise ValueError(f"expected one owner per shard actor, got {len(self._owners)} for {len(self._actors)}")
+        self.secure = len(self._actors) > 1
+        expected = (SecureAnalyzeGauss, SkellamCounts) if self.secure else (AnalyzeGauss, LaplaceCounts)
+        if not (isinstance(pca, expected[0]) and isinstance(counts, expected[1])):
+            raise ValueError(f"{len(self._actors)} shard actor(s) release through {expected[0].__name__} and "
+                             f"{expected[1].__name__}, got {type(pca).__name__} and {type(counts).__name__}: "
+                             "the ledger would be charged for another mechanism than the one that runs")
+        if records < 1:
+            raise ValueError(f"records must be >= 1, got {records}")
+        self._pca, self._counts, self._charge, self._noise, self._records = pca, counts, charge, noise, records
 
     def dp_projection(self, components: int) -> np.ndarray:
-        parts = [a.covariance_sum.remote() for a in self._actors]
+        if not self.secure:
+            self._charge(self._pca.charge())
+            return ray.get(self._actors[0].release_projection.remote(self._pca, components, self._noise))
+        plan = self._pca.plan(ray.get(self._actors[0].embedding_dimension.remote()), self._owners, self._records)
         self._charge(self._pca.charge())
-        return ray.get(_release_projection.remote(self._pca, components, self._noise, *parts))
+        public_keys = self._fresh_keys()
+        shares = ray.get([actor.covariance_share.remote(self._pca, plan, self._owners, public_keys, "dp-pca",
+                                                        self._noise) for actor in self._actors])
+        return self._pca.release(shares, components, plan)
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
-        parts = [a.support_counts.remote(projection, public_points, threshold) for a in self._actors]
+        if not self.secure:
+            self._charge(self._counts.charge())
+            return ray.get(self._actors[0].release_counts.remote(self._counts, projection, public_points, threshold,
+                                                                 self._noise))
+        plan = self._counts.plan(len(public_points), self._owners, self._records)
         self._charge(self._counts.charge())
-        return ray.get(_release_counts.remote(self._counts, self._noise, *parts))
+        public_keys = self._fresh_keys()
+        shares = ray.get([actor.counts_share.remote(self._counts, plan, self._owners, public_keys, "support-counts",
+                                                    self._noise, projection, public_points, threshold)
+                          for actor in self._actors])
+        return self._counts.release(shares, plan)
+
+    def _fresh_keys(self) -> tuple[bytes, ...]:
+        """Every actor's new X25519 public key, in rank order, collected and passed on through Ray."""
+        return tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)]))
 
 
 @dataclass(frozen=True)
@@ -380,7 +444,7 @@ class ShardGroup:
 
     @property
     def secure(self) -> bool:
-        """Whether training sums across actors, through the secure sum (then charged as such)."""
+        """Whether sums cross actors (DP-SGD's and NearPrivate's), through the secure sum (then charged as such)."""
         return len(self.actors) > 1
 
     def train(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
@@ -402,9 +466,11 @@ class ShardGroup:
             ray.get(done)
         return ray.get(rank0)
 
-    def support(self, pca: AnalyzeGauss, counts: LaplaceCounts, charge: Callable[[PrivacyCharge], object],
-                noise: NoisePolicy) -> ShardSupport:
-        return ShardSupport(self.actors, pca, counts, charge, noise)
+    def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
+                charge: Callable[[PrivacyCharge], object], noise: NoisePolicy, records: int) -> ShardSupport:
+        """NearPrivate's private side over these actors: secure sums when there are several
+        (the secure mechanisms then), else the one actor noises its own sums."""
+        return ShardSupport(self.actors, self.owners, pca, counts, charge, noise, records)
 
     def shutdown(self) -> None:
         for actor in self.actors:

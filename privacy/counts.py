@@ -7,20 +7,30 @@ whether a point votes is decided by that point alone (e.g. an uncertainty thresh
 without looking at the other private points), never by its rank among them — a top-k over
 private points would let one addition evict another point and move two counts.
 
-The counts are separable: each shard holder counts its own points, the driver-side release
-adds the partial counts and draws the noise ONCE on the total. The noise is discrete Laplace
-(``NoiseSource.laplace_counts``, exact), so the released counts are integers and no float
-sampler's low bits leak (Mironov 2012); its pure ε is the continuous Laplace's.
+The counts are separable: each shard holder counts its own points. With one holder of all
+the points, that holder draws the noise ONCE on its counts (``LaplaceCounts``): discrete
+Laplace (``NoiseSource.laplace_counts``, exact), so the released counts are integers and no
+float sampler's low bits leak (Mironov 2012); its pure ε is the continuous Laplace's.
+
+With several holders, their counts meet only in a secure sum (``SkellamCounts``,
+``privacy.secure_release``): each sends its count vector with a Skellam noise share under
+pairwise masks, and whoever sums decodes only the noised total. The released counts are again
+integers, now with Skellam noise, charged as the Skellam mechanism.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import pure_epsilon_charge
+from privacy.accounting.skellam import skellam_charge
 from privacy.noise import NoiseSource
+from privacy.secure_release import party_share, release_plan, skellam_multiplier_for_epsilon, summed_shares
+from privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode_integers
 
 
 @dataclass(frozen=True)
@@ -42,10 +52,66 @@ class LaplaceCounts:
         """Pure ε (charge the ledger with this before releasing)."""
         return pure_epsilon_charge(self.epsilon, label="noisy-counts", orders=self.orders)
 
+    def summary(self) -> dict[str, Any]:
+        """What ``privacy.json`` says about this release's noise."""
+        return {"mechanism": "discrete Laplace added by the one holder", "scale": self.scale}
+
     def release(self, counts: np.ndarray, noise: NoiseSource) -> np.ndarray:
-        counts = np.asarray(counts)
-        if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"expected a 1-D vector of integer counts, got {counts.dtype} {counts.shape}")
-        if np.any(counts < 0):
-            raise ValueError("counts must be non-negative")
-        return noise.laplace_counts(counts, self.scale)
+        return noise.laplace_counts(_checked_counts(counts), self.scale)
+
+
+@dataclass(frozen=True)
+class SkellamCounts:
+    """Counts summed across parties through the secure sum, with Skellam noise (``privacy.secure_release``).
+
+    The count vectors are integers already (``integer_inputs``: no scaling, no rounding), and one
+    private point added or removed moves one count by 1, so Δ₂ = Δ₁ = 1 exactly; the total
+    carries Skellam noise of variance μ = z² against any one owner. The charge is the Skellam
+    mechanism at those numbers (Agarwal, Kairouz & Liu 2021, Cor. 3.6), the same for every
+    number of public points and parties, and z is the smallest multiplier whose charge gives at
+    most ``epsilon`` at ``delta``.
+    """
+
+    epsilon: float
+    delta: float
+    orders: np.ndarray | None = None
+    noise_multiplier: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier",
+                           skellam_multiplier_for_epsilon(self._charge_at, self.epsilon, self.delta))
+
+    def _charge_at(self, noise_multiplier: float) -> PrivacyCharge:
+        return skellam_charge(1.0, 1.0, noise_multiplier**2, label="noisy-counts", orders=self.orders)
+
+    def charge(self) -> PrivacyCharge:
+        """The Skellam RDP curve of one release (charge the ledger with this before releasing)."""
+        return self._charge_at(self.noise_multiplier)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``privacy.json`` says about this release's noise."""
+        return {"mechanism": "Skellam noise shares through the secure sum", "noise_multiplier": self.noise_multiplier}
+
+    def plan(self, size: int, owners: Sequence[str], norm_bound: float) -> SecureSumPlan:
+        """The secure sum of ``size`` counts over parties ``owners[rank]``, each counting at most
+        ``norm_bound`` points (public: the declared records; ‖counts‖₂ ≤ ‖counts‖₁)."""
+        return release_plan(self.charge(), dimension=size, owners=owners, norm_bound=norm_bound,
+                            noise_multiplier=self.noise_multiplier, integer_inputs=True, what="secure noisy counts")
+
+    def share(self, counts: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], masks: PairwiseMasks,
+              noise: NoiseSource) -> np.ndarray:
+        """One party's masked share of its counts (what leaves the party)."""
+        return party_share(_checked_counts(counts), plan, owners, masks, noise)
+
+    def release(self, shares: Sequence[np.ndarray], plan: SecureSumPlan) -> np.ndarray:
+        """The noised total counts, int64 (one share per party)."""
+        return decode_integers(summed_shares(shares, plan), plan).astype(np.int64)
+
+
+def _checked_counts(counts: np.ndarray) -> np.ndarray:
+    counts = np.asarray(counts)
+    if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"expected a 1-D vector of integer counts, got {counts.dtype} {counts.shape}")
+    if np.any(counts < 0):
+        raise ValueError("counts must be non-negative")
+    return counts

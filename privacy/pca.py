@@ -15,7 +15,11 @@ exactly with DP-SGD and the noisy counts. The top-p eigenvectors of the noisy ma
 post-processing and cost nothing more.
 
 The summed covariance is separable: each shard holder computes ``covariance_sum`` of its own
-rows; the partial sums are added and noise is added ONCE to the total.
+rows. With one holder of all the rows, that holder adds the noise ONCE (``AnalyzeGauss``).
+With several, their parts meet only in a secure sum (``SecureAnalyzeGauss``): each holder sends
+its upper triangle quantized, with a Skellam noise share, under pairwise masks, and whoever
+sums decodes only the noised total (``privacy.secure_release``); the noise is then Skellam and
+the release is charged as the Skellam mechanism.
 
 The released matrix is a float: its noise comes from ``NoiseSource.gaussian`` (an exact
 sampler, rounded once), not from a textbook float sampler whose low bits leak (Mironov 2012).
@@ -23,13 +27,19 @@ Neighbours are add/remove of one row.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
+from privacy.accounting.skellam import skellam_charge
 from privacy.noise import NoiseSource
+from privacy.secure_release import party_share, release_plan, skellam_multiplier_for_epsilon, summed_shares
+from privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:
@@ -45,6 +55,35 @@ def covariance_sum(x: np.ndarray) -> np.ndarray:
     """``Σ x xᵀ`` over the unit-normalised rows of ``x`` (uncentred, as in Analyze Gauss)."""
     z = normalise_rows(x)
     return z.T @ z
+
+
+def upper_triangle(matrix: np.ndarray) -> np.ndarray:
+    """The entries on and above the diagonal of a square matrix, row by row (d(d+1)/2 of them)."""
+    matrix = np.asarray(matrix, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"expected a square matrix, got shape {matrix.shape}")
+    return matrix[np.triu_indices(matrix.shape[0])]
+
+
+def symmetric_from_upper(upper: np.ndarray) -> np.ndarray:
+    """The symmetric matrix whose ``upper_triangle`` is ``upper`` (mirrored below the diagonal)."""
+    upper = np.asarray(upper, dtype=np.float64)
+    d = (math.isqrt(8 * upper.size + 1) - 1) // 2
+    if upper.ndim != 1 or d * (d + 1) // 2 != upper.size:
+        raise ValueError(f"{upper.size} entries are not the upper triangle of a square matrix")
+    matrix = np.zeros((d, d))
+    matrix[np.triu_indices(d)] = upper
+    return matrix + np.triu(matrix, 1).T
+
+
+def top_components(matrix: np.ndarray, components: int) -> np.ndarray:
+    """Top-``components`` eigenvectors of a symmetric matrix, as columns of a [d, p] projection."""
+    d = matrix.shape[0]
+    if not 1 <= components <= d:
+        raise ValueError(f"components must be in [1, {d}], got {components}")
+    values, vectors = np.linalg.eigh(matrix)
+    order = np.argsort(values)[::-1][:components]
+    return vectors[:, order]
 
 
 def gaussian_noise_for_epsilon(epsilon: float, delta: float, orders: np.ndarray | None = None,
@@ -89,6 +128,11 @@ class AnalyzeGauss:
         """The Gaussian RDP curve of one release (charge the ledger with this before releasing)."""
         return gaussian_charge(self.noise_multiplier, count=1, label="dp-pca", orders=self.orders)
 
+    def summary(self) -> dict[str, Any]:
+        """What ``privacy.json`` says about this release's noise."""
+        return {"mechanism": "Analyze Gauss, Gaussian noise added by the one holder",
+                "noise_multiplier": self.noise_multiplier}
+
     def noisy_covariance(self, total: np.ndarray, noise: NoiseSource) -> np.ndarray:
         """``total`` (the summed covariance of all shards) with its upper triangle released
         under Gaussian noise and mirrored below."""
@@ -105,6 +149,73 @@ class AnalyzeGauss:
         d = np.asarray(total).shape[0]
         if not 1 <= components <= d:
             raise ValueError(f"components must be in [1, {d}], got {components}")
-        values, vectors = np.linalg.eigh(self.noisy_covariance(total, noise))
-        order = np.argsort(values)[::-1][:components]
-        return vectors[:, order]
+        return top_components(self.noisy_covariance(total, noise), components)
+
+
+# Analyze Gauss through the secure sum charges the Skellam curve at Δ₁ = Δ₂ = 21 (see below).
+DOMINATING_SENSITIVITY = 1 + 1 / SecureSumPlan.rounding_inflation
+
+
+@dataclass(frozen=True)
+class SecureAnalyzeGauss:
+    """Analyze Gauss over parties whose covariance sums meet only in a secure sum (Skellam noise).
+
+    What is summed: each party's ``upper_triangle(Σ x xᵀ)`` over its unit-normalised rows, D =
+    d(d+1)/2 entries. Its L2 sensitivity is 1: one row x (‖x‖ ≤ 1) added or removed changes it
+    by ``upper_triangle(x xᵀ)``, and ``‖upper_triangle(x xᵀ)‖₂² = Σ_{i≤j} x_i²x_j² ≤ Σ_{i,j}
+    x_i²x_j² = ‖x xᵀ‖_F² = ‖x‖⁴ ≤ 1``. The plan (``privacy.secure_sum``) projects each part onto
+    the ball of the declared records (‖Σ x xᵀ‖_F ≤ n, and projection is non-expansive), scales by
+    γ and rounds, so in the integer domain Δ₂ = γ + √D and Δ₁ = √D·Δ₂, and the total carries
+    Skellam noise of variance μ = (z·Δ₂)² against any one owner. The decoded total is mirrored
+    into a symmetric matrix and its top eigenvectors are released (post-processing).
+
+    Charge (fixed before the dimension is known). The plan picks γ ≥ √D/0.05, so Δ₂ ≥ 21·√D ≥
+    21. At μ = (z·Δ₂)² the Skellam bound (Agarwal, Kairouz & Liu 2021, Cor. 3.6) reads
+
+        ε(α) = α/(2z²) + min( (2α − 1)/(4z⁴Δ₂²) + 3√D/(2z⁴Δ₂³),  3√D/(2z²Δ₂) ),
+
+    and with √D/Δ₂ ≤ 1/21 and 1/Δ₂² ≤ 1/21² every term is at most its value at Δ₂ = 21, √D = 1:
+    the Skellam curve at Δ₁ = Δ₂ = 21, μ = (21z)², which ``charge`` returns. A plan the ring
+    caps below that scale is refused (``plan``). z is calibrated so that this charge alone gives
+    at most ``epsilon`` at ``delta``.
+    """
+
+    epsilon: float
+    delta: float
+    orders: np.ndarray | None = None
+    noise_multiplier: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier",
+                           skellam_multiplier_for_epsilon(self._charge_at, self.epsilon, self.delta))
+
+    def _charge_at(self, noise_multiplier: float) -> PrivacyCharge:
+        bound = DOMINATING_SENSITIVITY
+        return skellam_charge(bound, bound, (noise_multiplier * bound) ** 2, label="dp-pca", orders=self.orders)
+
+    def charge(self) -> PrivacyCharge:
+        """The Skellam RDP curve every accepted plan stays under (charge the ledger with this first)."""
+        return self._charge_at(self.noise_multiplier)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``privacy.json`` says about this release's noise."""
+        return {"mechanism": "Analyze Gauss through the secure sum, Skellam noise shares",
+                "noise_multiplier": self.noise_multiplier}
+
+    def plan(self, dimension: int, owners: Sequence[str], norm_bound: float) -> SecureSumPlan:
+        """The secure sum of d×d covariances (``dimension`` d) over parties ``owners[rank]``, each
+        holding at most ``norm_bound`` rows (public: the declared records)."""
+        if not isinstance(dimension, int) or dimension < 1:
+            raise ValueError(f"dimension must be a positive integer, got {dimension!r}")
+        return release_plan(self.charge(), dimension=dimension * (dimension + 1) // 2, owners=owners,
+                            norm_bound=norm_bound, noise_multiplier=self.noise_multiplier, integer_inputs=False,
+                            what="secure DP-PCA")
+
+    def share(self, covariance: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], masks: PairwiseMasks,
+              noise: NoiseSource) -> np.ndarray:
+        """One party's masked share of its covariance sum ``covariance`` (what leaves the party)."""
+        return party_share(upper_triangle(covariance), plan, owners, masks, noise)
+
+    def release(self, shares: Sequence[np.ndarray], components: int, plan: SecureSumPlan) -> np.ndarray:
+        """Top-``components`` eigenvectors of the decoded noisy total (one share per party)."""
+        return top_components(symmetric_from_upper(decode(summed_shares(shares, plan), plan)), components)

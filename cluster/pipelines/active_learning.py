@@ -12,7 +12,9 @@
 3. Every strategy starts from the same final checkpoint, except NearPrivate, which starts from
    the latest earlier checkpoint whose ε_dp ⊕ ε_dpPCA ⊕ ε_support (composed in RDP) does not
    exceed the final checkpoint's ε, so all models compared carry the same guarantee
-   (as in the paper's Fig. 1b). NearPrivate's private sums are computed in the shard actors.
+   (as in the paper's Fig. 1b). NearPrivate's private sums are computed in the shard actors;
+   with several actors they cross only as masked shares of secure sums (Skellam noise), else
+   the one actor noises them itself (``Config.selection_releases``).
 4. Labels are bought for each strategy's picks, the checkpoint is fine-tuned on them (public
    data only: no privacy cost) and evaluated on the test set.
 
@@ -212,14 +214,19 @@ class Config:
         return actors > 1
 
     def selection_releases(self) -> list:
-        """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none."""
-        from privacy.counts import LaplaceCounts
-        from privacy.pca import AnalyzeGauss
+        """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none: through
+        secure sums with Skellam noise when several shard actors hold the private data, else
+        noised by the one actor (Gaussian, discrete Laplace). Each is calibrated to its ε at
+        the run's δ, and its ``charge()`` is what the ledger is charged when it runs."""
+        from privacy.counts import LaplaceCounts, SkellamCounts
+        from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
 
-        if "near_private" not in self.selection.strategies:
+        sel, delta = self.selection, self.privacy.delta
+        if "near_private" not in sel.strategies:
             return []
-        return [AnalyzeGauss(self.selection.epsilon_pca, self.privacy.delta),
-                LaplaceCounts(self.selection.epsilon_support)]
+        if self.secure_training:
+            return [SecureAnalyzeGauss(sel.epsilon_pca, delta), SkellamCounts(sel.epsilon_support, delta)]
+        return [AnalyzeGauss(sel.epsilon_pca, delta), LaplaceCounts(sel.epsilon_support)]
 
     def planned(self, training: PrivacyCharge) -> PrivacyCharge:
         """The worst case of the planned work: the DP-SGD run ``training`` plus NearPrivate's releases."""
@@ -557,12 +564,10 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
     from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
     from privacy.accounting.guarantee import worst_case_guarantee
     from privacy.accounting.ledger import PrivacyLedger
-    from privacy.counts import LaplaceCounts
-    from privacy.pca import AnalyzeGauss
 
     sel, delta = config.selection, config.privacy.delta
-    pca, counts = AnalyzeGauss(sel.epsilon_pca, delta), LaplaceCounts(sel.epsilon_support)
-    near_start = _near_private_start(config, checkpoints, [pca.charge(), counts.charge()])
+    releases = config.selection_releases()  # the planned ones: what the budget was fixed from
+    near_start = _near_private_start(config, checkpoints, [r.charge() for r in releases]) if releases else None
     noise = config.privacy.noise
     finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
                            lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
@@ -582,13 +587,16 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
         if name == "diverse_public":
             params = {"components": sel.components, "n_each": sel.n_each, "uncertain_factor": sel.uncertain_factor}
         elif name == "near_private":
-            ray.get([actor.set_weights.remote(start.state) for actor in shards.group.actors])
+            group = shards.group
+            if group.secure != config.secure_training:
+                raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
+            ray.get([actor.set_weights.remote(start.state) for actor in group.actors])
 
             def charge_both(charge, model_ledger=model_ledger):
                 ledger.charge(charge)  # the run's ledger first: it may refuse, and then nothing is released
                 model_ledger.charge(charge)
 
-            support = shards.group.support(pca, counts, charge_both, noise)
+            support = group.support(*releases, charge_both, noise, config.private_size)
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
         selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
         epsilon = _epsilon([model_ledger.spent()], delta)  # fixed work: its worst case is its guarantee
@@ -613,11 +621,12 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
                                    for name, l in model_ledgers.items()}}
     for l in model_ledgers.values():
         l.close()
-    if "near_private" in sel.strategies:
+    if releases:
+        pca, counts = releases
         near_total = _epsilon([near_start.charge(), pca.charge(), counts.charge()], delta)
         privacy["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], delta),
                          "epsilon_pca": sel.epsilon_pca, "epsilon_support": sel.epsilon_support,
-                         "pca_noise_multiplier": pca.noise_multiplier, "laplace_scale": counts.scale,
+                         "pca": pca.summary(), "support": counts.summary(),
                          "epsilon_total": near_total,  # composed in RDP (what the ledger says)
                          "epsilon_additive": _epsilon([near_start.charge()], delta) + sel.epsilon_pca
                          + sel.epsilon_support,  # the paper's bookkeeping: a looser upper bound

@@ -1,9 +1,10 @@
-"""Shard actors and data-parallel DP-SGD: private sums stay aggregates, the actors sum securely."""
+"""Shard actors and data-parallel DP-SGD: private sums leave the actors only as DP releases or masked shares."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
 from learning.dpsgd import DPSGDConfig, train_dp
@@ -11,9 +12,11 @@ from learning.embedding_stats import covariance_sum, support_counts
 from learning.data import load_digits
 from learning.selection.entropy import logit_entropy
 from learning.training import embed, predict_logits
-from privacy.counts import LaplaceCounts
-from privacy.noise import SECURE
-from privacy.pca import AnalyzeGauss
+from privacy.counts import LaplaceCounts, SkellamCounts
+from privacy.noise import SECURE, NoisePolicy
+from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss, upper_triangle
+from privacy.secure_release import summed_shares
+from privacy.secure_sum import decode_integers, skellam_noise
 
 SOURCE = PrivateSource("digits", None, private_size=600, num_shards=2, seed=0)
 MODEL = ModelSpec("digits_cnn", num_classes=10)
@@ -30,7 +33,8 @@ def actors(group):
     return group.actors
 
 
-def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(ray_session, actors):
+def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(ray_session, group):
+    actors, owners = group.actors, group.owners
     state = {k: v.numpy() for k, v in MODEL.build().state_dict().items()}
     ray_session.get([a.set_weights.remote(state) for a in actors])
 
@@ -38,29 +42,67 @@ def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(
     model = MODEL.build()
     embeddings = embed(model, union.x)
     entropy = logit_entropy(predict_logits(model, union.x))
-
-    parts = ray_session.get([a.covariance_sum.remote() for a in actors])
     d = embeddings.shape[1]
-    assert all(p.shape == (d, d) for p in parts)  # aggregate-shaped: no per-example rows cross
-    np.testing.assert_allclose(sum(parts), covariance_sum(embeddings), rtol=1e-5, atol=1e-6)
+    assert ray_session.get(actors[0].embedding_dimension.remote()) == d
+    policy = NoisePolicy(insecure_seed=5)  # replayable, so that the test can take each actor's noise share out
+
+    def shares(method, mechanism, plan, session, *args):
+        keys = tuple(ray_session.get([a.mask_key.remote(rank) for rank, a in enumerate(actors)]))
+        return ray_session.get([getattr(a, method).remote(mechanism, plan, owners, keys, session, policy, *args)
+                                for a in actors])
+
+    def noise_shares(plan, session):
+        variances = plan.party_variances(owners)
+        return sum(skellam_noise(plan.dimension, variances[rank], policy.source(f"{session}-{rank}"))
+                   for rank in range(len(actors)))
+
+    # What leaves each actor is a masked share, uniform on the ring; only their sum decodes,
+    # to the central covariance sum (up to each actor's rounding) plus the noise shares.
+    pca = SecureAnalyzeGauss(1.0, 1e-5)
+    plan = pca.plan(d, owners, 600)
+    covariance_shares = shares("covariance_share", pca, plan, "pca-test")
+    for share in covariance_shares:
+        assert share.shape == (d * (d + 1) // 2,) and share.min() >= 0 and share.max() < plan.modulus
+        assert stats.kstest(share / plan.modulus, "uniform").pvalue > 1e-4
+    total = decode_integers(summed_shares(covariance_shares, plan), plan)
+    clean = (total - noise_shares(plan, "pca-test")) / plan.scale
+    np.testing.assert_allclose(clean, upper_triangle(covariance_sum(embeddings)), rtol=0, atol=1.0 / plan.scale + 1e-3)
 
     rng = np.random.default_rng(0)
     projection = np.linalg.qr(rng.normal(size=(d, 4)))[0]
     public_points = rng.normal(size=(30, 4)) * 0.3
     threshold = float(np.median(entropy))
-    counts = ray_session.get([a.support_counts.remote(projection, public_points, threshold) for a in actors])
-    assert all(c.shape == (30,) and c.dtype == np.int64 for c in counts)
+    counts = SkellamCounts(0.5, 1e-5)
+    plan = counts.plan(30, owners, 600)
+    count_shares = shares("counts_share", counts, plan, "counts-test", projection, public_points, threshold)
+    assert all(c.shape == (30,) and c.dtype == np.int64 and c.max() < plan.modulus for c in count_shares)
     central = support_counts(embeddings, entropy, projection, public_points, threshold)
-    np.testing.assert_array_equal(sum(counts), central)
     assert central.sum() == np.sum(entropy >= threshold)  # each voter counted once
+    np.testing.assert_array_equal(counts.release(count_shares, plan) - noise_shares(plan, "counts-test"), central)
+    with pytest.raises(RuntimeError, match="fresh mask key"):  # a key pair serves one sum only
+        ray_session.get(actors[0].counts_share.remote(counts, plan, owners, (b"",) * 2, "again", policy,
+                                                      projection, public_points, threshold))
 
+    # Through ShardSupport: charged first, with the secure mechanisms' own curves.
     charged = []
-    support = ShardSupport(actors, AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append, SECURE)
+    support = group.support(pca, counts, charged.append, SECURE, records=600)
     released = support.dp_projection(4)
     noisy = support.noisy_support(released, public_points, threshold)
-    assert released.shape == (d, 4) and noisy.shape == (30,)
+    assert released.shape == (d, 4) and noisy.shape == (30,) and noisy.dtype == np.int64
     assert [c.label for c in charged] == ["dp-pca", "noisy-counts"]
-    assert not np.array_equal(noisy, central)  # noise was added
+    np.testing.assert_array_equal(charged[0].rdp, pca.charge().rdp)
+    np.testing.assert_array_equal(charged[1].rdp, counts.charge().rdp)
+    with pytest.raises(ValueError, match="charged for another mechanism"):
+        group.support(AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append, SECURE, records=600)
+
+    # One actor holding all the data noises its own sums (Gaussian, discrete Laplace); nothing else leaves it.
+    alone = ShardSupport(actors[:1], owners[:1], AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append,
+                         SECURE, records=600)
+    assert alone.dp_projection(4).shape == (d, 4)
+    assert alone.noisy_support(released, public_points, threshold).shape == (30,)
+    assert [c.label for c in charged[2:]] == ["dp-pca", "noisy-counts"]
+    with pytest.raises(ValueError, match="charged for another mechanism"):
+        ShardSupport(actors[:1], owners[:1], pca, counts, charged.append, SECURE, records=600)
 
 
 def test_data_parallel_dpsgd_on_two_actors_sums_securely_is_charged_as_skellam_and_learns(group):

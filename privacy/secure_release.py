@@ -1,0 +1,103 @@
+"""One-round DP releases of a sum across parties through the secure sum (DP-PCA, NearPrivate's counts).
+
+Each party (a shard actor, on its owner's node) turns its part of the sum into ONE masked share
+(``privacy.secure_sum``): its part quantized, plus its Skellam noise share, plus pairwise masks
+from a key pair made for this release alone. Whoever adds the shares (the driver) decodes only
+the noised total; a share on its own is uniform on the ring, and every owner, even knowing its
+own noise share, faces Skellam noise of variance μ = (z·Δ₂)² from the others' shares.
+
+The release is therefore the multi-dimensional Skellam mechanism (Agarwal, Kairouz & Liu,
+NeurIPS 2021, Cor. 3.6; ``privacy.accounting.skellam``) with the plan's integer-domain
+sensitivities Δ₁, Δ₂ and variance μ. Each release class (``privacy.pca.SecureAnalyzeGauss``,
+``privacy.counts.SkellamCounts``) charges a curve fixed by its noise multiplier z alone, so the
+run's planned worst case is known before any data is read; ``release_plan`` refuses any plan
+whose own Skellam curve exceeds that charge at some order, so what runs never costs more than
+what is charged. z is the smallest multiplier (to a relative 10⁻⁶) whose charge converts to at
+most the configured ε at the run's δ.
+
+A release is one round of one session: the caller gathers one share per party (a missing
+share leaves the total uniformly random, so it must then release nothing) and never reuses
+the key pairs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from privacy.accounting.charge import PrivacyCharge
+from privacy.accounting.rdp import epsilon_from_rdp
+from privacy.accounting.skellam import skellam_rdp
+from privacy.noise import NoiseSource
+from privacy.secure_sum import PairwiseMasks, SecureSumPlan, masked_share, quantize, skellam_noise
+
+RELEASE_ROUND = 0  # a release is the only round of its session (fresh key pairs every release)
+CALIBRATION_PRECISION = 1e-6  # relative width of the bracket the bisection stops at
+
+
+def skellam_multiplier_for_epsilon(charge_of: Callable[[float], PrivacyCharge], epsilon: float,
+                                   delta: float) -> float:
+    """Smallest noise multiplier z (to a relative 10⁻⁶, rounded up) whose ``charge_of(z)`` gives
+    ε ≤ ``epsilon`` at ``delta``.
+
+    Every Skellam charge here falls as z grows (each term of Cor. 3.6 does at μ = (z·Δ₂)²), so
+    bisection on a bracket applies, as ``learning.secure_dpsgd.calibrated_noise_multiplier``.
+    """
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+    def epsilon_of(z: float) -> float:
+        charge = charge_of(z)
+        return epsilon_from_rdp(charge.orders, charge.rdp, delta)[0]
+
+    low, high = 1e-3, 1.0
+    while epsilon_of(high) > epsilon:
+        low, high = high, high * 2
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon {epsilon} at delta {delta}")
+    while high / low > 1 + CALIBRATION_PRECISION:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if epsilon_of(middle) > epsilon else (low, middle)
+    return high
+
+
+def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str], norm_bound: float,
+                 noise_multiplier: float, integer_inputs: bool, what: str) -> SecureSumPlan:
+    """The secure sum of one release (sensitivity 1), refused if it would cost more than ``charge``.
+
+    ``owners[rank]`` is each party's owner (public); ``norm_bound`` bounds each party's vector
+    (public: from the declared records), used only to size the ring.
+    """
+    plan = SecureSumPlan(dimension=dimension, parties=len(owners), owners=len(set(owners)), norm_bound=norm_bound,
+                         sensitivity=1.0, noise_multiplier=noise_multiplier, integer_inputs=integer_inputs)
+    cost = skellam_rdp(charge.orders, plan.l1_sensitivity, plan.l2_sensitivity, plan.noise_variance)
+    if np.any(cost > charge.rdp * (1 + 1e-12)):
+        raise ValueError(f"{what}: the secure sum of {dimension} entries over {len(owners)} parties fits its ring "
+                         f"only at scale 2^{plan.scale_bits}, where it would cost more than its charge; "
+                         "declare fewer records")
+    return plan
+
+
+def party_share(vector: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], masks: PairwiseMasks,
+                noise: NoiseSource) -> np.ndarray:
+    """What party ``masks.rank`` sends: its vector quantized, plus its Skellam noise share, masked."""
+    variance = plan.party_variances(owners)[masks.rank]
+    noise_share = skellam_noise(plan.dimension, variance, noise)
+    return masked_share(quantize(vector, plan), noise_share, masks, plan, RELEASE_ROUND)
+
+
+def summed_shares(shares: Sequence[np.ndarray], plan: SecureSumPlan) -> np.ndarray:
+    """The int64 sum of one share per party (W·m < 2^63: no overflow); refuses a missing share."""
+    if len(shares) != plan.parties:
+        raise ValueError(f"expected one share from each of the {plan.parties} parties, got {len(shares)}: "
+                         "without every share the total is noise, so nothing is released")
+    stacked = np.asarray(shares)
+    if stacked.shape != (plan.parties, plan.dimension) or not np.issubdtype(stacked.dtype, np.integer):
+        raise ValueError(f"expected {plan.parties} integer shares of length {plan.dimension}, got "
+                         f"{stacked.dtype} {stacked.shape}")
+    if stacked.min() < 0 or stacked.max() >= plan.modulus:
+        raise ValueError("a share lies outside the ring [0, m)")
+    return stacked.astype(np.int64).sum(axis=0)
