@@ -44,10 +44,11 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import epsilon_from_rdp
 from privacy.accounting.skellam import subsampled_skellam_charge
 from privacy.noise import NoiseSource
-from privacy.secure_sum import MaskKeys, SecureSumPlan, decode, masked_share, quantize, skellam_noise
+from privacy.secure_release import skellam_multiplier_for_epsilon
+from privacy.secure_sum import (DOMINATING_SENSITIVITY, MaskKeys, SecureSumPlan, decode, masked_share, quantize,
+                                skellam_noise)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class SecureAggregation:
 def secure_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str) -> PrivacyCharge:
     """``steps`` steps of DP-SGD over any plan of noise multiplier z: the Poisson-subsampled
     Skellam mechanism at the dominating Δ₂ = Δ₁ = 21 (module docstring)."""
-    bound = 1 + 1 / SecureSumPlan.rounding_inflation
+    bound = DOMINATING_SENSITIVITY
     return subsampled_skellam_charge(sample_rate, bound, bound, (noise_multiplier * bound) ** 2, steps, label=label)
 
 
@@ -176,17 +177,6 @@ class SecureSumDPOptimizer(DPOptimizer):
 
 
 def calibrated_noise_multiplier(sample_rate: float, steps: int, target_epsilon: float, delta: float) -> float:
-    """The smallest noise multiplier z (to 0.5%) whose secure charge stays within ``target_epsilon``."""
-    def epsilon(z: float) -> float:
-        charge = secure_charge(sample_rate, z, steps, "calibration")
-        return epsilon_from_rdp(charge.orders, charge.rdp, delta)[0]
-
-    low, high = 0.05, 1.0
-    while epsilon(high) > target_epsilon:
-        low, high = high, high * 2
-        if high > 1e4:
-            raise ValueError(f"no noise multiplier up to 1e4 reaches epsilon {target_epsilon} in {steps} steps")
-    while high / low > 1.005:
-        middle = math.sqrt(low * high)
-        low, high = (middle, high) if epsilon(middle) > target_epsilon else (low, middle)
-    return high
+    """The smallest noise multiplier z whose secure charge stays within ``target_epsilon``."""
+    return skellam_multiplier_for_epsilon(lambda z: secure_charge(sample_rate, z, steps, "calibration"),
+                                          target_epsilon, delta)

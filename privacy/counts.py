@@ -20,7 +20,7 @@ integers, now with Skellam noise, charged as the Skellam mechanism.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import pure_epsilon_charge
 from privacy.accounting.skellam import skellam_charge
 from privacy.noise import NoiseSource
-from privacy.secure_release import party_share, release_plan, skellam_multiplier_for_epsilon, summed_shares
+from privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
 from privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode_integers
 
 
@@ -61,7 +61,7 @@ class LaplaceCounts:
 
 
 @dataclass(frozen=True)
-class SkellamCounts:
+class SkellamCounts(CalibratedRelease):
     """Counts summed across parties through the secure sum, with Skellam noise (``privacy.secure_release``).
 
     The count vectors are integers already (``integer_inputs``: no scaling, no rounding), and one
@@ -72,21 +72,9 @@ class SkellamCounts:
     most ``epsilon`` at ``delta``.
     """
 
-    epsilon: float
-    delta: float
-    orders: np.ndarray | None = None
-    noise_multiplier: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier",
-                           skellam_multiplier_for_epsilon(self._charge_at, self.epsilon, self.delta))
-
     def _charge_at(self, noise_multiplier: float) -> PrivacyCharge:
         return skellam_charge(1.0, 1.0, noise_multiplier**2, label="noisy-counts", orders=self.orders)
 
-    def charge(self) -> PrivacyCharge:
-        """The Skellam RDP curve of one release (charge the ledger with this before releasing)."""
-        return self._charge_at(self.noise_multiplier)
 
     def summary(self) -> dict[str, Any]:
         """What ``privacy.json`` says about this release's noise."""

@@ -38,8 +38,8 @@ from privacy.accounting.charge import PrivacyCharge
 from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
 from privacy.accounting.skellam import skellam_charge
 from privacy.noise import NoiseSource
-from privacy.secure_release import party_share, release_plan, skellam_multiplier_for_epsilon, summed_shares
-from privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode
+from privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
+from privacy.secure_sum import DOMINATING_SENSITIVITY, PairwiseMasks, SecureSumPlan, decode
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:
@@ -152,12 +152,8 @@ class AnalyzeGauss:
         return top_components(self.noisy_covariance(total, noise), components)
 
 
-# Analyze Gauss through the secure sum charges the Skellam curve at Δ₁ = Δ₂ = 21 (see below).
-DOMINATING_SENSITIVITY = 1 + 1 / SecureSumPlan.rounding_inflation
-
-
 @dataclass(frozen=True)
-class SecureAnalyzeGauss:
+class SecureAnalyzeGauss(CalibratedRelease):
     """Analyze Gauss over parties whose covariance sums meet only in a secure sum (Skellam noise).
 
     What is summed: each party's ``upper_triangle(Σ x xᵀ)`` over its unit-normalised rows, D =
@@ -180,22 +176,10 @@ class SecureAnalyzeGauss:
     at most ``epsilon`` at ``delta``.
     """
 
-    epsilon: float
-    delta: float
-    orders: np.ndarray | None = None
-    noise_multiplier: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier",
-                           skellam_multiplier_for_epsilon(self._charge_at, self.epsilon, self.delta))
-
     def _charge_at(self, noise_multiplier: float) -> PrivacyCharge:
         bound = DOMINATING_SENSITIVITY
         return skellam_charge(bound, bound, (noise_multiplier * bound) ** 2, label="dp-pca", orders=self.orders)
 
-    def charge(self) -> PrivacyCharge:
-        """The Skellam RDP curve every accepted plan stays under (charge the ledger with this first)."""
-        return self._charge_at(self.noise_multiplier)
 
     def summary(self) -> dict[str, Any]:
         """What ``privacy.json`` says about this release's noise."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,6 +63,28 @@ def skellam_multiplier_for_epsilon(charge_of: Callable[[float], PrivacyCharge], 
         middle = math.sqrt(low * high)
         low, high = (middle, high) if epsilon_of(middle) > epsilon else (low, middle)
     return high
+
+
+@dataclass(frozen=True)
+class CalibratedRelease:
+    """A one-round Skellam release whose noise multiplier is the smallest that keeps its charge
+    within ``epsilon`` at ``delta``; subclasses say what the charge is at a multiplier z."""
+
+    epsilon: float
+    delta: float
+    orders: np.ndarray | None = None
+    noise_multiplier: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier",
+                           skellam_multiplier_for_epsilon(self._charge_at, self.epsilon, self.delta))
+
+    def _charge_at(self, noise_multiplier: float) -> PrivacyCharge:
+        raise NotImplementedError
+
+    def charge(self) -> PrivacyCharge:
+        """The Skellam RDP curve of one release (charge the ledger with this before releasing)."""
+        return self._charge_at(self.noise_multiplier)
 
 
 def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str], norm_bound: float,

@@ -232,6 +232,12 @@ class SecureSumPlan:
             object.__setattr__(self, name, value)
 
 
+# Every plan of a real-valued sum picks γ with √d ≤ rounding_inflation·γc, so Δ₂ = γc + √d ≥ 21√d ≥ 21:
+# each term of the Skellam bound (Cor. 3.6) at μ = (z·Δ₂)² is then at most its value at Δ₁ = Δ₂ = 21,
+# the curve a charge can use before d is known (learning.secure_dpsgd, privacy.pca.SecureAnalyzeGauss).
+DOMINATING_SENSITIVITY = 1 + 1 / SecureSumPlan.rounding_inflation
+
+
 def project(v: np.ndarray, radius: float) -> np.ndarray:
     """Euclidean projection onto the L2 ball of ``radius`` (non-expansive: a convex set's projection)."""
     norm = float(np.linalg.norm(v))

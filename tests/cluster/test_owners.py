@@ -130,18 +130,24 @@ def _flawed_owner_files(tmp_path):
     return flawed
 
 
-@pytest.mark.slow
-def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
-    """One record fewer than declared, an unknown label, a missing value: the run finishes, with
-    the guarantee the config alone fixes, and nothing it prints or writes names a flaw."""
-    from cluster import cli
-
+def _flawed_config(tmp_path):
+    """configs/hospitals.yaml with the flawed owner files above."""
     flawed = _flawed_owner_files(tmp_path)
     raw = load_yaml(HOSPITALS)
     for owner in raw["owners"]:
         owner["data"]["path"] = str(flawed[owner["name"]])
     config_file = tmp_path / "flawed.yaml"
     config_file.write_text(yaml.safe_dump(raw))
+    return config_file
+
+
+@pytest.mark.slow
+def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
+    """One record fewer than declared, an unknown label, a missing value: the run finishes, with
+    the guarantee the config alone fixes, and nothing it prints or writes names a flaw."""
+    from cluster import cli
+
+    config_file = _flawed_config(tmp_path)
     monkeypatch.chdir(PROJECT_ROOT)
     assert cli.main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
     out, err = capsys.readouterr()
@@ -156,12 +162,7 @@ def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_ses
 def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, monkeypatch, capsys):
     from cluster import cli
 
-    flawed = _flawed_owner_files(tmp_path)
-    raw = load_yaml(HOSPITALS)
-    for owner in raw["owners"]:
-        owner["data"]["path"] = str(flawed[owner["name"]])
-    config_file = tmp_path / "flawed.yaml"
-    config_file.write_text(yaml.safe_dump(raw))
+    config_file = _flawed_config(tmp_path)
     monkeypatch.chdir(PROJECT_ROOT)
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_b"]) == 1
     out = capsys.readouterr().out
