@@ -2,8 +2,9 @@
 
 Both sums are separable over shards — the summed covariance of unit-normalised embeddings
 and the per-public-point counts of nearest uncertain private points — so each shard holder
-computes its part and only these aggregates ever leave it, to be added up and noised once
-(``privacy.pca.AnalyzeGauss``, ``privacy.counts.LaplaceCounts``).
+computes its part. A lone holder noises its own sums (``privacy.pca.AnalyzeGauss``,
+``privacy.counts.LaplaceCounts``); several send only masked shares of a secure sum with their
+Skellam noise shares in them (``privacy.pca.SecureAnalyzeGauss``, ``privacy.counts.SkellamCounts``).
 
 ``CentralSupport`` is the single-holder ``PrivateSupport``: it is for code that already holds
 all private embeddings in one process (tests, one-machine runs). Ray runs use

@@ -2,8 +2,9 @@
 
 The private side (who holds the private embeddings) answers two DP questions through a
 ``PrivateSupport``: a DP-PCA projection of the private embeddings (Analyze Gauss, ε_dpPCA)
-and, for the projected uncertain public points, Laplace-noised counts of the uncertain
-private points nearest each of them (ε_support). Here we pick the k most uncertain public
+and, for the projected uncertain public points, noisy counts of the uncertain private points
+nearest each of them (ε_support): discrete Laplace from a lone holder, Skellam through the
+secure sum when several shard actors hold the data (``actors.dp_trainer.ShardSupport``). Here we pick the k most uncertain public
 points, ask for both releases ONCE, and label the public points with the highest noisy
 counts; smaller budgets are prefixes of the largest. Total ε = ε_dp + ε_dpPCA + ε_support
 (composed in the run's ledger).
@@ -35,7 +36,7 @@ class PrivateSupport(Protocol):
         ...
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
-        """Laplace-noised count, per row of ``public_points`` ([m, p], projected), of the private
+        """Noisy count (ε_support), per row of ``public_points`` ([m, p], projected), of the private
         points with entropy ≥ ``threshold`` whose projection is nearest to that row."""
         ...
 
