@@ -42,7 +42,7 @@ import ray
 import torch
 from torch import nn
 
-from actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
+from actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
 from actors.placement import Placement, require_node
 from learning.annotation import split_private_public
 from learning.data import Dataset, load_dataset, shard
@@ -457,14 +457,34 @@ class ShardGroup:
         public_keys = tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(self.actors)]))
         log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
                  len(self.actors), address)
-        pending = [actor.train_dp.remote(config, noise, num_examples, DataParallelGroup(address, rank, self.owners, public_keys),
-                                         recipe, progress and rank == 0)
-                   for rank, actor in enumerate(self.actors)]
-        rank0 = pending[0]
-        while pending:  # the first failure raises at once instead of after the others time out
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)
-        return ray.get(rank0)
+        ranks = [actor.train_dp.remote(config, noise, num_examples,
+                                       DataParallelGroup(address, rank, self.owners, public_keys),
+                                       recipe, progress and rank == 0)
+                 for rank, actor in enumerate(self.actors)]
+        pending = list(ranks)
+        try:
+            while pending:  # the first failure raises at once instead of after the others time out
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+        except ray.exceptions.RayError:
+            self._raise_dropout(ranks)
+            raise
+        return ray.get(ranks[0])
+
+    def _raise_dropout(self, ranks: list) -> None:
+        """After a failed secure sum: if a rank's actor died, say whose, in one line. A dead
+        actor's result is ready at once; the others may still wait in the collective."""
+        ready, _ = ray.wait(ranks, num_returns=len(ranks), timeout=5)
+        for owner, ref in zip(self.owners, ranks):
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise OwnerDropout(f"owner {owner} dropped out of the secure sum: the run stops and releases "
+                                   "nothing of the unfinished round") from None
+            except ray.exceptions.RayError:
+                continue
 
     def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
                 charge: Callable[[PrivacyCharge], object], noise: NoisePolicy, records: int) -> ShardSupport:

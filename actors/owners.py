@@ -71,6 +71,11 @@ class OwnerDataError(RuntimeError):
     """An owner's data could not be read where its actors run (one line naming the owner)."""
 
 
+class OwnerDropout(RuntimeError):
+    """An owner's actor died in the middle of a secure sum: the round cannot complete, so the run
+    stops and releases nothing of it (one line naming the owner)."""
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """What an actor holding an owner's data says about itself: the shape of its inputs and

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
     results = RunDirectory(args.results_dir, run_name)
     results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
-    from actors.owners import OwnerDataError  # here: torch and Ray load only for a run
+    from actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
 
     started = time.perf_counter()
     try:
@@ -62,6 +62,9 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, OwnerDataError, PlacementError) as err:  # one line: the config's or an owner's data
         print(f"conclave: {err}", file=sys.stderr)
         return 2
+    except OwnerDropout as err:  # after the start: one line, its own status
+        print(f"conclave: {err}", file=sys.stderr)
+        return 3
     elapsed = time.perf_counter() - started
     print(f"\n{pipeline} run '{run_name}' finished in {elapsed:.0f} s; results in {results.path}/")
     for key, value in summary.items():

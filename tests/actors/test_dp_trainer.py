@@ -145,3 +145,16 @@ def test_one_actor_trains_alone_on_the_declared_schedule_and_checkpoints_every_e
     assert checkpoints[1].sample_rate == pytest.approx(0.1)
     with pytest.raises(ValueError, match="shard ids"):
         SOURCE.load([2])
+
+
+def test_an_owner_dropping_out_of_the_secure_sum_stops_training_in_one_line(ray_session):
+    """A rank's actor killed mid-training: the round cannot complete, the group says whose."""
+    import threading
+
+    from actors.owners import OwnerDropout
+
+    config = DPSGDConfig(epochs=200, batch_size=60, lr=0.1, noise_multiplier=1.0)
+    with ShardGroup([ShardPlan(SOURCE, (0,)), ShardPlan(SOURCE, (1,))], MODEL, num_cpus=0.5) as group:
+        threading.Timer(8.0, lambda: ray_session.kill(group.actors[1])).start()
+        with pytest.raises(OwnerDropout, match=r"^owner digits \(private split\) dropped out of the secure sum"):
+            group.train(config, SECURE, num_examples=600)
