@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,9 +117,13 @@ def subject_alternative_name(host: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
         pass
-    if not host or any(c.isspace() or c in ",;/:" for c in host):
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
         raise CertificateError(f"not an IP address or a host name: {host!r}")
     return x509.DNSName(host)
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # RFC 1123 labels
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:

@@ -368,3 +368,5 @@ def test_ray_certs_writes_a_ca_and_node_certificates_it_signs_for_the_nodes_addr
     assert cli.main(["ray-certs", str(tmp_path / "c"), "--hosts", "10.0.0.8,10.0.0.9"]) == 2
     assert capsys.readouterr().err.strip() == "conclave: not an IP address or a host name: '10.0.0.8,10.0.0.9'"
     assert not (tmp_path / "c").exists()  # nothing written
+    assert cli.main(["ray-certs", str(tmp_path / "d"), "--hosts", "head_node!"]) == 2  # not an RFC 1123 name
+    assert capsys.readouterr().err.strip() == "conclave: not an IP address or a host name: 'head_node!'"
