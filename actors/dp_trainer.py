@@ -343,6 +343,12 @@ class ShardHolder:
 ShardActor = ray.remote(ShardHolder)
 
 
+def fresh_public_keys(actors: Sequence) -> tuple[bytes, ...]:
+    """Every shard actor's new X25519 public key for the next secure sum, in rank order, collected
+    and passed on through Ray (mutually authenticated under TLS), never over the gloo link."""
+    return tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)]))
+
+
 class ShardSupport:
     """NearPrivate's ``PrivateSupport`` over shard actors; the ledger is charged (``charge``)
     before each release.
@@ -379,7 +385,7 @@ class ShardSupport:
             return ray.get(self._actors[0].release_projection.remote(self._pca, components, self._noise))
         plan = self._pca.plan(ray.get(self._actors[0].embedding_dimension.remote()), self._owners, self._records)
         self._charge(self._pca.charge())
-        public_keys = self._fresh_keys()
+        public_keys = fresh_public_keys(self._actors)
         shares = ray.get([actor.covariance_share.remote(self._pca, plan, self._owners, public_keys, "dp-pca",
                                                         self._noise) for actor in self._actors])
         return self._pca.release(shares, components, plan)
@@ -391,15 +397,12 @@ class ShardSupport:
                                                                  self._noise))
         plan = self._counts.plan(len(public_points), self._owners, self._records)
         self._charge(self._counts.charge())
-        public_keys = self._fresh_keys()
+        public_keys = fresh_public_keys(self._actors)
         shares = ray.get([actor.counts_share.remote(self._counts, plan, self._owners, public_keys, "support-counts",
                                                     self._noise, projection, public_points, threshold)
                           for actor in self._actors])
         return self._counts.release(shares, plan)
 
-    def _fresh_keys(self) -> tuple[bytes, ...]:
-        """Every actor's new X25519 public key, in rank order, collected and passed on through Ray."""
-        return tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)]))
 
 
 @dataclass(frozen=True)
@@ -454,7 +457,7 @@ class ShardGroup:
         if len(self.actors) == 1:
             return ray.get(self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe, progress))
         address = ray.get(self.actors[0].rendezvous.remote())
-        public_keys = tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(self.actors)]))
+        public_keys = fresh_public_keys(self.actors)
         log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
                  len(self.actors), address)
         ranks = [actor.train_dp.remote(config, noise, num_examples,

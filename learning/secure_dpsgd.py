@@ -35,7 +35,6 @@ Only ``grad_sample_mode`` hooks is supported here (per-example gradients, masks 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,9 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.skellam import subsampled_skellam_charge
+from privacy.accounting.skellam import skellam_charge, subsampled_skellam_charge
 from privacy.noise import NoiseSource
-from privacy.secure_release import skellam_multiplier_for_epsilon
+from privacy.secure_release import release_plan, skellam_multiplier_for_epsilon
 from privacy.secure_sum import (DOMINATING_SENSITIVITY, MaskKeys, SecureSumPlan, decode, masked_share, quantize,
                                 skellam_noise)
 
@@ -75,16 +74,15 @@ class SecureAggregation:
                              f"d = {self.dimension}")
 
     def plan(self, max_grad_norm: float, noise_multiplier: float, num_examples: int, steps: int) -> SecureSumPlan:
-        """The ring, scale and noise of every step, from public numbers only. A rank's clipped
-        sum has norm ≤ C·(its batch); the ball of C·N (N declared) leaves it untouched unless the
-        rank holds more records than the whole run declared."""
-        plan = SecureSumPlan(dimension=self.dimension, parties=len(self.owners), owners=len(set(self.owners)),
-                             norm_bound=max_grad_norm * num_examples, sensitivity=max_grad_norm,
-                             noise_multiplier=noise_multiplier, rounds=max(steps, 1))
-        if math.sqrt(self.dimension) > plan.rounding_inflation * plan.scale * max_grad_norm:
-            raise ValueError(f"secure sum: the ring cannot hold {self.dimension} entries at the scale "
-                             "secure_charge assumes; declare fewer records or train fewer entries")
-        return plan
+        """The ring, scale and noise of every step, from public numbers only, refused if a step
+        would cost more than ``secure_charge`` assumes. A rank's clipped sum has norm ≤ C·(its
+        batch); the ball of C·N (N declared) leaves it untouched unless the rank holds more
+        records than the whole run declared."""
+        bound = DOMINATING_SENSITIVITY
+        return release_plan(skellam_charge(bound, bound, (noise_multiplier * bound) ** 2),
+                            dimension=self.dimension, owners=self.owners, norm_bound=max_grad_norm * num_examples,
+                            noise_multiplier=noise_multiplier, integer_inputs=False, what="secure DP-SGD",
+                            sensitivity=max_grad_norm, rounds=max(steps, 1))
 
 
 def secure_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str) -> PrivacyCharge:

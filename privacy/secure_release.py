@@ -88,14 +88,17 @@ class CalibratedRelease:
 
 
 def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str], norm_bound: float,
-                 noise_multiplier: float, integer_inputs: bool, what: str) -> SecureSumPlan:
-    """The secure sum of one release (sensitivity 1), refused if it would cost more than ``charge``.
+                 noise_multiplier: float, integer_inputs: bool, what: str, sensitivity: float = 1.0,
+                 rounds: int = 1) -> SecureSumPlan:
+    """The secure sum of ``rounds`` rounds, refused if one round would cost more than ``charge``
+    (the base curve a charge is built on; subsampling and composition only keep the order).
 
     ``owners[rank]`` is each party's owner (public); ``norm_bound`` bounds each party's vector
     (public: from the declared records), used only to size the ring.
     """
     plan = SecureSumPlan(dimension=dimension, parties=len(owners), owners=len(set(owners)), norm_bound=norm_bound,
-                         sensitivity=1.0, noise_multiplier=noise_multiplier, integer_inputs=integer_inputs)
+                         sensitivity=sensitivity, noise_multiplier=noise_multiplier, rounds=rounds,
+                         integer_inputs=integer_inputs)
     cost = skellam_rdp(charge.orders, plan.l1_sensitivity, plan.l2_sensitivity, plan.noise_variance)
     if np.any(cost > charge.rdp * (1 + 1e-12)):
         raise ValueError(f"{what}: the secure sum of {dimension} entries over {len(owners)} parties fits its ring "
