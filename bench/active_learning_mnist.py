@@ -9,11 +9,12 @@ A second run reuses those checkpoints on a polluted public pool (+20% out-of-dom
 inverted digits, uniform noise, random strokes) and reports the share of out-of-domain picks.
 
 Writes results/bench/active_learning_mnist.json after each run (an interrupted benchmark keeps
-what it measured; "quick" and "full" figures sit side by side in it; ``sound`` at the top is
+what it measured; "quick", "full" and their "_secure" figures sit side by side in it; ``sound`` at the top is
 false when any run's, of either, is) and the run folders under results/bench/active_learning_mnist/.
 
     python bench/active_learning_mnist.py            # configs/mnist-active.yaml as shipped
     python bench/active_learning_mnist.py --quick    # smaller private set, fewer epochs and budgets
+    python bench/active_learning_mnist.py --secure   # one shard actor per shard, summed securely (clean pool)
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from bench.soundness import run_reasons, soundness  # noqa: E402
 
 log = logging.getLogger("bench.active_learning_mnist")
 
+MODES = ("full", "quick", "full_secure", "quick_secure")
 POLLUTION = 0.2  # as the paper's SVHN test: 10k CIFAR images in a 50k pool
 
 SEED_REFERENCE = {
@@ -58,9 +60,14 @@ SEED_REFERENCE = {
 }
 
 
-def bench_config(mnist: Path, quick: bool) -> Config:
+def bench_config(mnist: Path, quick: bool, secure: bool) -> Config:
     _, config = load_run_config(load_yaml(ROOT / "configs" / "mnist-active.yaml"))
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, root=str(mnist)))
+    if secure:
+        # One shard actor per shard, as two owners would hold them: DP-SGD's clipped sums and
+        # NearPrivate's sums meet only in the secure sum with distributed Skellam noise.
+        config = dataclasses.replace(config, name=f"{config.name}-secure",
+                                     dpsgd=dataclasses.replace(config.dpsgd, distributed=True))
     if not quick:
         return config
     return dataclasses.replace(
@@ -85,6 +92,8 @@ def table(metrics: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run (minutes, not tens of minutes)")
+    parser.add_argument("--secure", action="store_true",
+                        help="one shard actor per shard, summed through the secure sum (clean pool only)")
     parser.add_argument("--mnist", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "active_learning_mnist.json")
     args = parser.parse_args()
@@ -93,17 +102,17 @@ def main() -> int:
     # else on the machine and the timings would measure the neighbours.
     os.environ.setdefault("RAY_worker_niceness", "0")
 
-    config = bench_config(args.mnist, args.quick)
+    config = bench_config(args.mnist, args.quick, args.secure)
     runs_dir = args.out.parent / "active_learning_mnist"
-    mode = "quick" if args.quick else "full"
+    mode = ("quick" if args.quick else "full") + ("_secure" if args.secure else "")
     report: dict = {"config": dataclasses.asdict(config), "thread_settings": thread_settings(), "runs": {},
                     "finished": False}
-    # One file for both modes: a quick run does not erase the full run's figures, nor vice versa.
+    # One file for every mode: a quick run does not erase the full run's figures, nor vice versa.
     everything = json.loads(args.out.read_text()) if args.out.exists() else {}
     everything.update({"seed_reference": SEED_REFERENCE, mode: report})
 
     def save() -> None:
-        runs = {f"{kind}/{name}": run for kind in ("full", "quick") if kind in everything
+        runs = {f"{kind}/{name}": run for kind in MODES if kind in everything
                 for name, run in everything[kind]["runs"].items()}
         everything.update(soundness(run_reasons(runs)))
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +124,9 @@ def main() -> int:
     # A rerun of the benchmark is a fresh measurement: its run folders (and ledgers) start empty.
     for name in (config.name, polluted.name):
         shutil.rmtree(runs_dir / name, ignore_errors=True)
-    for key, run_config in (("clean", config), ("polluted", polluted)):
+    # The pollution run reuses the clean run's checkpoints: it says nothing new about the sums.
+    runs = (("clean", config),) if args.secure else (("clean", config), ("polluted", polluted))
+    for key, run_config in runs:
         log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
         outcome = run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
@@ -135,11 +146,14 @@ def main() -> int:
     final = clean["dp_checkpoints"][-1]
     top = str(max(config.selection.sizes))
     best = {name: cells[top]["accuracy"] for name, cells in clean["table"].items()}
-    shares = {name: cells[top]["out_of_domain_share"] for name, cells in report["runs"]["polluted"]["table"].items()}
-    print(f"active_learning_mnist{' (quick)' if args.quick else ''}: DP checkpoint {final['test_accuracy']:.4f} "
+    polluted_run = report["runs"].get("polluted")
+    shares = {} if polluted_run is None else {
+        name: cells[top]["out_of_domain_share"] for name, cells in polluted_run["table"].items()}
+    print(f"active_learning_mnist ({mode}): DP checkpoint {final['test_accuracy']:.4f} "
           f"at ε={final['epsilon']:.2f}; at N={top}: "
           + ", ".join(f"{k} {v:.4f}" for k, v in best.items())
-          + "; polluted pool, out-of-domain share: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items())
+          + ("; polluted pool, out-of-domain share: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items())
+             if shares else "")
           + f"; wrote {args.out}")
     return 0
 
