@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/perf.py
 
 proto: $(STAMP)
-	$(BIN)/python -m protos.generate
+	$(BIN)/python -m conclave.protos.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -49,7 +49,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from actors.labeller import (
+from conclave.actors.labeller import (
     INPUT_DTYPE,
     BudgetStatus,
     InvalidInput,
@@ -59,12 +59,12 @@ from actors.labeller import (
     VoteSource,
     decode_inputs,
 )
-from learning.data.schema import InputSchema
-from privacy.accounting.guarantee import Guarantee
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from privacy.mechanisms.base import VoteMechanism
-from privacy.noise import SECURE, NoisePolicy
-from protos import aggregator_pb2
+from conclave.learning.data.schema import InputSchema
+from conclave.privacy.accounting.guarantee import Guarantee
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from conclave.privacy.mechanisms.base import VoteMechanism
+from conclave.privacy.noise import SECURE, NoisePolicy
+from conclave.protos import aggregator_pb2
 
 log = logging.getLogger(__name__)
 

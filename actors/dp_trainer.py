@@ -42,23 +42,23 @@ import ray
 import torch
 from torch import nn
 
-from actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
-from actors.placement import Placement, require_node
-from learning.annotation import split_private_public
-from learning.data import Dataset, load_dataset, shard
-from learning.data.features import apply_features
-from learning.data.schema import Standardiser
-from learning.dpsgd import DPSGDConfig, dp_step_charge, train_dp
-from learning.embedding_stats import covariance_sum, support_counts
-from learning.secure_dpsgd import SecureGroup
-from learning.models import build_model
-from learning.selection.entropy import logit_entropy
-from learning.training import embed, predict_logits
-from privacy.accounting.charge import PrivacyCharge
-from privacy.counts import LaplaceCounts, SkellamCounts
-from privacy.noise import NoisePolicy
-from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
-from privacy.secure_sum import MaskKeys, SecureSumPlan
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
+from conclave.actors.placement import Placement, require_node
+from conclave.learning.annotation import split_private_public
+from conclave.learning.data import Dataset, load_dataset, shard
+from conclave.learning.data.features import apply_features
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.dpsgd import DPSGDConfig, dp_step_charge, train_dp
+from conclave.learning.embedding_stats import covariance_sum, support_counts
+from conclave.learning.secure_dpsgd import SecureGroup
+from conclave.learning.models import build_model
+from conclave.learning.selection.entropy import logit_entropy
+from conclave.learning.training import embed, predict_logits
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.counts import LaplaceCounts, SkellamCounts
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
+from conclave.privacy.secure_sum import MaskKeys, SecureSumPlan
 
 log = logging.getLogger(__name__)
 

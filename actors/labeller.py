@@ -30,12 +30,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from learning.data.schema import InputSchema
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.guarantee import Guarantee, unbounded_guarantee
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from privacy.mechanisms.base import ABSTAIN, VoteMechanism
-from privacy.noise import SECURE, NoisePolicy
+from conclave.learning.data.schema import InputSchema
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from conclave.privacy.mechanisms.base import ABSTAIN, VoteMechanism
+from conclave.privacy.noise import SECURE, NoisePolicy
 
 log = logging.getLogger(__name__)
 

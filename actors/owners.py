@@ -21,10 +21,10 @@ from typing import Callable, Sequence
 import numpy as np
 import ray
 
-from actors.placement import PlacementError
-from learning.data import Dataset, shard
-from learning.data.dataset import cap_shard, shard_cap
-from learning.data.sources import DataSource
+from conclave.actors.placement import PlacementError
+from conclave.learning.data import Dataset, shard
+from conclave.learning.data.dataset import cap_shard, shard_cap
+from conclave.learning.data.sources import DataSource
 
 
 @dataclass(frozen=True)

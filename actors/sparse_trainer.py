@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from learning.data import Dataset
-from learning.models import build_model
-from learning.sparse import SparsePlan, plan_variant, replace_classifier, transfer_split
+from conclave.learning.data import Dataset
+from conclave.learning.models import build_model
+from conclave.learning.sparse import SparsePlan, plan_variant, replace_classifier, transfer_split
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,13 @@ import ray
 import torch
 from tqdm import tqdm
 
-from learning.data import Dataset
-from learning.data.features import apply_features, batch_transform
-from learning.data.schema import Standardiser
-from learning.models import build_model
-from learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
-from learning.semi_supervised import FixMatchConfig, fixmatch
-from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+from conclave.learning.data import Dataset
+from conclave.learning.data.features import apply_features, batch_transform
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.models import build_model
+from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
+from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
+from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict_logits
 
 log = logging.getLogger(__name__)
 

@@ -45,16 +45,16 @@ import ray
 import torch
 from tqdm import tqdm
 
-from actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
-from actors.placement import Placement, require_node
-from learning.data import Dataset, make_splits, shard
-from learning.data.dataset import SHARD_LEMMA
-from learning.data.features import apply_features, features_of
-from learning.data.schema import Standardiser
-from learning.models import build_model
-from learning.models.ensemble import StackedEnsemble
-from learning.training import TrainConfig, fit, predict
-from privacy.accounting.charge import ADD_REMOVE
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
+from conclave.actors.placement import Placement, require_node
+from conclave.learning.data import Dataset, make_splits, shard
+from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.learning.data.features import apply_features, features_of
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.models import build_model
+from conclave.learning.models.ensemble import StackedEnsemble
+from conclave.learning.training import TrainConfig, fit, predict
+from conclave.privacy.accounting.charge import ADD_REMOVE
 
 log = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
 
 share_cores()
 
-from cluster.config import load_yaml  # noqa: E402
-from cluster.pipelines import RunContext  # noqa: E402
-from cluster.pipelines.active_learning import Config, run  # noqa: E402
-from cluster.results import RunDirectory  # noqa: E402
-from cluster.run_command import load_run_config  # noqa: E402
+from conclave.cluster.config import load_yaml  # noqa: E402
+from conclave.cluster.pipelines import RunContext  # noqa: E402
+from conclave.cluster.pipelines.active_learning import Config, run  # noqa: E402
+from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.run_command import load_run_config  # noqa: E402
 
 from bench.soundness import run_reasons, soundness  # noqa: E402
 

@@ -49,7 +49,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learning.threads import share_cores, thread_settings  # noqa: E402
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()  # before torch loads
 
@@ -57,8 +57,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from learning.grad_sample_modes import PROBED as DPSGD_MODES  # noqa: E402  Opacus's ways to clip per example
-from privacy.noise import SECURE  # noqa: E402
+from conclave.learning.grad_sample_modes import PROBED as DPSGD_MODES  # noqa: E402  Opacus's ways to clip per example
+from conclave.privacy.noise import SECURE  # noqa: E402
 
 from bench.soundness import soundness  # noqa: E402
 
@@ -115,14 +115,14 @@ def matmul_gflops(size: int = 1024, times: int = 8) -> Callable[[], float]:
 def mnist_or_random(count: int) -> np.ndarray:
     root = ROOT.parent / "shared" / "data" / "mnist"
     if root.is_dir():
-        from learning.data import load_mnist
+        from conclave.learning.data import load_mnist
 
         return load_mnist(str(root))[1].x[:count]
     return np.random.default_rng(0).random((count, 1, 28, 28), dtype=np.float32)
 
 
 def bench_threads(repetitions: int, quick: bool) -> dict:
-    from learning.models import build_model
+    from conclave.learning.models import build_model
 
     x = torch.rand(512 if quick else 2048, 1, 28, 28)
     y = torch.randint(0, 10, (len(x),))
@@ -146,10 +146,10 @@ def bench_threads(repetitions: int, quick: bool) -> dict:
 
 
 def bench_teacher_inference(repetitions: int, quick: bool) -> dict:
-    from learning.models import build_model
-    from learning.models.ensemble import StackedEnsemble
-    from learning.models.pooling import MaxPool2d
-    from learning.training import predict
+    from conclave.learning.models import build_model
+    from conclave.learning.models.ensemble import StackedEnsemble
+    from conclave.learning.models.pooling import MaxPool2d
+    from conclave.learning.training import predict
 
     teachers = 25 if quick else 250
     images = mnist_or_random(256)
@@ -213,8 +213,8 @@ def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[
 def bench_dpsgd(repetitions: int, quick: bool) -> dict:
     import warnings
 
-    from learning.grad_sample_modes import fastest_mode, private_step
-    from learning.models import build_model
+    from conclave.learning.grad_sample_modes import fastest_mode, private_step
+    from conclave.learning.models import build_model
 
     warnings.filterwarnings("ignore", module="opacus")
     warnings.filterwarnings("ignore", message="Full backward hook")
@@ -280,8 +280,8 @@ def bench_allocator(repetitions: int, quick: bool) -> dict:
 def steps_child(models: list[str]) -> None:
     """In a fresh process: median seconds of a plain and a book-keeping step (batch 256, 3
     interleaved repetitions after a warm-up), printed as one JSON line."""
-    from learning.grad_sample_modes import private_step
-    from learning.models import build_model
+    from conclave.learning.grad_sample_modes import private_step
+    from conclave.learning.models import build_model
 
     out = {}
     for name in models:
@@ -312,11 +312,11 @@ class FixedVotes:
 
 
 def bench_aggregator(calls: int) -> dict:
-    from actors.aggregator import AggregatorServer, ServerSettings
-    from cluster.client import AggregatorClient
-    from privacy.accounting.filter import RenyiFilter
-    from privacy.accounting.ledger import PrivacyLedger
-    from privacy.mechanisms import build_mechanism
+    from conclave.actors.aggregator import AggregatorServer, ServerSettings
+    from conclave.cluster.client import AggregatorClient
+    from conclave.privacy.accounting.filter import RenyiFilter
+    from conclave.privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.mechanisms import build_mechanism
 
     rng = np.random.default_rng(0)
     inputs = rng.random((2 * calls + 20, 1, 8, 8), dtype=np.float32)  # distinct: every call is charged
@@ -367,9 +367,9 @@ def bench_aggregator(calls: int) -> dict:
 
 
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
-    from actors.teacher import TeacherGroup, TeacherPool, TeacherSource
-    from cluster.ray_runtime import start_ray
-    from learning.training import TrainConfig
+    from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource
+    from conclave.cluster.ray_runtime import start_ray
+    from conclave.learning.training import TrainConfig
 
     import ray
 

@@ -51,14 +51,14 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
 
 share_cores()
 
-from actors.labeller import input_keys  # noqa: E402
-from cluster.client import AggregatorClient, is_budget_refusal  # noqa: E402
-from learning.data import load_digits  # noqa: E402
-from protos import aggregator_pb2, aggregator_pb2_grpc  # noqa: E402
+from conclave.actors.labeller import input_keys  # noqa: E402
+from conclave.cluster.client import AggregatorClient, is_budget_refusal  # noqa: E402
+from conclave.learning.data import load_digits  # noqa: E402
+from conclave.protos import aggregator_pb2, aggregator_pb2_grpc  # noqa: E402
 
 from bench.soundness import soundness  # noqa: E402
 
@@ -116,7 +116,7 @@ class Serve:
         err_path = self.workdir / f"serve-{self.starts}.err"
         env = {**os.environ, "CONCLAVE_TOKEN": TOKEN}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "serve", str(self.config), "--port", str(self.port),
+            [sys.executable, "-m", "conclave.cluster.cli", "serve", str(self.config), "--port", str(self.port),
              "--ledger", str(self.ledger)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err_path.open("w"), text=True)
         for line in self.process.stdout:
@@ -413,7 +413,7 @@ def main() -> int:
     final = AggregatorClient(serve.address, token=TOKEN).budget()
     exit_code = serve.stop()
     facts = ledger_facts(serve.ledger)
-    from cluster.ray_runtime import reclaim_orphaned_ray
+    from conclave.cluster.ray_runtime import reclaim_orphaned_ray
 
     left_at_end = reclaim_orphaned_ray()
     latencies = np.array(tally.latencies) * 1000

@@ -37,20 +37,20 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
 
 share_cores()
 import torch  # noqa: E402
 
-from cluster.pipelines.sparse_finetune import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
-from learning.data import Dataset  # noqa: E402
-from learning.dpsgd import DPSGDConfig, dp_schedule, train_dp  # noqa: E402
-from learning.models import build_model  # noqa: E402
-from learning.sparse import VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier  # noqa: E402
-from learning.training import evaluate  # noqa: E402
-from privacy.accounting.guarantee import worst_case_guarantee  # noqa: E402
-from privacy.accounting.rdp import sum_charges  # noqa: E402
-from privacy.noise import SECURE  # noqa: E402
+from conclave.cluster.pipelines.sparse_finetune import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
+from conclave.learning.data import Dataset  # noqa: E402
+from conclave.learning.dpsgd import DPSGDConfig, dp_schedule, train_dp  # noqa: E402
+from conclave.learning.models import build_model  # noqa: E402
+from conclave.learning.sparse import VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier  # noqa: E402
+from conclave.learning.training import evaluate  # noqa: E402
+from conclave.privacy.accounting.guarantee import worst_case_guarantee  # noqa: E402
+from conclave.privacy.accounting.rdp import sum_charges  # noqa: E402
+from conclave.privacy.noise import SECURE  # noqa: E402
 
 from bench.soundness import soundness  # noqa: E402
 
@@ -145,7 +145,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     warnings.filterwarnings("ignore", module="opacus")
     warnings.filterwarnings("ignore", message=".*backward hook.*")
-    logging.getLogger("learning.dpsgd").setLevel(logging.WARNING)  # one line per run is enough
+    logging.getLogger("conclave.learning.dpsgd").setLevel(logging.WARNING)  # one line per run is enough
     torch.set_num_threads(args.threads)
 
     setting = {

@@ -34,14 +34,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
 
 share_cores()
 
-from learning.data import Dataset, load_mnist  # noqa: E402
-from learning.data.dataset import record_hashes  # noqa: E402
-from privacy.mechanisms import ABSTAIN, Stability  # noqa: E402
-from privacy.noise import SECURE  # noqa: E402
+from conclave.learning.data import Dataset, load_mnist  # noqa: E402
+from conclave.learning.data.dataset import record_hashes  # noqa: E402
+from conclave.privacy.mechanisms import ABSTAIN, Stability  # noqa: E402
+from conclave.privacy.noise import SECURE  # noqa: E402
 
 from bench.soundness import soundness  # noqa: E402
 

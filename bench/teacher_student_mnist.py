@@ -40,17 +40,17 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
+from conclave.learning.threads import share_cores, thread_settings  # noqa: E402  (before torch loads)
 
 share_cores()
 
-from cluster.config import load_yaml  # noqa: E402
-from cluster.pipelines.teacher_student import (  # noqa: E402
+from conclave.cluster.config import load_yaml  # noqa: E402
+from conclave.cluster.pipelines.teacher_student import (  # noqa: E402
     Config, Ensemble, TrainingConfig, public_data, teach_student, teacher_pool, teacher_source, train_teachers,
 )
-from cluster.pipelines import RunOutcome  # noqa: E402
-from cluster.results import RunDirectory  # noqa: E402
-from cluster.run_command import load_run_config  # noqa: E402
+from conclave.cluster.pipelines import RunOutcome  # noqa: E402
+from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.run_command import load_run_config  # noqa: E402
 
 from bench.soundness import run_reasons, soundness  # noqa: E402
 
@@ -144,9 +144,9 @@ def clean_votes(teachers: Ensemble, asked: int) -> dict:
 def individual_teachers(config: Config, splits, count: int = 10) -> dict:
     """NON-PRIVATE DIAGNOSTIC: the first ``count`` teachers, trained in this process as the
     actors train them, each evaluated on the public test split."""
-    from actors.teacher import TeacherGroup
-    from learning.data.features import features_of
-    from learning.training import predict
+    from conclave.actors.teacher import TeacherGroup
+    from conclave.learning.data.features import features_of
+    from conclave.learning.training import predict
 
     count = min(count, config.teachers.count)
     group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
@@ -175,7 +175,7 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     has actors; the faster counts (on a busy machine, intra-op threads can hurt). It loads
     the same shards in this process, as a one-process deployment would.
     """
-    from actors.teacher import TeacherGroup
+    from conclave.actors.teacher import TeacherGroup
 
     compared, startup = pool_of(config, public_data(config), count)
     one_process: dict[int, float] = {}
@@ -203,10 +203,10 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
 
 def throughput(config: Config, teachers, single) -> dict:
     """labels/s: student-side gRPC client → aggregator → Ray actors, vs in-process teachers."""
-    from actors.aggregator import AggregatorServer, ServerSettings
-    from cluster.client import AggregatorClient
-    from privacy.accounting.ledger import PrivacyLedger
-    from privacy.noise import SECURE
+    from conclave.actors.aggregator import AggregatorServer, ServerSettings
+    from conclave.cluster.client import AggregatorClient
+    from conclave.privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.noise import SECURE
 
     # Fresh inputs (the test split, never asked by the students), so the cache never answers.
     inputs = teachers.splits.test.x[: 3 * BATCH]
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
-    from cluster.ray_runtime import start_ray
+    from conclave.cluster.ray_runtime import start_ray
 
     out: dict = {"quick": args.quick, "thread_settings": thread_settings(), "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bench_dir = RunDirectory(args.results_dir, "bench")

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from privacy.accounting.ledger import LedgerSnapshot, read_ledger
-from privacy.accounting.report import analysis_report, checked_votes
-from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from privacy.mechanisms import MECHANISMS, build_mechanism, parameter_names
-from privacy.noise import NoisePolicy
+from conclave.privacy.accounting.ledger import LedgerSnapshot, read_ledger
+from conclave.privacy.accounting.report import analysis_report, checked_votes
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from conclave.privacy.mechanisms import MECHANISMS, build_mechanism, parameter_names
+from conclave.privacy.noise import NoisePolicy
 
 EXIT_BAD_INPUT = 2
 _OWN_FLAGS = {"delta", "orders", "conversion", "budget", "ledger", "answered", "json"}

@@ -1,6 +1,6 @@
 """The library API: owners' data → a teacher ensemble → a private aggregator → a student.
 
-    from cluster.api import Config, DataSource, OwnerConfig, serve, train_ensemble, train_student
+    from conclave.cluster.api import Config, DataSource, OwnerConfig, serve, train_ensemble, train_student
 
     config = Config(
         name="hospitals",
@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.owners import owner_resources
-from cluster.pipelines import PrivacyConfig
-from cluster.pipelines.teacher_student import (
+from conclave.cluster.owners import owner_resources
+from conclave.cluster.pipelines import PrivacyConfig
+from conclave.cluster.pipelines.teacher_student import (
     Config, Ensemble, MechanismConfig, OwnerConfig, PublicData, StudentConfig, TeachersConfig, TrainingConfig,
     checked_public, privacy_section, reserve_estimates, resolved, server_settings,
     start_aggregator, train_teachers,
 )
-from learning.data.sources import DataSource
+from conclave.learning.data.sources import DataSource
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def train_ensemble(config: Config, ray_address: str | None = None, progress: boo
     driver's data when already loaded and checked (``checked_public``)."""
     public = public if public is not None else checked_public(config)
     config = resolved(config, public)
-    from cluster.ray_runtime import start_ray
+    from conclave.cluster.ray_runtime import start_ray
 
     embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env)
     return train_teachers(config, progress=progress, public=public, embedded=embedded)
@@ -136,9 +136,9 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray
 
-    from actors.placement import PlacementError, largest_free_cpu, require_node
-    from actors.student import StudentActor
-    from cluster.client import AggregatorClient
+    from conclave.actors.placement import PlacementError, largest_free_cpu, require_node
+    from conclave.actors.student import StudentActor
+    from conclave.cluster.client import AggregatorClient
 
     config = resolved(config, ensemble.public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))

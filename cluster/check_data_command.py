@@ -17,8 +17,8 @@ import os
 import sys
 from collections import Counter
 
-from cluster.config import ConfigError, load_yaml
-from learning.data.dataset import DataFormatError, shard_cap
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.learning.data.dataset import DataFormatError, shard_cap
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.run_command import load_run_config
+    from conclave.cluster.run_command import load_run_config
 
     try:
         pipeline, config = load_run_config(load_yaml(args.config))
@@ -61,7 +61,7 @@ def _owner(config, name: str):
 
 def _classes(config) -> tuple[str, ...]:
     """The run's class list: the config's, or the public test data's labels, as a run takes it."""
-    from learning.data.sources import class_names
+    from conclave.learning.data.sources import class_names
 
     if getattr(config, "classes", None):
         return tuple(config.classes)

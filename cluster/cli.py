@@ -11,17 +11,18 @@ import importlib
 import logging
 import sys
 
-from learning.threads import share_cores
+from conclave import DISTRIBUTION, __version__
+from conclave.learning.threads import share_cores
 
 COMMANDS = {
-    "demo": ("cluster.run_command", "run the teacher/student demo on scikit-learn digits"),
-    "run": ("cluster.run_command", "run a pipeline described by a YAML config"),
-    "serve": ("cluster.serve_command", "train teachers and serve the gRPC aggregator"),
-    "query": ("cluster.query_command", "ask a running aggregator to label inputs"),
-    "analyze": ("cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
-    "check-data": ("cluster.check_data_command", "an owner's look at its own data, run on its own node"),
-    "ray-certs": ("cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
-    "tune": ("tuning.command", "Ray Tune sweep described by a YAML config"),
+    "demo": ("conclave.cluster.run_command", "run the teacher/student demo on scikit-learn digits"),
+    "run": ("conclave.cluster.run_command", "run a pipeline described by a YAML config"),
+    "serve": ("conclave.cluster.serve_command", "train teachers and serve the gRPC aggregator"),
+    "query": ("conclave.cluster.query_command", "ask a running aggregator to label inputs"),
+    "analyze": ("conclave.cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
+    "check-data": ("conclave.cluster.check_data_command", "an owner's look at its own data, run on its own node"),
+    "ray-certs": ("conclave.cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
+    "tune": ("conclave.tuning.command", "Ray Tune sweep described by a YAML config"),
 }
 
 
@@ -29,6 +30,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``selected``'s module is imported (the others just list their help)."""
     parser = argparse.ArgumentParser(prog="conclave", description="Private teacher/student learning on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)

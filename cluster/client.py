@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, NamedTuple
 import grpc
 import numpy as np
 
-from protos import aggregator_pb2, aggregator_pb2_grpc
+from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from actors.placement import Placement
-from learning.data.dataset import StudentSplits
-from learning.data.schema import InputSchema, Standardiser
-from learning.data.sources import DataSource
+from conclave.actors.placement import Placement
+from conclave.learning.data.dataset import StudentSplits
+from conclave.learning.data.schema import InputSchema, Standardiser
+from conclave.learning.data.sources import DataSource
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class PublicData:
     def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
         """The ``public`` and ``test`` sources; the class list is ``classes`` or the test labels'
         (never an owner's)."""
-        from learning.data.sources import class_names
+        from conclave.learning.data.sources import class_names
 
         classes = classes or class_names(test.read_raw().labels)
         splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
@@ -122,8 +122,8 @@ def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], see
     every actor placed where the owner says (``actors.dp_trainer.ShardPlan``)."""
     import os
 
-    from actors.dp_trainer import OwnerShards, ShardPlan
-    from actors.owners import OwnerSource
+    from conclave.actors.dp_trainer import OwnerShards, ShardPlan
+    from conclave.actors.owners import OwnerSource
 
     here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
     # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)

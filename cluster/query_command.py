@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cluster.client import AggregatorClient, is_budget_refusal
+from conclave.cluster.client import AggregatorClient, is_budget_refusal
 
 TOKEN_ENV = "CONCLAVE_TOKEN"
 

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from cluster.tls import LOOPBACK_NAMES, create_authority, issue, load_authority, subject_alternative_name
+from conclave.cluster.tls import LOOPBACK_NAMES, create_authority, issue, load_authority, subject_alternative_name
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import ray
 
-from learning.allocator import SETTINGS
+from conclave.learning.allocator import SETTINGS
 
 log = logging.getLogger(__name__)
 

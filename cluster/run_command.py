@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from actors.placement import PlacementError
-from cluster.config import ConfigError, from_dict, load_yaml
-from cluster.pipelines import RunContext, pipeline_module
-from cluster.results import RunDirectory
+from conclave.actors.placement import PlacementError
+from conclave.cluster.config import ConfigError, from_dict, load_yaml
+from conclave.cluster.pipelines import RunContext, pipeline_module
+from conclave.cluster.results import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
     results = RunDirectory(args.results_dir, run_name)
     results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
-    from actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
+    from conclave.actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
 
     started = time.perf_counter()
     try:

@@ -28,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.config import ConfigError, load_yaml
+from conclave.cluster.config import ConfigError, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
-    from cluster.run_command import load_run_config
+    from conclave.cluster.run_command import load_run_config
 
     try:
         pipeline, config = load_run_config(load_yaml(args.config))
@@ -62,11 +62,11 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
 
-    from actors.placement import PlacementError
-    from actors.owners import OwnerDataError
-    from cluster.api import train_ensemble
-    from cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
-    from cluster.ray_runtime import record_ray_processes
+    from conclave.actors.placement import PlacementError
+    from conclave.actors.owners import OwnerDataError
+    from conclave.cluster.api import train_ensemble
+    from conclave.cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
+    from conclave.cluster.ray_runtime import record_ray_processes
 
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     try:

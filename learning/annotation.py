@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from learning.data import Dataset
+from conclave.learning.data import Dataset
 
 UNLABELED = -1
 

@@ -42,13 +42,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-from learning.bookkeeping import BookKeeping, private_optimizer
-from learning.grad_sample_modes import PROBED, fastest_mode
-from learning.secure_dpsgd import (SecureAggregation, SecureGroup, SecureSumDPOptimizer, broadcast_parameters,
+from conclave.learning.bookkeeping import BookKeeping, private_optimizer
+from conclave.learning.grad_sample_modes import PROBED, fastest_mode
+from conclave.learning.secure_dpsgd import (SecureAggregation, SecureGroup, SecureSumDPOptimizer, broadcast_parameters,
                                    calibrated_noise_multiplier, secure_charge, trainable_entries)
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_charge
-from privacy.noise import NoiseSource
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_charge
+from conclave.privacy.noise import NoiseSource
 
 log = logging.getLogger(__name__)
 

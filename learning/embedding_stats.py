@@ -17,10 +17,10 @@ from typing import Callable
 import numpy as np
 from sklearn.neighbors import NearestNeighbors
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.counts import LaplaceCounts
-from privacy.noise import NoisePolicy
-from privacy.pca import AnalyzeGauss, covariance_sum, normalise_rows
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.counts import LaplaceCounts
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.pca import AnalyzeGauss, covariance_sum, normalise_rows
 
 __all__ = ["covariance_sum", "support_counts", "CentralSupport"]
 

@@ -27,7 +27,7 @@ from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from learning.bookkeeping import private_optimizer
+from conclave.learning.bookkeeping import private_optimizer
 
 log = logging.getLogger(__name__)
 

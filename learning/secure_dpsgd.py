@@ -42,11 +42,11 @@ import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.skellam import skellam_charge, subsampled_skellam_charge
-from privacy.noise import NoiseSource
-from privacy.secure_release import release_plan, skellam_multiplier_for_epsilon
-from privacy.secure_sum import (DOMINATING_SENSITIVITY, MaskKeys, SecureSumPlan, decode, masked_share, quantize,
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.skellam import skellam_charge, subsampled_skellam_charge
+from conclave.privacy.noise import NoiseSource
+from conclave.privacy.secure_release import release_plan, skellam_multiplier_for_epsilon
+from conclave.privacy.secure_sum import (DOMINATING_SENSITIVITY, MaskKeys, SecureSumPlan, decode, masked_share, quantize,
                                 skellam_noise)
 
 

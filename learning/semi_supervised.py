@@ -67,7 +67,7 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
     from torch import nn
     from tqdm.auto import tqdm
 
-    from learning.augment import STRONG, WEAK
+    from conclave.learning.augment import STRONG, WEAK
 
     weak, strong = weak or WEAK, strong or STRONG
     if len(images) == 0:

@@ -26,7 +26,7 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
-from learning.data import Dataset, load_dataset
+from conclave.learning.data import Dataset, load_dataset
 
 VARIANTS = ("classifier", "classifier+norm", "all", "whole")
 GROUPS = ("conv", "norm", "classifier", "other")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from learning.allocator import allocator_settings, keep_freed_memory
+from conclave.learning.allocator import allocator_settings, keep_freed_memory
 
 DEFAULTS = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from learning.data import Dataset
+from conclave.learning.data import Dataset
 
 log = logging.getLogger(__name__)
 

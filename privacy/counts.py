@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import pure_epsilon_charge
-from privacy.accounting.skellam import skellam_charge
-from privacy.noise import NoiseSource
-from privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
-from privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode_integers
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import pure_epsilon_charge
+from conclave.privacy.accounting.skellam import skellam_charge
+from conclave.privacy.noise import NoiseSource
+from conclave.privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
+from conclave.privacy.secure_sum import PairwiseMasks, SecureSumPlan, decode_integers
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
-from privacy.accounting.skellam import skellam_charge
-from privacy.noise import NoiseSource
-from privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
-from privacy.secure_sum import DOMINATING_SENSITIVITY, PairwiseMasks, SecureSumPlan, decode
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
+from conclave.privacy.accounting.skellam import skellam_charge
+from conclave.privacy.noise import NoiseSource
+from conclave.privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
+from conclave.privacy.secure_sum import DOMINATING_SENSITIVITY, PairwiseMasks, SecureSumPlan, decode
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.accounting.skellam import skellam_rdp
-from privacy.noise import NoiseSource
-from privacy.secure_sum import PairwiseMasks, SecureSumPlan, masked_share, quantize, skellam_noise
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.accounting.skellam import skellam_rdp
+from conclave.privacy.noise import NoiseSource
+from conclave.privacy.secure_sum import PairwiseMasks, SecureSumPlan, masked_share, quantize, skellam_noise
 
 RELEASE_ROUND = 0  # a release is the only round of its session (fresh key pairs every release)
 CALIBRATION_PRECISION = 1e-6  # relative width of the bracket the bisection stops at

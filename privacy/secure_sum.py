@@ -69,7 +69,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from privacy.noise import NoiseSource
+from conclave.privacy.noise import NoiseSource
 
 logger = logging.getLogger(__name__)
 

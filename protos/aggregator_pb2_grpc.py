@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import aggregator_pb2 as protos_dot_aggregator__pb2
+from conclave.protos import aggregator_pb2 as conclave_dot_protos_dot_aggregator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/aggregator_pb2_grpc.py depends on'
+        + ' but the generated code in conclave/protos/aggregator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class AggregatorStub:
         """
         self.Label = channel.unary_unary(
                 '/conclave.v1.Aggregator/Label',
-                request_serializer=protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
-                response_deserializer=protos_dot_aggregator__pb2.LabelReply.FromString,
+                request_serializer=conclave_dot_protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
+                response_deserializer=conclave_dot_protos_dot_aggregator__pb2.LabelReply.FromString,
                 _registered_method=True)
         self.LabelStream = channel.stream_stream(
                 '/conclave.v1.Aggregator/LabelStream',
-                request_serializer=protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
-                response_deserializer=protos_dot_aggregator__pb2.LabelReply.FromString,
+                request_serializer=conclave_dot_protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
+                response_deserializer=conclave_dot_protos_dot_aggregator__pb2.LabelReply.FromString,
                 _registered_method=True)
         self.GetBudget = channel.unary_unary(
                 '/conclave.v1.Aggregator/GetBudget',
-                request_serializer=protos_dot_aggregator__pb2.BudgetRequest.SerializeToString,
-                response_deserializer=protos_dot_aggregator__pb2.BudgetReply.FromString,
+                request_serializer=conclave_dot_protos_dot_aggregator__pb2.BudgetRequest.SerializeToString,
+                response_deserializer=conclave_dot_protos_dot_aggregator__pb2.BudgetReply.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Label': grpc.unary_unary_rpc_method_handler(
                     servicer.Label,
-                    request_deserializer=protos_dot_aggregator__pb2.LabelRequest.FromString,
-                    response_serializer=protos_dot_aggregator__pb2.LabelReply.SerializeToString,
+                    request_deserializer=conclave_dot_protos_dot_aggregator__pb2.LabelRequest.FromString,
+                    response_serializer=conclave_dot_protos_dot_aggregator__pb2.LabelReply.SerializeToString,
             ),
             'LabelStream': grpc.stream_stream_rpc_method_handler(
                     servicer.LabelStream,
-                    request_deserializer=protos_dot_aggregator__pb2.LabelRequest.FromString,
-                    response_serializer=protos_dot_aggregator__pb2.LabelReply.SerializeToString,
+                    request_deserializer=conclave_dot_protos_dot_aggregator__pb2.LabelRequest.FromString,
+                    response_serializer=conclave_dot_protos_dot_aggregator__pb2.LabelReply.SerializeToString,
             ),
             'GetBudget': grpc.unary_unary_rpc_method_handler(
                     servicer.GetBudget,
-                    request_deserializer=protos_dot_aggregator__pb2.BudgetRequest.FromString,
-                    response_serializer=protos_dot_aggregator__pb2.BudgetReply.SerializeToString,
+                    request_deserializer=conclave_dot_protos_dot_aggregator__pb2.BudgetRequest.FromString,
+                    response_serializer=conclave_dot_protos_dot_aggregator__pb2.BudgetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Aggregator:
             request,
             target,
             '/conclave.v1.Aggregator/Label',
-            protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
-            protos_dot_aggregator__pb2.LabelReply.FromString,
+            conclave_dot_protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
+            conclave_dot_protos_dot_aggregator__pb2.LabelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Aggregator:
             request_iterator,
             target,
             '/conclave.v1.Aggregator/LabelStream',
-            protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
-            protos_dot_aggregator__pb2.LabelReply.FromString,
+            conclave_dot_protos_dot_aggregator__pb2.LabelRequest.SerializeToString,
+            conclave_dot_protos_dot_aggregator__pb2.LabelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Aggregator:
             request,
             target,
             '/conclave.v1.Aggregator/GetBudget',
-            protos_dot_aggregator__pb2.BudgetRequest.SerializeToString,
-            protos_dot_aggregator__pb2.BudgetReply.FromString,
+            conclave_dot_protos_dot_aggregator__pb2.BudgetRequest.SerializeToString,
+            conclave_dot_protos_dot_aggregator__pb2.BudgetReply.FromString,
             options,
             channel_credentials,
             insecure,

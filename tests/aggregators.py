@@ -4,11 +4,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from actors.aggregator import AggregatorServer, ServerSettings
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import RenyiFilter, filter_for
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.mechanisms import build_mechanism
+from conclave.actors.aggregator import AggregatorServer, ServerSettings
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.filter import RenyiFilter, filter_for
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import build_mechanism
 
 DELTA = 1e-5
 INPUT_SHAPE = (1, 8, 8)  # scikit-learn's digits

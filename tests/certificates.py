@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.tls import LOOPBACK_NAMES, create_authority, issue
+from conclave.cluster.tls import LOOPBACK_NAMES, create_authority, issue
 
 
 @dataclass(frozen=True)

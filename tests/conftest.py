@@ -45,7 +45,7 @@ def run_config_opening(tmp_path, monkeypatch, capsys, driver_opens):
     """``run(config)``: ``conclave run config`` from the project root (the configs' paths are
     relative to it), results under ``tmp_path``; it must succeed, and it returns the files the
     driver opened meanwhile."""
-    from cluster import cli
+    from conclave.cluster import cli
 
     def run(config: Path) -> set[str]:
         monkeypatch.chdir(PROJECT_ROOT)
@@ -79,7 +79,7 @@ def ray_session():
     grants them when it starts the embedded Ray for that config."""
     import ray
 
-    from cluster.ray_runtime import start_ray
+    from conclave.cluster.ray_runtime import start_ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp_dir
@@ -92,8 +92,8 @@ def ray_session():
 def teachers(ray_session):
     """Four real digits-CNN teachers on one Ray actor, trained once per test module that asks
     (module scope: a session-long actor would hold CPU that other modules' actors need)."""
-    from actors.teacher import TeacherPool, TeacherSource
-    from learning.training import TrainConfig
+    from conclave.actors.teacher import TeacherPool, TeacherSource
+    from conclave.learning.training import TrainConfig
 
     # The whole digits train set in 4 shards (public_size only cuts the test set).
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.config import ConfigError
+from conclave.cluster.config import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> None:
@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> Non
 
 
 def main(args: argparse.Namespace) -> int:
-    from tuning.config import load_tune_config
-    from tuning.sweep import check, run_sweep, summary_lines
+    from conclave.tuning.config import load_tune_config
+    from conclave.tuning.sweep import check, run_sweep, summary_lines
 
     try:
         config = load_tune_config(args.config)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cluster.config import from_dict, load_yaml
+from conclave.cluster.config import from_dict, load_yaml
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.results import RunDirectory
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.tuning_cost import SweepCost
-from tuning import spaces
+from conclave.cluster.results import RunDirectory
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.tuning_cost import SweepCost
+from conclave.tuning import spaces
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ConfigError
-from cluster.results import RunDirectory
-from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
-from tuning import report, spaces
-from tuning.config import TuneConfig
-from tuning.trainables import KINDS, TRIAL_MEMORY_BYTES, charge_from_fields, prepare, run_trial, trial_config
+from conclave.cluster.config import ConfigError
+from conclave.cluster.results import RunDirectory
+from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
+from conclave.tuning import report, spaces
+from conclave.tuning.config import TuneConfig
+from conclave.tuning.trainables import KINDS, TRIAL_MEMORY_BYTES, charge_from_fields, prepare, run_trial, trial_config
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def absolute_roots(node: Any) -> Any:
 
 
 def _resources(config: TuneConfig) -> dict[str, float]:
-    from cluster.ray_runtime import gpus_available
+    from conclave.cluster.ray_runtime import gpus_available
 
     if not KINDS[config.kind].in_process:
         return {"cpu": 0, "memory": TRIAL_MEMORY_BYTES}
@@ -120,7 +120,7 @@ def number_of_trials(config: TuneConfig, preview: Any) -> tuple[int, TruncatedNe
 def run_sweep(config: TuneConfig, results_root: str | Path = "results", address: str | None = None,
               verbose: int = 1) -> dict[str, Any]:
     """Run the sweep on Ray (joined at ``address`` or started locally) and report it."""
-    from cluster.ray_runtime import start_ray
+    from conclave.cluster.ray_runtime import start_ray
 
     config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
@@ -158,7 +158,7 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
         charges = report.charges_of(finals, charge_from_fields)
         if charges is None:
             # A trial failed before reporting what it spent: nothing sound can be said.
-            from privacy.accounting.rdp import DEFAULT_ORDERS, unbounded_charge
+            from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, unbounded_charge
 
             cost = sweep_cost("composition", delta, [unbounded_charge(
                 "a trial failed before reporting its charge", orders=DEFAULT_ORDERS)])

@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import ray
 
-from cluster.pipelines import RunContext, pipeline_module
-from cluster.results import RunDirectory
-from cluster.run_command import load_run_config
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import DEFAULT_ORDERS
-from tuning import spaces
+from conclave.cluster.pipelines import RunContext, pipeline_module
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_command import load_run_config
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
+from conclave.tuning import spaces
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     tried to read private data or spend budget would fail instead of costing privacy."""
     import torch
 
-    from cluster.pipelines.active_learning import improve, public_side
+    from conclave.cluster.pipelines.active_learning import improve, public_side
 
     torch.set_num_threads(config.torch_threads)
     rng = np.random.default_rng(config.seed)
@@ -184,11 +184,11 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     """Sparse DP fine-tuning of the sweep's public model, one variant, reported every epoch."""
     import torch
 
-    from actors.sparse_trainer import TransferSource
-    from cluster.pipelines.sparse_finetune import load_split
-    from learning.dpsgd import dp_schedule, train_dp
-    from learning.sparse import plan_variant, replace_classifier
-    from learning.training import evaluate
+    from conclave.actors.sparse_trainer import TransferSource
+    from conclave.cluster.pipelines.sparse_finetune import load_split
+    from conclave.learning.dpsgd import dp_schedule, train_dp
+    from conclave.learning.sparse import plan_variant, replace_classifier
+    from conclave.learning.training import evaluate
 
     if len(config.finetune.variants) != 1:
         raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
@@ -240,8 +240,8 @@ def _report_planned_before_failing(raw: dict, trial_dir: Path) -> None:
     """A failed trial may have released part of its work: report its planned worst case — or
     a zero charge when no ledger recorded anything, since nothing is released before its
     charge — so the sweep can account for it (without a report the sweep's ε is unbounded)."""
-    from privacy.accounting.guarantee import worst_case_guarantee
-    from privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.accounting.guarantee import worst_case_guarantee
+    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     ledgers = [p for p in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite") if p.is_file()]
     charged = False
@@ -271,9 +271,9 @@ def prepare(kind: str, config: Any, results: RunDirectory) -> dict[str, Any] | A
 def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
     """One DP-SGD checkpoint for a free sweep: the active-learning pipeline's final checkpoint,
     trained once with its ledger; every trial post-processes it."""
-    from actors.dp_trainer import DPCheckpoint
-    from cluster.pipelines import active_learning
-    from privacy.accounting.ledger import PrivacyLedger
+    from conclave.actors.dp_trainer import DPCheckpoint
+    from conclave.cluster.pipelines import active_learning
+    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     once = dataclasses.replace(config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",)))
     run_dir = RunDirectory(results.path, "checkpoint")
@@ -287,9 +287,9 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
 
 def _prepare_public_model(config: Any, results: RunDirectory):
     """The public pre-trained model every sparsity trial fine-tunes (public data: free)."""
-    from actors.sparse_trainer import PublicModel
-    from cluster.pipelines.sparse_finetune import load_split, pretrain_public
-    from learning.models import build_model
+    from conclave.actors.sparse_trainer import PublicModel
+    from conclave.cluster.pipelines.sparse_finetune import load_split, pretrain_public
+    from conclave.learning.models import build_model
 
     public_train, _ = load_split(config.public, config.seed)
     model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,

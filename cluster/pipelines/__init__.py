@@ -11,18 +11,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cluster.config import ConfigError
-from cluster.results import RunDirectory
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.filter import RenyiFilter, filter_for
-from privacy.accounting.guarantee import Guarantee, run_guarantee, worst_case_guarantee
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.noise import NoisePolicy
+from conclave.cluster.config import ConfigError
+from conclave.cluster.results import RunDirectory
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.filter import RenyiFilter, filter_for
+from conclave.privacy.accounting.guarantee import Guarantee, run_guarantee, worst_case_guarantee
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.noise import NoisePolicy
 
 PIPELINES = {
-    "teacher_student": "cluster.pipelines.teacher_student",
-    "active_learning": "cluster.pipelines.active_learning",
-    "sparse_finetune": "cluster.pipelines.sparse_finetune",
+    "teacher_student": "conclave.cluster.pipelines.teacher_student",
+    "active_learning": "conclave.cluster.pipelines.active_learning",
+    "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune",
 }
 
 

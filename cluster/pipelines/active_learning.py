@@ -39,11 +39,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cluster.owners import DataOwner, PublicData, check_owners, require_declared_records
-from cluster.pipelines import PrivacyConfig, RunContext, RunOutcome, dp_sgd_trust
-from learning.data.features import check_features
-from learning.data.sources import DataSource
-from privacy.accounting.charge import PrivacyCharge
+from conclave.cluster.owners import DataOwner, PublicData, check_owners, require_declared_records
+from conclave.cluster.pipelines import PrivacyConfig, RunContext, RunOutcome, dp_sgd_trust
+from conclave.learning.data.features import check_features
+from conclave.learning.data.sources import DataSource
+from conclave.privacy.accounting.charge import PrivacyCharge
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DPSGDSection:
             raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
     def dp_config(self, delta: float):
-        from learning.dpsgd import DPSGDConfig
+        from conclave.learning.dpsgd import DPSGDConfig
 
         return DPSGDConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            max_grad_norm=self.max_grad_norm, delta=delta, noise_multiplier=self.noise_multiplier,
@@ -218,8 +218,8 @@ class Config:
         secure sums with Skellam noise when several shard actors hold the private data, else
         noised by the one actor (Gaussian, discrete Laplace). Each is calibrated to its ε at
         the run's δ, and its ``charge()`` is what the ledger is charged when it runs."""
-        from privacy.counts import LaplaceCounts, SkellamCounts
-        from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
+        from conclave.privacy.counts import LaplaceCounts, SkellamCounts
+        from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
 
         sel, delta = self.selection, self.privacy.delta
         if "near_private" not in sel.strategies:
@@ -230,7 +230,7 @@ class Config:
 
     def planned(self, training: PrivacyCharge) -> PrivacyCharge:
         """The worst case of the planned work: the DP-SGD run ``training`` plus NearPrivate's releases."""
-        from privacy.accounting.rdp import sum_charges
+        from conclave.privacy.accounting.rdp import sum_charges
 
         return sum_charges([training, *(release.charge() for release in self.selection_releases())], label="planned")
 
@@ -242,7 +242,7 @@ def pollute(public, fraction: float, rng: np.random.Generator):
     """``public`` plus ⌈fraction·n⌉ out-of-domain images, in thirds: inverted digits (an
     annotator would still name the digit), uniform noise and random strokes (an annotator can
     only guess: uniform random labels). Returns (dataset, bool mask of the added images)."""
-    from learning.data import Dataset
+    from conclave.learning.data import Dataset
 
     count = math.ceil(fraction * len(public))
     if count == 0:
@@ -270,7 +270,7 @@ def aggregator_annotator(inputs: np.ndarray, client, batch: int = 512):
     """A ``CallableAnnotator`` whose labels come from an aggregator client, ``batch`` inputs per
     call (-1 where the aggregator abstains). Asking again for an input costs nothing: the
     aggregator answers repeats from its cache."""
-    from learning.annotation import CallableAnnotator
+    from conclave.learning.annotation import CallableAnnotator
 
     def label(x: np.ndarray) -> np.ndarray:
         parts = [client.label(x[i:i + batch]) for i in range(0, len(x), batch)]
@@ -299,8 +299,8 @@ class PublicSide:
 
     def model_spec(self, config: Config):
         """The network every holder builds, sized for these inputs."""
-        from actors.dp_trainer import ModelSpec
-        from learning.models import default_model
+        from conclave.actors.dp_trainer import ModelSpec
+        from conclave.learning.models import default_model
 
         shape = self.test.input_shape
         kind = "table" if len(shape) == 1 else "image"
@@ -314,9 +314,9 @@ def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
     """The public pool and test split: the ``public`` and ``test`` sources with owners, else
     those of ``config.data``'s benchmark (whose files hold the private part too: the driver
     reads them but keeps only the public rest)."""
-    from learning.annotation import hide_labels, split_private_public
-    from learning.data import load_dataset
-    from learning.data.features import apply_features
+    from conclave.learning.annotation import hide_labels, split_private_public
+    from conclave.learning.data import load_dataset
+    from conclave.learning.data.features import apply_features
 
     data = config.data
     if config.owners:
@@ -340,8 +340,8 @@ def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
 def validate(config: Config) -> Config:
     """What the driver can check before Ray starts (one-line ``ConfigError``): the public
     data, the label budgets against the pool, the model for these inputs."""
-    from cluster.config import ConfigError
-    from learning.models import factory_of
+    from conclave.cluster.config import ConfigError
+    from conclave.learning.models import factory_of
 
     try:
         if not config.owners:  # a benchmark's files are known; its pool is checked when the run reads it
@@ -361,7 +361,7 @@ def validate(config: Config) -> Config:
 def planned_work(config: Config) -> PrivacyCharge:
     """The DP-SGD schedule of the declared private size (or the reused checkpoints' cost)
     plus NearPrivate's releases."""
-    from learning.dpsgd import dp_schedule
+    from conclave.learning.dpsgd import dp_schedule
 
     reused = _reused_checkpoints(config)
     training = reused[-1].charge() if reused else dp_schedule(
@@ -372,8 +372,8 @@ def planned_work(config: Config) -> PrivacyCharge:
 def shard_plans(config: Config, classes: tuple[str, ...], embedded: bool) -> list:
     """Where the private shards are held: each owner's on its ``actors`` actors, on its node;
     the benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
-    from actors.dp_trainer import PrivateSource, ShardPlan
-    from cluster.owners import owner_shard_plans
+    from conclave.actors.dp_trainer import PrivateSource, ShardPlan
+    from conclave.cluster.owners import owner_shard_plans
 
     data = config.data
     if config.owners:
@@ -394,7 +394,7 @@ class PrivateShards:
 
     @property
     def group(self):
-        from actors.dp_trainer import ShardGroup
+        from conclave.actors.dp_trainer import ShardGroup
 
         if self._group is None:
             plans = shard_plans(self._config, self._classes, self._embedded)
@@ -415,9 +415,9 @@ class PrivateShards:
 def run(config: Config, context: RunContext) -> RunOutcome:
     import torch
 
-    from cluster.owners import owner_resources
-    from cluster.ray_runtime import start_ray
-    from learning.training import evaluate
+    from conclave.cluster.owners import owner_resources
+    from conclave.cluster.ray_runtime import start_ray
+    from conclave.learning.training import evaluate
 
     embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
     torch.set_num_threads(config.torch_threads)
@@ -431,7 +431,7 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     pool_inputs, annotator, out_of_domain, test = public.pool_inputs, public.annotator, public.out_of_domain, public.test
     client = None
     if config.annotator.kind == "aggregator":
-        from cluster.client import AggregatorClient
+        from conclave.cluster.client import AggregatorClient
 
         token = os.environ.get(config.annotator.token_env) if config.annotator.token_env else None
         client = AggregatorClient(config.annotator.address, token=token, root_cert=config.annotator.root_cert)
@@ -491,15 +491,15 @@ def run(config: Config, context: RunContext) -> RunOutcome:
 
 def _epsilon(charges: list, delta: float) -> float:
     """ε at ``delta`` of work fixed in advance whose charges are ``charges`` (its worst-case guarantee)."""
-    from privacy.accounting.guarantee import worst_case_guarantee
-    from privacy.accounting.rdp import sum_charges
+    from conclave.privacy.accounting.guarantee import worst_case_guarantee
+    from conclave.privacy.accounting.rdp import sum_charges
 
     return float(worst_case_guarantee(sum_charges(charges), delta).epsilon)
 
 
 def _reused_checkpoints(config: Config) -> list:
     """The DP checkpoints of an earlier run (``checkpoints_from``: public DP outputs), or none."""
-    from actors.dp_trainer import DPCheckpoint
+    from conclave.actors.dp_trainer import DPCheckpoint
 
     if config.checkpoints_from is None:
         return []
@@ -512,7 +512,7 @@ def _reused_checkpoints(config: Config) -> list:
 def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, reused: list) -> tuple[list, dict]:
     """Train (or reuse) the DP-SGD checkpoints, one per epoch. The whole schedule is charged
     to ``ledger`` first."""
-    from learning.dpsgd import dp_schedule
+    from conclave.learning.dpsgd import dp_schedule
 
     dp = config.dpsgd
     if reused:
@@ -559,11 +559,11 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
     import ray
     from tqdm.auto import tqdm
 
-    from learning.data import Dataset
-    from learning.selection import PublicPool, build_strategy
-    from learning.training import TrainConfig, embed, evaluate, fit, predict_logits
-    from privacy.accounting.guarantee import worst_case_guarantee
-    from privacy.accounting.ledger import PrivacyLedger
+    from conclave.learning.data import Dataset
+    from conclave.learning.selection import PublicPool, build_strategy
+    from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from conclave.privacy.accounting.guarantee import worst_case_guarantee
+    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.owners import DataOwner, check_owners, require_declared_records
-from cluster.pipelines import PrivacyConfig, RunOutcome, dp_sgd_trust
-from learning.data.sources import DataSource
-from learning.sparse import VARIANTS
+from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
+from conclave.cluster.pipelines import PrivacyConfig, RunOutcome, dp_sgd_trust
+from conclave.learning.data.sources import DataSource
+from conclave.learning.sparse import VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class FinetuneConfig:
         self.dp_config(1e-5)  # any other bad value is a config error now, not on the actor
 
     def dp_config(self, delta: float):
-        from learning.dpsgd import DPSGDConfig
+        from conclave.learning.dpsgd import DPSGDConfig
 
         overrides = (("classifier.", self.classifier_lr),) if self.classifier_lr is not None else ()
         return DPSGDConfig(
@@ -151,7 +151,7 @@ class Config:
 
 def load_split(spec: DataSpec, seed: int):
     """(train, test) of ``spec`` (see ``learning.sparse.transfer_split``)."""
-    from learning.sparse import transfer_split
+    from conclave.learning.sparse import transfer_split
 
     return transfer_split(spec.dataset, spec.root, spec.classes, spec.size, seed)
 
@@ -163,7 +163,7 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     import torch
     from tqdm import tqdm
 
-    from learning.training import TrainConfig, fit
+    from conclave.learning.training import TrainConfig, fit
 
     losses: list[float] = []
     start = 0
@@ -192,8 +192,8 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
 def planned_work(config: Config):
     """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
     owners, or the size of a split of a public benchmark's files)."""
-    from learning.dpsgd import dp_schedule
-    from privacy.accounting.rdp import sum_charges
+    from conclave.learning.dpsgd import dp_schedule
+    from conclave.privacy.accounting.rdp import sum_charges
 
     dp_config = config.finetune.dp_config(config.privacy.delta)
     secure = sum(owner.actors for owner in config.owners) > 1  # several shard actors sum securely
@@ -205,7 +205,7 @@ def private_test(config: Config):
     """The private task's test split and class names: the ``test`` source with owners, else
     the benchmark's (public data, read by the driver)."""
     if config.owners:
-        from learning.data.sources import class_names
+        from conclave.learning.data.sources import class_names
 
         classes = config.classes or class_names(config.test.read_raw().labels)
         return config.test.read(classes, "test"), classes
@@ -215,7 +215,7 @@ def private_test(config: Config):
 
 def validate(config: Config) -> Config:
     """With owners, the test source is read (and its classes found) before Ray starts."""
-    from cluster.config import ConfigError
+    from conclave.cluster.config import ConfigError
 
     if config.owners:
         try:
@@ -226,14 +226,14 @@ def validate(config: Config) -> Config:
 
 
 def run(config: Config, context) -> RunOutcome:
-    from actors.dp_trainer import ShardGroup, ShardPlan
-    from actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
-    from cluster.owners import owner_resources, owner_shard_plans
-    from cluster.ray_runtime import gpus_available, start_ray
-    from learning.dpsgd import dp_schedule
-    from learning.models import build_model
-    from learning.training import evaluate
-    from privacy.accounting.ledger import PrivacyLedger
+    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+    from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
+    from conclave.cluster.owners import owner_resources, owner_shard_plans
+    from conclave.cluster.ray_runtime import gpus_available, start_ray
+    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.models import build_model
+    from conclave.learning.training import evaluate
+    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
     public_train, public_test = load_split(config.public, config.seed)

@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.owners import DataOwner, PublicData, check_owners
-from cluster.pipelines import TRUSTED_AGGREGATOR, PrivacyConfig, RunOutcome
-from learning.data.dataset import SHARD_LEMMA, StudentSplits
-from learning.data.features import check_features
-from learning.data.sources import DataSource
-from learning.selection import QuerySelection
-from learning.semi_supervised import FixMatchConfig
-from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
-from privacy.accounting.report import planned_charge
-from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from privacy.mechanisms import build_mechanism
+from conclave.cluster.owners import DataOwner, PublicData, check_owners
+from conclave.cluster.pipelines import TRUSTED_AGGREGATOR, PrivacyConfig, RunOutcome
+from conclave.learning.data.dataset import SHARD_LEMMA, StudentSplits
+from conclave.learning.data.features import check_features
+from conclave.learning.data.sources import DataSource
+from conclave.learning.selection import QuerySelection
+from conclave.learning.semi_supervised import FixMatchConfig
+from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.report import planned_charge
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from conclave.privacy.mechanisms import build_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
-    from actors.teacher import OwnerShare, TeacherPool, TeacherSource
+    from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class TrainingConfig:
             raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
 
     def with_seed(self, seed: int):
-        from learning.training import TrainConfig
+        from conclave.learning.training import TrainConfig
 
         return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            weight_decay=self.weight_decay, seed=seed)
@@ -338,7 +338,7 @@ def student_splits(config: Config) -> StudentSplits:
     """The public pool and the test split of the ``data`` section's benchmark, all of the data
     the driver keeps. Reading the files loads the training set too, but the private split is
     dropped here, unsharded."""
-    from learning.data import make_splits
+    from conclave.learning.data import make_splits
 
     return make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
                        seed=config.seed, private_size=config.data.private_size).student_side()
@@ -360,7 +360,7 @@ def public_data(config: Config) -> PublicData:
 def checked_public(config: Config) -> PublicData:
     """The driver's data, loaded before Ray starts: a missing file, a bad format or a size the
     data cannot satisfy is a one-line ``ConfigError`` now, not a traceback after start-up."""
-    from cluster.config import ConfigError
+    from conclave.cluster.config import ConfigError
 
     try:
         public = public_data(config)
@@ -374,7 +374,7 @@ def checked_public(config: Config) -> PublicData:
 def resolved(config: Config, public: PublicData) -> Config:
     """``config`` with what it left to the inputs filled in: the models, and for table inputs
     a student without FixMatch (its augmentations are for images)."""
-    from learning.models import default_model, factory_of
+    from conclave.learning.models import default_model, factory_of
 
     kind = "features" if config.data.features else public.schema.kind
     teacher_model = config.teachers.model or ("scatternet_cnn" if kind == "features"
@@ -395,7 +395,7 @@ def resolved(config: Config, public: PublicData) -> Config:
 def teacher_source(config: Config) -> TeacherSource:
     """The spec of the teachers' private shards of the ``data`` section's benchmark, which only
     the teacher actors load."""
-    from actors.teacher import TeacherSource
+    from conclave.actors.teacher import TeacherSource
 
     return TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
                          num_teachers=config.teachers.count, seed=config.seed,
@@ -406,8 +406,8 @@ def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_a
                  count: int) -> list[OwnerShare]:
     """Each owner's source, teachers, actors and placement (the benchmark: one share of its
     first ``count`` teachers on ``num_actors`` actors, anywhere)."""
-    from actors.owners import OwnerSource
-    from actors.teacher import OwnerShare
+    from conclave.actors.owners import OwnerSource
+    from conclave.actors.teacher import OwnerShare
 
     if not config.owners:
         return [OwnerShare(teacher_source(config), count, num_actors)]
@@ -427,7 +427,7 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     aggregator in the driver) the rest."""
     import ray
 
-    from actors.teacher import TeacherPool
+    from conclave.actors.teacher import TeacherPool
 
     config = resolved(config, public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
@@ -444,7 +444,7 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
 def server_settings(config: Config, token: str, **overrides: Any):
     """The aggregator's ``ServerSettings`` from ``config.server`` (``overrides`` that are not
     None replace its fields; ``ValueError`` names a bad one, e.g. plaintext on a public host)."""
-    from actors.aggregator import ServerSettings
+    from conclave.actors.aggregator import ServerSettings
 
     fields = {**dataclasses.asdict(config.server), **{k: v for k, v in overrides.items() if v is not None}}
     return ServerSettings(token=token, **fields)
@@ -452,7 +452,7 @@ def server_settings(config: Config, token: str, **overrides: Any):
 
 def start_aggregator(config: Config, pool, ledger, settings):
     """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
-    from actors.aggregator import AggregatorServer
+    from conclave.actors.aggregator import AggregatorServer
 
     server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings,
                               noise=config.privacy.noise)
@@ -467,7 +467,7 @@ def privacy_section(config: Config, ledger, votes: np.ndarray, answered: np.ndar
     computed from the private votes without a mechanism — the smooth-sensitivity release
     (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim.
     """
-    from privacy.accounting.report import vote_report
+    from conclave.privacy.accounting.report import vote_report
 
     planned = config.planned()
     section: dict[str, Any] = {**config.privacy.report(planned, ledger, TRUSTED_AGGREGATOR),
@@ -501,7 +501,7 @@ def validate(config: Config) -> Config:
 
 
 def run(config: Config, context) -> RunOutcome:
-    from cluster import api
+    from conclave.cluster import api
 
     with api.train_ensemble(config, context.ray_address) as ensemble:
         return teach_student(config, ensemble, context.results)
@@ -513,7 +513,7 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     Separate from ``run`` so one set of trained teachers can serve several mechanisms
     (the benchmark does this for the three 250-teacher MNIST configs).
     """
-    from cluster import api
+    from conclave.cluster import api
 
     config = resolved(config, teachers.public)
     phases: dict[str, float] = {}  # no teacher training time: it grows with the private records

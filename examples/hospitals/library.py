@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from cluster.api import (  # noqa: E402
+from conclave.cluster.api import (  # noqa: E402
     Config, DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TrainingConfig,
     serve, train_ensemble, train_student,
 )

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.tls import NodeCertificate
+    from conclave.cluster.tls import NodeCertificate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -54,7 +54,7 @@ def main(config_path: str, results_dir: str, tls: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="conclave-ray-tls-") as certificates:
         node = None
         if tls:  # before Ray is imported: Ray's C++ side reads its settings once
-            from cluster.tls import LOOPBACK_NAMES, create_authority, issue
+            from conclave.cluster.tls import LOOPBACK_NAMES, create_authority, issue
 
             node = issue(create_authority(Path(certificates)), Path(certificates), LOOPBACK_NAMES)
             os.environ.update(node.ray_env())
@@ -64,12 +64,12 @@ def main(config_path: str, results_dir: str, tls: bool) -> None:
 def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | None) -> None:
     from ray.cluster_utils import Cluster
 
-    from actors.placement import PlacementError
-    from cluster.config import load_yaml
-    from cluster.pipelines import RunContext, pipeline_module
-    from cluster.ray_runtime import keep_ray_on_loopback
-    from cluster.results import RunDirectory
-    from cluster.run_command import load_run_config
+    from conclave.actors.placement import PlacementError
+    from conclave.cluster.config import load_yaml
+    from conclave.cluster.pipelines import RunContext, pipeline_module
+    from conclave.cluster.ray_runtime import keep_ray_on_loopback
+    from conclave.cluster.results import RunDirectory
+    from conclave.cluster.run_command import load_run_config
 
     keep_ray_on_loopback()
     name, config = load_run_config(load_yaml(config_path))

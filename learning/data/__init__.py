@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from learning.data.cifar import load_cifar
-from learning.data.dataset import DataFormatError, Dataset, Splits, StudentSplits, shard, split_datasets
-from learning.data.digits import load_digits
-from learning.data.mnist import load_mnist, read_idx
-from learning.data.svhn import load_svhn
+from conclave.learning.data.cifar import load_cifar
+from conclave.learning.data.dataset import DataFormatError, Dataset, Splits, StudentSplits, shard, split_datasets
+from conclave.learning.data.digits import load_digits
+from conclave.learning.data.mnist import load_mnist, read_idx
+from conclave.learning.data.svhn import load_svhn
 
 DATASET_NAMES = ("digits", "mnist", "cifar10", "cifar100", "svhn")
 

@@ -10,8 +10,8 @@ import zipfile
 
 import numpy as np
 
-from learning.data.dataset import DataFormatError
-from learning.data.sources import DataSource, RawData
+from conclave.learning.data.dataset import DataFormatError
+from conclave.learning.data.sources import DataSource, RawData
 
 
 def read_npz(source: DataSource) -> RawData:

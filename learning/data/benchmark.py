@@ -2,11 +2,11 @@
 its train or test part, whole."""
 from __future__ import annotations
 
-from learning.data.sources import DataSource, RawData
+from conclave.learning.data.sources import DataSource, RawData
 
 
 def read_benchmark(source: DataSource) -> RawData:
-    from learning.data import load_dataset
+    from conclave.learning.data import load_dataset
 
     train, test = load_dataset(source.format, source.path)
     part = train if source.split == "train" else test

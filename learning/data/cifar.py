@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from learning.data.dataset import DataFormatError, Dataset
+from conclave.learning.data.dataset import DataFormatError, Dataset
 
 LAYOUT = {
     10: ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels"),

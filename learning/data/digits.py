@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn import datasets
 
-from learning.data.dataset import Dataset
+from conclave.learning.data.dataset import Dataset
 
 TEST_SIZE = 500
 _SPLIT_SEED = 0  # fixed: the train/test split is part of the dataset's definition

@@ -25,7 +25,7 @@ import logging
 import numpy as np
 from tqdm import tqdm
 
-from learning.data.dataset import Dataset
+from conclave.learning.data.dataset import Dataset
 
 log = logging.getLogger(__name__)
 

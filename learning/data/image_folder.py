@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from learning.data.dataset import DataFormatError
-from learning.data.sources import DataSource, RawData
+from conclave.learning.data.dataset import DataFormatError
+from conclave.learning.data.sources import DataSource, RawData
 
 SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from learning.data.dataset import DataFormatError, Dataset
+from conclave.learning.data.dataset import DataFormatError, Dataset
 
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from learning.data.dataset import Dataset
+from conclave.learning.data.dataset import Dataset
 
 
 @dataclass(frozen=True)

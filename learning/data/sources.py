@@ -33,20 +33,20 @@ from pathlib import Path
 
 import numpy as np
 
-from learning.data.dataset import UNLABELED, DataFormatError, Dataset
+from conclave.learning.data.dataset import UNLABELED, DataFormatError, Dataset
 
 FORMATS: dict[str, str] = {
-    "csv": "learning.data.tables:read_csv",
-    "parquet": "learning.data.tables:read_parquet",
-    "npz": "learning.data.arrays:read_npz",
-    "npy": "learning.data.arrays:read_npy",
-    "images": "learning.data.image_folder:read_image_folder",
+    "csv": "conclave.learning.data.tables:read_csv",
+    "parquet": "conclave.learning.data.tables:read_parquet",
+    "npz": "conclave.learning.data.arrays:read_npz",
+    "npy": "conclave.learning.data.arrays:read_npy",
+    "images": "conclave.learning.data.image_folder:read_image_folder",
     # the benchmarks, so the papers' experiments can be owners' data too
-    "digits": "learning.data.benchmark:read_benchmark",
-    "mnist": "learning.data.benchmark:read_benchmark",
-    "cifar10": "learning.data.benchmark:read_benchmark",
-    "cifar100": "learning.data.benchmark:read_benchmark",
-    "svhn": "learning.data.benchmark:read_benchmark",
+    "digits": "conclave.learning.data.benchmark:read_benchmark",
+    "mnist": "conclave.learning.data.benchmark:read_benchmark",
+    "cifar10": "conclave.learning.data.benchmark:read_benchmark",
+    "cifar100": "conclave.learning.data.benchmark:read_benchmark",
+    "svhn": "conclave.learning.data.benchmark:read_benchmark",
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import scipy.io
 
-from learning.data.dataset import DataFormatError, Dataset
+from conclave.learning.data.dataset import DataFormatError, Dataset
 
 FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
 

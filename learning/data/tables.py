@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from learning.data.dataset import DataFormatError
-from learning.data.sources import DataSource, RawData
+from conclave.learning.data.dataset import DataFormatError
+from conclave.learning.data.sources import DataSource, RawData
 
 
 def read_csv(source: DataSource) -> RawData:

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 REGISTRY: dict[str, str] = {
-    "tutorial_cnn": "learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
-    "tutorial_cnn_tanh": "learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
-    "scatternet_cnn": "learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
-    "digits_cnn": "learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
-    "gn_resnet18": "learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
-    "gn_cnn": "learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
-    "mlp": "learning.models.table:mlp",                   # table rows [n, d]
-    "logistic_regression": "learning.models.table:logistic_regression",  # table rows [n, d]
+    "tutorial_cnn": "conclave.learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
+    "tutorial_cnn_tanh": "conclave.learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
+    "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
+    "digits_cnn": "conclave.learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
+    "gn_resnet18": "conclave.learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
+    "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
+    "mlp": "conclave.learning.models.table:mlp",                   # table rows [n, d]
+    "logistic_regression": "conclave.learning.models.table:logistic_regression",  # table rows [n, d]
 }
 
 

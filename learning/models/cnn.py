@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from learning.models.pooling import MaxPool2d
+from conclave.learning.models.pooling import MaxPool2d
 
 
 class FeatureClassifier(nn.Module):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from learning.models.pooling import window_max
+from conclave.learning.models.pooling import window_max
 
 IN_PLACE_ACTIVATIONS: dict[type[nn.Module], object] = {nn.ReLU: torch.relu_, nn.Tanh: torch.tanh_}
 

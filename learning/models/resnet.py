@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from learning.models.pooling import MaxPool2d
+from conclave.learning.models.pooling import MaxPool2d
 
 
 def group_norm(channels: int) -> nn.GroupNorm:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from learning.models.cnn import FeatureClassifier
-from learning.models.pooling import MaxPool2d
+from conclave.learning.models.cnn import FeatureClassifier
+from conclave.learning.models.pooling import MaxPool2d
 
 SCATTERING_COEFFICIENTS = 81  # per image channel, J = 2, L = 8
 

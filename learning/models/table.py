@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from learning.data.schema import Standardiser
+from conclave.learning.data.schema import Standardiser
 
 
 class Standardise(nn.Module):

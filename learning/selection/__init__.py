@@ -49,11 +49,11 @@ def check_sizes(pool: PublicPool, sizes: Sequence[int]) -> list[int]:
 
 
 STRATEGIES = {
-    "random": "learning.selection.random:RandomSelection",
-    "entropy": "learning.selection.entropy:EntropySelection",
-    "margin": "learning.selection.margin:MarginSelection",
-    "diverse_public": "learning.selection.diverse_public:DiversePublic",
-    "near_private": "learning.selection.near_private:NearPrivate",
+    "random": "conclave.learning.selection.random:RandomSelection",
+    "entropy": "conclave.learning.selection.entropy:EntropySelection",
+    "margin": "conclave.learning.selection.margin:MarginSelection",
+    "diverse_public": "conclave.learning.selection.diverse_public:DiversePublic",
+    "near_private": "conclave.learning.selection.near_private:NearPrivate",
 }
 
 

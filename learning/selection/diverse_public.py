@@ -15,8 +15,8 @@ import numpy as np
 from sklearn.cluster import KMeans
 from sklearn.decomposition import PCA
 
-from learning.selection import PublicPool, check_sizes
-from learning.selection.entropy import most_uncertain
+from conclave.learning.selection import PublicPool, check_sizes
+from conclave.learning.selection.entropy import most_uncertain
 
 
 @dataclass(frozen=True)

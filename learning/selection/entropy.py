@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from learning.selection import PublicPool, check_sizes
+from conclave.learning.selection import PublicPool, check_sizes
 
 
 def logit_entropy(logits: np.ndarray) -> np.ndarray:

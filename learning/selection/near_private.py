@@ -23,9 +23,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from learning.selection import PublicPool, check_sizes
-from learning.selection.entropy import logit_entropy
-from privacy.pca import normalise_rows
+from conclave.learning.selection import PublicPool, check_sizes
+from conclave.learning.selection.entropy import logit_entropy
+from conclave.privacy.pca import normalise_rows
 
 
 class PrivateSupport(Protocol):

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import DEFAULT_ORDERS
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 
 THEOREM = ("Rényi filter at a fixed order (Feldman & Zrnic, NeurIPS 2021, Thm 3.1), converted to (ε, δ) "
            "by Balle et al. 2020, Thm 21")

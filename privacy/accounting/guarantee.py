@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from privacy.accounting.charge import NEIGHBOURING, PrivacyCharge
-from privacy.accounting.filter import THEOREM as FILTER_THEOREM
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.accounting.charge import NEIGHBOURING, PrivacyCharge
+from conclave.privacy.accounting.filter import THEOREM as FILTER_THEOREM
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
 WORST_CASE_THEOREM = ("data-independent worst case of the planned work: RDP composition (Mironov 2017, Prop. 1), "
                       "converted at its best order (Balle et al. 2020, Thm 21)")

@@ -45,10 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
-from privacy.accounting.filter import RenyiFilter, order_index
-from privacy.accounting.guarantee import Guarantee, filter_guarantee
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
+from conclave.privacy.accounting.filter import RenyiFilter, order_index
+from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 log = logging.getLogger(__name__)
 

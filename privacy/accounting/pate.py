@@ -26,8 +26,8 @@ import math
 import numpy as np
 from scipy import special
 
-from privacy.accounting import rdp as rdp_lib
-from privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting import rdp as rdp_lib
+from conclave.privacy.accounting.guarantee import Estimate
 
 # ---------------------------------------------------------------------------------------
 # small numerics

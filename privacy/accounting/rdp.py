@@ -19,7 +19,7 @@ import math
 import numpy as np
 from scipy import special
 
-from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 
 # Opacus's default alphas (1.1 … 10.9 by 0.1, then 12 … 63) so DP-SGD figures match Opacus
 # exactly, extended to large integer orders: PATE queries with σ = 40 … 200 and small

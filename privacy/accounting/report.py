@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from privacy.accounting import rdp as rdp_lib
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.filter import filter_for, order_index
-from privacy.accounting.guarantee import Estimate, Guarantee, best, filter_guarantee, worst_case_guarantee
-from privacy.accounting.ledger import LedgerSnapshot
-from privacy.accounting.rdp import sum_charges
-from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters, release_estimate
-from privacy.mechanisms.base import Description, VoteMechanism
-from privacy.mechanisms.votes import check_answered, check_votes
-from privacy.noise import SECURE, NoisePolicy, NoiseSource
+from conclave.privacy.accounting import rdp as rdp_lib
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.filter import filter_for, order_index
+from conclave.privacy.accounting.guarantee import Estimate, Guarantee, best, filter_guarantee, worst_case_guarantee
+from conclave.privacy.accounting.ledger import LedgerSnapshot
+from conclave.privacy.accounting.rdp import sum_charges
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters, release_estimate
+from conclave.privacy.mechanisms.base import Description, VoteMechanism
+from conclave.privacy.mechanisms.votes import check_answered, check_votes
+from conclave.privacy.noise import SECURE, NoisePolicy, NoiseSource
 
 CHECK_LABEL = "check: not a DP guarantee"
 NOT_CHECKED = ("that the votes are the histograms this run's teachers produced (the ledger keeps the released "

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
-from privacy.accounting.rdp import _orders
+from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.rdp import _orders
 
 # Integer orders → RDP bound at those orders (each ≥ 2).
 IntegerRdp = Callable[[np.ndarray], np.ndarray]

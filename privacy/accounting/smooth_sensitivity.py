@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
-from privacy.accounting import pate
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.noise import NoiseSource
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.noise import NoiseSource
 
 
 # ---------------------------------------------------------------------------------------

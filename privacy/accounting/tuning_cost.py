@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import epsilon_from_rdp, sum_charges
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import epsilon_from_rdp, sum_charges
 
 METHODS = ("free", "composition", "random-repetition")
 STATEMENTS = {

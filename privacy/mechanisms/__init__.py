@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism
-from privacy.mechanisms.confident_gnmax import ConfidentGNMax
-from privacy.mechanisms.gnmax import GNMax
-from privacy.mechanisms.lnmax import LNMax
-from privacy.mechanisms.nzc import NZC
-from privacy.mechanisms.stability import Stability
+from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism
+from conclave.privacy.mechanisms.confident_gnmax import ConfidentGNMax
+from conclave.privacy.mechanisms.gnmax import GNMax
+from conclave.privacy.mechanisms.lnmax import LNMax
+from conclave.privacy.mechanisms.nzc import NZC
+from conclave.privacy.mechanisms.stability import Stability
 
 MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability)}
 

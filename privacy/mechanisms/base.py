@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
 
 ABSTAIN = -1
 

@@ -6,14 +6,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting import pate
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import gaussian_charge, sum_charges
-from privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
-from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
-from privacy.mechanisms.gnmax import gnmax_charge
-from privacy.mechanisms.votes import check_votes
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import gaussian_charge, sum_charges
+from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
+from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.gnmax import gnmax_charge
+from conclave.privacy.mechanisms.votes import check_votes
 
 
 @dataclass(frozen=True)

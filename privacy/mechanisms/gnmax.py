@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting import pate
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import gaussian_charge
-from privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
-from privacy.mechanisms.base import Description, MechanismResult, parameters_of
-from privacy.mechanisms.votes import check_votes
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import gaussian_charge
+from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
+from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.votes import check_votes
 
 
 def gnmax_charge(sigma: float, count: int, label: str = "gnmax") -> PrivacyCharge:

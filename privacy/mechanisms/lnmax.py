@@ -6,12 +6,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting import pate
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import pure_epsilon_charge
-from privacy.mechanisms.base import Description, MechanismResult, parameters_of
-from privacy.mechanisms.votes import check_votes
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import pure_epsilon_charge
+from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.votes import check_votes
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
-from privacy.mechanisms.base import Description, MechanismResult, parameters_of
-from privacy.mechanisms.votes import check_votes
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
+from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.votes import check_votes
 
 UNSOUND_REASON = (
     "NZC adds the constant c to the plurality, so one teacher flipping the plurality moves the "

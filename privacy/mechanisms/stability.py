@@ -49,11 +49,11 @@ from typing import ClassVar
 import numpy as np
 from scipy import optimize
 
-from privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from privacy.accounting.guarantee import Estimate
-from privacy.accounting.rdp import approximate_dp_charge
-from privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
-from privacy.mechanisms.votes import check_votes
+from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.rdp import approximate_dp_charge
+from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.votes import check_votes
 
 
 def distance_to_instability(votes: np.ndarray) -> np.ndarray:

@@ -19,16 +19,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
-from cluster.client import AggregatorClient
-from learning.data import load_digits
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
-from privacy.mechanisms import build_mechanism
-from privacy.noise import SECURE, NoisePolicy
-from protos import aggregator_pb2, aggregator_pb2_grpc
+from conclave.actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
+from conclave.cluster.client import AggregatorClient
+from conclave.learning.data import load_digits
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.noise import SECURE, NoisePolicy
+from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 from tests.aggregators import DELTA, INPUT_SHAPE, budget_for, serving
 
 
@@ -327,8 +327,8 @@ def test_aggregator_actor_serves_from_inside_ray(teachers, public, tmp_path):
 
 
 def test_table_inputs_are_checked_against_their_schema_not_the_pixel_range():
-    from actors.labeller import InvalidInput, decode_inputs
-    from learning.data.schema import InputSchema
+    from conclave.actors.labeller import InvalidInput, decode_inputs
+    from conclave.learning.data.schema import InputSchema
 
     schema = InputSchema.for_shape((3,))
     rows = np.array([[120.0, -4.5, 1e4], [0.0, 0.0, 0.0]], dtype="<f4")

@@ -21,15 +21,15 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from actors.aggregator import ServerSettings
-from actors.teacher import TeacherPool, TeacherSource
-from cluster.client import AggregatorClient, is_budget_refusal
-from learning.training import TrainConfig
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.mechanisms import build_mechanism
-from protos import aggregator_pb2, aggregator_pb2_grpc
+from conclave.actors.aggregator import ServerSettings
+from conclave.actors.teacher import TeacherPool, TeacherSource
+from conclave.cluster.client import AggregatorClient, is_budget_refusal
+from conclave.learning.training import TrainConfig
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 from tests.aggregators import DELTA, INPUT_SHAPE, serving
 from tests.certificates import make_certificates
 
@@ -38,7 +38,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @pytest.fixture(scope="module")
 def public(teachers) -> np.ndarray:
-    from learning.data import load_digits
+    from conclave.learning.data import load_digits
 
     return load_digits()[1].x
 
@@ -110,7 +110,7 @@ def test_random_bytes_and_oversized_fields_are_invalid_argument_with_short_messa
         label = raw_label(channel)
         before = server.budget()
         codes, longest = set(), 0
-        with caplog.at_level(logging.INFO, logger="actors.aggregator"):
+        with caplog.at_level(logging.INFO, logger="conclave.actors.aggregator"):
             for size in (1, 3, 10, 100, 1000, 5000) * 20:
                 error = rpc_error(lambda: label(rng.bytes(size), timeout=5))
                 codes.add(error.code())
@@ -123,7 +123,7 @@ def test_random_bytes_and_oversized_fields_are_invalid_argument_with_short_messa
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and len(error.details()) < 200
         assert "10000 characters" in error.details()
         # one rate-limited line, not a traceback per request
-        lines = [r for r in caplog.records if r.name == "actors.aggregator"]
+        lines = [r for r in caplog.records if r.name == "conclave.actors.aggregator"]
         assert 1 <= len(lines) <= 3 and not any(r.exc_info for r in lines)
         assert server.budget() == before  # nothing spent, nothing counted
 

@@ -6,17 +6,17 @@ import pytest
 import torch
 from scipy import stats
 
-from actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
-from learning.dpsgd import DPSGDConfig, train_dp
-from learning.embedding_stats import covariance_sum, support_counts
-from learning.data import load_digits
-from learning.selection.entropy import logit_entropy
-from learning.training import embed, predict_logits
-from privacy.counts import LaplaceCounts, SkellamCounts
-from privacy.noise import SECURE, NoisePolicy
-from privacy.pca import AnalyzeGauss, SecureAnalyzeGauss, upper_triangle
-from privacy.secure_release import summed_shares
-from privacy.secure_sum import decode_integers, skellam_noise
+from conclave.actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
+from conclave.learning.dpsgd import DPSGDConfig, train_dp
+from conclave.learning.embedding_stats import covariance_sum, support_counts
+from conclave.learning.data import load_digits
+from conclave.learning.selection.entropy import logit_entropy
+from conclave.learning.training import embed, predict_logits
+from conclave.privacy.counts import LaplaceCounts, SkellamCounts
+from conclave.privacy.noise import SECURE, NoisePolicy
+from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss, upper_triangle
+from conclave.privacy.secure_release import summed_shares
+from conclave.privacy.secure_sum import decode_integers, skellam_noise
 
 SOURCE = PrivateSource("digits", None, private_size=600, num_shards=2, seed=0)
 MODEL = ModelSpec("digits_cnn", num_classes=10)
@@ -106,8 +106,8 @@ def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(
 
 
 def test_data_parallel_dpsgd_on_two_actors_sums_securely_is_charged_as_skellam_and_learns(group):
-    from learning.dpsgd import dp_step_charge
-    from privacy.accounting.rdp import epsilon_from_rdp
+    from conclave.learning.dpsgd import dp_step_charge
+    from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
     config = DPSGDConfig(epochs=3, batch_size=60, lr=1.0, max_grad_norm=1.0, delta=1e-5, noise_multiplier=0.7)
     checkpoints = group.train(config, SECURE, num_examples=600)
@@ -151,7 +151,7 @@ def test_an_owner_dropping_out_of_the_secure_sum_stops_training_in_one_line(ray_
     """A rank's actor killed mid-training: the round cannot complete, the group says whose."""
     import threading
 
-    from actors.owners import OwnerDropout
+    from conclave.actors.owners import OwnerDropout
 
     config = DPSGDConfig(epochs=200, batch_size=60, lr=0.1, noise_multiplier=1.0)
     with ShardGroup([ShardPlan(SOURCE, (0,)), ShardPlan(SOURCE, (1,))], MODEL, num_cpus=0.5) as group:

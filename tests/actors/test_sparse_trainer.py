@@ -4,15 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.dp_trainer import ShardGroup, ShardPlan
-from actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
-from learning.data import load_digits
-from learning.dpsgd import DPSGDConfig, dp_schedule
-from learning.models import build_model
-from learning.sparse import magnitude_masks, select_classes
-from learning.training import TrainConfig, evaluate, fit
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.noise import SECURE
+from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
+from conclave.learning.data import load_digits
+from conclave.learning.dpsgd import DPSGDConfig, dp_schedule
+from conclave.learning.models import build_model
+from conclave.learning.sparse import magnitude_masks, select_classes
+from conclave.learning.training import TrainConfig, evaluate, fit
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.noise import SECURE
 
 DELTA = 1e-5
 
@@ -64,7 +64,7 @@ def test_a_transfer_set_is_one_shard():
 
 def test_charge_matches_the_schedule_epsilon(public_model):
     # Independent of Ray: the ledger's ε for the schedule equals Opacus's for the same run.
-    from learning.dpsgd import dp_schedule
+    from conclave.learning.dpsgd import dp_schedule
     from opacus.accountants import RDPAccountant
 
     config = DPSGDConfig(epochs=3, batch_size=80, noise_multiplier=1.0, delta=DELTA)

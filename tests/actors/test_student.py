@@ -8,18 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from actors.aggregator import AggregatorServer, ServerSettings
-from actors.student import Student, StudentActor
-from actors.teacher import TeacherGroup, TeacherSource
-from cluster.client import AggregatorClient
-from learning.data import Dataset, make_splits
-from learning.selection import QuerySelection
-from learning.semi_supervised import FixMatchConfig
-from learning.training import TrainConfig
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.mechanisms import build_mechanism
+from conclave.actors.aggregator import AggregatorServer, ServerSettings
+from conclave.actors.student import Student, StudentActor
+from conclave.actors.teacher import TeacherGroup, TeacherSource
+from conclave.cluster.client import AggregatorClient
+from conclave.learning.data import Dataset, make_splits
+from conclave.learning.selection import QuerySelection
+from conclave.learning.semi_supervised import FixMatchConfig
+from conclave.learning.training import TrainConfig
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.mechanisms import build_mechanism
 
 TOKEN = "student-test-token"
 STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)

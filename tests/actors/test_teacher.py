@@ -8,15 +8,15 @@ import grpc
 import numpy as np
 import pytest
 
-import learning.data
-from actors.aggregator import AggregatorServer, ServerSettings
-from actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gpu_share
-from cluster.client import AggregatorClient
-from learning.data import Dataset, make_splits, shard
-from learning.data.features import apply_features
-from learning.training import TrainConfig, predict
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.mechanisms import build_mechanism
+import conclave.learning.data as learning_data
+from conclave.actors.aggregator import AggregatorServer, ServerSettings
+from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gpu_share
+from conclave.cluster.client import AggregatorClient
+from conclave.learning.data import Dataset, make_splits, shard
+from conclave.learning.data.features import apply_features
+from conclave.learning.training import TrainConfig, predict
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import build_mechanism
 
 TRAIN = TrainConfig(epochs=6, batch_size=32, lr=3e-3, seed=0)
 
@@ -83,7 +83,7 @@ def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch)
         raise AssertionError("the driver read a dataset")
 
     monkeypatch.setattr(TeacherSource, "load", tripwire)
-    monkeypatch.setattr(learning.data, "load_dataset", tripwire)
+    monkeypatch.setattr(learning_data, "load_dataset", tripwire)
     pool = TeacherPool.of_source(source, 3, "digits_cnn", dataclasses.replace(TRAIN, epochs=2), num_actors=2,
                        num_cpus_per_actor=0.5)
     try:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import ConfigError, load_yaml
-from cluster.pipelines import PrivacyConfig, RunContext
-from cluster.pipelines.active_learning import pollute, run
-from cluster.results import RunDirectory
-from cluster.run_command import load_run_config
-from learning.data import load_digits
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.pipelines import PrivacyConfig, RunContext
+from conclave.cluster.pipelines.active_learning import pollute, run
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_command import load_run_config
+from conclave.learning.data import load_digits
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -135,11 +135,11 @@ class UnanimousTeachers:
 
 
 def test_the_aggregator_can_be_the_annotator_over_grpc(tmp_path):
-    from actors.aggregator import AggregatorServer, ServerSettings
-    from cluster.client import AggregatorClient
-    from cluster.pipelines.active_learning import aggregator_annotator
-    from privacy.accounting.ledger import PrivacyLedger
-    from privacy.mechanisms import build_mechanism
+    from conclave.actors.aggregator import AggregatorServer, ServerSettings
+    from conclave.cluster.client import AggregatorClient
+    from conclave.cluster.pipelines.active_learning import aggregator_annotator
+    from conclave.privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.mechanisms import build_mechanism
 
     train, _ = load_digits()
     pool = train.x[:200]

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster import analyze_command
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.filter import filter_for
-from privacy.accounting.ledger import PrivacyLedger, read_ledger
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
-from privacy.accounting.report import analysis_report, planned_charge
-from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from privacy.mechanisms import build_mechanism
-from privacy.mechanisms.base import ABSTAIN, VoteMechanism
-from privacy.noise import NoisePolicy
+from conclave.cluster import analyze_command
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.filter import filter_for
+from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
+from conclave.privacy.accounting.report import analysis_report, planned_charge
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.mechanisms.base import ABSTAIN, VoteMechanism
+from conclave.privacy.noise import NoisePolicy
 
 PROJECT = Path(__file__).resolve().parents[2]
 CONCLAVE = PROJECT / ".venv" / "bin" / "conclave"

@@ -16,13 +16,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from actors.aggregator import AggregatorServer, ServerSettings
-from cluster import query_command
-from cluster.client import AggregatorClient, encode_inputs
-from learning.data import load_digits
-from privacy.accounting.filter import filter_for
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.mechanisms import build_mechanism
+from conclave.actors.aggregator import AggregatorServer, ServerSettings
+from conclave.cluster import query_command
+from conclave.cluster.client import AggregatorClient, encode_inputs
+from conclave.learning.data import load_digits
+from conclave.privacy.accounting.filter import filter_for
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import build_mechanism
 
 DELTA = 1e-5
 

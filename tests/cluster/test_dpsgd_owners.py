@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from cluster.config import ConfigError, load_yaml
-from cluster.run_command import load_run_config
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.run_command import load_run_config
 from tests.conftest import PROJECT_ROOT
 
 ACTIVE = PROJECT_ROOT / "configs" / "hospitals-active.yaml"
@@ -55,7 +55,7 @@ def test_dp_sgd_owners_must_declare_their_records():
 def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
     import ray
 
-    from cluster import cli
+    from conclave.cluster import cli
 
     raw = load_yaml(ACTIVE)
     raw["public"] = {"format": "csv", "path": "examples/hospitals/data/public/unlabeled.csv"}
@@ -70,11 +70,11 @@ def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_
 
 
 def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_session, tmp_path, monkeypatch):
-    from actors.owners import OwnerDataError
-    from cluster.pipelines import RunContext
-    from cluster.pipelines.active_learning import run
-    from cluster.results import RunDirectory
-    from privacy.accounting.ledger import PrivacyLedger
+    from conclave.actors.owners import OwnerDataError
+    from conclave.cluster.pipelines import RunContext
+    from conclave.cluster.pipelines.active_learning import run
+    from conclave.cluster.results import RunDirectory
+    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     monkeypatch.chdir(PROJECT_ROOT)
     owners = list(active().owners)
@@ -90,12 +90,12 @@ def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_sessio
 def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     """Two owners hold digits 5–9 as .npz images; a public model pre-trained on digits 0–4 is
     fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
-    from cluster.pipelines import RunContext
-    from cluster.pipelines.sparse_finetune import Config, FinetuneConfig, PretrainConfig, run, validate
-    from cluster.owners import DataOwner
-    from cluster.results import RunDirectory
-    from learning.data import load_digits
-    from learning.data.sources import DataSource
+    from conclave.cluster.pipelines import RunContext
+    from conclave.cluster.pipelines.sparse_finetune import Config, FinetuneConfig, PretrainConfig, run, validate
+    from conclave.cluster.owners import DataOwner
+    from conclave.cluster.results import RunDirectory
+    from conclave.learning.data import load_digits
+    from conclave.learning.data.sources import DataSource
 
     train, test = load_digits()
     private = np.flatnonzero(train.y >= 5)
@@ -121,10 +121,10 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
 def test_owner_inputs_of_another_shape_than_the_public_data_are_refused_in_one_line(ray_session, tmp_path):
     import pandas as pd
 
-    from actors.dp_trainer import ShardGroup
-    from actors.owners import OwnerDataError
-    from cluster.owners import DataOwner, owner_shard_plans
-    from learning.data.sources import DataSource
+    from conclave.actors.dp_trainer import ShardGroup
+    from conclave.actors.owners import OwnerDataError
+    from conclave.cluster.owners import DataOwner, owner_shard_plans
+    from conclave.learning.data.sources import DataSource
 
     narrow = tmp_path / "narrow.csv"
     pd.read_csv(DATA / "hospital_a" / "records.csv").iloc[:, 5:].to_csv(narrow, index=False)  # 25 columns left

@@ -11,8 +11,8 @@ import time
 import pytest
 import yaml
 
-from cluster.config import ConfigError, load_yaml
-from cluster.run_command import load_run_config
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.run_command import load_run_config
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
@@ -86,8 +86,8 @@ def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path
 
 
 def test_a_missing_owner_file_is_one_line_naming_the_owner(ray_session, tmp_path):
-    from actors.owners import OwnerDataError
-    from cluster.pipelines.teacher_student import public_data, teacher_pool
+    from conclave.actors.owners import OwnerDataError
+    from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
 
     owners = list(hospitals().owners)
     owners[1] = dataclasses.replace(owners[1], data=dataclasses.replace(owners[1].data, path=str(tmp_path / "gone.csv")))
@@ -145,7 +145,7 @@ def _flawed_config(tmp_path):
 def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
     """One record fewer than declared, an unknown label, a missing value: the run finishes, with
     the guarantee the config alone fixes, and nothing it prints or writes names a flaw."""
-    from cluster import cli
+    from conclave.cluster import cli
 
     config_file = _flawed_config(tmp_path)
     monkeypatch.chdir(PROJECT_ROOT)
@@ -160,7 +160,7 @@ def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_ses
 
 
 def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, monkeypatch, capsys):
-    from cluster import cli
+    from conclave.cluster import cli
 
     config_file = _flawed_config(tmp_path)
     monkeypatch.chdir(PROJECT_ROOT)
@@ -180,8 +180,8 @@ def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, mo
 def test_teachers_keep_at_most_their_share_of_the_declared_records(ray_session):
     """An owner holding five times what it declares: each teacher's shard is cut to the cap on
     the owner's node; one holding fewer than it declares simply runs with them."""
-    from actors.owners import OwnerSource
-    from learning.data.dataset import shard_cap
+    from conclave.actors.owners import OwnerSource
+    from conclave.learning.data.dataset import shard_cap
 
     owner = hospitals().owners[0]
     source = OwnerSource(owner.name, owner.data.anchored(str(PROJECT_ROOT)), 10, ("benign", "malignant"),
@@ -196,8 +196,8 @@ def test_teachers_keep_at_most_their_share_of_the_declared_records(ray_session):
 def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, tmp_path):
     import pandas as pd
 
-    from actors.owners import OwnerDataError
-    from cluster.pipelines.teacher_student import public_data, teacher_pool
+    from conclave.actors.owners import OwnerDataError
+    from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
 
     table = pd.read_csv(DATA / "hospital_c" / "records.csv").drop(columns="worst_area")
     table.to_csv(tmp_path / "c.csv", index=False)
@@ -240,7 +240,7 @@ def test_owner_names_and_placements_are_checked_when_the_config_loads():
 def test_a_public_file_the_driver_cannot_read_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
     import ray
 
-    from cluster import cli
+    from conclave.cluster import cli
 
     raw = load_yaml(HOSPITALS)
     raw["test"]["path"] = str(tmp_path / "missing.csv")
@@ -256,7 +256,7 @@ def test_a_public_file_the_driver_cannot_read_fails_before_ray_starts(tmp_path, 
 
 
 def test_table_student_defaults_to_self_training_and_refuses_fixmatch(ray_session):
-    from cluster.pipelines.teacher_student import DEFAULT_STUDENT, FixMatchConfig, public_data, resolved
+    from conclave.cluster.pipelines.teacher_student import DEFAULT_STUDENT, FixMatchConfig, public_data, resolved
 
     config = hospitals(public=hospitals().public.anchored(str(PROJECT_ROOT)),
                        test=hospitals().test.anchored(str(PROJECT_ROOT)))
@@ -289,7 +289,7 @@ def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtim
     package.mkdir()
     (package / "__init__.py").write_text(
         "from torch import nn\n"
-        "from learning.models.table import Standardise, TableModel\n\n"
+        "from conclave.learning.models.table import Standardise, TableModel\n\n"
         "def build(num_classes, in_channels=1, *, input_shape, standardiser=None):\n"
         "    return TableModel(Standardise(input_shape[0], standardiser), nn.Linear(input_shape[0], num_classes))\n")
     raw = load_yaml(HOSPITALS)
@@ -299,7 +299,7 @@ def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtim
     raw["runtime_env"] = {"py_modules": [str(package)]}
     raw["student"].update(queries=10, checkpoints=[])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    driver = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from cluster.cli import main; "
+    driver = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from conclave.cluster.cli import main; "
               f"sys.exit(main(['run', {str(tmp_path / 'config.yaml')!r}, '--results-dir', {str(tmp_path / 'out')!r}]))")
     run = subprocess.run([sys.executable, "-c", driver], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -308,7 +308,7 @@ def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtim
 
 
 def test_the_largest_free_cpu_of_a_node_is_known_so_the_student_can_fit_small_nodes(ray_session):
-    from actors.placement import largest_free_cpu
+    from conclave.actors.placement import largest_free_cpu
 
     free = largest_free_cpu()
     assert free is not None and 0 <= free <= 2  # the session's one node has 2 CPUs
@@ -324,7 +324,7 @@ def test_ray_certs_writes_a_ca_and_node_certificates_it_signs_for_the_nodes_addr
 
     from cryptography import x509
 
-    from cluster import cli
+    from conclave.cluster import cli
 
     assert cli.main(["ray-certs", str(tmp_path / "head"), "--hosts", "10.0.0.1", "head.example"]) == 0
     assert cli.main(["ray-certs", str(tmp_path / "a"), "--ca", str(tmp_path / "head"), "--hosts", "10.0.0.7"]) == 0

@@ -42,7 +42,7 @@ def test_every_ray_listener_is_on_loopback(ray_session):
 DRIVER = """
 import json, os, sys, time
 import ray
-from cluster.ray_runtime import start_ray
+from conclave.cluster.ray_runtime import start_ray
 if sys.argv[1] == "bare":
     ray.init(logging_level="WARNING")
 else:
@@ -66,7 +66,7 @@ def _driver(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, dict]:
 
 def test_embedded_ray_never_joins_a_cluster_it_was_not_told_about_and_a_killed_runs_leftovers_are_stopped(
         ray_session, tmp_path):
-    from cluster.ray_runtime import reclaim_orphaned_ray
+    from conclave.cluster.ray_runtime import reclaim_orphaned_ray
 
     session = ray_session.get_runtime_context().gcs_address
     (tmp_path / "tmp" / "ray").mkdir(parents=True)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, from_dict, load_yaml
-from cluster.pipelines import RunContext
-from cluster.pipelines.sparse_finetune import (
+from conclave.cluster.config import ConfigError, from_dict, load_yaml
+from conclave.cluster.pipelines import RunContext
+from conclave.cluster.pipelines.sparse_finetune import (
     Config,
     DataSpec,
     FinetuneConfig,
@@ -16,9 +16,9 @@ from cluster.pipelines.sparse_finetune import (
     PretrainConfig,
     run,
 )
-from cluster.results import RunDirectory
-from cluster.run_command import load_run_config
-from privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_rdp
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_command import load_run_config
+from conclave.privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_rdp
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -47,7 +47,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
     # Two fine-tunings of the same data: the ledger composes two identical sampled-Gaussian
     # runs, i.e. twice the steps, worked out here independently of the pipeline.
     one = metrics["variants"]["all"]
-    from privacy.accounting.rdp import DEFAULT_ORDERS
+    from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 
     rdp = 2 * sampled_gaussian_rdp(DEFAULT_ORDERS, one["sample_rate"], one["noise_multiplier"], one["steps"])
     expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, rdp, 1e-5)

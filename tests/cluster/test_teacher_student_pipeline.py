@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import yaml
 
-from cluster.cli import main as cli_main
-from cluster.config import ConfigError, from_dict, load_yaml
-from cluster.pipelines.teacher_student import Config, privacy_section
-from cluster.run_command import DEMO_CONFIG, load_run_config
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.mechanisms import build_mechanism
+from conclave.cluster.cli import main as cli_main
+from conclave.cluster.config import ConfigError, from_dict, load_yaml
+from conclave.cluster.pipelines.teacher_student import Config, privacy_section
+from conclave.cluster.run_command import DEMO_CONFIG, load_run_config
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.mechanisms import build_mechanism
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers",
@@ -198,16 +198,16 @@ def test_data_the_driver_cannot_load_fails_in_one_line_before_ray_starts(tmp_pat
 
 
 def _serve_args(*argv: str):
-    from cluster.cli import build_parser
+    from conclave.cluster.cli import build_parser
 
     return build_parser("serve").parse_args(["serve", *argv])
 
 
 def test_serve_over_tls_answers_outside_clients_and_repeats_answers_after_a_restart(ray_session, tmp_path,
                                                                                    monkeypatch, capsys):
-    from cluster import serve_command
-    from cluster.client import AggregatorClient
-    from learning.data import load_digits
+    from conclave.cluster import serve_command
+    from conclave.cluster.client import AggregatorClient
+    from conclave.learning.data import load_digits
     from tests.certificates import make_certificates
 
     small = {**TINY, "name": "served", "teachers": {**TINY["teachers"], "count": 5, "train": {"epochs": 5}}}
@@ -246,7 +246,7 @@ def test_serve_over_tls_answers_outside_clients_and_repeats_answers_after_a_rest
 
 
 def test_serve_refuses_a_public_host_without_tls_before_starting_anything(tmp_path, capsys):
-    from cluster import serve_command
+    from conclave.cluster import serve_command
 
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump({**TINY, "name": "public"}))

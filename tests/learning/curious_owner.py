@@ -12,7 +12,7 @@ RECORD_B = np.array([[0.9, -0.4, 0.7]], dtype=np.float32)  # owner B's only reco
 
 
 def owner_data(rank: int):
-    from learning.data import Dataset
+    from conclave.learning.data import Dataset
 
     if rank == 1:
         return Dataset(RECORD_B, np.array([1]), 2, "owner-b")
@@ -22,10 +22,10 @@ def owner_data(rank: int):
 
 
 def run_rank(rank: int, port: int, out: str) -> None:
-    import learning.secure_dpsgd as secure
-    from learning.dpsgd import DPSGDConfig, train_dp
-    from privacy.noise import SECURE
-    from privacy.secure_sum import MaskKeys
+    import conclave.learning.secure_dpsgd as secure
+    from conclave.learning.dpsgd import DPSGDConfig, train_dp
+    from conclave.privacy.noise import SECURE
+    from conclave.privacy.secure_sum import MaskKeys
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

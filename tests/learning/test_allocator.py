@@ -15,7 +15,7 @@ from tests.conftest import PROJECT_ROOT
 # it added (mallinfo2's hblks). glibc's defaults give that block a mapping of its own.
 PROBE = """
 import ctypes, json
-from learning.allocator import keep_freed_memory, allocator_settings
+from conclave.learning.allocator import keep_freed_memory, allocator_settings
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -58,7 +58,7 @@ def test_the_opt_out_or_a_users_own_setting_leaves_glibc_alone(environment):
 
 
 def test_a_joined_clusters_workers_get_the_settings_and_the_users_env_vars_win(monkeypatch):
-    from cluster.ray_runtime import _with_allocator
+    from conclave.cluster.ray_runtime import _with_allocator
 
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
     monkeypatch.setenv("MALLOC_TOP_PAD_", "67108864")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import scipy.io
 
-from learning.data import (
+from conclave.learning.data import (
     DataFormatError, Dataset, load_cifar, load_dataset, load_digits, load_mnist, load_svhn,
     make_splits, read_idx, shard, split_datasets,
 )
@@ -420,7 +420,7 @@ def test_shard_rejects_impossible_counts_and_leaves_shards_empty_when_records_ar
 
 
 def test_a_shard_over_its_cap_keeps_a_random_subset_of_its_own_records():
-    from learning.data.dataset import cap_shard, shard_cap
+    from conclave.learning.data.dataset import cap_shard, shard_cap
 
     part = indexed_dataset(50)
     assert shard_cap(100, 10) == 20  # 10 + 3·√10 = 19.5, rounded up

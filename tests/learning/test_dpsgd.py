@@ -11,11 +11,11 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
 from torch import nn
 
-from learning.data import load_digits
-from learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, lr_scheduler, train_dp
-from learning.models.resnet import gn_cnn
-from privacy.accounting.rdp import epsilon_from_rdp
-from privacy.noise import SECURE, NoisePolicy
+from conclave.learning.data import load_digits
+from conclave.learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, lr_scheduler, train_dp
+from conclave.learning.models.resnet import gn_cnn
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.noise import SECURE, NoisePolicy
 
 torch.set_num_threads(1)
 
@@ -150,7 +150,7 @@ def test_target_epsilon_calibrates_noise(digits):
 
 @pytest.mark.parametrize("mode", ["hooks", "ew", "ghost", "bk"])
 def test_empty_poisson_batches_still_take_a_noise_step(digits, mode):
-    from learning.models import build_model
+    from conclave.learning.models import build_model
 
     tiny = digits.subset(np.arange(6))
     config = DPSGDConfig(epochs=3, batch_size=1, lr=0.1, noise_multiplier=1.0, grad_sample_mode=mode)
@@ -195,7 +195,7 @@ def test_faster_grad_sample_modes_are_the_same_training(digits, model_name, mode
     expanded weights ("ew") the same gradients another way, book-keeping ("bk") the same
     clipped sum in one backward pass: with the same Poisson batches and noise, the weights
     agree with hooks' to rounding."""
-    from learning.models import build_model
+    from conclave.learning.models import build_model
 
     trained = []
     for mode in ("hooks", mode):
@@ -296,7 +296,7 @@ def test_the_schedule_comes_from_the_declared_size_not_the_records_held(digits):
 def test_auto_mode_times_the_candidates_on_a_copy_and_keeps_one():
     """The probe runs on synthetic data and a copy: the model's weights and the global RNG are
     as they were; a mode Opacus cannot run is skipped, and none at all is one clear error."""
-    from learning.grad_sample_modes import PROBED, fastest_mode
+    from conclave.learning.grad_sample_modes import PROBED, fastest_mode
 
     model = gn_cnn(10, 1, channels=4)
     before = {name: p.clone() for name, p in model.state_dict().items()}
@@ -314,8 +314,8 @@ def test_auto_mode_probes_every_mode_unless_masks_or_reproducible_noise_need_the
                                                                                      reproducible):
     """Reproducible noise must give the same weights every run, so no timing may choose the
     mode there (modes agree to rounding only)."""
-    from learning import dpsgd
-    from learning.grad_sample_modes import PROBED
+    from conclave.learning import dpsgd
+    from conclave.learning.grad_sample_modes import PROBED
 
     asked = []
 
@@ -341,8 +341,8 @@ def test_book_keeping_leaves_the_clipped_sum_of_the_per_example_gradients(name, 
     is the median, so half the examples are clipped and half are not. ScatterNet's convolutions,
     one of gn_cnn's and the ResNet's later stages take the ghost-norm path, the other
     convolutions the formed one."""
-    from learning.bookkeeping import BookKeeping
-    from learning.models import build_model
+    from conclave.learning.bookkeeping import BookKeeping
+    from conclave.learning.models import build_model
 
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn((40, *shape), generator=generator), torch.randint(0, 10, (40,), generator=generator)
@@ -371,7 +371,7 @@ def test_convolution_ghost_norms_equal_the_norms_of_per_example_gradients(in_cha
                                                                           padding, dilation, side):
     """The ghost norm from the input's Gram matrix, on strided, dilated, rectangular and
     unevenly padded convolutions, against each example's weight gradient taken by autograd."""
-    from learning.bookkeeping import _conv_ghost_norms_squared
+    from conclave.learning.bookkeeping import _conv_ghost_norms_squared
 
     generator = torch.Generator().manual_seed(0)
     conv = nn.Conv2d(in_channels, out_channels, kernel, stride, padding, dilation).double()
@@ -383,7 +383,7 @@ def test_convolution_ghost_norms_equal_the_norms_of_per_example_gradients(in_cha
 
 
 def test_book_keeping_refuses_what_it_cannot_clip():
-    from learning.bookkeeping import BookKeeping
+    from conclave.learning.bookkeeping import BookKeeping
 
     with pytest.raises(ValueError, match="Linear, Conv2d, GroupNorm layers only.*BatchNorm2d"):
         BookKeeping(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 1.0)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from learning.data import Dataset, load_digits
-from learning.data.features import apply_features, features_of, scattering
-from learning.models import build_model
+from conclave.learning.data import Dataset, load_digits
+from conclave.learning.data.features import apply_features, features_of, scattering
+from conclave.learning.models import build_model
 
 
 def images(n: int, channels: int, side: int, seed: int = 0) -> Dataset:

@@ -9,7 +9,7 @@ from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from learning.models import REGISTRY, build_model
+from conclave.learning.models import REGISTRY, build_model
 
 # (name, in_channels, input size, kwargs) small enough for a fast CPU test
 CASES = [
@@ -126,7 +126,7 @@ def test_registry_names_and_unknown_model():
 @pytest.mark.parametrize("kernel, stride, shape", [(2, 1, (3, 16, 14, 14)), (2, 2, (2, 32, 8, 8)),
                                                    (3, 2, (2, 4, 9, 7)), (2, 2, (1, 2, 5, 5))])
 def test_index_free_max_pool_equals_torch_and_keeps_the_training_path(kernel, stride, shape):
-    from learning.models.pooling import MaxPool2d
+    from conclave.learning.models.pooling import MaxPool2d
 
     x = torch.randn(*shape)
     x[0, 0, :2, :2] = 1.5  # ties inside a window
@@ -145,7 +145,7 @@ def test_index_free_max_pool_equals_torch_and_keeps_the_training_path(kernel, st
 def test_inference_votes_equal_torch_max_pool(name, channels, size, kwargs):
     """The index-free pooling changes no prediction: the same model with torch's own pooling
     layers gives bit-identical logits."""
-    from learning.models import pooling
+    from conclave.learning.models import pooling
 
     model = build_model(name, num_classes=10, in_channels=channels, seed=3, input_size=size, **kwargs).eval()
     reference = copy.deepcopy(model)
@@ -161,7 +161,7 @@ def test_inference_votes_equal_torch_max_pool(name, channels, size, kwargs):
 def test_table_models_standardise_with_the_given_public_statistics_and_train_under_dp_sgd():
     import numpy as np
 
-    from learning.data.schema import Standardiser
+    from conclave.learning.data.schema import Standardiser
 
     mean, scale = np.array([10.0, -2.0, 0.0], np.float32), np.array([2.0, 0.5, 1.0], np.float32)
     model = build_model("logistic_regression", 3, input_shape=(3,), standardiser=Standardiser(mean, scale), seed=0)
@@ -176,7 +176,7 @@ def test_table_models_standardise_with_the_given_public_statistics_and_train_und
 
 
 def test_a_users_model_by_import_path_gets_the_same_arguments():
-    model = build_model("learning.models.table:logistic_regression", 4, input_shape=(5,), seed=1)
+    model = build_model("conclave.learning.models.table:logistic_regression", 4, input_shape=(5,), seed=1)
     assert model(torch.zeros(2, 5)).shape == (2, 4)
     with pytest.raises(ValueError, match="cannot be imported here"):
         build_model("no_such_package.models:build", 2, input_shape=(5,))
@@ -191,8 +191,8 @@ def test_stacked_ensemble_predicts_what_each_model_predicts(name, shape):
     partial chunk too) predict through the stacked network exactly what each predicts alone."""
     import numpy as np
 
-    from learning.models.ensemble import StackedEnsemble
-    from learning.training import predict
+    from conclave.learning.models.ensemble import StackedEnsemble
+    from conclave.learning.training import predict
 
     models = [build_model(name, 10, input_shape=shape, seed=i).eval() for i in range(7)]
     x = np.random.default_rng(0).normal(0, 3, (50, *shape)).astype(np.float32)
@@ -204,7 +204,7 @@ def test_stacked_ensemble_predicts_what_each_model_predicts(name, shape):
 
 
 def test_models_the_stacked_ensemble_cannot_run_are_left_to_the_caller():
-    from learning.models.ensemble import StackedEnsemble, stackable
+    from conclave.learning.models.ensemble import StackedEnsemble, stackable
 
     assert not stackable([build_model("gn_cnn", 10, 3, seed=0, input_size=32)])  # GroupNorm
     assert not stackable([build_model("mlp", 10, input_shape=(5,), seed=0)])  # the standardising layer

@@ -4,15 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learning.annotation import CallableAnnotator, RevealingAnnotator, split_private_public
-from learning.data import load_digits
-from learning.embedding_stats import CentralSupport
-from learning.selection import PublicPool, build_strategy
-from learning.selection.entropy import logit_entropy
-from learning.selection.margin import top_two_difference
-from privacy.counts import LaplaceCounts
-from privacy.noise import SECURE
-from privacy.pca import AnalyzeGauss
+from conclave.learning.annotation import CallableAnnotator, RevealingAnnotator, split_private_public
+from conclave.learning.data import load_digits
+from conclave.learning.embedding_stats import CentralSupport
+from conclave.learning.selection import PublicPool, build_strategy
+from conclave.learning.selection.entropy import logit_entropy
+from conclave.learning.selection.margin import top_two_difference
+from conclave.privacy.counts import LaplaceCounts
+from conclave.privacy.noise import SECURE
+from conclave.privacy.pca import AnalyzeGauss
 
 CENTRES = np.eye(8)[:5] * 10.0  # five well-separated blobs in 8-D
 

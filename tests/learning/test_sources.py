@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from learning.data.dataset import UNLABELED, DataFormatError
-from learning.data.sources import DataSource, class_names
+from conclave.learning.data.dataset import UNLABELED, DataFormatError
+from conclave.learning.data.sources import DataSource, class_names
 
 CLASSES = ("cat", "dog", "eel")
 

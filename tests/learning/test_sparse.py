@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from learning.data import load_digits
-from learning.dpsgd import DPSGDConfig, train_dp
-from learning.models.resnet import gn_cnn, gn_resnet18
-from learning.sparse import (
+from conclave.learning.data import load_digits
+from conclave.learning.dpsgd import DPSGDConfig, train_dp
+from conclave.learning.models.resnet import gn_cnn, gn_resnet18
+from conclave.learning.sparse import (
     VARIANTS,
     magnitude_masks,
     noise_to_gradient_ratio,
@@ -19,7 +19,7 @@ from learning.sparse import (
     plan_variant,
     replace_classifier,
 )
-from privacy.noise import SECURE
+from conclave.privacy.noise import SECURE
 
 torch.set_num_threads(1)
 

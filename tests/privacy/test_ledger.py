@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
-from privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
-from privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
-from privacy.accounting.rdp import (
+from conclave.privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
+from conclave.privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
+from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
     epsilon_from_rdp,
@@ -216,9 +216,9 @@ def test_no_overshoot_with_32_threads(tmp_path):
 
 _CHARGER = """
 import math, os, sys, time
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
-from privacy.accounting.rdp import gaussian_charge
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
+from conclave.privacy.accounting.rdp import gaussian_charge
 path, go, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ledger = PrivacyLedger(path, 1e-5, RenyiFilter(2.0, 1e-5, 32.0))
 charge = gaussian_charge(40.0 / math.sqrt(2), count=1, label="gnmax")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
-from privacy.mechanisms import (
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
+from conclave.privacy.mechanisms import (
     ABSTAIN,
     MECHANISMS,
     NZC,

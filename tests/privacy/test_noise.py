@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from privacy.noise import SECURE, NoisePolicy
+from conclave.privacy.noise import SECURE, NoisePolicy
 
 DRAWS = 20_000
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from privacy.accounting.filter import RenyiFilter
-from privacy.accounting.report import analysis_report
-from privacy.mechanisms import NZC
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.report import analysis_report
+from conclave.privacy.mechanisms import NZC
 
 PAPER_CONSTANT, PAPER_SCALE = 1e100, 1e10
 # 250 teachers, two classes. D: a tie, the plurality is class 0 (lowest index).

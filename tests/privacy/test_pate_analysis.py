@@ -12,12 +12,12 @@ import mpmath as mp
 import numpy as np
 import pytest
 
-from privacy.accounting import pate
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
-from privacy.accounting.report import analysis_report
-from privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from privacy.mechanisms import build_mechanism
-from privacy.noise import NoisePolicy
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.accounting.report import analysis_report
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.noise import NoisePolicy
 
 mp.mp.dps = 50
 ORDERS = np.array([1.5, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0])

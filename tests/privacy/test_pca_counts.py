@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, pure_dp_rdp
-from privacy.counts import LaplaceCounts
-from privacy.noise import SECURE, NoisePolicy
-from privacy.pca import AnalyzeGauss, covariance_sum, gaussian_noise_for_epsilon, normalise_rows
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, pure_dp_rdp
+from conclave.privacy.counts import LaplaceCounts
+from conclave.privacy.noise import SECURE, NoisePolicy
+from conclave.privacy.pca import AnalyzeGauss, covariance_sum, gaussian_noise_for_epsilon, normalise_rows
 
 
 def analytic_gaussian_delta(z: float, epsilon: float) -> float:

@@ -8,8 +8,8 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
 
-from privacy.accounting import rdp
-from privacy.accounting.rdp import (
+from conclave.privacy.accounting import rdp
+from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
     epsilon_from_rdp,
@@ -22,7 +22,7 @@ from privacy.accounting.rdp import (
     sum_charges,
     unbounded_charge,
 )
-from privacy.mechanisms.gnmax import gnmax_charge
+from conclave.privacy.mechanisms.gnmax import gnmax_charge
 
 DELTA = 1e-5
 OPACUS_ALPHAS = np.array(RDPAccountant.DEFAULT_ALPHAS, dtype=float)

@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
-from privacy.accounting.skellam import skellam_rdp
-from privacy.counts import SkellamCounts
-from privacy.noise import NoisePolicy
-from privacy.pca import (
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.accounting.skellam import skellam_rdp
+from conclave.privacy.counts import SkellamCounts
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.pca import (
     SecureAnalyzeGauss,
     covariance_sum,
     symmetric_from_upper,
     top_components,
     upper_triangle,
 )
-from privacy.secure_release import summed_shares
-from privacy.secure_sum import MaskKeys, decode_integers, quantize, skellam_noise
+from conclave.privacy.secure_release import summed_shares
+from conclave.privacy.secure_sum import MaskKeys, decode_integers, quantize, skellam_noise
 
 DELTA = 1e-5
 POLICY = NoisePolicy(insecure_seed=11)  # replayable noise: the test re-draws every party's share

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from scipy import stats
 
-from privacy.noise import NoisePolicy
-from privacy.secure_sum import (
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.secure_sum import (
     MaskKeys,
     SecureSumPlan,
     bernstein_tail,
@@ -192,7 +192,7 @@ def test_scale_is_the_smallest_meeting_the_rounding_target_unless_the_ring_caps_
     assert plan.l1_sensitivity == pytest.approx(100 * (2048 + 100))
     assert plan.noise_variance == pytest.approx((2048 + 100) ** 2)
     # W = 4, m = 2^60: 4·(2^54·γ + 1) + t ≤ 2^59 − 1 holds for γ = 4, not for γ = 8 (target: 32).
-    with caplog.at_level(logging.WARNING, logger="privacy.secure_sum"):
+    with caplog.at_level(logging.WARNING, logger="conclave.privacy.secure_sum"):
         capped = make_plan(dimension=1, parties=4, owners=4, norm_bound=2.0**54)
     assert capped.modulus_bits == 60 and capped.scale == 4
     assert "caps the quantization scale" in caplog.text

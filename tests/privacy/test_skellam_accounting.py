@@ -17,9 +17,9 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 from scipy import special
 
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, sampled_gaussian_rdp
-from privacy.accounting.skellam import (
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, sampled_gaussian_rdp
+from conclave.privacy.accounting.skellam import (
     poisson_subsampled_rdp,
     skellam_charge,
     skellam_rdp,

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from scipy import special
 
-from privacy.accounting import pate
-from privacy.accounting import smooth_sensitivity as ss
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
-from privacy.accounting.report import analysis_report
-from privacy.mechanisms import build_mechanism
-from privacy.noise import NoisePolicy
+from conclave.privacy.accounting import pate
+from conclave.privacy.accounting import smooth_sensitivity as ss
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
+from conclave.privacy.accounting.report import analysis_report
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.noise import NoisePolicy
 
 # --- values from the PATE 2018 reference analysis' tests --------------------------------------
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from privacy.accounting.charge import ADD_REMOVE
-from privacy.accounting.ledger import PrivacyLedger
-from privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
-from privacy.mechanisms import ABSTAIN, Stability
-from privacy.mechanisms.stability import distance_to_instability, laplace_difference_tail
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
+from conclave.privacy.mechanisms import ABSTAIN, Stability
+from conclave.privacy.mechanisms.stability import distance_to_instability, laplace_difference_tail
 
 RUNS = 10_000
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from privacy.accounting.charge import PrivacyCharge
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
-from privacy.accounting.tuning_cost import (
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.accounting.tuning_cost import (
     TruncatedNegativeBinomial,
     random_repetition_charge,
     random_repetition_rdp,

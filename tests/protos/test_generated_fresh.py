@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protos import generate
+from conclave.protos import generate
 
 
 def test_checked_in_modules_match_a_fresh_generation(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_checked_in_modules_match_a_fresh_generation(tmp_path: Path) -> None:
 
 
 def test_generated_modules_import_as_a_package() -> None:
-    from protos import aggregator_pb2, aggregator_pb2_grpc
+    from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 
     service = aggregator_pb2.DESCRIPTOR.services_by_name["Aggregator"]
     assert service.full_name == "conclave.v1.Aggregator"

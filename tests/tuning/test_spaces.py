@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.config import ConfigError
-from tuning import spaces
+from conclave.cluster.config import ConfigError
+from conclave.tuning import spaces
 
 SIMPLEX = {"allocation": {"simplex": {"keys": ["dpsgd.target_epsilon", "selection.epsilon_pca",
                                                 "selection.epsilon_support"], "total": 3.0, "minimum": 0.1}}}

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
-from cluster.config import ConfigError, from_dict, load_yaml
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sampled_gaussian_rdp
-from privacy.accounting.tuning_cost import TruncatedNegativeBinomial, random_repetition_rdp
-from tuning import report, sweep as sweep_module
-from tuning.config import TuneConfig
-from tuning.sweep import check, run_sweep, summary_lines
+from conclave.cluster.config import ConfigError, from_dict, load_yaml
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, sampled_gaussian_rdp
+from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, random_repetition_rdp
+from conclave.tuning import report, sweep as sweep_module
+from conclave.tuning.config import TuneConfig
+from conclave.tuning.sweep import check, run_sweep, summary_lines
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -55,7 +55,7 @@ def _sparse_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs
 
 
 def _digits_5_to_9_train_size() -> int:
-    from cluster.pipelines.sparse_finetune import DataSpec, load_split
+    from conclave.cluster.pipelines.sparse_finetune import DataSpec, load_split
 
     return len(load_split(DataSpec("digits", classes=(5, 6, 7, 8, 9)), 0)[0])
 
@@ -262,13 +262,13 @@ def test_sweeps_refuse_reproducible_noise(name, changes, message):
 
 
 def test_conclave_tune_refuses_a_seeded_sweep_before_ray_starts(tmp_path, capsys, monkeypatch):
-    import cluster.ray_runtime
-    from cluster.cli import main
+    import conclave.cluster.ray_runtime as ray_runtime
+    from conclave.cluster.cli import main
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started for a refused sweep")
 
-    monkeypatch.setattr(cluster.ray_runtime, "start_ray", no_ray)
+    monkeypatch.setattr(ray_runtime, "start_ray", no_ray)
     seeded = tmp_path / "seeded.yaml"
     raw = _raw("tune-digits-sparsity.yaml", **{**RANDOM_REPETITION, "base/privacy": SEEDED})
     seeded.write_text(yaml.safe_dump(raw))
@@ -284,7 +284,7 @@ def test_diverse_public_sweeps_refuse_sweeping_what_the_checkpoint_was_trained_w
 
 
 def test_conclave_tune_rejects_a_bad_config_with_status_2(tmp_path, capsys):
-    from cluster.cli import main
+    from conclave.cluster.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text((CONFIGS / "tune-digits-teachers.yaml").read_text().replace("kind: teacher_ensemble",

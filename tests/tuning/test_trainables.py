@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.config import load_yaml
-from privacy.accounting.ledger import PrivacyLedger
-from cluster.pipelines import pipeline_module
-from privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, unbounded_charge
-from tuning import trainables
-from tuning.trainables import charge_fields, charge_from_fields, trial_config
+from conclave.cluster.config import load_yaml
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.cluster.pipelines import pipeline_module
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, unbounded_charge
+from conclave.tuning import trainables
+from conclave.tuning.trainables import charge_fields, charge_from_fields, trial_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
