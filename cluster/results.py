@@ -1,9 +1,19 @@
-"""Where a run leaves its evidence: ``results/<run>/`` with config, metrics and privacy JSON."""
+"""Where a run leaves its evidence: ``results/<run>/`` with config, metrics and privacy JSON.
+
+A run started from the CLI writes into a staging folder beside its results folder
+(``RunDirectory.staged``) and replaces the results folder's contents only when it succeeds, so a
+failed run never leaves its config beside an earlier run's metrics. What must outlive a failed
+run — a durable ledger that composes across runs on the same private data — lives in the results
+folder itself (``RunDirectory.durable``) and is kept.
+"""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +40,46 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class RunDirectory:
-    """One run's output folder; every file is JSON a machine can read back."""
+DURABLE_PREFIX = "ledger.sqlite"  # the durable ledger and its WAL files: kept when a run replaces a folder
 
-    def __init__(self, root: str | Path, run_name: str) -> None:
-        self.path = Path(root) / run_name
-        self.path.mkdir(parents=True, exist_ok=True)
+
+class RunDirectory:
+    """One run's output folder; every file is JSON a machine can read back.
+
+    ``path`` is where the run writes; ``durable`` is where state that outlives the run is kept
+    (the same folder, unless the run is staged).
+    """
+
+    def __init__(self, root: str | Path, run_name: str, staging: bool = False) -> None:
+        self.durable = Path(root) / run_name
+        self.durable.mkdir(parents=True, exist_ok=True)
+        self.path = Path(root) / f".{run_name}.incomplete" if staging else self.durable
+        if staging:
+            shutil.rmtree(self.path, ignore_errors=True)  # what a killed run left
+            self.path.mkdir()
+
+    @classmethod
+    @contextlib.contextmanager
+    def staged(cls, root: str | Path, run_name: str) -> Iterator[RunDirectory]:
+        """A run's folder that takes the place of ``root/run_name``'s outputs only if the run
+        finishes: on an exception the staging folder is removed and the results folder is as it was
+        (its durable ledger keeps what the failed run was charged)."""
+        directory = cls(root, run_name, staging=True)
+        try:
+            yield directory
+        except BaseException:
+            shutil.rmtree(directory.path, ignore_errors=True)
+            raise
+        directory._publish()
+
+    def _publish(self) -> None:
+        for old in self.durable.iterdir():
+            if not old.name.startswith(DURABLE_PREFIX):
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        for new in self.path.iterdir():
+            new.rename(self.durable / new.name)
+        self.path.rmdir()
+        self.path = self.durable
 
     def write_json(self, name: str, payload: Any) -> Path:
         target = self.path / f"{name}.json"

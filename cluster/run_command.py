@@ -1,4 +1,8 @@
-"""``conclave run CONFIG`` and ``conclave demo``: load a config, run its pipeline, record it."""
+"""``conclave run CONFIG`` and ``conclave demo``: load a config, run its pipeline, record it.
+
+Every failure is one line on stderr with its own exit status (``EXIT_CODES``; ``-v`` adds the
+traceback to the log), and a failed run leaves ``results/<run>/`` as it was (``RunDirectory.staged``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +19,16 @@ from conclave.cluster.results import RunDirectory
 log = logging.getLogger(__name__)
 
 DEMO_CONFIG = {"pipeline": "teacher_student", "name": "demo"}
+
+# One status per kind of failure, so scripts and job schedulers can tell them apart.
+EXIT_CODES = {
+    "failed": 1,        # anything else, after the start (one line; the traceback with -v)
+    "config": 2,        # the config, an owner's data or placement: fix and run again
+    "dropout": 3,       # an owner's actor left in the middle of a secure sum: nothing of the round released
+    "budget": 4,        # the ledger refused a charge: the privacy budget does not cover the run
+    "cluster": 5,       # Ray could not run an actor or a task (a node or worker died, out of resources)
+    "interrupted": 130, # Ctrl-C
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -52,24 +66,47 @@ def main(args: argparse.Namespace) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
-    results = RunDirectory(args.results_dir, run_name)
-    results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
-    from conclave.actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
-
     started = time.perf_counter()
     try:
-        summary = module.run(config, RunContext(run_name, results, args.address)).summary
-    except (ConfigError, OwnerDataError, PlacementError) as err:  # one line: the config's or an owner's data
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
-    except OwnerDropout as err:  # after the start: one line, its own status
-        print(f"conclave: {err}", file=sys.stderr)
-        return 3
+        with RunDirectory.staged(args.results_dir, run_name) as results:
+            results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
+            summary = module.run(config, RunContext(run_name, results, args.address)).summary
+    except BaseException as err:  # noqa: BLE001 - every failure becomes one line and a status
+        kind, line = failure(err, run_name)
+        log.debug("run '%s' failed", run_name, exc_info=True)
+        print(f"conclave: {line}", file=sys.stderr)
+        return EXIT_CODES[kind]
     elapsed = time.perf_counter() - started
     print(f"\n{pipeline} run '{run_name}' finished in {elapsed:.0f} s; results in {results.path}/")
     for key, value in summary.items():
         print(f"  {key}: {value}")
     return 0
+
+
+def failure(err: BaseException, run_name: str) -> tuple[str, str]:
+    """(kind in EXIT_CODES, one line) for an exception that ended a run."""
+    import ray
+
+    from conclave.actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
+    from conclave.privacy.accounting.ledger import BudgetExceeded
+
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted", f"run '{run_name}' interrupted; its results folder is as it was"
+    if isinstance(err, (ConfigError, OwnerDataError, PlacementError)):
+        return "config", str(err)
+    if isinstance(err, OwnerDropout):
+        return "dropout", str(err)
+    if isinstance(err, BudgetExceeded):
+        return "budget", (f"run '{run_name}' refused by its privacy ledger: {_first_line(err)} (the ledger in "
+                          "its results folder keeps what earlier runs on the same data spent)")
+    if isinstance(err, ray.exceptions.RayError):
+        return "cluster", f"run '{run_name}' lost a Ray actor or task: {type(err).__name__}: {_first_line(err)}"
+    return "failed", f"run '{run_name}' failed: {type(err).__name__}: {_first_line(err)} (-v for the traceback)"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
 
 
 def _as_dict(config: object) -> dict:

@@ -445,7 +445,7 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
     planned = planned_work(config)
-    ledger = config.privacy.open_ledger(out / "ledger.sqlite", planned)
+    ledger = config.privacy.open_ledger(context.results.durable / "ledger.sqlite", planned)
     if ledger.report().charges:
         log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
                     "with this run's", ledger.path, ledger.report().charges)

@@ -1,0 +1,80 @@
+"""A failed run is one line with its own exit status and leaves its results folder as it was."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conclave.cluster.cli import main
+from conclave.cluster.config import ConfigError
+from conclave.cluster.pipelines.active_learning import planned_work
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_command import EXIT_CODES, failure, load_run_config
+from conclave.privacy.accounting.ledger import BudgetExceeded
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):
+    first = RunDirectory(tmp_path, "run")
+    first.write_json("metrics", {"run": 1})
+    (first.path / "ledger.sqlite").write_text("durable")
+    with pytest.raises(RuntimeError):
+        with RunDirectory.staged(tmp_path, "run") as second:
+            second.write_json("config", {"run": 2})
+            raise RuntimeError("after the start")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ledger.sqlite", "metrics.json"]
+
+    with RunDirectory.staged(tmp_path, "run") as third:
+        assert third.durable == tmp_path / "run" and third.path != third.durable
+        third.write_json("config", {"run": 3})
+    assert third.path == tmp_path / "run"
+    # the earlier run's metrics are gone with it; the durable ledger stays
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "ledger.sqlite"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_each_failure_has_its_status_and_one_line():
+    import ray
+
+    cases = [(ConfigError("config.x: bad"), "config"), (BudgetExceeded("would pass ε = 2"), "budget"),
+             (ray.exceptions.ActorDiedError(), "cluster"), (KeyError("boom\nsecond line"), "failed"),
+             (KeyboardInterrupt(), "interrupted")]
+    for err, kind in cases:
+        got, line = failure(err, "r")
+        assert got == kind and "\n" not in line, (err, line)
+    assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
+
+
+def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_session, tmp_path, capsys):
+    raw = yaml.safe_load((CONFIGS / "digits-active.yaml").read_text())
+    raw["dpsgd"].update(epochs=2, noise_multiplier=1.0, target_epsilon=None)
+    raw["selection"].update(strategies=["random"], sizes=[20])
+    raw["finetune"].update(epochs=1)
+    _, config = load_run_config(raw)
+    planned = planned_work(config)
+    once = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
+    twice = epsilon_from_rdp(planned.orders, 2 * np.asarray(planned.rdp), 1e-5)[0]
+    raw["privacy"]["budget"] = round((once + twice) / 2, 3)  # one run fits, two do not
+    path = tmp_path / "digits-active.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    results = tmp_path / "results"
+
+    assert main(["run", str(path), "--results-dir", str(results)]) == 0
+    folder = results / "digits-active"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith("ledger")}
+    assert {"config.json", "metrics.json", "privacy.json"} <= set(before)
+    capsys.readouterr()
+
+    assert main(["run", str(path), "--results-dir", str(results)]) == EXIT_CODES["budget"]
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refused by its privacy ledger" in err, err
+    after = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith("ledger")}
+    assert after == before  # no config of the refused run beside the first run's metrics
+    assert sorted(p.name for p in results.iterdir()) == ["digits-active"]
+    assert json.loads((folder / "privacy.json").read_text())["spent"]["charges"] >= 1
