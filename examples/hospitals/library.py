@@ -9,13 +9,11 @@ the private answers and prints what it learned and the guarantee.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from conclave.cluster.api import (  # noqa: E402
+from conclave.cluster.api import (
     Config, DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TrainingConfig,
     serve, train_ensemble, train_student,
 )

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from conclave.cluster.tls import NodeCertificate
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 opened: list[str] = []
 sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args else None)
