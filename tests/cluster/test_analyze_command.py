@@ -228,10 +228,10 @@ def test_a_ledger_that_does_not_match_the_votes_is_refused(filtered_run, tmp_pat
     assert not (tmp_path / "no-ledger.sqlite").exists()  # a missing ledger is not created
 
 
-def test_python_m_cluster_prints_a_short_summary_labelling_the_private_figure(run_files):
+def test_python_m_conclave_prints_a_short_summary_labelling_the_private_figure(run_files):
     votes_path, _, _, _ = run_files
     done = subprocess.run(
-        [sys.executable, "-m", "cluster", "analyze", str(votes_path), "--mechanism", "gnmax", "--sigma", "40"],
+        [sys.executable, "-m", "conclave", "analyze", str(votes_path), "--mechanism", "gnmax", "--sigma", "40"],
         capture_output=True, text=True, timeout=120, cwd=PROJECT,
     )
     assert done.returncode == 0, done.stderr
