@@ -54,15 +54,16 @@ from conclave.actors.labeller import (
     BudgetStatus,
     InvalidInput,
     LabelOutcome,
-    PrivateLabeller,
+    SecureVoteSource,
     TeachersUnavailable,
     VoteSource,
     decode_inputs,
+    labeller_for,
 )
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.guarantee import Guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from conclave.privacy.mechanisms.base import VoteMechanism
+from conclave.privacy.mechanisms.base import SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.protos import aggregator_pb2
 
@@ -145,6 +146,10 @@ class AggregatorServer:
     gets its default schema: rows [d] of finite table values, else images in [0, 1]) from
     ``vote_source`` over gRPC.
 
+    A ``SecureVoteMechanism`` runs on rounds of the secure sum over a ``SecureVoteSource``
+    (``aggregation: secure``, ``actors.labeller.SecureLabeller``): this process then never holds a
+    clean vote, and an owner dropping out of a round is UNAVAILABLE like any teacher failure.
+
     ``noise`` is the run's noise policy (OS entropy by default). ``ready=False`` starts with
     health NOT_SERVING and Label refused with UNAVAILABLE until ``set_ready(True)`` (e.g.
     while teachers still train). ``start`` runs the server on an event loop in a thread of
@@ -153,15 +158,15 @@ class AggregatorServer:
 
     def __init__(
         self,
-        vote_source: VoteSource,
-        mechanism: VoteMechanism,
+        vote_source: VoteSource | SecureVoteSource,
+        mechanism: VoteMechanism | SecureVoteMechanism,
         ledger: PrivacyLedger,
         input_shape: tuple[int, ...] | InputSchema,
         settings: ServerSettings = ServerSettings(),
         noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
-        self.labeller = PrivateLabeller(vote_source, mechanism, ledger, noise)
+        self.labeller = labeller_for(vote_source, mechanism, ledger, noise)
         self.schema = input_shape if isinstance(input_shape, InputSchema) else InputSchema.for_shape(input_shape)
         self.input_shape = self.schema.shape
         self.settings = settings
@@ -560,7 +565,8 @@ class AggregatorActor:
     with the budget the caller declared.
     """
 
-    def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger_path: str, delta: float, budget,
+    def __init__(self, vote_source: VoteSource | SecureVoteSource, mechanism: VoteMechanism | SecureVoteMechanism,
+                 ledger_path: str, delta: float, budget,
                  input_shape: tuple[int, ...] | InputSchema, settings: ServerSettings = ServerSettings(),
                  noise: NoisePolicy = SECURE, ready: bool = True) -> None:
         self._ledger = PrivacyLedger(ledger_path, delta, budget, neighbouring=vote_source.neighbouring)

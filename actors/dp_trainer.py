@@ -58,7 +58,8 @@ from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.counts import LaplaceCounts, SkellamCounts
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
-from conclave.privacy.secure_sum import MaskKeys, SecureSumPlan
+from conclave.privacy.secure_release import ReleaseKeys
+from conclave.privacy.secure_sum import SecureSumPlan
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ def _tensors(state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
 
-class ShardHolder:
+class ShardHolder(ReleaseKeys):
     """Holds private shards; trains on them and answers with DP output or aggregates only.
     A source that cannot be read is kept as an error that ``describe`` raises (one line,
     naming the owner), so the driver learns of it before any training starts."""
@@ -218,7 +219,6 @@ class ShardHolder:
         self._embeddings: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
         self._load_error: str | None = None
-        self._mask_keys: MaskKeys | None = None  # the next secure sum's key pair (``mask_key``)
         try:
             self._data = source.load(list(shard_ids))
         except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
@@ -229,11 +229,6 @@ class ShardHolder:
             raise OwnerDataError(self._load_error)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         return GroupInfo(self._data.num_classes, self._data.input_shape, node)
-
-    def mask_key(self, rank: int) -> bytes:
-        """A fresh X25519 key pair for the next secure sum, as rank ``rank``; its public half."""
-        self._mask_keys = MaskKeys(rank)
-        return self._mask_keys.public_bytes
 
     def rendezvous(self) -> str:
         """An address for rank 0 of a gloo group: this node's IP and a port free now."""
@@ -327,13 +322,6 @@ class ShardHolder:
         counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
         return mechanism.share(counts, plan, owners, keys.pairwise_masks(public_keys, session),
                                noise.source(f"{session}-{keys.rank}"))
-
-    def _take_mask_keys(self) -> MaskKeys:
-        """The key pair of this one release; it is forgotten so that no later sum reuses it."""
-        if self._mask_keys is None:
-            raise RuntimeError("no fresh mask key: call mask_key(rank) before each secure sum")
-        keys, self._mask_keys = self._mask_keys, None
-        return keys
 
     def _require_weights(self) -> None:
         if self._embeddings is None:

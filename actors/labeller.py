@@ -18,6 +18,15 @@ relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), an
 charges are restated for it before they reach the ledger, which composes one relation only.
 Noise comes from the run's ``NoisePolicy`` (OS entropy unless reproducible noise was asked
 for, which marks the guarantee unsound). No gRPC here: ``actors.aggregator`` serves this.
+
+With ``aggregation: secure`` (``SecureLabeller``, for a ``SecureVoteMechanism``) this process
+never holds a clean histogram: steps (2)–(3) become the mechanism's rounds of the secure sum
+(``SecureVoteSource.noised_votes``, ``privacy.secure_votes``), each a release of noised totals.
+A batch runs under the lock from its worst-case check, before its first round, to its charge,
+and the ledger is charged for the rounds that ran. A round an owner dropped out of releases
+nothing and is not charged; the batch is then refused (``TeachersUnavailable``, one line
+naming the owner) with no label released — after Confident-GNMax's first round, that round
+alone is charged, since its noised totals were seen here.
 """
 from __future__ import annotations
 
@@ -30,12 +39,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from conclave.actors.owners import OwnerDropout
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from conclave.privacy.mechanisms.base import ABSTAIN, VoteMechanism
+from conclave.privacy.accounting.rdp import sum_charges
+from conclave.privacy.mechanisms.base import ABSTAIN, SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
+from conclave.privacy.secure_votes import SkellamVotes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,19 @@ class VoteSource(Protocol):
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
+        ...
+
+
+class SecureVoteSource(Protocol):
+    """What the aggregator needs from the teachers with ``aggregation: secure``
+    (``actors.teacher.TeacherPool``): rounds of noised totals, never a clean histogram."""
+
+    neighbouring: str
+    neighbouring_lemma: str
+
+    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:
+        """int64 [batch, num_classes]: the histograms of float32 ``inputs`` summed through the secure
+        sum with Skellam noise (``release``); ``OwnerDropout`` naming the owner when a share is missing."""
         ...
 
 
@@ -205,12 +230,7 @@ class PrivateLabeller:
         newly_answered = 0
         if fresh:
             try:
-                worst = self._worst_case(len(fresh))
-                # Data-independent early refusal: no point asking teachers for votes we may not release.
-                self._require_affordable(worst, len(fresh))
-                fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
-                with self._lock:
-                    newly_answered = self._answer_fresh(fresh, fresh_votes)
+                newly_answered = self._label_fresh(inputs, fresh)
             except BudgetExceeded:
                 with self._lock:
                     if not any(key in self._answers for key in keys):
@@ -220,6 +240,15 @@ class PrivateLabeller:
             refused = np.array([key not in self._answers for key in keys], dtype=bool)
             self._counters.cache_hits += len(keys) - newly_answered - int(refused.sum())
         return LabelOutcome(labels, refused)
+
+    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> int:
+        """Answer the inputs not on record (first row of each key); returns how many were answered."""
+        worst = self._worst_case(len(fresh))
+        # Data-independent early refusal: no point asking teachers for votes we may not release.
+        self._require_affordable(worst, len(fresh))
+        fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
+        with self._lock:
+            return self._answer_fresh(fresh, fresh_votes)
 
     def _unanswered(self, keys: list[bytes]) -> dict[bytes, int]:
         """First row index of each distinct key not answered yet (dedupes within the batch)."""
@@ -277,10 +306,13 @@ class PrivateLabeller:
         result.commit()
         self._answers.update(answers)
         self._counters.votes.append(votes)
+        self._count(labels)
+        return len(keep)
+
+    def _count(self, labels: np.ndarray) -> None:
         self._counters.labels.append(labels)
         self._counters.answered += int((labels != ABSTAIN).sum())
         self._counters.abstained += int((labels == ABSTAIN).sum())
-        return len(keep)
 
     def _worst_case(self, count: int) -> PrivacyCharge:
         """The ledger-ready worst case of ``count`` new inputs, computed once per count when the
@@ -333,3 +365,78 @@ class PrivateLabeller:
         report = self.ledger.report()
         return BudgetStatus(report.epsilon_spent, report.delta, report.epsilon_limit, self.mechanism.name,
                             self.guarantee(), answered, abstained, hits)
+
+
+class _Rounds:
+    """The secure rounds of one batch, as the mechanism asks for them; each completed round is a
+    release of noised totals, charged at the σ it was run with."""
+
+    def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str) -> None:
+        self._source, self._inputs, self._noise, self._label = source, inputs, noise, label
+        self.released: list[PrivacyCharge] = []
+
+    def noised(self, rows: np.ndarray, sigma: float) -> np.ndarray:
+        release = SkellamVotes(sigma)
+        try:
+            totals = np.asarray(self._source.noised_votes(self._inputs[rows], release, self._noise))
+        except OwnerDropout as err:
+            raise TeachersUnavailable(f"{err}; retry later") from err
+        except Exception as err:  # teachers' failures must not leak their details to clients
+            log.warning("secure vote round failed: %s", type(err).__name__)
+            raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
+        if totals.ndim != 2 or totals.shape[0] != len(rows) or not np.issubdtype(totals.dtype, np.integer):
+            log.error("secure vote round returned %s %s for %d inputs", totals.dtype, totals.shape, len(rows))
+            raise TeachersUnavailable("teachers returned malformed vote totals")
+        self.released.append(release.charge(len(rows), self._label))
+        return totals.astype(np.int64)
+
+    def charge(self) -> PrivacyCharge:
+        return sum_charges(self.released, label=self._label)
+
+
+class SecureLabeller(PrivateLabeller):
+    """``PrivateLabeller`` for ``aggregation: secure``: the mechanism runs on rounds of the secure
+    sum (module docstring), so this process never holds a clean vote histogram."""
+
+    vote_source: SecureVoteSource
+    mechanism: SecureVoteMechanism
+
+    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> int:
+        # Under the lock from the worst-case check to the charge: every round a batch runs is a
+        # release, so no other batch may spend the budget between its check and its charge.
+        with self._lock:
+            keys = [key for key in fresh if key not in self._answers]
+            if not keys:
+                return 0
+            worst = self._worst_case(len(keys))
+            self._require_affordable(worst, len(keys))
+            rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name)
+            try:
+                labels = np.asarray(self.mechanism.answer(rounds.noised, len(keys)), dtype=np.int64)
+            except Exception as err:
+                if rounds.released:  # this process saw those rounds' totals: they are spent
+                    self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst)
+                if isinstance(err, TeachersUnavailable):
+                    log.warning("%s (%s)", err, "the batch's earlier rounds are charged, no label released"
+                                if rounds.released else "nothing released or charged")
+                raise
+            if labels.shape != (len(keys),):
+                raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for "
+                                   f"{len(keys)} inputs")
+            answers = dict(zip(keys, labels.tolist()))
+            self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst, answers=answers)
+            self._answers.update(answers)
+            self._count(labels)
+            return len(keys)
+
+    def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
+        raise RuntimeError("aggregation: secure: the aggregator never sees clean votes, so it has none to analyse")
+
+
+def labeller_for(vote_source: VoteSource | SecureVoteSource, mechanism: VoteMechanism | SecureVoteMechanism,
+                 ledger: PrivacyLedger, noise: NoisePolicy = SECURE) -> PrivateLabeller:
+    """The labeller for ``mechanism``: on secure-sum rounds for a ``SecureVoteMechanism``, on clean
+    histograms otherwise."""
+    if isinstance(mechanism, SecureVoteMechanism):
+        return SecureLabeller(vote_source, mechanism, ledger, noise)
+    return PrivateLabeller(vote_source, mechanism, ledger, noise)

@@ -15,7 +15,9 @@ every query the same way: the pool takes images and the aggregator still validat
 What leaves an actor: a vote histogram ``int[batch, k]`` summed over its teachers (the
 driver adds the actors' partial histograms, which only the aggregator's DP mechanism reads),
 and once the number of classes and the input shape. Per-teacher predictions, losses, models
-and data stay inside the actor.
+and data stay inside the actor. With ``aggregation: secure`` not even the partial histogram
+leaves: only a masked share of it with the actor's Skellam noise share in it
+(``TeacherGroup.vote_share``, ``TeacherPool.noised_votes``, ``privacy.secure_votes``).
 
 Shards are cut by a keyed hash of each record (``learning.data.shard``), so adding or
 removing one record changes one teacher's shard and at most one vote: the vote mechanisms'
@@ -45,7 +47,8 @@ import ray
 import torch
 from tqdm import tqdm
 
-from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
+from conclave.actors.dp_trainer import fresh_public_keys
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
 from conclave.learning.data import Dataset, make_splits, shard
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -55,6 +58,10 @@ from conclave.learning.models import build_model
 from conclave.learning.models.ensemble import StackedEnsemble
 from conclave.learning.training import TrainConfig, fit, predict
 from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.secure_release import ReleaseKeys
+from conclave.privacy.secure_sum import SecureSumPlan
+from conclave.privacy.secure_votes import SkellamVotes
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,7 @@ class TeacherSource:
         return f"{self.dataset} (private split)"
 
 
-class TeacherGroup:
+class TeacherGroup(ReleaseKeys):
     """Teachers ``first``..``last - 1`` of ``source`` in one process, on shards it loads
     itself from ``source`` — in an actor, the private data is read where it stays.
 
@@ -251,12 +258,26 @@ class TeacherGroup:
         cells = np.arange(len(inputs)) * self.num_classes + predicted  # (input, class) of every vote
         return np.bincount(cells.ravel(), minlength=len(inputs) * self.num_classes).reshape(len(inputs), -1)
 
+    def vote_share(self, inputs: np.ndarray, release: SkellamVotes, plan: SecureSumPlan, owners: tuple[str, ...],
+                   public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy) -> np.ndarray:
+        """This group's masked share of one secure vote round (its key pair from ``mask_key`` just
+        before): its histogram of ``inputs``, plus its Skellam noise share drawn here, under
+        pairwise masks. The histogram itself never leaves."""
+        keys = self._take_mask_keys()
+        return release.share(self.votes(inputs), plan, owners, keys.pairwise_masks(public_keys, session),
+                             noise.source(f"{session}/{keys.rank}"))
+
 
 # The Ray actor is the same class; Ray imports it by module path in the worker. A dead actor
 # is restarted (its constructor reloads the saved teachers); calls to it are not retried, so
 # a vote fails at once and the aggregator turns NOT_SERVING rather than waiting. Training and
 # voting run one at a time; only the health probe has a thread of its own.
 TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(TeacherGroup)
+
+
+def _dropped(owner: str) -> OwnerDropout:
+    return OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the round is aborted "
+                        "and releases nothing")
 
 
 @dataclass(frozen=True)
@@ -300,6 +321,7 @@ class TeacherPool:
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
+    share_timeout_s: float = 300.0  # how long a secure vote round waits for an actor's share
 
     def __init__(
         self,
@@ -332,6 +354,7 @@ class TeacherPool:
                          options.get("resources"), options.get("label_selector"))
             plans.append((share, num_actors, options))
         self._actors, self._blocks, self._owners = [], [], []
+        self._rounds = 0  # secure vote rounds so far (``noised_votes``)
         offset = 0
         for share, num_actors, options in plans:
             # Contiguous blocks of teachers per actor, sizes differing by at most one.
@@ -401,6 +424,58 @@ class TeacherPool:
         shared = ray.put(inputs)  # one copy in the object store, read by every actor
         partials = ray.get([actor.votes.remote(shared) for actor in self._actors])
         return np.sum(partials, axis=0, dtype=np.int64)
+
+    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:
+        """One secure round (``privacy.secure_votes``): the histograms ``int64[batch, num_classes]``
+        summed through the secure sum with Skellam noise of variance ``release.sigma``² against any
+        one owner. Every actor makes a fresh key pair, returns only its masked share, and the shares
+        are added and decoded here: no clean histogram, partial or whole, reaches this process.
+
+        An actor that dies or sends no share within ``share_timeout_s`` aborts the round:
+        ``OwnerDropout`` names its owner, and nothing of the round can be decoded. Rounds must not
+        overlap (an actor holds one key pair at a time): the secure labeller runs one at a time.
+        """
+        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
+        if inputs.shape[1:] != self.input_shape:
+            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; teachers expect {self.input_shape}")
+        self._rounds += 1
+        session = f"pate-votes/{self._rounds}"  # fresh key pairs every round; this names the noise streams
+        owners = tuple(self._owners)
+        plan = release.plan(len(inputs), self.num_classes, owners, [last - first for first, last in self._blocks])
+        try:
+            public_keys = fresh_public_keys(self._actors)
+        except ray.exceptions.RayActorError:
+            raise self._dropout() from None
+        shared = ray.put(inputs)
+        refs = [actor.vote_share.remote(shared, release, plan, owners, public_keys, session, noise)
+                for actor in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.share_timeout_s)
+        for owner, ref in zip(owners, refs):
+            if ref not in ready:
+                raise OwnerDropout(f"owner {owner} sent no share of a secure vote round within "
+                                   f"{self.share_timeout_s:g} s: the round is aborted and releases nothing")
+        shares = []
+        for owner, ref in zip(owners, refs):
+            try:
+                shares.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                raise _dropped(owner) from None
+        return release.total(shares, plan, len(inputs))
+
+    def _dropout(self) -> OwnerDropout:
+        """After an actor failed while making its key pair: name its owner (a dead actor fails the
+        probe at once; one restarting does not answer it in time)."""
+        probes = [actor.is_trained.remote() for actor in self._actors]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5)
+        for owner, probe in zip(self._owners, probes):
+            try:
+                alive = probe in ready and ray.get(probe)
+            except ray.exceptions.RayError:
+                alive = False
+            if not alive:
+                return _dropped(owner)
+        return OwnerDropout("an owner's actor failed during a secure vote round and is back: the round is aborted "
+                            "and releases nothing")
 
     def shutdown(self) -> None:
         """Stop the actors (their models and shards go with them, their checkpoints are deleted)."""

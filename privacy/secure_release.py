@@ -31,7 +31,7 @@ from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.accounting.skellam import skellam_rdp
 from conclave.privacy.noise import NoiseSource
-from conclave.privacy.secure_sum import PairwiseMasks, SecureSumPlan, masked_share, quantize, skellam_noise
+from conclave.privacy.secure_sum import MaskKeys, PairwiseMasks, SecureSumPlan, masked_share, quantize, skellam_noise
 
 RELEASE_ROUND = 0  # a release is the only round of its session (fresh key pairs every release)
 CALIBRATION_PRECISION = 1e-6  # relative width of the bracket the bisection stops at
@@ -43,7 +43,7 @@ def skellam_multiplier_for_epsilon(charge_of: Callable[[float], PrivacyCharge], 
     ε ≤ ``epsilon`` at ``delta``.
 
     Every Skellam charge here falls as z grows (each term of Cor. 3.6 does at μ = (z·Δ₂)²), so
-    bisection on a bracket applies, as ``learning.secure_dpsgd.calibrated_noise_multiplier``.
+    bisection on a bracket applies, as ``learning.dp_schedule.calibrated_noise_multiplier``.
     """
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
@@ -105,6 +105,25 @@ def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str]
                          f"only at scale 2^{plan.scale_bits}, where it would cost more than its charge; "
                          "declare fewer records")
     return plan
+
+
+class ReleaseKeys:
+    """A party's key pair for its next release, made on request and handed out once, so that no
+    two releases share masks (for the actors that take part: shard actors, teacher groups)."""
+
+    _mask_keys: MaskKeys | None = None
+
+    def mask_key(self, rank: int) -> bytes:
+        """A fresh X25519 key pair for the next secure sum, as rank ``rank``; its public half."""
+        self._mask_keys = MaskKeys(rank)
+        return self._mask_keys.public_bytes
+
+    def _take_mask_keys(self) -> MaskKeys:
+        """The key pair of this one release; it is forgotten so that no later sum reuses it."""
+        if self._mask_keys is None:
+            raise RuntimeError("no fresh mask key: call mask_key(rank) before each secure sum")
+        keys, self._mask_keys = self._mask_keys, None
+        return keys
 
 
 def party_share(vector: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], masks: PairwiseMasks,

@@ -121,7 +121,8 @@ class TrustModel:
     against these parties only as far as ``statement`` says.
 
     ``aggregation``: "secure" — every sum across shard actors is a secure sum with distributed
-    noise, so whoever sums (and every owner) sees only noised totals; "trusted-aggregator" — the
+    noise, so whoever sums (and every owner) sees only noised totals (teacher votes too, with
+    ``aggregation: secure`` in teacher_student: ``SECURE_VOTES``); "trusted-aggregator" — the
     aggregator sees every teacher's clean vote (PATE's classic trust); "single-holder" — one actor
     holds all the private data, so nothing private crosses between processes but DP releases.
     """
@@ -143,6 +144,11 @@ SECURE_SUMS = TrustModel(
     "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "
     "sends a masked share with its noise share in it, so whoever sums, and every owner, sees only noised "
     "totals; the driver sees DP releases only")
+SECURE_VOTES = TrustModel(
+    "secure", (),
+    "each owner's teacher actors send only a masked share of their vote histograms with their Skellam noise "
+    "share in it, so the aggregator (in the driver's process) sees only noised vote totals and each owner's "
+    "actors see only the public inputs; students and outsiders see released labels only")
 SINGLE_HOLDER = TrustModel(
     "single-holder", (),
     "one actor holds all the private data and adds the noise itself; nothing computed from the records "

@@ -2,24 +2,28 @@
 
 ``MECHANISMS`` is the one registry: adding a mechanism is its file and one line here.
 ``build_mechanism`` turns CLI/config parameters into a mechanism, so every entry point
-(``conclave analyze``, the aggregator, pipelines) accepts the same names.
+(``conclave analyze``, the aggregator, pipelines) accepts the same names; ``secure_mechanism``
+gives its variant over secure-sum vote totals (``aggregation: secure``), where it has one.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism
-from conclave.privacy.mechanisms.confident_gnmax import ConfidentGNMax
-from conclave.privacy.mechanisms.gnmax import GNMax
+from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, SecureVoteMechanism,
+                                              VoteMechanism, parameters_of)
+from conclave.privacy.mechanisms.confident_gnmax import ConfidentGNMax, SecureConfidentGNMax
+from conclave.privacy.mechanisms.gnmax import GNMax, SecureGNMax
 from conclave.privacy.mechanisms.lnmax import LNMax
 from conclave.privacy.mechanisms.nzc import NZC
 from conclave.privacy.mechanisms.stability import Stability
 
 MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability)}
+SECURE_MECHANISMS = tuple(name for name, cls in MECHANISMS.items() if cls.secure_variant is not None)
 
 __all__ = [
-    "ABSTAIN", "Description", "MechanismResult", "VoteMechanism", "LNMax", "GNMax", "ConfidentGNMax", "NZC",
-    "Stability", "build_mechanism", "parameter_names", "MECHANISMS",
+    "ABSTAIN", "Description", "MechanismResult", "VoteMechanism", "SecureVoteMechanism", "LNMax", "GNMax",
+    "ConfidentGNMax", "NZC", "Stability", "SecureGNMax", "SecureConfidentGNMax", "build_mechanism",
+    "parameter_names", "secure_mechanism", "MECHANISMS", "SECURE_MECHANISMS",
 ]
 
 
@@ -50,3 +54,12 @@ def build_mechanism(name: str, **params) -> VoteMechanism:
     if missing:
         raise ValueError(f"{name}: missing parameter(s) {', '.join(missing)}")
     return MECHANISMS[name](**kwargs)
+
+
+def secure_mechanism(mechanism: VoteMechanism) -> SecureVoteMechanism:
+    """The variant of ``mechanism`` over secure-sum vote totals, with the same parameters; ValueError
+    (one line naming the mechanisms that have one) when it needs clean histograms."""
+    if mechanism.secure_variant is None:
+        raise ValueError(f"mechanism {mechanism.name} needs clean vote histograms, which aggregation: secure never "
+                         f"shows the aggregator; use one of {', '.join(SECURE_MECHANISMS)}")
+    return mechanism.secure_variant(**parameters_of(mechanism))

@@ -14,9 +14,15 @@ Stateful mechanisms (the stability mechanism) compute on a copy of their state; 
 advances only when the caller calls ``MechanismResult.commit()`` after the ledger accepted
 the charge, so a refused batch leaves the mechanism as it was (dp_accounting's rule: check
 before mutating).
+
+With ``aggregation: secure`` nobody holds clean histograms: a ``SecureVoteMechanism`` asks for
+rounds of noised vote totals from the secure sum (``privacy.secure_votes``) instead. A mechanism
+names its variant for that mode in ``secure_variant`` (None where it has none); the variant
+takes the same constructor arguments.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +34,11 @@ from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 
 ABSTAIN = -1
+
+# (rows of the batch, σ) → int64 [rows, k]: one secure round, those queries' vote histograms summed
+# with Skellam noise of variance σ² against any one owner (``privacy.secure_votes``); each call is
+# a release, charged as such by whoever provides it.
+NoisedVotes = Callable[[np.ndarray, float], np.ndarray]
 
 
 def _nothing() -> None:
@@ -60,6 +71,9 @@ class VoteMechanism(Protocol):
     # CLI/config parameter name → constructor argument, for names that differ (e.g. sigma → sigma2)
     aliases: ClassVar[dict[str, str]]
     help: ClassVar[dict[str, str]]  # constructor argument → one line for ``conclave analyze --help``
+    # The class that runs this mechanism on secure-sum vote totals (``aggregation: secure``), built
+    # from the same arguments; None where the mechanism needs clean histograms.
+    secure_variant: ClassVar[type[SecureVoteMechanism] | None]
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         """Noisy answers for a batch of histograms; ``votes`` is int [batch, k], non-negative."""
@@ -83,6 +97,35 @@ class VoteMechanism(Protocol):
     def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
                   conversion: str) -> list[Estimate]:
         """Data-dependent or claimed figures for these votes (possibly none); never guarantees."""
+        ...
+
+
+class SecureVoteMechanism(abc.ABC):
+    """A vote mechanism over noised vote totals from the secure sum (``aggregation: secure``).
+
+    It never sees a clean histogram: ``answer`` asks for rounds (``NoisedVotes``) and turns their
+    totals into labels. Its charges are data-independent, like ``VoteMechanism``'s, and the ledger
+    checks ``worst_case_charge`` before the first round; whoever runs the rounds charges each
+    round that completed (``actors.labeller``), which ``run_charge`` of the answers equals.
+    """
+
+    name: ClassVar[str]
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+
+    @abc.abstractmethod
+    def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:
+        """Labels int64 [batch_size] (``ABSTAIN`` where it declines), from rounds of ``noised``."""
+
+    @abc.abstractmethod
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        """The most a batch of this size can cost, whatever the votes."""
+
+    @abc.abstractmethod
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        """The charge of a run that asked ``asked`` queries and answered ``answered``."""
+
+    @abc.abstractmethod
+    def describe(self) -> Description:
         ...
 
 

@@ -1,4 +1,5 @@
-"""Confident-GNMax: answer only when the teachers agree strongly (Papernot et al., ICLR 2018)."""
+"""Confident-GNMax: answer only when the teachers agree strongly (Papernot et al., ICLR 2018), and
+its variant over secure-sum vote totals (``aggregation: secure``, ``privacy.secure_votes``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +12,65 @@ from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge, sum_charges
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
-from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
+                                              SecureVoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.gnmax import gnmax_charge
 from conclave.privacy.mechanisms.votes import check_votes
+from conclave.privacy.secure_votes import vote_release_charge
+
+
+def _check(sigma1: float, threshold: float, sigma2: float) -> None:
+    if not (sigma1 > 0 and sigma2 > 0):
+        raise ValueError(f"confident-gnmax: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
+    if not np.isfinite(threshold):
+        raise ValueError(f"confident-gnmax: threshold must be a finite number, got {threshold}")
+
+
+@dataclass(frozen=True)
+class SecureConfidentGNMax(SecureVoteMechanism):
+    """Two secure rounds: the whole batch at σ1, then the argmax of a second round at σ2 on the
+    queries whose noised histogram has a maximum ≥ T (abstain on the rest).
+
+    The test is on the *maximum of the noised histogram* — every count gets its own noise — not on
+    the clean mode's top count plus one draw: nobody holds the clean top count. The maximum of k
+    noisy counts sits above the noisy top count, so more queries pass a given T than in the clean
+    mode. Which queries pass is released anyway (the abstentions), so round 2 asks only for those.
+
+    Charge: Cor. 3.6 at Δ₁ = 2, Δ₂ = √2 for every asked query at μ = σ1² and every answered one
+    at μ = σ2² (``privacy.secure_votes``). The threshold step releases a whole histogram (ℓ2
+    sensitivity √2) where the clean mode releases its maximum (sensitivity 1): about twice the
+    clean threshold's λ/(2σ1²) at the same σ1. The worst case is every query answered.
+    """
+
+    sigma1: float
+    threshold: float
+    sigma2: float
+    name: ClassVar[str] = "secure-confident-gnmax"
+
+    def __post_init__(self) -> None:
+        _check(self.sigma1, self.threshold, self.sigma2)
+
+    def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:
+        confident = np.flatnonzero(noised(np.arange(batch_size), self.sigma1).max(axis=1) >= self.threshold)
+        labels = np.full(batch_size, ABSTAIN, dtype=np.int64)
+        if confident.size:
+            labels[confident] = np.argmax(noised(confident, self.sigma2), axis=1)
+        return labels
+
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        return self.run_charge(batch_size, batch_size)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        return sum_charges([vote_release_charge(self.sigma1, asked, label="threshold"),
+                            vote_release_charge(self.sigma2, answered, label="gnmax")], label=self.name)
+
+    def describe(self) -> Description:
+        return Description(
+            self.name, parameters_of(self),
+            "abstain unless the maximum of the histogram plus Skellam noise of variance sigma1^2 (secure sum) reaches "
+            "T; then argmax of the histogram plus Skellam noise of variance sigma2^2",
+            "Agarwal, Kairouz & Liu 2021, Cor. 3.6 at Δ₁ = 2, Δ₂ = √2: μ = σ1² per query, μ = σ2² per answer",
+            bounded=True)
 
 
 @dataclass(frozen=True)
@@ -33,6 +90,7 @@ class ConfidentGNMax:
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
     aliases: ClassVar[dict[str, str]] = {"sigma": "sigma2"}
+    secure_variant: ClassVar[type[SecureVoteMechanism] | None] = SecureConfidentGNMax
     help: ClassVar[dict[str, str]] = {
         "sigma1": "noise sigma of the threshold check",
         "threshold": "threshold T on the top count",
@@ -40,10 +98,7 @@ class ConfidentGNMax:
     }
 
     def __post_init__(self) -> None:
-        if not (self.sigma1 > 0 and self.sigma2 > 0):
-            raise ValueError(f"confident-gnmax: sigma1 and sigma2 must be > 0, got {self.sigma1}, {self.sigma2}")
-        if not np.isfinite(self.threshold):
-            raise ValueError(f"confident-gnmax: threshold must be a finite number, got {self.threshold}")
+        _check(self.sigma1, self.threshold, self.sigma2)
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         counts = check_votes(votes).astype(float)

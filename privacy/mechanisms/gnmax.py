@@ -1,4 +1,5 @@
-"""GNMax: the Gaussian noisy argmax of scalable PATE (Papernot et al., ICLR 2018)."""
+"""GNMax: the Gaussian noisy argmax of scalable PATE (Papernot et al., ICLR 2018), and its
+variant over secure-sum vote totals (``aggregation: secure``, ``privacy.secure_votes``)."""
 from __future__ import annotations
 
 import math
@@ -12,8 +13,10 @@ from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
-from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import (Description, MechanismResult, NoisedVotes, SecureVoteMechanism,
+                                              parameters_of)
 from conclave.privacy.mechanisms.votes import check_votes
+from conclave.privacy.secure_votes import vote_release_charge
 
 
 def gnmax_charge(sigma: float, count: int, label: str = "gnmax") -> PrivacyCharge:
@@ -26,6 +29,35 @@ def gnmax_charge(sigma: float, count: int, label: str = "gnmax") -> PrivacyCharg
 
 
 @dataclass(frozen=True)
+class SecureGNMax(SecureVoteMechanism):
+    """argmax of one secure round at σ: the histogram plus Skellam noise of variance σ² against any
+    one owner. Per answer, Cor. 3.6 at Δ₁ = 2, Δ₂ = √2, μ = σ² (``privacy.secure_votes``): the clean
+    mode's λ/σ² plus a discreteness term; the data-dependent analysis needs clean votes, so none."""
+
+    sigma: float
+    name: ClassVar[str] = "secure-gnmax"
+
+    def __post_init__(self) -> None:
+        if not self.sigma > 0:
+            raise ValueError(f"gnmax: sigma must be > 0, got {self.sigma}")
+
+    def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:
+        return np.argmax(noised(np.arange(batch_size), self.sigma), axis=1).astype(np.int64)
+
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        return self.run_charge(batch_size, batch_size)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        return vote_release_charge(self.sigma, answered, label=self.name)
+
+    def describe(self) -> Description:
+        return Description(self.name, parameters_of(self),
+                           "argmax of the teachers' histogram summed through the secure sum with Skellam noise of "
+                           "variance sigma^2 against any one owner",
+                           "Agarwal, Kairouz & Liu 2021, Cor. 3.6 at Δ₁ = 2, Δ₂ = √2, μ = σ² per answer", bounded=True)
+
+
+@dataclass(frozen=True)
 class GNMax:
     """argmax_j (n_j + N(0, σ²)); data-independent charge λ/σ² per answer."""
 
@@ -34,6 +66,7 @@ class GNMax:
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {"sigma": "GNMax noise sigma"}
+    secure_variant: ClassVar[type[SecureVoteMechanism] | None] = SecureGNMax
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:

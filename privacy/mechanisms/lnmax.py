@@ -27,6 +27,7 @@ class LNMax:
     name: ClassVar[str] = "lnmax"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
+    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {"laplace_scale": "Laplace scale b (the papers' 1/gamma)"}
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ class NZC:
     name: ClassVar[str] = "nzc"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     aliases: ClassVar[dict[str, str]] = {}
+    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {
         "constant": "the constant c added to the top count",
         "laplace_scale": "Laplace scale b (the papers' 1/gamma)",

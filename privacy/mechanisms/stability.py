@@ -117,6 +117,7 @@ class Stability:
     max_queries: int | None = None  # optional cap on queries evaluated (the guarantee does not need it)
     name: ClassVar[str] = "stability"
     aliases: ClassVar[dict[str, str]] = {}
+    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {
         "epsilon": "the whole run's epsilon",
         "delta": "the whole run's delta (the test's failure probability)",
