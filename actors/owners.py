@@ -31,7 +31,9 @@ from conclave.learning.data.sources import DataSource
 class OwnerSource:
     """One owner's own data, read only where its actors run, cut into ``num_teachers`` shards.
 
-    ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; its
+    ``data`` is a path on the owner's node in one of ``learning.data.sources.FORMATS``; a table
+    is read by the public schema's column names, which the driver puts in ``data.columns``
+    (``cluster.owners.owner_data``: public config, read from the public pool's header); its
     labels are mapped onto ``classes`` (the run's class list, from the config or the public
     test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``num_teachers`` is the
     number of shards: teachers, or DP-SGD shard actors.
@@ -58,7 +60,9 @@ class OwnerSource:
     def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
         dataset, _ = self.data.read_private(self.classes, name=self.owner)  # what was dropped stays here
         if dataset.unlabeled:  # the source has no labels at all: its schema, not a record
-            raise ValueError(f"{self.data.describes} has no labels: name its label (column, key or file)")
+            fix = "put its images in one folder per class" if self.data.format == "images" else \
+                "name its label (column, key or file)"
+            raise ValueError(f"{self.data.describes} has no labels: {fix}")
         shards = [shard(dataset, self.num_teachers, self.seed)[i] for i in teacher_ids]
         if self.records is None:
             return shards

@@ -6,8 +6,9 @@ non-numeric or out-of-range value, a label outside the run's classes) without a 
 fewer records than declared, and cuts its teachers' shards down when it holds more
 (``actors.owners.OwnerSource``). This command shows the owner what a run would do with its file.
 
-It reads that owner's file in this process and prints to this terminal only: run it on the
-owner's machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
+It reads that owner's file in this process, by the public pool's column names as a run does
+(the pool's header is read too), and prints to this terminal only: run it on the owner's
+machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
 every row is usable, 1 when rows would be dropped, 2 when the file or the config cannot be read.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from collections import Counter
 
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.learning.data.dataset import DataFormatError, shard_cap
+from conclave.learning.data.dataset import shard_cap
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -27,15 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from conclave.cluster.owners import owner_data
     from conclave.cluster.run_command import load_run_config
 
     try:
         pipeline, config = load_run_config(load_yaml(args.config))
         owner = _owner(config, args.owner)
         classes = _classes(config)
-        source = owner.data.anchored(os.getcwd())
+        source = owner_data(owner, _columns(config), os.getcwd())
         dataset, check = source.read_private(classes, owner.name)
-    except (ConfigError, OSError, DataFormatError) as err:
+    except (ValueError, OSError) as err:  # the config, a file, its format (ConfigError, DataFormatError)
         print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"owner {owner.name}: {source.describes}")
@@ -57,6 +59,20 @@ def _owner(config, name: str):
             return owner
     known = ", ".join(o.name for o in owners) or "none: this config has no owners section"
     raise ConfigError(f"no owner {name!r} in the config (owners: {known})")
+
+
+def _columns(config) -> tuple[str, ...] | None:
+    """The run's input columns: the public pool's, by whose names a run reads an owner's table."""
+    from conclave.learning.data.sources import DataSource
+
+    public = getattr(config, "public", None)
+    if not isinstance(public, DataSource):  # sparse_finetune's public data is a benchmark, not a pool
+        return None
+    try:
+        return public.anchored(os.getcwd()).input_columns()
+    except OSError as err:
+        raise ConfigError(f"an owner's table is read by the public pool's column names, and the pool cannot "
+                          f"be read here ({err})") from None
 
 
 def _classes(config) -> tuple[str, ...]:

@@ -5,9 +5,16 @@ its part runs on, and where they run (Ray custom resources and/or node labels). 
 embedded local Ray every owner's resources are granted to the one node and labels are not
 used, so the same config runs on one machine. Each pipeline adds what its owners do (e.g.
 teachers); the driver itself reads only the ``public`` and ``test`` sources.
+
+Tables are read by column name: the public pool's input columns are the run's schema
+(``PublicData.schema.columns``), and the test table and every owner's file are read by those
+names, in that order (``owner_data``): an owner's column order and extra columns do not matter,
+and a column it lacks is one line naming the owner and the column, from its own node. The
+names are public (the pool's header), so they travel to the owners' actors in their config.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -58,7 +65,7 @@ def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: 
         needed = "a public pool and a test set: give public and test sources" if needs_public else \
             "a labelled test set: give a test source"
         raise ValueError(f"owners need {needed}")
-    if test.label is None:
+    if test.label is None and not test.labelled_by_layout:
         raise ValueError("test: name its label (column, key or file): the models are evaluated on it")
     names = [owner.name for owner in owners]
     if len(set(names)) != len(names):
@@ -86,10 +93,33 @@ def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
     return granted
 
 
+def owner_data(owner: DataOwner, columns: tuple[str, ...] | None, base: str) -> DataSource:
+    """What ``owner``'s actors read: its source with relative paths taken from ``base`` and, for
+    a table, the public schema's ``columns`` by name (no file is touched: the driver never
+    opens an owner's path). An explicit ``columns`` that names others is a ``ValueError``."""
+    try:
+        return owner.data.anchored(base).by_name(columns)
+    except ValueError as err:
+        raise ValueError(f"owner {owner.name}: {err}") from None
+
+
+def check_owner_columns(owners: Sequence[DataOwner], columns: tuple[str, ...] | None) -> None:
+    """Owners' explicit ``columns`` must be the public schema's: a one-line ``ConfigError``
+    from the driver before Ray starts (the config alone: no owner's file is opened)."""
+    from conclave.cluster.config import ConfigError
+
+    for owner in owners:
+        try:
+            owner_data(owner, columns, os.curdir)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 @dataclass(frozen=True, eq=False)
 class PublicData:
     """What the driver holds: the public pool and the test split (public data only), the
-    class list, the input schema, and for tables the public column statistics."""
+    class list, the input schema (for tables with the pool's column names), and for tables
+    the public column statistics."""
 
     splits: StudentSplits
     classes: tuple[str, ...]
@@ -97,37 +127,45 @@ class PublicData:
     standardiser: Standardiser | None
 
     @classmethod
-    def of(cls, splits: StudentSplits, classes: tuple[str, ...]) -> PublicData:
-        schema = InputSchema.of(splits.public)
+    def of(cls, splits: StudentSplits, classes: tuple[str, ...], columns: tuple[str, ...] | None = None) -> PublicData:
+        schema = InputSchema.of(splits.public, columns)
         standardiser = Standardiser.of_public(splits.public) if schema.kind == "table" else None
         return cls(splits, classes, schema, standardiser)
 
     @classmethod
     def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
-        """The ``public`` and ``test`` sources; the class list is ``classes`` or the test labels'
-        (never an owner's)."""
+        """The ``public`` and ``test`` sources, the test table read by the pool's column names;
+        the class list is ``classes`` or the test labels' (never an owner's)."""
         from conclave.learning.data.sources import class_names
 
-        classes = classes or class_names(test.read_raw().labels)
+        columns = public.input_columns()  # the run's inputs, by name (None: not a table)
+        try:
+            test = test.by_name(columns)
+        except ValueError as err:
+            raise ValueError(f"test: {err}") from None
+        if not classes:
+            labels = test.read_raw().labels
+            if labels is None:
+                raise ValueError(f"test: {test.describes} has no labels: the models are evaluated on them")
+            classes = class_names(labels)
         splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
         if splits.public.input_shape != splits.test.input_shape:
             raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
                              f"{list(splits.test.input_shape)} differ in shape")
-        return cls.of(splits, classes)
+        return cls.of(splits, classes, columns)
 
 
 def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], seed: int,
-                      features: str | None, embedded: bool) -> list:
+                      features: str | None, embedded: bool, columns: tuple[str, ...] | None = None) -> list:
     """DP-SGD shard actors for the owners: each owner's data cut into one shard per actor,
-    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``)."""
-    import os
-
+    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``columns``:
+    the public schema's, by which an owner's table is read."""
     from conclave.actors.dp_trainer import OwnerShards, ShardPlan
     from conclave.actors.owners import OwnerSource
 
     here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
     # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
-    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner.data.anchored(here), owner.actors, classes, seed,
-                                              features)),
+    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, columns, here), owner.actors, classes,
+                                              seed, features)),
                       (i,), owner.placement(embedded), owner.actors)
             for owner in owners for i in range(owner.actors)]

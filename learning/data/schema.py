@@ -2,9 +2,11 @@
 
 ``InputSchema`` is the contract the aggregator checks every request against (shape, and the
 value range where the inputs have one: images in [0, 1]); teachers, student and outside
-clients share it. ``Standardiser`` centres and scales table columns with statistics of the
-*public* pool (or given in the config): computing them from an owner's records would be a
-release of private data without a mechanism.
+clients share it. For tables it also names the columns, in order: the public pool's, by which
+every table of a run is read (``learning.data.sources.DataSource.by_name``). ``Standardiser``
+centres and scales table columns with statistics of the *public* pool (or given in the
+config): computing them from an owner's records would be a release of private data without a
+mechanism.
 """
 from __future__ import annotations
 
@@ -17,24 +19,31 @@ from conclave.learning.data.dataset import Dataset
 
 @dataclass(frozen=True)
 class InputSchema:
-    """One example's shape and, where the inputs have one, its value range (inclusive)."""
+    """One example's shape and, where the inputs have one, its value range (inclusive); for a
+    table read from named columns, their names in the inputs' order."""
 
     shape: tuple[int, ...]
     kind: str = "image"  # image | table | features
     low: float | None = 0.0
     high: float | None = 1.0
+    columns: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.shape or any(int(d) < 1 for d in self.shape):
             raise ValueError(f"input shape must be non-empty and positive, got {self.shape}")
+        if self.columns is not None and (self.kind != "table" or tuple(self.shape) != (len(self.columns),)):
+            raise ValueError(f"{len(self.columns)} column names do not fit {self.kind} inputs of shape {self.shape}")
 
     @classmethod
-    def of(cls, dataset: Dataset) -> InputSchema:
-        """The schema ``dataset``'s inputs follow (queries are what the student's pool holds)."""
+    def of(cls, dataset: Dataset, columns: tuple[str, ...] | None = None) -> InputSchema:
+        """The schema ``dataset``'s inputs follow (queries are what the student's pool holds);
+        ``columns``: a table's column names, as read."""
         shape = tuple(int(d) for d in dataset.input_shape)
         if dataset.is_image:
             return cls(shape, "image", 0.0, 1.0)
-        return cls(shape, "table" if dataset.features is None else "features", None, None)
+        if dataset.features is not None:
+            return cls(shape, "features", None, None)
+        return cls(shape, "table", None, None, columns)
 
     @classmethod
     def for_shape(cls, shape: tuple[int, ...]) -> InputSchema:
@@ -45,7 +54,8 @@ class InputSchema:
 
     def describe(self) -> str:
         bounds = "" if self.low is None else f", values in [{self.low:g}, {self.high:g}]"
-        return f"{self.kind} inputs of shape [batch, {', '.join(map(str, self.shape))}] float32{bounds}"
+        names = "" if self.columns is None else f", columns {', '.join(self.columns)}"
+        return f"{self.kind} inputs of shape [batch, {', '.join(map(str, self.shape))}] float32{bounds}{names}"
 
 
 @dataclass(frozen=True, eq=False)

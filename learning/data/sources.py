@@ -22,6 +22,11 @@ Two ways to read, because the two kinds of data answer to different rules:
   was dropped is returned as a ``RowCheck`` that only the owner sees (``conclave check-data``).
   Problems of the declared schema (no such file or column, an unreadable format) do not depend
   on any record and stay errors.
+
+Tables are read by column name, never by position: the public pool's input columns name the
+run's inputs (``input_columns``), and every other table of the run — the test table, each
+owner's file — selects exactly those, in that order (``by_name``). A file's own column order
+and any extra columns do not matter; a missing column is an error naming it.
 """
 from __future__ import annotations
 
@@ -48,6 +53,10 @@ FORMATS: dict[str, str] = {
     "cifar100": "conclave.learning.data.benchmark:read_benchmark",
     "svhn": "conclave.learning.data.benchmark:read_benchmark",
 }
+TABLE_FORMATS = ("csv", "parquet")
+# Formats whose labels come with the data itself (an image folder's class folders, a benchmark's
+# files), so they need no ``label``.
+LABELLED_BY_LAYOUT = ("images", "digits", "mnist", "cifar10", "cifar100", "svhn")
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,8 +104,10 @@ class DataSource:
 
     ``format``: one of ``FORMATS``. ``path``: the file or folder (not needed for ``digits``);
     for a benchmark, the folder of its files. ``label``: the label column (csv, parquet), the
-    labels' array key (npz) or labels file (npy); None for an unlabeled pool. ``columns``: the
-    input columns of a table (default: every column but the label). ``inputs``: the npz key of
+    labels' array key (npz) or labels file (npy); None for an unlabeled pool; an image folder's
+    labels are its class folders' names and a benchmark's its own. ``columns``: the input columns
+    of a table, read by name in this order (default: every column but the label, in file order;
+    a run sets them to the public pool's, ``by_name``). ``inputs``: the npz key of
     the inputs. ``channels``: 1 (grayscale) or 3 (RGB) for an image folder. ``split``: which
     part of a benchmark (train or test).
     """
@@ -128,15 +139,44 @@ class DataSource:
         label = anchor(self.label) if self.format == "npy" and self.label else self.label
         return replace(self, path=anchor(self.path), label=label)
 
+    def by_name(self, columns: tuple[str, ...] | None) -> DataSource:
+        """This source reading exactly ``columns`` by name, in that order (the public schema's;
+        None, or a source that is not a table: the source as it is). An explicit ``columns``
+        must name the same ones. A string operation: no file is touched."""
+        if columns is None or self.format not in TABLE_FORMATS:
+            return self
+        if self.columns is not None and set(self.columns) != set(columns):
+            raise ValueError(f"columns {list(self.columns)} are not the public pool's {list(columns)}: "
+                             "leave columns out (inputs are read by name) or list the same ones")
+        return replace(self, columns=tuple(columns))
+
+    def input_columns(self) -> tuple[str, ...] | None:
+        """A table's input columns as read (``columns``, or every column but the label in file
+        order), from its header alone; None for data that is not a table."""
+        if self.format not in TABLE_FORMATS:
+            return None
+        from conclave.learning.data.tables import table_input_columns
+
+        self._check_exists()
+        return table_input_columns(self)
+
+    @property
+    def labelled_by_layout(self) -> bool:
+        """Whether the labels come with the data (class folders, a benchmark), not from ``label``."""
+        return self.format in LABELLED_BY_LAYOUT
+
     @property
     def describes(self) -> str:
         return f"{self.format} {self.path}" if self.path else self.format
 
+    def _check_exists(self) -> None:
+        if self.path is not None and not Path(self.path).exists():
+            raise FileNotFoundError(f"{self.path}: no such file or folder")
+
     def read_raw(self) -> RawData:
         module_name, function_name = FORMATS[self.format].split(":")
         reader = getattr(importlib.import_module(module_name), function_name)
-        if self.path is not None and not Path(self.path).exists():
-            raise FileNotFoundError(f"{self.path}: no such file or folder")
+        self._check_exists()
         raw = reader(self)
         if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4):
             raise DataFormatError(f"{self.describes}: read {raw.x.dtype} {raw.x.shape}; expected a "

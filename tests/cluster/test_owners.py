@@ -199,10 +199,16 @@ def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, 
     from conclave.actors.owners import OwnerDataError
     from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
 
+    import numpy as np
+
+    from conclave.learning.data.sources import DataSource
+
+    # An array has no column names, so its width is all there is to check (a table lacking one
+    # of the pool's columns is an error naming it: tests/cluster/test_table_columns.py).
     table = pd.read_csv(DATA / "hospital_c" / "records.csv").drop(columns="worst_area")
-    table.to_csv(tmp_path / "c.csv", index=False)
+    np.savez(tmp_path / "c.npz", x=table.drop(columns="diagnosis").to_numpy(), y=table["diagnosis"].to_numpy(str))
     owners = list(hospitals().owners)
-    owners[2] = dataclasses.replace(owners[2], data=dataclasses.replace(owners[2].data, path=str(tmp_path / "c.csv")))
+    owners[2] = dataclasses.replace(owners[2], data=DataSource("npz", str(tmp_path / "c.npz"), label="y"))
     config = hospitals(owners=tuple(owners), public=hospitals().public.anchored(str(PROJECT_ROOT)),
                        test=hospitals().test.anchored(str(PROJECT_ROOT)))
     with pytest.raises(OwnerDataError, match=r"owner hospital_c: 2 classes, inputs \[29\]"):
