@@ -28,8 +28,8 @@ Agarwal, Kairouz & Liu 2021 for the base, Zhu & Wang 2019 for the subsampling). 
 needs no d: the plan picks γ with √d ≤ γC/20 (``SecureSumPlan.rounding_inflation`` = 0.05), so
 Δ₂ = γC + √d ≥ 21√d ≥ 21, and with μ = (z·Δ₂)² the Skellam bound is α/(2z²) plus three
 correction terms — (2α−1)/(4z⁴Δ₂²), 1.5√d/(z⁴Δ₂³) and 1.5√d/(z²Δ₂) — each at most its value
-at Δ₂ = Δ₁ = 21. ``secure_charge`` charges that dominating curve, so the ledger can be charged
-before training, from the config alone, and never less than any plan costs.
+at Δ₂ = Δ₁ = 21. ``learning.dp_schedule.secure_charge`` charges that dominating curve, so the
+ledger can be charged before training, from the config alone, and never less than any plan costs.
 
 Only ``grad_sample_mode`` hooks is supported here (per-example gradients, masks before clipping).
 """
@@ -42,10 +42,9 @@ import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.skellam import skellam_charge, subsampled_skellam_charge
+from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.noise import NoiseSource
-from conclave.privacy.secure_release import release_plan, skellam_multiplier_for_epsilon
+from conclave.privacy.secure_release import release_plan
 from conclave.privacy.secure_sum import (DOMINATING_SENSITIVITY, MaskKeys, SecureSumPlan, decode, masked_share, quantize,
                                 skellam_noise)
 
@@ -75,7 +74,7 @@ class SecureAggregation:
 
     def plan(self, max_grad_norm: float, noise_multiplier: float, num_examples: int, steps: int) -> SecureSumPlan:
         """The ring, scale and noise of every step, from public numbers only, refused if a step
-        would cost more than ``secure_charge`` assumes. A rank's clipped sum has norm ≤ C·(its
+        would cost more than ``dp_schedule.secure_charge`` assumes. A rank's clipped sum has norm ≤ C·(its
         batch); the ball of C·N (N declared) leaves it untouched unless the rank holds more
         records than the whole run declared."""
         bound = DOMINATING_SENSITIVITY
@@ -83,13 +82,6 @@ class SecureAggregation:
                             dimension=self.dimension, owners=self.owners, norm_bound=max_grad_norm * num_examples,
                             noise_multiplier=noise_multiplier, integer_inputs=False, what="secure DP-SGD",
                             sensitivity=max_grad_norm, rounds=max(steps, 1))
-
-
-def secure_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str) -> PrivacyCharge:
-    """``steps`` steps of DP-SGD over any plan of noise multiplier z: the Poisson-subsampled
-    Skellam mechanism at the dominating Δ₂ = Δ₁ = 21 (module docstring)."""
-    bound = DOMINATING_SENSITIVITY
-    return subsampled_skellam_charge(sample_rate, bound, bound, (noise_multiplier * bound) ** 2, steps, label=label)
 
 
 def trainable_entries(model: nn.Module, masks: dict[str, torch.Tensor]) -> int:
@@ -172,9 +164,3 @@ class SecureSumDPOptimizer(DPOptimizer):
                 grad[mask] = values
                 p.grad = grad
             p.summed_grad = None  # nothing of this rank's clean sum outlives the round
-
-
-def calibrated_noise_multiplier(sample_rate: float, steps: int, target_epsilon: float, delta: float) -> float:
-    """The smallest noise multiplier z whose secure charge stays within ``target_epsilon``."""
-    return skellam_multiplier_for_epsilon(lambda z: secure_charge(sample_rate, z, steps, "calibration"),
-                                          target_epsilon, delta)

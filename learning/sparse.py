@@ -27,8 +27,8 @@ from opacus import GradSampleModule
 from torch import nn
 
 from conclave.learning.data import Dataset, load_dataset
+from conclave.learning.sparse_variants import VARIANTS
 
-VARIANTS = ("classifier", "classifier+norm", "all", "whole")
 GROUPS = ("conv", "norm", "classifier", "other")
 
 

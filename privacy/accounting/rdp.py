@@ -167,6 +167,14 @@ def sampled_gaussian_rdp(orders, sample_rate: float, noise_multiplier: float, st
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
     if sample_rate == 1:
         return steps * gaussian_rdp(lam, noise_multiplier)
+    return steps * _sampled_gaussian_step(lam.tobytes(), float(sample_rate), float(noise_multiplier))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled_gaussian_step(grid: bytes, sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """One step's curve on the orders whose float64 bytes are ``grid`` (read-only: cached, as
+    the same (q, σ) is priced for every checkpoint of a run and every epoch count ``plan`` tries)."""
+    lam = np.frombuffer(grid, dtype=float)
     out = np.empty_like(lam)
     for n, alpha in enumerate(lam):
         if float(alpha).is_integer():
@@ -175,7 +183,9 @@ def sampled_gaussian_rdp(orders, sample_rate: float, noise_multiplier: float, st
             log_a = _log_a_fractional(sample_rate, noise_multiplier, float(alpha))
         out[n] = log_a / (alpha - 1)
     # A_λ ≥ 1 (a Rényi divergence is ≥ 0); clip the last-bit rounding of tiny values.
-    return steps * np.maximum(out, 0.0)
+    step = np.maximum(out, 0.0)
+    step.flags.writeable = False
+    return step
 
 
 # --- charge builders: what mechanisms and training loops hand to the ledger ---------------

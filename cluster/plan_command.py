@@ -1,0 +1,407 @@
+"""``conclave plan CONFIG``: what a run config's budget buys, before any data is read.
+
+From the config alone — no data file is opened, Ray is not started, torch is not imported —
+it states the declared counts (owners, teachers, records), the planned work (the vote
+mechanism and its queries, or the DP-SGD schedule), and the guarantee a run of the config
+would state in ``privacy.json``: the budget (a Rényi filter) or the worst case of the
+planned work, whichever is smaller, from the pipeline's own ``planned_work``.
+
+The table: for the configured noise and a few neighbouring levels (the vote mechanism's σ's,
+or DP-SGD's noise multiplier), the worst-case ε of the configured plan and how much work the
+budget admits — answers in the worst case (every asked query answered), or DP-SGD epochs —
+at the filter's order, fixed as a run of that setting would fix it. Without a budget the
+configured plan's worst-case ε stands in for one. Warnings name settings that do not fit the
+declared counts (a Confident-GNMax threshold the ensemble can hardly reach, noise larger than
+the ensemble, few records per teacher, planned work past the budget).
+
+``--json`` prints one JSON object (``Plan``). A bad config is one line and exit status 2;
+so is a config whose planned work needs more than the config: a sweep (``conclave tune``;
+its ``base`` is a run config), reused checkpoints (``checkpoints_from``), or a sparse
+benchmark split without ``private.size`` (its N would be counted from the files).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.pipelines import pipeline_module
+from conclave.cluster.pipelines.teacher_student import THRESHOLD_SHARE, MechanismConfig
+from conclave.cluster.results import _jsonable
+from conclave.cluster.run_command import load_run_config
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.filter import RenyiFilter, order_index
+from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
+from conclave.privacy.mechanisms.base import parameters_of
+
+EXIT_BAD_CONFIG = 2
+NOISE_FACTORS = (0.75, 1.5, 2.0)  # the neighbouring settings: the configured noise times these
+MAX_ANSWERS = 10**8  # the table's search stops here ("at least")
+MAX_EPOCHS = 10**5
+RECORDS_PER_TEACHER = 20  # fewer, and each teacher learns from too little to vote well
+THRESHOLD_TOO_HIGH = 0.9  # Confident-GNMax: T at this share of the teachers or more abstains almost always
+THRESHOLD_TOO_LOW = 0.3  # ... below this share the threshold screens out little
+
+
+class PlanError(Exception):
+    """A config ``plan`` cannot price from the config alone; the message is the one line."""
+
+
+@dataclass(frozen=True)
+class OwnerCounts:
+    name: str
+    teachers: int | None  # teacher_student only
+    records: int | None  # declared (a public upper bound)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the config declares: its owners, teachers and private records (None: not declared,
+    e.g. a benchmark's whole training split)."""
+
+    owners: tuple[OwnerCounts, ...]
+    teachers: int | None
+    records: int | None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One setting of the table: the worst-case ε of the configured plan under it, and how much
+    of the work (``Plan.unit``) fits the reference ε (None: no finite guarantee to fit)."""
+
+    setting: str
+    parameters: dict[str, float]
+    epsilon: float
+    fits: int | None
+    configured: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: str
+    pipeline: str
+    name: str
+    counts: Counts
+    work: str  # the planned work in one line
+    guarantee: dict[str, Any]  # what privacy.json's "guarantee" would say (Guarantee.as_dict)
+    planned_worst_case: float  # ε of the planned work alone, at the same δ
+    budget: float | None
+    unit: str  # "answers" | "epochs"
+    planned: int  # the configured amount of that unit
+    reference: str  # the ε the table's "fits" column is measured against
+    table: tuple[Row, ...]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str = "plan") -> None:
+    parser.add_argument("config", help="a run's YAML config (see configs/); nothing it names is read")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        raw = load_yaml(args.config)
+        if "pipeline" not in raw and "base" in raw:
+            raise PlanError(f"{args.config} is a sweep (conclave tune); plan takes a run config, "
+                            "such as its base (whose trials compose)")
+        pipeline, config = load_run_config(raw)
+        plan = make_plan(args.config, pipeline, config)
+    except (ConfigError, PlanError) as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except ValueError as err:  # a setting the accounting refuses, e.g. a target ε no noise reaches
+        print(f"conclave: {args.config}: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(json.dumps(_jsonable(plan)) if args.json else summary(plan))
+    return 0
+
+
+def make_plan(path: str, pipeline: str, config: Any) -> Plan:
+    """The plan of ``config`` (a ``pipeline`` Config), from public settings only."""
+    if pipeline == "teacher_student":
+        return _teacher_student(path, config)
+    return _dp_sgd(path, pipeline, config)
+
+
+# --- what fits --------------------------------------------------------------------------
+
+
+def _fitting(config: Any, planned_of: Callable[[Any, int], PrivacyCharge], reference: float | None
+             ) -> Callable[[int], bool]:
+    """Whether ``n`` of the work fits: under ``config``'s budget, at the order its filter takes
+    from its planned work (as the ledger would enforce it), else within ``reference``."""
+    planned = planned_of(config, -1)
+    budget: RenyiFilter | None = config.privacy.budget_filter(planned)
+    if budget is None:
+        delta = config.privacy.delta
+        return lambda n: worst_case_guarantee(planned_of(config, n), delta).epsilon <= reference
+    index = order_index(budget.order, planned.orders)
+
+    def fits(n: int) -> bool:
+        charge = planned_of(config, n)
+        return budget.admits(float(charge.rdp[index]), charge.extra_delta)
+
+    return fits
+
+
+def _largest(fits: Callable[[int], bool], low: int, cap: int) -> int:
+    """The largest n in [low, cap] that fits (fitting holds up to some n and not beyond), or
+    low − 1 if none does: doubling, then bisection."""
+    if not fits(low):
+        return low - 1
+    good, probe = low, max(2 * low, 1)
+    while probe <= cap and fits(probe):
+        good, probe = probe, 2 * probe
+    bad = min(probe, cap + 1)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+def _reference(config: Any, planned: PrivacyCharge) -> tuple[float | None, str]:
+    """The ε the table fits work into: the budget, else the configured plan's worst case."""
+    if config.privacy.budget is not None:
+        return None, (f"the budget ε = {config.privacy.budget:g} (a Rényi filter at the order each setting's "
+                      "plan fixes)")
+    epsilon = worst_case_guarantee(planned, config.privacy.delta).epsilon
+    if not math.isfinite(epsilon):
+        return None, "no finite ε: the configured plan has no finite guarantee"
+    return epsilon, f"the configured plan's worst-case ε = {epsilon:.4g} (no budget declared)"
+
+
+def _rows(config: Any, settings: list[tuple[str, dict[str, float], Any]],
+          planned_of: Callable[[Any, int], PrivacyCharge], low: int, cap: int) -> tuple[Row, ...]:
+    """One row per (label, parameters, config of that setting); the first is the configured one."""
+    reference, _ = _reference(config, planned_of(config, -1))
+    bounded = config.privacy.budget is not None or reference is not None
+    rows = []
+    for number, (label, parameters, setting) in enumerate(settings):
+        epsilon = worst_case_guarantee(planned_of(setting, -1), config.privacy.delta).epsilon
+        fits = _largest(_fitting(setting, planned_of, reference), low, cap) if bounded and math.isfinite(epsilon) \
+            else None
+        rows.append(Row(label, parameters, epsilon, fits, configured=number == 0))
+    return tuple(rows)
+
+
+def _scaled(parameters: dict[str, float], names: tuple[str, ...], factor: float) -> dict[str, float]:
+    return {**parameters, **{name: parameters[name] * factor for name in names}}
+
+
+def _label(parameters: dict[str, float], names: tuple[str, ...], note: str) -> str:
+    return ", ".join(f"{name} {parameters[name]:.4g}" for name in names) + f" ({note})"
+
+
+# --- teacher_student --------------------------------------------------------------------
+
+# The noise parameters varied in the table, per mechanism (others get the configured row only).
+NOISE_PARAMETERS = {"gnmax": (("sigma",),), "lnmax": (("laplace_scale",),),
+                    "confident-gnmax": (("sigma1", "sigma2"), ("sigma1",), ("sigma2",))}
+
+
+def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
+    name = config.mechanism.name
+    parameters = parameters_of(config.mechanism.build())
+    groups = NOISE_PARAMETERS.get(name, ())
+    shown = groups[0] if groups else tuple(parameters)
+    settings = [(_label(parameters, shown, "configured"), parameters, config)]
+    if name == "confident-gnmax":  # both σ's down and up, then each alone up: which one buys answers
+        variations = [(("sigma1", "sigma2"), 0.75), (("sigma1", "sigma2"), 2.0), (("sigma1",), 1.5), (("sigma2",), 1.5)]
+    else:
+        variations = [(names, factor) for names in groups for factor in NOISE_FACTORS]
+    for names, factor in variations:
+        varied = _scaled(parameters, names, factor)
+        setting = dataclasses.replace(config, mechanism=MechanismConfig(name, varied))
+        note = f"×{factor:g}" if names == shown else f"{'/'.join(names)} ×{factor:g}"
+        settings.append((_label(varied, shown, note), varied, setting))
+    return settings
+
+
+def _teacher_student(path: str, config: Any) -> Plan:
+    module = pipeline_module("teacher_student")
+    planned = module.planned_work(config)
+    guarantee = config.privacy.guarantee(planned)
+    owners = tuple(OwnerCounts(o.name, o.teachers, o.records) for o in config.owners)
+    if owners:
+        records = None if any(o.records is None for o in owners) else sum(o.records for o in owners)
+    else:
+        records = config.data.private_size
+    counts = Counts(owners, config.num_teachers, records)
+    student = config.student
+    mechanism = config.mechanism.build()
+    work = (f"{mechanism.name} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on "
+            f"{student.queries} queries asked {student.batch_size} at a time; worst case: every one answered")
+    if config.smooth_sensitivity() is not None:
+        work += ", plus the smooth-sensitivity release (charged before the first query)"
+
+    def planned_of(setting: Any, answers: int) -> PrivacyCharge:
+        return setting.planned() if answers < 0 else setting.planned(answers)
+
+    table = _rows(config, _vote_settings(config), planned_of, 0, MAX_ANSWERS)
+    warnings = [*_vote_warnings(config, counts), *_record_warnings(counts, config.data.private_size),
+                *_budget_warnings(config, planned, table, "answers", student.queries)]
+    return _plan(path, "teacher_student", config, counts, work, guarantee, planned, "answers", student.queries,
+                 table, warnings)
+
+
+def _vote_warnings(config: Any, counts: Counts) -> list[str]:
+    n = counts.teachers
+    parameters = parameters_of(config.mechanism.build())
+    name = config.mechanism.name
+    warnings = []
+    if name == "confident-gnmax":
+        threshold, sigma1 = parameters["threshold"], parameters["sigma1"]
+        unanimous = _normal_cdf((n - threshold) / sigma1)
+        if threshold >= THRESHOLD_TOO_HIGH * n:
+            warnings.append(f"confident-gnmax threshold {threshold:g} is {threshold / n:.0%} of the {n} teachers: "
+                            f"even a unanimous vote passes only {unanimous:.0%} of the time, so most queries "
+                            f"abstain (left out, the threshold is {THRESHOLD_SHARE:g} × the teachers)")
+        elif threshold < THRESHOLD_TOO_LOW * n:
+            warnings.append(f"confident-gnmax threshold {threshold:g} is only {threshold / n:.0%} of the {n} teachers: "
+                            "weak pluralities pass too, so it screens out little")
+    for key in ("sigma", "sigma1", "sigma2", "laplace_scale"):
+        if name in NOISE_PARAMETERS and key in parameters and parameters[key] >= n:
+            warnings.append(f"{name} {key} {parameters[key]:g} is at least the {n} teachers: the noise outweighs "
+                            "even a unanimous vote's margin")
+    return warnings
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def _record_warnings(counts: Counts, benchmark_records: int | None) -> list[str]:
+    """Teachers that would each learn from fewer than ``RECORDS_PER_TEACHER`` declared records."""
+    shares = [(o.name, o.records, o.teachers) for o in counts.owners if o.records is not None]
+    if not counts.owners and benchmark_records is not None:
+        shares.append(("data.private_size", benchmark_records, counts.teachers))
+    few = [f"{who} {records / teachers:.3g}" for who, records, teachers in shares
+           if records / teachers < RECORDS_PER_TEACHER]
+    if not few:
+        return []
+    return [f"fewer than {RECORDS_PER_TEACHER} declared records per teacher ({', '.join(few)}): each teacher "
+            "learns from too little to vote well; fewer teachers, or more records"]
+
+
+def _budget_warnings(config: Any, planned: PrivacyCharge, table: tuple[Row, ...], unit: str, amount: int
+                     ) -> list[str]:
+    if config.privacy.budget is None or table[0].fits is None or table[0].fits >= amount:
+        return []
+    epsilon = worst_case_guarantee(planned, config.privacy.delta).epsilon
+    if unit == "answers":
+        return [f"the budget ε = {config.privacy.budget:g} admits {table[0].fits} of the {amount} planned answers "
+                f"in the worst case (the planned work's ε = {epsilon:.4g}): the aggregator refuses the batch that "
+                "could pass it (abstentions cost less, so the student may get further)"]
+    return [f"the planned work's worst case ε = {epsilon:.4g} exceeds the budget ε = {config.privacy.budget:g}, "
+            f"which admits {table[0].fits} of the {amount} planned epochs: the ledger refuses the charge that would "
+            "pass it"]
+
+
+# --- DP-SGD (active_learning, sparse_finetune) -------------------------------------------
+
+
+def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
+    from conclave.learning.dp_schedule import dp_schedule
+
+    if getattr(config, "checkpoints_from", None) is not None:
+        raise PlanError("checkpoints_from: the training cost is that of an earlier run's checkpoints, which plan "
+                        "does not read (that run's privacy.json states it)")
+    if pipeline == "sparse_finetune" and not config.owners and config.private.size is None:
+        raise PlanError("private.size: not declared, so the DP-SGD schedule's N would be counted from the "
+                        "benchmark's files; plan reads no data: declare it")
+    module = pipeline_module(pipeline)
+    section = "dpsgd" if pipeline == "active_learning" else "finetune"
+    planned = module.planned_work(config)
+    guarantee = config.privacy.guarantee(planned)
+    dp = getattr(config, section)
+    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training)
+    counts = Counts(tuple(OwnerCounts(o.name, None, o.records) for o in config.owners), None, config.private_size)
+    steps_per_epoch = round(1 / schedule.sample_rate)
+    how = f"calibrated to target ε {dp.target_epsilon:g}" if dp.target_epsilon is not None else "configured"
+    work = (f"DP-SGD on N = {config.private_size} declared records, expected batch {dp.batch_size}: q = "
+            f"1/{steps_per_epoch}, {steps_per_epoch} steps per epoch, {dp.epochs} epochs ({schedule.steps} steps), "
+            f"noise multiplier {schedule.noise_multiplier:.4g} ({how}), "
+            f"{'secure sums across shard actors (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
+    if pipeline == "sparse_finetune":
+        work += f"; {len(config.finetune.variants)} variants, one schedule each, on the same records"
+    elif config.selection_releases():
+        work += (f"; NearPrivate's DP-PCA (ε {config.selection.epsilon_pca:g}) and noisy counts "
+                 f"(ε {config.selection.epsilon_support:g})")
+
+    def with_dp(setting: Any, **changes: Any) -> Any:
+        return dataclasses.replace(setting, **{section: dataclasses.replace(getattr(setting, section), **changes)})
+
+    def planned_of(setting: Any, epochs: int) -> PrivacyCharge:
+        return module.planned_work(setting if epochs < 0 else with_dp(setting, epochs=epochs))
+
+    # σ fixed at the schedule's (a target ε would recalibrate it for every number of epochs)
+    sigma = schedule.noise_multiplier
+    settings = [(f"noise multiplier {sigma:.4g} (configured)", {"noise_multiplier": sigma},
+                 with_dp(config, noise_multiplier=sigma, target_epsilon=None))]
+    for factor in NOISE_FACTORS:
+        varied = sigma * factor
+        settings.append((f"noise multiplier {varied:.4g} (×{factor:g})", {"noise_multiplier": varied},
+                         with_dp(config, noise_multiplier=varied, target_epsilon=None)))
+    table = _rows(config, settings, planned_of, 1, MAX_EPOCHS)
+    warnings = _budget_warnings(config, planned, table, "epochs", dp.epochs)
+    if schedule.sample_rate >= 1:
+        warnings.append(f"the expected batch ({dp.batch_size}) is at least the {config.private_size} declared records: "
+                        "every step uses them all, so sampling amplifies nothing")
+    return _plan(path, pipeline, config, counts, work, guarantee, planned, "epochs", dp.epochs, table, warnings)
+
+
+def _plan(path: str, pipeline: str, config: Any, counts: Counts, work: str, guarantee: Guarantee,
+          planned: PrivacyCharge, unit: str, amount: int, table: tuple[Row, ...], warnings: list[str]) -> Plan:
+    _, reference = _reference(config, planned)
+    if guarantee.unsound_reasons:
+        warnings.append("NOT SOUND: " + "; ".join(guarantee.unsound_reasons))
+    return Plan(path, pipeline, config.name, counts, work, guarantee.as_dict(),
+                worst_case_guarantee(planned, config.privacy.delta).epsilon, config.privacy.budget, unit, amount,
+                reference, table, tuple(warnings))
+
+
+# --- output -----------------------------------------------------------------------------
+
+
+def summary(plan: Plan) -> str:
+    """The plan for a person: counts, work, the guarantee, the table, the warnings."""
+    counts = plan.counts
+    declared = [f"{len(counts.owners)} owners" if counts.owners else "a benchmark's data (no owners)"]
+    if counts.teachers is not None:
+        declared.append(f"{counts.teachers} teachers")
+    declared.append(f"{counts.records} records" if counts.records is not None else "records not declared")
+    lines = [f"{plan.name} ({plan.pipeline}), from {plan.config}: nothing read but the config",
+             f"  declared    {', '.join(declared)}"]
+    for owner in counts.owners:
+        parts = ([f"{owner.teachers} teachers"] if owner.teachers is not None else []) + \
+            [f"{owner.records} records" if owner.records is not None else "records not declared"]
+        lines.append(f"              {owner.name}: {', '.join(parts)}")
+    guarantee = plan.guarantee
+    lines += [f"  work        {plan.work}",
+              f"  guarantee   ε = {_number(guarantee['epsilon'])} at δ = {guarantee['delta']:g} "
+              f"({guarantee['basis']}), as privacy.json would state it",
+              f"              planned work's worst case ε = {_number(plan.planned_worst_case)}; budget "
+              f"{'none' if plan.budget is None else f'ε = {plan.budget:g}'}",
+              f"  what fits   {plan.unit} within {plan.reference}"]
+    width = max(len(row.setting) for row in plan.table)
+    lines.append(f"    {'setting':<{width}}  {'worst-case ε':>12}  {plan.unit + ' that fit':>16}")
+    for row in plan.table:
+        fits = "-" if row.fits is None else (f"≥ {row.fits}" if row.fits >= _cap(plan.unit) else str(row.fits))
+        lines.append(f"    {row.setting:<{width}}  {_number(row.epsilon):>12}  {fits:>16}")
+    lines.append(f"    (planned: {plan.planned} {plan.unit})")
+    lines += [f"  warning     {warning}" for warning in plan.warnings]
+    return "\n".join(lines)
+
+
+def _cap(unit: str) -> int:
+    return MAX_ANSWERS if unit == "answers" else MAX_EPOCHS
+
+
+def _number(value: float) -> str:
+    return "inf" if not math.isfinite(value) else f"{value:.4g}"
