@@ -45,16 +45,19 @@ class TransferSource:
 
 @dataclass(frozen=True)
 class PublicModel:
-    """A public pre-trained network: registry name, constructor arguments, weights."""
+    """A public pre-trained network: model name, constructor arguments, weights, and the
+    public inputs' shape (the model contract's ``input_shape`` hint)."""
 
     name: str
     num_classes: int
     in_channels: int
     kwargs: dict = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    input_shape: tuple[int, ...] | None = None
 
     def build(self) -> torch.nn.Module:
-        model = build_model(self.name, self.num_classes, self.in_channels, **self.kwargs)
+        model = build_model(self.name, self.num_classes, self.in_channels, input_shape=self.input_shape,
+                            **self.kwargs)
         model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in self.state.items()})
         return model
 

@@ -51,7 +51,8 @@ def train_ensemble(config: Config, ray_address: str | None = None, progress: boo
     config = resolved(config, public)
     from conclave.cluster.ray_runtime import start_ray
 
-    embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env)
+    embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
+                         models=config.models)
     return train_teachers(config, progress=progress, public=public, embedded=embedded)
 
 
@@ -72,6 +73,8 @@ class Aggregator:
 
     def privacy_report(self) -> dict[str, Any]:
         """What the run may publish: the guarantee, the spend, and labelled estimates."""
+        if self.config.secure:  # the aggregator never saw a clean vote: nothing to estimate from
+            return privacy_section(self.config, self.ledger, None, None)
         votes, answered = self.server.answered_votes()
         return privacy_section(self.config, self.ledger, votes, answered)
 

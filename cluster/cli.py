@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from conclave import DISTRIBUTION, __version__
@@ -20,6 +21,7 @@ COMMANDS = {
     "serve": ("conclave.cluster.serve_command", "train teachers and serve the gRPC aggregator"),
     "query": ("conclave.cluster.query_command", "ask a running aggregator to label inputs"),
     "analyze": ("conclave.cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
+    "plan": ("conclave.cluster.plan_command", "what a config's budget buys, before any data is read"),
     "check-data": ("conclave.cluster.check_data_command", "an owner's look at its own data, run on its own node"),
     "ray-certs": ("conclave.cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
     "tune": ("conclave.tuning.command", "Ray Tune sweep described by a YAML config"),
@@ -45,9 +47,18 @@ def _selected_command(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+def _import_from_working_directory() -> None:
+    """Let a config's ``module:function`` model be found from where ``conclave`` is started,
+    as ``python -m`` would: a console script puts only its own folder on ``sys.path``."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     share_cores()  # before any command imports torch
+    _import_from_working_directory()
     parser = build_parser(_selected_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -46,15 +47,18 @@ def keep_ray_on_loopback() -> None:
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None,
-              resources: dict[str, float] | None = None, runtime_env: dict | None = None) -> bool:
+              resources: dict[str, float] | None = None, runtime_env: dict | None = None,
+              models: Iterable[str | None] = ()) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster
     (after stopping what an earlier, killed driver left running) whose one node declares
     ``resources`` (the owners' placements, so an owners config runs on one machine).
-    ``runtime_env``: Ray's, for every worker of this driver (e.g. ``py_modules`` with a user's
-    model). Returns whether the Ray in use is the embedded one."""
+    ``runtime_env``: Ray's, for every worker of this driver; the code of the users' ``models``
+    that is not installed is added to it (``with_models``). Returns whether the Ray in use is
+    the embedded one."""
     global _started_here
     if ray.is_initialized():
         return _started_here
+    runtime_env = with_models(runtime_env or {}, models)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         log.info("joining Ray cluster at %s", address)
@@ -81,6 +85,34 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     record_ray_processes()
     atexit.register(_forget_record)
     return True
+
+
+def with_models(runtime_env: dict, models: Iterable[str | None]) -> dict:
+    """``runtime_env`` with the package folder (or module file) of each user's model factory
+    that is not installed (``learning.models.user_source``: it lives under the working
+    directory or another folder of the user's) added to ``py_modules``, so every worker, on any
+    node, imports it as the driver does. The user's own ``py_modules`` come first and a folder
+    they already name is not added twice. In a job submitted with ``ray job submit`` nothing is
+    added: the job's own runtime_env (its ``working_dir``) carries the code, and Ray refuses a
+    driver's ``py_modules`` beside the job's."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from conclave.learning.models.contract import user_source
+
+    if RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ:
+        return dict(runtime_env)
+    given = list(runtime_env.get("py_modules", []))
+    named = {Path(entry).resolve() for entry in given if isinstance(entry, str) and "://" not in entry}
+    added: list[str] = []
+    for name in models:
+        source = user_source(name) if name else None
+        if source is not None and source not in named:
+            named.add(source)
+            added.append(str(source))
+    if not added:
+        return dict(runtime_env)
+    log.info("shipping %s to Ray's workers (runtime_env py_modules)", ", ".join(added))
+    return {**runtime_env, "py_modules": [*given, *added]}
 
 
 def _with_allocator(runtime_env: dict) -> dict | None:

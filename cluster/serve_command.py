@@ -1,7 +1,7 @@
 """``conclave serve CONFIG``: train the teachers and serve the aggregator to outside students.
 
-Uses the ``teachers``, ``mechanism``, ``privacy`` and ``server`` sections of a
-teacher_student config. The noise comes from OS entropy (``privacy.insecure_noise_seed`` is
+Uses the ``teachers``, ``mechanism``, ``aggregation``, ``privacy`` and ``server`` sections of a
+teacher_student config (``aggregation: secure``: the votes meet only in the secure sum). The noise comes from OS entropy (``privacy.insecure_noise_seed`` is
 refused here: a served answer is always a release). The ledger is durable: restarting with the
 same ``--ledger`` file keeps counting what was spent, and its budget — declared in the file
 when it is created, at the order that best fits the config's planned queries — cannot be
@@ -100,7 +100,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     guarantee, report = server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
     print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, "
-          f"{teachers.pool.num_teachers} teachers)")
+          f"{teachers.pool.num_teachers} teachers, aggregation {config.aggregation})")
     print(f"token: {token}" + ("  (from $CONCLAVE_TOKEN)" if os.environ.get(TOKEN_ENV) else ""))
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")

@@ -293,8 +293,8 @@ def _prepare_public_model(config: Any, results: RunDirectory):
 
     public_train, _ = load_split(config.public, config.seed)
     model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
-                        seed=config.seed, **config.model.kwargs)
+                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
     pretrain_public(model, public_train, config.pretrain, config.seed, results.path / "pretrain")
     state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     return PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
-                       dict(config.model.kwargs), state)
+                       dict(config.model.kwargs), state, public_train.input_shape)

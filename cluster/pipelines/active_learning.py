@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from conclave.cluster.owners import DataOwner, PublicData, check_owners, require_declared_records
+from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, check_owners, require_declared_records
 from conclave.cluster.pipelines import PrivacyConfig, RunContext, RunOutcome, dp_sgd_trust
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
@@ -98,7 +98,7 @@ class DPSGDSection:
             raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
     def dp_config(self, delta: float):
-        from conclave.learning.dpsgd import DPSGDConfig
+        from conclave.learning.dp_schedule import DPSGDConfig
 
         return DPSGDConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            max_grad_norm=self.max_grad_norm, delta=delta, noise_multiplier=self.noise_multiplier,
@@ -188,6 +188,8 @@ class Config:
     public: DataSource | None = None  # the pool (labels: only for the oracle annotator), read by the driver
     test: DataSource | None = None  # labelled public test data, read by the driver
     classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
+    # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
+    runtime_env: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -200,6 +202,11 @@ class Config:
         if self.data != allowed:
             raise ValueError("with owners, the data section may only set public_size and features "
                              "(the sources say the rest)")
+
+    @property
+    def models(self) -> tuple[str | None, ...]:
+        """The model this run builds (None: chosen by the inputs, a built-in one)."""
+        return (self.model,)
 
     @property
     def private_size(self) -> int:
@@ -287,7 +294,7 @@ class PublicSide:
     """What the driver holds: the public pool (labels behind ``annotator``) with its
     out-of-domain mask, and the test split — both in the models' representation
     (``data.features``) — the pool's raw inputs for annotators that look at them, the class
-    list, and for tables the pool's column statistics."""
+    list, and for tables the pool's column statistics and names (owners' tables are read by them)."""
 
     pool_images: np.ndarray
     pool_inputs: np.ndarray
@@ -296,6 +303,7 @@ class PublicSide:
     test: Any
     classes: tuple[str, ...]
     standardiser: Any = None
+    columns: tuple[str, ...] | None = None
 
     def model_spec(self, config: Config):
         """The network every holder builds, sized for these inputs."""
@@ -322,46 +330,79 @@ def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
     if config.owners:
         read = PublicData.read(config.public, config.test, config.classes)
         public, test, classes, standardiser = read.splits.public, read.splits.test, read.classes, read.standardiser
+        columns = read.schema.columns
         if public.unlabeled and config.annotator.kind == "oracle":
             raise ValueError("public: the oracle annotator reveals the pool's labels, and it has none; name its "
                              "label, or label with a running aggregator (annotator.kind: aggregator)")
     else:
         train, test = load_dataset(data.name, data.root)
         _, public = split_private_public(train, data.private_size, config.seed)
-        classes, standardiser = tuple(str(c) for c in range(test.num_classes)), None
+        classes, standardiser, columns = tuple(str(c) for c in range(test.num_classes)), None, None
     if data.public_size is not None:
         public = public.subset(np.arange(min(data.public_size, len(public))))
     public, out_of_domain = pollute(public, data.pollution, rng)  # images first, then features
     pool_inputs, annotator = hide_labels(apply_features(public, data.features, progress=True))
     return PublicSide(public.x, pool_inputs, annotator, out_of_domain, apply_features(test, data.features),
-                      classes, standardiser)
+                      classes, standardiser, columns)
 
 
 def validate(config: Config) -> Config:
     """What the driver can check before Ray starts (one-line ``ConfigError``): the public
-    data, the label budgets against the pool, the model for these inputs."""
+    data, the label budgets against the pool, the model against the model contract for these
+    inputs (``check_model``)."""
     from conclave.cluster.config import ConfigError
-    from conclave.learning.models import factory_of
 
     try:
-        if not config.owners:  # a benchmark's files are known; its pool is checked when the run reads it
-            if config.model is not None:
-                factory_of(config.model)
-            return config
-        public = public_side(config, np.random.default_rng(config.seed))
-        if max(config.selection.sizes) > len(public.pool_inputs):
-            raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
-                             f"{len(public.pool_inputs)} points")
-        factory_of(public.model_spec(config).name)
+        if config.owners:
+            public = public_side(config, np.random.default_rng(config.seed))
+            if max(config.selection.sizes) > len(public.pool_inputs):
+                raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
+                                 f"{len(public.pool_inputs)} points")
+        elif config.model is None:
+            return config  # a benchmark's files are known, and so is the model its inputs choose
+        else:
+            inputs = benchmark_inputs(config)  # its pool is checked when the run reads it
     except (ValueError, OSError) as err:
         raise ConfigError(f"{'public/test' if config.owners else 'data'}: {err}") from err
+    if config.owners:
+        check_owner_columns(config.owners, public.columns)
+        spec = public.model_spec(config)
+        check_model(spec.name, spec.input_shape, spec.num_classes, spec.standardiser)
+    else:
+        check_model(config.model, *inputs)
     return config
+
+
+def benchmark_inputs(config: Config) -> tuple[tuple[int, ...], int]:
+    """(one input's shape, number of classes) of the ``data`` section's benchmark, as the model
+    sees them (after ``data.features``)."""
+    from conclave.learning.data import load_dataset
+    from conclave.learning.data.features import features_of
+
+    _, test = load_dataset(config.data.name, config.data.root)
+    shape = tuple(test.input_shape)
+    if config.data.features:  # a fixed transform: its output shape follows from the image shape alone
+        shape = features_of(np.zeros((1, *shape), dtype=np.float32), config.data.features).shape[1:]
+    return shape, test.num_classes
+
+
+def check_model(name: str, input_shape: tuple[int, ...], num_classes: int, standardiser=None) -> None:
+    """The run's model against the contract (``learning.models.contract``): DP-SGD trains it
+    and every strategy embeds the public pool with its ``.features``."""
+    from conclave.cluster.config import ConfigError
+    from conclave.learning.models import check_model as check
+
+    try:
+        check(name, num_classes, input_shape, dp_sgd=True, standardiser=standardiser,
+              parts={"features": "active learning embeds the public pool with (every strategy's PublicPool)"})
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
 
 
 def planned_work(config: Config) -> PrivacyCharge:
     """The DP-SGD schedule of the declared private size (or the reused checkpoints' cost)
     plus NearPrivate's releases."""
-    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.dp_schedule import dp_schedule
 
     reused = _reused_checkpoints(config)
     training = reused[-1].charge() if reused else dp_schedule(
@@ -369,15 +410,17 @@ def planned_work(config: Config) -> PrivacyCharge:
     return config.planned(training)
 
 
-def shard_plans(config: Config, classes: tuple[str, ...], embedded: bool) -> list:
-    """Where the private shards are held: each owner's on its ``actors`` actors, on its node;
-    the benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
+def shard_plans(config: Config, classes: tuple[str, ...], embedded: bool,
+                columns: tuple[str, ...] | None = None) -> list:
+    """Where the private shards are held: each owner's on its ``actors`` actors, on its node
+    (a table read by the public pool's ``columns``); the benchmark's on one actor per shard
+    (``dpsgd.distributed``) or all on one."""
     from conclave.actors.dp_trainer import PrivateSource, ShardPlan
     from conclave.cluster.owners import owner_shard_plans
 
     data = config.data
     if config.owners:
-        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded)
+        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, columns)
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     if config.dpsgd.distributed:
         return [ShardPlan(source, (i,)) for i in range(data.num_shards)]
@@ -388,8 +431,10 @@ class PrivateShards:
     """The run's shard actors, started the first time they are needed (to train, or for
     NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
 
-    def __init__(self, config: Config, spec, classes: tuple[str, ...], embedded: bool) -> None:
+    def __init__(self, config: Config, spec, classes: tuple[str, ...], embedded: bool,
+                 columns: tuple[str, ...] | None = None) -> None:
         self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
+        self._columns = columns
         self._group = None
 
     @property
@@ -397,7 +442,7 @@ class PrivateShards:
         from conclave.actors.dp_trainer import ShardGroup
 
         if self._group is None:
-            plans = shard_plans(self._config, self._classes, self._embedded)
+            plans = shard_plans(self._config, self._classes, self._embedded, self._columns)
             self._group = ShardGroup(plans, self._spec, self._config.torch_threads,
                                      num_cpus=self._config.dpsgd.cpus_per_worker,
                                      input_shape=self._spec.input_shape)
@@ -419,7 +464,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.training import evaluate
 
-    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
+    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners),
+                         runtime_env=config.runtime_env, models=config.models)
     torch.set_num_threads(config.torch_threads)
     out = Path(context.results.path)
     rng = np.random.default_rng(config.seed)
@@ -439,7 +485,7 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
-    shards = PrivateShards(config, spec, public.classes, embedded)
+    shards = PrivateShards(config, spec, public.classes, embedded, public.columns)
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
@@ -499,10 +545,10 @@ def _epsilon(charges: list, delta: float) -> float:
 
 def _reused_checkpoints(config: Config) -> list:
     """The DP checkpoints of an earlier run (``checkpoints_from``: public DP outputs), or none."""
+    if config.checkpoints_from is None:
+        return []  # before the import: planning a fresh schedule needs neither torch nor Ray
     from conclave.actors.dp_trainer import DPCheckpoint
 
-    if config.checkpoints_from is None:
-        return []
     files = sorted((Path(config.checkpoints_from) / "checkpoints").glob("epoch-*.pt"))
     if not files:
         raise ValueError(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")

@@ -26,14 +26,14 @@ from typing import Any
 from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
 from conclave.cluster.pipelines import PrivacyConfig, RunOutcome, dp_sgd_trust
 from conclave.learning.data.sources import DataSource
-from conclave.learning.sparse import VARIANTS
+from conclave.learning.sparse_variants import VARIANTS
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "gn_cnn"  # a learning.models registry name with .features/.classifier
+    name: str = "gn_cnn"  # a learning.models name or module:function with a .classifier (docs/data-and-models.md)
     in_channels: int = 1
     kwargs: dict = field(default_factory=lambda: {"channels": 8})
 
@@ -41,7 +41,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataSpec:
     """A training split restricted to ``classes`` (relabelled 0..k-1; all when empty),
-    optionally a seeded subsample of ``size``; the test split gets the same classes."""
+    optionally a seeded subsample of ``size``; the test split gets the same classes. For the
+    private split ``size`` is also the declared N of the DP-SGD schedule (``Config.private_size``)."""
 
     dataset: str = "digits"
     root: str | None = None
@@ -97,7 +98,7 @@ class FinetuneConfig:
         self.dp_config(1e-5)  # any other bad value is a config error now, not on the actor
 
     def dp_config(self, delta: float):
-        from conclave.learning.dpsgd import DPSGDConfig
+        from conclave.learning.dp_schedule import DPSGDConfig
 
         overrides = (("classifier.", self.classifier_lr),) if self.classifier_lr is not None else ()
         return DPSGDConfig(
@@ -126,6 +127,8 @@ class Config:
     owners: tuple[DataOwner, ...] = ()
     test: DataSource | None = None
     classes: tuple[str, ...] | None = None
+    # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
+    runtime_env: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -138,12 +141,26 @@ class Config:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """The model this run builds."""
+        return (self.model.name,)
+
+    @property
     def private_size(self) -> int:
         """The private examples DP-SGD's schedule is computed from. Owners declare theirs; a
-        benchmark split's is counted from its files (a split of public files: treated as public)."""
+        benchmark split's is its ``private.size`` when set (an upper bound, like an owner's
+        records: a smaller split only makes the Poisson batches smaller), else counted from
+        its files (a split of public files: treated as public)."""
         if self.owners:
             return sum(owner.records for owner in self.owners)
+        if self.private.size is not None:
+            return self.private.size
         return len(load_split(self.private, self.seed)[0])
+
+    @property
+    def secure_training(self) -> bool:
+        """Whether DP-SGD sums across several shard actors (the owners'), through the secure sum."""
+        return sum(owner.actors for owner in self.owners) > 1
 
 
 # --- phases -----------------------------------------------------------------------------
@@ -192,12 +209,12 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
 def planned_work(config: Config):
     """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
     owners, or the size of a split of a public benchmark's files)."""
-    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.dp_schedule import dp_schedule
     from conclave.privacy.accounting.rdp import sum_charges
 
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    secure = sum(owner.actors for owner in config.owners) > 1  # several shard actors sum securely
-    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}", secure=secure).charge
+    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}",
+                                    secure=config.secure_training).charge
                         for v in config.finetune.variants], label="planned")
 
 
@@ -214,14 +231,27 @@ def private_test(config: Config):
 
 
 def validate(config: Config) -> Config:
-    """With owners, the test source is read (and its classes found) before Ray starts."""
+    """Before Ray starts: with owners, the test source is read (and its classes found); the
+    model is checked against the model contract on the public split's inputs, with the
+    ``.classifier`` the variants replace and layers DP-SGD can train."""
     from conclave.cluster.config import ConfigError
+    from conclave.learning.models import check_model
 
     if config.owners:
         try:
             private_test(config)
         except (ValueError, OSError) as err:
             raise ConfigError(f"test: {err}") from err
+    try:
+        public_train, _ = load_split(config.public, config.seed)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"public: {err}") from err
+    try:
+        check_model(config.model.name, public_train.num_classes, public_train.input_shape, dp_sgd=True,
+                    parts={"classifier": "sparse fine-tuning replaces for the private task"},
+                    **config.model.kwargs)
+    except ValueError as err:
+        raise ConfigError(f"model.name: {err}") from None
     return config
 
 
@@ -235,17 +265,18 @@ def run(config: Config, context) -> RunOutcome:
     from conclave.learning.training import evaluate
     from conclave.privacy.accounting.ledger import PrivacyLedger
 
-    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners))
+    embedded = start_ray(context.ray_address, resources=owner_resources(config.owners),
+                         runtime_env=config.runtime_env, models=config.models)
     public_train, public_test = load_split(config.public, config.seed)
     model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
-                        seed=config.seed, **config.model.kwargs)
+                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
     public_losses = pretrain_public(model, public_train, config.pretrain, config.seed,
                                     context.results.path / "checkpoints")
     public_accuracy = evaluate(model, public_test)
     log.info("public model: %.4f on %s", public_accuracy, public_test.name)
     state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     public = PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
-                         dict(config.model.kwargs), state)
+                         dict(config.model.kwargs), state, public_train.input_shape)
 
     ledger_path = context.results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):

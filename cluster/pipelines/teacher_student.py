@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from conclave.cluster.owners import DataOwner, PublicData, check_owners
-from conclave.cluster.pipelines import TRUSTED_AGGREGATOR, PrivacyConfig, RunOutcome
+from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, check_owners, owner_data
+from conclave.cluster.pipelines import SECURE_VOTES, TRUSTED_AGGREGATOR, PrivacyConfig, RunOutcome
 from conclave.learning.data.dataset import SHARD_LEMMA, StudentSplits
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
@@ -47,7 +47,7 @@ from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.mechanisms import SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
@@ -114,27 +114,43 @@ class OwnerConfig(DataOwner):
 
 @dataclass(frozen=True)
 class TeachersConfig:
-    count: int = 50  # with owners: the sum of the owners' teachers (leave it out)
+    count: int | None = None  # Config fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
     per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
     model: str | None = None  # None: by the inputs (learning.models.default_model)
     train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=60, batch_size=32, lr=3e-3))
 
     def __post_init__(self) -> None:
-        if self.count < 1:
+        if self.count is not None and self.count < 1:
             raise ValueError(f"teachers.count must be >= 1, got {self.count}")
         if self.per_actor is not None and self.per_actor < 1:
             raise ValueError(f"teachers.per_actor must be >= 1 or null, got {self.per_actor}")
 
 
+DEFAULT_TEACHERS = 50  # without owners and without teachers.count
+# Confident-GNMax's threshold T when a config leaves it out, as a share of the teachers n. The
+# test passes when the top count plus N(0, σ1²) reaches T: at 0.6 n a unanimous vote passes
+# with probability Φ(0.4 n/σ1), a 60% plurality half the time. The demo's T = 30 of 50 (σ1 =
+# 20 = 0.4 n: 84% for a unanimous vote); Papernot et al. 2018 used 200 of 250 on MNIST (0.8,
+# σ1 = 150) and 300 of 250 on SVHN, where many queries abstain by design.
+THRESHOLD_SHARE = 0.6
+
+
 @dataclass(frozen=True)
 class MechanismConfig:
-    """A ``privacy.mechanisms.build_mechanism`` name and its parameters."""
+    """A ``privacy.mechanisms.build_mechanism`` name and its parameters. Confident-GNMax's
+    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the teachers (``Config`` fills it in)."""
 
     name: str = "confident-gnmax"
-    params: dict = field(default_factory=lambda: {"threshold": 30.0, "sigma1": 20.0, "sigma2": 12.0})
+    params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
 
     def __post_init__(self) -> None:
-        self.build()  # an unknown name or a bad parameter is a config error now, not mid-run
+        self.for_teachers(1).build()  # an unknown name or a bad parameter is a config error now, not mid-run
+
+    def for_teachers(self, teachers: int) -> MechanismConfig:
+        """This mechanism with what it left to the ensemble's size filled in."""
+        if self.name != "confident-gnmax" or self.params.get("threshold") is not None:
+            return self
+        return dataclasses.replace(self, params={**self.params, "threshold": THRESHOLD_SHARE * teachers})
 
     def build(self):
         try:
@@ -226,6 +242,11 @@ DEFAULT_STUDENT = StudentConfig(batch_size=20, semi_supervised=FixMatchConfig(ep
 DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=None, pseudo_label_threshold=0.9)
 
 
+AGGREGATIONS = (TRUSTED_AGGREGATOR.aggregation, SECURE_VOTES.aggregation)
+SECURE_NO_ESTIMATES = ("no data-dependent estimate: they are computed from the clean votes, which aggregation: secure "
+                       "never shows anyone; the guarantee is the data-independent one")
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "demo"
@@ -244,12 +265,20 @@ class Config:
     classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
     # Ray's runtime_env for the run's workers, e.g. {py_modules: [./mypkg]} for a model of your own.
     runtime_env: dict = field(default_factory=dict)
+    # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
+    # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
+    # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
+    aggregation: str = TRUSTED_AGGREGATOR.aggregation
 
     def __post_init__(self) -> None:
         if self.owners:
             self._check_owners()
         elif self.public is not None or self.test is not None or self.classes is not None:
             raise ValueError("public, test and classes go with owners (or use the data section alone)")
+        # What the config left to the declared counts, filled in once (so config.json says it).
+        count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
+        object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
+        object.__setattr__(self, "mechanism", self.mechanism.for_teachers(count))
         if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
@@ -259,27 +288,56 @@ class Config:
         if self.mechanism.name == "nzc" and self.privacy.budget is not None:
             raise ValueError("mechanism nzc has no finite DP guarantee, so no budget can gate it: "
                              "set privacy.budget to null (the run records its spend and reports it unbounded)")
+        self._check_aggregation()
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
+
+    def _check_aggregation(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.secure:
+            self.vote_mechanism()  # a mechanism without a secure variant is refused now, in one line
+            if self.estimates.smooth_sensitivity:
+                raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
+                                 "never shows the aggregator: turn it off")
 
     def _check_owners(self) -> None:
         check_owners(self.owners, self.test, self.classes, self.public)
         if dataclasses.replace(self.data, features=None) != DataConfig():
             raise ValueError("with owners, the data section may only set features (the sources say the rest)")
-        if self.teachers.count not in (TeachersConfig.count, self.num_teachers):
-            raise ValueError(f"teachers.count ({self.teachers.count}) disagrees with the owners' teachers "
-                             f"({self.num_teachers}): leave it out")
+        if self.teachers.count not in (None, self.num_teachers):
+            # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still
+            # carries the count derived from the old ones.
+            log.warning("teachers.count %d is replaced by the owners' %d teachers (with owners it is their sum: "
+                        "leave it out)", self.teachers.count, self.num_teachers)
+
+    @property
+    def models(self) -> tuple[str | None, ...]:
+        """The models this run builds (None: chosen by the inputs, a built-in one)."""
+        return self.teachers.model, self.student.model
 
     @property
     def num_teachers(self) -> int:
         return sum(owner.teachers for owner in self.owners) if self.owners else self.teachers.count
 
+    @property
+    def secure(self) -> bool:
+        return self.aggregation == SECURE_VOTES.aggregation
+
+    def vote_mechanism(self) -> VoteMechanism | SecureVoteMechanism:
+        """What the aggregator runs: the configured mechanism, or with ``aggregation: secure`` its
+        variant over secure-sum vote totals (ValueError naming the mechanisms that have one)."""
+        mechanism = self.mechanism.build()
+        return secure_mechanism(mechanism) if self.secure else mechanism
+
     def smooth_sensitivity(self) -> SmoothSensitivityParameters | None:
         return self.estimates.parameters(self.mechanism.build(), self.student.queries, self.privacy.delta)
 
-    def planned(self) -> PrivacyCharge:
+    def planned(self, answers: int | None = None) -> PrivacyCharge:
         """The worst case of the planned work, on add/remove neighbours of the owners' records:
-        every one of ``student.queries`` answered, plus the smooth-sensitivity release if asked."""
-        planned = planned_charge(self.mechanism.build(), self.student.queries, self.smooth_sensitivity())
+        ``answers`` queries answered (default: every one of ``student.queries``), plus the
+        smooth-sensitivity release if asked (fixed by ``student.queries``)."""
+        answered = self.student.queries if answers is None else answers
+        planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity())
         return planned.for_records(ADD_REMOVE, SHARD_LEMMA)
 
 
@@ -358,8 +416,9 @@ def public_data(config: Config) -> PublicData:
 
 
 def checked_public(config: Config) -> PublicData:
-    """The driver's data, loaded before Ray starts: a missing file, a bad format or a size the
-    data cannot satisfy is a one-line ``ConfigError`` now, not a traceback after start-up."""
+    """The driver's data, loaded before Ray starts: a missing file, a bad format, a size the
+    data cannot satisfy or a model that does not fit the inputs (``check_models``) is a
+    one-line ``ConfigError`` now, not a traceback after start-up."""
     from conclave.cluster.config import ConfigError
 
     try:
@@ -368,20 +427,45 @@ def checked_public(config: Config) -> PublicData:
     except (ValueError, OSError) as err:
         where = "data" if not config.owners else "public/test"
         raise ConfigError(f"{where}: {err}") from err
+    check_owner_columns(config.owners, public.schema.columns)
+    check_models(resolved(config, public), public)
     return public
+
+
+def check_models(config: Config, public: PublicData) -> None:
+    """The teachers' and the student's models against the model contract
+    (``learning.models.contract``) on the inputs they learn on (``public``'s shape, or its
+    ``data.features``), before Ray starts: ``ConfigError``, one line, naming the key."""
+    from conclave.cluster.config import ConfigError
+    from conclave.learning.data.features import features_of
+    from conclave.learning.models import check_model
+    from conclave.learning.selection import POOL_ORDER
+
+    shape = public.schema.shape
+    if config.data.features:  # a fixed transform: its output shape follows from the image shape alone
+        shape = features_of(np.zeros((1, *shape), dtype=np.float32), config.data.features).shape[1:]
+    checks = [("teachers.model", config.teachers.model, {})]
+    if config.student.selection.strategy != POOL_ORDER:
+        checks.append(("student.model", config.student.model,
+                       {"features": "student.selection's strategy embeds the public pool with"}))
+    elif config.student.model != config.teachers.model:
+        checks.append(("student.model", config.student.model, {}))
+    for key, name, parts in checks:
+        try:
+            check_model(name, len(public.classes), shape, parts=parts, standardiser=public.standardiser)
+        except ValueError as err:
+            raise ConfigError(f"{key}: {err}") from None
 
 
 def resolved(config: Config, public: PublicData) -> Config:
     """``config`` with what it left to the inputs filled in: the models, and for table inputs
     a student without FixMatch (its augmentations are for images)."""
-    from conclave.learning.models import default_model, factory_of
+    from conclave.learning.models import default_model
 
     kind = "features" if config.data.features else public.schema.kind
     teacher_model = config.teachers.model or ("scatternet_cnn" if kind == "features"
                                               else default_model(public.schema.shape, kind))
     student_model = config.student.model or teacher_model
-    for model in (teacher_model, student_model):
-        factory_of(model)  # an unknown name fails now; a user's factory must import here too
     student = config.student
     if kind == "table" and student.semi_supervised is not None:
         if student != DEFAULT_STUDENT:
@@ -402,10 +486,11 @@ def teacher_source(config: Config) -> TeacherSource:
                          private_size=config.data.private_size, features=config.data.features)
 
 
-def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_actors: int,
+def owner_shares(config: Config, public: PublicData, embedded: bool, num_actors: int,
                  count: int) -> list[OwnerShare]:
-    """Each owner's source, teachers, actors and placement (the benchmark: one share of its
-    first ``count`` teachers on ``num_actors`` actors, anywhere)."""
+    """Each owner's source (a table read by the public schema's column names), teachers, actors
+    and placement (the benchmark: one share of its first ``count`` teachers on ``num_actors``
+    actors, anywhere)."""
     from conclave.actors.owners import OwnerSource
     from conclave.actors.teacher import OwnerShare
 
@@ -413,8 +498,8 @@ def owner_shares(config: Config, classes: tuple[str, ...], embedded: bool, num_a
         return [OwnerShare(teacher_source(config), count, num_actors)]
     # A relative path is the launching directory's (on a cluster, give owners absolute paths).
     here = os.getcwd()
-    return [OwnerShare(OwnerSource(owner.name, owner.data.anchored(here), owner.teachers, classes, config.seed,
-                                   config.data.features, owner.records),
+    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
+                                   public.classes, config.seed, config.data.features, owner.records),
                        owner.teachers, owner.actors, owner.placement(embedded))
             for owner in config.owners]
 
@@ -434,7 +519,7 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     count = config.teachers.count if num_teachers is None else num_teachers
     per_actor = config.teachers.per_actor
     num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
-    shares = owner_shares(config, public.classes, embedded, num_actors, count)
+    shares = owner_shares(config, public, embedded, num_actors, count)
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
     return TeacherPool(shares, config.teachers.model, config.teachers.train.with_seed(config.seed),
                        seed=config.seed, num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors,
@@ -454,26 +539,30 @@ def start_aggregator(config: Config, pool, ledger, settings):
     """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
     from conclave.actors.aggregator import AggregatorServer
 
-    server = AggregatorServer(pool, config.mechanism.build(), ledger, pool.input_shape, settings,
+    server = AggregatorServer(pool, config.vote_mechanism(), ledger, pool.input_shape, settings,
                               noise=config.privacy.noise)
     return server, server.start()
 
 
-def privacy_section(config: Config, ledger, votes: np.ndarray, answered: np.ndarray) -> dict[str, Any]:
+def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: np.ndarray | None) -> dict[str, Any]:
     """What a run may publish about its privacy (``privacy.json``).
 
     The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
     report of the votes it answered: only its public view, i.e. the estimates that are not
     computed from the private votes without a mechanism — the smooth-sensitivity release
-    (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim.
+    (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim. With
+    ``aggregation: secure`` there are no votes (None): nobody saw them, so no estimate exists.
     """
     from conclave.privacy.accounting.report import vote_report
 
     planned = config.planned()
-    section: dict[str, Any] = {**config.privacy.report(planned, ledger, TRUSTED_AGGREGATOR),
-                               "mechanism": config.mechanism.build().describe().as_dict(),
+    section: dict[str, Any] = {**config.privacy.report(planned, ledger,
+                                                       SECURE_VOTES if config.secure else TRUSTED_AGGREGATOR),
+                               "mechanism": config.vote_mechanism().describe().as_dict(),
                                "delta": config.privacy.delta, "estimates": []}
-    if len(votes):
+    if config.secure:
+        section["estimates_note"] = SECURE_NO_ESTIMATES
+    elif len(votes):
         report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
                              config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
                              noise=config.privacy.noise.source("smooth-sensitivity")).public()
