@@ -15,6 +15,7 @@ from conclave.actors.placement import PlacementError
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.pipelines import RunContext, pipeline_module
 from conclave.cluster.results import RunDirectory
+from conclave.cluster.tracking import MlflowLog, TrackingFailed, add_flag, from_section, with_flag
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ EXIT_CODES = {
     "dropout": 3,       # an owner's actor left in the middle of a secure sum: nothing of the round released
     "budget": 4,        # the ledger refused a charge: the privacy budget does not cover the run
     "cluster": 5,       # Ray could not run an actor or a task (a node or worker died, out of resources)
+    "tracking": 6,      # MLflow could not be reached (before the start) or refused the finished run's log
     "interrupted": 130, # Ctrl-C
 }
 
@@ -37,11 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--address", default=None, help="join this Ray cluster (default: start one locally)")
     parser.add_argument("--results-dir", default="results", help="where results/<run>/ is written")
     parser.add_argument("--run-name", default=None, help="name of the results folder (default: the config's name)")
+    add_flag(parser)
 
 
 def load_run_config(raw: dict) -> tuple[str, object]:
-    """(pipeline name, its Config) from a parsed YAML mapping."""
+    """(pipeline name, its Config) from a parsed YAML mapping. Its ``tracking`` section says how
+    the run is recorded, not what it does: ``conclave.cluster.tracking.from_section`` reads it."""
     raw = dict(raw)
+    raw.pop("tracking", None)
     name = raw.pop("pipeline", None)
     if name is None:
         raise ConfigError("config: missing required key 'pipeline'")
@@ -55,6 +60,7 @@ def load_run_config(raw: dict) -> tuple[str, object]:
 def main(args: argparse.Namespace) -> int:
     try:
         raw = DEMO_CONFIG if args.command == "demo" else load_yaml(args.config)
+        tracking = with_flag(from_section(raw.get("tracking")), args.mlflow)
         pipeline, config = load_run_config(raw)
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
@@ -66,7 +72,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
-    started = time.perf_counter()
+    try:  # before the run starts: a store that cannot be reached fails before anything private is read
+        tracker = MlflowLog(tracking, args.results_dir, run_name) if tracking.mlflow else None
+    except TrackingFailed as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return EXIT_CODES["tracking"]
+    started, wall_started = time.perf_counter(), time.time()
     try:
         with RunDirectory.staged(args.results_dir, run_name) as results:
             results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
@@ -80,6 +91,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n{pipeline} run '{run_name}' finished in {elapsed:.0f} s; results in {results.path}/")
     for key, value in summary.items():
         print(f"  {key}: {value}")
+    if tracker is not None:
+        try:
+            run_id = tracker.log_run(results.path, run_name, wall_started, time.time())
+        except TrackingFailed as err:
+            print(f"conclave: run '{run_name}' finished and its results are in {results.path}/, but {err}",
+                  file=sys.stderr)
+            return EXIT_CODES["tracking"]
+        print(f"  mlflow: run {run_id} in experiment '{tracker.experiment}'")
     return 0
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from conclave.cluster.config import ConfigError
+from conclave.cluster.tracking import TrackingFailed, add_flag, with_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> None:
@@ -12,19 +14,26 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> Non
     parser.add_argument("--address", default=None, help="join this Ray cluster (default: start one locally)")
     parser.add_argument("--results-dir", default="results", help="where results/<sweep>/ is written")
     parser.add_argument("--quiet", action="store_true", help="no Tune progress table while it runs")
+    add_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    from conclave.cluster.run_command import EXIT_CODES
     from conclave.tuning.config import load_tune_config
     from conclave.tuning.sweep import check, run_sweep, summary_lines
 
     try:
         config = load_tune_config(args.config)
+        config = dataclasses.replace(config, tracking=with_flag(config.tracking, args.mlflow))
         check(config)
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
-    summary = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
+    try:
+        summary = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
+    except TrackingFailed as err:
+        print(f"conclave: {err}", file=sys.stderr)
+        return EXIT_CODES["tracking"]
     print()
     for line in summary_lines(summary):
         print(line)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from conclave.cluster.config import from_dict, load_yaml
+from conclave.cluster.tracking import TrackingConfig
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -73,6 +74,7 @@ class TuneConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # MLflow (cluster.tracking)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:

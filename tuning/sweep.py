@@ -18,6 +18,9 @@ its plot, under the opaque name ``report.WINNER``. Nothing written or printed sa
 trials ran or which one won: Tune's console output is discarded, its storage lives in a
 temporary directory removed after the sweep, and every file of the results folder gets one
 modification time (the sweep's duration tracks K). Theorem 2 covers exactly that release.
+Logged to MLflow (``tracking``), such a sweep is one run made after it ended with the same
+files and the same single time; other sweeps log each trial as a child run through Ray Tune's
+MLflow callback, under a summary run.
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
+from conclave.cluster.pipelines import pipeline_module
 from conclave.cluster.results import RunDirectory
+from conclave.cluster.tracking import MlflowLog
 from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from conclave.tuning import report, spaces
 from conclave.tuning.config import TuneConfig
@@ -52,6 +57,7 @@ def check(config: TuneConfig) -> Any:
                           f"got {config.base.get('pipeline')!r}")
     try:
         _, preview = trial_config(config.kind, config.base, spaces.preview(config.space))
+        pipeline_module(kind.pipeline).validate(preview)  # its data and model, as `conclave run` checks them
     except ConfigError as err:
         raise ConfigError(f"base + space: {err}") from err
     swept = spaces.swept_keys(config.space)
@@ -61,6 +67,8 @@ def check(config: TuneConfig) -> Any:
         preview.privacy.require_os_entropy("tuning")
     except ConfigError as err:
         raise ConfigError(f"base.{err}") from None
+    if "tracking" in config.base:
+        raise ConfigError("base.tracking: a sweep is logged by its own top-level tracking section")
     fixed = [k for k in swept if k.startswith(kind.fixed_keys)] if kind.fixed_keys else []
     if fixed:
         raise ConfigError(f"space: {fixed} are prepared once for the whole {config.kind} sweep and cannot be swept")
@@ -126,17 +134,20 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     preview = check(config)
     kind = KINDS[config.kind]
     delta = preview.privacy.delta
-    start_ray(address)
+    # before anything runs: an MLflow store that cannot be reached fails first
+    tracker = MlflowLog(config.tracking, results_root, config.name) if config.tracking.mlflow else None
+    start_ray(address, runtime_env=preview.runtime_env, models=preview.models)
     results = RunDirectory(results_root, config.name)
     prepared = prepare(config.kind, preview, results)
     before_trials = time.time()
     num_samples, distribution, search_state = number_of_trials(config, preview)
     hidden = distribution is not None  # K, and which trial won, must not leave
+    parent = tracker.start_sweep(config.name) if tracker is not None and not hidden else None
     with tempfile.TemporaryDirectory(prefix="conclave-tune-") as scratch:
         storage = Path(scratch) if hidden else results.path / "ray"
         with _console_discarded() if hidden else contextlib.nullcontext():
             grid = _fit(config, kind, preview, prepared, num_samples, search_state, storage,
-                        0 if hidden else verbose)
+                        0 if hidden else verbose, [] if parent is None else [tracker.trial_callback(parent)])
         rows, finals = report.collect(grid, config.space)
     details: dict[str, Any] = {"delta": delta, "scheduler": config.scheduler.name}
     if hidden:
@@ -169,6 +180,11 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     summary = report.write(results, config.name, config.kind, rows, cost, details, hidden=hidden)
     if hidden:
         _one_modification_time(results.path, before_trials)
+    if tracker is not None:
+        # (a random-repetition sweep draws K and its search state instead of num_samples and seed)
+        unused = {"tracking", *(("num_samples", "seed") if hidden else ())}
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unused}
+        tracker.finish_sweep(results.path, config.name, settings, parent, at=before_trials if hidden else None)
     summary["path"] = str(results.path)
     return summary
 
@@ -199,8 +215,8 @@ def _one_modification_time(folder: Path, when: float) -> None:
 
 
 def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int, search_state: int,
-         storage: Path, verbose: int):
-    """Run the trials with Ray Tune; returns its ``ResultGrid``."""
+         storage: Path, verbose: int, callbacks: list):
+    """Run the trials with Ray Tune (``callbacks``: its logger callbacks); returns its ``ResultGrid``."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search import BasicVariantGenerator
@@ -222,7 +238,8 @@ def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int
                                     # (Tune ignores max_concurrent_trials when given a generator)
                                     search_alg=BasicVariantGenerator(random_state=search_state,
                                                                      max_concurrent=concurrent or 0)),
-        run_config=tune.RunConfig(name=config.name, storage_path=str(storage.resolve()), verbose=verbose),
+        run_config=tune.RunConfig(name=config.name, storage_path=str(storage.resolve()), verbose=verbose,
+                                  callbacks=callbacks),
     )
     return tuner.fit()
 

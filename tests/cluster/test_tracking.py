@@ -1,0 +1,108 @@
+"""`conclave run --mlflow`: a real small run logged to a real MLflow file store, read back with
+MLflow's own client — its metrics, its guarantee and its published files, nothing else."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conclave.cluster.cli import main as cli_main
+from conclave.cluster.tracking import INSTALL_HINT, TrackingConfig, from_section, with_flag
+
+# A very small teacher/student run on digits (the plumbing, not a privacy level).
+TINY = {
+    "pipeline": "teacher_student",
+    "name": "tracked",
+    "seed": 1,
+    "data": {"name": "digits", "public_size": 200},
+    "teachers": {"count": 10, "model": "digits_cnn", "train": {"epochs": 10, "batch_size": 32, "lr": 0.003}},
+    "mechanism": {"name": "confident-gnmax", "params": {"threshold": 6.0, "sigma1": 3.0, "sigma2": 2.0}},
+    "privacy": {"budget": 1000.0, "delta": 1.0e-5},
+    "student": {"queries": 80, "batch_size": 40, "checkpoints": [40],
+                "model": "digits_cnn", "train": {"epochs": 15, "batch_size": 32, "lr": 0.003}},
+}
+
+
+@pytest.fixture
+def allow_file_store(monkeypatch):
+    """What a reader of the default store sets too (docs: "Experiment tracking")."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def _client(store: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=store.as_uri())
+
+
+def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp_path, capsys, allow_file_store):
+    config_file = tmp_path / "tracked.yaml"
+    config_file.write_text(yaml.safe_dump(TINY))
+    results = tmp_path / "results"
+    assert cli_main(["run", str(config_file), "--results-dir", str(results), "--mlflow"]) == 0, capsys.readouterr().err
+    assert "mlflow: run " in capsys.readouterr().out
+    metrics = json.loads((results / "tracked" / "metrics.json").read_text())
+    privacy = json.loads((results / "tracked" / "privacy.json").read_text())
+
+    client = _client(results / "mlruns")  # the default store: a file store beside the runs
+    experiment = client.get_experiment_by_name("tracked")
+    (run,) = client.search_runs([experiment.experiment_id])
+    logged = run.data.metrics
+    assert logged["student_accuracy"] == pytest.approx(metrics["student_accuracy"])
+    assert logged["queries_answered"] == metrics["queries_answered"]
+    assert logged["guarantee.epsilon"] == pytest.approx(privacy["guarantee"]["epsilon"])
+    assert logged["guarantee.delta"] == pytest.approx(1e-5)
+    assert run.data.tags["guarantee.basis"] == privacy["guarantee"]["basis"]
+    assert run.data.tags["guarantee.sound"] == "true"
+    # a list of metrics.json is a series: the student's accuracy at each checkpoint
+    history = client.get_metric_history(run.info.run_id, "curve.accuracy")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
+        [p["accuracy"] for p in metrics["curve"]])
+    # params: the resolved config, flattened
+    assert run.data.params["teachers.count"] == "10" and run.data.params["pipeline"] == "teacher_student"
+    assert run.data.params["privacy.budget"] == "1000.0"
+    # metrics come from metrics.json (and the guarantee) only: nothing else is logged as a number
+    assert {k.split(".")[0] for k in logged} <= set(metrics) | {"guarantee"}
+    artefacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.json", "metrics.json", "privacy.json", "student_accuracy.png"} <= artefacts
+    assert not any(a.startswith("ledger") for a in artefacts)
+    assert run.info.status == "FINISHED" and run.info.start_time <= run.info.end_time
+
+
+def test_the_tracking_section_names_the_store_and_the_experiment(tmp_path):
+    section = {"mlflow": True, "tracking_uri": (tmp_path / "store").as_uri(), "experiment": "hospitals"}
+    assert from_section(section) == TrackingConfig(True, section["tracking_uri"], "hospitals")
+    assert from_section(None) == TrackingConfig()
+    # the flag turns tracking on and, with a URI, overrides the section's
+    assert with_flag(TrackingConfig(), True) == TrackingConfig(mlflow=True)
+    assert with_flag(from_section(section), "http://127.0.0.1:5000").tracking_uri == "http://127.0.0.1:5000"
+    assert with_flag(from_section(section), None) == from_section(section)
+
+
+def test_a_bad_tracking_section_is_refused_before_the_run(tmp_path, capsys):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text(yaml.safe_dump({**TINY, "tracking": {"mlflow": True, "uri": "file:/x"}}))
+    assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.tracking: unknown key(s) ['uri']" in err
+    assert not (tmp_path / "tracked").exists()
+
+
+def test_tracking_without_mlflow_installed_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # how Python sees a package that is not installed
+    assert cli_main(["demo", "--results-dir", str(tmp_path), "--mlflow"]) == 2
+    assert capsys.readouterr().err == f"conclave: {INSTALL_HINT}\n"
+    assert "pip install 'conclave-ray[tracking]'" in INSTALL_HINT
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unreachable_tracking_server_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    assert cli_main(["demo", "--results-dir", str(tmp_path), "--mlflow", "http://127.0.0.1:9"]) == 6
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("conclave: MLflow at http://127.0.0.1:9: ")
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing recorded
