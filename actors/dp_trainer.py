@@ -19,7 +19,7 @@ Train workers, because Ray Train gives every worker the same resources, so it ca
 owner's worker to the node that declares that owner's resource; and the same actors, data
 already loaded, then answer NearPrivate's private sums.
 
-The schedule (q, σ, steps) comes from ``learning.dpsgd.dp_schedule`` of a size fixed before
+The schedule (q, σ, steps) comes from ``learning.dp_schedule.dp_schedule`` of a size fixed before
 any data is read (the benchmark's configured split, or the sizes the owners declare): the
 number of steps is released, so it must not be the private count. Every epoch rank 0 keeps a
 checkpoint carrying its ε; the driver charges the ledger with ``DPCheckpoint.charge()`` of
@@ -48,7 +48,8 @@ from conclave.learning.annotation import split_private_public
 from conclave.learning.data import Dataset, load_dataset, shard
 from conclave.learning.data.features import apply_features
 from conclave.learning.data.schema import Standardiser
-from conclave.learning.dpsgd import DPSGDConfig, dp_step_charge, train_dp
+from conclave.learning.dp_schedule import DPSGDConfig, dp_step_charge
+from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.secure_dpsgd import SecureGroup
 from conclave.learning.models import build_model

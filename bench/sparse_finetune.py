@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 from conclave.cluster.pipelines.sparse_finetune import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
 from conclave.learning.data import Dataset  # noqa: E402
-from conclave.learning.dpsgd import DPSGDConfig, dp_schedule, train_dp  # noqa: E402
+from conclave.learning.dp_schedule import DPSGDConfig, dp_schedule
+from conclave.learning.dpsgd import train_dp  # noqa: E402
 from conclave.learning.models import build_model  # noqa: E402
 from conclave.learning.sparse import VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier  # noqa: E402
 from conclave.learning.training import evaluate  # noqa: E402

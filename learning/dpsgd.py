@@ -42,9 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from conclave.learning.bookkeeping import BookKeeping, private_optimizer
-# The schedule and its config are torch-free (``conclave plan`` computes them); imported here
-# for the trainer and for callers that know them from this module.
-from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule, dp_step_charge
+from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  # torch-free: `conclave plan` uses it
 from conclave.learning.grad_sample_modes import PROBED, fastest_mode
 from conclave.learning.secure_dpsgd import (SecureAggregation, SecureGroup, SecureSumDPOptimizer, broadcast_parameters,
                                    trainable_entries)

@@ -186,7 +186,8 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
 
     from conclave.actors.sparse_trainer import TransferSource
     from conclave.cluster.pipelines.sparse_finetune import load_split
-    from conclave.learning.dpsgd import dp_schedule, train_dp
+    from conclave.learning.dp_schedule import dp_schedule
+    from conclave.learning.dpsgd import train_dp
     from conclave.learning.sparse import plan_variant, replace_classifier
     from conclave.learning.training import evaluate
 

@@ -54,6 +54,8 @@ FORMATS: dict[str, str] = {
     "svhn": "conclave.learning.data.benchmark:read_benchmark",
 }
 TABLE_FORMATS = ("csv", "parquet")
+# How a table's input columns are read from its header alone (imported by path, as the readers).
+TABLE_HEADER = "conclave.learning.data.tables:table_input_columns"
 # Formats whose labels come with the data itself (an image folder's class folders, a benchmark's
 # files), so they need no ``label``.
 LABELLED_BY_LAYOUT = ("images", "digits", "mnist", "cifar10", "cifar100", "svhn")
@@ -155,10 +157,8 @@ class DataSource:
         order), from its header alone; None for data that is not a table."""
         if self.format not in TABLE_FORMATS:
             return None
-        from conclave.learning.data.tables import table_input_columns
-
         self._check_exists()
-        return table_input_columns(self)
+        return _imported(TABLE_HEADER)(self)
 
     @property
     def labelled_by_layout(self) -> bool:
@@ -174,8 +174,7 @@ class DataSource:
             raise FileNotFoundError(f"{self.path}: no such file or folder")
 
     def read_raw(self) -> RawData:
-        module_name, function_name = FORMATS[self.format].split(":")
-        reader = getattr(importlib.import_module(module_name), function_name)
+        reader = _imported(FORMATS[self.format])
         self._check_exists()
         raw = reader(self)
         if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4):
@@ -249,3 +248,9 @@ def _missing(labels: np.ndarray) -> np.ndarray:
     if labels.dtype.kind == "O":
         return np.array([v is None or (isinstance(v, float) and v != v) for v in labels.tolist()], dtype=bool)
     return np.zeros(len(labels), dtype=bool)
+
+
+def _imported(path: str):
+    """The function a "module:function" path names (format modules load on first use)."""
+    module_name, function_name = path.split(":")
+    return getattr(importlib.import_module(module_name), function_name)

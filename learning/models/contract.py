@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from conclave.learning.models.registry import ModelContractError, factory_of
+
 HINTS = ("in_channels", "input_size", "input_shape", "standardiser")
 # What a pipeline may need besides the logits, and what it is.
 PARTS = {
@@ -32,10 +34,6 @@ PARTS = {
     "classifier": ".classifier (the last nn.Linear)",
 }
 CHECK_BATCH = 2  # zero inputs sent through the model: two, so a batch dimension mix-up shows
-
-
-class ModelContractError(ValueError):
-    """A model that does not meet the contract; its message is one line naming the model."""
 
 
 def input_hints(in_channels: int | None, input_size: int | None, input_shape: tuple[int, ...] | None,
@@ -75,7 +73,6 @@ def check_model(name: str, num_classes: int, input_shape: tuple[int, ...], *,
     config's extra ones), builds an ``nn.Module`` whose logits on a zero batch have the right
     shape, has the ``parts`` asked for (part → why the pipeline needs it), and, with
     ``dp_sgd``, is a model Opacus can train. ``ModelContractError`` (one line) otherwise."""
-    from conclave.learning.models import factory_of  # the package imports this module first
 
     factory = factory_of(name)
     hints = input_hints(None, None, input_shape, standardiser)

@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 
 from conclave.actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
-from conclave.learning.dpsgd import DPSGDConfig, train_dp
+from conclave.learning.dp_schedule import DPSGDConfig
+from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.data import load_digits
 from conclave.learning.selection.entropy import logit_entropy
@@ -106,7 +107,7 @@ def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(
 
 
 def test_data_parallel_dpsgd_on_two_actors_sums_securely_is_charged_as_skellam_and_learns(group):
-    from conclave.learning.dpsgd import dp_step_charge
+    from conclave.learning.dp_schedule import dp_step_charge
     from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
     config = DPSGDConfig(epochs=3, batch_size=60, lr=1.0, max_grad_norm=1.0, delta=1e-5, noise_multiplier=0.7)

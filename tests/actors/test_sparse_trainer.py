@@ -7,7 +7,7 @@ import pytest
 from conclave.actors.dp_trainer import ShardGroup, ShardPlan
 from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
 from conclave.learning.data import load_digits
-from conclave.learning.dpsgd import DPSGDConfig, dp_schedule
+from conclave.learning.dp_schedule import DPSGDConfig, dp_schedule
 from conclave.learning.models import build_model
 from conclave.learning.sparse import magnitude_masks, select_classes
 from conclave.learning.training import TrainConfig, evaluate, fit
@@ -64,7 +64,7 @@ def test_a_transfer_set_is_one_shard():
 
 def test_charge_matches_the_schedule_epsilon(public_model):
     # Independent of Ray: the ledger's ε for the schedule equals Opacus's for the same run.
-    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.dp_schedule import dp_schedule
     from opacus.accountants import RDPAccountant
 
     config = DPSGDConfig(epochs=3, batch_size=80, noise_multiplier=1.0, delta=DELTA)

@@ -16,7 +16,6 @@ from PIL import Image
 from conclave.cluster.config import load_yaml
 from conclave.cluster.owners import PublicData
 from conclave.cluster.run_command import load_run_config
-from conclave.learning.data.sources import DataSource
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
@@ -106,7 +105,7 @@ def test_an_owner_with_its_columns_shuffled_teaches_as_it_would_unshuffled(ray_s
     are identical (training is seeded; the DP noise, from OS entropy, comes only after), and a
     whole run with the shuffled file scores as the example does."""
     from conclave.cluster import cli
-    from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
+    from conclave.cluster.teaching.ensemble import public_data, teacher_pool
 
     monkeypatch.chdir(PROJECT_ROOT)
     votes = {}

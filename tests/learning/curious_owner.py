@@ -23,7 +23,8 @@ def owner_data(rank: int):
 
 def run_rank(rank: int, port: int, out: str) -> None:
     import conclave.learning.secure_dpsgd as secure
-    from conclave.learning.dpsgd import DPSGDConfig, train_dp
+    from conclave.learning.dp_schedule import DPSGDConfig
+    from conclave.learning.dpsgd import train_dp
     from conclave.privacy.noise import SECURE
     from conclave.privacy.secure_sum import MaskKeys
 

@@ -12,7 +12,8 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from torch import nn
 
 from conclave.learning.data import load_digits
-from conclave.learning.dpsgd import DPSGDConfig, MaskedDPOptimizer, lr_scheduler, train_dp
+from conclave.learning.dp_schedule import DPSGDConfig
+from conclave.learning.dpsgd import MaskedDPOptimizer, lr_scheduler, train_dp
 from conclave.learning.models.resnet import gn_cnn
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import SECURE, NoisePolicy

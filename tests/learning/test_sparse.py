@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from conclave.learning.data import load_digits
-from conclave.learning.dpsgd import DPSGDConfig, train_dp
+from conclave.learning.dp_schedule import DPSGDConfig
+from conclave.learning.dpsgd import train_dp
 from conclave.learning.models.resnet import gn_cnn, gn_resnet18
 from conclave.learning.sparse import (
     VARIANTS,

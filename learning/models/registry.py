@@ -1,0 +1,57 @@
+"""The model registry: names → "module:function" factories, imported on first use, and a
+user's own ``module:function`` resolved the same way. Adding a model is its file and one line
+in ``REGISTRY``."""
+from __future__ import annotations
+
+import importlib
+
+
+class ModelContractError(ValueError):
+    """A model that does not meet the contract (``learning.models.contract``), or cannot be found;
+    its message is one line naming the model."""
+
+
+REGISTRY: dict[str, str] = {
+    "tutorial_cnn": "conclave.learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
+    "tutorial_cnn_tanh": "conclave.learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
+    "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
+    "digits_cnn": "conclave.learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
+    "gn_resnet18": "conclave.learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
+    "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
+    "mlp": "conclave.learning.models.table:mlp",                   # table rows [n, d]
+    "logistic_regression": "conclave.learning.models.table:logistic_regression",  # table rows [n, d]
+}
+
+
+def default_model(input_shape: tuple[int, ...], kind: str) -> str:
+    """The model a config gets when it names none: by what the inputs are."""
+    if kind == "table":
+        return "mlp"
+    side = input_shape[-1]
+    return "digits_cnn" if side <= 8 else "tutorial_cnn" if side <= 28 else "gn_cnn"
+
+
+def factory_of(name: str):
+    """The factory ``name`` stands for: a registry entry or a ``module:function`` path
+    (``ModelContractError``, one line, when it is neither or cannot be imported)."""
+    if name in REGISTRY:
+        path = REGISTRY[name]
+    elif ":" in name:
+        path = name
+    else:
+        raise ModelContractError(f"unknown model {name!r}; choose one of {', '.join(sorted(REGISTRY))} "
+                                 "or give a factory as 'module:function'")
+    module_name, function_name = path.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - a user's module may fail to import in any way: one line
+        text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        raise ModelContractError(f"model {name!r} cannot be imported here: module {module_name!r}: "
+                                 f"{type(err).__name__}: {text} (modules are found from the working "
+                                 "directory and the installed packages)") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        what = "has no" if factory is None else "has a non-callable"
+        raise ModelContractError(f"model {name!r}: module {module_name!r} ({module.__file__}) {what} "
+                                 f"factory {function_name!r}")
+    return factory
