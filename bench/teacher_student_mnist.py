@@ -45,16 +45,19 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines.teacher_student import (  # noqa: E402
-    Config, Ensemble, TrainingConfig, public_data, teach_student, teacher_pool, teacher_source, train_teachers,
+from conclave.cluster.pipelines import RunOutcome, pipeline_module  # noqa: E402
+from conclave.cluster.teaching.config import Config, TrainingConfig  # noqa: E402
+from conclave.cluster.teaching.ensemble import (  # noqa: E402
+    Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
 )
-from conclave.cluster.pipelines import RunOutcome  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
 from conclave.cluster.run_command import load_run_config  # noqa: E402
 
 from bench.soundness import run_reasons, soundness  # noqa: E402
 
 log = logging.getLogger("bench.teacher_student_mnist")
+# The pipeline's second phase on already-trained teachers: one ensemble serves several mechanisms.
+TEACHER_STUDENT = pipeline_module("teacher_student")
 
 CONFIGS = ("mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1", "mnist-gnmax", "mnist-nzc", "mnist-lnmax",
            "mnist-nzc-5teachers")  # most wanted first
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in names:
                 results = RunDirectory(run_root, name)
-                out["runs"][name] = run_summary(name, configs[name], teach_student(configs[name], teachers, results))
+                out["runs"][name] = run_summary(name, configs[name], TEACHER_STUDENT.teach_student(configs[name], teachers, results))
                 diagnostics[name] = clean_votes(teachers, out["runs"][name]["queries_asked"])
                 save()
         finally:

@@ -32,7 +32,7 @@ from typing import Any
 
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import pipeline_module
-from conclave.cluster.pipelines.teacher_student import THRESHOLD_SHARE, MechanismConfig
+from conclave.cluster.teaching.config import THRESHOLD_SHARE, MechanismConfig
 from conclave.cluster.results import _jsonable
 from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.charge import PrivacyCharge

@@ -65,7 +65,8 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from conclave.actors.placement import PlacementError
     from conclave.actors.owners import OwnerDataError
     from conclave.cluster.api import train_ensemble
-    from conclave.cluster.pipelines.teacher_student import checked_public, resolved, server_settings, start_aggregator
+    from conclave.cluster.teaching.aggregation import server_settings, start_aggregator
+    from conclave.cluster.teaching.ensemble import checked_public, resolved
     from conclave.cluster.ray_runtime import record_ray_processes
 
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)

@@ -40,7 +40,8 @@ from typing import Any, Literal
 import numpy as np
 
 from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, check_owners, require_declared_records
-from conclave.cluster.pipelines import PrivacyConfig, RunContext, RunOutcome, dp_sgd_trust
+from conclave.cluster.pipelines import RunContext, RunOutcome
+from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -558,7 +559,7 @@ def _reused_checkpoints(config: Config) -> list:
 def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, reused: list) -> tuple[list, dict]:
     """Train (or reuse) the DP-SGD checkpoints, one per epoch. The whole schedule is charged
     to ``ledger`` first."""
-    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.dp_schedule import dp_schedule
 
     dp = config.dpsgd
     if reused:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
-from conclave.cluster.pipelines import PrivacyConfig, RunOutcome, dp_sgd_trust
+from conclave.cluster.pipelines import RunOutcome
+from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
 from conclave.learning.data.sources import DataSource
 from conclave.learning.sparse_variants import VARIANTS
 
@@ -260,7 +261,7 @@ def run(config: Config, context) -> RunOutcome:
     from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
     from conclave.cluster.owners import owner_resources, owner_shard_plans
     from conclave.cluster.ray_runtime import gpus_available, start_ray
-    from conclave.learning.dpsgd import dp_schedule
+    from conclave.learning.dp_schedule import dp_schedule
     from conclave.learning.models import build_model
     from conclave.learning.training import evaluate
     from conclave.privacy.accounting.ledger import PrivacyLedger

@@ -17,7 +17,7 @@ from conclave.actors.aggregator import AggregatorServer, ServerSettings
 from conclave.actors.owners import OwnerDropout
 from conclave.cluster.client import AggregatorClient
 from conclave.cluster.config import load_yaml
-from conclave.cluster.pipelines.teacher_student import checked_public, resolved, teacher_pool
+from conclave.cluster.teaching.ensemble import checked_public, resolved, teacher_pool
 from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.accounting.filter import filter_for

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.cluster.pipelines import PrivacyConfig, RunContext
+from conclave.cluster.pipelines import RunContext
+from conclave.cluster.run_privacy import PrivacyConfig
 from conclave.cluster.pipelines.active_learning import pollute, run
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import load_run_config

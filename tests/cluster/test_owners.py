@@ -87,7 +87,7 @@ def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path
 
 def test_a_missing_owner_file_is_one_line_naming_the_owner(ray_session, tmp_path):
     from conclave.actors.owners import OwnerDataError
-    from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
+    from conclave.cluster.teaching.ensemble import public_data, teacher_pool
 
     owners = list(hospitals().owners)
     owners[1] = dataclasses.replace(owners[1], data=dataclasses.replace(owners[1].data, path=str(tmp_path / "gone.csv")))
@@ -197,7 +197,7 @@ def test_owners_whose_data_disagree_on_the_input_shape_are_refused(ray_session, 
     import pandas as pd
 
     from conclave.actors.owners import OwnerDataError
-    from conclave.cluster.pipelines.teacher_student import public_data, teacher_pool
+    from conclave.cluster.teaching.ensemble import public_data, teacher_pool
 
     import numpy as np
 
@@ -262,7 +262,9 @@ def test_a_public_file_the_driver_cannot_read_fails_before_ray_starts(tmp_path, 
 
 
 def test_table_student_defaults_to_self_training_and_refuses_fixmatch(ray_session):
-    from conclave.cluster.pipelines.teacher_student import DEFAULT_STUDENT, FixMatchConfig, public_data, resolved
+    from conclave.cluster.teaching.config import DEFAULT_STUDENT
+    from conclave.cluster.teaching.ensemble import public_data, resolved
+    from conclave.learning.semi_supervised import FixMatchConfig
 
     config = hospitals(public=hospitals().public.anchored(str(PROJECT_ROOT)),
                        test=hospitals().test.anchored(str(PROJECT_ROOT)))

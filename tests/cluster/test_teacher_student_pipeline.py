@@ -14,7 +14,8 @@ import yaml
 
 from conclave.cluster.cli import main as cli_main
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
-from conclave.cluster.pipelines.teacher_student import Config, privacy_section
+from conclave.cluster.teaching.aggregation import privacy_section
+from conclave.cluster.teaching.config import Config
 from conclave.cluster.run_command import DEMO_CONFIG, load_run_config
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import epsilon_from_rdp

@@ -1,0 +1,138 @@
+"""The private aggregator over an ensemble: gRPC on a real port, every answer charged to the
+run's ledger first, and the privacy report the run may publish."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR
+from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.ensemble import Ensemble, resolved
+from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.privacy.accounting.charge import ADD_REMOVE
+
+log = logging.getLogger(__name__)
+
+SECURE_NO_ESTIMATES = ("no data-dependent estimate: they are computed from the clean votes, which aggregation: secure "
+                       "never shows anyone; the guarantee is the data-independent one")
+
+
+def server_settings(config: Config, token: str, **overrides: Any):
+    """The aggregator's ``ServerSettings`` from ``config.server`` (``overrides`` that are not
+    None replace its fields; ``ValueError`` names a bad one, e.g. plaintext on a public host)."""
+    from conclave.actors.aggregator import ServerSettings
+
+    fields = {**dataclasses.asdict(config.server), **{k: v for k, v in overrides.items() if v is not None}}
+    return ServerSettings(token=token, **fields)
+
+
+def start_aggregator(config: Config, pool, ledger, settings):
+    """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
+    from conclave.actors.aggregator import AggregatorServer
+
+    server = AggregatorServer(pool, config.vote_mechanism(), ledger, pool.input_shape, settings,
+                              noise=config.privacy.noise)
+    return server, server.start()
+
+
+def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: np.ndarray | None) -> dict[str, Any]:
+    """What a run may publish about its privacy (``privacy.json``).
+
+    The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
+    report of the votes it answered: only its public view, i.e. the estimates that are not
+    computed from the private votes without a mechanism — the smooth-sensitivity release
+    (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim. With
+    ``aggregation: secure`` there are no votes (None): nobody saw them, so no estimate exists.
+    """
+    from conclave.privacy.accounting.report import vote_report
+
+    planned = config.planned()
+    section: dict[str, Any] = {**config.privacy.report(planned, ledger,
+                                                       SECURE_VOTES if config.secure else TRUSTED_AGGREGATOR),
+                               "mechanism": config.vote_mechanism().describe().as_dict(),
+                               "delta": config.privacy.delta, "estimates": []}
+    if config.secure:
+        section["estimates_note"] = SECURE_NO_ESTIMATES
+    elif len(votes):
+        report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
+                             config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
+                             noise=config.privacy.noise.source("smooth-sensitivity")).public()
+        section.update(estimates=report["estimates"], queries=report["queries"], answered=report["answered"])
+    return section
+
+
+def reserve_estimates(config: Config, ledger) -> None:
+    """Charge the smooth-sensitivity release before the first query: its cost is fixed by
+    public parameters, and paying first keeps a student that spends the budget from leaving
+    no room for it."""
+    smooth = config.smooth_sensitivity()
+    if smooth is not None:
+        ledger.charge(smooth.charge(ledger.orders).for_records(ADD_REMOVE, SHARD_LEMMA))
+
+
+@dataclass
+class Aggregator:
+    """A running gRPC aggregator over an ensemble, and the ledger every answer is charged to."""
+
+    config: Config
+    server: Any  # actors.aggregator.AggregatorServer
+    ledger: Any  # privacy.accounting.ledger.PrivacyLedger
+    address: str  # host:port
+    token: str  # the bearer token clients send
+    _running: bool = field(default=True, repr=False)
+
+    def budget(self):
+        """The budget reply clients get (``actors.labeller.BudgetStatus``)."""
+        return self.server.budget()
+
+    def privacy_report(self) -> dict[str, Any]:
+        """What the run may publish: the guarantee, the spend, and labelled estimates."""
+        if self.config.secure:  # the aggregator never saw a clean vote: nothing to estimate from
+            return privacy_section(self.config, self.ledger, None, None)
+        votes, answered = self.server.answered_votes()
+        return privacy_section(self.config, self.ledger, votes, answered)
+
+    def stop(self) -> None:
+        """Stop serving (the ledger stays open for ``privacy_report``)."""
+        if self._running:
+            self.server.stop()
+            self._running = False
+
+    def close(self) -> None:
+        self.stop()
+        self.ledger.close()
+
+    def __enter__(self) -> Aggregator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve(config: Config, ensemble: Ensemble, ledger_path: str | Path, token: str | None = None,
+          fresh: bool = True, **server: Any) -> Aggregator:
+    """Serve ``ensemble`` with ``config``'s mechanism, every answer charged to the ledger at
+    ``ledger_path`` (``fresh``: start it empty, as a run does; else keep what it holds, as a
+    service does). ``server``: ``ServerSettings`` fields to override (host, port, TLS...)."""
+    config = resolved(config, ensemble.public)
+    ledger_path = Path(ledger_path)
+    if fresh:
+        for stale in ledger_path.parent.glob(ledger_path.name + "*"):
+            stale.unlink()
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    ledger = config.privacy.open_ledger(ledger_path, config.planned())
+    reserve_estimates(config, ledger)
+    token = token or secrets.token_urlsafe(24)
+    try:
+        aggregator, address = start_aggregator(config, ensemble.pool, ledger, server_settings(config, token, **server))
+    except BaseException:
+        ledger.close()
+        raise
+    log.info("aggregator serving on %s", address)
+    return Aggregator(config, aggregator, ledger, address, token)

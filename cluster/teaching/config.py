@@ -1,0 +1,306 @@
+"""The teacher/student configuration: typed sections, checked when built, with the defaults
+that follow from the declared counts filled in (``Config.__post_init__``). Loading one needs
+neither torch nor Ray."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from conclave.cluster.owners import DataOwner, check_owners
+from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, PrivacyConfig
+from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.learning.data.features import check_features
+from conclave.learning.data.sources import DataSource
+from conclave.learning.selection import QuerySelection
+from conclave.learning.semi_supervised import FixMatchConfig
+from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.report import planned_charge
+from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
+from conclave.privacy.mechanisms import SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"  # digits | mnist | cifar10 | cifar100 | svhn
+    root: str | None = None  # directory of the files (not needed for digits)
+    public_size: int = 300  # the student's pool: the first public_size of the shuffled test set
+    private_size: int | None = None  # subsample the teachers' data (None: the whole train set)
+    # A fixed representation the teachers and the student learn on, e.g. scattering
+    # (learning.data.features); queries stay images, so the gRPC API does not change.
+    features: str | None = None
+
+    def __post_init__(self) -> None:
+        check_features(self.features, "data.features")
+        if self.public_size < 1:
+            raise ValueError(f"data.public_size must be >= 1, got {self.public_size}")
+        if self.private_size is not None and self.private_size < 1:
+            raise ValueError(f"data.private_size must be >= 1 or null, got {self.private_size}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How one model is trained; the seed comes from the run's ``seed``."""
+
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+
+    def with_seed(self, seed: int):
+        from conclave.learning.training import TrainConfig
+
+        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, seed=seed)
+
+
+@dataclass(frozen=True)
+class OwnerConfig(DataOwner):
+    """A data owner (``cluster.owners.DataOwner``) and its ``teachers``, packed into its
+    ``actors``. ``records``, if declared, is a public upper bound: each teacher keeps at most its
+    share of it (``actors.owners.OwnerSource``); fewer records held is no error."""
+
+    teachers: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.teachers < 1:
+            raise ValueError(f"owner {self.name}: teachers must be >= 1")
+        if self.records is not None and self.records < self.teachers:
+            raise ValueError(f"owner {self.name}: {self.teachers} teachers need at least as many records "
+                             f"(it declares {self.records})")
+
+
+@dataclass(frozen=True)
+class TeachersConfig:
+    count: int | None = None  # Config fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
+    per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
+    model: str | None = None  # None: by the inputs (learning.models.default_model)
+    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=60, batch_size=32, lr=3e-3))
+
+    def __post_init__(self) -> None:
+        if self.count is not None and self.count < 1:
+            raise ValueError(f"teachers.count must be >= 1, got {self.count}")
+        if self.per_actor is not None and self.per_actor < 1:
+            raise ValueError(f"teachers.per_actor must be >= 1 or null, got {self.per_actor}")
+
+
+DEFAULT_TEACHERS = 50  # without owners and without teachers.count
+# Confident-GNMax's threshold T when a config leaves it out, as a share of the teachers n. The
+# test passes when the top count plus N(0, σ1²) reaches T: at 0.6 n a unanimous vote passes
+# with probability Φ(0.4 n/σ1), a 60% plurality half the time. The demo's T = 30 of 50 (σ1 =
+# 20 = 0.4 n: 84% for a unanimous vote); Papernot et al. 2018 used 200 of 250 on MNIST (0.8,
+# σ1 = 150) and 300 of 250 on SVHN, where many queries abstain by design.
+THRESHOLD_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class MechanismConfig:
+    """A ``privacy.mechanisms.build_mechanism`` name and its parameters. Confident-GNMax's
+    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the teachers (``Config`` fills it in)."""
+
+    name: str = "confident-gnmax"
+    params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
+
+    def __post_init__(self) -> None:
+        self.for_teachers(1).build()  # an unknown name or a bad parameter is a config error now, not mid-run
+
+    def for_teachers(self, teachers: int) -> MechanismConfig:
+        """This mechanism with what it left to the ensemble's size filled in."""
+        if self.name != "confident-gnmax" or self.params.get("threshold") is not None:
+            return self
+        return dataclasses.replace(self, params={**self.params, "threshold": THRESHOLD_SHARE * teachers})
+
+    def build(self):
+        try:
+            return build_mechanism(self.name, **self.params)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"mechanism {self.name!r} with params {self.params}: {err}") from err
+
+
+@dataclass(frozen=True)
+class EstimatesConfig:
+    """Data-dependent estimates published beside the guarantee (never as it).
+
+    ``smooth_sensitivity``: release the PATE 2018 data-dependent cost by smooth sensitivity
+    (GNMax family). Its parameters are fixed before any vote is seen — given here, or derived
+    from the planned worst case — and its own cost is part of the planned work the budget
+    and the guarantee cover.
+    """
+
+    smooth_sensitivity: bool = False
+    order: float | None = None
+    beta: float | None = None
+    sigma_ss: float | None = None
+
+    def __post_init__(self) -> None:
+        fixed = (self.order, self.beta, self.sigma_ss)
+        if any(v is not None for v in fixed) and any(v is None for v in fixed):
+            raise ValueError("estimates: order, beta and sigma_ss go together (or none, for the defaults)")
+        if all(v is not None for v in fixed):
+            SmoothSensitivityParameters(*fixed)  # a bad value is a config error now
+
+    def parameters(self, mechanism, queries: int, delta: float) -> SmoothSensitivityParameters | None:
+        """The release's parameters, from public settings only (None when off or not applicable)."""
+        if not self.smooth_sensitivity or not hasattr(mechanism, "smooth_sensitivity_terms"):
+            return None
+        if self.order is not None:
+            return SmoothSensitivityParameters(self.order, self.beta, self.sigma_ss)
+        return SmoothSensitivityParameters.for_workload(mechanism.run_charge(queries, queries), delta)
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    queries: int = 300  # inputs of the public pool asked, in pool order
+    batch_size: int = 50  # inputs per gRPC call
+    checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
+    model: str | None = None  # None: by the inputs (learning.models.default_model)
+    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=40, batch_size=32, lr=3e-3))
+    # Self-training on the rest of the public pool (free post-processing; actors/student.py):
+    # the student's own predictions at least this confident become extra labels. null: off.
+    pseudo_label_threshold: float | None = None
+    # FixMatch on the whole pool (learning.semi_supervised; free post-processing). null: off.
+    semi_supervised: FixMatchConfig | None = None
+    # Which pool inputs to ask about: the pool in order, or rounds of an active-learning strategy.
+    selection: QuerySelection = field(default_factory=QuerySelection)
+
+    def __post_init__(self) -> None:
+        if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
+            raise ValueError("student: choose pseudo_label_threshold (self-training) or semi_supervised (FixMatch)")
+        if self.pseudo_label_threshold is not None and not 0 < self.pseudo_label_threshold <= 1:
+            raise ValueError(f"student.pseudo_label_threshold must be in (0, 1] or null, "
+                             f"got {self.pseudo_label_threshold}")
+        if self.queries < 1 or self.batch_size < 1:
+            raise ValueError(f"student.queries and student.batch_size must be >= 1, got "
+                             f"{self.queries}, {self.batch_size}")
+        if any(c < 1 for c in self.checkpoints):
+            raise ValueError(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How ``conclave serve`` listens (``actors.aggregator.ServerSettings`` says what each means)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port
+    max_batch: int = 1024
+    tls_cert: str | None = None  # PEM: serve TLS (with tls_key)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM: also require client certificates it signed (mutual TLS)
+    allow_plaintext: bool = False  # a non-loopback host without TLS is refused unless this is set
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.max_batch < 1:
+            raise ValueError(f"server.max_batch must be >= 1, got {self.max_batch}")
+
+
+DEFAULT_STUDENT = StudentConfig(batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9))
+# For table inputs FixMatch (image augmentations) does not apply: self-training instead.
+DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=None, pseudo_label_threshold=0.9)
+
+
+AGGREGATIONS = (TRUSTED_AGGREGATOR.aggregation, SECURE_VOTES.aggregation)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "demo"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)
+    mechanism: MechanismConfig = field(default_factory=MechanismConfig)
+    privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=4.0))
+    estimates: EstimatesConfig = field(default_factory=EstimatesConfig)
+    student: StudentConfig = field(default_factory=lambda: DEFAULT_STUDENT)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Owners' own data (instead of ``data``): each owner's source is read only by its actors.
+    owners: tuple[OwnerConfig, ...] = ()
+    public: DataSource | None = None  # the student's pool (labels optional), read by the driver
+    test: DataSource | None = None  # labelled public test data, read by the driver
+    classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
+    # Ray's runtime_env for the run's workers, e.g. {py_modules: [./mypkg]} for a model of your own.
+    runtime_env: dict = field(default_factory=dict)
+    # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
+    # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
+    # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
+    aggregation: str = TRUSTED_AGGREGATOR.aggregation
+
+    def __post_init__(self) -> None:
+        if self.owners:
+            self._check_owners()
+        elif self.public is not None or self.test is not None or self.classes is not None:
+            raise ValueError("public, test and classes go with owners (or use the data section alone)")
+        # What the config left to the declared counts, filled in once (so config.json says it).
+        count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
+        object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
+        object.__setattr__(self, "mechanism", self.mechanism.for_teachers(count))
+        if not self.owners and self.student.queries > self.data.public_size:
+            raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
+                             f"(data.public_size = {self.data.public_size})")
+        if self.student.batch_size > self.server.max_batch:
+            raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
+                             f"server.max_batch ({self.server.max_batch})")
+        if self.mechanism.name == "nzc" and self.privacy.budget is not None:
+            raise ValueError("mechanism nzc has no finite DP guarantee, so no budget can gate it: "
+                             "set privacy.budget to null (the run records its spend and reports it unbounded)")
+        self._check_aggregation()
+        self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
+
+    def _check_aggregation(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.secure:
+            self.vote_mechanism()  # a mechanism without a secure variant is refused now, in one line
+            if self.estimates.smooth_sensitivity:
+                raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
+                                 "never shows the aggregator: turn it off")
+
+    def _check_owners(self) -> None:
+        check_owners(self.owners, self.test, self.classes, self.public)
+        if dataclasses.replace(self.data, features=None) != DataConfig():
+            raise ValueError("with owners, the data section may only set features (the sources say the rest)")
+        if self.teachers.count not in (None, self.num_teachers):
+            # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still
+            # carries the count derived from the old ones.
+            log.warning("teachers.count %d is replaced by the owners' %d teachers (with owners it is their sum: "
+                        "leave it out)", self.teachers.count, self.num_teachers)
+
+    @property
+    def models(self) -> tuple[str | None, ...]:
+        """The models this run builds (None: chosen by the inputs, a built-in one)."""
+        return self.teachers.model, self.student.model
+
+    @property
+    def num_teachers(self) -> int:
+        return sum(owner.teachers for owner in self.owners) if self.owners else self.teachers.count
+
+    @property
+    def secure(self) -> bool:
+        return self.aggregation == SECURE_VOTES.aggregation
+
+    def vote_mechanism(self) -> VoteMechanism | SecureVoteMechanism:
+        """What the aggregator runs: the configured mechanism, or with ``aggregation: secure`` its
+        variant over secure-sum vote totals (ValueError naming the mechanisms that have one)."""
+        mechanism = self.mechanism.build()
+        return secure_mechanism(mechanism) if self.secure else mechanism
+
+    def smooth_sensitivity(self) -> SmoothSensitivityParameters | None:
+        return self.estimates.parameters(self.mechanism.build(), self.student.queries, self.privacy.delta)
+
+    def planned(self, answers: int | None = None) -> PrivacyCharge:
+        """The worst case of the planned work, on add/remove neighbours of the owners' records:
+        ``answers`` queries answered (default: every one of ``student.queries``), plus the
+        smooth-sensitivity release if asked (fixed by ``student.queries``)."""
+        answered = self.student.queries if answers is None else answers
+        planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity())
+        return planned.for_records(ADD_REMOVE, SHARD_LEMMA)

@@ -1,0 +1,221 @@
+"""Teachers on Ray actors, each owner's on its own node, and the driver's public data.
+
+``train_ensemble`` checks what the driver can before Ray starts, starts or joins Ray and trains
+every owner's teachers where its data is; the private data never reaches the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from conclave.cluster.owners import PublicData, check_owner_columns, owner_data, owner_resources
+from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, Config
+from conclave.learning.data.dataset import StudentSplits
+
+if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
+
+log = logging.getLogger(__name__)
+
+
+def train_ensemble(config: Config, ray_address: str | None = None, progress: bool = True,
+                   public: PublicData | None = None) -> Ensemble:
+    """Check what the driver can (``ConfigError``), start or join Ray, and train every owner's
+    teachers on its own node. Use as a context manager (or call ``shutdown``). ``public``: the
+    driver's data when already loaded and checked (``checked_public``)."""
+    public = public if public is not None else checked_public(config)
+    config = resolved(config, public)
+    from conclave.cluster.ray_runtime import start_ray
+
+    embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
+                         models=config.models)
+    return train_teachers(config, progress=progress, public=public, embedded=embedded)
+
+
+@dataclass
+class Ensemble:
+    """Trained teachers (``pool``, the aggregator's vote source) and the driver's public data;
+    the private data stays with the teacher actors, on their owners' nodes. A context manager:
+    leaving it stops the actors."""
+
+    public: PublicData
+    pool: TeacherPool
+    seconds: float  # training time: for benchmarks only, never published from a run (it grows with the records)
+
+    @property
+    def splits(self) -> StudentSplits:
+        return self.public.splits
+
+    @property
+    def nodes(self) -> dict[str, list[str]]:
+        """Owner → the Ray node ids its teachers run on."""
+        return self.pool.placement
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+    def __enter__(self) -> Ensemble:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def train_teachers(config: Config, progress: bool = True, public: PublicData | None = None,
+                   embedded: bool = True) -> Ensemble:
+    """Train the teachers on Ray actors, which read their own data (Ray must be running);
+    ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
+    whether this is the embedded one-node Ray (owners' node labels are then not used)."""
+    public = public if public is not None else public_data(config)
+    started = time.perf_counter()
+    pool = teacher_pool(config, public, embedded=embedded)
+    try:
+        pool.train(progress=progress)
+    except BaseException:
+        pool.shutdown()
+        raise
+    # The time goes to the caller (a benchmark's own measurement), never to a log or a run's
+    # results: it grows with the private records each teacher holds.
+    log.info("teachers: %d trained on %d actors", pool.num_teachers, pool.num_actors)
+    return Ensemble(public, pool, time.perf_counter() - started)
+
+
+def student_splits(config: Config) -> StudentSplits:
+    """The public pool and the test split of the ``data`` section's benchmark, all of the data
+    the driver keeps. Reading the files loads the training set too, but the private split is
+    dropped here, unsharded."""
+    from conclave.learning.data import make_splits
+
+    return make_splits(config.data.name, config.data.root, public_size=config.data.public_size,
+                       seed=config.seed, private_size=config.data.private_size).student_side()
+
+
+def public_data(config: Config) -> PublicData:
+    """The driver's data: the benchmark's public side, or the config's ``public`` and ``test``
+    sources (never an owner's: those are read by the owners' actors only)."""
+    if not config.owners:
+        splits = student_splits(config)
+        return PublicData.of(splits, tuple(str(c) for c in range(splits.test.num_classes)))
+    public = PublicData.read(config.public, config.test, config.classes)
+    if config.student.queries > len(public.splits.public):
+        raise ValueError(f"student.queries ({config.student.queries}) exceeds the public pool "
+                         f"({len(public.splits.public)} inputs)")
+    return public
+
+
+def checked_public(config: Config) -> PublicData:
+    """The driver's data, loaded before Ray starts: a missing file, a bad format, a size the
+    data cannot satisfy or a model that does not fit the inputs (``check_models``) is a
+    one-line ``ConfigError`` now, not a traceback after start-up."""
+    from conclave.cluster.config import ConfigError
+
+    try:
+        public = public_data(config)
+        resolved(config, public)  # the models and the student fit these inputs
+    except (ValueError, OSError) as err:
+        where = "data" if not config.owners else "public/test"
+        raise ConfigError(f"{where}: {err}") from err
+    check_owner_columns(config.owners, public.schema.columns)
+    check_models(resolved(config, public), public)
+    return public
+
+
+def check_models(config: Config, public: PublicData) -> None:
+    """The teachers' and the student's models against the model contract
+    (``learning.models.contract``) on the inputs they learn on (``public``'s shape, or its
+    ``data.features``), before Ray starts: ``ConfigError``, one line, naming the key."""
+    from conclave.cluster.config import ConfigError
+    from conclave.learning.data.features import features_of
+    from conclave.learning.models import check_model
+    from conclave.learning.selection import POOL_ORDER
+
+    shape = public.schema.shape
+    if config.data.features:  # a fixed transform: its output shape follows from the image shape alone
+        shape = features_of(np.zeros((1, *shape), dtype=np.float32), config.data.features).shape[1:]
+    checks = [("teachers.model", config.teachers.model, {})]
+    if config.student.selection.strategy != POOL_ORDER:
+        checks.append(("student.model", config.student.model,
+                       {"features": "student.selection's strategy embeds the public pool with"}))
+    elif config.student.model != config.teachers.model:
+        checks.append(("student.model", config.student.model, {}))
+    for key, name, parts in checks:
+        try:
+            check_model(name, len(public.classes), shape, parts=parts, standardiser=public.standardiser)
+        except ValueError as err:
+            raise ConfigError(f"{key}: {err}") from None
+
+
+def resolved(config: Config, public: PublicData) -> Config:
+    """``config`` with what it left to the inputs filled in: the models, and for table inputs
+    a student without FixMatch (its augmentations are for images)."""
+    from conclave.learning.models import default_model
+
+    kind = "features" if config.data.features else public.schema.kind
+    teacher_model = config.teachers.model or ("scatternet_cnn" if kind == "features"
+                                              else default_model(public.schema.shape, kind))
+    student_model = config.student.model or teacher_model
+    student = config.student
+    if kind == "table" and student.semi_supervised is not None:
+        if student != DEFAULT_STUDENT:
+            raise ValueError("student.semi_supervised (FixMatch) augments images; for table inputs "
+                             "use pseudo_label_threshold or neither")
+        student = DEFAULT_TABLE_STUDENT
+    return dataclasses.replace(config, teachers=dataclasses.replace(config.teachers, model=teacher_model),
+                               student=dataclasses.replace(student, model=student_model))
+
+
+def teacher_source(config: Config) -> TeacherSource:
+    """The spec of the teachers' private shards of the ``data`` section's benchmark, which only
+    the teacher actors load."""
+    from conclave.actors.teacher import TeacherSource
+
+    return TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
+                         num_teachers=config.teachers.count, seed=config.seed,
+                         private_size=config.data.private_size, features=config.data.features)
+
+
+def owner_shares(config: Config, public: PublicData, embedded: bool, num_actors: int,
+                 count: int) -> list[OwnerShare]:
+    """Each owner's source (a table read by the public schema's column names), teachers, actors
+    and placement (the benchmark: one share of its first ``count`` teachers on ``num_actors``
+    actors, anywhere)."""
+    from conclave.actors.owners import OwnerSource
+    from conclave.actors.teacher import OwnerShare
+
+    if not config.owners:
+        return [OwnerShare(teacher_source(config), count, num_actors)]
+    # A relative path is the launching directory's (on a cluster, give owners absolute paths).
+    here = os.getcwd()
+    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
+                                   public.classes, config.seed, config.data.features, owner.records),
+                       owner.teachers, owner.actors, owner.placement(embedded))
+            for owner in config.owners]
+
+
+def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = None,
+                 embedded: bool = True) -> TeacherPool:
+    """Untrained teacher actors: the owners' on their nodes, or the benchmark's packed as
+    ``config.teachers`` says (all ``teachers.count``, or the first ``num_teachers`` of them:
+    the benchmark compares a few). Teachers reserve half the CPUs; the student (and the
+    aggregator in the driver) the rest."""
+    import ray
+
+    from conclave.actors.teacher import TeacherPool
+
+    config = resolved(config, public)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    count = config.teachers.count if num_teachers is None else num_teachers
+    per_actor = config.teachers.per_actor
+    num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
+    shares = owner_shares(config, public, embedded, num_actors, count)
+    total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
+    return TeacherPool(shares, config.teachers.model, config.teachers.train.with_seed(config.seed),
+                       seed=config.seed, num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors,
+                       standardiser=public.standardiser)

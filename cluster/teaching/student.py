@@ -1,0 +1,96 @@
+"""A student actor that asks the aggregator over gRPC, like any outside client, then learns
+from the answers (and the public pool, as configured) and is tested."""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from conclave.cluster.teaching.aggregation import Aggregator
+from conclave.cluster.teaching.config import Config, StudentConfig
+from conclave.cluster.teaching.ensemble import Ensemble, resolved
+
+STUDENT_START_TIMEOUT = 60.0  # seconds a student actor may wait for a CPU before the run fails
+MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
+
+
+@dataclass(frozen=True)
+class StudentResult:
+    """What the student learned: accuracy on the test split after all its answers, and the
+    curve at each checkpoint (with the ledger's realised spend then)."""
+
+    accuracy: float
+    label_accuracy: float | None  # released labels against the pool's truth (None: the pool has no labels)
+    asked: int
+    answered: int
+    budget_exhausted: bool
+    labels_per_second: float
+    curve: list[dict[str, Any]]
+    query_seconds: float
+    train_seconds: float
+
+
+def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, progress: bool = True) -> StudentResult:
+    """A student actor asks ``aggregator`` over gRPC, like any outside client, about the public
+    pool, then trains on the answers (and the pool, as configured) and is tested."""
+    import ray
+
+    from conclave.actors.placement import PlacementError, largest_free_cpu, require_node
+    from conclave.actors.student import StudentActor
+    from conclave.cluster.client import AggregatorClient
+
+    config = resolved(config, ensemble.public)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    free = largest_free_cpu()
+    # On small nodes the student takes what one node has free (it trains a small model).
+    student_cpus = min(1.0, cpus / 2) if free is None else min(1.0, cpus / 2, free)
+    if free is not None and student_cpus < MIN_STUDENT_CPUS:
+        raise PlacementError(f"the student: no node has {MIN_STUDENT_CPUS:g} CPU free (the most on one node: "
+                             f"{free:g}); give the cluster a node with a free CPU")
+    require_node("the student", cpus=student_cpus)
+    student = StudentActor.options(num_cpus=student_cpus).remote(
+        ensemble.splits.public, ensemble.splits.test, config.student.model, config.student.train.with_seed(config.seed),
+        # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
+        functools.partial(AggregatorClient, aggregator.address, aggregator.token, retry_unavailable=300.0),
+        num_threads=max(1, int(student_cpus)), features=config.data.features,
+        pseudo_label_threshold=config.student.pseudo_label_threshold,
+        semi_supervised=config.student.semi_supervised, selection=config.student.selection,
+        standardiser=ensemble.public.standardiser,
+    )
+    try:
+        try:  # a CPU some node has but none has free (the teachers hold them) would wait forever
+            ray.get(student.__ray_ready__.remote(), timeout=STUDENT_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(f"the student: no node had {student_cpus:g} CPU free within "
+                                 f"{STUDENT_START_TIMEOUT:g} s (free: {ray.available_resources().get('CPU', 0):g} "
+                                 "CPU in all); give the cluster a node with a free CPU") from None
+        queried = _query(student, config.student, progress)
+        started = time.perf_counter()
+        curve = ray.get(student.learning_curve.remote())
+        train_seconds = time.perf_counter() - started
+    finally:
+        ray.kill(student)  # frees its CPU now, not whenever the handle is collected
+    label_accuracy = queried["label_accuracy"]
+    return StudentResult(
+        accuracy=curve[-1]["accuracy"], asked=queried["asked"], answered=queried["answered"],
+        label_accuracy=None if label_accuracy is None or math.isnan(label_accuracy) else label_accuracy,
+        budget_exhausted=queried["budget_exhausted"], labels_per_second=queried["labels_per_second"],
+        curve=curve, query_seconds=queried["query_seconds"], train_seconds=train_seconds)
+
+
+def _query(student, settings: StudentConfig, progress: bool, batches_per_call: int = 4) -> dict[str, Any]:
+    """Let the student actor query in short stretches so the driver can show a progress bar."""
+    import ray
+    from tqdm import tqdm
+
+    with tqdm(total=settings.queries, desc="student queries", unit="query", disable=not progress) as bar:
+        while True:
+            state = ray.get(student.query.remote(settings.queries, settings.batch_size, settings.checkpoints,
+                                                 progress=False, max_batches=batches_per_call))
+            bar.update(state["asked"] - bar.n)
+            if state["asked"] >= settings.queries or state["budget_exhausted"]:
+                break
+    ray.get(student.close.remote())
+    return state

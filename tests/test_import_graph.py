@@ -1,0 +1,133 @@
+"""The layers import one way, with no cycle: privacy ← learning ← actors ← cluster's library ←
+its clients (the CLI and its commands, the YAML pipelines, tuning, the benchmarks).
+
+Every ``import`` counts, at module level or inside a function: a cycle through a lazy import is
+still a cycle a reader has to untangle.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("privacy", "learning", "actors", "cluster", "tuning", "protos")
+LAYERS = ("privacy", "learning", "actors", "cluster", "tuning")  # each may import only those before it
+# cluster's clients: what a user runs (the CLI and its commands) and the YAML adapters over the library.
+CLIENTS = ("conclave.cluster.cli", "conclave.cluster.pipelines")
+COMMAND_SUFFIX = "_command"
+# The library's steps not yet moved out of their pipelines: clients may still import these
+# pipelines directly (the teacher/student steps live in cluster.teaching).
+NOT_YET_LIBRARY = ("conclave.cluster.pipelines.active_learning", "conclave.cluster.pipelines.sparse_finetune")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] in FOLDERS:
+        parts = ("conclave", *parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources() -> dict[str, Path]:
+    found = {}
+    for top in (*FOLDERS, "conclave", "bench"):
+        for path in (ROOT / top).rglob("*.py"):
+            found[module_name(path)] = path
+    return found
+
+
+MODULES = sources()
+
+
+def imports_of(name: str) -> set[str]:
+    """The project modules ``name`` imports (``from pkg import sub`` counts ``pkg.sub`` when it is a module)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if parts[0] == "conclave" and len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def is_client(name: str) -> bool:
+    return (within(name, CLIENTS + ("conclave.tuning", "bench", "conclave.__main__"))
+            or name.rpartition(".")[2].endswith(COMMAND_SUFFIX))
+
+
+def test_no_import_cycle():
+    index, low, on_stack, stack, cycles, counter = {}, {}, set(), [], [], [0]
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(GRAPH[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(GRAPH):
+        if name not in index:
+            visit(name)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_each_layer_imports_only_the_layers_below():
+    wrong = []
+    for name, targets in GRAPH.items():
+        own = layer(name)
+        if own is None:
+            continue
+        allowed = LAYERS[: LAYERS.index(own) + 1]
+        wrong += [(name, t) for t in targets if layer(t) is not None and layer(t) not in allowed]
+    assert not wrong, wrong
+
+
+def test_the_library_never_imports_its_clients():
+    wrong = [(name, t) for name, targets in GRAPH.items()
+             if name.startswith("conclave.cluster") and not is_client(name)
+             for t in targets if is_client(t)]
+    assert not wrong, wrong
+
+
+def test_clients_reach_pipelines_only_through_the_registry():
+    """The CLI, tuning and the benchmarks use the library, or a pipeline as a whole through
+    ``cluster.pipelines.pipeline_module``: never one pipeline module's insides."""
+    wrong = [(name, t) for name, targets in GRAPH.items()
+             if is_client(name) and not within(name, ("conclave.cluster.pipelines",))
+             for t in targets
+             if t.startswith("conclave.cluster.pipelines.") and t not in NOT_YET_LIBRARY]
+    assert not wrong, wrong
