@@ -162,7 +162,7 @@ def _smooth(args: argparse.Namespace, mechanism, queries: int, delta: float) -> 
         if any(v is not None for v in fixed):
             raise BadInput("--no-smooth-sensitivity cannot go with --ss-order/--ss-beta/--ss-sigma")
         return None
-    if not hasattr(mechanism, "smooth_sensitivity_terms"):
+    if not mechanism.smooth_sensitivity_analysis:
         return None
     try:
         if all(v is None for v in fixed):

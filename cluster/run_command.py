@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     module = pipeline_module(pipeline)
     try:  # what the driver can check without Ray (its data, models): before anything is recorded
-        config = module.validate(config) if hasattr(module, "validate") else config
+        config = module.validate(config)
     except ConfigError as err:
         print(f"conclave: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
-"""Pipelines a config can name. Each module exposes ``Config`` (a frozen dataclass),
-``run(config: Config, context: RunContext) -> RunOutcome`` (what it wrote, as values), and
-``planned_work(config) -> PrivacyCharge``: the worst case of what the run will release, from
-public settings only (it fixes the budget's order and is the run's worst-case guarantee)."""
+"""Pipelines a config can name: YAML → library adapters. Each module exposes ``Config`` (a frozen
+dataclass), ``validate(config) -> Config`` (what the driver checks before Ray starts, one-line
+``ConfigError``s; the config with its defaults resolved), ``run(config: Config, context:
+RunContext) -> RunOutcome`` (what it wrote, as values), and ``planned_work(config) ->
+PrivacyCharge``: the worst case of what the run will release, from public settings only (it
+fixes the budget's order and is the run's worst-case guarantee)."""
 from __future__ import annotations
 
 import importlib

@@ -150,7 +150,7 @@ class EstimatesConfig:
 
     def parameters(self, mechanism, queries: int, delta: float) -> SmoothSensitivityParameters | None:
         """The release's parameters, from public settings only (None when off or not applicable)."""
-        if not self.smooth_sensitivity or not hasattr(mechanism, "smooth_sensitivity_terms"):
+        if not self.smooth_sensitivity or not mechanism.smooth_sensitivity_analysis:
             return None
         if self.order is not None:
             return SmoothSensitivityParameters(self.order, self.beta, self.sigma_ss)
@@ -250,9 +250,9 @@ class Config:
         if self.student.batch_size > self.server.max_batch:
             raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
                              f"server.max_batch ({self.server.max_batch})")
-        if self.mechanism.name == "nzc" and self.privacy.budget is not None:
-            raise ValueError("mechanism nzc has no finite DP guarantee, so no budget can gate it: "
-                             "set privacy.budget to null (the run records its spend and reports it unbounded)")
+        if not self.mechanism.build().describe().bounded and self.privacy.budget is not None:
+            raise ValueError(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
+                             "it: set privacy.budget to null (the run records its spend and reports it unbounded)")
         self._check_aggregation()
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 

@@ -92,7 +92,7 @@ def planned_charge(mechanism: VoteMechanism, queries: int,
     """The worst case of answering ``queries`` queries (all answered), plus the smooth-sensitivity
     release when one is planned: public settings only, so it can fix a filter's order."""
     charges = [mechanism.run_charge(queries, queries)]
-    if smooth is not None and hasattr(mechanism, "smooth_sensitivity_terms"):
+    if smooth is not None and mechanism.smooth_sensitivity_analysis:
         charges.append(smooth.charge(charges[0].orders if orders is None else np.asarray(orders, dtype=float)))
     return sum_charges(charges, label="planned")
 
@@ -115,7 +115,7 @@ def vote_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarra
     grid = rdp_lib.DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     estimates = list(mechanism.estimates(votes, mask, delta, grid, conversion))
     if smooth is not None:
-        if not hasattr(mechanism, "smooth_sensitivity_terms"):
+        if not mechanism.smooth_sensitivity_analysis:
             estimates.append(Estimate("smooth-sensitivity", None, delta, "PATE 2018, App. C", details={
                 "available": False, "reason": f"PATE 2018's smooth-sensitivity analysis does not cover {mechanism.name}"}))
         else:
@@ -213,7 +213,7 @@ def _would_have_fitted(mechanism: VoteMechanism, mask: np.ndarray, planned: Priv
     realised = mechanism.run_charge(len(mask), int(mask.sum()))
     at = order_index(filter_.order, realised.orders)
     rdp = float(realised.rdp[at])
-    if smooth is not None and hasattr(mechanism, "smooth_sensitivity_terms"):
+    if smooth is not None and mechanism.smooth_sensitivity_analysis:
         rdp += float(smooth.charge(realised.orders).rdp[at])
     fits = filter_.admits(rdp, realised.extra_delta)
     return {

@@ -74,6 +74,9 @@ class VoteMechanism(Protocol):
     # The class that runs this mechanism on secure-sum vote totals (``aggregation: secure``), built
     # from the same arguments; None where the mechanism needs clean histograms.
     secure_variant: ClassVar[type[SecureVoteMechanism] | None]
+    # Whether PATE 2018's smooth-sensitivity analysis covers it; then it also has
+    # ``smooth_sensitivity_terms(votes, answered, order) -> SmoothTerms``.
+    smooth_sensitivity_analysis: ClassVar[bool]
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         """Noisy answers for a batch of histograms; ``votes`` is int [batch, k], non-negative."""
@@ -111,6 +114,7 @@ class SecureVoteMechanism(abc.ABC):
 
     name: ClassVar[str]
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = False  # it never sees clean votes
 
     @abc.abstractmethod
     def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:

@@ -88,6 +88,7 @@ class ConfidentGNMax:
     sigma2: float
     name: ClassVar[str] = "confident-gnmax"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = True
     # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
     aliases: ClassVar[dict[str, str]] = {"sigma": "sigma2"}
     secure_variant: ClassVar[type[SecureVoteMechanism] | None] = SecureConfidentGNMax

@@ -64,6 +64,7 @@ class GNMax:
     sigma: float
     name: ClassVar[str] = "gnmax"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = True
     aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {"sigma": "GNMax noise sigma"}
     secure_variant: ClassVar[type[SecureVoteMechanism] | None] = SecureGNMax

@@ -26,6 +26,7 @@ class LNMax:
     laplace_scale: float
     name: ClassVar[str] = "lnmax"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = False
     aliases: ClassVar[dict[str, str]] = {}
     secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {"laplace_scale": "Laplace scale b (the papers' 1/gamma)"}

@@ -52,6 +52,7 @@ class NZC:
     sigma: float | None = None
     name: ClassVar[str] = "nzc"
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = False
     aliases: ClassVar[dict[str, str]] = {}
     secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {

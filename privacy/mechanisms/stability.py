@@ -118,6 +118,7 @@ class Stability:
     name: ClassVar[str] = "stability"
     aliases: ClassVar[dict[str, str]] = {}
     secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
+    smooth_sensitivity_analysis: ClassVar[bool] = False
     help: ClassVar[dict[str, str]] = {
         "epsilon": "the whole run's epsilon",
         "delta": "the whole run's delta (the test's failure probability)",
