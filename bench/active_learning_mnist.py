@@ -34,9 +34,9 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
+from conclave.cluster.active_learning import Config  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import RunContext  # noqa: E402
-from conclave.cluster.pipelines.active_learning import Config, run  # noqa: E402
+from conclave.cluster.pipelines import RunContext, pipeline_module  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
 from conclave.cluster.run_command import load_run_config  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> int:
     for key, run_config in runs:
         log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
-        outcome = run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
+        outcome = pipeline_module("active_learning").run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
         summary, metrics, privacy = outcome.summary, outcome.metrics, outcome.privacy
         report["runs"][key] = {
             "seconds": round(time.perf_counter() - started, 1), "summary": summary,

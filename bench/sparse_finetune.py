@@ -42,7 +42,7 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 import torch  # noqa: E402
 
-from conclave.cluster.pipelines.sparse_finetune import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
+from conclave.cluster.sparse_finetuning import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
 from conclave.learning.data import Dataset  # noqa: E402
 from conclave.learning.dp_schedule import DPSGDConfig, dp_schedule
 from conclave.learning.dpsgd import train_dp  # noqa: E402

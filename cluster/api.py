@@ -13,14 +13,21 @@
             report = aggregator.privacy_report()                      # the guarantee first
 
 Each step returns a typed result; the steps live in ``cluster.teaching`` (config, ensemble,
-aggregation, student) and this module is their one import point. ``conclave run``
+aggregation, student) and this module is their one import point, as it is for the other two
+pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``ActiveLearningResult``
+and ``finetune_sparsely(SparseConfig(...), results)`` → ``SparseResult``. ``conclave run``
 (``cluster.pipelines.teacher_student``), ``conclave serve``, the tuning trainables and the
 benchmarks are clients of these functions.
 ``examples/hospitals/library.py`` is the runnable version of the lines above.
 """
 from __future__ import annotations
 
+from conclave.cluster.active_learning import ActiveLearningResult, learn_actively
+from conclave.cluster.active_learning import Config as ActiveLearningConfig
+from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
+from conclave.cluster.sparse_finetuning import Config as SparseConfig
+from conclave.cluster.sparse_finetuning import SparseResult, finetune_sparsely
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
     Config, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TrainingConfig,
@@ -30,6 +37,8 @@ from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.learning.data.sources import DataSource
 
 __all__ = [
+    "ActiveLearningConfig", "ActiveLearningResult", "RunDirectory", "SparseConfig", "SparseResult",
+    "finetune_sparsely", "learn_actively",
     "Aggregator", "Config", "DataSource", "Ensemble", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainingConfig", "serve", "train_ensemble",
     "train_student",

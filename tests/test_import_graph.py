@@ -15,9 +15,6 @@ LAYERS = ("privacy", "learning", "actors", "cluster", "tuning")  # each may impo
 # cluster's clients: what a user runs (the CLI and its commands) and the YAML adapters over the library.
 CLIENTS = ("conclave.cluster.cli", "conclave.cluster.pipelines")
 COMMAND_SUFFIX = "_command"
-# The library's steps not yet moved out of their pipelines: clients may still import these
-# pipelines directly (the teacher/student steps live in cluster.teaching).
-NOT_YET_LIBRARY = ("conclave.cluster.pipelines.active_learning", "conclave.cluster.pipelines.sparse_finetune")
 
 
 def module_name(path: Path) -> str:
@@ -129,5 +126,5 @@ def test_clients_reach_pipelines_only_through_the_registry():
     wrong = [(name, t) for name, targets in GRAPH.items()
              if is_client(name) and not within(name, ("conclave.cluster.pipelines",))
              for t in targets
-             if t.startswith("conclave.cluster.pipelines.") and t not in NOT_YET_LIBRARY]
+             if t.startswith("conclave.cluster.pipelines.")]
     assert not wrong, wrong

@@ -166,7 +166,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     tried to read private data or spend budget would fail instead of costing privacy."""
     import torch
 
-    from conclave.cluster.pipelines.active_learning import improve, public_side
+    from conclave.cluster.active_learning import improve, public_side
 
     torch.set_num_threads(config.torch_threads)
     rng = np.random.default_rng(config.seed)
@@ -185,7 +185,7 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     import torch
 
     from conclave.actors.sparse_trainer import TransferSource
-    from conclave.cluster.pipelines.sparse_finetune import load_split
+    from conclave.cluster.sparse_finetuning import load_split
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.learning.dpsgd import train_dp
     from conclave.learning.sparse import plan_variant, replace_classifier
@@ -273,23 +273,23 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
     """One DP-SGD checkpoint for a free sweep: the active-learning pipeline's final checkpoint,
     trained once with its ledger; every trial post-processes it."""
     from conclave.actors.dp_trainer import DPCheckpoint
-    from conclave.cluster.pipelines import active_learning
+    from conclave.cluster.active_learning import learn_actively
     from conclave.privacy.accounting.ledger import PrivacyLedger
 
     once = dataclasses.replace(config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",)))
     run_dir = RunDirectory(results.path, "checkpoint")
-    outcome = active_learning.run(once, RunContext("checkpoint", run_dir, None))
+    result = learn_actively(once, run_dir)
     final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
     with PrivacyLedger.open_existing(run_dir.path / "ledger.sqlite") as ledger:
         charge = ledger.spent()
-    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": outcome.privacy["guarantee"]["epsilon"],
-            "accuracy": outcome.metrics["checkpoints"][-1]["test_accuracy"], "path": str(final)}
+    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": result.privacy["guarantee"]["epsilon"],
+            "accuracy": result.checkpoints[-1]["test_accuracy"], "path": str(final)}
 
 
 def _prepare_public_model(config: Any, results: RunDirectory):
     """The public pre-trained model every sparsity trial fine-tunes (public data: free)."""
     from conclave.actors.sparse_trainer import PublicModel
-    from conclave.cluster.pipelines.sparse_finetune import load_split, pretrain_public
+    from conclave.cluster.sparse_finetuning import load_split, pretrain_public
     from conclave.learning.models import build_model
 
     public_train, _ = load_split(config.public, config.seed)

@@ -13,7 +13,8 @@ import torch
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import RunContext
 from conclave.cluster.run_privacy import PrivacyConfig
-from conclave.cluster.pipelines.active_learning import pollute, run
+from conclave.cluster.active_learning import pollute
+from conclave.cluster.pipelines.active_learning import run
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import load_run_config
 from conclave.learning.data import load_digits
@@ -138,7 +139,7 @@ class UnanimousTeachers:
 def test_the_aggregator_can_be_the_annotator_over_grpc(tmp_path):
     from conclave.actors.aggregator import AggregatorServer, ServerSettings
     from conclave.cluster.client import AggregatorClient
-    from conclave.cluster.pipelines.active_learning import aggregator_annotator
+    from conclave.cluster.active_learning import aggregator_annotator
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.mechanisms import build_mechanism
 

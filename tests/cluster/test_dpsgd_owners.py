@@ -91,7 +91,8 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     """Two owners hold digits 5–9 as .npz images; a public model pre-trained on digits 0–4 is
     fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
     from conclave.cluster.pipelines import RunContext
-    from conclave.cluster.pipelines.sparse_finetune import Config, FinetuneConfig, PretrainConfig, run, validate
+    from conclave.cluster.pipelines.sparse_finetune import run
+    from conclave.cluster.sparse_finetuning import Config, FinetuneConfig, PretrainConfig, validate
     from conclave.cluster.owners import DataOwner
     from conclave.cluster.results import RunDirectory
     from conclave.learning.data import load_digits

@@ -10,7 +10,7 @@ import yaml
 
 from conclave.cluster.cli import main
 from conclave.cluster.config import ConfigError
-from conclave.cluster.pipelines.active_learning import planned_work
+from conclave.cluster.active_learning import planned_work
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import EXIT_CODES, failure, load_run_config
 from conclave.privacy.accounting.ledger import BudgetExceeded

@@ -8,14 +8,8 @@ import pytest
 
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.pipelines import RunContext
-from conclave.cluster.pipelines.sparse_finetune import (
-    Config,
-    DataSpec,
-    FinetuneConfig,
-    ModelConfig,
-    PretrainConfig,
-    run,
-)
+from conclave.cluster.pipelines.sparse_finetune import run
+from conclave.cluster.sparse_finetuning import Config, DataSpec, FinetuneConfig, ModelConfig, PretrainConfig
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_rdp

@@ -55,7 +55,7 @@ def _sparse_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs
 
 
 def _digits_5_to_9_train_size() -> int:
-    from conclave.cluster.pipelines.sparse_finetune import DataSpec, load_split
+    from conclave.cluster.sparse_finetuning import DataSpec, load_split
 
     return len(load_split(DataSpec("digits", classes=(5, 6, 7, 8, 9)), 0)[0])
 

@@ -1,0 +1,338 @@
+"""Sparse DP fine-tuning (Luo et al. 2021): public pre-training → mask → DP fine-tuning → test.
+
+1. Pre-train the network on the public data without privacy, saving a checkpoint every
+   ``pretrain.checkpoint_every`` epochs under ``results/<run>/checkpoints/``; a rerun of the
+   same run resumes from the latest one.
+2. For each configured variant, charge the run's ledger with its DP-SGD schedule, then send
+   the public weights to the shard actors that hold the private transfer set (a benchmark's
+   split on one actor, or with ``owners`` each owner's own file on its own node, trained
+   data-parallel): they replace the classifier, build the plan (the magnitude mask comes
+   from the public weights only) and DP-fine-tune (``actors.sparse_trainer.SparseVariant``).
+3. Evaluate each released DP model on the private task's test split (public: the benchmark's
+   test split, or the config's ``test`` source).
+4. Report the guarantee: every variant trains on the same private data, so the planned work
+   is all of their DP-SGD schedules (fixed before the data is read), and the ledger's budget,
+   if declared, is a Rényi filter over them; each variant's own ε is reported beside it.
+
+``finetune_sparsely`` returns a typed ``SparseResult``; ``conclave run`` reaches it through
+``cluster.pipelines.sparse_finetune``, which writes the results folder. ``Config()`` is a
+seconds-scale demo on the bundled digits (0–4 public, 5–9 private).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
+from conclave.learning.data.sources import DataSource
+from conclave.learning.sparse_variants import VARIANTS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gn_cnn"  # a learning.models name or module:function with a .classifier (docs/data-and-models.md)
+    in_channels: int = 1
+    kwargs: dict = field(default_factory=lambda: {"channels": 8})
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A training split restricted to ``classes`` (relabelled 0..k-1; all when empty),
+    optionally a seeded subsample of ``size``; the test split gets the same classes. For the
+    private split ``size`` is also the declared N of the DP-SGD schedule (``Config.private_size``)."""
+
+    dataset: str = "digits"
+    root: str | None = None
+    classes: tuple[int, ...] = ()
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.size is not None and self.size < 1:
+            raise ValueError(f"size must be >= 1 or null, got {self.size}")
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"classes must be distinct, got {list(self.classes)}")
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    epochs: int = 8
+    batch_size: int = 64
+    lr: float = 3e-3
+    optimizer: str = "adam"  # adam | sgd
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    checkpoint_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.checkpoint_every < 1:
+            raise ValueError("pretrain.epochs and pretrain.checkpoint_every must be >= 1")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """DP-SGD on the private set. Give ``target_epsilon`` (per variant) or ``noise_multiplier``."""
+
+    variants: tuple[str, ...] = ("classifier", "classifier+norm", "all")
+    fraction: float = 0.01  # p: share of convolution weights the "all" variant trains
+    epochs: int = 5
+    batch_size: int = 128  # expected (Poisson) batch size
+    lr: float = 0.05  # normalisation and convolution parameters
+    classifier_lr: float | None = 0.5  # the new classifier (the paper: 0.8 vs 0.01)
+    momentum: float = 0.9
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = 1.0
+    max_physical_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if not self.variants or unknown:
+            raise ValueError(f"finetune.variants must be a non-empty list of {list(VARIANTS)}, got {list(self.variants)}")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"finetune.fraction must be in (0, 1], got {self.fraction}")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("finetune: give exactly one of noise_multiplier and target_epsilon")
+        self.dp_config(1e-5)  # any other bad value is a config error now, not on the actor
+
+    def dp_config(self, delta: float):
+        from conclave.learning.dp_schedule import DPSGDConfig
+
+        overrides = (("classifier.", self.classifier_lr),) if self.classifier_lr is not None else ()
+        return DPSGDConfig(
+            epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, max_grad_norm=self.max_grad_norm,
+            delta=delta, noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
+            momentum=self.momentum, lr_overrides=overrides, max_physical_batch_size=self.max_physical_batch_size,
+        )
+
+
+DEFAULT_PRIVATE = DataSpec("digits", classes=(5, 6, 7, 8, 9))
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "sparse-demo"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    public: DataSpec = field(default_factory=lambda: DataSpec("digits", classes=(0, 1, 2, 3, 4)))
+    private: DataSpec = field(default_factory=lambda: DEFAULT_PRIVATE)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    # Owners' own data (instead of ``private``): each owner's images, read only by its shard
+    # actors on its node; every owner declares its ``records``. ``test``: the private task's
+    # labelled public test set, ``classes`` its label names (None: the test data's).
+    owners: tuple[DataOwner, ...] = ()
+    test: DataSource | None = None
+    classes: tuple[str, ...] | None = None
+    # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
+    runtime_env: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            if self.test is not None or self.classes is not None:
+                raise ValueError("test and classes go with owners (or use the private section alone)")
+            return
+        check_owners(self.owners, self.test, self.classes, None, needs_public=False)
+        require_declared_records(self.owners)
+        if self.private != DEFAULT_PRIVATE:
+            raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The model this run builds."""
+        return (self.model.name,)
+
+    @property
+    def private_size(self) -> int:
+        """The private examples DP-SGD's schedule is computed from. Owners declare theirs; a
+        benchmark split's is its ``private.size`` when set (an upper bound, like an owner's
+        records: a smaller split only makes the Poisson batches smaller), else counted from
+        its files (a split of public files: treated as public)."""
+        if self.owners:
+            return sum(owner.records for owner in self.owners)
+        if self.private.size is not None:
+            return self.private.size
+        return len(load_split(self.private, self.seed)[0])
+
+    @property
+    def secure_training(self) -> bool:
+        """Whether DP-SGD sums across several shard actors (the owners'), through the secure sum."""
+        return sum(owner.actors for owner in self.owners) > 1
+
+
+# --- phases -----------------------------------------------------------------------------
+
+
+def load_split(spec: DataSpec, seed: int):
+    """(train, test) of ``spec`` (see ``learning.sparse.transfer_split``)."""
+    from conclave.learning.sparse import transfer_split
+
+    return transfer_split(spec.dataset, spec.root, spec.classes, spec.size, seed)
+
+
+def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_dir: Path | None,
+                    progress: bool = True) -> list[float]:
+    """Non-private training on public data, one epoch at a time with checkpoints; resumes
+    from the latest checkpoint in ``checkpoint_dir``. Returns the loss of every epoch."""
+    import torch
+    from tqdm import tqdm
+
+    from conclave.learning.training import TrainConfig, fit
+
+    losses: list[float] = []
+    start = 0
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        saved = sorted(checkpoint_dir.glob("public-epoch-*.pt"))
+        saved = [p for p in saved if int(p.stem.rsplit("-", 1)[1]) <= config.epochs]
+        if saved:
+            checkpoint = torch.load(saved[-1], weights_only=False)
+            model.load_state_dict(checkpoint["state"])
+            start, losses = checkpoint["epoch"], list(checkpoint["losses"])
+            log.info("resumed public pre-training from %s", saved[-1])
+    for epoch in tqdm(range(start, config.epochs), desc="public pre-training", disable=not progress,
+                      initial=start, total=config.epochs):
+        one_epoch = TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr, seed=seed * 10_007 + epoch,
+                                optimizer=config.optimizer, momentum=config.momentum,
+                                weight_decay=config.weight_decay)
+        losses += fit(model, data, one_epoch)
+        last = epoch + 1 == config.epochs
+        if checkpoint_dir is not None and ((epoch + 1) % config.checkpoint_every == 0 or last):
+            torch.save({"epoch": epoch + 1, "losses": losses, "state": model.state_dict()},
+                       checkpoint_dir / f"public-epoch-{epoch + 1:04d}.pt")
+    return losses
+
+
+def planned_work(config: Config):
+    """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
+    owners, or the size of a split of a public benchmark's files)."""
+    from conclave.learning.dp_schedule import dp_schedule
+    from conclave.privacy.accounting.rdp import sum_charges
+
+    dp_config = config.finetune.dp_config(config.privacy.delta)
+    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}",
+                                    secure=config.secure_training).charge
+                        for v in config.finetune.variants], label="planned")
+
+
+def private_test(config: Config):
+    """The private task's test split and class names: the ``test`` source with owners, else
+    the benchmark's (public data, read by the driver)."""
+    if config.owners:
+        from conclave.learning.data.sources import class_names
+
+        classes = config.classes or class_names(config.test.read_raw().labels)
+        return config.test.read(classes, "test"), classes
+    _, test = load_split(config.private, config.seed)
+    return test, tuple(str(c) for c in range(test.num_classes))
+
+
+def validate(config: Config) -> Config:
+    """Before Ray starts: with owners, the test source is read (and its classes found); the
+    model is checked against the model contract on the public split's inputs, with the
+    ``.classifier`` the variants replace and layers DP-SGD can train."""
+    from conclave.cluster.config import ConfigError
+    from conclave.learning.models import check_model
+
+    if config.owners:
+        try:
+            private_test(config)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"test: {err}") from err
+    try:
+        public_train, _ = load_split(config.public, config.seed)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"public: {err}") from err
+    try:
+        check_model(config.model.name, public_train.num_classes, public_train.input_shape, dp_sgd=True,
+                    parts={"classifier": "sparse fine-tuning replaces for the private task"},
+                    **config.model.kwargs)
+    except ValueError as err:
+        raise ConfigError(f"model.name: {err}") from None
+    return config
+
+
+@dataclass(frozen=True)
+class SparseResult:
+    """What a sparse fine-tuning run found: the public model (its pre-training losses and public
+    test accuracy), each variant's accuracy on the private task's test split with its ε, schedule
+    and trained fraction, and the privacy report composing every variant."""
+
+    public_losses: list[float]
+    public_accuracy: float
+    public_dataset: str
+    private_test: str
+    variants: dict[str, dict[str, Any]]
+    privacy: dict[str, Any]
+    nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
+
+
+def finetune_sparsely(config: Config, results: RunDirectory, ray_address: str | None = None) -> SparseResult:
+    """Steps 1–4 of the module's docstring; pre-training checkpoints go under ``results.path``."""
+    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+    from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
+    from conclave.cluster.owners import owner_resources, owner_shard_plans
+    from conclave.cluster.ray_runtime import gpus_available, start_ray
+    from conclave.learning.dp_schedule import dp_schedule
+    from conclave.learning.models import build_model
+    from conclave.learning.training import evaluate
+    from conclave.privacy.accounting.ledger import PrivacyLedger
+
+    embedded = start_ray(ray_address, resources=owner_resources(config.owners),
+                         runtime_env=config.runtime_env, models=config.models)
+    public_train, public_test = load_split(config.public, config.seed)
+    model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
+                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
+    public_losses = pretrain_public(model, public_train, config.pretrain, config.seed,
+                                    results.path / "checkpoints")
+    public_accuracy = evaluate(model, public_test)
+    log.info("public model: %.4f on %s", public_accuracy, public_test.name)
+    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    public = PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
+                         dict(config.model.kwargs), state, public_train.input_shape)
+
+    ledger_path = results.path / "ledger.sqlite"
+    for stale in ledger_path.parent.glob(ledger_path.name + "*"):
+        stale.unlink()  # a run accounts for its own fine-tunings
+    test, classes = private_test(config)
+    dp_config = config.finetune.dp_config(config.privacy.delta)
+    planned = planned_work(config)
+    if config.owners:
+        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded)
+    else:
+        source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
+                                config.private.size, config.seed)
+        plans = [ShardPlan(source, (0,))]
+    # One actor takes a GPU when the cluster has one (train_dp then trains on it).
+    gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
+    variants: dict[str, dict[str, Any]] = {}
+    with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger, \
+            ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
+        for variant in config.finetune.variants:
+            recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
+            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
+                                   secure=shards.secure)
+            ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
+            checkpoints = shards.train(dp_config, config.privacy.noise, config.private_size, recipe, progress=True)
+            accuracy = evaluate(recipe.released(checkpoints[-1].state), test)
+            _, plan = recipe.planned()
+            log.info("variant %s: accuracy %.4f at ε %.3f", variant, accuracy, checkpoints[-1].epsilon)
+            variants[variant] = {
+                "accuracy": accuracy, "epsilon": checkpoints[-1].epsilon,
+                "epsilons": [c.epsilon for c in checkpoints], "noise_multiplier": schedule.noise_multiplier,
+                "sample_rate": schedule.sample_rate, "steps": checkpoints[-1].steps,
+                "trained_entries": plan.trained_entries, "trained_fraction": plan.trained_entries / plan.total_entries,
+            }
+        privacy = {
+            **config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)), "delta": config.privacy.delta,
+            "per_variant_epsilon": {v: r["epsilon"] for v, r in variants.items()},
+            "note": "every variant fine-tuned on the same private data; the run's guarantee composes them all",
+        }
+        nodes = shards.placement
+    return SparseResult(public_losses, public_accuracy, public_test.name, test.name, variants, privacy, nodes)
