@@ -56,6 +56,7 @@ from conclave.learning.models import build_model
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
 from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.ledger import BudgetExceeded
 from conclave.privacy.counts import LaplaceCounts, SkellamCounts
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
@@ -338,6 +339,14 @@ def fresh_public_keys(actors: Sequence) -> tuple[bytes, ...]:
     return tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)]))
 
 
+class ChargeGate(Protocol):
+    """What NearPrivate's releases are charged to (a ``PrivacyLedger``, or several as one)."""
+
+    def can_afford(self, charge: PrivacyCharge) -> bool: ...
+
+    def charge(self, charge: PrivacyCharge) -> object: ...
+
+
 class ShardSupport:
     """NearPrivate's ``PrivateSupport`` over shard actors; the ledger is charged (``charge``)
     before each release.
@@ -349,12 +358,14 @@ class ShardSupport:
     around through Ray, each actor returns only its masked share (its part quantized, plus its
     Skellam noise share, under pairwise masks: uniform on the ring on its own), and the driver
     adds the shares and decodes the noised total. ``records`` (public: the declared private
-    records) bounds every actor's part, to size the ring.
+    records) bounds every actor's part, to size the ring. A secure release is checked against the
+    ledger before any share is made and charged only once every share arrived: an owner that
+    drops out (``OwnerDropout``) leaves nothing released and nothing charged.
     """
 
     def __init__(self, actors: Sequence, owners: Sequence[str], pca: AnalyzeGauss | SecureAnalyzeGauss,
-                 counts: LaplaceCounts | SkellamCounts, charge: Callable[[PrivacyCharge], object],
-                 noise: NoisePolicy, records: int) -> None:
+                 counts: LaplaceCounts | SkellamCounts, ledger: ChargeGate, noise: NoisePolicy,
+                 records: int) -> None:
         self._actors, self._owners = list(actors), tuple(owners)
         if not self._actors or len(self._owners) != len(self._actors):
             raise ValueError(f"expected one owner per shard actor, got {len(self._owners)} for {len(self._actors)}")
@@ -366,31 +377,49 @@ class ShardSupport:
                              "the ledger would be charged for another mechanism than the one that runs")
         if records < 1:
             raise ValueError(f"records must be >= 1, got {records}")
-        self._pca, self._counts, self._charge, self._noise, self._records = pca, counts, charge, noise, records
+        self._pca, self._counts, self._ledger, self._noise, self._records = pca, counts, ledger, noise, records
 
     def dp_projection(self, components: int) -> np.ndarray:
         if not self.secure:
-            self._charge(self._pca.charge())
+            self._ledger.charge(self._pca.charge())
             return ray.get(self._actors[0].release_projection.remote(self._pca, components, self._noise))
         plan = self._pca.plan(ray.get(self._actors[0].embedding_dimension.remote()), self._owners, self._records)
-        self._charge(self._pca.charge())
-        public_keys = fresh_public_keys(self._actors)
-        shares = ray.get([actor.covariance_share.remote(self._pca, plan, self._owners, public_keys, "dp-pca",
-                                                        self._noise) for actor in self._actors])
+        shares = self._shares(self._pca.charge(), "dp-pca", lambda actor, keys: actor.covariance_share.remote(
+            self._pca, plan, self._owners, keys, "dp-pca", self._noise))
         return self._pca.release(shares, components, plan)
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
         if not self.secure:
-            self._charge(self._counts.charge())
+            self._ledger.charge(self._counts.charge())
             return ray.get(self._actors[0].release_counts.remote(self._counts, projection, public_points, threshold,
                                                                  self._noise))
         plan = self._counts.plan(len(public_points), self._owners, self._records)
-        self._charge(self._counts.charge())
-        public_keys = fresh_public_keys(self._actors)
-        shares = ray.get([actor.counts_share.remote(self._counts, plan, self._owners, public_keys, "support-counts",
-                                                    self._noise, projection, public_points, threshold)
-                          for actor in self._actors])
+        shares = self._shares(self._counts.charge(), "support-counts", lambda actor, keys: actor.counts_share.remote(
+            self._counts, plan, self._owners, keys, "support-counts", self._noise, projection, public_points,
+            threshold))
         return self._counts.release(shares, plan)
+
+    def _shares(self, cost: PrivacyCharge, what: str, share_of: Callable) -> list[np.ndarray]:
+        """Every actor's masked share of one release, charged once all of them arrived (refused,
+        before any share is made, when the ledger cannot afford it)."""
+        if not self._ledger.can_afford(cost):
+            raise BudgetExceeded(f"{what}: the run's budget cannot afford this release; nothing was computed")
+        # fresh_public_keys' round trip, owner by owner, so a dropout names its owner
+        public_keys = tuple(self._gathered([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)],
+                                           what))
+        shares = self._gathered([share_of(actor, public_keys) for actor in self._actors], what)
+        self._ledger.charge(cost)
+        return shares
+
+    def _gathered(self, refs: list, what: str) -> list:
+        results = []
+        for owner, ref in zip(self._owners, refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                raise OwnerDropout(f"owner {owner} dropped out of the secure sum of {what}: nothing of it was "
+                                   "released or charged") from None
+        return results
 
 
 
@@ -479,10 +508,10 @@ class ShardGroup:
                 continue
 
     def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
-                charge: Callable[[PrivacyCharge], object], noise: NoisePolicy, records: int) -> ShardSupport:
+                ledger: ChargeGate, noise: NoisePolicy, records: int) -> ShardSupport:
         """NearPrivate's private side over these actors: secure sums when there are several
         (the secure mechanisms then), else the one actor noises its own sums."""
-        return ShardSupport(self.actors, self.owners, pca, counts, charge, noise, records)
+        return ShardSupport(self.actors, self.owners, pca, counts, ledger, noise, records)
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -48,6 +48,7 @@ from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.ledger import PrivacyLedger
 
 log = logging.getLogger(__name__)
 
@@ -542,6 +543,22 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
                                 annotator.bought, shards.nodes)
 
 
+@dataclass(frozen=True)
+class BothLedgers:
+    """NearPrivate's releases go to the run's ledger and to the model's own (its guarantee): either
+    may refuse, before anything is computed; the run's is charged first."""
+
+    run: PrivacyLedger
+    model: PrivacyLedger
+
+    def can_afford(self, charge: PrivacyCharge) -> bool:
+        return self.run.can_afford(charge) and self.model.can_afford(charge)
+
+    def charge(self, charge: PrivacyCharge) -> None:
+        self.run.charge(charge)
+        self.model.charge(charge)
+
+
 def _epsilon(charges: list, delta: float) -> float:
     """ε at ``delta`` of work fixed in advance whose charges are ``charges`` (its worst-case guarantee)."""
     from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -616,7 +633,6 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
     from conclave.learning.selection import PublicPool, build_strategy
     from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict_logits
     from conclave.privacy.accounting.guarantee import worst_case_guarantee
-    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
@@ -645,11 +661,7 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
                 raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
             ray.get([actor.set_weights.remote(start.state) for actor in group.actors])
 
-            def charge_both(charge, model_ledger=model_ledger):
-                ledger.charge(charge)  # the run's ledger first: it may refuse, and then nothing is released
-                model_ledger.charge(charge)
-
-            support = group.support(*releases, charge_both, noise, config.private_size)
+            support = group.support(*releases, BothLedgers(ledger, model_ledger), noise, config.private_size)
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
         selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
         epsilon = _epsilon([model_ledger.spent()], delta)  # fixed work: its worst case is its guarantee

@@ -1,6 +1,8 @@
 """Shard actors and data-parallel DP-SGD: private sums leave the actors only as DP releases or masked shares."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,8 @@ from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.data import load_digits
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
+from conclave.privacy.accounting.filter import filter_for
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from conclave.privacy.counts import LaplaceCounts, SkellamCounts
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss, upper_triangle
@@ -84,26 +88,56 @@ def test_private_sums_are_computed_inside_the_actors_and_equal_the_central_ones(
         ray_session.get(actors[0].counts_share.remote(counts, plan, owners, (b"",) * 2, "again", policy,
                                                       projection, public_points, threshold))
 
-    # Through ShardSupport: charged first, with the secure mechanisms' own curves.
-    charged = []
-    support = group.support(pca, counts, charged.append, SECURE, records=600)
+    # Through ShardSupport: charged to a real ledger once every share arrived, with the secure
+    # mechanisms' own curves.
+    ledger = PrivacyLedger(":memory:", 1e-5)
+    support = group.support(pca, counts, ledger, SECURE, records=600)
     released = support.dp_projection(4)
     noisy = support.noisy_support(released, public_points, threshold)
     assert released.shape == (d, 4) and noisy.shape == (30,) and noisy.dtype == np.int64
-    assert [c.label for c in charged] == ["dp-pca", "noisy-counts"]
-    np.testing.assert_array_equal(charged[0].rdp, pca.charge().rdp)
-    np.testing.assert_array_equal(charged[1].rdp, counts.charge().rdp)
+    spent = ledger.report().by_label
+    assert sorted(spent) == ["dp-pca", "noisy-counts"] and ledger.report().charges == 2
+    np.testing.assert_allclose(ledger.spent().rdp, pca.charge().rdp + counts.charge().rdp)
     with pytest.raises(ValueError, match="charged for another mechanism"):
-        group.support(AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append, SECURE, records=600)
+        group.support(AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), ledger, SECURE, records=600)
+    # A budget that cannot afford the release refuses it before any share is made.
+    tight = PrivacyLedger(":memory:", 1e-5, filter_for(counts.charge(), 0.9 * _epsilon_of(counts.charge()), 1e-5))
+    with pytest.raises(BudgetExceeded):
+        group.support(pca, counts, tight, SECURE, records=600).noisy_support(released, public_points, threshold)
+    assert tight.report().charges == 0
 
     # One actor holding all the data noises its own sums (Gaussian, discrete Laplace); nothing else leaves it.
-    alone = ShardSupport(actors[:1], owners[:1], AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), charged.append,
+    alone_ledger = PrivacyLedger(":memory:", 1e-5)
+    alone = ShardSupport(actors[:1], owners[:1], AnalyzeGauss(1.0, 1e-5), LaplaceCounts(0.5), alone_ledger,
                          SECURE, records=600)
     assert alone.dp_projection(4).shape == (d, 4)
     assert alone.noisy_support(released, public_points, threshold).shape == (30,)
-    assert [c.label for c in charged[2:]] == ["dp-pca", "noisy-counts"]
+    assert sorted(alone_ledger.report().by_label) == ["dp-pca", "noisy-counts"]
     with pytest.raises(ValueError, match="charged for another mechanism"):
-        ShardSupport(actors[:1], owners[:1], pca, counts, charged.append, SECURE, records=600)
+        ShardSupport(actors[:1], owners[:1], pca, counts, alone_ledger, SECURE, records=600)
+
+
+def test_an_owner_dropping_out_of_a_release_leaves_nothing_released_or_charged(ray_session):
+    import ray
+
+    from conclave.actors.owners import OwnerDropout
+
+    with ShardGroup([ShardPlan(SOURCE, (0,)), ShardPlan(SOURCE, (1,))], MODEL, num_cpus=0.5) as pair:
+        state = {k: v.numpy() for k, v in MODEL.build().state_dict().items()}
+        ray_session.get([a.set_weights.remote(state) for a in pair.actors])
+        ledger = PrivacyLedger(":memory:", 1e-5)
+        support = pair.support(SecureAnalyzeGauss(1.0, 1e-5), SkellamCounts(0.5, 1e-5), ledger, SECURE, records=600)
+        ray.kill(pair.actors[1], no_restart=True)
+        expected = f"owner {pair.owners[1]} dropped out of the secure sum of dp-pca"
+        with pytest.raises(OwnerDropout, match=re.escape(expected)):
+            support.dp_projection(4)
+        assert ledger.report().charges == 0
+
+
+def _epsilon_of(charge) -> float:
+    from conclave.privacy.accounting.rdp import epsilon_from_rdp
+
+    return epsilon_from_rdp(charge.orders, charge.rdp, 1e-5)[0]
 
 
 def test_data_parallel_dpsgd_on_two_actors_sums_securely_is_charged_as_skellam_and_learns(group):
