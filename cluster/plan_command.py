@@ -235,7 +235,9 @@ def _teacher_student(path: str, config: Any) -> Plan:
     counts = Counts(owners, config.num_teachers, records)
     student = config.student
     mechanism = config.mechanism.build()
-    work = (f"{mechanism.name} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on "
+    # With aggregation: secure the noise is the secure variant's (Skellam through the secure sum).
+    runs = config.vote_mechanism().name
+    work = (f"{runs} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on "
             f"{student.queries} queries asked {student.batch_size} at a time; worst case: every one answered")
     if config.smooth_sensitivity() is not None:
         work += ", plus the smooth-sensitivity release (charged before the first query)"

@@ -78,9 +78,11 @@ def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, A
     """(raw run config, pipeline Config) of the trial with these dotted-key values."""
     values = dict(values)
     if kind == "teacher_ensemble" and "mechanism.params.threshold_fraction" in values:
-        # T scales with the ensemble: a fraction of the number of teachers, so T and the count can be swept together.
-        count = values.get("teachers.count", base.get("teachers", {}).get("count", 10))
-        values["mechanism.params.threshold"] = float(values.pop("mechanism.params.threshold_fraction")) * int(count)
+        # T scales with the ensemble: a fraction of the number of teachers, so T and the count can be swept
+        # together; the count is the config's own (the owners' sum, teachers.count or its default).
+        fraction = float(values.pop("mechanism.params.threshold_fraction"))
+        teachers = load_run_config(spaces.apply(base, values))[1].num_teachers
+        values["mechanism.params.threshold"] = fraction * teachers
     if kind == "diverse_public" and "selection.n_cluster" in values:
         # N_cluster is a tuning knob, not a config key: N_labeled = N_cluster × N_each.
         n_each = values.get("selection.n_each", base.get("selection", {}).get("n_each", 10))
