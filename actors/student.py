@@ -40,7 +40,8 @@ from conclave.learning.data.schema import Standardiser
 from conclave.learning.models import build_model
 from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
-from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+from conclave.learning.train_config import TrainConfig
+from conclave.learning.training import embed, evaluate, fit, predict_logits
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,8 @@ from conclave.learning.data.features import apply_features, features_of
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.models import build_model
 from conclave.learning.models.ensemble import StackedEnsemble
-from conclave.learning.training import TrainConfig, fit, predict
+from conclave.learning.train_config import TrainConfig
+from conclave.learning.training import fit, predict
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys

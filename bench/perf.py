@@ -369,7 +369,7 @@ def bench_aggregator(calls: int) -> dict:
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
     from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource
     from conclave.cluster.ray_runtime import start_ray
-    from conclave.learning.training import TrainConfig
+    from conclave.learning.train_config import TrainConfig
 
     import ray
 

@@ -46,7 +46,8 @@ share_cores()
 
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.pipelines import RunOutcome, pipeline_module  # noqa: E402
-from conclave.cluster.teaching.config import Config, TrainingConfig  # noqa: E402
+from conclave.cluster.teaching.config import Config  # noqa: E402
+from conclave.learning.train_config import TrainConfig  # noqa: E402
 from conclave.cluster.teaching.ensemble import (  # noqa: E402
     Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
 )
@@ -98,7 +99,7 @@ def load_config(name: str, mnist: Path, quick: bool) -> Config:
     teachers = dataclasses.replace(config.teachers, train=dataclasses.replace(config.teachers.train, epochs=5))
     student = dataclasses.replace(
         config.student, queries=queries, checkpoints=tuple(c for c in config.student.checkpoints if c < queries),
-        train=TrainingConfig(epochs=10, batch_size=64, lr=1e-3),
+        train=TrainConfig(epochs=10, batch_size=64, lr=1e-3),
     )
     return dataclasses.replace(config, teachers=teachers, student=student)
 
@@ -153,7 +154,7 @@ def individual_teachers(config: Config, splits, count: int = 10) -> dict:
 
     count = min(count, config.teachers.count)
     group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
-                         config.teachers.train.with_seed(config.seed), num_threads=1)
+                         dataclasses.replace(config.teachers.train, seed=config.seed), num_threads=1)
     group.train_all()
     inputs = features_of(splits.test.x, config.data.features)
     accuracies = [float((predict(model, inputs) == splits.test.y).mean()) for model in group.models]
@@ -184,7 +185,7 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     one_process: dict[int, float] = {}
     for threads in sorted({1, compared.pool.num_actors}):
         group = TeacherGroup(teacher_source(config), 0, count, config.teachers.model,
-                             config.teachers.train.with_seed(config.seed), num_threads=threads)
+                             dataclasses.replace(config.teachers.train, seed=config.seed), num_threads=threads)
         started = time.perf_counter()
         group.train_all()
         seconds = time.perf_counter() - started

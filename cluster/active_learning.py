@@ -47,6 +47,7 @@ from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
+from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import PrivacyLedger
 
@@ -133,8 +134,9 @@ class SelectionConfig:
 
 
 @dataclass(frozen=True)
-class FinetuneConfig:
-    """Plain (non-private) fine-tuning on the bought public labels.
+class FinetuneConfig(TrainConfig):
+    """Plain (non-private) fine-tuning on the bought public labels: learning's ``TrainConfig``
+    (its seed replaced by the run's) with this section's defaults, plus ``replay``.
 
     ``replay``: that many other public points, labelled by the starting DP checkpoint's own
     predictions, are mixed in (the same draw for every strategy at a given budget). This is
@@ -145,13 +147,12 @@ class FinetuneConfig:
 
     epochs: int = 10
     batch_size: int = 32
-    lr: float = 1e-3
-    optimizer: str = "adam"
     replay: int = 0
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.replay < 0:
-            raise ValueError("finetune: epochs and batch_size must be >= 1 and replay >= 0")
+        super().__post_init__()
+        if self.epochs < 1 or self.replay < 0:
+            raise ValueError("finetune: epochs must be >= 1 and replay >= 0")
 
 
 @dataclass(frozen=True)
@@ -631,15 +632,14 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
 
     from conclave.learning.data import Dataset
     from conclave.learning.selection import PublicPool, build_strategy
-    from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict_logits
+    from conclave.learning.training import embed, evaluate, fit, predict_logits
     from conclave.privacy.accounting.guarantee import worst_case_guarantee
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
     near_start = _near_private_start(config, checkpoints, [r.charge() for r in releases]) if releases else None
     noise = config.privacy.noise
-    finetune = TrainConfig(epochs=config.finetune.epochs, batch_size=config.finetune.batch_size,
-                           lr=config.finetune.lr, optimizer=config.finetune.optimizer, seed=config.seed)
+    finetune = dataclasses.replace(config.finetune, seed=config.seed)
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
     rows: list[dict] = []

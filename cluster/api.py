@@ -30,16 +30,17 @@ from conclave.cluster.sparse_finetuning import Config as SparseConfig
 from conclave.cluster.sparse_finetuning import SparseResult, finetune_sparsely
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
-    Config, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TrainingConfig,
+    Config, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig,
 )
 from conclave.cluster.teaching.ensemble import Ensemble, PublicData, train_ensemble
 from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.learning.data.sources import DataSource
+from conclave.learning.train_config import TrainConfig
 
 __all__ = [
     "ActiveLearningConfig", "ActiveLearningResult", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
     "Aggregator", "Config", "DataSource", "Ensemble", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
-    "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainingConfig", "serve", "train_ensemble",
+    "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainConfig", "serve", "train_ensemble",
     "train_student",
 ]

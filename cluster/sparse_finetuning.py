@@ -183,7 +183,9 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     import torch
     from tqdm import tqdm
 
-    from conclave.learning.training import TrainConfig, fit
+    from conclave.learning.train_config import TrainConfig
+
+    from conclave.learning.training import fit
 
     losses: list[float] = []
     start = 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,34 +15,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from conclave.learning.data import Dataset
+from conclave.learning.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
-
-OPTIMIZERS = ("adam", "sgd")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = 5
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    seed: int = 0
-    optimizer: str = "adam"   # "adam" or "sgd"
-    momentum: float = 0.0     # SGD only
-
-    def __post_init__(self) -> None:
-        if self.epochs < 0:
-            raise ValueError(f"epochs must be ≥ 0, got {self.epochs}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be ≥ 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0 or self.momentum < 0:
-            raise ValueError("weight_decay and momentum must be ≥ 0")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

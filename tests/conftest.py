@@ -93,7 +93,7 @@ def teachers(ray_session):
     """Four real digits-CNN teachers on one Ray actor, trained once per test module that asks
     (module scope: a session-long actor would hold CPU that other modules' actors need)."""
     from conclave.actors.teacher import TeacherPool, TeacherSource
-    from conclave.learning.training import TrainConfig
+    from conclave.learning.train_config import TrainConfig
 
     # The whole digits train set in 4 shards (public_size only cuts the test set).
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)

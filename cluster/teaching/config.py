@@ -14,6 +14,7 @@ from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.learning.selection import QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
+from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
@@ -41,28 +42,6 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
-    """How one model is trained; the seed comes from the run's ``seed``."""
-
-    epochs: int = 5
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1:
-            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
-        if not self.lr > 0 or self.weight_decay < 0:
-            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
-
-    def with_seed(self, seed: int):
-        from conclave.learning.training import TrainConfig
-
-        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                           weight_decay=self.weight_decay, seed=seed)
-
-
-@dataclass(frozen=True)
 class OwnerConfig(DataOwner):
     """A data owner (``cluster.owners.DataOwner``) and its ``teachers``, packed into its
     ``actors``. ``records``, if declared, is a public upper bound: each teacher keeps at most its
@@ -84,7 +63,8 @@ class TeachersConfig:
     count: int | None = None  # Config fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
     per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
     model: str | None = None  # None: by the inputs (learning.models.default_model)
-    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=60, batch_size=32, lr=3e-3))
+    # learning's TrainConfig; its seed is replaced by the run's (``Config.seed``) where a model trains
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=60, batch_size=32, lr=3e-3))
 
     def __post_init__(self) -> None:
         if self.count is not None and self.count < 1:
@@ -163,7 +143,7 @@ class StudentConfig:
     batch_size: int = 50  # inputs per gRPC call
     checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
     model: str | None = None  # None: by the inputs (learning.models.default_model)
-    train: TrainingConfig = field(default_factory=lambda: TrainingConfig(epochs=40, batch_size=32, lr=3e-3))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=40, batch_size=32, lr=3e-3))
     # Self-training on the rest of the public pool (free post-processing; actors/student.py):
     # the student's own predictions at least this confident become extra labels. null: off.
     pseudo_label_threshold: float | None = None

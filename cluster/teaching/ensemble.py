@@ -216,6 +216,6 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
     shares = owner_shares(config, public, embedded, num_actors, count)
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
-    return TeacherPool(shares, config.teachers.model, config.teachers.train.with_seed(config.seed),
-                       seed=config.seed, num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors,
-                       standardiser=public.standardiser)
+    train = dataclasses.replace(config.teachers.train, seed=config.seed)
+    return TeacherPool(shares, config.teachers.model, train, seed=config.seed,
+                       num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors, standardiser=public.standardiser)

@@ -2,6 +2,7 @@
 from the answers (and the public pool, as configured) and is tested."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -51,7 +52,8 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
                              f"{free:g}); give the cluster a node with a free CPU")
     require_node("the student", cpus=student_cpus)
     student = StudentActor.options(num_cpus=student_cpus).remote(
-        ensemble.splits.public, ensemble.splits.test, config.student.model, config.student.train.with_seed(config.seed),
+        ensemble.splits.public, ensemble.splits.test, config.student.model,
+        dataclasses.replace(config.student.train, seed=config.seed),
         # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
         functools.partial(AggregatorClient, aggregator.address, aggregator.token, retry_unavailable=300.0),
         num_threads=max(1, int(student_cpus)), features=config.data.features,

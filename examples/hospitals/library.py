@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 from conclave.cluster.api import (
-    Config, DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TrainingConfig,
+    Config, DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TrainConfig,
     serve, train_ensemble, train_student,
 )
 
@@ -31,11 +31,11 @@ def main() -> None:
         name="hospitals-library", owners=owners,
         public=DataSource("csv", str(DATA / "public" / "unlabeled.csv")),
         test=DataSource("csv", str(DATA / "public" / "test.csv"), label="diagnosis"),
-        teachers=TeachersConfig(model="logistic_regression", train=TrainingConfig(epochs=40, batch_size=8, lr=0.05)),
+        teachers=TeachersConfig(model="logistic_regression", train=TrainConfig(epochs=40, batch_size=8, lr=0.05)),
         mechanism=MechanismConfig("gnmax", {"sigma": 10.0}),
         privacy=PrivacyConfig(budget=5.0, delta=1e-5),
         student=StudentConfig(queries=40, batch_size=10, checkpoints=(20,), model="logistic_regression",
-                              train=TrainingConfig(epochs=60, batch_size=8, lr=0.05), pseudo_label_threshold=0.9),
+                              train=TrainConfig(epochs=60, batch_size=8, lr=0.05), pseudo_label_threshold=0.9),
     )
     with train_ensemble(config, progress=False) as ensemble:
         print(f"teachers: {ensemble.pool.num_teachers} on nodes {ensemble.nodes}")

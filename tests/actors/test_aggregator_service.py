@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 from conclave.actors.aggregator import ServerSettings
 from conclave.actors.teacher import TeacherPool, TeacherSource
 from conclave.cluster.client import AggregatorClient, is_budget_refusal
-from conclave.learning.training import TrainConfig
+from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.rdp import epsilon_from_rdp

@@ -10,7 +10,8 @@ from conclave.learning.data import load_digits
 from conclave.learning.dp_schedule import DPSGDConfig, dp_schedule
 from conclave.learning.models import build_model
 from conclave.learning.sparse import magnitude_masks, select_classes
-from conclave.learning.training import TrainConfig, evaluate, fit
+from conclave.learning.train_config import TrainConfig
+from conclave.learning.training import evaluate, fit
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import SECURE
 

@@ -15,7 +15,7 @@ from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import Dataset, make_splits
 from conclave.learning.selection import QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
-from conclave.learning.training import TrainConfig
+from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import epsilon_from_rdp

@@ -14,7 +14,8 @@ from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource, gp
 from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import Dataset, make_splits, shard
 from conclave.learning.data.features import apply_features
-from conclave.learning.training import TrainConfig, predict
+from conclave.learning.train_config import TrainConfig
+from conclave.learning.training import predict
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import build_mechanism
 

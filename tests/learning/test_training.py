@@ -7,7 +7,8 @@ import torch
 
 from conclave.learning.data import Dataset, load_digits, load_mnist
 from conclave.learning.models import build_model
-from conclave.learning.training import TrainConfig, embed, evaluate, fit, predict, predict_logits
+from conclave.learning.train_config import TrainConfig
+from conclave.learning.training import embed, evaluate, fit, predict, predict_logits
 
 CONFIG = TrainConfig(epochs=5, batch_size=32, lr=1e-3, seed=0)
 
