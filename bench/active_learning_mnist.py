@@ -63,20 +63,20 @@ SEED_REFERENCE = {
 def bench_config(mnist: Path, quick: bool, secure: bool) -> Config:
     _, config = load_run_config(load_yaml(ROOT / "configs" / "mnist-active.yaml"))
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, root=str(mnist)))
+    if quick:
+        config = dataclasses.replace(
+            config, name="mnist-active-quick",
+            data=dataclasses.replace(config.data, private_size=20000, public_size=10000),
+            dpsgd=dataclasses.replace(config.dpsgd, epochs=8),
+            selection=dataclasses.replace(config.selection, sizes=(1000, 2000)),
+            finetune=dataclasses.replace(config.finetune, epochs=5),
+        )
     if secure:
         # One shard actor per shard, as two owners would hold them: DP-SGD's clipped sums and
         # NearPrivate's sums meet only in the secure sum with distributed Skellam noise.
         config = dataclasses.replace(config, name=f"{config.name}-secure",
                                      dpsgd=dataclasses.replace(config.dpsgd, distributed=True))
-    if not quick:
-        return config
-    return dataclasses.replace(
-        config, name="mnist-active-quick",
-        data=dataclasses.replace(config.data, private_size=20000, public_size=10000),
-        dpsgd=dataclasses.replace(config.dpsgd, epochs=8),
-        selection=dataclasses.replace(config.selection, sizes=(1000, 2000)),
-        finetune=dataclasses.replace(config.finetune, epochs=5),
-    )
+    return config
 
 
 def table(metrics: dict) -> dict:
