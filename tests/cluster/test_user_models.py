@@ -18,6 +18,7 @@ import yaml
 from conclave.cluster.config import load_yaml
 from conclave.cluster.ray_runtime import with_models
 from tests.conftest import PROJECT_ROOT
+from tests.user_model_sources import FACTORIES
 
 CONCLAVE = Path(sys.executable).parent / "conclave"  # the console script users run
 
@@ -28,47 +29,8 @@ import os
 with open({log!r}, "a") as log:
     log.write(f"{{os.getpid()}} {{__file__}}\\n")
 '''
-MODELS = '''
-from torch import nn
-
-
-class Rows(nn.Module):
-    def __init__(self, width, num_classes):
-        super().__init__()
-        self.features = nn.Sequential(nn.Linear(width, 16), nn.Tanh())
-        self.classifier = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
-
-
-class Pictures(nn.Module):
-    def __init__(self, in_channels, side, num_classes):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(in_channels, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
-                                      nn.Flatten(), nn.Linear(4 * side * side, 16), nn.Tanh())
-        self.classifier = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
-
-
-def table(num_classes, input_shape):  # no in_channels: a table has none
-    return Rows(input_shape[0], num_classes)
-
-
-def image(num_classes, in_channels, input_size):
-    return Pictures(in_channels, input_size, num_classes)
-
-
-def needs_hidden(num_classes, input_shape, hidden):
-    return Rows(input_shape[0], num_classes)
-
-
-def wrong_shape(num_classes, input_shape):
-    return nn.Linear(input_shape[0], num_classes + 1)
-
-
+# Its models: the shared factories, and one with logits but neither .features nor .classifier.
+MODELS = FACTORIES + '''
 def bare(num_classes, in_channels, input_size):  # logits, but neither .features nor .classifier
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * input_size * input_size, num_classes))
 '''

@@ -10,50 +10,10 @@ import torch
 
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.models import ModelContractError, build_model, check_model, user_source
+from tests.user_model_sources import FACTORIES
 
 # A user's package: factories that meet the contract and some that do not.
-MODELS = '''
-import torch
-from torch import nn
-
-
-class Rows(nn.Module):
-    def __init__(self, width, num_classes):
-        super().__init__()
-        self.features = nn.Sequential(nn.Linear(width, 16), nn.Tanh())
-        self.classifier = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
-
-
-class Pictures(nn.Module):
-    def __init__(self, in_channels, side, num_classes):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(in_channels, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
-                                      nn.Flatten(), nn.Linear(4 * side * side, 16), nn.Tanh())
-        self.classifier = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
-
-
-def table(num_classes, input_shape):
-    return Rows(input_shape[0], num_classes)
-
-
-def image(num_classes, in_channels, input_size):
-    return Pictures(in_channels, input_size, num_classes)
-
-
-def needs_hidden(num_classes, input_shape, hidden):
-    return Rows(input_shape[0], num_classes)
-
-
-def wrong_shape(num_classes, input_shape):
-    return nn.Linear(input_shape[0], num_classes + 1)
-
-
+MODELS = FACTORIES + '''
 def bare(num_classes, input_shape):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), num_classes))
 
