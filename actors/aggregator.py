@@ -362,6 +362,9 @@ class _Service:
                 ("grpc.keepalive_timeout_ms", 20_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # refuse ping floods
                 ("grpc.max_connection_idle_ms", 15 * 60_000),  # drop connections with no calls
+                # gRPC sets SO_REUSEPORT by default: a second server on this port would share
+                # it silently and take some of this one's clients.
+                ("grpc.so_reuseport", 0),
             ],
         )
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -379,9 +382,13 @@ class _Service:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
         target = f"{settings.host}:{settings.port}"
-        port = server.add_secure_port(target, _credentials(settings)) if settings.tls else server.add_insecure_port(target)
+        try:
+            port = (server.add_secure_port(target, _credentials(settings)) if settings.tls
+                    else server.add_insecure_port(target))
+        except RuntimeError:  # gRPC's "Failed to bind": in use (another server holds it), or not this host's
+            port = 0
         if port == 0:
-            raise OSError(f"could not bind the aggregator to {target}")
+            raise OSError(f"could not bind the aggregator to {target}: the address is in use or not on this host")
         await server.start()
         self._server = server
         return port

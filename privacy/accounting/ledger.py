@@ -5,9 +5,24 @@ reason, neighbouring relation, time). The file is in WAL mode with ``synchronous
 a committed charge has been fsynced before ``charge`` returns — and callers release answers
 only after it returns, so a crash can never forget something that was released.
 
-Check-and-commit is atomic across threads (a lock) and across processes (an SQLite
-``BEGIN IMMEDIATE`` write transaction, inside which rows other processes added are read
-first). A refused charge writes nothing.
+One writer, many readers. Opening a ``PrivacyLedger`` takes an exclusive lock on the sidecar
+file ``<ledger>.lock`` (``flock``, released at ``close`` or by the OS when the process dies);
+a second opener — another process, or the same one — fails at once with ``LedgerInUse``.
+Two writers would each check the budget against what they alone had charged. Readers
+(``read_ledger``, ``conclave analyze --ledger``) take no lock and read a consistent snapshot
+while the writer runs. Check-and-commit is atomic across the writer's threads (a lock); a
+refused charge writes nothing.
+
+The ledger defends its contents: the settings in ``meta`` carry a checksum, and every charge
+row a SHA-256 chained to the row before it (the first to the settings' checksum), over every
+stored field and the answers written with it. Answers recorded without a charge (paid for by
+an earlier one) are chained the same way in rows of their own (``answer_batches``). Ids run
+1, 2, 3… and SQLite's ``sqlite_sequence`` remembers the last one issued, so a deleted row
+leaves a gap or a short chain. Every read checks the chain, and anything not as written —
+an edited or deleted row, edited settings, a truncated file, a file from before the
+checksums — raises ``LedgerDamaged``: a budget that cannot be verified is not a budget. The
+checksums have no key: they reveal edits, corruption and truncation, not a forger who
+recomputes the whole chain (that needs a record of the ledger held elsewhere).
 
 The ledger *is* the run's privacy filter (``privacy.accounting.filter``): with a budget it
 refuses any charge whose worst case would take the summed RDP at the budget's fixed order
@@ -34,14 +49,22 @@ only the budget is.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import math
+import os
+import secrets
 import sqlite3
+import struct
 import threading
 import time
+import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -52,10 +75,11 @@ from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS charges (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+# One statement each: they run inside the transaction that writes the new file's settings.
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS charges (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- 1, 2, 3...: a gap is a deleted row
     label TEXT NOT NULL,
     rdp BLOB NOT NULL,            -- little-endian float64 curve on the ledger's orders
     extra_delta REAL NOT NULL,
@@ -63,18 +87,36 @@ CREATE TABLE IF NOT EXISTS charges (
     reason TEXT NOT NULL,
     details TEXT NOT NULL,        -- JSON, for people reading the file
     neighbouring TEXT NOT NULL,
-    created REAL NOT NULL         -- seconds since the epoch
-);
-CREATE TABLE IF NOT EXISTS answers (   -- what was released, so a restart answers repeats alike
-    key BLOB PRIMARY KEY,              -- e.g. a hash of the input
+    created REAL NOT NULL,        -- seconds since the epoch
+    checksum TEXT NOT NULL        -- SHA-256 over the row before's checksum, this row and its answers
+)""",
+    """CREATE TABLE IF NOT EXISTS answer_batches (  -- answers recorded without a charge, chained alike
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created REAL NOT NULL,
+    checksum TEXT NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS answers (  -- what was released, so a restart answers repeats alike
+    key BLOB PRIMARY KEY,                -- e.g. a hash of the input
     answer INTEGER NOT NULL,
-    charge_id INTEGER REFERENCES charges (id)  -- NULL: paid for earlier (a stability run's opening charge)
-);
-"""
+    charge_id INTEGER REFERENCES charges (id),       -- the charge that paid for it, or
+    batch_id INTEGER REFERENCES answer_batches (id), -- paid for earlier (a stability run's opening charge)
+    CHECK ((charge_id IS NULL) != (batch_id IS NULL))
+)""",
+)
+_TABLES = ("meta", "charges", "answer_batches", "answers")
 
 
 class BudgetExceeded(Exception):
     """A charge was refused: it would pass the run's privacy budget. Nothing was recorded."""
+
+
+class LedgerInUse(RuntimeError):
+    """Another writer holds the ledger's lock: a ledger has one writer at a time."""
+
+
+class LedgerDamaged(ValueError):
+    """The ledger file is not as its writer left it (edited, truncated, corrupt, or older than
+    checksums): its budget cannot be trusted, so it is not used."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +177,8 @@ class PrivacyLedger:
 
     ``budget=None`` makes a record-only ledger: it refuses nothing, also not unbounded
     charges (its report then has ``bounded = False``). ``delta`` is the run's δ; with a
-    budget it must equal the budget's.
+    budget it must equal the budget's. Raises ``LedgerInUse`` while another writer holds the
+    file and ``LedgerDamaged`` when its contents fail their checksums.
     """
 
     def __init__(self, path: str | Path, delta: float, budget: RenyiFilter | None = None,
@@ -157,33 +200,33 @@ class PrivacyLedger:
         self._lock = threading.Lock()
         self._totals = _Totals(self.orders.size)
         self._cached_report: tuple[tuple[int, int], BudgetReport] | None = None
-        # autocommit mode: transactions are opened explicitly with BEGIN IMMEDIATE.
-        self._db: sqlite3.Connection | None = sqlite3.connect(
-            str(self.path), timeout=60.0, isolation_level=None, check_same_thread=False
-        )
+        self._db: sqlite3.Connection | None = None
+        # An in-memory ledger has no file another writer could open.
+        self._file_lock: IO[str] | None = None if str(path) == ":memory:" else _hold_lock(self.path)
         try:
+            # autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE for writes).
+            self._db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None, check_same_thread=False)
+            if _table_exists(self._db, "charges") and "checksum" not in _columns(self._db, "charges"):
+                raise LedgerDamaged(_predates(self.path))  # before anything below could write to it
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
-            self._db.executescript(_SCHEMA)
             with self._transaction():
-                self._check_settings()
-                self._read_new_rows()
-        except Exception:
-            self._db.close()
-            self._db = None
+                contents = self._create_or_check()
+        except BaseException as error:
+            self.close()
+            damaged = _unreadable(self.path, error)
+            if damaged is not None:
+                raise damaged from None
             raise
+        for row_id, label, rdp, extra_delta, unbounded in contents.rows:
+            self._totals.add(row_id, label, rdp, extra_delta, unbounded)
+        self._heads = contents.heads
+        self.ledger_id = contents.settings["ledger_id"]  # random, fixed at creation: tells this file from a new one
 
     @classmethod
     def open_existing(cls, path: str | Path) -> PrivacyLedger:
         """Reopen a ledger file with the settings it was created with (to read or keep charging it)."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no privacy ledger at {path}")
-        db = sqlite3.connect(str(path))
-        try:
-            stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
-        finally:
-            db.close()
-        delta, budget, neighbouring, orders = _declared(stored)
+        delta, budget, neighbouring, orders = _declared(path, _read(Path(path)).settings)
         return cls(path, delta, budget, neighbouring=neighbouring, orders=orders)
 
     # --- public API -----------------------------------------------------------------------
@@ -201,69 +244,73 @@ class PrivacyLedger:
                 1 + 1e-9
             ) or (charge.unbounded and not worst_case.unbounded):
                 raise ValueError(f"charge {charge.label!r} exceeds the worst case it was checked against")
+        rdp = np.asarray(charge.rdp, dtype="<f8")
         with self._lock:
+            self._connection()
+            self._refuse_if_over(worst_case if worst_case is not None else charge)
+            row_id = self._totals.last_id + 1
+            row = (row_id, charge.label, rdp.tobytes(), float(charge.extra_delta), int(charge.unbounded),
+                   charge.reason, json.dumps(charge.details, default=str), charge.neighbouring, time.time())
             with self._transaction():
-                self._read_new_rows()
-                self._refuse_if_over(worst_case if worst_case is not None else charge)
-                cursor = self._connection().execute(
-                    "INSERT INTO charges (label, rdp, extra_delta, unbounded, reason, details, neighbouring, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        charge.label,
-                        charge.rdp.astype("<f8").tobytes(),
-                        float(charge.extra_delta),
-                        int(charge.unbounded),
-                        charge.reason,
-                        json.dumps(charge.details, default=str),
-                        charge.neighbouring,
-                        time.time(),
-                    ),
-                )
-                if answers:
-                    self._connection().executemany(
-                        "INSERT OR IGNORE INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
-                        [(key, int(answer), cursor.lastrowid) for key, answer in answers.items()],
-                    )
-            # Only after COMMIT succeeded does the new row enter the running totals. The
-            # transaction read every earlier row and held the write lock, so it is the next one.
-            self._totals.add(cursor.lastrowid, charge.label, np.asarray(charge.rdp, dtype="<f8"),
-                             float(charge.extra_delta), bool(charge.unbounded))
+                paid = self._not_on_record(answers or {})
+                checksum = _checksum("charge", self._heads.charge, row, paid)
+                self._insert("charges (id, label, rdp, extra_delta, unbounded, reason, details, neighbouring, "
+                             "created, checksum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, checksum), row_id)
+                self._connection().executemany(
+                    "INSERT INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
+                    [(key, answer, row_id) for key, answer in paid])
+            # Only after COMMIT succeeded does the new row enter the running totals.
+            self._totals.add(row_id, charge.label, rdp, float(charge.extra_delta), bool(charge.unbounded))
+            self._heads = _Heads(checksum, self._heads.batch, self._heads.batches)
             return self._report()
 
     def can_afford(self, charge: PrivacyCharge) -> bool:
         """Whether ``charge`` would be accepted now (nothing is recorded)."""
+        return self.refusal(charge) is None
+
+    def refusal(self, charge: PrivacyCharge) -> str | None:
+        """Why ``charge`` would be refused now, in one line, or None (nothing is recorded)."""
         self._check_charge(charge)
-        with self._lock, self._transaction(write=False):
-            self._read_new_rows()
+        with self._lock:
+            self._connection()
             try:
                 self._refuse_if_over(charge)
-            except BudgetExceeded:
-                return False
-            return True
+            except BudgetExceeded as refused:
+                return str(refused)
+            return None
 
     def report(self) -> BudgetReport:
-        with self._lock, self._transaction(write=False):
-            self._read_new_rows()
+        with self._lock:
+            self._connection()
             return self._report()
 
     def record_answers(self, answers: dict[bytes, int]) -> None:
         """Record answers whose cost an earlier charge already paid (e.g. inside an open
         stability run), so that a restart repeats them too."""
         with self._lock, self._transaction():
-            self._connection().executemany(
-                "INSERT OR IGNORE INTO answers (key, answer, charge_id) VALUES (?, ?, NULL)",
-                [(key, int(answer)) for key, answer in answers.items()],
-            )
+            paid = self._not_on_record(answers)
+            if not paid:
+                return
+            batch_id = self._heads.batches + 1
+            row = (batch_id, time.time())
+            checksum = _checksum("answer batch", self._heads.batch, row, paid)
+            self._insert("answer_batches (id, created, checksum) VALUES (?, ?, ?)", (*row, checksum), batch_id)
+            self._connection().executemany("INSERT INTO answers (key, answer, batch_id) VALUES (?, ?, ?)",
+                                           [(key, answer, batch_id) for key, answer in paid])
+            self._heads = _Heads(self._heads.charge, checksum, batch_id)
 
     def answers(self) -> dict[bytes, int]:
-        """Every answer recorded with a charge (key → released value)."""
+        """Every answer on record (key → released value), checked against the chain."""
         with self._lock, self._transaction(write=False):
-            return dict(self._connection().execute("SELECT key, answer FROM answers").fetchall())
+            contents = _verified(self.path, self._connection())
+        if contents is None:  # emptied behind the writer's back
+            raise LedgerDamaged(_damaged(self.path, "its settings (meta) are missing"))
+        return contents.answers
 
     def spent(self) -> PrivacyCharge:
         """Everything recorded so far as one composed charge (curve, Σ extra δ, unbounded)."""
-        with self._lock, self._transaction(write=False):
-            self._read_new_rows()
+        with self._lock:
+            self._connection()
             totals = self._totals
             return PrivacyCharge(
                 self.orders,
@@ -280,6 +327,9 @@ class PrivacyLedger:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            if self._file_lock is not None:  # after the connection: the next writer finds the WAL folded in
+                self._file_lock.close()  # closing the descriptor drops the flock
+                self._file_lock = None
 
     def __enter__(self) -> PrivacyLedger:
         return self
@@ -299,8 +349,7 @@ class PrivacyLedger:
             self.db, self.write = db, write
 
         def __enter__(self) -> None:
-            # IMMEDIATE takes SQLite's write lock now, so no other process can commit
-            # between our read of the totals and our insert.
+            # IMMEDIATE takes SQLite's write lock now; readers keep their snapshot meanwhile.
             self.db.execute("BEGIN IMMEDIATE" if self.write else "BEGIN")
 
         def __exit__(self, exc_type, exc, tb) -> None:
@@ -326,27 +375,42 @@ class PrivacyLedger:
                 "reserved_delta": self.budget.reserved_delta}),
         }
 
-    def _check_settings(self) -> None:
-        """Write the settings into a new file; refuse to reopen a file written with others."""
+    def _create_or_check(self) -> _Contents:
+        """Set up a new file with this ledger's settings, or check an existing one: its chain,
+        then its settings (a file written with other settings is refused)."""
         db = self._connection()
-        stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        if not _table_exists(db, "charges"):
+            for statement in _SCHEMA:
+                db.execute(statement)
+        contents = _verified(self.path, db)
+        if contents is None:  # a new file: declare the budget, once
+            settings = {**self._settings(), "ledger_id": secrets.token_hex(16)}
+            settings["checksum"] = _settings_checksum(settings)
+            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", settings.items())
+            return _Contents(settings, [], {}, _Heads(settings["checksum"], settings["checksum"], 0))
         for key, value in self._settings().items():
-            if key not in stored:
-                db.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (key, value))
-            elif stored[key] != value:
+            if contents.settings[key] != value:
                 raise ValueError(
-                    f"ledger {self.path} was created with {key} = {_short(stored[key])}, not {_short(value)}: "
-                    "a budget is declared once, before the run; open the file with the settings it was created "
-                    "with, or start a new ledger file"
+                    f"ledger {self.path} was created with {key} = {_short(contents.settings[key])}, not "
+                    f"{_short(value)}: a budget is declared once, before the run; open the file with the settings "
+                    "it was created with, or start a new ledger file"
                 )
+        return contents
 
-    def _read_new_rows(self) -> None:
-        rows = self._connection().execute(
-            "SELECT id, label, rdp, extra_delta, unbounded FROM charges WHERE id > ? ORDER BY id",
-            (self._totals.last_id,),
-        )
-        for row_id, label, blob, extra_delta, unbounded in rows:
-            self._totals.add(row_id, label, np.frombuffer(blob, dtype="<f8"), extra_delta, bool(unbounded))
+    def _not_on_record(self, answers: dict[bytes, int]) -> list[tuple[bytes, int]]:
+        """The answers whose keys are not on record yet (an answer, once released, stays), in
+        the order their checksum covers them."""
+        db = self._connection()
+        fresh = [(key, int(answer)) for key, answer in answers.items()
+                 if db.execute("SELECT 1 FROM answers WHERE key = ?", (key,)).fetchone() is None]
+        return sorted(fresh, key=lambda item: _field(item[0]))
+
+    def _insert(self, into: str, values: tuple, row_id: int) -> None:
+        try:
+            self._connection().execute("INSERT INTO " + into, values)
+        except sqlite3.IntegrityError:  # only a row this writer did not write can hold the next id
+            raise LedgerDamaged(_damaged(self.path, f"row {row_id} of {into.split()[0]} was written by something "
+                                                    "other than this ledger while it was open")) from None
 
     def _check_charge(self, charge: PrivacyCharge) -> None:
         if not np.array_equal(charge.orders, self.orders):
@@ -423,6 +487,7 @@ class LedgerSnapshot:
     its charges composed (in row-id order, as the ledger itself adds them)."""
 
     path: Path
+    ledger_id: str  # random, written when the file was created
     delta: float
     budget: RenyiFilter | None  # None: a record-only ledger, no filter was in force
     neighbouring: str
@@ -440,11 +505,125 @@ class LedgerSnapshot:
 
 def read_ledger(path: str | Path) -> LedgerSnapshot:
     """Read a ledger file without writing anything: no file is created where there is none,
-    and a run still charging it is neither blocked nor changed (one read transaction).
+    no lock is taken, and a run still charging it is neither blocked nor changed (one read
+    transaction). The file's chain is checked as when it is opened for charging.
 
-    Raises FileNotFoundError without a file and ValueError for a file that is not a ledger.
+    Raises FileNotFoundError without a file, LedgerDamaged for a file that fails its checks,
+    and ValueError for a file that is not a ledger.
     """
     path = Path(path)
+    contents = _read(path)
+    delta, budget, neighbouring, orders = _declared(path, contents.settings)
+    totals = _Totals(orders.size)
+    for row in contents.rows:
+        totals.add(*row)
+
+    def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str) -> PrivacyCharge:
+        return PrivacyCharge(orders, rdp, extra_delta=extra, unbounded=unbounded,
+                             reason="an unbounded charge was recorded" if unbounded else "", label=label,
+                             neighbouring=neighbouring)
+
+    return LedgerSnapshot(
+        path, contents.settings["ledger_id"], delta, budget, neighbouring, orders, totals.count,
+        len(contents.answers),
+        composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent"),
+        {label: composed(*sums, label) for label, sums in totals.by_label.items()},
+    )
+
+
+@dataclass(frozen=True)
+class ChargeRecord:
+    """One charge as the ledger holds it: what (``label``), when (``created``, seconds since
+    the epoch), the tags its caller gave it (``details``: e.g. the run), and its cost."""
+
+    id: int
+    label: str
+    created: float
+    details: dict
+    charge: PrivacyCharge
+
+
+def read_history(path: str | Path) -> list[ChargeRecord]:
+    """Every charge of a ledger file, in order, read without writing or locking, after the
+    file's chain has been checked (``read_ledger``'s checks)."""
+    path = Path(path)
+    contents = _read(path)
+    _, _, neighbouring, orders = _declared(path, contents.settings)
+    db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=60.0)
+    try:
+        rows = db.execute("SELECT id, label, rdp, extra_delta, unbounded, reason, details, created FROM charges "
+                          "WHERE id <= ? ORDER BY id", (len(contents.rows),)).fetchall()
+    finally:
+        db.close()
+    return [ChargeRecord(row_id, label, created, json.loads(details),
+                         PrivacyCharge(orders, np.frombuffer(rdp, dtype="<f8"), extra_delta=extra, unbounded=bool(unbounded),
+                                       reason=reason, label=label, neighbouring=neighbouring))
+            for row_id, label, rdp, extra, unbounded, reason, details, created in rows]
+
+
+# --- the file's defences: one writer, checksummed rows ------------------------------------
+
+
+_HELD_LOCKS: weakref.WeakSet[IO[str]] = weakref.WeakSet()  # the writer locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close its copies of the parent's lock files. A flock belongs to the
+    open file, which a fork shares: a child outliving its parent would hold the ledger."""
+    for handle in list(_HELD_LOCKS):
+        handle.close()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+def _hold_lock(path: Path) -> IO[str]:
+    """The writer's lock: an exclusive flock on ``<ledger>.lock``, held while the returned file
+    is open (the OS drops it when the process dies). The file is never deleted: a writer that
+    opened it before a deletion would hold a lock nobody else sees."""
+    lock_path = path.with_name(path.name + ".lock")
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise LedgerInUse(f"ledger {path} is in use: another process{pid} holds its lock {lock_path}; "
+                          "a ledger has one writer at a time") from None
+    except BaseException:
+        handle.close()
+        raise
+    handle.truncate(0)  # the holder's pid, for the line a second opener prints
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _HELD_LOCKS.add(handle)
+    return handle
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """Where the next rows chain on: the last checksum of each chain (the settings' checksum
+    before a chain's first row) and the answer batches on record."""
+
+    charge: str
+    batch: str
+    batches: int
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """A ledger file's contents, checked."""
+
+    settings: dict[str, str]  # the meta table
+    rows: list[tuple[int, str, np.ndarray, float, bool]]  # (id, label, RDP curve, extra δ, unbounded) by id
+    answers: dict[bytes, int]
+    heads: _Heads
+
+
+def _read(path: Path) -> _Contents:
+    """A ledger file's checked contents, read in one transaction without writing or locking."""
     if not path.is_file():
         raise FileNotFoundError(f"no privacy ledger at {path}")
     try:
@@ -452,36 +631,172 @@ def read_ledger(path: str | Path) -> LedgerSnapshot:
         db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=60.0, isolation_level=None)
         try:
             db.execute("BEGIN")
-            stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
-            rows = db.execute("SELECT id, label, rdp, extra_delta, unbounded FROM charges ORDER BY id").fetchall()
-            answers = db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
+            contents = _verified(path, db)
             db.execute("COMMIT")
         finally:
             db.close()
-        delta, budget, neighbouring, orders = _declared(stored)
-        totals = _Totals(orders.size)
-        for row_id, label, blob, extra_delta, unbounded in rows:
-            totals.add(row_id, label, np.frombuffer(blob, dtype="<f8"), extra_delta, bool(unbounded))
-
-        def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str) -> PrivacyCharge:
-            return PrivacyCharge(orders, rdp, extra_delta=extra, unbounded=unbounded,
-                                 reason="an unbounded charge was recorded" if unbounded else "", label=label,
-                                 neighbouring=neighbouring)
-
-        return LedgerSnapshot(
-            path, delta, budget, neighbouring, orders, totals.count, int(answers),
-            composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent"),
-            {label: composed(*sums, label) for label, sums in totals.by_label.items()},
-        )
-    except (sqlite3.DatabaseError, KeyError, TypeError, ValueError) as error:
+    except sqlite3.DatabaseError as error:
+        damaged = _unreadable(path, error)
+        if damaged is not None:
+            raise damaged from None
         raise ValueError(f"{path} is not a privacy ledger ({error})") from None
+    if contents is None:
+        raise ValueError(f"{path} is not a privacy ledger (it declares no settings)")
+    return contents
 
 
-def _declared(stored: dict[str, str]) -> tuple[float, RenyiFilter | None, str, np.ndarray]:
+def _verified(path: Path, db: sqlite3.Connection) -> _Contents | None:
+    """Everything in the ledger, each row checked against its chain; None for a file with the
+    tables but nothing in them yet. Raises LedgerDamaged naming the first thing not as written."""
+    if not _table_exists(db, "charges"):
+        raise ValueError(f"{path} is not a privacy ledger (it has no charges table)")
+    if "checksum" not in _columns(db, "charges"):
+        raise LedgerDamaged(_predates(path))
+    for table in _TABLES:
+        if not _table_exists(db, table):
+            raise LedgerDamaged(_damaged(path, f"its {table} table is missing"))
+    settings = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    # AUTOINCREMENT keeps the last id each table issued: a deleted last row still shows.
+    issued = dict(db.execute("SELECT name, seq FROM sqlite_sequence").fetchall())
+    if not settings:
+        if issued or any(db.execute(f"SELECT EXISTS (SELECT 1 FROM {table})").fetchone()[0] for table in _TABLES):
+            raise LedgerDamaged(_damaged(path, "its settings (meta) are missing"))
+        return None
+    if settings.get("checksum") != _settings_checksum(settings):
+        raise LedgerDamaged(_damaged(path, "its settings (meta) do not match their checksum (edited)"))
+    if not isinstance(settings.get("ledger_id"), str):
+        raise LedgerDamaged(_damaged(path, "its settings (meta) hold no ledger id"))
+    size = _declared(path, settings)[3].size
+
+    by_charge: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
+    by_batch: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
+    answers: dict[bytes, int] = {}
+    for key, answer, charge_id, batch_id in db.execute("SELECT key, answer, charge_id, batch_id FROM answers"):
+        if (charge_id is None) == (batch_id is None):
+            raise LedgerDamaged(_damaged(path, "an answer belongs to no charge, or to two (edited)"))
+        (by_charge[charge_id] if batch_id is None else by_batch[batch_id]).append((key, answer))
+        answers[key] = answer
+
+    rows, head = [], settings["checksum"]
+    for expected, row in enumerate(db.execute(
+            "SELECT id, label, rdp, extra_delta, unbounded, reason, details, neighbouring, created, checksum "
+            "FROM charges ORDER BY id"), start=1):
+        row_id, label, blob, extra_delta, unbounded = row[:5]
+        _check_link(path, "charge", expected, row, head, by_charge.pop(expected, []))
+        curve = np.frombuffer(blob, dtype="<f8") if isinstance(blob, bytes) and len(blob) == 8 * size else None
+        # +inf is a stored value (an unbounded charge, σ = 0); NaN and negatives never are.
+        if curve is None or np.any(np.isnan(curve)) or np.any(curve < 0):
+            raise LedgerDamaged(_damaged(path, f"charge {row_id}'s RDP curve is not {size} non-negative numbers"))
+        if not (isinstance(extra_delta, float) and 0 <= extra_delta < 1) or unbounded not in (0, 1):
+            raise LedgerDamaged(_damaged(path, f"charge {row_id}'s extra delta or unbounded flag is out of range"))
+        rows.append((row_id, label, curve, extra_delta, bool(unbounded)))
+        head = row[-1]
+    _check_end(path, "charge", len(rows), issued.get("charges", 0), by_charge)
+
+    batch_head, batches = settings["checksum"], 0
+    for batches, row in enumerate(db.execute("SELECT id, created, checksum FROM answer_batches ORDER BY id"), start=1):
+        _check_link(path, "answer batch", batches, row, batch_head, by_batch.pop(batches, []))
+        batch_head = row[-1]
+    _check_end(path, "answer batch", batches, issued.get("answer_batches", 0), by_batch)
+    return _Contents(settings, rows, answers, _Heads(head, batch_head, batches))
+
+
+def _check_link(path: Path, kind: str, expected: int, row: tuple, previous: str,
+                answers: list[tuple[bytes, int]]) -> None:
+    """Row ``expected`` of a chain: there, and its checksum over ``previous``, its fields and its answers."""
+    if row[0] != expected:
+        raise LedgerDamaged(_damaged(path, f"{kind} {expected} is missing (deleted)"))
+    answers.sort(key=lambda item: _field(item[0]))
+    if row[-1] != _checksum(kind, previous, row[:-1], answers):
+        raise LedgerDamaged(_damaged(path, f"{kind} {expected}'s checksum does not match (edited or truncated)"))
+
+
+def _check_end(path: Path, kind: str, count: int, issued: int, orphans: dict[int, list]) -> None:
+    """A chain's end: as many rows as ids were issued, and no answers pointing past them."""
+    if issued > count:
+        raise LedgerDamaged(_damaged(path, f"{kind} {count + 1} is missing (deleted or truncated)"))
+    if issued != count:
+        raise LedgerDamaged(_damaged(path, f"it holds {count} {kind} rows but issued {issued} ids (edited)"))
+    if orphans:
+        raise LedgerDamaged(_damaged(path, f"answers point at {kind} {min(orphans)}, which is not in the ledger"))
+
+
+def _checksum(kind: str, previous: str, fields: tuple, answers: list[tuple[bytes, int]]) -> str:
+    """SHA-256 over the chain's previous checksum, a row's stored fields and the answers
+    written with it (sorted by key)."""
+    digest = hashlib.sha256(_field(kind) + _field(previous) + _field(len(answers)))
+    for value in fields:
+        digest.update(_field(value))
+    for key, answer in answers:
+        digest.update(_field(key) + _field(answer))
+    return digest.hexdigest()
+
+
+def _settings_checksum(settings: dict[str, str]) -> str:
+    """SHA-256 over the meta table but its own checksum: the root of both chains."""
+    digest = hashlib.sha256(_field("settings"))
+    for key, value in sorted(((k, v) for k, v in settings.items() if k != "checksum"), key=lambda kv: _field(kv[0])):
+        digest.update(_field(key) + _field(value))
+    return digest.hexdigest()
+
+
+def _field(value: object) -> bytes:
+    """One SQLite value as unambiguous bytes: its type, its length, its contents."""
+    if value is None:
+        tag, raw = b"n", b""
+    elif isinstance(value, bytes):
+        tag, raw = b"b", value
+    elif isinstance(value, str):
+        tag, raw = b"s", value.encode()
+    elif isinstance(value, float):
+        tag, raw = b"f", struct.pack("<d", value + 0.0)  # SQLite stores -0.0 as 0.0
+    elif isinstance(value, int):
+        tag, raw = b"i", str(value).encode()
+    else:
+        raise TypeError(f"a ledger stores no {type(value).__name__}")
+    return tag + struct.pack("<Q", len(raw)) + raw
+
+
+def _table_exists(db: sqlite3.Connection, table: str) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone() is not None
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _unreadable(path: Path, error: BaseException) -> LedgerDamaged | None:
+    """SQLite's own finding that the file is damaged, as one line; None for anything else
+    (e.g. a busy or missing file)."""
+    code = (getattr(error, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == sqlite3.SQLITE_CORRUPT:
+        return LedgerDamaged(_damaged(path, f"SQLite cannot read it ({error})"))
+    if code == sqlite3.SQLITE_NOTADB:  # a header overwritten, or another kind of file
+        return LedgerDamaged(f"ledger {path} is damaged or is not a privacy ledger: SQLite cannot read it "
+                             f"({error}); refusing to use it")
+    return None
+
+
+def _damaged(path: Path, what: str) -> str:
+    return f"ledger {path} is damaged: {what}; refusing to use it"
+
+
+def _predates(path: Path) -> str:
+    return (f"ledger {path} predates checksums: its charges cannot be verified, and a budget that cannot be "
+            "verified is not a budget; refusing to use it")
+
+
+def _declared(path: Path, stored: dict[str, str]) -> tuple[float, RenyiFilter | None, str, np.ndarray]:
     """(δ, budget, neighbouring relation, orders) from a ledger's meta table."""
-    budget = json.loads(stored["budget"])
-    return (float(json.loads(stored["delta"])), None if budget is None else RenyiFilter(**budget),
-            stored["neighbouring"], np.asarray(json.loads(stored["orders"]), dtype=float))
+    try:
+        budget = json.loads(stored["budget"])
+        declared = (float(json.loads(stored["delta"])), None if budget is None else RenyiFilter(**budget),
+                    stored["neighbouring"], np.asarray(json.loads(stored["orders"]), dtype=float))
+    except (KeyError, TypeError, ValueError) as error:
+        raise LedgerDamaged(_damaged(path, f"its settings (meta) do not parse ({type(error).__name__}: {error})"))
+    if declared[3].ndim != 1 or declared[3].size == 0:
+        raise LedgerDamaged(_damaged(path, "its settings (meta) declare no list of RDP orders"))
+    return declared
 
 
 def _short(text: str) -> str:

@@ -342,3 +342,19 @@ def test_table_inputs_are_checked_against_their_schema_not_the_pixel_range():
     bounded = InputSchema((3,), "table", -1.0, 1.0)
     with pytest.raises(InvalidInput, match=r"values must be in \[-1, 1\] \(examples \[0\]"):
         decode_inputs((1, 3), "float32", np.array([[2.0, 0, 0]], "<f4").tobytes(), bounded, max_batch=8)
+
+
+def test_a_second_server_on_a_port_another_holds_fails_in_one_line(tmp_path):
+    # gRPC would share the port (SO_REUSEPORT) and split the clients between two servers.
+    with serving(BrokenTeachers(), tmp_path / "first.sqlite") as (_, address):
+        port = int(address.rsplit(":", 1)[1])
+        with PrivacyLedger(tmp_path / "second.sqlite", DELTA) as ledger:
+            second = AggregatorServer(BrokenTeachers(), build_mechanism("gnmax", sigma=2.0), ledger, INPUT_SHAPE,
+                                      ServerSettings(port=port))
+            with pytest.raises(OSError) as err:
+                second.start()
+        assert str(err.value) == (f"could not bind the aggregator to 127.0.0.1:{port}: the address is in use or "
+                                  "not on this host")
+        with grpc.insecure_channel(address) as channel:  # the first keeps its port and its clients
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,21 +1,34 @@
 """The durable ledger as a Rényi filter: refusals record nothing, the budget is enforced at its
 one fixed order, reopening restores exactly (and refuses other settings), concurrent charges
 never overshoot, δ is split between the RDP curve and the reserved δ, and charges for another
-neighbouring relation are refused."""
+neighbouring relation are refused. And the ledger defends itself: one writer at a time, and a
+file edited, truncated or older than its checksums is refused in one line."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import signal
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from conclave.privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
-from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
+from conclave.privacy.accounting.ledger import (
+    BudgetExceeded,
+    LedgerDamaged,
+    LedgerInUse,
+    PrivacyLedger,
+    _settings_checksum,
+    read_ledger,
+)
 from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
@@ -186,13 +199,11 @@ def test_no_overshoot_with_32_threads(tmp_path):
     filter_ = budget(2.0)
     unit = gaussian_charge(40.0 / math.sqrt(2), count=10, label="gnmax")  # 10 GNMax answers at σ = 40
     fits = fitting(10 * ORDER / 40.0**2, filter_)  # 10 answers cost 10·λ/σ² at the filter's order
-    # Four ledger objects on one file: separate SQLite connections, as separate processes have.
-    ledgers = [PrivacyLedger(path, DELTA, filter_) for _ in range(4)]
+    ledger = PrivacyLedger(path, DELTA, filter_)  # the one writer; its threads race on it
     accepted, refused = [], []
     start = threading.Barrier(32)
 
     def worker(index: int) -> None:
-        ledger = ledgers[index % 4]
         start.wait()
         for _ in range(fits // 8 + 2):
             try:
@@ -207,53 +218,80 @@ def test_no_overshoot_with_32_threads(tmp_path):
         thread.join()
     assert len(accepted) == fits and refused
     assert max(report.rdp_at_budget_order for report in accepted) <= filter_.rdp_budget
-    for ledger in ledgers:
-        final = ledger.report()
-        assert final.charges == fits and final.rdp_at_budget_order <= filter_.rdp_budget
-        ledger.close()
+    final = ledger.report()
+    assert final.charges == fits and final.rdp_at_budget_order <= filter_.rdp_budget
+    ledger.close()
     assert rows(path) == fits
+    with PrivacyLedger(path, DELTA, filter_) as reopened:  # the chain the threads wrote checks out
+        assert reopened.report() == final
 
 
-_CHARGER = """
-import math, os, sys, time
-from conclave.privacy.accounting.filter import RenyiFilter
-from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
-from conclave.privacy.accounting.rdp import gaussian_charge
-path, go, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ledger = PrivacyLedger(path, 1e-5, RenyiFilter(2.0, 1e-5, 32.0))
-charge = gaussian_charge(40.0 / math.sqrt(2), count=1, label="gnmax")
-print("ready", flush=True)
-while not os.path.exists(go):  # start together, so the processes race
-    time.sleep(0.01)
-accepted = 0
-for _ in range(attempts):
-    try:
-        ledger.charge(charge)
-        accepted += 1
-    except BudgetExceeded:
-        pass
-print(accepted, flush=True)
+_HOLDER = """
+import sys
+from conclave.privacy.accounting.ledger import LedgerInUse, PrivacyLedger
+try:
+    ledger = PrivacyLedger(sys.argv[1], 1e-5)
+except LedgerInUse as err:
+    print(err, flush=True)
+    sys.exit(2)
+print("holding", flush=True)
+sys.stdin.readline()  # hold the ledger until told (or killed)
 """
 
 
-def test_no_overshoot_with_4_processes(tmp_path):
-    path, go = tmp_path / "ledger.db", tmp_path / "go"
-    filter_ = budget(2.0)
-    fits = fitting(ORDER / 40.0**2, filter_)  # one GNMax answer at σ = 40 costs λ/σ²
-    PrivacyLedger(path, DELTA, filter_).close()  # create the file once, so the processes only race on charges
-    processes = [
-        subprocess.Popen([sys.executable, "-c", _CHARGER, str(path), str(go), str(fits // 2)], stdout=subprocess.PIPE, text=True)
-        for _ in range(4)
-    ]
-    for process in processes:
-        assert process.stdout.readline().strip() == "ready"
-    go.touch()
-    accepted = [int(process.communicate(timeout=300)[0]) for process in processes]
-    assert all(process.returncode == 0 for process in processes)
-    assert sum(accepted) == fits == rows(path)  # 4 × fits/2 attempts, exactly `fits` accepted
-    assert sum(1 for a in accepted if a > 0) >= 2  # the processes really did interleave
-    with PrivacyLedger(path, DELTA, filter_) as ledger:
-        assert ledger.report().rdp_at_budget_order <= filter_.rdp_budget
+def test_one_writer_at_a_time(tmp_path):
+    path = tmp_path / "ledger.db"
+    with PrivacyLedger(path, DELTA) as ledger:
+        ledger.charge(gaussian_charge(10.0, label="g"))
+        # a second opener in the same process fails at once, one line naming the file
+        in_use = f"ledger {path} is in use: another process (pid {os.getpid()}) holds its lock {path}.lock"
+        with pytest.raises(LedgerInUse, match=re.escape(in_use)) as err:
+            PrivacyLedger(path, DELTA)
+        assert "\n" not in str(err.value)
+        with pytest.raises(LedgerInUse):
+            PrivacyLedger.open_existing(path)
+        # so does another process
+        other = subprocess.run([sys.executable, "-c", _HOLDER, str(path)], capture_output=True, text=True, timeout=120)
+        assert other.returncode == 2 and other.stdout.strip() == str(err.value)
+        assert read_ledger(path).charges == 1  # readers need no lock
+        assert ledger.charge(gaussian_charge(10.0, label="g")).charges == 2  # the refused openers changed nothing
+    in_memory = [PrivacyLedger(":memory:", DELTA) for _ in range(2)]  # no file, nothing to share
+    for ledger in in_memory:
+        ledger.close()
+
+
+def test_the_lock_goes_with_its_holder(tmp_path):
+    path = tmp_path / "ledger.db"
+    PrivacyLedger(path, DELTA).close()
+    PrivacyLedger(path, DELTA).close()  # close() released it
+    # A process that holds the ledger and dies (SIGKILL: no cleanup) releases it with its life.
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(LedgerInUse, match=rf"\(pid {holder.pid}\)"):
+            PrivacyLedger(path, DELTA)
+        assert read_ledger(path).charges == 0
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    PrivacyLedger(path, DELTA).close()
+    # A child forked while the ledger is open does not keep it locked once the parent closes it.
+    ready, started = os.pipe()
+    with PrivacyLedger(path, DELTA):
+        child = os.fork()
+        if child == 0:  # the fork hooks have run by now
+            os.write(started, b"x")
+            time.sleep(30)
+            os._exit(0)
+    assert os.read(ready, 1) == b"x"
+    try:
+        PrivacyLedger(path, DELTA).close()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(started)
 
 
 def test_worst_case_gates_and_the_actual_charge_is_recorded(tmp_path):
@@ -395,8 +433,183 @@ def test_read_ledger_refuses_a_missing_file_without_creating_it_and_a_file_that_
         read_ledger(tmp_path / "missing.db")
     assert not (tmp_path / "missing.db").exists()
     (tmp_path / "garbage.db").write_bytes(b"not a database" * 100)
+    for open_it in (read_ledger, lambda path: PrivacyLedger(path, DELTA)):
+        with pytest.raises(LedgerDamaged, match=r"garbage.db is damaged or is not a privacy ledger: SQLite cannot "
+                                                r"read it \(file is not a database\); refusing to use it$"):
+            open_it(tmp_path / "garbage.db")
     with sqlite3.connect(tmp_path / "other.db") as db:
         db.execute("CREATE TABLE meta (key TEXT, value TEXT)")
-    for name in ("garbage.db", "other.db"):
-        with pytest.raises(ValueError, match="is not a privacy ledger"):
-            read_ledger(tmp_path / name)
+    with pytest.raises(ValueError, match="is not a privacy ledger"):
+        read_ledger(tmp_path / "other.db")
+
+
+# --- a ledger that defends itself: each way of altering the file is refused, in one line ---
+
+
+def small_ledger(path, answers: bool = True) -> None:
+    """Three charges under a budget, the first with answers, then answers paid for earlier."""
+    with PrivacyLedger(path, DELTA, budget(2.0)) as ledger:
+        ledger.charge(gaussian_charge(20.0, count=4, label="gnmax"), answers={b"a": 3, b"b": 1} if answers else None)
+        ledger.charge(gaussian_charge(25.0, count=4, label="gnmax"))
+        ledger.charge(pure_epsilon_charge(0.05, label="counts"))
+        if answers:
+            ledger.record_answers({b"c": 2})
+
+
+def refused(path, message: str) -> None:
+    """Opening to charge, reopening with the stored settings, and reading all refuse ``path``."""
+    for open_it in (lambda: PrivacyLedger(path, DELTA, budget(2.0)), lambda: PrivacyLedger.open_existing(path),
+                    lambda: read_ledger(path)):
+        with pytest.raises(LedgerDamaged) as err:
+            open_it()
+        assert str(err.value) == f"ledger {path} is damaged: {message}; refusing to use it"
+
+
+def edit(path, *statements) -> None:
+    with sqlite3.connect(path) as db:
+        for statement in statements:
+            db.execute(*statement) if isinstance(statement, tuple) else db.execute(statement)
+    db.close()
+
+
+def test_overwriting_8_bytes_of_a_stored_rdp_curve_is_refused(tmp_path):
+    """The issue's probe: zeroing the RDP of one charge at the budget's order (its cost
+    gone, so a service would report less spent and answer past the budget)."""
+    path = tmp_path / "ledger.db"
+    small_ledger(path)
+    spent = read_ledger(path).spent.rdp
+    with sqlite3.connect(path) as db:
+        blob = bytearray(db.execute("SELECT rdp FROM charges WHERE id = 2").fetchone()[0])
+        at = 8 * list(DEFAULT_ORDERS).index(ORDER)
+        blob[at : at + 8] = bytes(8)
+        db.execute("UPDATE charges SET rdp = ? WHERE id = 2", (bytes(blob),))
+    db.close()
+    refused(path, "charge 2's checksum does not match (edited or truncated)")
+    edit(path, "UPDATE charges SET rdp = zeroblob(8) WHERE id = 2")  # a curve of the wrong length
+    refused(path, "charge 2's checksum does not match (edited or truncated)")
+    assert spent[list(DEFAULT_ORDERS).index(ORDER)] > 0
+
+
+def test_one_altered_byte_in_the_file_is_detected(tmp_path):
+    path = tmp_path / "ledger.db"
+    small_ledger(path)
+    curve = gaussian_charge(20.0, count=4).rdp.astype("<f8").tobytes()
+    data = bytearray(path.read_bytes())  # closed: the WAL was folded into the file
+    at = data.index(curve) + 8 * list(DEFAULT_ORDERS).index(ORDER) + 7  # the top byte of one float
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    refused(path, "charge 1's checksum does not match (edited or truncated)")
+
+
+@pytest.mark.parametrize("statements,message", [
+    (["DELETE FROM charges WHERE id = 2"], "charge 2 is missing (deleted)"),
+    (["DELETE FROM charges WHERE id = 3"], "charge 3 is missing (deleted or truncated)"),
+    (["DELETE FROM charges", "DELETE FROM sqlite_sequence WHERE name = 'charges'", "DELETE FROM answers"],
+     "answer batch 1's checksum does not match (edited or truncated)"),
+    (["UPDATE charges SET label = 'counts' WHERE id = 1"], "charge 1's checksum does not match (edited or truncated)"),
+    (["UPDATE charges SET created = created - 1 WHERE id = 3"],
+     "charge 3's checksum does not match (edited or truncated)"),
+    (["UPDATE answers SET answer = 5 WHERE key = x'61'"], "charge 1's checksum does not match (edited or truncated)"),
+    (["DELETE FROM answers WHERE key = x'62'"], "charge 1's checksum does not match (edited or truncated)"),
+    (["INSERT INTO answers (key, answer, charge_id) VALUES (x'64', 4, 2)"],
+     "charge 2's checksum does not match (edited or truncated)"),
+    (["UPDATE answers SET answer = 0 WHERE key = x'63'"],
+     "answer batch 1's checksum does not match (edited or truncated)"),
+    (["INSERT INTO answers (key, answer, charge_id) VALUES (x'64', 4, 9)"],
+     "answers point at charge 9, which is not in the ledger"),
+    (["DELETE FROM meta WHERE key = 'budget'"], "its settings (meta) do not match their checksum (edited)"),
+    (["DELETE FROM meta"], "its settings (meta) are missing"),
+    (["DROP TABLE answer_batches"], "its answer_batches table is missing"),
+])
+def test_edited_rows_are_refused(tmp_path, statements, message):
+    path = tmp_path / "ledger.db"
+    small_ledger(path)
+    edit(path, *statements)
+    refused(path, message)
+
+
+def test_editing_the_budget_in_meta_breaks_the_chain(tmp_path):
+    path = tmp_path / "ledger.db"
+    small_ledger(path)
+    with sqlite3.connect(path) as db:
+        stored = json.loads(db.execute("SELECT value FROM meta WHERE key = 'budget'").fetchone()[0])
+        wider = json.dumps({**stored, "epsilon": 20.0})
+        db.execute("UPDATE meta SET value = ? WHERE key = 'budget'", (wider,))
+    db.close()
+    with pytest.raises(LedgerDamaged, match=r"its settings \(meta\) do not match their checksum \(edited\)"):
+        PrivacyLedger.open_existing(path)
+    # Recomputing the settings' checksum is not enough: the first charge is chained to it.
+    settings = dict(sqlite3.connect(path).execute("SELECT key, value FROM meta").fetchall())
+    edit(path, ("UPDATE meta SET value = ? WHERE key = 'checksum'", (_settings_checksum(settings),)))
+    with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
+        PrivacyLedger.open_existing(path)
+    with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
+        read_ledger(path)
+
+
+def test_each_file_has_its_own_identity_and_keeps_it(tmp_path):
+    with PrivacyLedger(tmp_path / "a.db", DELTA) as a, PrivacyLedger(tmp_path / "b.db", DELTA) as b:
+        assert len(a.ledger_id) == 32 and a.ledger_id != b.ledger_id
+        assert read_ledger(tmp_path / "a.db").ledger_id == a.ledger_id
+        first = a.ledger_id
+    with PrivacyLedger.open_existing(tmp_path / "a.db") as again:
+        assert again.ledger_id == first
+    other = read_ledger(tmp_path / "b.db").ledger_id
+    edit(tmp_path / "a.db", ("UPDATE meta SET value = ? WHERE key = 'ledger_id'", (other,)))
+    with pytest.raises(LedgerDamaged, match=r"its settings \(meta\) do not match their checksum"):
+        read_ledger(tmp_path / "a.db")
+
+
+def test_a_truncated_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "ledger.db"
+    with PrivacyLedger(path, DELTA) as ledger:
+        for batch in range(20):  # enough answers for the file to span many pages
+            ledger.charge(gaussian_charge(40.0, count=100, label="gnmax"),
+                          answers={bytes([batch, i]) * 16: i % 10 for i in range(100)})
+    data = path.read_bytes()
+    for keep in (len(data) // 2, len(data) - 4096):
+        path.write_bytes(data[:keep])
+        for open_it in (lambda: PrivacyLedger(path, DELTA), lambda: read_ledger(path)):
+            with pytest.raises(LedgerDamaged, match=re.escape(f"ledger {path} is damaged: ")) as err:
+                open_it()
+            assert "\n" not in str(err.value) and str(err.value).endswith("; refusing to use it")
+
+
+def test_a_ledger_from_before_checksums_is_refused_and_left_as_it_was(tmp_path):
+    path = tmp_path / "old.db"
+    with PrivacyLedger(tmp_path / "new.db", DELTA, budget(2.0)) as ledger:
+        ledger.charge(gaussian_charge(20.0, label="gnmax"))
+    with sqlite3.connect(tmp_path / "new.db") as new, sqlite3.connect(path) as old:
+        old.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        old.execute("CREATE TABLE charges (id INTEGER PRIMARY KEY AUTOINCREMENT, label TEXT NOT NULL, "
+                    "rdp BLOB NOT NULL, extra_delta REAL NOT NULL, unbounded INTEGER NOT NULL, reason TEXT NOT NULL, "
+                    "details TEXT NOT NULL, neighbouring TEXT NOT NULL, created REAL NOT NULL)")
+        old.execute("CREATE TABLE answers (key BLOB PRIMARY KEY, answer INTEGER NOT NULL, charge_id INTEGER)")
+        old.executemany("INSERT INTO meta VALUES (?, ?)", new.execute(
+            "SELECT key, value FROM meta WHERE key NOT IN ('checksum', 'ledger_id')").fetchall())
+        old.executemany("INSERT INTO charges VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", new.execute(
+            "SELECT id, label, rdp, extra_delta, unbounded, reason, details, neighbouring, created FROM charges"))
+    new.close()
+    old.close()
+    before = path.read_bytes()
+    message = (f"ledger {path} predates checksums: its charges cannot be verified, and a budget that cannot be "
+               "verified is not a budget; refusing to use it")
+    for open_it in (lambda: PrivacyLedger(path, DELTA, budget(2.0)), lambda: PrivacyLedger.open_existing(path),
+                    lambda: read_ledger(path)):
+        with pytest.raises(LedgerDamaged) as err:
+            open_it()
+        assert str(err.value) == message
+    assert path.read_bytes() == before
+
+
+def test_rows_written_behind_the_writers_back_are_refused(tmp_path):
+    path = tmp_path / "ledger.db"
+    with PrivacyLedger(path, DELTA, budget(2.0)) as ledger:
+        ledger.charge(gaussian_charge(20.0, label="gnmax"), answers={b"a": 1})
+        edit(path, "UPDATE answers SET answer = 4")  # the lock is advisory: sqlite3 itself can still write
+        with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
+            ledger.answers()
+        edit(path, "INSERT INTO charges SELECT 2, label, rdp, extra_delta, unbounded, reason, details, "
+                   "neighbouring, created, checksum FROM charges WHERE id = 1")
+        with pytest.raises(LedgerDamaged, match="row 2 of charges was written by something other than this ledger"):
+            ledger.charge(gaussian_charge(20.0, label="gnmax"))
