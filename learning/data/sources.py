@@ -30,17 +30,18 @@ and any extra columns do not matter; a missing column is an error naming it.
 """
 from __future__ import annotations
 
-import importlib
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from conclave.learning.data.dataset import UNLABELED, DataFormatError, Dataset
+from conclave.registry import Registry, imported
 
-FORMATS: dict[str, str] = {
+FORMATS: Registry[Callable[[DataSource], RawData]] = Registry("data format", {
     "csv": "conclave.learning.data.tables:read_csv",
     "parquet": "conclave.learning.data.tables:read_parquet",
     "npz": "conclave.learning.data.arrays:read_npz",
@@ -52,7 +53,7 @@ FORMATS: dict[str, str] = {
     "cifar10": "conclave.learning.data.benchmark:read_benchmark",
     "cifar100": "conclave.learning.data.benchmark:read_benchmark",
     "svhn": "conclave.learning.data.benchmark:read_benchmark",
-}
+})
 TABLE_FORMATS = ("csv", "parquet")
 # How a table's input columns are read from its header alone (imported by path, as the readers).
 TABLE_HEADER = "conclave.learning.data.tables:table_input_columns"
@@ -123,8 +124,7 @@ class DataSource:
     split: str = "train"
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown data format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        FORMATS.path(self.format)  # an unknown format: ``UnknownName``, a ValueError naming the known ones
         if self.path is None and self.format != "digits":
             raise ValueError(f"data format {self.format!r} needs a path")
         if self.channels not in (1, 3):
@@ -158,7 +158,7 @@ class DataSource:
         if self.format not in TABLE_FORMATS:
             return None
         self._check_exists()
-        return _imported(TABLE_HEADER)(self)
+        return imported(TABLE_HEADER)(self)
 
     @property
     def labelled_by_layout(self) -> bool:
@@ -174,7 +174,7 @@ class DataSource:
             raise FileNotFoundError(f"{self.path}: no such file or folder")
 
     def read_raw(self) -> RawData:
-        reader = _imported(FORMATS[self.format])
+        reader = FORMATS.load(self.format)
         self._check_exists()
         raw = reader(self)
         if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4):
@@ -248,9 +248,3 @@ def _missing(labels: np.ndarray) -> np.ndarray:
     if labels.dtype.kind == "O":
         return np.array([v is None or (isinstance(v, float) and v != v) for v in labels.tolist()], dtype=bool)
     return np.zeros(len(labels), dtype=bool)
-
-
-def _imported(path: str):
-    """The function a "module:function" path names (format modules load on first use)."""
-    module_name, function_name = path.split(":")
-    return getattr(importlib.import_module(module_name), function_name)

@@ -3,7 +3,9 @@ user's own ``module:function`` resolved the same way. Adding a model is its file
 in ``REGISTRY``."""
 from __future__ import annotations
 
-import importlib
+from typing import Any, Callable
+
+from conclave.registry import MissingAttribute, Registry, imported
 
 
 class ModelContractError(ValueError):
@@ -11,7 +13,7 @@ class ModelContractError(ValueError):
     its message is one line naming the model."""
 
 
-REGISTRY: dict[str, str] = {
+REGISTRY: Registry[Callable[..., Any]] = Registry("model", {
     "tutorial_cnn": "conclave.learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
     "tutorial_cnn_tanh": "conclave.learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
     "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
@@ -20,7 +22,7 @@ REGISTRY: dict[str, str] = {
     "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
     "mlp": "conclave.learning.models.table:mlp",                   # table rows [n, d]
     "logistic_regression": "conclave.learning.models.table:logistic_regression",  # table rows [n, d]
-}
+})
 
 
 def default_model(input_shape: tuple[int, ...], kind: str) -> str:
@@ -31,27 +33,26 @@ def default_model(input_shape: tuple[int, ...], kind: str) -> str:
     return "digits_cnn" if side <= 8 else "tutorial_cnn" if side <= 28 else "gn_cnn"
 
 
-def factory_of(name: str):
+def factory_of(name: str) -> Callable[..., Any]:
     """The factory ``name`` stands for: a registry entry or a ``module:function`` path
     (``ModelContractError``, one line, when it is neither or cannot be imported)."""
     if name in REGISTRY:
-        path = REGISTRY[name]
+        path = REGISTRY.path(name)
     elif ":" in name:
         path = name
     else:
-        raise ModelContractError(f"unknown model {name!r}; choose one of {', '.join(sorted(REGISTRY))} "
+        raise ModelContractError(f"unknown model {name!r}; known: {', '.join(REGISTRY.names)}; "
                                  "or give a factory as 'module:function'")
-    module_name, function_name = path.split(":", 1)
     try:
-        module = importlib.import_module(module_name)
+        factory = imported(path)
+    except MissingAttribute as err:
+        raise ModelContractError(f"model {name!r}: module {err.obj.__name__!r} ({err.obj.__file__}) has no "
+                                 f"factory {err.name!r}") from None
     except Exception as err:  # noqa: BLE001 - a user's module may fail to import in any way: one line
         text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
-        raise ModelContractError(f"model {name!r} cannot be imported here: module {module_name!r}: "
+        raise ModelContractError(f"model {name!r} cannot be imported here: module {path.partition(':')[0]!r}: "
                                  f"{type(err).__name__}: {text} (modules are found from the working "
                                  "directory and the installed packages)") from None
-    factory = getattr(module, function_name, None)
     if not callable(factory):
-        what = "has no" if factory is None else "has a non-callable"
-        raise ModelContractError(f"model {name!r}: module {module_name!r} ({module.__file__}) {what} "
-                                 f"factory {function_name!r}")
+        raise ModelContractError(f"model {name!r}: {path!r} is not a callable factory")
     return factory

@@ -12,6 +12,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from conclave.registry import Registry
+
 
 @dataclass(frozen=True)
 class PublicPool:
@@ -48,13 +50,13 @@ def check_sizes(pool: PublicPool, sizes: Sequence[int]) -> list[int]:
     return sizes
 
 
-STRATEGIES = {
+STRATEGIES: Registry[type[SelectionStrategy]] = Registry("selection strategy", {
     "random": "conclave.learning.selection.random:RandomSelection",
     "entropy": "conclave.learning.selection.entropy:EntropySelection",
     "margin": "conclave.learning.selection.margin:MarginSelection",
     "diverse_public": "conclave.learning.selection.diverse_public:DiversePublic",
     "near_private": "conclave.learning.selection.near_private:NearPrivate",
-}
+})
 
 
 POOL_ORDER = "pool"
@@ -81,9 +83,4 @@ class QuerySelection:
 
 def build_strategy(name: str, **params: Any) -> SelectionStrategy:
     """The strategy registered as ``name``, built with ``params`` (its dataclass fields)."""
-    import importlib
-
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown selection strategy {name!r}; known: {sorted(STRATEGIES)}")
-    module_name, class_name = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(**params)
+    return STRATEGIES.load(name)(**params)

@@ -17,6 +17,9 @@ from conclave.privacy.mechanisms.lnmax import LNMax
 from conclave.privacy.mechanisms.nzc import NZC
 from conclave.privacy.mechanisms.stability import Stability
 
+# Classes, not a lazy ``conclave.registry.Registry`` of import paths: the mechanisms are small
+# numpy-only modules, and validating any config reads their class attributes (``name``, fields,
+# ``aliases``, ``secure_variant``) anyway, so importing them late would save nothing.
 MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability)}
 SECURE_MECHANISMS = tuple(name for name, cls in MECHANISMS.items() if cls.secure_variant is not None)
 
