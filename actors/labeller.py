@@ -259,12 +259,16 @@ class PrivateLabeller:
         return fresh
 
     def _require_affordable(self, worst: PrivacyCharge, count: int) -> None:
-        if not self.ledger.can_afford(worst):
-            report = self.ledger.report()
-            raise BudgetExceeded(
-                f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
-                f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
-            )
+        refused = self.ledger.refusal(worst)
+        if refused is None:
+            return
+        if refused.startswith("owner "):  # an owner's lifetime budget (``privacy.accounting.run_ledger``)
+            raise BudgetExceeded(f"privacy budget exhausted: labelling {count} new inputs: {refused}")
+        report = self.ledger.report()
+        raise BudgetExceeded(
+            f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
+            f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
+        )
 
     def _teacher_votes(self, inputs: np.ndarray, count: int) -> np.ndarray:
         try:

@@ -130,7 +130,7 @@ def main() -> int:
         log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
         outcome = pipeline_module("active_learning").run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
-        summary, metrics, privacy = outcome.summary, outcome.metrics, outcome.privacy
+        summary, metrics, privacy = outcome.summary, outcome.metrics, outcome.privacy.as_dict()
         report["runs"][key] = {
             "seconds": round(time.perf_counter() - started, 1), "summary": summary,
             "dp_checkpoints": [{k: c[k] for k in ("epoch", "epsilon", "test_accuracy")} for c in metrics["checkpoints"]],

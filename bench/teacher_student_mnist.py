@@ -110,7 +110,7 @@ def teacher_key(config: Config) -> tuple:
 
 
 def run_summary(name: str, config: Config, outcome: RunOutcome) -> dict:
-    metrics, privacy = outcome.metrics, outcome.privacy
+    metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
     guarantee = privacy["guarantee"]
     return {
         "teachers": config.teachers.count,

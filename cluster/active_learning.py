@@ -42,13 +42,16 @@ from typing import Any, Literal
 
 import numpy as np
 
+from conclave.cluster.config import as_base
 from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, check_owners, require_declared_records
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
+from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
+from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 from conclave.privacy.accounting.ledger import PrivacyLedger
 
 log = logging.getLogger(__name__)
@@ -77,39 +80,29 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class DPSGDSection:
+class DPSGDSection(DPSGDConfig):
+    """learning's ``DPSGDConfig`` with this pipeline's defaults (``batch_size`` is the expected
+    Poisson batch over the union of the shards), plus how the shards are trained. δ is the
+    run's ``privacy.delta``, not a key here: ``dp_config`` puts it in."""
+
     epochs: int = 10
-    batch_size: int = 64  # expected (Poisson) batch over the union of the shards
     lr: float = 0.5
-    max_grad_norm: float = 1.0
     noise_multiplier: float | None = 1.1
-    target_epsilon: float | None = None  # instead of noise_multiplier: ε after all epochs
-    momentum: float = 0.0
-    lr_schedule: str = "constant"  # or "cosine" (see learning.dpsgd.lr_scheduler)
-    # How Opacus clips per example: the same training, different speed. "auto" times each on a
-    # synthetic batch and keeps the fastest (learning.grad_sample_modes); bench/perf.py measures
-    # them per model.
-    grad_sample_mode: str = "auto"
+    # A placeholder that passes DPSGDConfig's checks: train and price with ``dp_config(delta)``.
+    delta: float = field(default=1e-5, init=False)
     # Data-parallel over one actor per shard (else one actor holds and trains them all).
     # With owners it is always data-parallel over the owners' actors.
     distributed: bool = False
     cpus_per_worker: float = 1.0  # per shard actor (capped so that all fit in the cluster at once)
 
     def __post_init__(self) -> None:
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("dpsgd: give exactly one of noise_multiplier and target_epsilon")
-        if self.epochs < 1 or self.batch_size < 1:
-            raise ValueError("dpsgd.epochs and dpsgd.batch_size must be >= 1")
+        super().__post_init__()
         if self.distributed and self.grad_sample_mode not in ("auto", "hooks"):
             raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
-    def dp_config(self, delta: float):
-        from conclave.learning.dp_schedule import DPSGDConfig
-
-        return DPSGDConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                           max_grad_norm=self.max_grad_norm, delta=delta, noise_multiplier=self.noise_multiplier,
-                           target_epsilon=self.target_epsilon, momentum=self.momentum, lr_schedule=self.lr_schedule,
-                           grad_sample_mode=self.grad_sample_mode)
+    def dp_config(self, delta: float) -> DPSGDConfig:
+        """The DP-SGD run this section describes, at the run's δ."""
+        return as_base(self, DPSGDConfig, delta=delta)
 
 
 @dataclass(frozen=True)
@@ -136,7 +129,7 @@ class SelectionConfig:
 @dataclass(frozen=True)
 class FinetuneConfig(TrainConfig):
     """Plain (non-private) fine-tuning on the bought public labels: learning's ``TrainConfig``
-    (its seed replaced by the run's) with this section's defaults, plus ``replay``.
+    with this section's defaults, plus ``replay``; its seed is the run's (``train_config``).
 
     ``replay``: that many other public points, labelled by the starting DP checkpoint's own
     predictions, are mixed in (the same draw for every strategy at a given budget). This is
@@ -147,12 +140,17 @@ class FinetuneConfig(TrainConfig):
 
     epochs: int = 10
     batch_size: int = 32
+    seed: int = field(default=0, init=False)  # not a key: the run's seed
     replay: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.epochs < 1 or self.replay < 0:
             raise ValueError("finetune: epochs must be >= 1 and replay >= 0")
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """How each model is fine-tuned, with the run's seed."""
+        return as_base(self, TrainConfig, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -204,6 +202,9 @@ class Config:
             return
         check_owners(self.owners, self.test, self.classes, self.public)
         require_declared_records(self.owners)
+        if self.secure_training and self.dpsgd.grad_sample_mode not in ("auto", "hooks"):
+            raise ValueError("dpsgd: the owners' actors train data-parallel with Opacus's hooks: "
+                             "set grad_sample_mode: hooks")
         allowed = DataConfig(public_size=self.data.public_size, features=self.data.features)
         if self.data != allowed:
             raise ValueError("with owners, the data section may only set public_size and features "
@@ -471,7 +472,7 @@ class ActiveLearningResult:
 
     checkpoints: list[dict[str, Any]]
     rows: list[dict[str, Any]]
-    privacy: dict[str, Any]
+    privacy: RunPrivacy
     public_pool: int
     out_of_domain: int
     labels_bought: int
@@ -515,7 +516,8 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
     planned = planned_work(config)
-    ledger = config.privacy.open_ledger(results.durable / "ledger.sqlite", planned)
+    ledger = config.privacy.with_owners(config.privacy.open_ledger(results.durable / "ledger.sqlite", planned),
+                                        planned, config.owners, config.name)
     if ledger.report().charges:
         log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
                     "with this run's", ledger.path, ledger.report().charges)
@@ -527,17 +529,17 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
                            for c in checkpoints]
 
         # 3. Strategies → labels → fine-tuning → test accuracy.
-        rows, privacy = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator, out_of_domain,
-                                test, rng, out)
+        rows, per_model, figures = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator,
+                                           out_of_domain, test, rng, out)
+        privacy = config.privacy.report(planned, ledger, dp_sgd_trust(config.secure_training)).adding(
+            per_model=per_model, dpsgd=dp_info, **figures)
     finally:
         shards.shutdown()
+        ledger.close()  # an owner's ledger is released for the next run even when this one failed
     for row in rows:
         row["start_accuracy"] = checkpoint_rows[row["start_epoch"] - 1]["test_accuracy"]
-    privacy = {**config.privacy.report(planned, ledger, dp_sgd_trust(config.secure_training)),
-               "delta": config.privacy.delta, "dpsgd": dp_info, **privacy}
-    ledger.close()
     if client is not None:
-        privacy["annotator_aggregator"] = client.budget()  # its own ledger: the teachers' data
+        privacy = privacy.adding(annotator_aggregator=client.budget())  # its own ledger: the teachers' data
         client.close()
 
     return ActiveLearningResult(checkpoint_rows, rows, privacy, len(pool_inputs), int(out_of_domain.sum()),
@@ -562,7 +564,6 @@ class BothLedgers:
 
 def _epsilon(charges: list, delta: float) -> float:
     """ε at ``delta`` of work fixed in advance whose charges are ``charges`` (its worst-case guarantee)."""
-    from conclave.privacy.accounting.guarantee import worst_case_guarantee
     from conclave.privacy.accounting.rdp import sum_charges
 
     return float(worst_case_guarantee(sum_charges(charges), delta).epsilon)
@@ -625,21 +626,22 @@ def _near_private_start(config: Config, checkpoints: list, extra: list):
 
 
 def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledger, pool_inputs: np.ndarray, annotator,
-            out_of_domain: np.ndarray, test, rng: np.random.Generator, out: Path) -> tuple[list[dict], dict]:
-    """Every strategy from its starting checkpoint; one report-only ledger per published model."""
+            out_of_domain: np.ndarray, test, rng: np.random.Generator,
+            out: Path) -> tuple[list[dict], dict[str, Guarantee], dict[str, Any]]:
+    """Every strategy from its starting checkpoint; one report-only ledger per published model.
+    Returns the rows, each model's own guarantee, and NearPrivate's public figures (if it ran)."""
     import ray
     from tqdm.auto import tqdm
 
     from conclave.learning.data import Dataset
     from conclave.learning.selection import PublicPool, build_strategy
     from conclave.learning.training import embed, evaluate, fit, predict_logits
-    from conclave.privacy.accounting.guarantee import worst_case_guarantee
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
     near_start = _near_private_start(config, checkpoints, [r.charge() for r in releases]) if releases else None
     noise = config.privacy.noise
-    finetune = dataclasses.replace(config.finetune, seed=config.seed)
+    finetune = config.finetune.train_config(config.seed)
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
     rows: list[dict] = []
@@ -682,18 +684,18 @@ def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledg
             progress.update(1)
     progress.close()
     unsound = (noise.unsound_reason,) if noise.unsound_reason else ()
-    privacy: dict = {"per_model": {name: worst_case_guarantee(l.spent(), delta).marked(unsound).as_dict()
-                                   for name, l in model_ledgers.items()}}
+    per_model = {name: worst_case_guarantee(l.spent(), delta).marked(unsound) for name, l in model_ledgers.items()}
+    figures: dict[str, Any] = {}  # NearPrivate's public figures
     for l in model_ledgers.values():
         l.close()
     if releases:
         pca, counts = releases
         near_total = _epsilon([near_start.charge(), pca.charge(), counts.charge()], delta)
-        privacy["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], delta),
+        figures["near_private"] = {"start_epoch": near_start.epoch, "epsilon_dp": _epsilon([near_start.charge()], delta),
                          "epsilon_pca": sel.epsilon_pca, "epsilon_support": sel.epsilon_support,
                          "pca": pca.summary(), "support": counts.summary(),
                          "epsilon_total": near_total,  # composed in RDP (what the ledger says)
                          "epsilon_additive": _epsilon([near_start.charge()], delta) + sel.epsilon_pca
                          + sel.epsilon_support,  # the paper's bookkeeping: a looser upper bound
                          "matches_final_checkpoint": near_total <= _epsilon([checkpoints[-1].charge()], delta) + 1e-9}
-    return rows, privacy
+    return rows, per_model, figures

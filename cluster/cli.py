@@ -7,25 +7,27 @@ without importing torch or Ray. Each command module exposes ``add_arguments(pars
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
+from types import ModuleType
 
 from conclave import DISTRIBUTION, __version__
 from conclave.learning.threads import share_cores
+from conclave.registry import Registry
 
-COMMANDS = {
+COMMANDS: Registry[ModuleType] = Registry.described("command", {
     "demo": ("conclave.cluster.run_command", "run the teacher/student demo on scikit-learn digits"),
     "run": ("conclave.cluster.run_command", "run a pipeline described by a YAML config"),
     "serve": ("conclave.cluster.serve_command", "train teachers and serve the gRPC aggregator"),
     "query": ("conclave.cluster.query_command", "ask a running aggregator to label inputs"),
     "analyze": ("conclave.cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
     "plan": ("conclave.cluster.plan_command", "what a config's budget buys, before any data is read"),
+    "budget": ("conclave.cluster.budget_command", "owners' lifetime budgets and runs' ledgers: spend and history"),
     "check-data": ("conclave.cluster.check_data_command", "an owner's look at its own data, run on its own node"),
     "ray-certs": ("conclave.cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
     "tune": ("conclave.tuning.command", "Ray Tune sweep described by a YAML config"),
-}
+})
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
@@ -34,10 +36,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name in COMMANDS:
+        help_text = COMMANDS.about(name)
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == selected:
-            module = importlib.import_module(module_name)
+            module = COMMANDS.load(name)
             module.add_arguments(command_parser, name)
             command_parser.set_defaults(handler=module.main)
     return parser

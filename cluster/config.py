@@ -61,6 +61,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         args = typing.get_args(hint)
+        if origin is tuple and len(args) > 1 and args[-1] is not Ellipsis:  # fixed length, e.g. (prefix, lr)
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected a list of {len(args)} items, got {value!r}")
+            return tuple(_coerce(v, h, f"{where}[{i}]") for i, (v, h) in enumerate(zip(value, args)))
         item_hint = args[0] if args else Any
         items = [_coerce(v, item_hint, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -85,6 +89,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     return value
+
+
+def as_base(section: Any, base: type[T], **changes: Any) -> T:
+    """A section that extends one of learning's config dataclasses, as a plain ``base`` (its
+    fields only, with ``changes``): what learning is handed, e.g. with the run's δ or seed."""
+    given = {f.name: getattr(section, f.name) for f in dataclasses.fields(base) if f.init}
+    return base(**{**given, **changes})
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from conclave.actors.placement import Placement
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
 from conclave.learning.data.sources import DataSource
+from conclave.privacy.accounting.owner_ledger import OwnerBudget
+
+if TYPE_CHECKING:
+    from conclave.actors.owner_ledger import OwnerAccount
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class DataOwner:
     run never checks it against the data (that would depend on one record). DP-SGD needs it:
     the sampling rate and the number of steps, which are released, come from the declared
     sizes, never from the private count; teachers keep at most their share of it.
+    ``budget``: the owner's lifetime budget for this data (``OwnerBudget``), kept in a ledger on
+    its node that every run charges before releasing anything computed from the data.
     """
 
     name: str
@@ -42,6 +48,7 @@ class DataOwner:
     resources: dict[str, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     records: int | None = None
+    budget: OwnerBudget | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -55,6 +62,17 @@ class DataOwner:
 
     def placement(self, embedded: bool) -> Placement:
         return Placement(self.resources, {} if embedded else self.labels)
+
+    def account(self, base: str) -> OwnerAccount:
+        """The owner's lifetime account (it must declare a ``budget``); ``base``: the directory
+        relative data paths are taken from, as for its actors."""
+        from conclave.actors.owner_ledger import OwnerAccount
+
+        if self.budget is None:
+            raise ValueError(f"owner {self.name} declares no budget")
+        path = self.data.anchored(base).path
+        return OwnerAccount(self.name, self.budget, Placement(self.resources, self.labels),
+                            (path,) if path else ())
 
 
 def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: tuple[str, ...] | None,

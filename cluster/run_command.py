@@ -72,6 +72,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     run_name = args.run_name or getattr(config, "name", None) or Path(getattr(args, "config", "run")).stem
+    damaged = _damaged_ledger(Path(args.results_dir) / run_name)
+    if damaged is not None:  # a durable ledger the run would charge: refused before Ray starts
+        print(f"conclave: run '{run_name}' refused: {damaged}", file=sys.stderr)
+        return 2
     try:  # before the run starts: a store that cannot be reached fails before anything private is read
         tracker = MlflowLog(tracking, args.results_dir, run_name) if tracking.mlflow else None
     except TrackingFailed as err:
@@ -107,20 +111,38 @@ def failure(err: BaseException, run_name: str) -> tuple[str, str]:
     import ray
 
     from conclave.actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
-    from conclave.privacy.accounting.ledger import BudgetExceeded
+    from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse
+    from conclave.privacy.accounting.owner_ledger import LedgerMissing
 
     if isinstance(err, KeyboardInterrupt):
         return "interrupted", f"run '{run_name}' interrupted; its results folder is as it was"
     if isinstance(err, (ConfigError, OwnerDataError, PlacementError)):
         return "config", str(err)
+    if isinstance(err, (LedgerDamaged, LedgerInUse, LedgerMissing)):
+        return "config", f"run '{run_name}' refused: {_first_line(err)}"
     if isinstance(err, OwnerDropout):
         return "dropout", str(err)
     if isinstance(err, BudgetExceeded):
-        return "budget", (f"run '{run_name}' refused by its privacy ledger: {_first_line(err)} (the ledger in "
-                          "its results folder keeps what earlier runs on the same data spent)")
+        line = _first_line(err)
+        where = ("" if line.startswith("owner ") else
+                 " (the ledger in its results folder keeps what earlier runs on the same data spent)")
+        return "budget", f"run '{run_name}' refused by a privacy ledger: {line}{where}"
     if isinstance(err, ray.exceptions.RayError):
         return "cluster", f"run '{run_name}' lost a Ray actor or task: {type(err).__name__}: {_first_line(err)}"
     return "failed", f"run '{run_name}' failed: {type(err).__name__}: {_first_line(err)} (-v for the traceback)"
+
+
+def _damaged_ledger(folder: Path) -> str | None:
+    """The first line of what is wrong with a ledger kept in ``folder`` (its chain is checked
+    without writing or locking), or None."""
+    from conclave.privacy.accounting.ledger import read_ledger
+
+    for ledger in sorted(folder.glob("*.sqlite")):
+        try:
+            read_ledger(ledger)
+        except (OSError, ValueError) as err:
+            return _first_line(err)
+    return None
 
 
 def _first_line(err: BaseException) -> str:

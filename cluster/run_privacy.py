@@ -1,21 +1,30 @@
-"""A run's privacy section and trust model, shared by every pipeline of the library.
+"""A run's privacy section, trust model and report, shared by every pipeline of the library.
 
 ``PrivacyConfig`` is the budget declared before the run, δ and where noise comes from; it opens
 the run's ledger and states its guarantee. ``TrustModel`` says who sees un-noised values
-computed from other parties' records (docs/privacy.md, "Who sees what").
+computed from other parties' records (docs/privacy.md, "Who sees what"). ``RunPrivacy`` is what
+a run reports (``privacy.json``): the ``Guarantee`` first, then labelled ``Estimate``s and what
+the pipeline released besides.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
+from conclave.cluster.owners import DataOwner
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
-from conclave.privacy.accounting.guarantee import Guarantee, run_guarantee, worst_case_guarantee
-from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.guarantee import Estimate, Guarantee, run_guarantee, worst_case_guarantee
+from conclave.privacy.accounting.guarantee import filter_guarantee
+from conclave.privacy.accounting.ledger import BudgetReport, PrivacyLedger
+from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.noise import NoisePolicy
 
 
@@ -63,29 +72,46 @@ class PrivacyConfig:
         """The run's ledger, its budget (if any) fixed now from ``planned``, before any data is read."""
         return PrivacyLedger(path, self.delta, self.budget_filter(planned), neighbouring=planned.neighbouring)
 
+    def with_owners(self, ledger: PrivacyLedger, planned: PrivacyCharge, owners: Sequence[DataOwner],
+                    run: str) -> PrivacyLedger | RunLedger:
+        """``ledger`` alone, or — when owners declare lifetime budgets — in front of their
+        ledgers, opened on their nodes now (Ray must be running): every charge of ``run`` then
+        goes to each of them too (``RunLedger``). A missing or replaced owner ledger is
+        ``LedgerMissing``, before anything is released; ``ledger`` is closed on any failure."""
+        budgeted = [owner for owner in owners if owner.budget is not None]
+        if not budgeted:
+            return ledger
+        from conclave.actors.owner_ledger import OwnerLedgers
+
+        records = DriverRecords()
+        try:
+            lifetime = OwnerLedgers.start([owner.account(os.getcwd()) for owner in budgeted], planned, run,
+                                          records.load())
+        except BaseException:
+            ledger.close()
+            raise
+        try:
+            return RunLedger(ledger, lifetime, records)
+        except BaseException:
+            lifetime.close()
+            ledger.close()
+            raise
+
     def guarantee(self, planned: PrivacyCharge) -> Guarantee:
         """The run's guarantee: the budget or the planned worst case, whichever is smaller."""
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         return run_guarantee(planned, self.delta, self.budget_filter(planned), reasons)
 
-    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger, trust: TrustModel) -> dict:
-        """What every run writes about its privacy: the guarantee, who saw what, then what was
-        spent and planned."""
-        spent = ledger.report()
-        guarantee = self.guarantee(planned)
-        return {
-            "guarantee": guarantee.as_dict(),
-            "sound": guarantee.sound,
-            "unsound_reasons": list(guarantee.unsound_reasons),
-            "aggregation": trust.aggregation,
-            "trust_model": trust.as_dict(),
-            "budget": None if spent.budget is None else spent.budget.as_dict(),
-            "planned_worst_case": {"epsilon": worst_case_guarantee(planned, self.delta).epsilon,
-                                   "charge": planned.label},
-            "spent": {"epsilon": spent.epsilon_spent, "order": spent.order, "charges": spent.charges,
-                      "by_label": spent.by_label, "rdp_at_budget_order": spent.rdp_at_budget_order,
-                      "note": "realised spend: a function of what was released, not the guarantee"},
-        }
+    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger | RunLedger, trust: TrustModel) -> RunPrivacy:
+        """What every run reports about its privacy: the guarantee, who saw what, what was
+        planned, what the ledger holds, and each budgeted owner's lifetime account (the
+        pipeline adds its own releases)."""
+        owners = {}
+        if isinstance(ledger, RunLedger):
+            owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name])
+                      for name, report in ledger.owner_reports().items()}
+        return RunPrivacy(self.guarantee(planned), trust, worst_case_guarantee(planned, self.delta), planned.label,
+                          ledger.report(), owners=owners)
 
 
 @dataclass(frozen=True)
@@ -132,3 +158,119 @@ SINGLE_HOLDER = TrustModel(
 def dp_sgd_trust(secure: bool) -> TrustModel:
     """The trust model of a DP-SGD run: secure sums across several shard actors, else one holder."""
     return SECURE_SUMS if secure else SINGLE_HOLDER
+
+
+SPENT_NOTE = "realised spend: a function of what was released, not the guarantee"
+
+
+@dataclass(frozen=True)
+class RunPrivacy:
+    """A run's privacy report: the guarantee a theorem backs (``guarantee``), who saw what
+    (``trust``), the worst case of the planned work, what the ledger holds (``spent``, an
+    odometer reading, not the guarantee), labelled ``estimates`` that are not guarantees, the
+    guarantee of each model the run publishes on its own (``per_model``), and the pipeline's
+    own public figures (``releases``: its mechanism, DP-SGD schedule, NearPrivate's releases...).
+    Only public values go in: ``as_dict`` is ``privacy.json``."""
+
+    guarantee: Guarantee
+    trust: TrustModel
+    planned: Guarantee  # the worst case of the planned work
+    planned_label: str
+    spent: BudgetReport
+    estimates: tuple[Estimate, ...] = ()
+    per_model: Mapping[str, Guarantee] = field(default_factory=dict)
+    releases: Mapping[str, Any] = field(default_factory=dict)
+    owners: Mapping[str, OwnerAccountReport] = field(default_factory=dict)  # owners with lifetime budgets
+
+    @property
+    def epsilon(self) -> float:
+        return self.guarantee.epsilon
+
+    @property
+    def sound(self) -> bool:
+        return self.guarantee.sound
+
+    def adding(self, estimates: tuple[Estimate, ...] = (), per_model: Mapping[str, Guarantee] | None = None,
+               **releases: Any) -> RunPrivacy:
+        """This report with more estimates, per-model guarantees and releases. An estimate
+        computed from private data without a mechanism never goes into a run's report."""
+        if any(e.private for e in estimates):
+            raise ValueError("a run's privacy report holds public estimates only")
+        return dataclasses.replace(self, estimates=self.estimates + tuple(estimates),
+                                   per_model={**self.per_model, **(per_model or {})},
+                                   releases={**self.releases, **releases})
+
+    def headline(self) -> str:
+        """One line: the guarantee, why it is not sound if it is not, and the estimates, labelled."""
+        g = self.guarantee
+        line = (f"guarantee ε = {g.epsilon:.3g} at δ = {g.delta:g} ({g.basis})" if math.isfinite(g.epsilon)
+                else "guarantee ε = inf: no finite guarantee")
+        if g.unsound_reasons:
+            line += "; NOT SOUND: " + "; ".join(g.unsound_reasons)
+        for estimate in self.estimates:
+            if estimate.epsilon is not None:
+                line += f"; {estimate.name} estimate ε = {estimate.epsilon:.3g} (not a DP guarantee)"
+        for name, account in self.owners.items():
+            line += f"; {name}: {account.headline()}"
+        return line
+
+    def as_dict(self) -> dict[str, Any]:
+        spent = self.spent
+        report: dict[str, Any] = {
+            "guarantee": self.guarantee.as_dict(),
+            "sound": self.sound,
+            "unsound_reasons": list(self.guarantee.unsound_reasons),
+            "delta": self.guarantee.delta,
+            "aggregation": self.trust.aggregation,
+            "trust_model": self.trust.as_dict(),
+            "budget": None if spent.budget is None else spent.budget.as_dict(),
+            "planned_worst_case": {"epsilon": self.planned.epsilon, "charge": self.planned_label},
+            "spent": {"epsilon": spent.epsilon_spent, "order": spent.order, "charges": spent.charges,
+                      "by_label": spent.by_label, "rdp_at_budget_order": spent.rdp_at_budget_order,
+                      "note": SPENT_NOTE},
+            "estimates": [e.as_dict() for e in self.estimates],
+        }
+        if self.per_model:
+            report["per_model"] = {name: g.as_dict() for name, g in self.per_model.items()}
+        if self.owners:
+            report["owners"] = {name: account.as_dict() for name, account in self.owners.items()}
+        return {**report, **self.releases}
+
+
+LIFETIME_COVERS = ("every release computed from this owner's data in every run charged to its ledger, this run's "
+                   "included: the lifetime budget is a Rényi filter over all of them")
+
+
+@dataclass(frozen=True)
+class OwnerAccountReport:
+    """An owner's lifetime account after a run: the guarantee its ledger's filter gives for
+    everything ever charged to it (this run and every earlier one), what has been spent (a
+    realised figure, not the guarantee), and how many charges came before this run."""
+
+    owner: str
+    guarantee: Guarantee  # the lifetime budget: a Rényi filter over all the owner's releases
+    spent_epsilon: float
+    charges: int
+    charges_before_run: int
+    rdp_left: float | None
+    ledger: str  # the ledger file, on the owner's node
+    node: str  # the Ray node it lives on
+
+    @classmethod
+    def of(cls, owner: str, report: BudgetReport, at_start: LedgerIdentity, node: str) -> OwnerAccountReport:
+        if report.budget is None:
+            raise ValueError(f"owner {owner}'s ledger declares no budget")
+        return cls(owner, filter_guarantee(report.budget, report.neighbouring), report.epsilon_spent,
+                   report.charges, at_start.charges, report.remaining_rdp, at_start.path, node)
+
+    def headline(self) -> str:
+        return (f"lifetime guarantee ε = {self.guarantee.epsilon:g} at δ = {self.guarantee.delta:g} over "
+                f"{self.charges} charges ({self.charges_before_run} before this run; realised spend ε = "
+                f"{self.spent_epsilon:.3g})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"guarantee": self.guarantee.as_dict(), "covers": LIFETIME_COVERS,
+                "ledger": {"path": self.ledger, "node": self.node},
+                "spent": {"epsilon": self.spent_epsilon, "charges": self.charges,
+                          "charges_before_run": self.charges_before_run, "rdp_left": self.rdp_left,
+                          "note": SPENT_NOTE}}

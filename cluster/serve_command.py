@@ -68,6 +68,8 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from conclave.cluster.teaching.aggregation import server_settings, start_aggregator
     from conclave.cluster.teaching.ensemble import checked_public, resolved
     from conclave.cluster.ray_runtime import record_ray_processes
+    from conclave.privacy.accounting.ledger import LedgerInUse
+    from conclave.privacy.accounting.owner_ledger import LedgerMissing
 
     token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     try:
@@ -85,9 +87,10 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        _check_port_free(settings.host, settings.port)
         ledger = config.privacy.open_ledger(ledger_path, config.planned())
-    except ValueError as err:  # e.g. the file was created with another budget
-        print(f"conclave: {err}", file=sys.stderr)
+    except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
+        print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     config = resolved(config, public)
     try:
@@ -96,8 +99,20 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         ledger.close()
         print(f"conclave: {err}", file=sys.stderr)
         return 2
+    try:  # the owners' lifetime ledgers, on their nodes, once Ray runs
+        ledger = config.privacy.with_owners(ledger, config.planned(), config.owners, config.name)
+    except (LedgerMissing, ValueError, PlacementError) as err:
+        teachers.pool.shutdown()
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
-    server, address = start_aggregator(config, teachers.pool, ledger, settings)
+    try:
+        server, address = start_aggregator(config, teachers.pool, ledger, settings)
+    except OSError as err:  # the port was taken meanwhile
+        teachers.pool.shutdown()
+        ledger.close()
+        print(f"conclave: {err}", file=sys.stderr)
+        return 2
     guarantee, report = server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
     print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, "
@@ -119,3 +134,20 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "
               f"(guarantee ε = {guarantee.epsilon:.4g})")
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """``OSError`` (one line) when another process listens on ``host:port``: checked before
+    the teachers train, as the gRPC server would refuse the port only after."""
+    import socket
+
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
+        try:
+            probe.bind((host, port))
+        except OSError:
+            raise OSError(f"could not bind the aggregator to {host}:{port}: the address is in use or not on this "
+                          "host") from None

@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conclave.cluster.config import as_base
 from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_privacy import PrivacyConfig, dp_sgd_trust
+from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.sources import DataSource
+from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.sparse_variants import VARIANTS
+from conclave.learning.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +63,26 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(TrainConfig):
+    """Public pre-training: learning's ``TrainConfig`` with this section's defaults, plus
+    ``checkpoint_every``; its seed is the run's (``pretrain_public`` derives one per epoch)."""
+
     epochs: int = 8
-    batch_size: int = 64
     lr: float = 3e-3
-    optimizer: str = "adam"  # adam | sgd
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    seed: int = field(default=0, init=False)  # not a key: the run's seed
     checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.epochs < 1 or self.checkpoint_every < 1:
             raise ValueError("pretrain.epochs and pretrain.checkpoint_every must be >= 1")
 
 
 @dataclass(frozen=True)
-class FinetuneConfig:
-    """DP-SGD on the private set. Give ``target_epsilon`` (per variant) or ``noise_multiplier``."""
+class DPFinetuneConfig(DPSGDConfig):
+    """DP-SGD on the private set: learning's ``DPSGDConfig`` with this section's defaults (give
+    ``target_epsilon``, per variant, or ``noise_multiplier``), plus the variants to train and the
+    new classifier's own learning rate. δ is the run's ``privacy.delta``, not a key here."""
 
     variants: tuple[str, ...] = ("classifier", "classifier+norm", "all")
     fraction: float = 0.01  # p: share of convolution weights the "all" variant trains
@@ -85,30 +91,31 @@ class FinetuneConfig:
     lr: float = 0.05  # normalisation and convolution parameters
     classifier_lr: float | None = 0.5  # the new classifier (the paper: 0.8 vs 0.01)
     momentum: float = 0.9
-    max_grad_norm: float = 1.0
-    noise_multiplier: float | None = None
     target_epsilon: float | None = 1.0
-    max_physical_batch_size: int | None = None
+    # A placeholder that passes DPSGDConfig's checks: train and price with ``dp_config(delta)``.
+    delta: float = field(default=1e-5, init=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = [v for v in self.variants if v not in VARIANTS]
         if not self.variants or unknown:
             raise ValueError(f"finetune.variants must be a non-empty list of {list(VARIANTS)}, got {list(self.variants)}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"finetune.fraction must be in (0, 1], got {self.fraction}")
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("finetune: give exactly one of noise_multiplier and target_epsilon")
-        self.dp_config(1e-5)  # any other bad value is a config error now, not on the actor
+        if self.classifier_lr is not None and self.classifier_lr <= 0:
+            raise ValueError(f"finetune.classifier_lr must be > 0 or null, got {self.classifier_lr}")
+        if self.classifier_lr is not None and any(p.startswith("classifier.") for p, _ in self.lr_overrides):
+            raise ValueError("finetune: classifier_lr sets the classifier's rate; to set it in lr_overrides, "
+                             "set classifier_lr: null")
+        if "all" in self.variants and self.grad_sample_mode in ("ghost", "bk"):
+            raise ValueError("finetune: the all variant's masks act on per-example gradients: "
+                             "set grad_sample_mode: hooks or auto")
 
-    def dp_config(self, delta: float):
-        from conclave.learning.dp_schedule import DPSGDConfig
-
-        overrides = (("classifier.", self.classifier_lr),) if self.classifier_lr is not None else ()
-        return DPSGDConfig(
-            epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, max_grad_norm=self.max_grad_norm,
-            delta=delta, noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
-            momentum=self.momentum, lr_overrides=overrides, max_physical_batch_size=self.max_physical_batch_size,
-        )
+    def dp_config(self, delta: float) -> DPSGDConfig:
+        """The DP-SGD run of every variant, at the run's δ: ``classifier_lr`` goes first in
+        ``lr_overrides`` (first match wins)."""
+        classifier = (("classifier.", self.classifier_lr),) if self.classifier_lr is not None else ()
+        return as_base(self, DPSGDConfig, delta=delta, lr_overrides=classifier + self.lr_overrides)
 
 
 DEFAULT_PRIVATE = DataSpec("digits", classes=(5, 6, 7, 8, 9))
@@ -122,7 +129,7 @@ class Config:
     public: DataSpec = field(default_factory=lambda: DataSpec("digits", classes=(0, 1, 2, 3, 4)))
     private: DataSpec = field(default_factory=lambda: DEFAULT_PRIVATE)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    finetune: DPFinetuneConfig = field(default_factory=DPFinetuneConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     # Owners' own data (instead of ``private``): each owner's images, read only by its shard
     # actors on its node; every owner declares its ``records``. ``test``: the private task's
@@ -140,6 +147,9 @@ class Config:
             return
         check_owners(self.owners, self.test, self.classes, None, needs_public=False)
         require_declared_records(self.owners)
+        if self.secure_training and self.finetune.grad_sample_mode not in ("auto", "hooks"):
+            raise ValueError("finetune: the owners' actors train data-parallel with Opacus's hooks: "
+                             "set grad_sample_mode: hooks")
         if self.private != DEFAULT_PRIVATE:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
 
@@ -183,8 +193,6 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     import torch
     from tqdm import tqdm
 
-    from conclave.learning.train_config import TrainConfig
-
     from conclave.learning.training import fit
 
     losses: list[float] = []
@@ -200,9 +208,7 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
             log.info("resumed public pre-training from %s", saved[-1])
     for epoch in tqdm(range(start, config.epochs), desc="public pre-training", disable=not progress,
                       initial=start, total=config.epochs):
-        one_epoch = TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr, seed=seed * 10_007 + epoch,
-                                optimizer=config.optimizer, momentum=config.momentum,
-                                weight_decay=config.weight_decay)
+        one_epoch = as_base(config, TrainConfig, epochs=1, seed=seed * 10_007 + epoch)
         losses += fit(model, data, one_epoch)
         last = epoch + 1 == config.epochs
         if checkpoint_dir is not None and ((epoch + 1) % config.checkpoint_every == 0 or last):
@@ -271,7 +277,7 @@ class SparseResult:
     public_dataset: str
     private_test: str
     variants: dict[str, dict[str, Any]]
-    privacy: dict[str, Any]
+    privacy: RunPrivacy
     nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
 
 
@@ -284,7 +290,6 @@ def finetune_sparsely(config: Config, results: RunDirectory, ray_address: str | 
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.learning.models import build_model
     from conclave.learning.training import evaluate
-    from conclave.privacy.accounting.ledger import PrivacyLedger
 
     embedded = start_ray(ray_address, resources=owner_resources(config.owners),
                          runtime_env=config.runtime_env, models=config.models)
@@ -314,8 +319,9 @@ def finetune_sparsely(config: Config, results: RunDirectory, ray_address: str | 
     # One actor takes a GPU when the cluster has one (train_dp then trains on it).
     gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
     variants: dict[str, dict[str, Any]] = {}
-    with PrivacyLedger(ledger_path, config.privacy.delta, config.privacy.budget_filter(planned)) as ledger, \
-            ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
+    ledger = config.privacy.with_owners(config.privacy.open_ledger(ledger_path, planned), planned, config.owners,
+                                        config.name)
+    with ledger, ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
             schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
@@ -331,10 +337,8 @@ def finetune_sparsely(config: Config, results: RunDirectory, ray_address: str | 
                 "sample_rate": schedule.sample_rate, "steps": checkpoints[-1].steps,
                 "trained_entries": plan.trained_entries, "trained_fraction": plan.trained_entries / plan.total_entries,
             }
-        privacy = {
-            **config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)), "delta": config.privacy.delta,
-            "per_variant_epsilon": {v: r["epsilon"] for v, r in variants.items()},
-            "note": "every variant fine-tuned on the same private data; the run's guarantee composes them all",
-        }
+        privacy = config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)).adding(
+            per_variant_epsilon={v: r["epsilon"] for v, r in variants.items()},
+            note="every variant fine-tuned on the same private data; the run's guarantee composes them all")
         nodes = shards.placement
     return SparseResult(public_losses, public_accuracy, public_test.name, test.name, variants, privacy, nodes)

@@ -1,6 +1,9 @@
 """Shared fixtures: one real local Ray for the whole session, on loopback, in a temp dir.
 
-MNIST lives at ../shared/data/mnist beside the project for tests that need real data.
+MNIST lives at ../shared/data/mnist beside the project for tests that need real data. The
+owners' lifetime ledgers and the driver's records of them (``$CONCLAVE_HOME``) go to a
+temporary folder of the session, set before Ray or any ``conclave`` process starts, so tests
+never touch the ledgers of the machine's user.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+os.environ["CONCLAVE_HOME"] = tempfile.mkdtemp(prefix="conclave-home-")
 MNIST_DIR = PROJECT_ROOT.parent / "shared" / "data" / "mnist"
 
 

@@ -142,7 +142,7 @@ def _teacher_ensemble(config: Any, raw: dict, prepared: Any, trial_dir: Path) ->
     for point in metrics["curve"][:-1]:
         _report(point["accuracy"], float(point["budget"].get("epsilon_spent", math.nan)), charge,
                 answered=point["answered"])
-    _report(metrics["student_accuracy"], privacy["guarantee"]["epsilon"], charge,
+    _report(metrics["student_accuracy"], privacy.epsilon, charge,
             answered=metrics["queries_answered"], asked=metrics["queries_asked"],
             label_accuracy=metrics["label_accuracy"])
 
@@ -155,7 +155,7 @@ def _near_private(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> Non
     for row in metrics["checkpoints"]:  # the DP-SGD model alone, epoch by epoch
         _report(row["test_accuracy"], row["epsilon"], charge, stage="dpsgd")
     final = metrics["results"][-1]
-    _report(final["accuracy"], privacy["per_model"]["near_private"]["epsilon"], charge, stage="near_private",
+    _report(final["accuracy"], privacy.per_model["near_private"].epsilon, charge, stage="near_private",
             n_labeled=final["n_labeled"], start_epoch=final["start_epoch"])
 
 
@@ -173,7 +173,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
     torch.set_num_threads(config.torch_threads)
     rng = np.random.default_rng(config.seed)
     public = public_side(config, rng)  # the private part is dropped
-    rows, _ = improve(config, [prepared["checkpoint"]], None, public.model_spec(config), None, public.pool_inputs,
+    rows, _, _ = improve(config, [prepared["checkpoint"]], None, public.model_spec(config), None, public.pool_inputs,
                       public.annotator, public.out_of_domain, public.test, rng, trial_dir)
     nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
     row = rows[-1]
@@ -244,13 +244,11 @@ def _report_planned_before_failing(raw: dict, trial_dir: Path) -> None:
     a zero charge when no ledger recorded anything, since nothing is released before its
     charge — so the sweep can account for it (without a report the sweep's ε is unbounded)."""
     from conclave.privacy.accounting.guarantee import worst_case_guarantee
-    from conclave.privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.accounting.ledger import read_ledger
 
     ledgers = [p for p in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite") if p.is_file()]
-    charged = False
-    for path in ledgers:
-        with PrivacyLedger.open_existing(path) as ledger:
-            charged = charged or ledger.report().charges > 0
+    # read, not opened to charge: the failed run may still hold its ledger's writer lock
+    charged = any(read_ledger(path).charges > 0 for path in ledgers)
     if not charged:
         _report(math.nan, 0.0, PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS)), failed=True)
         return
@@ -284,7 +282,7 @@ def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
     final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
     with PrivacyLedger.open_existing(run_dir.path / "ledger.sqlite") as ledger:
         charge = ledger.spent()
-    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": result.privacy["guarantee"]["epsilon"],
+    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": result.privacy.epsilon,
             "accuracy": result.checkpoints[-1]["test_accuracy"], "path": str(final)}
 
 

@@ -6,18 +6,19 @@ PrivacyCharge``: the worst case of what the run will release, from public settin
 fixes the budget's order and is the run's worst-case guarantee)."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from conclave.cluster.results import RunDirectory
+from conclave.cluster.run_privacy import RunPrivacy
+from conclave.registry import Registry
 
-PIPELINES = {
+PIPELINES: Registry[ModuleType] = Registry("pipeline", {
     "teacher_student": "conclave.cluster.pipelines.teacher_student",
     "active_learning": "conclave.cluster.pipelines.active_learning",
     "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class RunOutcome:
 
     summary: dict[str, Any]
     metrics: dict[str, Any]
-    privacy: dict[str, Any]
+    privacy: RunPrivacy
 
 
 @dataclass
@@ -40,6 +41,5 @@ class RunContext:
 
 
 def pipeline_module(name: str) -> ModuleType:
-    if name not in PIPELINES:
-        raise KeyError(f"unknown pipeline {name!r}; known: {sorted(PIPELINES)}")
-    return importlib.import_module(PIPELINES[name])
+    """The pipeline module ``name`` (``UnknownName``, a KeyError naming the known ones, if none)."""
+    return PIPELINES.load(name)

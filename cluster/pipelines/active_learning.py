@@ -12,7 +12,7 @@ __all__ = ["Config", "planned_work", "run", "validate"]
 def run(config: Config, context: RunContext) -> RunOutcome:
     result = learn_actively(config, context.results, context.ray_address)
     checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
-    context.results.write_json("privacy", privacy)
+    context.results.write_json("privacy", privacy.as_dict())
     metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": result.public_pool,
                "out_of_domain": result.out_of_domain, "labels_bought": result.labels_bought,
                "shards": {"nodes": result.nodes}}  # owner → the Ray nodes its shard actors ran on
@@ -22,8 +22,7 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
     context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)", "test accuracy")
     summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4), "epsilon_dp": round(final_epsilon, 3),
-               "guarantee": f"ε = {privacy['guarantee']['epsilon']:.3g} at δ = {config.privacy.delta:g} "
-                            f"({privacy['guarantee']['basis']}){'' if privacy['sound'] else ', NOT SOUND'}"}
+               "guarantee": privacy.headline()}
     for name in sel.strategies:
         last = [r for r in rows if r["strategy"] == name][-1]
         summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"

@@ -19,10 +19,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
         "shards": {"nodes": result.nodes},  # owner → the Ray nodes its shard actors ran on
     }
     context.results.write_json("metrics", metrics)
-    context.results.write_json("privacy", privacy)
+    context.results.write_json("privacy", privacy.as_dict())
     summary = {f"accuracy[{v}]": round(r["accuracy"], 4) for v, r in variants.items()}
     summary["public_accuracy"] = round(public_accuracy, 4)
-    guarantee = privacy["guarantee"]
-    summary["guarantee (all variants)"] = (f"ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} "
-                                           f"({guarantee['basis']}){'' if privacy['sound'] else ', NOT SOUND'}")
+    summary["guarantee (all variants)"] = privacy.headline()
     return RunOutcome(summary, metrics, privacy)

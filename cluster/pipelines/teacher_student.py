@@ -87,29 +87,16 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
         "seconds": phases,
     }
     results.write_json("metrics", metrics)
-    results.write_json("privacy", privacy)
+    results.write_json("privacy", privacy.as_dict())
     _plots(results, student.curve)
     summary = {
         "student_accuracy": round(student.accuracy, 4),
         "label_accuracy": None if student.label_accuracy is None else round(student.label_accuracy, 4),
         "queries_asked": student.asked,
         "queries_answered": student.answered,
-        "epsilon": _epsilon_line(config, privacy),
+        "epsilon": privacy.headline(),
     }
     return RunOutcome(summary, metrics, privacy)
-
-
-def _epsilon_line(config: Config, privacy: dict[str, Any]) -> str:
-    guarantee = privacy["guarantee"]
-    epsilon = guarantee["epsilon"]
-    line = (f"guarantee ε = {epsilon:.3g} at δ = {guarantee['delta']:g} ({guarantee['basis']})"
-            if epsilon != float("inf") else "guarantee ε = inf: no finite guarantee")
-    if guarantee["unsound_reasons"]:
-        line += "; NOT SOUND: " + "; ".join(guarantee["unsound_reasons"])
-    for estimate in privacy.get("estimates", []):
-        if estimate["epsilon"] is not None:
-            line += f"; {estimate['name']} estimate ε = {estimate['epsilon']:.3g} (not a DP guarantee)"
-    return line
 
 
 def _plots(results, curve: list[dict[str, Any]]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR
+from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, RunPrivacy
 from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -41,30 +41,29 @@ def start_aggregator(config: Config, pool, ledger, settings):
     return server, server.start()
 
 
-def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: np.ndarray | None) -> dict[str, Any]:
+def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: np.ndarray | None) -> RunPrivacy:
     """What a run may publish about its privacy (``privacy.json``).
 
     The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
-    report of the votes it answered: only its public view, i.e. the estimates that are not
-    computed from the private votes without a mechanism — the smooth-sensitivity release
-    (whose cost ``reserve_estimates`` charged before the first query) or NZC's claim. With
+    report of the votes it answered: only its public estimates, i.e. those not computed from
+    the private votes without a mechanism — the smooth-sensitivity release (whose cost
+    ``reserve_estimates`` charged before the first query) or NZC's claim. With
     ``aggregation: secure`` there are no votes (None): nobody saw them, so no estimate exists.
     """
     from conclave.privacy.accounting.report import vote_report
 
     planned = config.planned()
-    section: dict[str, Any] = {**config.privacy.report(planned, ledger,
-                                                       SECURE_VOTES if config.secure else TRUSTED_AGGREGATOR),
-                               "mechanism": config.vote_mechanism().describe().as_dict(),
-                               "delta": config.privacy.delta, "estimates": []}
+    report = config.privacy.report(planned, ledger, SECURE_VOTES if config.secure else TRUSTED_AGGREGATOR)
+    report = report.adding(mechanism=config.vote_mechanism().describe().as_dict())
     if config.secure:
-        section["estimates_note"] = SECURE_NO_ESTIMATES
-    elif len(votes):
-        report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
-                             config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
-                             noise=config.privacy.noise.source("smooth-sensitivity")).public()
-        section.update(estimates=report["estimates"], queries=report["queries"], answered=report["answered"])
-    return section
+        return report.adding(estimates_note=SECURE_NO_ESTIMATES)
+    if not len(votes):
+        return report
+    votes_report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
+                               config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
+                               noise=config.privacy.noise.source("smooth-sensitivity"))
+    return report.adding(tuple(e for e in votes_report.estimates if not e.private),
+                         queries=votes_report.queries, answered=votes_report.answered)
 
 
 def reserve_estimates(config: Config, ledger) -> None:
@@ -91,7 +90,7 @@ class Aggregator:
         """The budget reply clients get (``actors.labeller.BudgetStatus``)."""
         return self.server.budget()
 
-    def privacy_report(self) -> dict[str, Any]:
+    def privacy_report(self) -> RunPrivacy:
         """What the run may publish: the guarantee, the spend, and labelled estimates."""
         if self.config.secure:  # the aggregator never saw a clean vote: nothing to estimate from
             return privacy_section(self.config, self.ledger, None, None)
@@ -126,10 +125,12 @@ def serve(config: Config, ensemble: Ensemble, ledger_path: str | Path, token: st
         for stale in ledger_path.parent.glob(ledger_path.name + "*"):
             stale.unlink()
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
-    ledger = config.privacy.open_ledger(ledger_path, config.planned())
-    reserve_estimates(config, ledger)
+    planned = config.planned()
+    ledger = config.privacy.with_owners(config.privacy.open_ledger(ledger_path, planned), planned, config.owners,
+                                        config.name)
     token = token or secrets.token_urlsafe(24)
     try:
+        reserve_estimates(config, ledger)
         aggregator, address = start_aggregator(config, ensemble.pool, ledger, server_settings(config, token, **server))
     except BaseException:
         ledger.close()

@@ -118,12 +118,12 @@ def checked_public(config: Config) -> PublicData:
 
     try:
         public = public_data(config)
-        resolved(config, public)  # the models and the student fit these inputs
+        config = resolved(config, public)  # the models and the student fit these inputs
     except (ValueError, OSError) as err:
         where = "data" if not config.owners else "public/test"
         raise ConfigError(f"{where}: {err}") from err
     check_owner_columns(config.owners, public.schema.columns)
-    check_models(resolved(config, public), public)
+    check_models(config, public)
     return public
 
 
@@ -154,7 +154,8 @@ def check_models(config: Config, public: PublicData) -> None:
 
 def resolved(config: Config, public: PublicData) -> Config:
     """``config`` with what it left to the inputs filled in: the models, and for table inputs
-    a student without FixMatch (its augmentations are for images)."""
+    a student without FixMatch (its augmentations are for images). Idempotent: each library step
+    resolves the config it is given at its door, because a user may call the steps one by one."""
     from conclave.learning.models import default_model
 
     kind = "features" if config.data.features else public.schema.kind

@@ -42,9 +42,9 @@ def main() -> None:
         with serve(config, ensemble, ROOT / "results" / config.name / "ledger.sqlite") as aggregator:
             student = train_student(config, ensemble, aggregator, progress=False)
             aggregator.stop()
-            guarantee = aggregator.privacy_report()["guarantee"]
+            report = aggregator.privacy_report()  # RunPrivacy: the guarantee first
     print(f"student: {student.accuracy:.3f} test accuracy from {student.answered} of {student.asked} answered")
-    print(f"guarantee: ε = {guarantee['epsilon']:.3g} at δ = {guarantee['delta']:g} ({guarantee['basis']})")
+    print(report.headline())
 
 
 if __name__ == "__main__":

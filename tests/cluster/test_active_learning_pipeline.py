@@ -18,6 +18,8 @@ from conclave.cluster.pipelines.active_learning import run
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import load_run_config
 from conclave.learning.data import load_digits
+from conclave.learning.dp_schedule import DPSGDConfig
+from conclave.learning.train_config import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -40,6 +42,27 @@ def test_both_configs_load():
         load_run_config({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
     with pytest.raises(ConfigError, match="annotator.address"):
         load_run_config({"pipeline": "active_learning", "annotator": {"kind": "aggregator"}})
+
+
+def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
+    _, config = load_run_config({
+        "pipeline": "active_learning", "privacy": {"delta": 1e-6},
+        "dpsgd": {"lr_overrides": [["fc.", 0.8]], "max_physical_batch_size": 32, "lr_schedule": "cosine"},
+        "finetune": {"epochs": 3, "optimizer": "sgd"}})
+    dp = config.dpsgd.dp_config(config.privacy.delta)
+    assert type(dp) is DPSGDConfig and dp.delta == 1e-6
+    assert dp == DPSGDConfig(epochs=10, lr=0.5, noise_multiplier=1.1, delta=1e-6, lr_overrides=(("fc.", 0.8),),
+                             max_physical_batch_size=32, lr_schedule="cosine")
+    assert config.finetune.train_config(7) == TrainConfig(epochs=3, batch_size=32, optimizer="sgd", seed=7)
+    # δ is the privacy section's and the seed the run's: neither is a key of its own here
+    with pytest.raises(ConfigError, match=r"dpsgd: unknown key\(s\) \['delta'\]"):
+        load_run_config({"pipeline": "active_learning", "dpsgd": {"delta": 1e-6}})
+    with pytest.raises(ConfigError, match=r"finetune: unknown key\(s\) \['seed'\]"):
+        load_run_config({"pipeline": "active_learning", "finetune": {"seed": 1}})
+    with pytest.raises(ConfigError, match=r"dpsgd.lr_overrides\[0\]: expected a list of 2 items"):
+        load_run_config({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc."]]}})
+    with pytest.raises(ConfigError, match="dpsgd: learning rates must be > 0"):
+        load_run_config({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc.", 0]]}})
 
 
 def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_session, tmp_path):

@@ -92,7 +92,7 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
     from conclave.cluster.pipelines import RunContext
     from conclave.cluster.pipelines.sparse_finetune import run
-    from conclave.cluster.sparse_finetuning import Config, FinetuneConfig, PretrainConfig, validate
+    from conclave.cluster.sparse_finetuning import Config, DPFinetuneConfig, PretrainConfig, validate
     from conclave.cluster.owners import DataOwner
     from conclave.cluster.results import RunDirectory
     from conclave.learning.data import load_digits
@@ -109,14 +109,14 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
                              resources={"hospital_a" if i == 0 else "hospital_b": 1}) for i, name in enumerate(names))
     config = validate(Config(name="clinics", owners=owners, test=DataSource("npz", str(tmp_path / "test.npz"), label="y"),
                              pretrain=PretrainConfig(epochs=3),
-                             finetune=FinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
+                             finetune=DPFinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
     outcome = run(config, RunContext("clinics", RunDirectory(tmp_path / "results", "clinics")))
     variant = outcome.metrics["variants"]["classifier"]
     assert set(outcome.metrics["shards"]["nodes"]) == set(names)
     assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch
     assert variant["accuracy"] > 0.4  # five classes: chance is 0.2; runs scored 0.58–0.60
-    assert outcome.privacy["sound"] and outcome.privacy["guarantee"]["epsilon"] <= 2.05  # the target, at δ
-    assert outcome.privacy["aggregation"] == "secure"  # two owners' actors sum through the secure sum
+    assert outcome.privacy.sound and outcome.privacy.epsilon <= 2.05  # the target, at δ
+    assert outcome.privacy.trust.aggregation == "secure"  # two owners' actors sum through the secure sum
 
 
 def test_owner_inputs_of_another_shape_than_the_public_data_are_refused_in_one_line(ray_session, tmp_path):

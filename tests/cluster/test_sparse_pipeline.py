@@ -9,9 +9,11 @@ import pytest
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.pipelines import RunContext
 from conclave.cluster.pipelines.sparse_finetune import run
-from conclave.cluster.sparse_finetuning import Config, DataSpec, FinetuneConfig, ModelConfig, PretrainConfig
+from conclave.cluster.sparse_finetuning import Config, DataSpec, DPFinetuneConfig, ModelConfig, PretrainConfig
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_command import load_run_config
+from conclave.learning.dp_schedule import DPSGDConfig
+from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_rdp
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -24,8 +26,8 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
         public=DataSpec("digits", classes=(0, 1, 2, 3, 4), size=300),
         private=DataSpec("digits", classes=(5, 6, 7, 8, 9), size=300),
         pretrain=PretrainConfig(epochs=2, checkpoint_every=1),
-        finetune=FinetuneConfig(variants=("classifier", "all"), fraction=0.05, epochs=2, batch_size=60,
-                                target_epsilon=1.0),
+        finetune=DPFinetuneConfig(variants=("classifier", "all"), fraction=0.05, epochs=2, batch_size=60,
+                                  target_epsilon=1.0),
     )
     results = RunDirectory(tmp_path, "run")
     summary = run(config, RunContext("run", results)).summary
@@ -51,13 +53,13 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
     assert privacy["guarantee"]["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert privacy["spent"]["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert privacy["guarantee"]["epsilon"] > max(privacy["per_variant_epsilon"].values())
-    assert f"ε = {privacy['guarantee']['epsilon']:.4g}" in summary["guarantee (all variants)"]
+    assert f"ε = {privacy['guarantee']['epsilon']:.3g}" in summary["guarantee (all variants)"]
     assert "losses" not in metrics["variants"]["all"]  # no statistic of the private data
     assert metrics["variants"]["all"]["trained_fraction"] > metrics["variants"]["classifier"]["trained_fraction"]
 
     # A rerun resumes from the last public checkpoint instead of pre-training again.
-    rerun = Config(**{**config.__dict__, "finetune": FinetuneConfig(variants=("classifier",), epochs=1,
-                                                                   batch_size=60, target_epsilon=0.5)})
+    rerun = Config(**{**config.__dict__, "finetune": DPFinetuneConfig(variants=("classifier",), epochs=1,
+                                                                     batch_size=60, target_epsilon=0.5)})
     run(rerun, RunContext("run", results))
     again = json.loads((results.path / "metrics.json").read_text())
     assert again["public"]["losses"] == metrics["public"]["losses"]
@@ -76,3 +78,22 @@ def test_bad_config_names_the_key():
         from_dict(Config, {"finetune": {"variants": ["everything"]}})
     with pytest.raises(ConfigError, match="exactly one"):
         from_dict(Config, {"finetune": {"noise_multiplier": 1.0}})
+
+
+def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
+    config = from_dict(Config, {"privacy": {"delta": 1e-6},
+                                "pretrain": {"epochs": 2, "optimizer": "sgd", "momentum": 0.9},
+                                "finetune": {"lr_overrides": [["features.", 0.01]], "grad_sample_mode": "hooks",
+                                             "max_physical_batch_size": 16}})
+    assert config.finetune.dp_config(config.privacy.delta) == DPSGDConfig(
+        epochs=5, batch_size=128, lr=0.05, momentum=0.9, target_epsilon=1.0, delta=1e-6, grad_sample_mode="hooks",
+        lr_overrides=(("classifier.", 0.5), ("features.", 0.01)), max_physical_batch_size=16)
+    assert isinstance(config.pretrain, TrainConfig) and config.pretrain.lr == 3e-3
+    with pytest.raises(ConfigError, match=r"pretrain: unknown key\(s\) \['seed'\]"):
+        from_dict(Config, {"pretrain": {"seed": 1}})
+    with pytest.raises(ConfigError, match=r"finetune: unknown key\(s\) \['delta'\]"):
+        from_dict(Config, {"finetune": {"delta": 1e-6}})
+    with pytest.raises(ConfigError, match="classifier_lr sets the classifier's rate"):
+        from_dict(Config, {"finetune": {"lr_overrides": [["classifier.weight", 0.1]]}})
+    with pytest.raises(ConfigError, match="masks act on per-example gradients"):
+        from_dict(Config, {"finetune": {"grad_sample_mode": "ghost"}})

@@ -114,13 +114,15 @@ def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tm
     ledger = config.privacy.open_ledger(tmp_path / "ledger.sqlite", config.planned())
     result = mechanism(votes, np.random.default_rng(0))
     ledger.charge(result.charge.for_records("add-remove", "test"))
-    privacy = privacy_section(config, ledger, votes, result.labels >= 0)
+    report = privacy_section(config, ledger, votes, result.labels >= 0)
     ledger.close()
-    assert privacy["guarantee"]["epsilon"] == math.inf and privacy["guarantee"]["basis"] == "unbounded"
+    assert report.epsilon == math.inf and report.guarantee.basis == "unbounded" and not report.sound
+    assert "no finite guarantee" in report.headline() and "paper-claim estimate" in report.headline()
+    privacy = report.as_dict()  # privacy.json
     assert privacy["sound"] is False and privacy["spent"]["epsilon"] == math.inf
     (claim,) = privacy["estimates"]  # the paper's claim, beside the guarantee, labelled
     assert claim["name"] == "paper-claim" and "NOT a valid" in claim["source"]
-    assert claim["epsilon"] < 1e-6
+    assert claim["epsilon"] < 1e-6 and claim["label"] == "estimate: not a DP guarantee"
 
 
 def test_the_demo_config_file_is_the_default_config():

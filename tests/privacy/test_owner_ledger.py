@@ -1,0 +1,141 @@
+"""An owner's lifetime ledger: runs compose in it, its budget refuses what would pass it (one
+line naming the owner and what is left), it cannot be swapped for a fresh one, and what it
+records about the data stays on the owner's node."""
+from __future__ import annotations
+
+import math
+import stat
+
+import numpy as np
+import pytest
+
+from conclave.privacy.accounting.charge import REPLACE_ONE, PrivacyCharge
+from conclave.privacy.accounting.filter import RenyiFilter, rdp_budget
+from conclave.privacy.accounting.ledger import read_ledger
+from conclave.privacy.accounting.owner_ledger import (
+    DriverRecords, LedgerIdentity, LedgerMissing, OwnerBudget, OwnerLedger, check_not_missing,
+)
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
+
+
+def gaussian(sigma: float, label: str = "gnmax") -> PrivacyCharge:
+    """The RDP curve of one Gaussian release with L2 sensitivity 1: λ / (2σ²) (closed form)."""
+    return PrivacyCharge(DEFAULT_ORDERS, DEFAULT_ORDERS / (2 * sigma**2), label=label)
+
+
+@pytest.fixture
+def budget(tmp_path) -> OwnerBudget:
+    return OwnerBudget(epsilon=2.0, delta=1e-5, directory=str(tmp_path / "node_a"))
+
+
+def run(budget: OwnerBudget, name: str, charges: list[PrivacyCharge], data: tuple[str, ...] = ()) -> OwnerLedger:
+    ledger = OwnerLedger("hospital_a", budget, data)
+    ledger.open(gaussian(10.0) if not charges else charges[0], name)
+    for charge in charges:
+        assert ledger.charge(charge) is None
+    return ledger
+
+
+def test_runs_compose_in_the_owners_ledger_and_its_order_stays_the_one_fixed_at_creation(budget):
+    first = run(budget, "run-1", [gaussian(10.0)] * 3)
+    order = first.report().budget.order
+    first.close()
+    second = run(budget, "run-2", [gaussian(5.0, "dpsgd")])  # another workload: the order does not move
+    report = second.report()
+    second.close()
+    assert report.charges == 4 and report.budget.order == order
+    expected = 3 * order / (2 * 10.0**2) + order / (2 * 5.0**2)  # Σ RDP at the filter's order
+    assert report.rdp_at_budget_order == pytest.approx(expected, rel=1e-12)
+    snapshot = read_ledger(budget.ledger_path("hospital_a"))
+    assert snapshot.charges == 4
+
+
+def test_a_charge_past_the_lifetime_budget_is_refused_in_one_line_naming_the_owner(budget):
+    ledger = run(budget, "run-1", [])
+    heavy = gaussian(6.0)
+    refusals = [ledger.charge(heavy) for _ in range(40)]
+    accepted = refusals.index(next(r for r in refusals if r is not None))
+    assert ledger.refusal(heavy) == refusals[-1] and ledger.refusal(gaussian(1e6)) is None
+    report = ledger.report()
+    ledger.close()
+    assert 0 < accepted < 40 and report.charges == accepted  # a refusal records nothing
+    order = report.budget.order
+    assert accepted == math.floor(rdp_budget(2.0, 1e-5, order) / (order / 72))  # the filter's closed form
+    line = refusals[-1]
+    assert "\n" not in line and line.startswith("owner hospital_a's lifetime budget ε 2 at δ 1e-05 refuses")
+    assert f"order {order:g}" in line
+
+
+def test_the_budget_cannot_change_once_spent_on(budget, tmp_path):
+    run(budget, "run-1", [gaussian(10.0)]).close()
+    richer = OwnerBudget(epsilon=20.0, delta=1e-5, directory=budget.directory)
+    with pytest.raises(ValueError, match="lifetime budget cannot change"):
+        OwnerLedger("hospital_a", richer).open(gaussian(10.0), "run-2")
+    other_relation = OwnerBudget(epsilon=2.0, neighbouring=REPLACE_ONE, directory=budget.directory)
+    with pytest.raises(ValueError, match="budget is for replace-one neighbours"):
+        OwnerLedger("hospital_a", other_relation).open(gaussian(10.0), "run-2")
+
+
+def test_a_missing_replaced_or_shortened_ledger_with_a_record_elsewhere_is_refused(budget):
+    ledger = run(budget, "run-1", [gaussian(10.0)] * 2)
+    seen = ledger.identity()
+    ledger.close()
+    path = str(budget.ledger_path("hospital_a"))
+    records = [("hospital_b's node", seen)]
+    check_not_missing("hospital_a", path, seen, records)  # the same file: fine
+    check_not_missing("hospital_a", path, None, [])  # no record anywhere: a first run
+    with pytest.raises(LedgerMissing, match="ledger is missing, but hospital_b's node has a record of 2 charges"):
+        check_not_missing("hospital_a", path, None, records)
+    with pytest.raises(LedgerMissing, match="was replaced"):
+        check_not_missing("hospital_a", path, LedgerIdentity("hospital_a", path, "another", 2), records)
+    with pytest.raises(LedgerMissing, match="holds 1 charges but hospital_b's node has a record of 2"):
+        check_not_missing("hospital_a", path, LedgerIdentity("hospital_a", path, seen.ledger_id, 1), records)
+    # a record of a ledger elsewhere (another directory) says nothing about this one
+    check_not_missing("hospital_a", path + ".other", None, records)
+
+
+def test_peers_and_the_driver_keep_records_that_survive_the_owners_file(budget, tmp_path):
+    ledger = run(budget, "run-1", [gaussian(10.0)])
+    other = LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 3)
+    ledger.note_peers([ledger.identity(), other])
+    ledger.note_peers([LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)])
+    assert ledger.peer_records() == [LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)]
+    driver = DriverRecords(tmp_path / "driver.json")
+    driver.note([ledger.identity()])
+    ledger.close()
+    budget.ledger_path("hospital_a").unlink()
+    assert OwnerLedger("hospital_a", budget).identity() is None
+    with pytest.raises(LedgerMissing, match="the driver"):
+        check_not_missing("hospital_a", str(budget.ledger_path("hospital_a")), None,
+                          [("the driver", r) for r in driver.load()])
+
+
+def test_the_fingerprint_goes_with_each_charge_and_its_key_stays_private_on_the_node(budget, tmp_path):
+    data = tmp_path / "records.csv"
+    data.write_text("age,diagnosis\n50,1\n")
+    ledger = run(budget, "run-1", [gaussian(10.0)], (str(data),))
+    ledger.close()
+    key = budget.ledger_path("hospital_a").with_name("hospital_a.key")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    snapshot = read_ledger(budget.ledger_path("hospital_a"))
+    assert snapshot.charges == 1
+    data.write_text("age,diagnosis\n50,1\n51,0\n")  # one more record: another fingerprint, the same budget
+    again = run(budget, "run-2", [gaussian(10.0)], (str(data),))
+    report = again.report()
+    again.close()
+    assert report.charges == 2
+
+
+def test_owner_budgets_check_their_values():
+    with pytest.raises(ValueError, match="budget.epsilon"):
+        OwnerBudget(epsilon=math.inf)
+    with pytest.raises(ValueError, match="reserved_delta"):
+        OwnerBudget(epsilon=1.0, delta=1e-5, reserved_delta=1e-5)
+    with pytest.raises(ValueError, match="neighbouring"):
+        OwnerBudget(epsilon=1.0, neighbouring="swap")
+    fixed = OwnerBudget(epsilon=2.0, order=16.0)
+    assert fixed.filter(gaussian(10.0)) == RenyiFilter(2.0, 1e-5, 16.0)
+    with pytest.raises(ValueError, match="no RDP budget at order 8"):
+        OwnerBudget(epsilon=1.0, order=8.0)
+    assert np.isclose(OwnerBudget(epsilon=1.0).filter(gaussian(10.0)).rdp_budget,
+                      rdp_budget(1.0, 1e-5, OwnerBudget(epsilon=1.0).filter(gaussian(10.0)).order))
