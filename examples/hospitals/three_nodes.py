@@ -8,7 +8,8 @@ DP-SGD pipeline the same way), each
 with 1 CPU, the owner's custom resource and an ``owner`` node label — what ``ray start
 --resources ... --labels ...`` gives each owner's machine in a real deployment
 (``ray.cluster_utils.Cluster``: Ray 2.60 refuses ``ray start`` worker nodes on loopback).
-Runs the pipeline against that cluster with the owners pinned by resource and label, then
+Runs the pipeline against that cluster with the owners pinned by resource and label (each
+owner's lifetime ledger in an actor on its own node, listed by ``conclave budget``), then
 asks for an owner resource no node has. Prints one JSON line: each owner's node id, where its
 actors (teachers or DP-SGD shards) ran, which files this driver process opened (a Python audit hook sees every
 ``open``: none of an owner's), the summary and the run's wall time, and the placement error
@@ -85,7 +86,8 @@ def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | 
         outcome = pipeline.run(config, context)
         run_seconds = time.perf_counter() - started
         summary, metrics = outcome.summary, outcome.metrics
-        stranger = dataclasses.replace(owners[0], name="hospital_d", resources={"hospital_d": 1}, labels={})
+        ledgers = {name: {"node": account.node, "path": account.ledger} for name, account in outcome.privacy.owners.items()}
+        stranger = dataclasses.replace(owners[0], name="hospital_d", resources={"hospital_d": 1}, labels={}, budget=None)
         started = time.perf_counter()
         try:
             pipeline.run(dataclasses.replace(config, owners=owners + (stranger,)),
@@ -99,6 +101,8 @@ def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | 
         print(json.dumps({
             "owner_nodes": {name: node.node_id for name, node in nodes.items()},
             "actor_nodes": metrics["teachers" if "teachers" in metrics else "shards"]["nodes"],
+            "owner_ledgers": ledgers,  # each owner's lifetime ledger, in an actor on its own node
+            "budget_listing": _budget_listing(sorted({str(Path(v["path"]).parent) for v in ledgers.values()})),
             "driver_opened_owner_files": sorted({p for p in opened
                                                  if str(Path(p).resolve().parent) in owner_dirs}),
             "driver_opened_public_files": sorted({p for p in opened if p.endswith((".csv", ".parquet"))}),
@@ -117,6 +121,20 @@ def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | 
 
         ray.shutdown()
         cluster.shutdown()
+
+
+def _budget_listing(folders: list[str]) -> list[dict]:
+    """What ``conclave budget --json FOLDER...`` says of the owners' ledgers (name, spend, charges)."""
+    import contextlib
+    import io
+
+    from conclave.cluster import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["budget", "--json", *folders])
+    return [{"name": v["name"], "epsilon_spent": v["spent"]["epsilon"], "charges": v["spent"]["charges"],
+             "budget": v["budget"]["epsilon"]} for v in json.loads(out.getvalue())]
 
 
 def _listeners() -> dict[int, tuple[str, str]]:

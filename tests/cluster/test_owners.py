@@ -64,6 +64,10 @@ def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["actor_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
     assert len(set(result["owner_nodes"].values())) == 3
+    # each owner's lifetime ledger lives in an actor on its own node; `conclave budget` lists the three
+    assert {name: ledger["node"] for name, ledger in result["owner_ledgers"].items()} == result["owner_nodes"]
+    assert sorted(entry["name"] for entry in result["budget_listing"]) == sorted(result["owner_nodes"])
+    assert all(entry["charges"] > 0 and entry["budget"] == 20.0 for entry in result["budget_listing"])
     assert result["driver_opened_owner_files"] == []
     assert any(p.endswith("test.csv") for p in result["driver_opened_public_files"])  # the hook saw opens
     if actors == "teachers":
@@ -285,7 +289,7 @@ def test_the_library_example_runs_the_three_owners_without_the_cli():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert lines[0].startswith("teachers: 30 on nodes {'hospital_a': [")
-    assert lines[1].startswith("student: ") and lines[2].startswith("guarantee: ε = ")
+    assert lines[1].startswith("student: ") and lines[2].startswith("guarantee ε = ")
 
 
 @pytest.mark.slow

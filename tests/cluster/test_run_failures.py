@@ -73,8 +73,63 @@ def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_sessi
 
     assert main(["run", str(path), "--results-dir", str(results)]) == EXIT_CODES["budget"]
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "refused by its privacy ledger" in err, err
+    assert len(err.splitlines()) == 1 and "refused by a privacy ledger" in err, err
     after = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith("ledger")}
     assert after == before  # no config of the refused run beside the first run's metrics
     assert sorted(p.name for p in results.iterdir()) == ["digits-active"]
     assert json.loads((folder / "privacy.json").read_text())["spent"]["charges"] >= 1
+
+
+def test_a_damaged_durable_ledger_is_refused_in_one_line_before_ray_starts(tmp_path, capsys):
+    """The durable ledger a run would charge, one stored charge edited: exit 2, one line, no Ray."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    raw = yaml.safe_load((CONFIGS / "digits-active.yaml").read_text())
+    path = tmp_path / "digits-active.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    _, config = load_run_config(raw)
+    ledger_file = tmp_path / "results" / "digits-active" / "ledger.sqlite"
+    ledger_file.parent.mkdir(parents=True)
+    with config.privacy.open_ledger(ledger_file, planned_work(config)) as ledger:
+        ledger.charge(planned_work(config))
+    with sqlite3.connect(ledger_file) as db:  # 8 bytes of the stored curve set to zero
+        (curve,) = db.execute("SELECT rdp FROM charges WHERE id = 1").fetchone()
+        db.execute("UPDATE charges SET rdp = ? WHERE id = 1", (bytes(8) + curve[8:],))
+    code = f"""
+import sys
+from conclave.cluster.cli import main
+code = main(["run", {str(path)!r}, "--results-dir", {str(tmp_path / "results")!r}])
+print("ray" in sys.modules and sys.modules["ray"].is_initialized(), file=sys.stderr)
+sys.exit(code)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1] == "False", result.stderr  # Ray never started
+    assert lines[0].startswith("conclave: run 'digits-active' refused: ledger ") and "is damaged" in lines[0]
+    assert len(lines) == 2
+
+
+def test_serve_on_a_port_another_server_holds_or_a_ledger_another_serve_holds_fails_before_ray(tmp_path, capsys):
+    """Two `conclave serve` on one port, or on one ledger: the second fails at once, one line."""
+    import socket
+
+    import ray
+
+    from conclave.privacy.accounting.ledger import PrivacyLedger
+
+    was_running = ray.is_initialized()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = main(["serve", str(CONFIGS / "demo.yaml"), "--port", str(port), "--ledger", str(tmp_path / "l.sqlite")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"conclave: could not bind the aggregator to 127.0.0.1:{port}: the address is in use " \
+                                 "or not on this host"
+    with PrivacyLedger(tmp_path / "held.sqlite", 1e-5):  # another serve's ledger, open
+        code = main(["serve", str(CONFIGS / "demo.yaml"), "--port", "0", "--ledger", str(tmp_path / "held.sqlite")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "is in use" in err, err
+    assert ray.is_initialized() == was_running  # refused before Ray started

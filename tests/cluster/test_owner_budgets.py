@@ -1,0 +1,86 @@
+"""Owners' lifetime budgets through real runs: each owner's ledger, in an actor on its node,
+is charged by every run before anything is released; runs compose in it; an owner whose
+budget is spent stops a run before any release while the others' budgets are untouched; a
+deleted ledger with a record elsewhere is a refusal, not a fresh budget; ``conclave budget``
+lists the owners and their charges."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conclave.cluster import cli
+from conclave.cluster.config import load_yaml
+from tests.conftest import PROJECT_ROOT
+
+HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
+OWNERS = ("hospital_a", "hospital_b", "hospital_c")
+
+
+def small_hospitals(tmp_path, lifetime: dict[str, float]):
+    """The hospitals config, 5 teachers an owner, 20 queries in batches of 10 under GNMax
+    σ = 10 (RDP λ/100 an answer), each owner's ledger in a folder of its own ("its node")."""
+    raw = load_yaml(HOSPITALS)
+    for owner in raw["owners"]:
+        owner["teachers"] = 5
+        owner["budget"] = {"epsilon": lifetime[owner["name"]], "delta": 1e-5,
+                           "directory": str(tmp_path / "nodes" / owner["name"])}
+    raw["student"].update(queries=20, batch_size=10, checkpoints=[10])
+    raw["teachers"]["train"]["epochs"] = 5
+    raw["student"]["train"]["epochs"] = 5
+    path = tmp_path / "hospitals.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run(config, tmp_path, capsys, monkeypatch) -> tuple[int, str]:
+    monkeypatch.chdir(PROJECT_ROOT)
+    code = cli.main(["run", str(config), "--results-dir", str(tmp_path / "results")])
+    return code, capsys.readouterr().err
+
+
+def privacy(tmp_path) -> dict:
+    return json.loads((tmp_path / "results" / "hospitals" / "privacy.json").read_text())
+
+
+@pytest.mark.slow
+def test_runs_compose_in_each_owners_ledger_until_one_owners_budget_stops_them(ray_session, tmp_path, capsys,
+                                                                             monkeypatch):
+    # hospital_a: ε 4.5 at its order fits 45 answers (two runs of 20, not a third batch of 10)
+    config = small_hospitals(tmp_path, {"hospital_a": 4.5, "hospital_b": 50.0, "hospital_c": 50.0})
+    code, err = run(config, tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    first = privacy(tmp_path)["owners"]
+    assert set(first) == set(OWNERS)
+    assert all(first[o]["spent"]["charges"] == 2 and first[o]["spent"]["charges_before_run"] == 0 for o in OWNERS)
+    assert first["hospital_a"]["guarantee"]["epsilon"] == 4.5 and first["hospital_a"]["guarantee"]["basis"] == \
+        "renyi-filter"
+    for owner in OWNERS:  # each ledger in its own owner's folder
+        assert (tmp_path / "nodes" / owner / f"{owner}.sqlite").is_file()
+
+    code, err = run(config, tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    second = privacy(tmp_path)["owners"]
+    for owner in OWNERS:  # the second run's accounts hold the first run's charges too
+        assert second[owner]["spent"]["charges"] == 4 and second[owner]["spent"]["charges_before_run"] == 2
+        assert second[owner]["spent"]["epsilon"] > first[owner]["spent"]["epsilon"]
+
+    code, err = run(config, tmp_path, capsys, monkeypatch)
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "results" / "hospitals" / "metrics.json").read_text())
+    third = privacy(tmp_path)["owners"]
+    assert metrics["queries_answered"] == 0 and metrics["budget_exhausted"]  # refused before any release
+    assert {o: third[o]["spent"]["charges"] for o in OWNERS} == dict.fromkeys(OWNERS, 4)  # no one paid for it
+
+    code = cli.main(["budget", str(tmp_path / "nodes" / "hospital_a"), str(tmp_path / "nodes" / "hospital_b"),
+                     str(tmp_path / "nodes" / "hospital_c"), "--json"])
+    listed = json.loads(capsys.readouterr().out)
+    assert code == 0 and [v["name"] for v in listed] == list(OWNERS)
+    assert all(v["spent"]["charges"] == 4 and v["runs"] == ["hospitals"] for v in listed)
+    assert {h["what"] for h in listed[0]["history"]} == {"gnmax"}
+
+    (tmp_path / "nodes" / "hospital_a" / "hospital_a.sqlite").unlink()  # a fresh budget, by deleting it?
+    code, err = run(config, tmp_path, capsys, monkeypatch)
+    (line,) = [line for line in err.splitlines() if line.startswith("conclave:")]  # stderr also has progress bars
+    assert code == 2 and "owner hospital_a: its ledger is missing, but the driver has a record of 4 charges" in line
