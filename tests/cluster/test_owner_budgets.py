@@ -84,3 +84,28 @@ def test_runs_compose_in_each_owners_ledger_until_one_owners_budget_stops_them(r
     code, err = run(config, tmp_path, capsys, monkeypatch)
     (line,) = [line for line in err.splitlines() if line.startswith("conclave:")]  # stderr also has progress bars
     assert code == 2 and "owner hospital_a: its ledger is missing, but the driver has a record of 4 charges" in line
+
+
+@pytest.mark.slow
+def test_a_dp_sgd_run_past_one_owners_budget_is_refused_before_training_in_one_line(ray_session, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Owners with different lifetime budgets are each held to their own: hospital_b's ε 0.5
+    cannot pay for the DP-SGD schedule, so nothing is trained or released and no owner pays."""
+    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml")
+    lifetime = {"hospital_a": 50.0, "hospital_b": 0.5, "hospital_c": 50.0}
+    for owner in raw["owners"]:
+        owner["budget"] = {"epsilon": lifetime[owner["name"]], "delta": 1e-5,
+                           "directory": str(tmp_path / "nodes" / owner["name"])}
+    path = tmp_path / "hospitals-active.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code, err = run(path, tmp_path, capsys, monkeypatch)
+    (line,) = [line for line in err.splitlines() if line.startswith("conclave:")]
+    assert code == 4 and "refused by a privacy ledger: owner hospital_b's lifetime budget ε 0.5" in line, err
+    assert "left at Rényi order" in line
+    listed = {}
+    for owner in OWNERS:
+        cli.main(["budget", str(tmp_path / "nodes" / owner), "--json"])
+        (entry,) = json.loads(capsys.readouterr().out)
+        listed[owner] = entry["spent"]["charges"]
+    assert listed == dict.fromkeys(OWNERS, 0)  # checked for everyone before anyone was charged
+    assert not (tmp_path / "results" / "hospitals-active" / "checkpoints").exists()  # nothing trained
