@@ -53,6 +53,7 @@ from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.rdp import sum_charges
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +245,6 @@ class Config:
 
     def planned(self, training: PrivacyCharge) -> PrivacyCharge:
         """The worst case of the planned work: the DP-SGD run ``training`` plus NearPrivate's releases."""
-        from conclave.privacy.accounting.rdp import sum_charges
-
         return sum_charges([training, *(release.charge() for release in self.selection_releases())], label="planned")
 
 
@@ -518,9 +517,14 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
     planned = planned_work(config)
     ledger = config.privacy.with_owners(config.privacy.open_ledger(results.durable / "ledger.sqlite", planned),
                                         planned, config.owners, config.name)
+    # Earlier runs in this folder charged the same private data: the published guarantee covers
+    # them too. Every charge this pipeline makes is fixed work (a DP-SGD schedule, DP-PCA,
+    # counts), so what the ledger holds is their data-independent worst case.
+    covered = planned
     if ledger.report().charges:
-        log.warning("%s already holds %d charges from earlier runs on the same private data; they compose "
-                    "with this run's", ledger.path, ledger.report().charges)
+        log.warning("%s already holds %d charges from earlier runs on the same private data; the guarantee "
+                    "covers them with this run's", ledger.path, ledger.report().charges)
+        covered = sum_charges([ledger.spent(), planned], label="earlier runs on this ledger + planned")
     try:
         checkpoints, dp_info = _dp_checkpoints(config, shards, ledger, out, reused)
         checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon,
@@ -531,7 +535,7 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
         # 3. Strategies → labels → fine-tuning → test accuracy.
         rows, per_model, figures = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator,
                                            out_of_domain, test, rng, out)
-        privacy = config.privacy.report(planned, ledger, dp_sgd_trust(config.secure_training)).adding(
+        privacy = config.privacy.report(covered, ledger, dp_sgd_trust(config.secure_training)).adding(
             per_model=per_model, dpsgd=dp_info, **figures)
     finally:
         shards.shutdown()
@@ -564,8 +568,6 @@ class BothLedgers:
 
 def _epsilon(charges: list, delta: float) -> float:
     """ε at ``delta`` of work fixed in advance whose charges are ``charges`` (its worst-case guarantee)."""
-    from conclave.privacy.accounting.rdp import sum_charges
-
     return float(worst_case_guarantee(sum_charges(charges), delta).epsilon)
 
 

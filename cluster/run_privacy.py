@@ -103,14 +103,17 @@ class PrivacyConfig:
         return run_guarantee(planned, self.delta, self.budget_filter(planned), reasons)
 
     def report(self, planned: PrivacyCharge, ledger: PrivacyLedger | RunLedger, trust: TrustModel) -> RunPrivacy:
-        """What every run reports about its privacy: the guarantee, who saw what, what was
-        planned, what the ledger holds, and each budgeted owner's lifetime account (the
-        pipeline adds its own releases)."""
+        """What every run reports about its privacy: the guarantee (the better of the budget
+        ``ledger`` enforces and the worst case of ``planned``, which must cover everything the
+        ledger holds), who saw what, what was planned, what the ledger holds, and each budgeted
+        owner's lifetime account (the pipeline adds its own releases)."""
         owners = {}
         if isinstance(ledger, RunLedger):
             owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name])
                       for name, report in ledger.owner_reports().items()}
-        return RunPrivacy(self.guarantee(planned), trust, worst_case_guarantee(planned, self.delta), planned.label,
+        reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
+        guarantee = run_guarantee(planned, self.delta, ledger.budget, reasons)  # the filter the ledger enforces
+        return RunPrivacy(guarantee, trust, worst_case_guarantee(planned, self.delta), planned.label,
                           ledger.report(), owners=owners)
 
 

@@ -133,3 +133,23 @@ def test_serve_on_a_port_another_server_holds_or_a_ledger_another_serve_holds_fa
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "is in use" in err, err
     assert ray.is_initialized() == was_running  # refused before Ray started
+
+
+def test_a_second_run_on_the_same_durable_ledger_publishes_a_guarantee_covering_both(ray_session, tmp_path):
+    raw = yaml.safe_load((CONFIGS / "digits-active.yaml").read_text())
+    raw["dpsgd"].update(epochs=2, noise_multiplier=1.0, target_epsilon=None)
+    raw["selection"].update(strategies=["random"], sizes=[20])
+    raw["finetune"].update(epochs=1)
+    raw["privacy"]["budget"] = None  # the guarantee is then the worst case of what the ledger holds
+    path = tmp_path / "digits-active.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    _, config = load_run_config(raw)
+    planned = planned_work(config)
+    results = tmp_path / "results"
+    epsilons = []
+    for _ in range(2):
+        assert main(["run", str(path), "--results-dir", str(results)]) == 0
+        epsilons.append(json.loads((results / "digits-active" / "privacy.json").read_text())["guarantee"]["epsilon"])
+    once = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
+    twice = epsilon_from_rdp(planned.orders, 2 * np.asarray(planned.rdp), 1e-5)[0]
+    assert epsilons == [pytest.approx(once, rel=1e-9), pytest.approx(twice, rel=1e-9)]
