@@ -204,7 +204,8 @@ class RunPrivacy:
                                    releases={**self.releases, **releases})
 
     def headline(self) -> str:
-        """One line: the guarantee, why it is not sound if it is not, and the estimates, labelled."""
+        """One line: the run's guarantee, why it is not sound if it is not, and the estimates,
+        labelled (owners' lifetime accounts: ``owners_line``)."""
         g = self.guarantee
         line = (f"guarantee ε = {g.epsilon:.3g} at δ = {g.delta:g} ({g.basis})" if math.isfinite(g.epsilon)
                 else "guarantee ε = inf: no finite guarantee")
@@ -213,9 +214,11 @@ class RunPrivacy:
         for estimate in self.estimates:
             if estimate.epsilon is not None:
                 line += f"; {estimate.name} estimate ε = {estimate.epsilon:.3g} (not a DP guarantee)"
-        for name, account in self.owners.items():
-            line += f"; {name}: {account.headline()}"
         return line
+
+    def owners_line(self) -> str:
+        """One line: each budgeted owner's lifetime guarantee and how much of it is spent."""
+        return "; ".join(f"{name}: {account.headline()}" for name, account in self.owners.items())
 
     def as_dict(self) -> dict[str, Any]:
         spent = self.spent
@@ -267,9 +270,8 @@ class OwnerAccountReport:
                    report.charges, at_start.charges, report.remaining_rdp, at_start.path, node)
 
     def headline(self) -> str:
-        return (f"lifetime guarantee ε = {self.guarantee.epsilon:g} at δ = {self.guarantee.delta:g} over "
-                f"{self.charges} charges ({self.charges_before_run} before this run; realised spend ε = "
-                f"{self.spent_epsilon:.3g})")
+        return (f"ε {self.guarantee.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {self.charges} charges "
+                f"({self.charges_before_run} before this run)")
 
     def as_dict(self) -> dict[str, Any]:
         return {"guarantee": self.guarantee.as_dict(), "covers": LIFETIME_COVERS,

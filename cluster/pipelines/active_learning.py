@@ -26,6 +26,8 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     for name in sel.strategies:
         last = [r for r in rows if r["strategy"] == name][-1]
         summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
+    if privacy.owners:
+        summary["owners (lifetime budgets)"] = privacy.owners_line()
     return RunOutcome(summary, metrics, privacy)
 
 

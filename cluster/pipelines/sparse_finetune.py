@@ -23,4 +23,6 @@ def run(config: Config, context: RunContext) -> RunOutcome:
     summary = {f"accuracy[{v}]": round(r["accuracy"], 4) for v, r in variants.items()}
     summary["public_accuracy"] = round(public_accuracy, 4)
     summary["guarantee (all variants)"] = privacy.headline()
+    if privacy.owners:
+        summary["owners (lifetime budgets)"] = privacy.owners_line()
     return RunOutcome(summary, metrics, privacy)

@@ -96,6 +96,8 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
         "queries_answered": student.answered,
         "epsilon": privacy.headline(),
     }
+    if privacy.owners:
+        summary["owners (lifetime budgets)"] = privacy.owners_line()
     return RunOutcome(summary, metrics, privacy)
 
 
