@@ -37,6 +37,7 @@ from conclave.cluster.results import _jsonable
 from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
+from conclave.privacy.accounting.composition import PublishedRun
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 from conclave.privacy.mechanisms.base import parameters_of
 
@@ -58,6 +59,22 @@ class OwnerCounts:
     name: str
     teachers: int | None  # teacher_student only
     records: int | None  # declared (a public upper bound)
+    lifetime: float | None = None  # the owner's lifetime ε, if it declares one
+    runs_per_lifetime: int | None = None  # runs like this one a fresh lifetime ledger pays for
+
+
+def owner_counts(owner: Any, teachers: int | None, config: Any, planned: PrivacyCharge) -> OwnerCounts:
+    """What ``owner`` declares, and how many runs like this one its lifetime budget pays for
+    from a fresh ledger (whose order a first run fixes): each run's bound at that order is its
+    planned worst case, lowered to its own budget (``privacy.accounting.composition``). An
+    existing ledger's order and spend are on the owner's node: ``conclave budget`` there."""
+    if owner.budget is None:
+        return OwnerCounts(owner.name, teachers, owner.records)
+    lifetime = owner.budget.filter(planned)
+    bound = PublishedRun(config.name, planned, config.privacy.budget_filter(planned)).bound()
+    per_run = float(bound.rdp[order_index(lifetime.order, bound.orders)])
+    runs = MAX_ANSWERS if per_run <= 0 else int(lifetime.rdp_budget // per_run)
+    return OwnerCounts(owner.name, teachers, owner.records, owner.budget.epsilon, runs)
 
 
 @dataclass(frozen=True)
@@ -227,7 +244,7 @@ def _teacher_student(path: str, config: Any) -> Plan:
     module = pipeline_module("teacher_student")
     planned = module.planned_work(config)
     guarantee = config.privacy.guarantee(planned)
-    owners = tuple(OwnerCounts(o.name, o.teachers, o.records) for o in config.owners)
+    owners = tuple(owner_counts(o, o.teachers, config, planned) for o in config.owners)
     if owners:
         records = None if any(o.records is None for o in owners) else sum(o.records for o in owners)
     else:
@@ -323,7 +340,7 @@ def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
     guarantee = config.privacy.guarantee(planned)
     dp = getattr(config, section)
     schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training)
-    counts = Counts(tuple(OwnerCounts(o.name, None, o.records) for o in config.owners), None, config.private_size)
+    counts = Counts(tuple(owner_counts(o, None, config, planned) for o in config.owners), None, config.private_size)
     steps_per_epoch = round(1 / schedule.sample_rate)
     how = f"calibrated to target ε {dp.target_epsilon:g}" if dp.target_epsilon is not None else "configured"
     work = (f"DP-SGD on N = {config.private_size} declared records, expected batch {dp.batch_size}: q = "
@@ -383,6 +400,9 @@ def summary(plan: Plan) -> str:
     for owner in counts.owners:
         parts = ([f"{owner.teachers} teachers"] if owner.teachers is not None else []) + \
             [f"{owner.records} records" if owner.records is not None else "records not declared"]
+        if owner.lifetime is not None:
+            parts.append(f"lifetime ε {owner.lifetime:g}: pays for {owner.runs_per_lifetime} runs like this one "
+                         "from a fresh ledger")
         lines.append(f"              {owner.name}: {', '.join(parts)}")
     guarantee = plan.guarantee
     lines += [f"  work        {plan.work}",

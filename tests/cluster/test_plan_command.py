@@ -111,6 +111,24 @@ def test_what_the_budget_admits_is_what_a_real_ledger_admits(tmp_path):
     assert epsilons[1] > epsilons[0] > epsilons[2] > epsilons[3]  # σ ×0.75, ×1.5, ×2
 
 
+def test_the_runs_an_owners_lifetime_budget_pays_for_are_what_its_real_ledger_admits(tmp_path):
+    from conclave.privacy.accounting.owner_ledger import OwnerBudget, OwnerLedger
+
+    raw = load_yaml(ROOT / "configs" / "hospitals.yaml")
+    plan = _plan(raw, tmp_path)
+    _, config = load_run_config(raw)
+    planned = config.planned()
+    budget = OwnerBudget(epsilon=20.0, directory=str(tmp_path / "node"))
+    ledger = OwnerLedger("hospital_a", budget)
+    ledger.open(planned, "plan-check")  # a fresh ledger: its order is fixed from this run's plan
+    runs = 0
+    while ledger.charge(planned) is None:  # every run's worst case (all 40 answered, under its ε 5 budget)
+        runs += 1
+    ledger.close()
+    owners = {o["name"]: o for o in plan["counts"]["owners"]}
+    assert owners["hospital_a"]["lifetime"] == 20.0 and owners["hospital_a"]["runs_per_lifetime"] == runs == 13
+
+
 def test_epochs_that_fit_the_budget_match_the_ledger(tmp_path):
     raw = load_yaml(ROOT / "configs" / "hospitals-active.yaml")
     pipeline, config = load_run_config(raw)
