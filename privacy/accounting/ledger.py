@@ -358,9 +358,15 @@ class PrivacyLedger:
                     self.db.execute("COMMIT")
                     return
                 except sqlite3.Error:
-                    self.db.execute("ROLLBACK")
+                    self._rollback()
                     raise
-            self.db.execute("ROLLBACK")
+            self._rollback()
+
+        def _rollback(self) -> None:
+            # SQLite may have rolled back already (a full disk): a second ROLLBACK would raise
+            # "no transaction is active" and hide the error that caused it.
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
 
     def _transaction(self, write: bool = True) -> PrivacyLedger._Txn:
         return PrivacyLedger._Txn(self._connection(), write)
