@@ -6,21 +6,31 @@ Here an open stream costs an asyncio task, not a thread; the blocking work — h
 waiting for the teachers' votes, charging the SQLite ledger — runs in a bounded pool of
 label threads, and budget reads in a pool of their own, so GetBudget answers while every
 label thread waits on the teachers. On top of that, every limit is explicit: label calls
-beyond ``label_workers + max_queued`` are told UNAVAILABLE at once, open LabelStreams and
-unauthenticated calls (health, reflection) are capped, a stream idle for
-``stream_idle_timeout`` seconds is closed, keepalive pings find dead peers, and the largest
-message the port accepts follows from the input shape and ``max_batch``.
+beyond ``label_workers + max_queued`` are told UNAVAILABLE at once; every long-lived
+(streaming) call of every service is capped per method, in total and per client address (half
+the total each, so one address never holds them all): LabelStreams at ``max_streams``
+(UNAVAILABLE beyond, as the proto says), health ``Watch`` and reflection streams, which anyone
+may open, at ``max_unauthenticated`` (RESOURCE_EXHAUSTED beyond). Short unary calls — health
+``Check``, ``Label``, ``GetBudget`` — never count against those caps, so no number of open
+streams refuses them. A stream idle for ``stream_idle_timeout`` seconds is closed, and a
+``Watch`` (which sends no requests to be idle between) after that long open: the client
+watches again. Keepalive pings find dead peers, and the largest message the port accepts
+follows from the input shape and ``max_batch``.
 
 One meaning per status code (the proto file lists them). Requests are read as raw bytes and
 parsed here, so an undecodable message is INVALID_ARGUMENT with a short message and one
-rate-limited log line, not a traceback. RESOURCE_EXHAUSTED means the privacy budget and
-nothing else; its trailing metadata says so (``conclave-reason: privacy-budget``), which is
-what ``cluster.client.is_budget_refusal`` checks. (A message over the port's size limit
-gets gRPC's own RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest
-batch the server accepts, so a well-formed client never meets it.)
+rate-limited log line, not a traceback; so is every per-call failure (``RateLimitedLog``: a
+full disk fails every call alike, and only the first line carries a traceback). On the
+Aggregator service RESOURCE_EXHAUSTED means the privacy budget and nothing else; its trailing
+metadata says so (``conclave-reason: privacy-budget``), which is what
+``cluster.client.is_budget_refusal`` checks. (A message over the port's size limit gets
+gRPC's own RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest batch the
+server accepts, so a well-formed client never meets it.)
 
 Health is SERVING while the operator has marked the teachers ready and every teacher can
-vote: a failed vote turns it NOT_SERVING at once, and a watcher asks the vote source until
+vote: a failed vote — a teacher's error, or no votes within the vote source's deadline
+(``TeacherPool.vote_timeout_s``, below the client's) — fails the call UNAVAILABLE with nothing
+charged and turns health NOT_SERVING at once, and a watcher asks the vote source until
 it recovers (teacher actors restart and reload their saved models, ``actors.teacher``).
 
 Bearer-token authentication (the scheme matched case-insensitively, RFC 6750), TLS and
@@ -35,6 +45,7 @@ import inspect
 import ipaddress
 import logging
 import math
+import socket
 import threading
 import time
 from concurrent import futures
@@ -54,6 +65,7 @@ from conclave.actors.labeller import (
     BudgetStatus,
     InvalidInput,
     LabelOutcome,
+    RateLimitedLog,
     SecureVoteSource,
     TeachersUnavailable,
     VoteSource,
@@ -95,8 +107,9 @@ class ServerSettings:
     allow_plaintext: bool = False
     label_workers: int = 8  # threads doing label work (each may wait on the teachers)
     max_queued: int = 64  # label calls waiting for a thread; more → UNAVAILABLE
-    max_streams: int = 64  # LabelStreams open at once; more → UNAVAILABLE
-    max_unauthenticated: int = 32  # health and reflection calls open at once; more → UNAVAILABLE
+    max_streams: int = 64  # LabelStreams open at once (half per client address); more → UNAVAILABLE
+    max_unauthenticated: int = 32  # health Watch streams open at once, and reflection streams (half per
+    # client address); more → RESOURCE_EXHAUSTED. Unary health Check calls are never capped.
     stream_idle_timeout: float = 60.0  # seconds a stream may wait for its next request
     health_interval: float = 2.0  # seconds between checks that every teacher can vote
 
@@ -132,13 +145,21 @@ class ServerSettings:
 
 
 def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``: addresses other machines cannot reach."""
-    if host == "localhost":
-        return True
+    """True when every address ``host`` resolves to is a loopback one (127.0.0.0/8, ::1), as
+    the server would bind it: ``localhost``, ``127.1``, ``[::1]``. By address family, not by
+    spelling; a host that does not resolve is not known to be loopback."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
+        resolved = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):  # socket.gaierror; a name too long for IDNA
         return False
+    addresses = [ipaddress.ip_address(address[4][0].split("%")[0]) for address in resolved]
+    return bool(addresses) and all(_unmapped(address).is_loopback for address in addresses)
+
+
+def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``::ffff:127.0.0.1`` as the IPv4 address it carries."""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
 
 
 class AggregatorServer:
@@ -280,24 +301,6 @@ class AggregatorServer:
         log.info("aggregator on %s stopped", self._address)
 
 
-class _RateLimitedLog:
-    """At most one log line per ``interval`` seconds per kind, with the count of those left out."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def __call__(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -math.inf) < self._interval:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        skipped = self._suppressed.pop(kind, 0)
-        self._last[kind] = now
-        log.info(message + (f" (and {skipped} more since the last line)" if skipped else ""), *args)
-
-
 class _Service:
     """The asyncio gRPC server of one ``AggregatorServer``, on an event loop in its own thread.
 
@@ -312,8 +315,8 @@ class _Service:
         self._thread = threading.Thread(target=self._loop.run_forever, name="aggregator-grpc", daemon=True)
         self._label_pool = futures.ThreadPoolExecutor(settings.label_workers, thread_name_prefix="aggregator-label")
         self._budget_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="aggregator-budget")
-        self._label_calls = self._open_streams = self._open_unauthenticated = 0
-        self._rejections = _RateLimitedLog()
+        self._label_calls = 0
+        self._rejections = RateLimitedLog(log)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         example = math.prod(owner.input_shape) * INPUT_DTYPE.itemsize
@@ -353,7 +356,7 @@ class _Service:
     async def _start(self) -> int:
         settings = self._settings
         server = grpc.aio.server(
-            interceptors=[_Gatekeeper(settings.token, settings.max_unauthenticated, settings.stream_idle_timeout)],
+            interceptors=[_Gatekeeper(settings, self._rejections)],
             options=[
                 ("grpc.max_receive_message_length", self.max_message),
                 ("grpc.max_send_message_length", 4 * settings.max_batch * 8 + (1 << 20)),
@@ -407,15 +410,9 @@ class _Service:
         return await self._answer(raw, context, "Label")
 
     async def _label_stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
-        if self._open_streams >= self._settings.max_streams:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"this server has {self._open_streams} streams open, its limit; retry later")
-        self._open_streams += 1
-        try:
-            async for raw in _idle_limited(requests, self._settings.stream_idle_timeout, context):
-                yield await self._answer(raw, context, "LabelStream")
-        finally:
-            self._open_streams -= 1
+        # Counted and idle-limited by the _Gatekeeper, like every stream.
+        async for raw in requests:
+            yield await self._answer(raw, context, "LabelStream")
 
     async def _get_budget(self, raw: bytes, context: grpc.aio.ServicerContext) -> aggregator_pb2.BudgetReply:
         status = await self._loop.run_in_executor(self._budget_pool, self._owner.budget)
@@ -446,8 +443,9 @@ class _Service:
                                 trailing_metadata=((REASON_KEY, BUDGET_REASON),))
         except TeachersUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except Exception:  # a bug must not look like a client error, nor leak internals
-            log.exception("%s failed", method)
+        except Exception as err:  # a bug or a failing disk must not look like a client error, nor leak internals
+            self._rejections("internal", "%s failed: %s", method, type(err).__name__, level=logging.ERROR,
+                             exc_info=err)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the aggregator (see its log)")
         finally:
             self._label_calls -= 1
@@ -488,25 +486,70 @@ async def _idle_limited(requests: AsyncIterator[Any], timeout: float, context: g
         yield request
 
 
-class _Gatekeeper(grpc.aio.ServerInterceptor):
-    """Aggregator calls need the bearer token; the open services (health, reflection) are
-    capped in number and their streams in idle time, so they can never crowd out the work."""
+class _StreamSlots:
+    """The long-lived calls of one method open now, in total and per client address; only
+    touched on the event loop."""
 
-    def __init__(self, token: str | None, max_open: int, idle_timeout: float) -> None:
-        self._expected = token.encode() if token else None
-        self._protected = f"/{SERVICE_NAME}/"
-        self._max_open = max_open
-        self._idle_timeout = idle_timeout
+    def __init__(self, total: int, refusal: grpc.StatusCode) -> None:
+        self.total = total
+        self.per_peer = max(1, math.ceil(total / 2))  # one address never holds them all
+        self.refusal = refusal
         self._open = 0
+        self._by_peer: dict[str, int] = {}
+
+    def take(self, peer: str) -> str | None:
+        """Take a slot for ``peer`` (an address); the refusal message when none is free."""
+        mine = self._by_peer.get(peer, 0)
+        if mine >= self.per_peer:
+            return f"{mine} of these streams are open from your address, its limit; close one or retry later"
+        if self._open >= self.total:
+            return f"{self._open} of these streams are open, this server's limit; retry later"
+        self._open += 1
+        self._by_peer[peer] = mine + 1
+        return None
+
+    def give_back(self, peer: str) -> None:
+        self._open -= 1
+        left = self._by_peer.pop(peer) - 1
+        if left:
+            self._by_peer[peer] = left
+
+
+def _peer_address(peer: str) -> str:
+    """The client's address in gRPC's peer string, without its port (``ipv4:127.0.0.1:5050``,
+    ``ipv6:[::1]:5050``): what a per-client limit counts."""
+    family, _, rest = peer.partition(":")
+    if family == "ipv4":
+        return rest.rpartition(":")[0]
+    if family == "ipv6":
+        return rest.rpartition("]")[0].lstrip("[")
+    return peer  # unix sockets: every client is this host
+
+
+class _Gatekeeper(grpc.aio.ServerInterceptor):
+    """Aggregator calls need the bearer token; every streaming call of every service is capped
+    per method, in total and per client address, and limited in idle time (or, when it sends
+    no requests, in age), so open streams can never crowd out the work or a health check."""
+
+    def __init__(self, settings: ServerSettings, rejections: RateLimitedLog) -> None:
+        self._expected = settings.token.encode() if settings.token else None
+        self._protected = f"/{SERVICE_NAME}/"
+        self._settings = settings
+        self._rejections = rejections
+        self._slots: dict[str, _StreamSlots] = {}  # by method
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
             return None
-        if details.method.startswith(self._protected):
+        protected = details.method.startswith(self._protected)
+        if protected:
             problem = self._token_problem(details.invocation_metadata or ())
-            return handler if problem is None else _replaced(handler, _refuse(grpc.StatusCode.UNAUTHENTICATED, problem))
-        return _replaced(handler, self._bounded(_behaviour(handler), handler.request_streaming))
+            if problem is not None:
+                return _replaced(handler, _refuse(grpc.StatusCode.UNAUTHENTICATED, problem))
+        if not (handler.request_streaming or handler.response_streaming):
+            return handler  # short: never refused for the streams others hold open
+        return _replaced(handler, self._bounded(details.method, protected, handler))
 
     def _token_problem(self, metadata) -> str | None:
         if self._expected is None:
@@ -521,24 +564,47 @@ class _Gatekeeper(grpc.aio.ServerInterceptor):
             return None
         return "invalid bearer token"
 
-    def _bounded(self, behaviour: Callable, request_streaming: bool) -> Callable:
+    def _slots_for(self, method: str, protected: bool) -> _StreamSlots:
+        if method not in self._slots:
+            settings = self._settings
+            # LabelStream's limit is UNAVAILABLE, as the proto says; the open services' RESOURCE_EXHAUSTED.
+            self._slots[method] = (_StreamSlots(settings.max_streams, grpc.StatusCode.UNAVAILABLE) if protected
+                                   else _StreamSlots(settings.max_unauthenticated, grpc.StatusCode.RESOURCE_EXHAUSTED))
+        return self._slots[method]
+
+    def _bounded(self, method: str, protected: bool, handler: grpc.RpcMethodHandler) -> Callable:
+        slots, behaviour = self._slots_for(method, protected), _behaviour(handler)
+        timeout, request_streaming = self._settings.stream_idle_timeout, handler.request_streaming
+
         async def bounded(request_or_iterator, context):
-            if self._open >= self._max_open:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "too many open health/reflection calls; retry later")
-            self._open += 1
+            peer = _peer_address(context.peer())
+            refused = slots.take(peer)
+            if refused is not None:
+                self._rejections("streams", "%s from %s refused: %s", method, context.peer(), refused)
+                await context.abort(slots.refusal, refused)
             try:
                 if request_streaming:
-                    request_or_iterator = _idle_limited(request_or_iterator, self._idle_timeout, context)
-                result = behaviour(request_or_iterator, context)
-                if inspect.isasyncgen(result):  # a streaming handler written as a generator
-                    async for reply in result:
-                        await context.write(reply)
-                    return None
-                return await result if inspect.isawaitable(result) else result
+                    return await _run(behaviour, _idle_limited(request_or_iterator, timeout, context), context)
+                try:  # no requests to be idle between (health Watch): its age is limited instead
+                    async with asyncio.timeout(timeout):
+                        return await _run(behaviour, request_or_iterator, context)
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"open for {timeout:g} s: this stream is closed, call again")
             finally:
-                self._open -= 1
+                slots.give_back(peer)
 
         return bounded
+
+
+async def _run(behaviour: Callable, request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    """Run a handler's behaviour to its end, whichever way it was written."""
+    result = behaviour(request_or_iterator, context)
+    if inspect.isasyncgen(result):  # a streaming handler written as a generator
+        async for reply in result:
+            await context.write(reply)
+        return None
+    return await result if inspect.isawaitable(result) else result
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:

@@ -8,10 +8,13 @@ refusing any that does not count every teacher (no answer from a partial ensembl
 in the same transaction, and only then (5) commits the mechanism's state and releases the
 labels. A refused charge releases, records, charges and advances nothing.
 
-Answers live in the ledger file, so a restarted service repeats them, free and identical.
-Once the budget is spent, a batch still gets the answers it has on record; its new inputs
-are marked refused (``LabelOutcome.refused``), and a batch with nothing on record is refused
-whole (``BudgetExceeded``).
+Answers live in the ledger file, so a restarted service repeats them, free and identical
+(and the answered/abstained counters start from them). A batch whose new inputs the budget
+cannot all pay for is answered up to what it pays: the longest prefix of its new inputs whose
+worst-case charge the ledger accepts (worst cases depend on the count alone, so finding it
+reveals nothing private); the rest are marked refused (``LabelOutcome.refused``), and so are
+all of them once the budget is spent, while inputs on record still get their answers. A batch
+of which nothing is on record and no new input fits is refused whole (``BudgetExceeded``).
 
 The mechanisms' charges hold for one teacher's vote; the vote source states the record-level
 relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), and the
@@ -31,9 +34,11 @@ alone is charged, since its noised totals were seen here.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,6 +96,32 @@ class TeachersUnavailable(RuntimeError):
     """The vote source is not ready or failed to vote."""
 
 
+class RateLimitedLog:
+    """Log lines of per-request failures, at most one per ``interval`` seconds per kind, each
+    with the count of those left out; only the first line of a kind carries its traceback.
+    (On a full disk every call fails: a traceback each made 12,625 lines for 407 calls.)"""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._lock = threading.Lock()  # called from the label threads and the event loop
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, kind: str, message: str, *args: Any, level: int = logging.INFO,
+                 exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            first = kind not in self._last
+            if not first and now - self._last[kind] < self._interval:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            skipped = self._suppressed.pop(kind, 0)
+            self._last[kind] = now
+        suffix = f" (and {skipped} more since the last line)" if skipped else ""
+        self._logger.log(level, message + suffix, *args, exc_info=exc_info if first else None)
+
+
 def _clip(text: str, limit: int = 40) -> str:
     """A client's string as it may appear in an error message: short, printable."""
     text = text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
@@ -145,8 +176,8 @@ def input_keys(inputs: np.ndarray) -> list[bytes]:
 @dataclass(frozen=True)
 class LabelOutcome:
     """What one batch got: a label per input (``ABSTAIN`` = -1 where the mechanism declined
-    or the budget refused), and which inputs the budget refused (new inputs in a batch
-    answered partly from the record after the budget was spent)."""
+    or the budget refused), and which inputs the budget refused (new inputs beyond what the
+    remaining budget pays)."""
 
     labels: np.ndarray  # int64 [batch]
     refused: np.ndarray  # bool [batch]
@@ -216,14 +247,18 @@ class PrivateLabeller:
         self._answers: dict[bytes, int] = ledger.answers()
         self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
         self._guarantee: Guarantee | None = None
-        self._counters = _Counters()
+        self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
+        # Counters of distinct inputs survive a restart: they are counted from the answers on record.
+        on_record = np.fromiter(self._answers.values(), dtype=np.int64, count=len(self._answers))
+        abstained = int((on_record == ABSTAIN).sum())
+        self._counters = _Counters(answered=len(on_record) - abstained, abstained=abstained)
         if self._answers:
             log.info("%d answers on record in %s: repeated inputs get them again, free", len(self._answers), ledger.path)
 
     def label(self, inputs: np.ndarray) -> LabelOutcome:
-        """Labels for validated float32 inputs [batch, *input_shape]; ``BudgetExceeded`` when
-        the budget cannot pay for the batch's new inputs and none of it is on record,
-        ``TeachersUnavailable`` when the teachers cannot vote."""
+        """Labels for validated float32 inputs [batch, *input_shape], new inputs answered up to
+        what the budget pays (the rest refused); ``BudgetExceeded`` when it pays for none of
+        them and none of the batch is on record, ``TeachersUnavailable`` when the teachers cannot vote."""
         keys = input_keys(inputs)
         with self._lock:
             fresh = self._unanswered(keys)
@@ -242,11 +277,12 @@ class PrivateLabeller:
         return LabelOutcome(labels, refused)
 
     def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> int:
-        """Answer the inputs not on record (first row of each key); returns how many were answered."""
-        worst = self._worst_case(len(fresh))
-        # Data-independent early refusal: no point asking teachers for votes we may not release.
-        self._require_affordable(worst, len(fresh))
-        fresh_votes = self._teacher_votes(inputs[list(fresh.values())], len(fresh))
+        """Answer the inputs not on record (first row of each key), up to what the budget pays;
+        returns how many were answered."""
+        # Data-independent early sizing: no point asking teachers for votes we may not release.
+        count = self._affordable(len(fresh))
+        fresh = dict(itertools.islice(fresh.items(), count))
+        fresh_votes = self._teacher_votes(inputs[list(fresh.values())], count)
         with self._lock:
             return self._answer_fresh(fresh, fresh_votes)
 
@@ -258,14 +294,30 @@ class PrivateLabeller:
                 fresh[key] = row
         return fresh
 
-    def _require_affordable(self, worst: PrivacyCharge, count: int) -> None:
-        refused = self.ledger.refusal(worst)
+    def _affordable(self, count: int) -> int:
+        """How many of ``count`` new inputs the ledger pays for now in the worst case (the longest
+        prefix), or ``BudgetExceeded`` when not one. Worst cases depend on the count alone and grow
+        with it, so a bisection on the count finds it and reveals nothing private."""
+        refused = self.ledger.refusal(self._worst_case(count))
         if refused is None:
-            return
+            return count
+        paid, unpaid = 0, count
+        while unpaid - paid > 1:
+            middle = (paid + unpaid) // 2
+            if self.ledger.can_afford(self._worst_case(middle)):
+                paid = middle
+            else:
+                unpaid = middle
+        if paid == 0:
+            raise self._exhausted(refused, count)
+        log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
+        return paid
+
+    def _exhausted(self, refused: str, count: int) -> BudgetExceeded:
         if refused.startswith("owner "):  # an owner's lifetime budget (``privacy.accounting.run_ledger``)
-            raise BudgetExceeded(f"privacy budget exhausted: labelling {count} new inputs: {refused}")
+            return BudgetExceeded(f"privacy budget exhausted: labelling {count} new inputs: {refused}")
         report = self.ledger.report()
-        raise BudgetExceeded(
+        return BudgetExceeded(
             f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
             f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
         )
@@ -274,29 +326,34 @@ class PrivateLabeller:
         try:
             votes = np.asarray(self.vote_source.votes(inputs))
         except Exception as err:  # teachers' failures must not leak their details to clients
-            log.warning("vote source failed: %s", type(err).__name__)
+            # A missed deadline (``TeacherPool.vote_timeout_s``) says which; other errors only their type.
+            self._failures("votes", "vote source failed: %s", err if isinstance(err, TimeoutError)
+                           else type(err).__name__, level=logging.WARNING)
             raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
         if votes.ndim != 2 or votes.shape[0] != count or not np.issubdtype(votes.dtype, np.integer) or (votes < 0).any():
-            log.error("vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count)
+            self._failures("malformed", "vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count,
+                           level=logging.ERROR)
             raise TeachersUnavailable("teachers returned malformed vote histograms")
         teachers = getattr(self.vote_source, "num_teachers", None)
         if teachers is not None and (votes.sum(axis=1) != teachers).any():
             # The charges assume the whole ensemble voted; a partial one must never answer.
-            log.error("vote histograms count %s votes, not %d", np.unique(votes.sum(axis=1)).tolist(), teachers)
+            self._failures("partial", "vote histograms count %s votes, not %d",
+                           np.unique(votes.sum(axis=1)).tolist(), teachers, level=logging.ERROR)
             raise TeachersUnavailable("not every teacher voted; retry later")
         return votes.astype(np.int64)
 
     def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> int:
-        """Mechanism → ledger (with the answers) → release, for inputs still unanswered
-        (returns how many); the caller holds the lock."""
-        # Another request may have answered some of these while we waited for the teachers.
+        """Mechanism → ledger (with the answers) → release, for inputs still unanswered, up to
+        what the budget pays (returns how many); the caller holds the lock."""
+        # Another request may have answered some of these, or spent budget, while we waited for
+        # the teachers; sized again before the (possibly stateful) mechanism runs.
         keep = [i for i, key in enumerate(fresh) if key not in self._answers]
         if not keep:
             return 0
-        keys = [key for key in fresh if key not in self._answers]
+        keep = keep[: self._affordable(len(keep))]
+        keys = [key for key in fresh if key not in self._answers][: len(keep)]
         votes = fresh_votes[keep]
         worst = self._worst_case(len(keep))
-        self._require_affordable(worst, len(keep))  # before the (possibly stateful) mechanism runs
         result = self.mechanism(votes, self._rng)
         labels = np.asarray(result.labels, dtype=np.int64)
         if labels.shape != (len(keep),):
@@ -375,8 +432,10 @@ class _Rounds:
     """The secure rounds of one batch, as the mechanism asks for them; each completed round is a
     release of noised totals, charged at the σ it was run with."""
 
-    def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str) -> None:
+    def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str,
+                 failures: RateLimitedLog) -> None:
         self._source, self._inputs, self._noise, self._label = source, inputs, noise, label
+        self._failures = failures
         self.released: list[PrivacyCharge] = []
 
     def noised(self, rows: np.ndarray, sigma: float) -> np.ndarray:
@@ -386,10 +445,11 @@ class _Rounds:
         except OwnerDropout as err:
             raise TeachersUnavailable(f"{err}; retry later") from err
         except Exception as err:  # teachers' failures must not leak their details to clients
-            log.warning("secure vote round failed: %s", type(err).__name__)
+            self._failures("round", "secure vote round failed: %s", type(err).__name__, level=logging.WARNING)
             raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
         if totals.ndim != 2 or totals.shape[0] != len(rows) or not np.issubdtype(totals.dtype, np.integer):
-            log.error("secure vote round returned %s %s for %d inputs", totals.dtype, totals.shape, len(rows))
+            self._failures("malformed", "secure vote round returned %s %s for %d inputs", totals.dtype, totals.shape,
+                           len(rows), level=logging.ERROR)
             raise TeachersUnavailable("teachers returned malformed vote totals")
         self.released.append(release.charge(len(rows), self._label))
         return totals.astype(np.int64)
@@ -412,17 +472,19 @@ class SecureLabeller(PrivateLabeller):
             keys = [key for key in fresh if key not in self._answers]
             if not keys:
                 return 0
+            keys = keys[: self._affordable(len(keys))]
             worst = self._worst_case(len(keys))
-            self._require_affordable(worst, len(keys))
-            rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name)
+            rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
+                             self._failures)
             try:
                 labels = np.asarray(self.mechanism.answer(rounds.noised, len(keys)), dtype=np.int64)
             except Exception as err:
                 if rounds.released:  # this process saw those rounds' totals: they are spent
                     self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst)
                 if isinstance(err, TeachersUnavailable):
-                    log.warning("%s (%s)", err, "the batch's earlier rounds are charged, no label released"
-                                if rounds.released else "nothing released or charged")
+                    self._failures("dropout", "%s (%s)", err,
+                                   "the batch's earlier rounds are charged, no label released"
+                                   if rounds.released else "nothing released or charged", level=logging.WARNING)
                 raise
             if labels.shape != (len(keys),):
                 raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for "

@@ -124,8 +124,9 @@ class Student:
         """Ask for labels of ``num_queries`` pool inputs (chosen by ``selection``), ``batch_size`` per call.
 
         After each checkpoint (a number of inputs asked) the aggregator's budget is read and
-        kept, so accuracy can later be plotted against ε. Stops early, keeping every answer
-        received, when the aggregator refuses for lack of budget. With ``max_batches`` it
+        kept, so accuracy can later be plotted against ε. When the budget pays for part of a
+        batch, the answers are kept and the rest asked again; it stops, keeping every answer
+        received, when the aggregator refuses a whole batch for lack of budget. With ``max_batches`` it
         returns after that many calls and a later call carries on where it stopped (so a
         driver can show progress while the student runs in an actor).
         """
@@ -152,12 +153,20 @@ class Student:
                         self.exhausted = True
                         self._round = [*chosen.tolist(), *self._round]  # not asked after all
                         break
-                    self.labels[chosen] = reply.labels  # -1 where refused: as good as never asked
-                    bar.update(len(chosen))
-                    self.asked_order.extend(chosen.tolist())
                     calls += 1
-                    if reply.refused.any():  # the pool repeats an input answered before; the rest was refused
-                        log.warning("aggregator refused new inputs at %d queries: privacy budget exhausted", self.asked)
+                    # The budget paid for part of the batch: keep those answers and ask again for
+                    # the rest (a realised spend below the worst case may leave room for more);
+                    # the next call is refused whole once nothing more fits.
+                    asked, refused = chosen[~reply.refused], chosen[reply.refused]
+                    self.labels[asked] = reply.labels[~reply.refused]
+                    self.asked_order.extend(asked.tolist())
+                    bar.update(len(asked))
+                    self._round = [*refused.tolist(), *self._round]
+                    if len(refused):
+                        log.info("aggregator paid for %d of %d inputs at %d queries: asking again for the rest",
+                                 len(asked), len(chosen), self.asked)
+                    if not len(asked):  # nothing paid, nothing on record: the budget is spent
+                        log.warning("aggregator refused at %d queries: privacy budget exhausted", self.asked)
                         self.exhausted = True
                 if self.asked == stop or self.exhausted:
                     self.snapshots.append(self._snapshot(self._client.budget()))

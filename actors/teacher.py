@@ -24,7 +24,8 @@ removing one record changes one teacher's shard and at most one vote: the vote m
 one-vote bounds hold for add/remove neighbours of the owners' data (``SHARD_LEMMA``).
 
 A lost actor is not a lost ensemble: each actor saves every teacher it trains to a
-checkpoint directory on its own node (models of private data never travel), and Ray
+checkpoint directory on its own node (models of private data never travel; by default the
+run's private folder there, ``actors.run_folder``, gone when the pool shuts down), and Ray
 restarts a dead actor (``max_restarts``), which reloads its shards and saved teachers instead
 of retraining. Until then the pool is not ``ready`` and no vote is taken from the rest: a
 histogram always counts every teacher.
@@ -36,7 +37,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +47,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from conclave.actors import run_folder
 from conclave.actors.dp_trainer import fresh_public_keys
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
@@ -127,6 +128,9 @@ class TeacherGroup(ReleaseKeys):
 
     With ``source.features`` the shards are kept in that representation only, and ``votes``
     transforms its image inputs the same way before the teachers predict.
+
+    ``private_run`` (without ``checkpoint_dir``): keep the checkpoints in that run's private
+    folder on this node (``run_folder.claim``), which ``forget`` releases.
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
@@ -142,6 +146,7 @@ class TeacherGroup(ReleaseKeys):
         checkpoint_dir: str | None = None,
         teacher_offset: int = 0,
         standardiser: Standardiser | None = None,
+        private_run: str | None = None,
     ) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
@@ -154,9 +159,12 @@ class TeacherGroup(ReleaseKeys):
         self.checkpoint_dir = checkpoint_dir
         self.load_error: str | None = None
         self._predict_all: Callable[[np.ndarray], np.ndarray] | None = None  # built at the first vote
+        self._private = checkpoint_dir is None and private_run is not None
         try:
+            if self._private:  # before any model exists; also clears what killed runs left on this node
+                self.checkpoint_dir = str(run_folder.claim(private_run))
             raw = source.load(range(first, last))
-        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
+        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format; a folder not ours
             self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
             self.shards, self.models, self.num_classes, self.input_shape = [], [], 0, ()
             return
@@ -227,12 +235,16 @@ class TeacherGroup(ReleaseKeys):
         return self.load_error is None and all(model is not None for model in self.models)
 
     def forget(self) -> None:
-        """Delete this group's checkpoints (the pool is shutting down)."""
+        """Delete this group's checkpoints (the pool is shutting down), and the run's private
+        folder once no other group holds it."""
         for i in range(len(self.models)):
             path = self._checkpoint(i)
             if path is not None and os.path.exists(path):
                 os.remove(path)
-        if self.checkpoint_dir is not None and os.path.isdir(self.checkpoint_dir) and not os.listdir(self.checkpoint_dir):
+        if self._private and self.checkpoint_dir is not None:
+            run_folder.release(self.checkpoint_dir)
+        elif (self.checkpoint_dir is not None and os.path.isdir(self.checkpoint_dir)
+              and not os.listdir(self.checkpoint_dir)):
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
 
     def train_all(self) -> None:
@@ -317,12 +329,18 @@ class TeacherPool:
         num_gpus: GPU fraction per actor; ``None`` detects: a share of the cluster's GPUs
             when it has any, else 0 (a CPU-only cluster never waits on a GPU request).
         checkpoint_dir: where each actor saves its trained teachers, on its own node
-            (default: a fresh directory under the node's temp dir, deleted by ``shutdown``).
+            (default: this run's private folder under each node's temp dir, ``actors.run_folder``,
+            removed by ``shutdown``, or by the next start on the node if the run was killed).
         standardiser: public column statistics for table models.
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
     share_timeout_s: float = 300.0  # how long a secure vote round waits for an actor's share
+    # How long a vote call waits for every actor: below the client's default deadline (30 s,
+    # ``cluster.client``), so a hung actor fails the call UNAVAILABLE instead of holding a label
+    # thread until the client gives up. Three times the largest batch's vote (250 MNIST teachers
+    # label about 220 inputs/s: 1,024 inputs in about 5 s).
+    vote_timeout_s: float = 15.0
 
     def __init__(
         self,
@@ -344,8 +362,9 @@ class TeacherPool:
         if num_gpus is None:
             num_gpus = gpu_share(float(ray.cluster_resources().get("GPU", 0.0)), total_actors)
         threads = max(1, math.floor(num_cpus_per_actor))
-        self.checkpoint_dir = checkpoint_dir or os.path.join(tempfile.gettempdir(), "conclave-teachers",
-                                                             uuid.uuid4().hex)
+        self.private_run = None if checkpoint_dir else uuid.uuid4().hex
+        # Where the checkpoints are (for messages): on a node other than this one, under its temp dir.
+        self.checkpoint_dir = checkpoint_dir or str(run_folder.base_folder() / self.private_run)
         plans = []
         for share in shares:  # every placement checked before any actor starts
             num_actors = min(share.num_actors, share.num_teachers)
@@ -356,6 +375,7 @@ class TeacherPool:
             plans.append((share, num_actors, options))
         self._actors, self._blocks, self._owners = [], [], []
         self._rounds = 0  # secure vote rounds so far (``noised_votes``)
+        self._late: set[ray.ObjectRef] = set()  # votes past their deadline, still running
         offset = 0
         for share, num_actors, options in plans:
             # Contiguous blocks of teachers per actor, sizes differing by at most one.
@@ -365,7 +385,8 @@ class TeacherPool:
                     self._actors.append(TeacherGroupActor.options(
                         num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote(
                         share.source, int(a), int(b), model_name, train, num_threads=threads,
-                        checkpoint_dir=self.checkpoint_dir, teacher_offset=offset, standardiser=standardiser))
+                        checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
+                        private_run=self.private_run))
                     self._blocks.append((int(a), int(b)))
                     self._owners.append(share.source.owner)
             offset += share.num_teachers
@@ -411,7 +432,13 @@ class TeacherPool:
 
     def ready(self, timeout: float = 2.0) -> bool:
         """Whether every actor is up and every teacher can vote (False while one restarts).
-        The probe has its own thread in each actor, so a long vote does not delay it."""
+        The probe has its own thread in each actor, so a long vote does not delay it; a vote
+        past its deadline and still running means that actor is hung (e.g. stopped) until it ends."""
+        if self._late:
+            done, _ = ray.wait(list(self._late), num_returns=len(self._late), timeout=0)
+            self._late.difference_update(done)
+            if self._late:
+                return False
         try:
             return all(ray.get([actor.is_trained.remote() for actor in self._actors], timeout=timeout))
         except ray.exceptions.RayError:  # includes GetTimeoutError
@@ -423,7 +450,12 @@ class TeacherPool:
         if inputs.shape[1:] != self.input_shape:
             raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; teachers expect {self.input_shape}")
         shared = ray.put(inputs)  # one copy in the object store, read by every actor
-        partials = ray.get([actor.votes.remote(shared) for actor in self._actors])
+        calls = [actor.votes.remote(shared) for actor in self._actors]
+        try:
+            partials = ray.get(calls, timeout=self.vote_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._late.update(calls)
+            raise TimeoutError(f"the teachers gave no votes within {self.vote_timeout_s:g} s") from None
         return np.sum(partials, axis=0, dtype=np.int64)
 
     def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:

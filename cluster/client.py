@@ -5,9 +5,9 @@
         print(client.budget()["guarantee"]["epsilon"])   # what may be published
 
 Server-side failures raise ``grpc.RpcError``; ``err.code()`` tells them apart:
-INVALID_ARGUMENT (bad inputs), UNAUTHENTICATED (token), RESOURCE_EXHAUSTED (privacy budget
-spent: nothing was released or charged — ``is_budget_refusal(err)`` checks the server's
-reason too), UNAVAILABLE (teachers not ready, or the server busy: retry later),
+INVALID_ARGUMENT (bad inputs), UNAUTHENTICATED (token), RESOURCE_EXHAUSTED (the privacy budget
+pays for none of the batch: nothing was released or charged — ``is_budget_refusal(err)`` checks
+the server's reason too; a batch it pays for in part is answered, the rest marked ``refused``), UNAVAILABLE (teachers not ready, or the server busy: retry later),
 DEADLINE_EXCEEDED (the call's deadline, or a stream left idle too long).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def is_budget_refusal(err: BaseException) -> bool:
 
 class LabelResult(NamedTuple):
     """One batch's answer: labels (int64, -1 = abstain or refused), how many are labels, which
-    new inputs the spent budget refused (a batch also holding earlier answers), the budget after it."""
+    new inputs the budget refused (beyond what it pays; asking again later may find room), the
+    budget after it."""
 
     labels: np.ndarray
     answered: int

@@ -1,10 +1,13 @@
 """``conclave query ADDRESS --inputs X.npy``: ask a running aggregator to label inputs.
 
-Prints one label per line on stdout (-1 = the teachers abstained) and a one-line budget
-summary on stderr; ``--json`` prints labels, counts and the budget as one JSON object.
-Exit status: 0 answered, 1 the server refused (status code and reason on stderr),
-2 the inputs could not be read, 3 the privacy budget is spent (nothing was charged for the
-refused inputs; inputs answered before are still answered, free).
+Prints one label per line on stdout (-1 = the teachers abstained, or no label: refused or not
+asked) and a one-line budget summary on stderr; ``--json`` prints labels, counts and the budget
+as one JSON object. The server answers a batch up to what the budget pays and marks the rest
+refused. When a call fails (the budget refuses a whole batch, or any other error) the query
+stops there, still writes every label it got (one line per input), and says on stderr, in one
+line, why it stopped. Exit status: 0 answered, 1 the server refused (status code and reason on
+stderr), 2 the inputs could not be read, 3 the privacy budget refused some inputs (nothing was
+charged for them; inputs answered before are answered again, free).
 """
 from __future__ import annotations
 
@@ -53,56 +56,69 @@ def main(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
     batches = [inputs[start : start + args.batch_size] for start in range(0, len(inputs), args.batch_size)]
-    answered: list[np.ndarray] = []
-    refused = 0
+    labels = np.full(len(inputs), -1, dtype=np.int64)  # -1 until answered
+    refused = np.zeros(len(inputs), dtype=bool)
     try:
         client = AggregatorClient(args.address, token=token, root_cert=args.root_cert, timeout=args.timeout,
                                   client_cert=args.client_cert, client_key=args.client_key)
     except (OSError, ValueError) as err:
         print(f"conclave query: {err}", file=sys.stderr)
         return 2
+    done, stopped, status = 0, None, 0
     with client:
         try:
             for result in ([client.label_reply(batches[0])] if len(batches) == 1
                            else client.label_stream_replies(batches)):
-                answered.append(result.labels)
-                refused += int(result.refused.sum())
-            budget = client.budget()
+                labels[done : done + len(result.labels)] = result.labels
+                refused[done : done + len(result.labels)] = result.refused
+                done += len(result.labels)
         except grpc.RpcError as err:
             spent = is_budget_refusal(err)
-            print(f"conclave query: {'privacy budget spent' if spent else err.code().name}: {err.details()}",
-                  file=sys.stderr)
-            done = sum(len(labels) for labels in answered)
-            if done:
-                print(
-                    f"conclave query: {done} of {len(inputs)} inputs were labelled before the error; "
-                    "asking again for them costs nothing (the server keeps its answers)",
-                    file=sys.stderr,
-                )
-            return 3 if spent else 1
+            if spent:  # the whole batch was refused: nothing in it was charged
+                refused[done : done + args.batch_size] = True
+            stopped = (f"stopped at input {done} of {len(inputs)}: "
+                       f"{'privacy budget spent' if spent else err.code().name}: {err.details()}")
+            status = 3 if spent else 1
+        budget = None
+        if done:
+            try:
+                budget = client.budget()
+            except grpc.RpcError as err:  # the labels got are still written
+                stopped = stopped or f"GetBudget failed after every input was asked: {err.code().name}: {err.details()}"
+                status = status or 1
+    if stopped is not None and not done:  # nothing was answered: the reason is all there is to say
+        print(f"conclave query: {stopped}", file=sys.stderr)
+        return status
 
-    labels = np.concatenate(answered)
     labelled = int((labels >= 0).sum())
+    abstained = done - labelled - int(refused[:done].sum())
     if args.json:
         print(json.dumps({
             "labels": labels.tolist(),
             "answered": labelled,
-            "abstained": int(len(labels) - labelled - refused),
-            "budget_refused": refused,
-            "budget": _finite_or_text(budget),
+            "abstained": abstained,
+            "budget_refused": int(refused.sum()),
+            "not_asked": int(len(inputs) - done - refused[done:].sum()),
+            "stopped": stopped,
+            "budget": None if budget is None else _finite_or_text(budget),
         }))
     else:
         print("\n".join(str(label) for label in labels.tolist()))
-        guarantee = budget["guarantee"]
-        print(
-            f"labelled {labelled} of {len(labels)} inputs ({len(labels) - labelled - refused} abstained"
-            f"{f', {refused} refused: privacy budget spent' if refused else ''}); "
-            f"guarantee ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} ({guarantee['basis']}); "
+        print(f"labelled {labelled} of {len(labels)} inputs ({abstained} abstained"
+              f"{f', {int(refused.sum())} refused: privacy budget spent' if refused.any() else ''})"
+              f"{'' if budget is None else '; ' + _budget_line(budget)}", file=sys.stderr)
+    if stopped is not None:
+        print(f"conclave query: {stopped} (every label got is written, -1 where none; asking again for "
+              "them costs nothing: the server keeps its answers)", file=sys.stderr)
+        return status
+    return 3 if refused.any() else 0
+
+
+def _budget_line(budget: dict) -> str:
+    guarantee = budget["guarantee"]
+    return (f"guarantee ε = {guarantee['epsilon']:.4g} at δ = {guarantee['delta']:g} ({guarantee['basis']}); "
             f"realised spend ε = {budget['epsilon_spent']:.4g} ({budget['mechanism']}"
-            f"{'' if budget['sound'] else '; NOT a sound DP guarantee: ' + '; '.join(guarantee['unsound_reasons'])})",
-            file=sys.stderr,
-        )
-    return 3 if refused else 0
+            f"{'' if budget['sound'] else '; NOT a sound DP guarantee: ' + '; '.join(guarantee['unsound_reasons'])})")
 
 
 def _finite_or_text(value: object) -> object:

@@ -7,12 +7,15 @@ same ``--ledger`` file keeps counting what was spent, and its budget — declare
 when it is created, at the order that best fits the config's planned queries — cannot be
 changed by a restart. Without ``privacy.budget`` the service records its spend but has no
 guarantee (an open-ended service has no planned worst case); the budget reply says so.
-The bearer token is ``$CONCLAVE_TOKEN`` or a fresh random one, printed once.
+The bearer token is ``$CONCLAVE_TOKEN`` (never printed, and taken out of this process's
+environment before Ray starts, so no Ray process inherits it) or a fresh random one, printed once.
 
 ``--tls-cert``/``--tls-key`` (or ``server.tls_cert``/``tls_key``) serve TLS, and
 ``--tls-client-ca`` mutual TLS. A host other machines can reach (e.g. ``0.0.0.0``) without
 TLS is refused unless ``--allow-plaintext`` says the network is trusted: the token would
-travel in clear. Everything is checked before Ray starts or a teacher trains.
+travel in clear. Everything is checked before Ray starts, the ledger is created or a teacher
+trains — the TLS files parse and the key is the certificate's, the port is free, the ledger's
+folder is writable and the ledger opens — and a failure is one line and exit status 2.
 
 Without ``--address`` (or ``RAY_ADDRESS``) Ray runs embedded in this process and never joins
 another cluster on the machine; if an earlier ``serve`` was killed, the Ray processes it left
@@ -24,7 +27,9 @@ import argparse
 import logging
 import os
 import secrets
+import sqlite3
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -71,12 +76,20 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from conclave.privacy.accounting.ledger import LedgerInUse
     from conclave.privacy.accounting.owner_ledger import LedgerMissing
 
-    token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    from conclave.cluster.tls import CertificateError, check_server_files
+
+    # Out of the environment before Ray starts: an embedded Ray's processes, and every worker
+    # they start, inherit this process's environment. The server runs here, in the driver.
+    from_env = os.environ.pop(TOKEN_ENV, None)
+    token = from_env or secrets.token_urlsafe(24)
     try:
         settings = server_settings(config, token, host=args.host, port=args.port, tls_cert=args.tls_cert,
                                    tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                    allow_plaintext=args.allow_plaintext)
-    except ValueError as err:
+        if settings.tls:
+            check_server_files(Path(settings.tls_cert), Path(settings.tls_key),
+                               None if settings.tls_client_ca is None else Path(settings.tls_client_ca))
+    except (ValueError, CertificateError) as err:
         print(f"conclave: server: {err}", file=sys.stderr)
         return 2
     try:
@@ -85,12 +98,15 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
-    ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         _check_port_free(settings.host, settings.port)
+        _check_writable(ledger_path)
         ledger = config.privacy.open_ledger(ledger_path, config.planned())
     except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
         print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except sqlite3.Error as err:  # not a database, or one SQLite cannot write
+        print(f"conclave: ledger {ledger_path}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     config = resolved(config, public)
     try:
@@ -117,7 +133,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
     print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, "
           f"{teachers.pool.num_teachers} teachers, aggregation {config.aggregation})")
-    print(f"token: {token}" + ("  (from $CONCLAVE_TOKEN)" if os.environ.get(TOKEN_ENV) else ""))
+    print(f"token: from ${TOKEN_ENV}" if from_env else f"token: {token}  (generated; shown only now)")
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")
     print("press Ctrl-C to stop", flush=True)
@@ -134,6 +150,19 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "
               f"(guarantee ε = {guarantee.epsilon:.4g})")
     return 0
+
+
+def _check_writable(ledger: Path) -> None:
+    """``OSError`` (one line) unless the ledger's folder exists (made if need be) and takes
+    new files, and an existing ledger file may be written: found now, not at the first charge."""
+    try:
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=ledger.parent):  # what SQLite's journal needs; also on a read-only mount
+            pass
+    except OSError as err:
+        raise OSError(f"ledger {ledger}: its folder {ledger.parent} is not writable ({err.strerror})") from None
+    if ledger.exists() and not os.access(ledger, os.R_OK | os.W_OK):
+        raise OSError(f"ledger {ledger}: the file is not readable and writable by this user")
 
 
 def _check_port_free(host: str, port: int) -> None:

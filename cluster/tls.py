@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -173,3 +174,42 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
         file.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption()))
     return path
+
+
+def check_server_files(certificate: Path, key: Path, client_ca: Path | None = None) -> None:
+    """``CertificateError`` (one line) unless ``certificate`` is a PEM certificate (chain, the
+    server's first) in its validity period, ``key`` the PEM private key of it, and
+    ``client_ca`` PEM certificates: what a TLS server would otherwise find out only when it
+    starts, after everything else."""
+    chain = _pem_certificates(Path(certificate), "tls_cert")
+    try:
+        private = serialization.load_pem_private_key(Path(key).read_bytes(), password=None)
+    except OSError as err:
+        raise CertificateError(f"tls_key: cannot read {key}: {err.strerror}") from None
+    except TypeError:  # encrypted: the server has no way to ask for its password
+        raise CertificateError(f"tls_key: {key} is encrypted; give the server an unencrypted key") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise CertificateError(f"tls_key: {key} is not a PEM private key") from None
+    if _public_der(private.public_key()) != _public_der(chain[0].public_key()):
+        raise CertificateError(f"tls_key: {key} is not the private key of the certificate in {certificate}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not chain[0].not_valid_before_utc <= now <= chain[0].not_valid_after_utc:
+        valid = chain[0].not_valid_before_utc, chain[0].not_valid_after_utc
+        raise CertificateError(f"tls_cert: {certificate} is valid only from {valid[0]:%Y-%m-%d %H:%M} "
+                               f"to {valid[1]:%Y-%m-%d %H:%M} UTC")
+    if client_ca is not None:
+        _pem_certificates(Path(client_ca), "tls_client_ca")
+
+
+def _pem_certificates(path: Path, setting: str) -> list[x509.Certificate]:
+    try:
+        certificates = x509.load_pem_x509_certificates(path.read_bytes())
+    except OSError as err:
+        raise CertificateError(f"{setting}: cannot read {path}: {err.strerror}") from None
+    except ValueError:  # no PEM certificate in it, or a damaged one
+        raise CertificateError(f"{setting}: {path} is not a PEM certificate") from None
+    return certificates
+
+
+def _public_der(key) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)

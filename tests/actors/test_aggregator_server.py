@@ -178,12 +178,12 @@ def test_two_servers_release_different_noise_unless_reproducible_noise_is_asked_
 
 
 def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(teachers, public, tmp_path):
-    # A filter at order 16 whose RDP budget, 22·16/σ², admits exactly 5 batches of 4 GNMax
-    # answers at σ = 8 (20·16/64 RDP), not 6 (24·16/64).
+    # A filter at order 16 whose RDP budget, 20.5·16/σ², admits exactly 20 GNMax answers at
+    # σ = 8 (20·16/64 RDP): 5 batches of 4, and not one input of a sixth.
     order = 16.0
-    epsilon = epsilon_from_rdp([order], [22 * order / 8.0**2], DELTA)[0]
+    epsilon = epsilon_from_rdp([order], [20.5 * order / 8.0**2], DELTA)[0]
     budget = RenyiFilter(epsilon, DELTA, order)
-    assert budget.rdp_budget == pytest.approx(22 * order / 64)
+    assert budget.rdp_budget == pytest.approx(20.5 * order / 64)
     with serving(teachers, tmp_path / "ledger.sqlite", mechanism=build_mechanism("gnmax", sigma=8.0), budget=budget) as (
         server, address,
     ), AggregatorClient(address) as client:

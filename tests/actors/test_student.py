@@ -119,17 +119,18 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
 def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
     splits, _ = world
     mechanism = build_mechanism("gnmax", sigma=2.0)
-    # A budget at order 16 with room for 110 answers (λ/σ² = 4 each): five batches of 20, not six.
-    budget = RenyiFilter(epsilon_from_rdp([16.0], [110 * 4.0], 1e-5)[0], 1e-5, 16.0)
+    # A budget at order 16 with room for 110.5 answers (λ/σ² = 4 each): five batches of 20, half of
+    # a sixth (its other ten asked again, and refused whole), all the budget an answer can use.
+    budget = RenyiFilter(epsilon_from_rdp([16.0], [110.5 * 4.0], 1e-5)[0], 1e-5, 16.0)
     _, ledger, factory = serve(mechanism, budget)
     student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(200, 20, progress=False)
     assert queried["budget_exhausted"]
-    assert queried["asked"] == 100  # five batches fit under the limit; the sixth was refused
-    assert queried["answered"] == 100 and (student.labels[:100] >= 0).all() and (student.labels[100:] == -1).all()
-    assert ledger.report().rdp_at_budget_order == pytest.approx(400.0)
+    assert queried["asked"] == 110  # the refused inputs count as not asked
+    assert queried["answered"] == 110 and (student.labels[:110] >= 0).all() and (student.labels[110:] == -1).all()
+    assert ledger.report().rdp_at_budget_order == pytest.approx(440.0)
     assert ledger.report().rdp_at_budget_order <= budget.rdp_budget
-    assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 100
+    assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 110
 
 
 def test_query_in_stretches_resumes_where_it_stopped(world, serve):

@@ -47,7 +47,7 @@ def privacy(tmp_path) -> dict:
 @pytest.mark.slow
 def test_runs_compose_in_each_owners_ledger_until_one_owners_budget_stops_them(ray_session, tmp_path, capsys,
                                                                              monkeypatch):
-    # hospital_a: ε 4.5 at its order fits 45 answers (two runs of 20, not a third batch of 10)
+    # hospital_a: ε 4.5 at its order fits 45 answers: two runs of 20, then 5 of a third run's batch of 10
     config = small_hospitals(tmp_path, {"hospital_a": 4.5, "hospital_b": 50.0, "hospital_c": 50.0})
     code, err = run(config, tmp_path, capsys, monkeypatch)
     assert code == 0, err
@@ -59,8 +59,10 @@ def test_runs_compose_in_each_owners_ledger_until_one_owners_budget_stops_them(r
     for owner in OWNERS:  # each ledger in its own owner's folder
         assert (tmp_path / "nodes" / owner / f"{owner}.sqlite").is_file()
 
-    code, err = run(config, tmp_path, capsys, monkeypatch)
-    assert code == 0, err
+    monkeypatch.chdir(PROJECT_ROOT)
+    assert cli.main(["run", str(config), "--results-dir", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+    assert "owners (lifetime budgets): hospital_a: ε 4.5 lifetime" in printed and "(2 before this run)" in printed
     second = privacy(tmp_path)["owners"]
     for owner in OWNERS:  # the second run's accounts hold the first run's charges too
         assert second[owner]["spent"]["charges"] == 4 and second[owner]["spent"]["charges_before_run"] == 2
@@ -70,20 +72,22 @@ def test_runs_compose_in_each_owners_ledger_until_one_owners_budget_stops_them(r
     assert code == 0, err
     metrics = json.loads((tmp_path / "results" / "hospitals" / "metrics.json").read_text())
     third = privacy(tmp_path)["owners"]
-    assert metrics["queries_answered"] == 0 and metrics["budget_exhausted"]  # refused before any release
-    assert {o: third[o]["spent"]["charges"] for o in OWNERS} == dict.fromkeys(OWNERS, 4)  # no one paid for it
+    # hospital_a's budget pays 5 more answers: those are answered, the rest refused before release
+    assert metrics["queries_answered"] == 5 and metrics["budget_exhausted"]
+    assert {o: third[o]["spent"]["charges"] for o in OWNERS} == dict.fromkeys(OWNERS, 5)  # all paid for those 5
+    assert third["hospital_a"]["spent"]["rdp_left"] < third["hospital_a"]["guarantee"]["order"] / 100  # < 1 answer
 
     code = cli.main(["budget", str(tmp_path / "nodes" / "hospital_a"), str(tmp_path / "nodes" / "hospital_b"),
                      str(tmp_path / "nodes" / "hospital_c"), "--json"])
     listed = json.loads(capsys.readouterr().out)
     assert code == 0 and [v["name"] for v in listed] == list(OWNERS)
-    assert all(v["spent"]["charges"] == 4 and v["runs"] == ["hospitals"] for v in listed)
+    assert all(v["spent"]["charges"] == 5 and v["runs"] == ["hospitals"] for v in listed)
     assert {h["what"] for h in listed[0]["history"]} == {"gnmax"}
 
     (tmp_path / "nodes" / "hospital_a" / "hospital_a.sqlite").unlink()  # a fresh budget, by deleting it?
     code, err = run(config, tmp_path, capsys, monkeypatch)
     (line,) = [line for line in err.splitlines() if line.startswith("conclave:")]  # stderr also has progress bars
-    assert code == 2 and "owner hospital_a: its ledger is missing, but the driver has a record of 4 charges" in line
+    assert code == 2 and "owner hospital_a: its ledger is missing, but the driver has a record of 5 charges" in line
 
 
 @pytest.mark.slow

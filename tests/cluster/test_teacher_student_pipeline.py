@@ -217,12 +217,12 @@ def test_serve_over_tls_answers_outside_clients_and_repeats_answers_after_a_rest
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump(small))
     certs = make_certificates(tmp_path / "certs")
-    monkeypatch.setenv("CONCLAVE_TOKEN", "serve-test-token")
     args = _serve_args(str(config_file), "--ledger", str(tmp_path / "serve-ledger.sqlite"),
                        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key))
     _, test = load_digits()
     answers = []
     for _ in range(2):  # the second run restarts on the same ledger: repeats are free and identical
+        monkeypatch.setenv("CONCLAVE_TOKEN", "serve-test-token")  # serve takes it out of the environment
         stop, outcome = threading.Event(), []
         thread = threading.Thread(target=lambda: outcome.append(serve_command.main(args, stop)))
         thread.start()

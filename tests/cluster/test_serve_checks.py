@@ -1,0 +1,180 @@
+"""``conclave serve`` checks what it needs before Ray starts (TLS files, port, ledger folder),
+keeps a token from the environment off its output and out of Ray's processes, and takes
+any host that resolves to loopback only as loopback."""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from conclave.actors.aggregator import ServerSettings, is_loopback
+from conclave.cluster.tls import CertificateError, check_server_files, create_authority, issue
+from tests.certificates import make_certificates
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {
+    "pipeline": "teacher_student",
+    "name": "checked",
+    "seed": 1,
+    "data": {"name": "digits", "public_size": 200},
+    "teachers": {"count": 2, "model": "digits_cnn", "train": {"epochs": 1, "batch_size": 32, "lr": 0.003}},
+    "mechanism": {"name": "gnmax", "params": {"sigma": 2.0}},
+    "privacy": {"budget": 1000.0, "delta": 1.0e-5},
+    "student": {"queries": 40, "batch_size": 40, "model": "digits_cnn",
+                "train": {"epochs": 1, "batch_size": 32, "lr": 0.003}},
+}
+
+
+def _serve(tmp_path: Path, capsys, *flags: str) -> tuple[int, list[str]]:
+    """``conclave serve`` in this process; its exit status and stderr lines. Nothing may start."""
+    import ray
+
+    from conclave.cluster import serve_command
+    from conclave.cluster.cli import build_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    ledger = Path(flags[flags.index("--ledger") + 1]) if "--ledger" in flags else tmp_path / "l.sqlite"
+    argv = ["serve", str(config), *flags] + ([] if "--ledger" in flags else ["--ledger", str(ledger)])
+    was_running = ray.is_initialized()
+    status = serve_command.main(build_parser("serve").parse_args(argv), threading.Event())
+    assert ray.is_initialized() == was_running  # refused before Ray
+    assert not ledger.exists()  # and before the ledger
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+def test_a_garbage_certificate_is_refused_in_one_line(tmp_path, capsys, certs):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    status, err = _serve(tmp_path, capsys, "--tls-cert", str(garbage), "--tls-key", str(certs.server_key))
+    assert status == 2 and err == [f"conclave: server: tls_cert: {garbage} is not a PEM certificate"]
+
+
+def test_a_key_of_another_certificate_is_refused_in_one_line(tmp_path, capsys, certs):
+    other = issue(create_authority(tmp_path / "other-ca", days=1), tmp_path / "other", ("127.0.0.1",), days=1)
+    status, err = _serve(tmp_path, capsys, "--tls-cert", str(certs.server_cert), "--tls-key", str(other.key))
+    assert status == 2 and len(err) == 1
+    assert err[0] == f"conclave: server: tls_key: {other.key} is not the private key of the certificate in " \
+                     f"{certs.server_cert}"
+
+
+def test_a_garbage_key_or_client_ca_is_refused_in_one_line(tmp_path, capsys, certs):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    status, err = _serve(tmp_path, capsys, "--tls-cert", str(certs.server_cert), "--tls-key", str(garbage))
+    assert status == 2 and err == [f"conclave: server: tls_key: {garbage} is not a PEM private key"]
+    status, err = _serve(tmp_path, capsys, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                         "--tls-client-ca", str(garbage))
+    assert status == 2 and err == [f"conclave: server: tls_client_ca: {garbage} is not a PEM certificate"]
+
+
+def test_matching_files_pass_the_check(certs):
+    check_server_files(certs.server_cert, certs.server_key, certs.ca)
+    with pytest.raises(CertificateError, match="not the private key"):
+        check_server_files(certs.server_cert, certs.client_key)
+
+
+def test_an_expired_certificate_and_an_encrypted_key_are_refused(tmp_path):
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    expired = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=3))
+               .not_valid_after(now - datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert_path, key_path, locked_path = tmp_path / "old.pem", tmp_path / "old.key", tmp_path / "locked.key"
+    cert_path.write_bytes(expired.public_bytes(serialization.Encoding.PEM))
+    pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    key_path.write_bytes(key.private_bytes(*pkcs8, serialization.NoEncryption()))
+    locked_path.write_bytes(key.private_bytes(*pkcs8, serialization.BestAvailableEncryption(b"secret")))
+    with pytest.raises(CertificateError, match=r"old.pem is valid only from .* UTC$"):
+        check_server_files(cert_path, key_path)
+    with pytest.raises(CertificateError, match="is encrypted"):
+        check_server_files(cert_path, locked_path)
+
+
+def test_a_taken_port_is_refused_in_one_line(tmp_path, capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        status, err = _serve(tmp_path, capsys, "--port", str(port))
+    assert status == 2 and len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "in use" in err[0]
+
+
+def test_a_ledger_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    status, err = _serve(tmp_path, capsys, "--ledger", str(blocker / "ledger.sqlite"))
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith(f"conclave: ledger {blocker / 'ledger.sqlite'}: its folder {blocker} is not writable")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.1", "127.0.0.2", "localhost", "::1", "[::1]",
+                                  "::ffff:127.0.0.1"])
+def test_loopback_is_recognised_by_address_not_by_spelling(host):
+    assert is_loopback(host)
+    assert ServerSettings(host=host).host == host  # served without TLS: nobody else can connect
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "0", "192.0.2.1", "name.invalid"])
+def test_other_hosts_are_not_loopback(host):
+    assert not is_loopback(host)
+    with pytest.raises(ValueError, match="reachable from other machines"):
+        ServerSettings(host=host)
+
+
+def test_a_token_from_the_environment_is_neither_printed_nor_given_to_ray_processes(tmp_path):
+    """A real ``conclave serve`` in a process of its own, with its embedded Ray: its output, and
+    the environment of every process under it, while it serves."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    token = "env-token-that-must-not-leak-4242"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "conclave.cluster.cli", "serve", str(config), "--ledger", str(tmp_path / "l.sqlite")],
+        cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": token, "CONCLAVE_TEST_INHERITED": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    printed = []
+    try:
+        for line in serve.stdout:
+            printed.append(line)
+            if line.startswith("press Ctrl-C"):
+                break
+        assert any(line.startswith("aggregator serving on") for line in printed), "".join(printed)
+        # Ray's processes, the teachers' workers among them (the driver holds the token; its /proc
+        # environ is the one it started with).
+        environments = {}
+        for process in psutil.Process(serve.pid).children(recursive=True):
+            try:
+                environments[" ".join(process.cmdline())] = process.environ()
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        teachers = [environment for command, environment in environments.items() if "TeacherGroup" in command]
+        assert teachers and all("CONCLAVE_TEST_INHERITED" in environment for environment in teachers)  # inherited
+        assert not [command for command, environment in environments.items() if "CONCLAVE_TOKEN" in environment]
+        serve.send_signal(signal.SIGINT)
+        rest, _ = serve.communicate(timeout=120)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    output = "".join(printed) + rest
+    assert serve.returncode == 0, output
+    assert "token: from $CONCLAVE_TOKEN" in output and token not in output
