@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 from conclave.actors.aggregator import AggregatorServer, ServerSettings
@@ -36,3 +37,13 @@ def serving(vote_source, ledger_path: Path, mechanism=None, budget: float | Reny
     finally:
         server.stop()
         ledger.close()
+
+
+def wait_for(condition, seconds: float, every: float = 0.1) -> None:
+    """Poll ``condition`` until it holds, or fail after ``seconds`` (health moves on a timer)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(every)
+    raise AssertionError(f"not within {seconds} s")

@@ -25,7 +25,7 @@ from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
-from tests.aggregators import INPUT_SHAPE, serving
+from tests.aggregators import INPUT_SHAPE, serving, wait_for
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 CHECK = health_pb2.HealthCheckRequest()
@@ -58,15 +58,6 @@ def list_services(channel: grpc.Channel) -> list[str]:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     return [service.name for reply in replies for service in reply.list_services_response.service]
-
-
-def wait_for(condition, seconds: float, every: float = 0.1) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(every)
-    raise AssertionError(f"not within {seconds} s")
 
 
 # ---- item 3: health and reflection cannot be starved ----

@@ -30,7 +30,7 @@ from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.mechanisms import build_mechanism
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
-from tests.aggregators import DELTA, INPUT_SHAPE, serving
+from tests.aggregators import DELTA, INPUT_SHAPE, serving, wait_for
 from tests.certificates import make_certificates
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -248,8 +248,8 @@ def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retrain
             before = client.label(public[:8])
             victim = pool._actors[0]
             os.kill(ray.get(victim.__ray_call__.remote(lambda group: os.getpid())), signal.SIGKILL)
-            _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING, 20, every=0.05)
-            _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == SERVING, 60)
+            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING, 20, every=0.05)
+            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == SERVING, 60)
             # the restarted actor reloaded its teachers: no train call was made, yet all can vote
             assert pool.ready()
             fresh = client.label(public[50:58])
@@ -259,12 +259,3 @@ def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retrain
     finally:
         pool.shutdown()
     assert not any((tmp_path / "checkpoints").glob("*.pt"))  # shutdown deletes the saved models
-
-
-def _wait_for(condition, seconds: float, every: float = 0.1) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(every)
-    raise AssertionError(f"not within {seconds} s")

@@ -41,6 +41,14 @@ def _left_by(folder: Path, pid: int, create_time: float, host: str | None = None
     return folder
 
 
+def _pid(actor) -> int | None:
+    """The process id of ``actor`` now (None while it is down or restarting)."""
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=2)
+    except ray.exceptions.RayError:
+        return None
+
+
 def _dead_process() -> tuple[int, float]:
     """The PID and start time of a process that has exited."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -60,11 +68,12 @@ def test_a_pools_checkpoints_are_private_survive_a_restart_and_are_gone_after_sh
         assert len(list(folder.glob(".owner-*.json"))) == 2  # one marker per actor process
         inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
         before = pool.votes(inputs)
+        old_pid = _pid(pool._actors[0])
         ray.kill(pool._actors[0], no_restart=False)  # Ray restarts it; it reloads its teacher from the folder
-        deadline = time.monotonic() + 120
-        while not pool.ready() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the new process, then readiness
+        while not (_pid(pool._actors[0]) not in (None, old_pid) and pool.ready()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert pool.ready()
+        assert _pid(pool._actors[0]) not in (None, old_pid) and pool.ready()
         np.testing.assert_array_equal(pool.votes(inputs), before)
         assert len(list(folder.glob(".owner-*.json"))) == 2  # the dead process's marker went with it
     finally:
