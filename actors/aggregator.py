@@ -202,7 +202,10 @@ class AggregatorServer:
 
     def label(self, inputs: np.ndarray) -> LabelOutcome:
         """Labels for validated float32 inputs [batch, *input_shape] (no gRPC involved)."""
-        if not self.serving:
+        if not self.serving:  # inputs answered before are still served, from the record
+            repeated = self.labeller.on_record(inputs)
+            if repeated is not None:
+                return repeated
             raise TeachersUnavailable("teachers are not ready; retry when health reports SERVING")
         try:
             return self.labeller.label(inputs)

@@ -267,6 +267,16 @@ def test_health_and_unavailable_until_teachers_are_ready(teachers, public, tmp_p
         assert client.budget()["epsilon_spent"] == 0 and client.budget()["queries_answered"] == 0
 
 
+def test_inputs_answered_before_are_served_from_the_record_while_the_teachers_are_down(teachers, public, tmp_path):
+    with serving(teachers, tmp_path / "ledger.sqlite") as (server, address), AggregatorClient(address) as client:
+        before = client.label(public[:3])
+        spent = client.budget()["epsilon_spent"]
+        server.set_ready(False)  # e.g. a teacher actor beyond its restarts
+        np.testing.assert_array_equal(client.label(public[:3]), before)  # repeats: the ledger's answers
+        assert status_of(lambda: client.label(public[:4]))[0] == grpc.StatusCode.UNAVAILABLE  # one is new
+        assert client.budget()["epsilon_spent"] == spent  # nothing charged meanwhile
+
+
 def test_clients_can_wait_out_unavailable(teachers, public, tmp_path):
     with serving(teachers, tmp_path / "ledger.sqlite") as (server, address):
         server.set_ready(False)  # e.g. teachers restarting: UNAVAILABLE, nothing charged
