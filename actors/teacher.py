@@ -33,6 +33,7 @@ histogram always counts every teacher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -341,6 +342,7 @@ class TeacherPool:
     # thread until the client gives up. Three times the largest batch's vote (250 MNIST teachers
     # label about 220 inputs/s: 1,024 inputs in about 5 s).
     vote_timeout_s: float = 15.0
+    max_replacements: int = 3  # new actors for one that died past Ray's restarts
 
     def __init__(
         self,
@@ -373,7 +375,7 @@ class TeacherPool:
             require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus,
                          options.get("resources"), options.get("label_selector"))
             plans.append((share, num_actors, options))
-        self._actors, self._blocks, self._owners = [], [], []
+        self._actors, self._blocks, self._owners, self._spawns = [], [], [], []
         self._rounds = 0  # secure vote rounds so far (``noised_votes``)
         self._late: set[ray.ObjectRef] = set()  # votes past their deadline, still running
         offset = 0
@@ -382,14 +384,18 @@ class TeacherPool:
             bounds = np.linspace(0, share.num_teachers, num_actors + 1).round().astype(int)
             for a, b in zip(bounds[:-1], bounds[1:]):
                 if b > a:
-                    self._actors.append(TeacherGroupActor.options(
-                        num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote(
+                    # How to start this actor again once Ray has given up restarting it.
+                    spawn = functools.partial(
+                        TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote,
                         share.source, int(a), int(b), model_name, train, num_threads=threads,
                         checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
-                        private_run=self.private_run))
+                        private_run=self.private_run)
+                    self._spawns.append(spawn)
+                    self._actors.append(spawn())
                     self._blocks.append((int(a), int(b)))
                     self._owners.append(share.source.owner)
             offset += share.num_teachers
+        self._replaced = [0] * len(self._actors)
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
         described = describe_all(self._actors, self._owners, self.shutdown)
@@ -439,10 +445,32 @@ class TeacherPool:
             self._late.difference_update(done)
             if self._late:
                 return False
-        try:
-            return all(ray.get([actor.is_trained.remote() for actor in self._actors], timeout=timeout))
-        except ray.exceptions.RayError:  # includes GetTimeoutError
+        probes = [actor.is_trained.remote() for actor in self._actors]
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout)
+        if len(answered) < len(probes):
             return False
+        alive = True
+        for index, probe in enumerate(probes):
+            try:
+                alive = bool(ray.get(probe)) and alive
+            except ray.exceptions.ActorDiedError:  # beyond its restarts: a new actor, from the saved teachers
+                self._replace(index)
+                alive = False
+            except ray.exceptions.RayError:  # restarting, or unreachable for now
+                alive = False
+        return alive
+
+    def _replace(self, index: int) -> None:
+        """Start actor ``index`` again as it was first started: it reloads its shard on its
+        owner's node and the teachers it saved there, so nothing is retrained. At most
+        ``max_replacements`` times per actor: one that keeps dying stays down (NOT_SERVING)."""
+        if self._replaced[index] >= self.max_replacements:
+            return
+        self._replaced[index] += 1
+        log.warning("teacher actor %d is gone for good (past its restarts); starting it again from its saved "
+                    "teachers (%d of %d)", index, self._replaced[index], self.max_replacements)
+        ray.kill(self._actors[index], no_restart=True)
+        self._actors[index] = self._spawns[index]()
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""

@@ -81,6 +81,23 @@ def test_a_pools_checkpoints_are_private_survive_a_restart_and_are_gone_after_sh
     assert not folder.exists()
 
 
+def test_a_teacher_actor_past_its_restarts_is_started_again_from_its_saved_teachers(ray_session):
+    pool = TeacherPool.of_source(SOURCE, 2, "digits_cnn", TRAIN, num_actors=2, num_cpus_per_actor=0.25)
+    try:
+        pool.train(progress=False)
+        inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
+        before = pool.votes(inputs)
+        gone = pool._actors[0]
+        ray.kill(gone, no_restart=True)  # as after its last restart: Ray will not bring it back
+        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the replacement, then readiness
+        while not (pool.ready() and pool._actors[0] is not gone) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool._actors[0] is not gone and pool.ready()
+        np.testing.assert_array_equal(pool.votes(inputs), before)  # the same teachers, not retrained
+    finally:
+        pool.shutdown()
+
+
 def test_a_start_removes_what_a_killed_run_left_and_nothing_in_use(ray_session):
     base = run_folder.base_folder()
     base.mkdir(mode=0o700, exist_ok=True)
