@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from conclave.actors.group_commit import GroupCommit
 from conclave.actors.owners import OwnerDropout
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 
 INPUT_DTYPE = np.dtype("<f4")  # the one dtype the wire format accepts ("float32")
 WIRE_DTYPE = "float32"
+# Most new inputs of concurrent calls answered together (one call alone may be larger): the
+# teachers' vote call and the ledger transaction stay bounded.
+GROUP_LIMIT = 1024
 
 
 class VoteSource(Protocol):
@@ -219,6 +223,14 @@ class BudgetStatus:
         }
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """One call's inputs and its new ones (key → first row), waiting to be answered with others."""
+
+    inputs: np.ndarray
+    fresh: dict[bytes, int]
+
+
 @dataclass
 class _Counters:
     answered: int = 0
@@ -236,7 +248,7 @@ class PrivateLabeller:
     """
 
     def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: PrivacyLedger,
-                 noise: NoisePolicy = SECURE) -> None:
+                 noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
         self.vote_source = vote_source
         self.mechanism = mechanism
         self.ledger = ledger
@@ -248,6 +260,8 @@ class PrivateLabeller:
         self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
         self._guarantee: Guarantee | None = None
         self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
+        self._groups: GroupCommit[_Asked, int] = GroupCommit(self._label_group, limit=group_limit,
+                                                             size=lambda asked: len(asked.fresh))
         # Counters of distinct inputs survive a restart: they are counted from the answers on record.
         on_record = np.fromiter(self._answers.values(), dtype=np.int64, count=len(self._answers))
         abstained = int((on_record == ABSTAIN).sum())
@@ -258,21 +272,34 @@ class PrivateLabeller:
     def label(self, inputs: np.ndarray) -> LabelOutcome:
         """Labels for validated float32 inputs [batch, *input_shape], new inputs answered up to
         what the budget pays (the rest refused); ``BudgetExceeded`` when it pays for none of
-        them and none of the batch is on record, ``TeachersUnavailable`` when the teachers cannot vote."""
+        them and none of the batch is on record, ``TeachersUnavailable`` when the teachers cannot vote.
+
+        Concurrent calls share one vote call, mechanism call and ledger transaction
+        (``GroupCommit``): a batch's new inputs are paid for in the order the calls arrived."""
         keys = input_keys(inputs)
-        with self._lock:
-            fresh = self._unanswered(keys)
         newly_answered = 0
-        if fresh:
+        while True:
+            with self._lock:
+                fresh = self._unanswered(keys)
+            if not fresh:
+                break
             try:
-                newly_answered = self._label_fresh(inputs, fresh)
+                answered = self._groups.run(_Asked(inputs, fresh))
             except BudgetExceeded:
                 with self._lock:
                     if not any(key in self._answers for key in keys):
                         raise  # nothing in this batch is on record: refuse it whole
+                break
+            newly_answered += answered
+            # Calls earlier in the group may have taken what was left: try again alone while the
+            # budget pays for one more input (a data-independent check), else refuse the rest.
+            if answered or not self.ledger.can_afford(self._worst_case(1)):
+                break
         with self._lock:
             labels = np.array([self._answers.get(key, ABSTAIN) for key in keys], dtype=np.int64)
             refused = np.array([key not in self._answers for key in keys], dtype=bool)
+            if refused.all() and newly_answered == 0:
+                raise self._exhausted(self.ledger.refusal(self._worst_case(len(keys))) or "", len(set(keys)))
             self._counters.cache_hits += len(keys) - newly_answered - int(refused.sum())
         return LabelOutcome(labels, refused)
 
@@ -287,9 +314,23 @@ class PrivateLabeller:
             labels = np.array([self._answers[key] for key in keys], dtype=np.int64)
         return LabelOutcome(labels, np.zeros(len(keys), dtype=bool))
 
-    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> int:
-        """Answer the inputs not on record (first row of each key), up to what the budget pays;
-        returns how many were answered."""
+    def _label_group(self, group: list[_Asked]) -> list[int]:
+        """The new inputs of concurrent calls answered together (``GroupCommit``'s work): how many
+        of each call's were answered."""
+        if len(group) == 1:
+            inputs, fresh = group[0].inputs, group[0].fresh
+        else:
+            rows: dict[bytes, np.ndarray] = {}
+            for asked in group:
+                for key, row in asked.fresh.items():
+                    rows.setdefault(key, asked.inputs[row])
+            inputs, fresh = np.stack(list(rows.values())), {key: row for row, key in enumerate(rows)}
+        answered = self._label_fresh(inputs, fresh)
+        return [sum(key in answered for key in asked.fresh) for asked in group]
+
+    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> set[bytes]:
+        """Answer the inputs not on record (the row of each key), up to what the budget pays;
+        returns the keys answered."""
         # Data-independent early sizing: no point asking teachers for votes we may not release.
         count = self._affordable(len(fresh))
         fresh = dict(itertools.islice(fresh.items(), count))
@@ -353,14 +394,14 @@ class PrivateLabeller:
             raise TeachersUnavailable("not every teacher voted; retry later")
         return votes.astype(np.int64)
 
-    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> int:
+    def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> set[bytes]:
         """Mechanism → ledger (with the answers) → release, for inputs still unanswered, up to
-        what the budget pays (returns how many); the caller holds the lock."""
+        what the budget pays (returns their keys); the caller holds the lock."""
         # Another request may have answered some of these, or spent budget, while we waited for
         # the teachers; sized again before the (possibly stateful) mechanism runs.
         keep = [i for i, key in enumerate(fresh) if key not in self._answers]
         if not keep:
-            return 0
+            return set()
         keep = keep[: self._affordable(len(keep))]
         keys = [key for key in fresh if key not in self._answers][: len(keep)]
         votes = fresh_votes[keep]
@@ -379,7 +420,7 @@ class PrivateLabeller:
         self._answers.update(answers)
         self._counters.votes.append(votes)
         self._count(labels)
-        return len(keep)
+        return set(answers)
 
     def _count(self, labels: np.ndarray) -> None:
         self._counters.labels.append(labels)
@@ -476,13 +517,13 @@ class SecureLabeller(PrivateLabeller):
     vote_source: SecureVoteSource
     mechanism: SecureVoteMechanism
 
-    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> int:
+    def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> set[bytes]:
         # Under the lock from the worst-case check to the charge: every round a batch runs is a
         # release, so no other batch may spend the budget between its check and its charge.
         with self._lock:
             keys = [key for key in fresh if key not in self._answers]
             if not keys:
-                return 0
+                return set()
             keys = keys[: self._affordable(len(keys))]
             worst = self._worst_case(len(keys))
             rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
@@ -504,7 +545,7 @@ class SecureLabeller(PrivateLabeller):
             self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst, answers=answers)
             self._answers.update(answers)
             self._count(labels)
-            return len(keys)
+            return set(answers)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         raise RuntimeError("aggregation: secure: the aggregator never sees clean votes, so it has none to analyse")
