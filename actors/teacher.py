@@ -68,6 +68,10 @@ from conclave.privacy.secure_votes import SkellamVotes
 
 log = logging.getLogger(__name__)
 
+# Vote inputs up to this size ride inline with each actor call rather than through the
+# object store (Ray itself inlines arguments below 100 KiB).
+INLINE_INPUT_BYTES = 64 * 1024
+
 
 def teacher_seed(base_seed: int, teacher: int) -> int:
     """Seed of one teacher's initialisation and batch order: distinct per teacher, repeatable."""
@@ -477,7 +481,9 @@ class TeacherPool:
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
         if inputs.shape[1:] != self.input_shape:
             raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; teachers expect {self.input_shape}")
-        shared = ray.put(inputs)  # one copy in the object store, read by every actor
+        # A large batch goes once to the object store, read by every actor; a small one travels
+        # inline with each call (a store round trip costs more than the copies).
+        shared = ray.put(inputs) if inputs.nbytes > INLINE_INPUT_BYTES else inputs
         calls = [actor.votes.remote(shared) for actor in self._actors]
         try:
             partials = ray.get(calls, timeout=self.vote_timeout_s)

@@ -201,6 +201,9 @@ def test_stacked_ensemble_predicts_what_each_model_predicts(name, shape):
     stacked = StackedEnsemble.of(models, block=4, chunk=16)
     assert stacked is not None
     np.testing.assert_array_equal(stacked.predict(x), alone)
+    # Small batches run in wider blocks (all 7 for one input, 4·block for a few): the same classes.
+    np.testing.assert_array_equal(stacked.predict(x[:1]), alone[:, :1])
+    np.testing.assert_array_equal(stacked.predict(x[:5]), alone[:, :5])
 
 
 def test_models_the_stacked_ensemble_cannot_run_are_left_to_the_caller():
