@@ -27,6 +27,7 @@ import argparse
 import logging
 import os
 import secrets
+import signal
 import sqlite3
 import sys
 import tempfile
@@ -136,8 +137,9 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     print(f"token: from ${TOKEN_ENV}" if from_env else f"token: {token}  (generated; shown only now)")
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")
-    print("press Ctrl-C to stop", flush=True)
+    print("press Ctrl-C (or send SIGTERM) to stop", flush=True)
     stop = stop or threading.Event()
+    _stop_on_signals(stop)
     try:
         stop.wait()
     except KeyboardInterrupt:
@@ -150,6 +152,15 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "
               f"(guarantee ε = {guarantee.epsilon:.4g})")
     return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM (a service manager's stop) and SIGINT end the service cleanly — teachers' files
+    removed, ledger closed — even where SIGINT came ignored (a background job of a script)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # in-process callers (tests) stop it through ``stop``
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
 
 
 def _check_writable(ledger: Path) -> None:
