@@ -22,6 +22,12 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
                          and a bare thread hand-off timed beside each call (``p99_ms``)
   teacher_pool           training teachers on a Ray pool of 2 one-CPU actors against one
                          process at its best thread count (``speedup``)
+  end_to_end             what a user waits for: Label calls from outside against a real
+                         ``conclave serve`` process with its teacher actors (the digits demo's
+                         50 teachers; MNIST's 250 without --quick): a fresh single input, a
+                         repeated one and a bare gRPC health check in turn; one input through
+                         one actor's stacked teachers alone; 16 concurrent clients (calls per
+                         ledger transaction: concurrent calls answered together); batches of 1,024
   gpu                    whether a GPU was available for these figures
 
 No ε of any data is published: the aggregator answers fixed votes against a declared budget,
@@ -29,6 +35,7 @@ its noise from OS entropy (``SECURE``, whose soundness the file's ``sound`` repo
 
     python bench/perf.py            # the whole set (about 12 to 16 minutes on 2 cores)
     python bench/perf.py --quick    # fewer repetitions and smaller sizes
+    python bench/perf.py --only end_to_end aggregator   # re-run these, keep the other sections' figures
 """
 from __future__ import annotations
 
@@ -358,12 +365,128 @@ def bench_aggregator(calls: int) -> dict:
             charge_ms.append(1e3 * (time.perf_counter() - started))
         ledger.close()
 
-    def percentiles(values: list[float]) -> dict[str, float]:
-        return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
-
     return {"calls": calls, "budget_epsilon": budget.epsilon, "single_input_grpc_ms": percentiles(grpc_ms),
             "single_input_in_process_ms": percentiles(local_ms), "p99_ms": percentiles(grpc_ms)["p99"],
             "ledger_charge_ms": percentiles(charge_ms), "thread_handoff_ms": percentiles(handoff_ms)}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def marked(images: np.ndarray, count: int) -> np.ndarray:
+    """``count`` distinct inputs from ``images``: copies told apart by one pixel's value."""
+    rows = images[np.arange(count) % len(images)].copy()
+    rows.reshape(count, -1)[:, 0] = (np.arange(count) // len(images) + 1) / (count // len(images) + 2)
+    return rows.astype(np.float32)
+
+
+def end_to_end_configs(quick: bool) -> dict[str, tuple[dict, np.ndarray]]:
+    """The ensembles measured through ``serve``: the digits demo's 50 teachers (its config as
+    shipped) and MNIST's 250 tutorial CNNs (mnist-gnmax.yaml, trained one epoch: inference
+    time does not depend on how well they learned). A declared budget no run here can spend."""
+    import yaml
+
+    from conclave.learning.data import load_digits
+
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    mnist = yaml.safe_load((ROOT / "configs" / "mnist-gnmax.yaml").read_text())
+    mnist["teachers"]["train"]["epochs"] = 1
+    configs = {"demo_50_teachers": (demo, load_digits()[1].x)}
+    if not quick:
+        configs["mnist_250_teachers"] = (mnist, mnist_or_random(1000))
+    for config, _ in configs.values():
+        config["privacy"] = {"budget": 1.0e5, "delta": 1.0e-5}
+        config.pop("estimates", None)
+    return configs
+
+
+def inference_alone(config: dict, images: np.ndarray, actors: int, repetitions: int) -> dict[str, float]:
+    """One input through the stacked ensemble one teacher actor holds (its share of the
+    teachers, fresh models of the same architecture): the floor under a single call."""
+    from conclave.learning.models import build_model, default_model
+    from conclave.learning.models.ensemble import StackedEnsemble
+
+    teachers = config["teachers"]["count"] // actors
+    name = config["teachers"].get("model") or default_model(images.shape[1:], "image")
+    ensemble = StackedEnsemble.of([build_model(name, 10, input_shape=images.shape[1:], seed=i).eval()
+                                   for i in range(teachers)])
+    seconds = interleaved({"one": lambda: ensemble.predict(images[:1])}, repetitions)["one"]
+    return {"teachers_per_actor": teachers, **{k: 1e3 * v for k, v in percentiles(seconds).items()}}
+
+
+def bench_end_to_end(calls: int, quick: bool) -> dict:
+    """Label calls from outside, against a real ``conclave serve`` process with its teachers."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from bench.serve_process import ServeProcess
+    from conclave.cluster.client import AggregatorClient
+    from conclave.privacy.accounting.ledger import read_history
+
+    results: dict = {}
+    for name, (config, images) in end_to_end_configs(quick).items():
+        fresh = marked(images, 2 * calls + 40_000)
+        cursor = iter(range(len(fresh)))
+        with tempfile.TemporaryDirectory() as folder, ServeProcess(config, Path(folder)) as serve:
+            client = AggregatorClient(serve.address, token=serve.token, timeout=60)
+            channel = grpc.insecure_channel(serve.address)
+            health = health_pb2_grpc.HealthStub(channel)
+            seen = [fresh[next(cursor)][None] for _ in range(50)]
+            for one in seen:
+                client.label(one)
+            fresh_ms, repeat_ms, bare_ms = [], [], []
+            for i in range(calls + 20):  # fresh, repeated and a bare gRPC call in turn
+                one = fresh[next(cursor)][None]
+                started = time.perf_counter()
+                client.label(one)
+                middle = time.perf_counter()
+                client.label(seen[i % len(seen)])
+                after = time.perf_counter()
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                done = time.perf_counter()
+                if i >= 20:
+                    fresh_ms.append(1e3 * (middle - started))
+                    repeat_ms.append(1e3 * (after - middle))
+                    bare_ms.append(1e3 * (done - after))
+            charges_before = len(read_history(serve.ledger))
+            concurrent_calls, clients = (400 if quick else 2000), 16
+            block = [fresh[next(cursor)][None] for _ in range(concurrent_calls)]
+            latencies: list[float] = []
+
+            def ask(one: np.ndarray) -> None:
+                started = time.perf_counter()
+                client.label(one)
+                latencies.append(1e3 * (time.perf_counter() - started))
+
+            started = time.perf_counter()
+            with futures.ThreadPoolExecutor(clients) as pool:
+                list(pool.map(ask, block))
+            concurrent_seconds = time.perf_counter() - started
+            groups = len(read_history(serve.ledger)) - charges_before
+            batch_seconds = []
+            for _ in range(3):
+                batch = np.stack([fresh[next(cursor)] for _ in range(1024)])
+                started = time.perf_counter()
+                client.label(batch)
+                batch_seconds.append(time.perf_counter() - started)
+            client.close()
+            channel.close()
+            start_seconds = serve.start_seconds
+        actors = 2  # one per CPU: the configs leave teachers.per_actor to the default
+        results[name] = {
+            "teachers": config["teachers"]["count"], "teacher_actors": actors,
+            "mechanism": config["mechanism"]["name"], "serve_start_seconds": start_seconds,
+            "single_fresh_ms": percentiles(fresh_ms), "single_repeated_ms": percentiles(repeat_ms),
+            "bare_grpc_health_check_ms": percentiles(bare_ms),
+            "inference_alone_ms": inference_alone(config, images, actors, 50 if quick else 200),
+            "concurrent": {"clients": clients, "calls": concurrent_calls,
+                           "labels_per_second": concurrent_calls / concurrent_seconds,
+                           "latency_ms": percentiles(latencies),
+                           "ledger_transactions": groups, "calls_per_transaction": concurrent_calls / max(groups, 1)},
+            "batch_1024_labels_per_second": spread([1024 / s for s in batch_seconds]),
+        }
+    return results
 
 
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
@@ -420,6 +543,15 @@ def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
                                               [a + b for a, b in zip(seconds["pool"], setup["pool"])])}
 
 
+def _build() -> str:
+    """The commit measured (with "+changes" when the working tree differs from it)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes")
@@ -439,11 +571,21 @@ def main() -> int:
         "allocator": lambda: bench_allocator(2 if args.quick else repetitions, args.quick),
         "aggregator": lambda: bench_aggregator(200 if args.quick else 2000),
         "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
+        "end_to_end": lambda: bench_end_to_end(100 if args.quick else 500, args.quick),
     }
     results: dict = {"benchmark": "perf", **soundness([SECURE.unsound_reason]), "quick": args.quick,
                      "thread_settings": thread_settings(),
                      "gpu": {"available": torch.cuda.is_available(),
                              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    unknown = sorted(set(args.only or ()) - set(sections))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {sorted(sections)}")
+    if args.only and args.out.exists():  # re-run some sections into the figures of the others
+        kept = json.loads(args.out.read_text())
+        results = {**kept, **results, "sections_rerun": {
+            "sections": args.only, "build": _build(), "earlier_sections_from": kept.get("build", "an earlier build")}}
+    else:
+        results["build"] = _build()
     for name, run in sections.items():
         if args.only and name not in args.only:
             continue
@@ -454,6 +596,8 @@ def main() -> int:
     summary = [f"{k}: {v}" for k, v in {
         "teacher_inference.flop_fraction": results.get("teacher_inference", {}).get("flop_fraction"),
         "aggregator.p99_ms": results.get("aggregator", {}).get("p99_ms"),
+        "end_to_end.demo_50_teachers.single_fresh_ms": results.get("end_to_end", {}).get(
+            "demo_50_teachers", {}).get("single_fresh_ms"),
         "teacher_pool.speedup": results.get("teacher_pool", {}).get("speedup"),
     }.items()]
     print("perf: " + "; ".join(summary))
