@@ -426,7 +426,8 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
 
     results: dict = {}
     for name, (config, images) in end_to_end_configs(quick).items():
-        fresh = marked(images, 2 * calls + 40_000)
+        concurrent_calls, clients = (400 if quick else 2000), 16
+        fresh = marked(images, 50 + calls + 20 + concurrent_calls + 3 * 1024)
         cursor = iter(range(len(fresh)))
         with tempfile.TemporaryDirectory() as folder, ServeProcess(config, Path(folder)) as serve:
             client = AggregatorClient(serve.address, token=serve.token, timeout=60)
@@ -450,7 +451,6 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
                     repeat_ms.append(1e3 * (after - middle))
                     bare_ms.append(1e3 * (done - after))
             charges_before = len(read_history(serve.ledger))
-            concurrent_calls, clients = (400 if quick else 2000), 16
             block = [fresh[next(cursor)][None] for _ in range(concurrent_calls)]
             latencies: list[float] = []
 
