@@ -23,6 +23,7 @@ COMMANDS: Registry[ModuleType] = Registry.described("command", {
     "query": ("conclave.cluster.query_command", "ask a running aggregator to label inputs"),
     "analyze": ("conclave.cluster.analyze_command", "privacy cost of answering teacher vote histograms"),
     "plan": ("conclave.cluster.plan_command", "what a config's budget buys, before any data is read"),
+    "audit": ("conclave.cluster.audit_command", "an empirical lower bound on a config's ε, from one run with canaries"),
     "budget": ("conclave.cluster.budget_command", "owners' lifetime budgets and runs' ledgers: spend and history"),
     "check-data": ("conclave.cluster.check_data_command", "an owner's look at its own data, run on its own node"),
     "ray-certs": ("conclave.cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),

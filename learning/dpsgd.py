@@ -297,6 +297,12 @@ def train_dp(
             )
             dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     dp_optimizer.secure_mode = True  # floating-point-safe noise (see the module docstring)
+    # The σ Opacus draws with: σ, except in an audit's deliberately broken build (test-only
+    # ``NoisePolicy.noise_scale``, read here alone), which must still be accounted, and is charged, at σ.
+    if noise.noise_scale != 1.0 and data_parallel:
+        raise ValueError("a noise_scale other than 1 acts on Opacus's Gaussian noise, not on the secure sum's")
+    drawn = sigma * noise.noise_scale
+    dp_optimizer.noise_multiplier = drawn
     steps = 0
     account = dp_optimizer.step_hook
     scheduler = lr_scheduler(dp_optimizer.original_optimizer, config, schedule.steps)
@@ -305,7 +311,9 @@ def train_dp(
         # Called once per logical (noised) step, never for a physical chunk of one.
         nonlocal steps
         steps += 1
+        optimizer.noise_multiplier = sigma  # what Opacus's accountant reads: the σ charged
         account(optimizer)
+        optimizer.noise_multiplier = drawn
 
     dp_optimizer.attach_step_hook(count_step)
     if config.max_physical_batch_size is not None:

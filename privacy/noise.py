@@ -12,7 +12,12 @@ the privacy loss would be unbounded. So every process that draws DP noise gets a
   bits of a textbook float sampler (Mironov, CCS 2012);
 * ``NoisePolicy(insecure_seed=N)`` derives every source from N and a stream name, for
   debugging and tests. Such noise can be replayed, so every report of such a run carries
-  ``sound: false`` with ``INSECURE_REASON``.
+  ``sound: false`` with ``INSECURE_REASON``;
+* ``NoisePolicy(noise_scale=f)``, f ≠ 1, is the deliberately broken build an audit test must
+  catch (``cluster.auditing``): DP-SGD draws its noise at σ·f while it is still accounted and
+  charged at σ. ``learning.dpsgd.train_dp`` is the one reader (the label audit scales its
+  vote mechanism's σ itself, ``cluster.auditing.labels.ScaledNoise``); such a run is
+  ``sound: false`` with ``BROKEN_REASON``. No config key or flag sets it.
 
 Mechanisms that release only an argmax (the vote mechanisms) use ``NoiseSource.rng``;
 released numbers use ``laplace_counts`` and ``gaussian``; torch code (DP-SGD noise and
@@ -31,6 +36,7 @@ INSECURE_REASON = (
     "DP noise was drawn from the public seed privacy.insecure_noise_seed={seed}: anyone with the seed "
     "can replay and subtract it, so no epsilon holds for this run"
 )
+BROKEN_REASON = "noise deliberately scaled by {scale:g} for an audit test: the epsilon claimed is not the one drawn"
 
 
 @dataclass(frozen=True)
@@ -38,14 +44,21 @@ class NoisePolicy:
     """How a run draws DP noise; picklable, so actors build their own sources from it."""
 
     insecure_seed: int | None = None  # None: OS entropy (the only sound choice)
+    noise_scale: float = 1.0  # test-only: DP-SGD draws σ·noise_scale, charged at σ (module docstring)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.noise_scale < float("inf"):
+            raise ValueError(f"noise_scale must be finite and >= 0, got {self.noise_scale!r}")
 
     @property
     def sound(self) -> bool:
-        return self.insecure_seed is None
+        return self.insecure_seed is None and self.noise_scale == 1.0
 
     @property
     def unsound_reason(self) -> str | None:
-        return None if self.sound else INSECURE_REASON.format(seed=self.insecure_seed)
+        reasons = ([] if self.insecure_seed is None else [INSECURE_REASON.format(seed=self.insecure_seed)]) + (
+            [] if self.noise_scale == 1.0 else [BROKEN_REASON.format(scale=self.noise_scale)])
+        return "; ".join(reasons) or None
 
     def source(self, stream: str) -> NoiseSource:
         """A fresh source for one named use (``stream``, e.g. "aggregator", "dp-pca").
@@ -54,9 +67,11 @@ class NoisePolicy:
         picks the sub-stream, so callers must name each release differently.
         """
         if self.insecure_seed is None:
-            return NoiseSource(np.random.Generator(np.random.PCG64DXSM(secrets.randbits(256))), secure=True)
+            return NoiseSource(np.random.Generator(np.random.PCG64DXSM(secrets.randbits(256))), secure=True,
+                               noise_scale=self.noise_scale)
         sequence = np.random.SeedSequence(entropy=self.insecure_seed, spawn_key=(zlib.crc32(stream.encode()),))
-        return NoiseSource(np.random.Generator(np.random.PCG64DXSM(sequence)), secure=False)
+        return NoiseSource(np.random.Generator(np.random.PCG64DXSM(sequence)), secure=False,
+                           noise_scale=self.noise_scale)
 
 
 SECURE = NoisePolicy()
@@ -65,9 +80,10 @@ SECURE = NoisePolicy()
 class NoiseSource:
     """One process's DP noise for one use; see the module docstring."""
 
-    def __init__(self, rng: np.random.Generator, secure: bool) -> None:
+    def __init__(self, rng: np.random.Generator, secure: bool, noise_scale: float = 1.0) -> None:
         self.rng = rng
         self.secure = secure
+        self.noise_scale = noise_scale  # the policy's test-only factor; read by ``train_dp`` alone
 
     def seed(self) -> int:
         """A 63-bit seed for another generator (e.g. torch's): from the OS when secure."""

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -201,11 +201,13 @@ def owner_shares(config: Config, public: PublicData, embedded: bool, num_actors:
 
 
 def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = None,
-                 embedded: bool = True) -> TeacherPool:
+                 embedded: bool = True,
+                 with_records: Callable[[list[OwnerShare]], list[OwnerShare]] | None = None) -> TeacherPool:
     """Untrained teacher actors: the owners' on their nodes, or the benchmark's packed as
     ``config.teachers`` says (all ``teachers.count``, or the first ``num_teachers`` of them:
     the benchmark compares a few). Teachers reserve half the CPUs; the student (and the
-    aggregator in the driver) the rest."""
+    aggregator in the driver) the rest. ``with_records``: an audit run's shares, its records
+    added to the owners' (``cluster.auditing.labels``)."""
     import ray
 
     from conclave.actors.teacher import TeacherPool
@@ -216,6 +218,8 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     per_actor = config.teachers.per_actor
     num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
     shares = owner_shares(config, public, embedded, num_actors, count)
+    if with_records is not None:
+        shares = with_records(shares)
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
     train = dataclasses.replace(config.teachers.train, seed=config.seed)
     return TeacherPool(shares, config.teachers.model, train, seed=config.seed,

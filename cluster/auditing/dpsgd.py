@@ -1,0 +1,216 @@
+"""The one-run audit of the ``active_learning`` pipeline's DP-SGD (Steinke, Nasr & Jagielski,
+NeurIPS 2023): canaries in, one training run through the pipeline's own shard actors, a
+membership guess per canary from the released model, and the lower bound on ε.
+
+1. ``m`` canaries are made from the public test split (``make_canaries``), and each is included
+   in the private data independently with probability ½, drawn from OS entropy
+   (``SecretInclusion``). The included ones join the first shard actor's data (the first
+   owner's, when the config has owners), inside that actor (``CanarySource``).
+2. The audit is its own run ("<name>-audit"): the DP-SGD schedule is that of the declared
+   private records plus the ``m`` canaries (every canary might be in: the declared size is an
+   upper bound), charged to a run ledger in a temporary folder that is deleted afterwards —
+   never the production run's — and, like any run, to the lifetime ledger of every owner that
+   declares one: the audit trains on the owners' real records, and what it publishes (a count
+   of correct guesses) is computed from that model. Training is the pipeline's:
+   ``ShardGroup.train`` → ``train_dp`` (Opacus; the secure sum across several actors), with
+   the config's noise policy, OS entropy unless it asks otherwise.
+3. Only the released model (the final DP-SGD checkpoint) is scored: the loss of each canary's
+   (input, label). The lowest losses are guessed "in" and the highest "out", ``r/2`` each;
+   only then is the inclusion draw read, to count the correct guesses ``v``.
+4. The bound is ``epsilon_lower_bound(m, r, v, δ, confidence)`` at the run's δ, under the
+   audit run's own guarantee (the worst case of its DP-SGD schedule, or its budget if smaller).
+
+The audited release is the DP-SGD model alone: strategies, fine-tuning on bought public labels
+and NearPrivate's releases do not run (the last would add to the guarantee, not to what the
+model reveals). ``AuditSettings.broken_noise`` (tests only) scales the σ Opacus draws while the
+schedule, the ledger and the guarantee keep the configured σ (``NoisePolicy.noise_scale``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from conclave.cluster.active_learning import Config, public_side, shard_plans
+from conclave.cluster.auditing import AuditResult, AuditSettings, SecretInclusion
+from conclave.cluster.run_privacy import dp_sgd_trust
+from conclave.learning.data import Dataset
+from conclave.privacy.accounting.audit import epsilon_lower_bound
+from conclave.privacy.noise import SECURE
+
+log = logging.getLogger(__name__)
+
+PIPELINE = "active_learning"
+METHOD = ("DP-SGD of active_learning, one run: canaries are test-split records resampled coordinate by "
+          "coordinate with uniformly random labels, each added to {holder} with probability 1/2; "
+          "score = -loss of the final DP-SGD checkpoint on (canary, label); the r/2 lowest losses are "
+          "guessed in, the r/2 highest out")
+
+
+def default_guesses(canaries: int) -> int:
+    """r when the settings give none: a fifth of the canaries (an even count, at least 2 when
+    m allows): the guesses the released model is surest of, where a weak signal shows first."""
+    return min(canaries, max(2, 2 * (canaries // 10)))
+
+
+@dataclass(frozen=True)
+class Canaries:
+    """m canary records in the model's representation: public, known to the auditor."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, rows: np.ndarray) -> Canaries:
+        return Canaries(self.x[rows], self.y[rows])
+
+
+def make_canaries(test: Dataset, count: int, rng: np.random.Generator) -> Canaries:
+    """``count`` canaries from the public ``test`` split: every coordinate (pixel, feature or
+    column) of a canary is that coordinate of an independently chosen test record, and its
+    label is uniform over the classes.
+
+    Why this kind: each value is one real records take, so a canary is in range for any
+    representation (images, features, tables) without knowing it, yet the combination looks
+    like no real record, so the model has no class to prefer for it: left out, its loss is
+    that of a guess; put in, it is memorised without the rest of the data pulling it back,
+    which gives the loss score more power than a mislabelled real record (its true class is
+    learnt from its neighbours) and more than uniform noise on tables."""
+    if len(test) < 1:
+        raise ValueError("the audit makes its canaries from the test split, and it is empty")
+    flat = test.x.reshape(len(test), -1)
+    picks = rng.integers(0, len(test), size=(count, flat.shape[1]))
+    x = np.take_along_axis(flat, picks, axis=0).reshape(count, *test.x.shape[1:]).astype(np.float32)
+    return Canaries(x, rng.integers(0, test.num_classes, size=count).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class CanarySource:
+    """A shard actor's source with the included canaries added to what it holds."""
+
+    inner: object  # the shard actor's own ShardSource (picklable)
+    canaries: Canaries = field(repr=False)
+
+    @property
+    def owner(self) -> str:
+        return self.inner.owner
+
+    def load(self, shard_ids: Sequence[int]) -> Dataset:
+        held = self.inner.load(shard_ids)
+        return Dataset(np.concatenate([held.x, self.canaries.x.astype(held.x.dtype)]),
+                       np.concatenate([held.y, self.canaries.y]), held.num_classes, f"{held.name}+canaries",
+                       held.features)
+
+
+def membership_scores(model, canaries: Canaries, batch: int = 512) -> np.ndarray:
+    """−loss of each canary's (input, label) under the released ``model``: higher means "in"."""
+    import torch
+    from torch.nn import functional
+
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for start in range(0, len(canaries), batch):
+            x = torch.as_tensor(canaries.x[start:start + batch])
+            y = torch.as_tensor(canaries.y[start:start + batch])
+            scores.append(-functional.cross_entropy(model(x), y, reduction="none").numpy())
+    return np.concatenate(scores)
+
+
+def guesses_from(scores: np.ndarray, count: int) -> np.ndarray:
+    """+1 for the ⌈count/2⌉ highest scores, −1 for the ⌊count/2⌋ lowest, 0 (abstain) elsewhere."""
+    order = np.argsort(-scores, kind="stable")
+    guesses = np.zeros(len(scores), dtype=np.int64)
+    inside = (count + 1) // 2
+    guesses[order[:inside]] = 1
+    guesses[order[len(scores) - (count - inside):]] = -1
+    return guesses
+
+
+def with_canary_records(config: Config, canaries: int) -> tuple[Config, int]:
+    """(the config whose declared records cover the canaries, that declared size): the first
+    owner declares ``canaries`` more records; a benchmark's private split is unchanged and the
+    schedule is that of its size plus ``canaries``."""
+    if not config.owners:
+        return config, config.private_size + canaries
+    first, *rest = config.owners
+    owners = (dataclasses.replace(first, records=first.records + canaries), *rest)
+    audited = dataclasses.replace(config, owners=owners)
+    return audited, audited.private_size
+
+
+def audit(config: Config, settings: AuditSettings) -> AuditResult:
+    """The one-run audit of ``config``'s DP-SGD (module docstring)."""
+    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+    from conclave.cluster.owners import owner_resources
+    from conclave.cluster.ray_runtime import start_ray
+    from conclave.learning.dp_schedule import dp_schedule
+
+    m = settings.canaries
+    r = default_guesses(m) if settings.guesses is None else settings.guesses
+    if m < 1 or not 1 <= r <= m:
+        raise ValueError(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {m} and {r}")
+    if config.checkpoints_from is not None:
+        raise ValueError("checkpoints_from: an audit trains its own DP-SGD run with the canaries; remove it")
+    if settings.broken_noise is not None and config.secure_training:
+        raise ValueError("broken_noise scales Opacus's Gaussian noise; this config trains through the secure sum")
+    started = time.perf_counter()
+    run_name = f"{config.name}-audit"
+    policy = config.privacy.noise
+    if settings.broken_noise is not None:
+        policy = dataclasses.replace(policy, noise_scale=settings.broken_noise)
+    unsound = (policy.unsound_reason,) if policy.unsound_reason else ()
+
+    owners = config.owners  # as declared: their lifetime ledgers know the data by these
+    config, declared = with_canary_records(config, m)
+    embedded = start_ray(None, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
+                         models=config.models)
+    public = public_side(config, np.random.default_rng(config.seed))
+    spec = public.model_spec(config)
+    canaries = make_canaries(public.test, m, SECURE.source("audit-canaries").rng)
+    inclusion = SecretInclusion(m)
+    plans = shard_plans(config, public.classes, embedded, public.columns)
+    holder = plans[0]
+    plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids,
+                         holder.placement, holder.num_actors_sharing)
+
+    dp = config.dpsgd.dp_config(config.privacy.delta)
+    schedule = dp_schedule(declared, dp, secure=config.secure_training)
+    dp = dataclasses.replace(dp, noise_multiplier=schedule.noise_multiplier, target_epsilon=None)
+    with tempfile.TemporaryDirectory(prefix="conclave-audit-") as folder:
+        ledger = config.privacy.open_ledger(Path(folder) / "ledger.sqlite", schedule.charge)
+        ledger = config.privacy.with_owners(ledger, schedule.charge, owners, run_name)
+        group = None
+        try:
+            group = ShardGroup(plans, spec, config.torch_threads, num_cpus=config.dpsgd.cpus_per_worker,
+                               input_shape=spec.input_shape)
+            if group.secure != schedule.secure:
+                raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
+            ledger.charge(schedule.charge)
+            log.info("audit of DP-SGD: %d canaries, q=%.5f σ=%.3f %d epochs over %d shard actor(s)", m,
+                     schedule.sample_rate, schedule.noise_multiplier, dp.epochs, len(group.actors))
+            released = group.train(dp, policy, declared)[-1]
+            if released.sample_rate != schedule.sample_rate or released.steps != schedule.steps:
+                raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
+            report = config.privacy.report(schedule.charge, ledger, dp_sgd_trust(config.secure_training))
+        finally:
+            if group is not None:
+                group.shutdown()
+            ledger.close()
+
+    # Guesses from the released model alone; the inclusion draw is read only after.
+    guesses = guesses_from(membership_scores(released.load_into(spec.build()), canaries), r)
+    correct = inclusion.correct(guesses)
+    guarantee = report.guarantee.marked(unsound)
+    bound = epsilon_lower_bound(m, r, correct, guarantee.delta, settings.confidence)
+    holder_name = f"owner {holder.source.owner}'s data" if config.owners else "the private split"
+    return AuditResult(PIPELINE, run_name, bound, guarantee, m, r, correct, time.perf_counter() - started,
+                       METHOD.format(holder=holder_name), unsound)
