@@ -373,12 +373,21 @@ def wait_for(condition, seconds: float, every: float = 0.05) -> float | None:
     return None
 
 
+_HEALTH_CHANNELS: dict[str, grpc.Channel] = {}
+
+
 def health_status(serve: Serve) -> int | None:
-    with grpc.insecure_channel(serve.address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        except grpc.RpcError:
-            return None
+    """The server's health, or None when the check fails. One channel per address, kept open:
+    a fresh connection per check, from a process running 32 busy clients, missed whole
+    NOT_SERVING spells (the server's log had them)."""
+    channel = _HEALTH_CHANNELS.get(serve.address)
+    if channel is None:  # reconnecting fast after a restart on the same port, as AggregatorClient does
+        channel = _HEALTH_CHANNELS[serve.address] = grpc.insecure_channel(
+            serve.address, [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)])
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+    except grpc.RpcError:
+        return None
 
 
 def free_port() -> int:
