@@ -36,6 +36,8 @@ its noise from OS entropy (``SECURE``, whose soundness the file's ``sound`` repo
     python bench/perf.py            # the whole set (about 12 to 16 minutes on 2 cores)
     python bench/perf.py --quick    # fewer repetitions and smaller sizes
     python bench/perf.py --only end_to_end aggregator   # re-run these, keep the other sections' figures
+
+``section_builds`` says which commit each section's figures were measured on.
 """
 from __future__ import annotations
 
@@ -580,12 +582,13 @@ def main() -> int:
     unknown = sorted(set(args.only or ()) - set(sections))
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {sorted(sections)}")
+    build = _build()
     if args.only and args.out.exists():  # re-run some sections into the figures of the others
         kept = json.loads(args.out.read_text())
-        results = {**kept, **results, "sections_rerun": {
-            "sections": args.only, "build": _build(), "earlier_sections_from": kept.get("build", "an earlier build")}}
+        results = {**kept, **results, "section_builds": {**kept.get("section_builds", {}),
+                                                         **{name: build for name in args.only}}}
     else:
-        results["build"] = _build()
+        results["section_builds"] = {name: build for name in sections}
     for name, run in sections.items():
         if args.only and name not in args.only:
             continue
