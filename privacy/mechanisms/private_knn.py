@@ -1,0 +1,95 @@
+"""Private-kNN: noisy screening and noisy argmax of kNN votes over a Poisson sample of the records
+(Zhu, Yu, Chandraker & Wang, "Private-kNN: Practical Differential Privacy for Computer Vision",
+CVPR 2020)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_sampled_gaussian_charge
+from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.votes import check_votes
+
+
+@dataclass(frozen=True)
+class PrivateKnnMechanism:
+    """If max_j n_j + N(0, σ1²) ≥ T answer argmax_j (n_j + N(0, σ2²)), else abstain; n is the
+    histogram of the labels of the query's k nearest records among a Poisson sample at rate
+    ``sample_rate`` (drawn by the vote source, fresh per query).
+
+    Charge, per asked query, for one record added or removed (the records vote directly, no
+    teacher in between): if sampled, the record enters the top k and pushes at most one out, so
+    the top count moves by ≤ 1 and the histogram by ≤ √2 in ℓ2. Screening and argmax read the
+    same sample, so they are charged as one sampled Gaussian release (Mironov, Talwar & Zhang
+    2019) at z = (1/σ1² + 2/σ2²)^(-1/2) (``privacy.accounting.subsampled``), on every asked query:
+    the two steps share the sample's randomness, so the argmax cannot be charged on answered
+    queries only, as Confident-GNMax's fresh-noise steps are.
+
+    Not in ``MECHANISMS`` (what configs and ``conclave analyze`` can name) yet: the charge holds
+    only for votes of ``actors.knn_votes.KnnVoteSource`` sampling at ``sample_rate``, and on
+    teachers' histograms it would understate ε. Wiring the two together comes with issue 27's
+    pipeline.
+    """
+
+    sigma1: float
+    threshold: float
+    sigma2: float
+    sample_rate: float
+    name: ClassVar[str] = "private-knn"
+    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    smooth_sensitivity_analysis: ClassVar[bool] = False  # its charge is data-independent only
+    aliases: ClassVar[dict[str, str]] = {}
+    secure_variant: ClassVar[None] = None  # the kNN merge needs clean distances, not secure-sum totals
+    help: ClassVar[dict[str, str]] = {
+        "sigma1": "noise sigma of the screening of the top kNN vote count",
+        "threshold": "threshold T on the noisy top kNN vote count",
+        "sigma2": "noise sigma of the argmax of the kNN votes",
+        "sample_rate": "probability that each private record is in a query's Poisson sample",
+    }
+
+    def __post_init__(self) -> None:
+        if not (self.sigma1 > 0 and self.sigma2 > 0):
+            raise ValueError(f"private-knn: sigma1 and sigma2 must be > 0, got {self.sigma1}, {self.sigma2}")
+        if not np.isfinite(self.threshold):
+            raise ValueError(f"private-knn: threshold must be a finite number, got {self.threshold}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"private-knn: sample_rate must be in (0, 1], got {self.sample_rate}")
+
+    @property
+    def releases(self) -> tuple[GaussianRelease, GaussianRelease]:
+        """The two Gaussian releases on each query's sample: screening (Δ = 1), argmax (Δ₂ = √2)."""
+        return GaussianRelease(self.sigma1, 1.0), GaussianRelease(self.sigma2, math.sqrt(2))
+
+    def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
+        counts = check_votes(votes).astype(float)
+        confident = counts.max(axis=1) + rng.normal(0.0, self.sigma1, size=len(counts)) >= self.threshold
+        noisy = counts + rng.normal(0.0, self.sigma2, size=counts.shape)
+        labels = np.where(confident, np.argmax(noisy, axis=1), ABSTAIN).astype(np.int64)
+        return MechanismResult(labels, self.run_charge(len(counts), int(confident.sum())))
+
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        return self.run_charge(batch_size, batch_size)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        """Every asked query pays screening and argmax together, answered or not (class docstring)."""
+        if not 0 <= answered <= asked:
+            raise ValueError(f"private-knn: answered must be in [0, asked], got {answered} of {asked}")
+        return poisson_sampled_gaussian_charge(self.sample_rate, self.releases, count=asked, label=self.name)
+
+    def describe(self) -> Description:
+        return Description(
+            self.name, parameters_of(self),
+            "over the k nearest records in a Poisson sample (rate q): abstain unless the top vote count plus "
+            "N(0, sigma1^2) reaches T; then argmax of the votes plus N(0, sigma2^2)",
+            "Mironov, Talwar & Zhang 2019 sampled Gaussian at z = (1/σ1² + 2/σ2²)^-1/2 per asked query (screening "
+            "Δ = 1 and argmax Δ₂ = √2 on one sample), one record added or removed; Zhu et al. 2020",
+            bounded=True)
+
+    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
+                  conversion: str) -> list[Estimate]:
+        return []  # no data-dependent analysis: the charge is the guarantee
