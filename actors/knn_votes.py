@@ -1,0 +1,280 @@
+"""kNN votes over owners' records: every private record votes through its nearest neighbours.
+
+Private-kNN (Zhu, Yu, Chandraker & Wang, CVPR 2020): for each public query, each private record
+is included independently with probability ``sample_rate`` (a Poisson subsample, fresh per
+query); the k nearest included records, in a fixed public embedding, vote with their labels.
+One record added or removed changes each query's k-nearest list by at most one entry (it enters
+and pushes the k-th out, or leaves and the (k+1)-th comes in; while fewer than k are included it
+only adds or removes its own vote): histogram L2 sensitivity ≤ √2, top count ±1, under
+add/remove neighbours (``KNN_LEMMA``). The Poisson subsample is what lets the charge be
+amplified (Mironov, Talwar & Zhang 2019; Zhu & Wang 2019); that charge is the mechanism's
+concern, not this module's.
+
+Trust model, plainly:
+- Each owner's ``KnnShard`` actors run on the owner's node (its ``Placement``), read the owner's
+  records there (``OwnerSource.load``, as the teachers do), embed them there and keep the
+  embeddings and labels. Records and their embeddings never leave the owner's node.
+- The inclusion sample is drawn inside the actor from the run's ``NoisePolicy`` (OS entropy;
+  an insecure seed replays it, for tests, and makes the run unsound).
+- Per query, an actor returns the distances and labels of its k nearest *included* records,
+  padded with +inf / -1: ``float64[batch, k]`` and ``int64[batch, k]``, nothing else.
+- The merging process (the aggregator, ``KnnVoteSource``) sees those distances and labels
+  un-noised, across all owners, and builds the clean vote histogram from them — as the
+  aggregator sees clean vote histograms in the trusted-aggregator setting of the teachers.
+  Distances do say something about the records beyond the vote, so this is a trusted
+  aggregator. A secure merge (no party seeing the neighbours in the clear) is future work.
+
+The embedding is a fixed public transform (``Flatten``, ``PublicPCA`` fitted on public data
+only, or any picklable callable): it costs no privacy, and queries are embedded the same way on
+the driver, since they are public.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import ray
+
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
+from conclave.actors.placement import Placement, require_node
+from conclave.actors.teacher import INLINE_INPUT_BYTES, TeacherSource
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.noise import SECURE, NoisePolicy
+
+log = logging.getLogger(__name__)
+
+Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
+
+KNN_LEMMA = ("each record is one candidate neighbour: adding or removing it changes each query's k nearest "
+             "sampled records by at most one entering and one leaving (or, with fewer than k sampled, one vote "
+             "added or removed), so it moves at most one vote of each histogram (L2 ≤ √2, top count ±1)")
+
+# Distances of at most this many (query, record) pairs at once: a chunk's inclusion draws and
+# distances stay near 64 MiB whatever the batch and the owner's size.
+CHUNK_PAIRS = 4_000_000
+
+
+def sample_stream(round_: int, shard: int) -> str:
+    """The noise stream of shard actor ``shard``'s inclusion draws in vote round ``round_`` (from 1):
+    distinct per round and actor, so an insecure seed replays each sample and no two coincide."""
+    return f"knn-votes/{round_}/{shard}"
+
+
+@dataclass(frozen=True)
+class Flatten:
+    """Each input as one float vector: the identity embedding (raw pixels or table rows)."""
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        inputs = np.asarray(inputs, dtype=np.float32)
+        return inputs.reshape(len(inputs), math.prod(inputs.shape[1:]))  # also for no inputs at all
+
+
+@dataclass(frozen=True)
+class PublicPCA:
+    """Projection of flattened inputs onto the top principal directions of PUBLIC data
+    (``fit`` on the public pool only: fitting on private records would cost privacy)."""
+
+    mean: np.ndarray  # float32 [d]
+    components: np.ndarray  # float32 [dims, d], orthonormal rows
+
+    @classmethod
+    def fit(cls, public_inputs: np.ndarray, dims: int) -> PublicPCA:
+        flat = Flatten()(public_inputs).astype(np.float64)
+        if not 1 <= dims <= min(flat.shape):
+            raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
+                             f"{flat.shape[1]} values, got {dims}")
+        mean = flat.mean(axis=0)
+        _, _, vt = np.linalg.svd(flat - mean, full_matrices=False)
+        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32))
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        return (Flatten()(inputs) - self.mean) @ self.components.T
+
+
+class KnnShard:
+    """The records of shards ``first``..``last - 1`` of one owner's source, embedded and held in
+    this process; answers each query with its k nearest records of a fresh Poisson sample.
+
+    No Ray here (the actor is the same class). A source that cannot be read is kept as an error
+    that ``describe`` raises as ``OwnerDataError`` (one line naming the owner), as for teachers.
+    """
+
+    def __init__(self, source: TeacherSource | OwnerSource, first: int, last: int, embed: Embedding,
+                 k: int, sample_rate: float, index: int, noise: NoisePolicy = SECURE) -> None:
+        self.owner = source.owner
+        self.k, self.sample_rate, self.index, self.noise = k, sample_rate, index, noise
+        self.load_error: str | None = None
+        try:
+            shards = source.load(range(first, last))
+        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
+            self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
+            self.num_classes, self.input_shape = 0, ()
+            return
+        self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
+        x = np.concatenate([part.x for part in shards])
+        # float64 so that the expanded squared distance below loses nothing that matters.
+        self._points = np.asarray(embed(x), dtype=np.float64)
+        self._norms = np.einsum("ij,ij->i", self._points, self._points)
+        self._labels = np.concatenate([part.y for part in shards])
+
+    def describe(self) -> GroupInfo:
+        """Classes, input shape and node, nothing about the records; raises if they could not be read."""
+        if self.load_error is not None:
+            raise OwnerDataError(self.load_error)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return GroupInfo(self.num_classes, self.input_shape, node)
+
+    def neighbours(self, queries: np.ndarray, round_: int) -> tuple[np.ndarray, np.ndarray]:
+        """For embedded ``queries`` ``[batch, d]``: squared distances ``float64[batch, k]`` and labels
+        ``int64[batch, k]`` of each query's k nearest records among those included (each with
+        probability ``sample_rate``, drawn here from stream ``sample_stream(round_, index)``),
+        nearest first, ties by record position; +inf / -1 where fewer than k are included."""
+        if self.load_error is not None:
+            raise OwnerDataError(self.load_error)
+        queries = np.asarray(queries, dtype=np.float64)
+        batch, n = len(queries), len(self._labels)
+        distances = np.full((batch, self.k), np.inf)
+        labels = np.full((batch, self.k), -1, dtype=np.int64)
+        rng = self.noise.source(sample_stream(round_, self.index)).rng
+        rows = max(1, CHUNK_PAIRS // max(n, 1))
+        for start in range(0, batch, rows):
+            chunk = queries[start:start + rows]
+            # Consecutive draws from one generator equal one [batch, n] draw: chunking keeps the sample.
+            included = rng.random((len(chunk), n)) < self.sample_rate
+            squared = np.maximum(
+                self._norms[None, :] - 2.0 * chunk @ self._points.T + np.einsum("ij,ij->i", chunk, chunk)[:, None], 0.0)
+            for row in range(len(chunk)):
+                nearest = self._nearest(squared[row], np.flatnonzero(included[row]))
+                distances[start + row, :len(nearest)] = squared[row, nearest]
+                labels[start + row, :len(nearest)] = self._labels[nearest]
+        return distances, labels
+
+    def _nearest(self, squared: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The (up to) k positions of ``positions`` (ascending) nearest first, ties by position."""
+        if len(positions) > self.k:  # everything not beyond the k-th distance; lexsort settles ties
+            candidates = squared[positions]
+            positions = positions[candidates <= np.partition(candidates, self.k - 1)[self.k - 1]]
+        return positions[np.lexsort((positions, squared[positions]))][:self.k]
+
+
+# Restarted like a teacher group (its constructor reloads the owner's records); a call is not
+# retried, so a vote fails at once rather than waiting.
+KnnShardActor = ray.remote(max_restarts=3, max_task_retries=0)(KnnShard)
+
+
+@dataclass(frozen=True)
+class KnnShare:
+    """One owner's part of the kNN vote: its source (all of its ``num_teachers`` shards vote), on
+    how many actors (each a contiguous block of shards), placed where. Set no ``records`` cap on an
+    ``OwnerSource``: cutting a shard down would turn adding a record into replacing one."""
+
+    source: TeacherSource | OwnerSource
+    num_actors: int = 1
+    placement: Placement = field(default_factory=Placement)
+
+    def __post_init__(self) -> None:
+        if self.num_actors < 1:
+            raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
+        if getattr(self.source, "records", None) is not None:
+            raise ValueError(f"owner {self.source.owner}: leave records unset for kNN votes (a cap replaces "
+                             "records; Poisson sampling covers any number held)")
+        if self.source.features is not None:
+            raise ValueError(f"owner {self.source.owner}: give the kNN representation as the embedding, "
+                             f"not as source features ({self.source.features!r})")
+
+
+class KnnVoteSource:
+    """Driver-side handle over the owners' ``KnnShard`` actors: a vote source for the aggregator
+    (``actors.labeller.VoteSource``). It holds the actor handles only — never records or their
+    embeddings: each actor loads its owner's records on the owner's node.
+
+    ``votes`` embeds the (public) queries here, sends them to every actor, merges the global k
+    nearest by (distance, actor, rank in the actor's answer) and counts their labels: each row
+    sums to min(k, records included for that query).
+
+    Args:
+        shares: each owner's source, actor count and placement.
+        embed: the fixed public embedding, applied to queries here and to records in the actors.
+        k: neighbours per query (≥ 1).
+        sample_rate: each record's inclusion probability per query, in (0, 1].
+        noise: where the inclusion draws come from (OS entropy unless a test asks to replay them).
+        num_cpus_per_actor: CPUs each actor reserves.
+    """
+
+    neighbouring, neighbouring_lemma = ADD_REMOVE, KNN_LEMMA
+    vote_timeout_s: float = 15.0  # below the client's 30 s deadline, as for the teachers
+
+    def __init__(self, shares: Sequence[KnnShare], embed: Embedding, k: int, sample_rate: float,
+                 noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0) -> None:
+        if not shares:
+            raise ValueError("kNN votes need at least one owner")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not 0.0 < sample_rate <= 1.0 or not math.isfinite(sample_rate):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        self.embed, self.k, self.sample_rate = embed, k, sample_rate
+        plans = []
+        for share in shares:  # every placement checked before any actor starts
+            num_actors = min(share.num_actors, share.source.num_teachers)
+            options = share.placement.actor_options(num_actors)
+            require_node(f"owner {share.source.owner}'s kNN shards", num_cpus_per_actor, 0.0,
+                         options.get("resources"), options.get("label_selector"))
+            plans.append((share, num_actors, options))
+        self._actors, self._owners = [], []
+        for share, num_actors, options in plans:
+            bounds = np.linspace(0, share.source.num_teachers, num_actors + 1).round().astype(int)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    self._actors.append(KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote(
+                        share.source, int(a), int(b), embed, k, sample_rate, len(self._actors), noise))
+                    self._owners.append(share.source.owner)
+        self._rounds = 0  # vote rounds so far: names each round's sampling streams
+        described = describe_all(self._actors, self._owners, self.shutdown)
+        self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
+        self.placement = nodes_of(self._owners, described)
+        log.info("kNN votes over %d owner(s) on %d actors (k=%d, sample rate %g)", len(shares),
+                 len(self._actors), k, sample_rate)
+
+    @property
+    def num_actors(self) -> int:
+        return len(self._actors)
+
+    def neighbours(self, inputs: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each actor's answer for one round: squared distances ``float64[batch, k]`` and labels
+        ``int64[batch, k]`` of its k nearest sampled records per query (what the merge sees)."""
+        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
+        if inputs.shape[1:] != self.input_shape:
+            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; the owners' records are "
+                             f"{self.input_shape}")
+        queries = np.ascontiguousarray(self.embed(inputs), dtype=np.float64).reshape(len(inputs), -1)
+        shared = ray.put(queries) if queries.nbytes > INLINE_INPUT_BYTES else queries
+        self._rounds += 1
+        calls = [actor.neighbours.remote(shared, self._rounds) for actor in self._actors]
+        try:
+            return ray.get(calls, timeout=self.vote_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the kNN shards gave no neighbours within {self.vote_timeout_s:g} s") from None
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        """Vote histogram ``int64[batch, num_classes]`` of the global k nearest sampled records."""
+        answers = self.neighbours(inputs)
+        distances = np.concatenate([d for d, _ in answers], axis=1)
+        labels = np.concatenate([lab for _, lab in answers], axis=1)
+        # Deterministic ties: by distance, then actor, then rank within the actor's answer.
+        actor = np.repeat(np.arange(len(answers)), self.k)
+        rank = np.tile(np.arange(self.k), len(answers))
+        order = np.lexsort((np.broadcast_to(rank, distances.shape), np.broadcast_to(actor, distances.shape),
+                            distances), axis=-1)[:, :self.k]
+        nearest = np.take_along_axis(labels, order, axis=1)
+        batch = len(nearest)
+        cells = (np.arange(batch)[:, None] * self.num_classes + nearest)[nearest >= 0]  # pads vote for nothing
+        return np.bincount(cells, minlength=batch * self.num_classes).reshape(batch, self.num_classes)
+
+    def shutdown(self) -> None:
+        """Stop the actors (the records and embeddings they hold go with them)."""
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []
