@@ -73,6 +73,16 @@ class SecureConfidentGNMax(SecureVoteMechanism):
             bounded=True)
 
 
+def screened_argmax(votes: np.ndarray, sigma1: float, threshold: float, sigma2: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Labels: argmax_j (n_j + N(0, σ2²)) where max_j n_j + N(0, σ1²) ≥ T, else ``ABSTAIN``
+    (Confident-GNMax's release; Private-kNN's too, on kNN votes)."""
+    counts = check_votes(votes).astype(float)
+    confident = counts.max(axis=1) + rng.normal(0.0, sigma1, size=len(counts)) >= threshold
+    noisy = counts + rng.normal(0.0, sigma2, size=counts.shape)
+    return np.where(confident, np.argmax(noisy, axis=1), ABSTAIN).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class ConfidentGNMax:
     """If max_j n_j + N(0, σ1²) ≥ T answer GNMax(σ2), else abstain (their Algorithm 1).
@@ -102,11 +112,8 @@ class ConfidentGNMax:
         _check(self.sigma1, self.threshold, self.sigma2)
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
-        counts = check_votes(votes).astype(float)
-        confident = counts.max(axis=1) + rng.normal(0.0, self.sigma1, size=len(counts)) >= self.threshold
-        noisy = counts + rng.normal(0.0, self.sigma2, size=counts.shape)
-        labels = np.where(confident, np.argmax(noisy, axis=1), ABSTAIN).astype(np.int64)
-        return MechanismResult(labels, self.run_charge(len(counts), int(confident.sum())))
+        labels = screened_argmax(votes, self.sigma1, self.threshold, self.sigma2, rng)
+        return MechanismResult(labels, self.run_charge(len(labels), int((labels != ABSTAIN).sum())))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         return self.run_charge(batch_size, batch_size)

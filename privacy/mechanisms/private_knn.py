@@ -13,7 +13,7 @@ from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_sampled_gaussian_charge
 from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
-from conclave.privacy.mechanisms.votes import check_votes
+from conclave.privacy.mechanisms.confident_gnmax import screened_argmax
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,8 @@ class PrivateKnnMechanism:
         return GaussianRelease(self.sigma1, 1.0), GaussianRelease(self.sigma2, math.sqrt(2))
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
-        counts = check_votes(votes).astype(float)
-        confident = counts.max(axis=1) + rng.normal(0.0, self.sigma1, size=len(counts)) >= self.threshold
-        noisy = counts + rng.normal(0.0, self.sigma2, size=counts.shape)
-        labels = np.where(confident, np.argmax(noisy, axis=1), ABSTAIN).astype(np.int64)
-        return MechanismResult(labels, self.run_charge(len(counts), int(confident.sum())))
+        labels = screened_argmax(votes, self.sigma1, self.threshold, self.sigma2, rng)
+        return MechanismResult(labels, self.run_charge(len(labels), int((labels != ABSTAIN).sum())))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         return self.run_charge(batch_size, batch_size)
