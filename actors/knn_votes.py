@@ -24,8 +24,8 @@ Trust model, plainly:
   Distances do say something about the records beyond the vote, so this is a trusted
   aggregator. A secure merge (no party seeing the neighbours in the clear) is future work.
 
-The embedding is a fixed public transform (``Flatten``, ``PublicPCA`` fitted on public data
-only, or any picklable callable): it costs no privacy, and queries are embedded the same way on
+The embedding is a fixed public transform (``learning.embeddings``: ``Flatten``, ``PublicPCA``
+fitted on public data only, or any picklable callable): it costs no privacy, and queries are embedded the same way on
 the driver, since they are public.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import ray
@@ -41,16 +41,12 @@ import ray
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
 from conclave.actors.teacher import INLINE_INPUT_BYTES, TeacherSource
+from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.noise import SECURE, NoisePolicy
 
 log = logging.getLogger(__name__)
-
-Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
-
-KNN_LEMMA = ("each record is one candidate neighbour: adding or removing it changes each query's k nearest "
-             "sampled records by at most one entering and one leaving (or, with fewer than k sampled, one vote "
-             "added or removed), so it moves at most one vote of each histogram (L2 ≤ √2, top count ±1)")
 
 # Distances of at most this many (query, record) pairs at once: a chunk's inclusion draws and
 # distances stay near 64 MiB whatever the batch and the owner's size.
@@ -61,37 +57,6 @@ def sample_stream(round_: int, shard: int) -> str:
     """The noise stream of shard actor ``shard``'s inclusion draws in vote round ``round_`` (from 1):
     distinct per round and actor, so an insecure seed replays each sample and no two coincide."""
     return f"knn-votes/{round_}/{shard}"
-
-
-@dataclass(frozen=True)
-class Flatten:
-    """Each input as one float vector: the identity embedding (raw pixels or table rows)."""
-
-    def __call__(self, inputs: np.ndarray) -> np.ndarray:
-        inputs = np.asarray(inputs, dtype=np.float32)
-        return inputs.reshape(len(inputs), math.prod(inputs.shape[1:]))  # also for no inputs at all
-
-
-@dataclass(frozen=True)
-class PublicPCA:
-    """Projection of flattened inputs onto the top principal directions of PUBLIC data
-    (``fit`` on the public pool only: fitting on private records would cost privacy)."""
-
-    mean: np.ndarray  # float32 [d]
-    components: np.ndarray  # float32 [dims, d], orthonormal rows
-
-    @classmethod
-    def fit(cls, public_inputs: np.ndarray, dims: int) -> PublicPCA:
-        flat = Flatten()(public_inputs).astype(np.float64)
-        if not 1 <= dims <= min(flat.shape):
-            raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
-                             f"{flat.shape[1]} values, got {dims}")
-        mean = flat.mean(axis=0)
-        _, _, vt = np.linalg.svd(flat - mean, full_matrices=False)
-        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32))
-
-    def __call__(self, inputs: np.ndarray) -> np.ndarray:
-        return (Flatten()(inputs) - self.mean) @ self.components.T
 
 
 class KnnShard:

@@ -92,6 +92,17 @@ class SecureVoteSource(Protocol):
         ...
 
 
+def check_sampling(vote_source: VoteSource | SecureVoteSource,
+                   mechanism: VoteMechanism | SecureVoteMechanism) -> None:
+    """Refuse a mechanism whose charge is amplified by sampling (``sample_rate``: Private-kNN) over
+    votes not sampled at exactly that rate: its record-level charge would then understate ε."""
+    rate = getattr(mechanism, "sample_rate", None)
+    if rate is not None and getattr(vote_source, "sample_rate", None) != rate:
+        raise ValueError(f"mechanism {mechanism.name} is charged for votes over a Poisson sample at rate {rate:g}; "
+                         f"this vote source samples at {getattr(vote_source, 'sample_rate', 'no rate')}: use a kNN vote "
+                         "source sampling at that rate")
+
+
 class InvalidInput(ValueError):
     """A request the aggregator cannot label; the message names the problem (bounded length)."""
 
@@ -249,6 +260,7 @@ class PrivateLabeller:
 
     def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: PrivacyLedger,
                  noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
+        check_sampling(vote_source, mechanism)
         self.vote_source = vote_source
         self.mechanism = mechanism
         self.ledger = ledger

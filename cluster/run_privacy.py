@@ -142,6 +142,11 @@ TRUSTED_AGGREGATOR = TrustModel(
     "trusted-aggregator", ("the aggregator",),
     "the aggregator (in the driver's process) sees every teacher's clean vote on each query; each owner's "
     "actors see only that owner's records and teachers; students and outsiders see released labels only")
+KNN_AGGREGATOR = TrustModel(
+    "trusted-aggregator", ("the aggregator",),
+    "the aggregator (in the driver's process) sees, for each query, the squared distances and labels of each "
+    "owner actor's k nearest sampled records (in the public embedding) and the clean vote histogram they make; "
+    "each owner's actors see only that owner's records; students and outsiders see released labels only")
 SECURE_SUMS = TrustModel(
     "secure", (),
     "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "

@@ -132,8 +132,10 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         return 2
     guarantee, report = server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
-    print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, "
-          f"{teachers.pool.num_teachers} teachers, aggregation {config.aggregation})")
+    voters = (f"kNN votes, k {config.knn.k} at sample rate {config.knn.sample_rate:g}" if config.knn
+              else f"{teachers.pool.num_teachers} teachers")
+    print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, {voters}, "
+          f"aggregation {config.aggregation})")
     print(f"token: from ${TOKEN_ENV}" if from_env else f"token: {token}  (generated; shown only now)")
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")

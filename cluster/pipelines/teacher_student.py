@@ -29,6 +29,7 @@ student (about a minute on 2 CPUs).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -80,9 +81,7 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
         "queries_answered": student.answered,
         "budget_exhausted": student.budget_exhausted,
         "labels_per_second": student.labels_per_second,
-        "teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
-                     "model": config.teachers.model,
-                     "nodes": teachers.nodes},  # owner → Ray node ids its teachers ran on
+        **_vote_source(config, teachers),
         "curve": student.curve,
         "seconds": phases,
     }
@@ -99,6 +98,14 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     if privacy.owners:
         summary["owners (lifetime budgets)"] = privacy.owners_line()
     return RunOutcome(summary, metrics, privacy)
+
+
+def _vote_source(config: Config, teachers: Ensemble) -> dict[str, Any]:
+    """What voted, where (owner → the Ray node ids its actors ran on)."""
+    if config.knn is not None:
+        return {"knn": {**dataclasses.asdict(config.knn), "actors": teachers.pool.num_actors, "nodes": teachers.nodes}}
+    return {"teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
+                         "model": config.teachers.model, "nodes": teachers.nodes}}
 
 
 def _plots(results, curve: list[dict[str, Any]]) -> None:

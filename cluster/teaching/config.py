@@ -12,6 +12,7 @@ from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, Priva
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
+from conclave.learning.embeddings import check_embedding
 from conclave.learning.selection import QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
@@ -19,6 +20,7 @@ from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from conclave.privacy.mechanisms import SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
+from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 
 log = logging.getLogger(__name__)
 
@@ -85,25 +87,52 @@ THRESHOLD_SHARE = 0.6
 @dataclass(frozen=True)
 class MechanismConfig:
     """A ``privacy.mechanisms.build_mechanism`` name and its parameters. Confident-GNMax's
-    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the teachers (``Config`` fills it in)."""
+    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the votes per query (teachers, or k);
+    Private-kNN's ``sample_rate`` is the ``knn`` section's (``Config`` fills them in)."""
 
     name: str = "confident-gnmax"
     params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
 
     def __post_init__(self) -> None:
-        self.for_teachers(1).build()  # an unknown name or a bad parameter is a config error now, not mid-run
+        self.filled(1, 1.0).build()  # an unknown name or a bad parameter is a config error now, not mid-run
 
-    def for_teachers(self, teachers: int) -> MechanismConfig:
-        """This mechanism with what it left to the ensemble's size filled in."""
-        if self.name != "confident-gnmax" or self.params.get("threshold") is not None:
-            return self
-        return dataclasses.replace(self, params={**self.params, "threshold": THRESHOLD_SHARE * teachers})
+    def filled(self, votes: int, sample_rate: float | None) -> MechanismConfig:
+        """This mechanism with what it left to the votes per query and the kNN sample rate filled in."""
+        params = dict(self.params)
+        if self.name == "confident-gnmax" and params.get("threshold") is None:
+            params["threshold"] = THRESHOLD_SHARE * votes
+        if self.name == "private-knn" and params.get("sample_rate") is None and sample_rate is not None:
+            params["sample_rate"] = sample_rate
+        return self if params == self.params else dataclasses.replace(self, params=params)
 
     def build(self):
         try:
             return build_mechanism(self.name, **self.params)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"mechanism {self.name!r} with params {self.params}: {err}") from err
+
+
+@dataclass(frozen=True)
+class KnnConfig:
+    """kNN votes over the owners' records instead of teachers (Private-kNN, Zhu et al. 2020;
+    ``actors.knn_votes``): per query each record is in a Poisson sample at ``sample_rate`` and
+    the ``k`` nearest sampled records vote, in a fixed public ``embedding``
+    (``learning.embeddings``, fitted on the public pool only: ``dims`` PCA dimensions)."""
+
+    k: int = 100
+    sample_rate: float = 0.1
+    embedding: str = "scattering-pca"  # flatten | pca | scattering-pca | "package.module:function"
+    dims: int = 64
+    actors: int | None = None  # benchmark data: actors holding the records (None: one per CPU); owners: theirs
+
+    def __post_init__(self) -> None:
+        check_embedding(self.embedding, "knn.embedding")
+        if self.k < 1 or self.dims < 1:
+            raise ValueError(f"knn.k and knn.dims must be >= 1, got {self.k}, {self.dims}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"knn.sample_rate must be in (0, 1], got {self.sample_rate}")
+        if self.actors is not None and self.actors < 1:
+            raise ValueError(f"knn.actors must be >= 1 or null, got {self.actors}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +239,8 @@ class Config:
     classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
     # Ray's runtime_env for the run's workers, e.g. {py_modules: [./mypkg]} for a model of your own.
     runtime_env: dict = field(default_factory=dict)
+    # kNN votes over the owners' records instead of teachers (the teachers section is then unused).
+    knn: KnnConfig | None = None
     # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
     # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
     # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
@@ -223,7 +254,9 @@ class Config:
         # What the config left to the declared counts, filled in once (so config.json says it).
         count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
         object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
-        object.__setattr__(self, "mechanism", self.mechanism.for_teachers(count))
+        votes = self.knn.k if self.knn else count
+        object.__setattr__(self, "mechanism", self.mechanism.filled(votes, self.knn and self.knn.sample_rate))
+        self._check_votes()
         if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
@@ -244,6 +277,31 @@ class Config:
             if self.estimates.smooth_sensitivity:
                 raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
                                  "never shows the aggregator: turn it off")
+
+    def _check_votes(self) -> None:
+        """kNN votes and the mechanisms charged for them go together, at one sample rate."""
+        rate = self.mechanism.params.get("sample_rate") if self.mechanism.name == "private-knn" else None
+        if self.knn is None:
+            if self.mechanism.name == "private-knn":
+                raise ValueError("mechanism private-knn is charged for kNN votes over a Poisson sample: add a knn section")
+            return
+        if rate is not None and rate != self.knn.sample_rate:
+            raise ValueError(f"mechanism private-knn samples at {rate:g} but knn.sample_rate is {self.knn.sample_rate:g}: "
+                             "leave the mechanism's sample_rate out (the knn section sets it)")
+        if self.secure:
+            raise ValueError("knn votes merge neighbours' distances in the aggregator: aggregation: secure has no kNN "
+                             "merge (use trusted-aggregator)")
+        if self.estimates.smooth_sensitivity:
+            raise ValueError("estimates.smooth_sensitivity is not analysed for knn votes: turn it off")
+        capped = [owner.name for owner in self.owners if owner.records is not None]
+        if capped:
+            raise ValueError(f"owners {capped}: leave records unset with knn votes (a cap replaces records; the "
+                             "Poisson sample covers any number held)")
+
+    @property
+    def vote_lemma(self) -> str:
+        """Why one record moves at most one vote of a histogram: disjoint shards, or kNN."""
+        return KNN_LEMMA if self.knn else SHARD_LEMMA
 
     def _check_owners(self) -> None:
         check_owners(self.owners, self.test, self.classes, self.public)
@@ -283,4 +341,5 @@ class Config:
         smooth-sensitivity release if asked (fixed by ``student.queries``)."""
         answered = self.student.queries if answers is None else answers
         planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity())
-        return planned.for_records(ADD_REMOVE, SHARD_LEMMA)
+        # Private-kNN's charge is already record-level; teachers' mechanisms are charged per vote.
+        return planned if planned.neighbouring == ADD_REMOVE else planned.for_records(ADD_REMOVE, self.vote_lemma)

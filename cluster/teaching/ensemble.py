@@ -20,6 +20,7 @@ from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUD
 from conclave.learning.data.dataset import StudentSplits
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,12 @@ def train_ensemble(config: Config, ray_address: str | None = None, progress: boo
 
 @dataclass
 class Ensemble:
-    """Trained teachers (``pool``, the aggregator's vote source) and the driver's public data;
-    the private data stays with the teacher actors, on their owners' nodes. A context manager:
-    leaving it stops the actors."""
+    """Trained teachers, or the kNN shards with ``knn`` (``pool``, the aggregator's vote source),
+    and the driver's public data; the private data stays with the actors, on their owners'
+    nodes. A context manager: leaving it stops the actors."""
 
     public: PublicData
-    pool: TeacherPool
+    pool: TeacherPool | KnnVoteSource
     seconds: float  # training time: for benchmarks only, never published from a run (it grows with the records)
 
     @property
@@ -70,11 +71,16 @@ class Ensemble:
 
 def train_teachers(config: Config, progress: bool = True, public: PublicData | None = None,
                    embedded: bool = True) -> Ensemble:
-    """Train the teachers on Ray actors, which read their own data (Ray must be running);
+    """Train the teachers on Ray actors, which read their own data, or start the kNN shard
+    actors with ``knn`` (Ray must be running);
     ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
     whether this is the embedded one-node Ray (owners' node labels are then not used)."""
     public = public if public is not None else public_data(config)
     started = time.perf_counter()
+    if config.knn is not None:  # no training: the records vote themselves
+        from conclave.cluster.teaching.knn import knn_vote_source
+
+        return Ensemble(public, knn_vote_source(config, public, embedded), time.perf_counter() - started)
     pool = teacher_pool(config, public, embedded=embedded)
     try:
         pool.train(progress=progress)

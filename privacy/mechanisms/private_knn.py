@@ -15,6 +15,12 @@ from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_samp
 from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
 from conclave.privacy.mechanisms.confident_gnmax import screened_argmax
 
+# Why one record moves at most one vote of a kNN histogram (actors.knn_votes); here, not there,
+# so that configs can state it without importing Ray.
+KNN_LEMMA = ("each record is one candidate neighbour: adding or removing it changes each query's k nearest "
+             "sampled records by at most one entering and one leaving (or, with fewer than k sampled, one vote "
+             "added or removed), so it moves at most one vote of each histogram (L2 ≤ √2, top count ±1)")
+
 
 @dataclass(frozen=True)
 class PrivateKnnMechanism:
@@ -30,10 +36,10 @@ class PrivateKnnMechanism:
     the two steps share the sample's randomness, so the argmax cannot be charged on answered
     queries only, as Confident-GNMax's fresh-noise steps are.
 
-    Not in ``MECHANISMS`` (what configs and ``conclave analyze`` can name) yet: the charge holds
-    only for votes of ``actors.knn_votes.KnnVoteSource`` sampling at ``sample_rate``, and on
-    teachers' histograms it would understate ε. Wiring the two together comes with issue 27's
-    pipeline.
+    The charge holds only for votes sampled at ``sample_rate`` by a kNN vote source
+    (``actors.knn_votes.KnnVoteSource``): on teachers' histograms it would understate ε. The
+    aggregator refuses any other pairing (``actors.labeller.PrivateLabeller``), and a config
+    naming it needs a ``knn`` section, which sets ``sample_rate``.
     """
 
     sigma1: float

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conclave.actors.knn_votes import Flatten, KnnShare, KnnShard, KnnVoteSource, PublicPCA, sample_stream
+from conclave.actors.knn_votes import KnnShare, KnnShard, KnnVoteSource, sample_stream
+from conclave.learning.embeddings import Flatten, PublicPCA
 from conclave.actors.owners import OwnerSource
 from conclave.learning.data import load_digits
 from conclave.learning.data.sources import DataSource

@@ -62,9 +62,9 @@ def test_worst_case_bounds_every_run_charge():
         mechanism.run_charge(3, 4)
 
 
-def test_not_selectable_by_configs_until_a_knn_vote_source_serves_it_and_described():
-    # Its charge assumes Poisson-sampled kNN votes: on teachers' histograms it would understate ε.
-    assert "private-knn" not in MECHANISMS
+def test_registered_and_described():
+    # Selectable by name; configs and the aggregator pair it with kNN votes only (tests/cluster/test_knn_pipeline.py).
+    assert MECHANISMS["private-knn"] is PrivateKnnMechanism
     mechanism = PrivateKnnMechanism(sigma1=75.0, threshold=180.0, sigma2=25.0, sample_rate=0.05)
     description = mechanism.describe()
     assert description.name == "private-knn" and description.bounded

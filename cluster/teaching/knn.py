@@ -1,0 +1,44 @@
+"""kNN votes in place of teachers (the ``knn`` section): the owners' records vote through their
+nearest neighbours, held by actors on the owners' nodes (``actors.knn_votes``)."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from conclave.cluster.owners import PublicData, owner_data
+from conclave.cluster.teaching.config import Config
+
+if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from conclave.actors.knn_votes import KnnVoteSource
+
+log = logging.getLogger(__name__)
+
+
+def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -> KnnVoteSource:
+    """The owners' kNN shard actors, each holding its owner's records embedded on its node (Ray
+    must be running). The embedding is fitted here on the public pool only (free); the records
+    are read and embedded by the actors."""
+    import ray
+
+    from conclave.actors.knn_votes import KnnShare, KnnVoteSource
+    from conclave.actors.owners import OwnerSource
+    from conclave.actors.teacher import TeacherSource
+    from conclave.learning.embeddings import fit_embedding
+
+    knn = config.knn
+    embed = fit_embedding(knn.embedding, public.splits.public.x, knn.dims)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    if config.owners:
+        here = os.getcwd()  # a relative path is the launching directory's, as for teachers
+        shares = [KnnShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
+                                       public.classes, config.seed), owner.actors, owner.placement(embedded))
+                  for owner in config.owners]
+    else:  # the benchmark's private split, cut into one part per actor (each record in exactly one)
+        actors = knn.actors or max(1, int(cpus / 2))
+        source = TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
+                               num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
+        shares = [KnnShare(source, actors)]
+    total_actors = sum(min(share.num_actors, share.source.num_teachers) for share in shares)
+    return KnnVoteSource(shares, embed, knn.k, knn.sample_rate, noise=config.privacy.noise,
+                         num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors)

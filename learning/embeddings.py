@@ -1,0 +1,99 @@
+"""Fixed public embeddings for kNN votes: where the records' nearest neighbours are measured.
+
+An embedding here is fitted on PUBLIC data only (the student's pool) or on nothing, and maps
+each input alone, so it costs no privacy: the owners' actors embed their records with it on
+their own nodes, the aggregator embeds the (public) queries the same way. Fitting anything on
+private records would be a release of its own.
+
+Names a config can give (``fit_embedding``):
+- ``flatten``: the inputs as they are, one vector each (raw pixels, table rows);
+- ``pca``: flattened inputs projected on the public pool's top ``dims`` principal directions;
+- ``scattering-pca``: ScatterNet coefficients (``learning.data.features``) of the images, then
+  PCA fitted on the public pool's coefficients — the issue's measurement: the embedding decides;
+- ``"package.module:function"``: a user's own, e.g. a public-pretrained encoder;
+  ``function(public_inputs, dims)`` returns a picklable callable ``inputs → float [n, d]``
+  (ship the package to the workers with ``runtime_env``).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
+
+EMBEDDINGS = ("flatten", "pca", "scattering-pca")
+# Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
+# coefficients; in chunks only the projections (dims floats each) are kept.
+EMBED_CHUNK = 2048
+
+
+def check_embedding(name: str, where: str = "embedding") -> None:
+    """Refuse a name that is neither built in nor ``module:function`` (no import: configs load
+    without torch)."""
+    if name in EMBEDDINGS:
+        return
+    module, _, function = name.partition(":")
+    if not (module and function and all(part.isidentifier() for part in module.split("."))
+            and function.isidentifier()):
+        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)} or 'package.module:function', got {name!r}")
+
+
+@dataclass(frozen=True)
+class Flatten:
+    """Each input as one float vector: the identity embedding (raw pixels or table rows)."""
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        inputs = np.asarray(inputs, dtype=np.float32)
+        return inputs.reshape(len(inputs), math.prod(inputs.shape[1:]))  # also for no inputs at all
+
+
+@dataclass(frozen=True)
+class PublicPCA:
+    """Projection of (optionally ``features``-transformed) flattened inputs onto the top principal
+    directions of PUBLIC data (``fit`` on the public pool only)."""
+
+    mean: np.ndarray  # float32 [d]
+    components: np.ndarray  # float32 [dims, d], orthonormal rows
+    features: str | None = None  # a fixed transform applied first (learning.data.features)
+
+    @classmethod
+    def fit(cls, public_inputs: np.ndarray, dims: int, features: str | None = None) -> PublicPCA:
+        flat = _represent(public_inputs, features).astype(np.float64)
+        if not 1 <= dims <= min(flat.shape):
+            raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
+                             f"{flat.shape[1]} values, got {dims}")
+        mean = flat.mean(axis=0)
+        _, _, vt = np.linalg.svd(flat - mean, full_matrices=False)
+        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32), features)
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        parts = [(_represent(inputs[start:start + EMBED_CHUNK], self.features) - self.mean) @ self.components.T
+                 for start in range(0, len(inputs), EMBED_CHUNK)]
+        return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
+
+
+def _represent(inputs: np.ndarray, features: str | None) -> np.ndarray:
+    if features is not None:
+        from conclave.learning.data.features import features_of
+
+        inputs = features_of(np.asarray(inputs, dtype=np.float32), features)
+    return Flatten()(inputs)
+
+
+def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
+    """The embedding ``name`` (module docstring), fitted on ``public_inputs`` where it fits anything."""
+    check_embedding(name)
+    if name == "flatten":
+        return Flatten()
+    if name in ("pca", "scattering-pca"):
+        return PublicPCA.fit(public_inputs, dims, "scattering" if name == "scattering-pca" else None)
+    module, _, function = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"embedding {name!r}: {err}") from err
+    return factory(public_inputs, dims)

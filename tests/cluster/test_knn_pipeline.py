@@ -1,0 +1,116 @@
+"""kNN votes in the main job (the ``knn`` section): configs pair Private-kNN with kNN votes at one
+sample rate, the aggregator refuses any other pairing, and runs go end to end — on the bundled
+digits, and across three owners without the driver opening an owner's file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conclave.actors.labeller import PrivateLabeller
+from conclave.cluster.config import from_dict, load_yaml
+from conclave.cluster.run_command import load_run_config
+from conclave.cluster.teaching.config import Config, KnnConfig, MechanismConfig
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import PrivateKnnMechanism
+from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DIGITS_KNN = PROJECT_ROOT / "configs" / "digits-knn.yaml"
+PRIVATE_KNN = MechanismConfig("private-knn", {"sigma1": 15.0, "threshold": 20.0, "sigma2": 8.0})
+
+
+def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
+    with pytest.raises(ValueError, match="add a knn section"):
+        Config(mechanism=PRIVATE_KNN)
+    config = Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
+    assert config.vote_mechanism() == PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
+    mismatched = MechanismConfig("private-knn", {**PRIVATE_KNN.params, "sample_rate": 0.5})
+    with pytest.raises(ValueError, match="samples at 0.5 but knn.sample_rate is 0.3"):
+        Config(mechanism=mismatched, knn=KnnConfig(k=30, sample_rate=0.3))
+    with pytest.raises(ValueError, match="aggregation: secure has no kNN merge"):
+        Config(knn=KnnConfig(), aggregation="secure", mechanism=MechanismConfig("gnmax", {"sigma": 40.0}))
+    with pytest.raises(ValueError, match="knn.embedding must be one of"):
+        KnnConfig(embedding="hog")
+    KnnConfig(embedding="my_encoders.mnist:encoder")  # a user's own, imported where it is fitted
+
+
+def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_lemma_for_gnmax():
+    config = Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
+    planned = config.planned()
+    direct = config.vote_mechanism().run_charge(config.student.queries, config.student.queries)
+    assert planned.neighbouring == ADD_REMOVE
+    np.testing.assert_allclose(planned.rdp, direct.rdp, rtol=1e-12)
+    # GNMax over kNN votes: one record moves one vote (the kNN lemma), no amplification claimed.
+    gnmax = Config(mechanism=MechanismConfig("gnmax", {"sigma": 40.0}), knn=KnnConfig(k=30))
+    assert gnmax.planned().details["neighbouring_lemma"] == KNN_LEMMA
+    # Confident-GNMax's default threshold is a share of the k votes, not of teachers.
+    assert Config(knn=KnnConfig(k=30)).vote_mechanism().threshold == pytest.approx(0.6 * 30)
+
+
+def test_owners_with_a_records_cap_are_refused_with_knn_votes():
+    _, hospitals = load_run_config(load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml"))
+    with pytest.raises(ValueError, match="leave records unset with knn votes"):
+        dataclasses.replace(hospitals, knn=KnnConfig(k=10, sample_rate=0.5, embedding="pca", dims=5))
+
+
+class _TeacherVotes:
+    """A vote source that does not sample (as teachers' histograms)."""
+
+    neighbouring, neighbouring_lemma = ADD_REMOVE, "disjoint shards"
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        return np.zeros((len(inputs), 3), dtype=np.int64)
+
+
+class _SampledVotes(_TeacherVotes):
+    sample_rate = 0.5
+
+
+def test_the_aggregator_refuses_private_knn_over_votes_not_sampled_at_its_rate(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", 1e-5)
+    mechanism = PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
+    with pytest.raises(ValueError, match="charged for votes over a Poisson sample at rate 0.3"):
+        PrivateLabeller(_TeacherVotes(), mechanism, ledger)
+    with pytest.raises(ValueError, match="this vote source samples at 0.5"):
+        PrivateLabeller(_SampledVotes(), mechanism, ledger)
+    PrivateLabeller(_SampledVotes(), dataclasses.replace(mechanism, sample_rate=0.5), ledger)
+    ledger.close()
+
+
+def test_digits_knn_runs_end_to_end_within_its_declared_budget(ray_session, run_config_opening, tmp_path):
+    run_config_opening(DIGITS_KNN)
+    results = tmp_path / "digits-knn"
+    privacy = json.loads((results / "privacy.json").read_text())
+    metrics = json.loads((results / "metrics.json").read_text())
+    assert privacy["guarantee"]["epsilon"] == 4.0 and privacy["sound"]
+    assert privacy["mechanism"]["name"] == "private-knn" and privacy["mechanism"]["parameters"]["sample_rate"] == 0.3
+    assert "squared distances" in privacy["trust_model"]["statement"]
+    assert privacy["spent"]["epsilon"] <= 4.0 and privacy["estimates"] == []
+    assert metrics["knn"]["k"] == 30 and metrics["knn"]["actors"] >= 1 and "teachers" not in metrics
+    assert 0 < metrics["queries_answered"] <= metrics["queries_asked"] <= 300
+    assert metrics["student_accuracy"] > 0.5
+
+
+def test_three_owners_vote_by_knn_without_the_driver_opening_their_files(ray_session, run_config_opening, tmp_path):
+    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")
+    for owner in raw["owners"]:
+        owner.pop("records")
+    raw.update(name="hospitals-knn", knn={"k": 10, "sample_rate": 0.5, "embedding": "pca", "dims": 5},
+               mechanism={"name": "private-knn", "params": {"sigma1": 4.0, "threshold": 7.0, "sigma2": 3.0}})
+    from_dict(Config, {k: v for k, v in raw.items() if k != "pipeline"})  # a valid config before it runs
+    config = tmp_path / "hospitals-knn.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    opened = run_config_opening(config)
+    owner_files = {str((PROJECT_ROOT / owner["data"]["path"]).resolve()) for owner in raw["owners"]}
+    assert not opened & owner_files
+    metrics = json.loads((tmp_path / "hospitals-knn" / "metrics.json").read_text())
+    assert set(metrics["knn"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
+    privacy = json.loads((tmp_path / "hospitals-knn" / "privacy.json").read_text())
+    assert privacy["guarantee"]["epsilon"] == 5.0 and privacy["spent"]["epsilon"] <= 5.0
+    assert metrics["queries_answered"] > 0
