@@ -217,7 +217,7 @@ class AggregatorServer:
         return self.labeller.guarantee()
 
     def budget(self) -> BudgetStatus:
-        return self.labeller.budget()
+        return self.labeller.budget(self.settings.max_batch)  # affordable_queries: at most one batch
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         return self.labeller.answered_votes()

@@ -214,6 +214,7 @@ class BudgetStatus:
     queries_answered: int  # distinct inputs answered with a label
     queries_abstained: int  # distinct inputs the mechanism declined to label
     cache_hits: int  # repeated inputs answered from the record at no cost
+    affordable_queries: int  # new inputs the budget pays for now in the worst case (``PrivateLabeller.affordable``)
 
     @property
     def sound(self) -> bool:
@@ -226,7 +227,7 @@ class BudgetStatus:
             "epsilon_spent": float(self.epsilon_spent), "delta": float(self.delta),
             "epsilon_limit": float(self.epsilon_limit), "mechanism": self.mechanism, "sound": self.sound,
             "queries_answered": self.queries_answered, "queries_abstained": self.queries_abstained,
-            "cache_hits": self.cache_hits,
+            "cache_hits": self.cache_hits, "affordable_queries": self.affordable_queries,
             "guarantee": {"epsilon": float(guarantee.epsilon), "delta": float(guarantee.delta),
                           "basis": guarantee.basis, "neighbouring": guarantee.neighbouring,
                           "theorem": guarantee.theorem, "order": guarantee.order or 0.0,
@@ -358,23 +359,33 @@ class PrivateLabeller:
                 fresh[key] = row
         return fresh
 
-    def _affordable(self, count: int) -> int:
-        """How many of ``count`` new inputs the ledger pays for now in the worst case (the longest
-        prefix), or ``BudgetExceeded`` when not one. Worst cases depend on the count alone and grow
-        with it, so a bisection on the count finds it and reveals nothing private."""
-        refused = self.ledger.refusal(self._worst_case(count))
-        if refused is None:
-            return count
-        paid, unpaid = 0, count
+    def affordable(self, limit: int) -> int:
+        """How many new inputs, in [0, ``limit``], the ledger (with the owners' lifetime budgets it
+        checks) pays for now in the worst case: the longest prefix a batch gets answered; ``limit``
+        without a declared budget. Worst cases depend on the count alone and grow with it, so a
+        bisection on the count finds it. It reads only the ledger's charges, whose realised spend
+        the budget reply already publishes, and a client learns the same from which inputs of a
+        ``limit``-batch are refused: it reveals nothing new."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        if self.ledger.can_afford(self._worst_case(limit)):
+            return limit
+        paid, unpaid = 0, limit
         while unpaid - paid > 1:
             middle = (paid + unpaid) // 2
             if self.ledger.can_afford(self._worst_case(middle)):
                 paid = middle
             else:
                 unpaid = middle
+        return paid
+
+    def _affordable(self, count: int) -> int:
+        """``affordable(count)``, or ``BudgetExceeded`` when not one new input fits."""
+        paid = self.affordable(count)
         if paid == 0:
-            raise self._exhausted(refused, count)
-        log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
+            raise self._exhausted(self.ledger.refusal(self._worst_case(count)) or "", count)
+        if paid < count:
+            log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
         return paid
 
     def _exhausted(self, refused: str, count: int) -> BudgetExceeded:
@@ -483,13 +494,14 @@ class PrivateLabeller:
                 return np.zeros((0, classes), dtype=np.int64), np.zeros(0, dtype=bool)
             return np.concatenate(self._counters.votes), np.concatenate(self._counters.labels) != ABSTAIN
 
-    def budget(self) -> BudgetStatus:
+    def budget(self, limit: int = GROUP_LIMIT) -> BudgetStatus:
+        """The budget reply; ``affordable_queries`` counts up to ``limit`` (the server's largest batch)."""
         with self._lock:
             counters = self._counters
             answered, abstained, hits = counters.answered, counters.abstained, counters.cache_hits
         report = self.ledger.report()
         return BudgetStatus(report.epsilon_spent, report.delta, report.epsilon_limit, self.mechanism.name,
-                            self.guarantee(), answered, abstained, hits)
+                            self.guarantee(), answered, abstained, hits, self.affordable(limit))
 
 
 class _Rounds:

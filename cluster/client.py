@@ -131,7 +131,8 @@ class AggregatorClient:
             yield _result(reply)
 
     def budget(self) -> dict:
-        """The server's privacy budget and query counters (``BudgetReply`` fields)."""
+        """The server's privacy budget and query counters (``BudgetReply`` fields); ``affordable_queries``
+        is how many new inputs a batch may hold now with none refused (0: the budget is spent)."""
         reply = self._stub.GetBudget(aggregator_pb2.BudgetRequest(), timeout=self.timeout, metadata=self._metadata)
         return _budget_dict(reply)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n conclave/protos/aggregator.proto\x12\x0b\x63onclave.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x0cLabelRequest\x12#\n\x06inputs\x18\x01 \x01(\x0b\x32\x13.conclave.v1.Tensor\"\x89\x01\n\tGuarantee\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\r\n\x05\x62\x61sis\x18\x03 \x01(\t\x12\x14\n\x0cneighbouring\x18\x04 \x01(\t\x12\x0f\n\x07theorem\x18\x05 \x01(\t\x12\r\n\x05order\x18\x06 \x01(\x01\x12\x17\n\x0funsound_reasons\x18\x07 \x03(\t\"\xe0\x01\n\x0b\x42udgetReply\x12\x15\n\repsilon_spent\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x11\n\tmechanism\x18\x04 \x01(\t\x12\r\n\x05sound\x18\x05 \x01(\x08\x12\x18\n\x10queries_answered\x18\x06 \x01(\x03\x12\x19\n\x11queries_abstained\x18\x07 \x01(\x03\x12\x12\n\ncache_hits\x18\x08 \x01(\x03\x12)\n\tguarantee\x18\t \x01(\x0b\x32\x16.conclave.v1.Guarantee\"p\n\nLabelReply\x12\x0e\n\x06labels\x18\x01 \x03(\x03\x12\x10\n\x08\x61nswered\x18\x02 \x01(\x03\x12(\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x18.conclave.v1.BudgetReply\x12\x16\n\x0e\x62udget_refused\x18\x04 \x03(\x08\"\x0f\n\rBudgetRequest2\xd3\x01\n\nAggregator\x12;\n\x05Label\x12\x19.conclave.v1.LabelRequest\x1a\x17.conclave.v1.LabelReply\x12\x45\n\x0bLabelStream\x12\x19.conclave.v1.LabelRequest\x1a\x17.conclave.v1.LabelReply(\x01\x30\x01\x12\x41\n\tGetBudget\x12\x1a.conclave.v1.BudgetRequest\x1a\x18.conclave.v1.BudgetReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n conclave/protos/aggregator.proto\x12\x0b\x63onclave.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x0cLabelRequest\x12#\n\x06inputs\x18\x01 \x01(\x0b\x32\x13.conclave.v1.Tensor\"\x89\x01\n\tGuarantee\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\r\n\x05\x62\x61sis\x18\x03 \x01(\t\x12\x14\n\x0cneighbouring\x18\x04 \x01(\t\x12\x0f\n\x07theorem\x18\x05 \x01(\t\x12\r\n\x05order\x18\x06 \x01(\x01\x12\x17\n\x0funsound_reasons\x18\x07 \x03(\t\"\xfc\x01\n\x0b\x42udgetReply\x12\x15\n\repsilon_spent\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x11\n\tmechanism\x18\x04 \x01(\t\x12\r\n\x05sound\x18\x05 \x01(\x08\x12\x18\n\x10queries_answered\x18\x06 \x01(\x03\x12\x19\n\x11queries_abstained\x18\x07 \x01(\x03\x12\x12\n\ncache_hits\x18\x08 \x01(\x03\x12)\n\tguarantee\x18\t \x01(\x0b\x32\x16.conclave.v1.Guarantee\x12\x1a\n\x12\x61\x66\x66ordable_queries\x18\n \x01(\x03\"p\n\nLabelReply\x12\x0e\n\x06labels\x18\x01 \x03(\x03\x12\x10\n\x08\x61nswered\x18\x02 \x01(\x03\x12(\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x18.conclave.v1.BudgetReply\x12\x16\n\x0e\x62udget_refused\x18\x04 \x03(\x08\"\x0f\n\rBudgetRequest2\xd3\x01\n\nAggregator\x12;\n\x05Label\x12\x19.conclave.v1.LabelRequest\x1a\x17.conclave.v1.LabelReply\x12\x45\n\x0bLabelStream\x12\x19.conclave.v1.LabelRequest\x1a\x17.conclave.v1.LabelReply(\x01\x30\x01\x12\x41\n\tGetBudget\x12\x1a.conclave.v1.BudgetRequest\x1a\x18.conclave.v1.BudgetReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GUARANTEE']._serialized_start=157
   _globals['_GUARANTEE']._serialized_end=294
   _globals['_BUDGETREPLY']._serialized_start=297
-  _globals['_BUDGETREPLY']._serialized_end=521
-  _globals['_LABELREPLY']._serialized_start=523
-  _globals['_LABELREPLY']._serialized_end=635
-  _globals['_BUDGETREQUEST']._serialized_start=637
-  _globals['_BUDGETREQUEST']._serialized_end=652
-  _globals['_AGGREGATOR']._serialized_start=655
-  _globals['_AGGREGATOR']._serialized_end=866
+  _globals['_BUDGETREPLY']._serialized_end=549
+  _globals['_LABELREPLY']._serialized_start=551
+  _globals['_LABELREPLY']._serialized_end=663
+  _globals['_BUDGETREQUEST']._serialized_start=665
+  _globals['_BUDGETREQUEST']._serialized_end=680
+  _globals['_AGGREGATOR']._serialized_start=683
+  _globals['_AGGREGATOR']._serialized_end=894
 # @@protoc_insertion_point(module_scope)

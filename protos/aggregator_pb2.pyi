@@ -41,7 +41,7 @@ class Guarantee(_message.Message):
     def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., basis: _Optional[str] = ..., neighbouring: _Optional[str] = ..., theorem: _Optional[str] = ..., order: _Optional[float] = ..., unsound_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BudgetReply(_message.Message):
-    __slots__ = ("epsilon_spent", "delta", "epsilon_limit", "mechanism", "sound", "queries_answered", "queries_abstained", "cache_hits", "guarantee")
+    __slots__ = ("epsilon_spent", "delta", "epsilon_limit", "mechanism", "sound", "queries_answered", "queries_abstained", "cache_hits", "guarantee", "affordable_queries")
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class BudgetReply(_message.Message):
     QUERIES_ABSTAINED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     GUARANTEE_FIELD_NUMBER: _ClassVar[int]
+    AFFORDABLE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     epsilon_spent: float
     delta: float
     epsilon_limit: float
@@ -60,7 +61,8 @@ class BudgetReply(_message.Message):
     queries_abstained: int
     cache_hits: int
     guarantee: Guarantee
-    def __init__(self, epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., mechanism: _Optional[str] = ..., sound: _Optional[bool] = ..., queries_answered: _Optional[int] = ..., queries_abstained: _Optional[int] = ..., cache_hits: _Optional[int] = ..., guarantee: _Optional[_Union[Guarantee, _Mapping]] = ...) -> None: ...
+    affordable_queries: int
+    def __init__(self, epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., mechanism: _Optional[str] = ..., sound: _Optional[bool] = ..., queries_answered: _Optional[int] = ..., queries_abstained: _Optional[int] = ..., cache_hits: _Optional[int] = ..., guarantee: _Optional[_Union[Guarantee, _Mapping]] = ..., affordable_queries: _Optional[int] = ...) -> None: ...
 
 class LabelReply(_message.Message):
     __slots__ = ("labels", "answered", "budget", "budget_refused")

@@ -60,18 +60,25 @@ STRATEGIES: Registry[type[SelectionStrategy]] = Registry("selection strategy", {
 
 
 POOL_ORDER = "pool"
+COLD_STARTS = ("random", "kmeans")
 
 
 @dataclass(frozen=True)
 class QuerySelection:
     """Which public inputs a student asks the teachers about: ``strategy`` "pool" (the pool in
     order) or a strategy above choosing ``round_size`` inputs at a time from a model trained on
-    the answers so far (the first round, before any answer, is random). NearPrivate reads
-    private data, so a student cannot use it."""
+    the answers so far. NearPrivate reads private data, so a student cannot use it.
+
+    ``cold_start``: what is asked while fewer than two classes are answered (nothing to train a
+    model on): "random" inputs (the pool's first inputs, for "pool"), or "kmeans", the inputs
+    nearest ``round_size`` k-means centres of the pool inputs not asked yet, in a PCA embedding
+    fitted on the pool (``cold_start.kmeans_cold_start``: typical inputs, one per region), then
+    the strategy (for "pool", the rest in pool order)."""
 
     strategy: str = POOL_ORDER
     round_size: int = 100
-    seed: int = 0  # the random first round and the strategies' own choices (public data only)
+    seed: int = 0  # the random first round, k-means and the strategies' own choices (public data only)
+    cold_start: str = "random"
 
     def __post_init__(self) -> None:
         usable = sorted(set(STRATEGIES) - {"near_private"})
@@ -79,6 +86,8 @@ class QuerySelection:
             raise ValueError(f"selection strategy must be {POOL_ORDER!r} or one of {usable}, got {self.strategy!r}")
         if self.round_size < 1:
             raise ValueError(f"round_size must be >= 1, got {self.round_size}")
+        if self.cold_start not in COLD_STARTS:
+            raise ValueError(f"cold_start must be one of {list(COLD_STARTS)}, got {self.cold_start!r}")
 
 
 def build_strategy(name: str, **params: Any) -> SelectionStrategy:

@@ -95,6 +95,7 @@ def test_without_a_budget_the_reply_says_there_is_no_guarantee(teachers, public,
         assert budget["epsilon_spent"] > 0 and not budget["sound"]
         assert budget["guarantee"]["basis"] == "unbounded" and budget["guarantee"]["epsilon"] == math.inf
         assert "no budget was declared" in budget["guarantee"]["unsound_reasons"][0]
+        assert budget["affordable_queries"] == ServerSettings().max_batch  # no budget: a whole batch
 
 
 BAD_REQUESTS = {
@@ -187,20 +188,22 @@ def test_budget_exhaustion_stops_answers_and_the_ledger_stays_within_the_limit(t
     with serving(teachers, tmp_path / "ledger.sqlite", mechanism=build_mechanism("gnmax", sigma=8.0), budget=budget) as (
         server, address,
     ), AggregatorClient(address) as client:
+        assert client.budget()["affordable_queries"] == 20  # what GetBudget says before any call
         answered_batches = 0
         for start in range(0, 400, 4):
             try:
-                client.label(public[start : start + 4])
+                reply = client.label_reply(public[start : start + 4])
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "nothing was released or charged" in err.details()
                 break
             answered_batches += 1
+            assert reply.budget["affordable_queries"] == 20 - 4 * answered_batches  # every reply carries it
         else:
             pytest.fail("the ledger never refused")
         assert answered_batches == 5
         at_refusal = client.budget()
-        assert at_refusal["queries_answered"] == 4 * answered_batches
+        assert at_refusal["queries_answered"] == 4 * answered_batches and at_refusal["affordable_queries"] == 0
         code, _ = status_of(lambda: client.label(public[start : start + 4]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and client.budget() == at_refusal
         # Already answered inputs are still served: from the cache, at no cost.
