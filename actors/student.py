@@ -7,14 +7,20 @@ aggregator released (abstentions are dropped) and is evaluated on the held-out t
 
 Which public inputs it asks about is its own choice (``QuerySelection``): the pool in order,
 or in rounds chosen by an active-learning strategy (``learning.selection``: uncertain and
-diverse inputs) from a model trained on the answers so far. Every choice is a pool input
-not asked before; choosing reads only public inputs and released labels.
+diverse inputs) from a model trained on the answers so far, after a cold start (random, or
+typical inputs at k-means centres of the pool). Every choice is a pool input not asked
+before; choosing reads only public inputs and released labels. Each call asks no more new
+inputs than the budget pays for (its ``affordable_queries``), so the budget's tail is spent
+on smaller batches, not refused.
 
 How it learns from the answers: supervised; with self-training (``pseudo_label_threshold``:
 its own confident guesses on the rest of the pool become extra labels, Lee 2013); or with
 FixMatch (``semi_supervised``, ``learning.semi_supervised``: consistency between weak and
-strong augmentations of every pool input). All three are post-processing of released
-labels with public inputs: they cost no privacy.
+strong augmentations of every pool input). Label propagation (``label_propagation``,
+``learning.label_propagation``) spreads the released labels over a kNN graph of the pool first;
+its confident labels join the answered ones, for the supervised model or as FixMatch's
+labelled set. All are post-processing of released labels with public inputs: they cost no
+privacy.
 
 The public pool's ground-truth labels are kept only to measure how often the released
 labels are right (the papers' "label accuracy"); they are never used for training. With
@@ -37,8 +43,10 @@ from tqdm import tqdm
 from conclave.learning.data import Dataset
 from conclave.learning.data.features import apply_features, batch_transform
 from conclave.learning.data.schema import Standardiser
+from conclave.learning.label_propagation import LabelPropagationConfig, propagate
 from conclave.learning.models import build_model
 from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
+from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import embed, evaluate, fit, predict_logits
@@ -61,6 +69,8 @@ class Student:
         features: the representation the student's model learns on (None: the images).
         pseudo_label_threshold: self-training at this confidence (None: off).
         semi_supervised: FixMatch settings (None: off); exclusive with self-training.
+        label_propagation: spread the answers over the pool first (None: off); exclusive with
+            self-training, combines with FixMatch.
         selection: which pool inputs to ask about.
         standardiser: public column statistics for a table model.
     """
@@ -78,6 +88,7 @@ class Student:
         semi_supervised: FixMatchConfig | None = None,
         selection: QuerySelection = QuerySelection(),
         standardiser: Standardiser | None = None,
+        label_propagation: LabelPropagationConfig | None = None,
     ) -> None:
         if semi_supervised is not None and not public.is_image:
             raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
@@ -86,12 +97,15 @@ class Student:
             raise ValueError(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
         if pseudo_label_threshold is not None and semi_supervised is not None:
             raise ValueError("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
+        if pseudo_label_threshold is not None and label_propagation is not None:
+            raise ValueError("choose self-training (pseudo_label_threshold) or label_propagation, not both")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
         self.public = public  # images: what the student asks about
         self.features = features
         self.pseudo_label_threshold = pseudo_label_threshold
         self.semi_supervised = semi_supervised
+        self.label_propagation = label_propagation
         self.selection = selection
         self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
@@ -121,14 +135,17 @@ class Student:
         progress: bool = True,
         max_batches: int | None = None,
     ) -> dict[str, Any]:
-        """Ask for labels of ``num_queries`` pool inputs (chosen by ``selection``), ``batch_size`` per call.
+        """Ask for labels of ``num_queries`` pool inputs (chosen by ``selection``), at most ``batch_size`` per call.
 
         After each checkpoint (a number of inputs asked) the aggregator's budget is read and
-        kept, so accuracy can later be plotted against ε. When the budget pays for part of a
-        batch, the answers are kept and the rest asked again; it stops, keeping every answer
-        received, when the aggregator refuses a whole batch for lack of budget. With ``max_batches`` it
-        returns after that many calls and a later call carries on where it stopped (so a
-        driver can show progress while the student runs in an actor).
+        kept, so accuracy can later be plotted against ε. No call asks more new inputs than the
+        budget pays for (``affordable_queries`` of the last reply, or of a ``GetBudget`` before
+        the first call), so at the end of the budget the batches shrink to what it pays and no
+        input is refused; it stops, keeping every answer received, when the budget pays for none,
+        without a call. Another client may spend the budget meanwhile: then the answers to part
+        of a batch are kept and the rest asked again, and a whole batch refused ends it too.
+        With ``max_batches`` it returns after that many calls and a later call carries on where
+        it stopped (so a driver can show progress while the student runs in an actor).
         """
         if not 1 <= num_queries <= len(self.public):
             raise ValueError(f"num_queries must be in [1, {len(self.public)}] (pool size), got {num_queries}")
@@ -139,11 +156,19 @@ class Student:
             self._client = self.client_factory()
         started = time.perf_counter()
         calls = 0
+        budget: dict[str, Any] | None = None  # read before the first call, then each reply's (the budget after it)
         with tqdm(total=num_queries, initial=self.asked, desc="student queries", unit="query",
                   disable=not progress) as bar:
             for stop in (s for s in stops if s > self._last_snapshot()):
                 while self.asked < stop and not self.exhausted and (max_batches is None or calls < max_batches):
-                    chosen = self._next_batch(min(batch_size, stop - self.asked))
+                    if budget is None:
+                        budget = self._client.budget()
+                    affordable = int(budget["affordable_queries"])
+                    if affordable == 0:
+                        log.warning("privacy budget exhausted at %d queries: it pays for no new input", self.asked)
+                        self.exhausted = True
+                        break
+                    chosen = self._next_batch(min(batch_size, stop - self.asked, affordable))
                     try:
                         reply = self._client.label_reply(self.public.x[chosen])
                     except Exception as err:  # only a budget refusal is an expected end
@@ -154,9 +179,9 @@ class Student:
                         self._round = [*chosen.tolist(), *self._round]  # not asked after all
                         break
                     calls += 1
-                    # The budget paid for part of the batch: keep those answers and ask again for
-                    # the rest (a realised spend below the worst case may leave room for more);
-                    # the next call is refused whole once nothing more fits.
+                    budget = reply.budget
+                    # Another client spent the budget since it was read and it paid for part of the
+                    # batch: keep those answers and ask again for the rest when it pays for them.
                     asked, refused = chosen[~reply.refused], chosen[reply.refused]
                     self.labels[asked] = reply.labels[~reply.refused]
                     self.asked_order.extend(asked.tolist())
@@ -188,11 +213,17 @@ class Student:
 
     def _choose_round(self) -> np.ndarray:
         unasked = np.setdiff1d(np.arange(len(self.public)), np.asarray(self.asked_order, dtype=np.int64))
-        if self.selection.strategy == POOL_ORDER:
-            return unasked  # setdiff1d keeps the pool's order
         size = min(self.selection.round_size, len(unasked))
         answered = np.asarray([i for i in self.asked_order if self.labels[i] != ABSTAIN], dtype=np.int64)
-        if len(np.unique(self.labels[answered])) < 2:  # nothing to learn from yet
+        cold = len(np.unique(self.labels[answered])) < 2  # nothing to learn from yet
+        if self.selection.strategy == POOL_ORDER:
+            if not (cold and self.selection.cold_start == "kmeans"):
+                return unasked  # setdiff1d keeps the pool's order
+            first = kmeans_cold_start(self._pool(), unasked, size, self.selection.seed)
+            return np.concatenate([first, np.setdiff1d(unasked, first)])  # then the rest in pool order
+        if cold:
+            if self.selection.cold_start == "kmeans":
+                return kmeans_cold_start(self._pool(), unasked, size, self.selection.seed)
             return self._rng.choice(unasked, size=size, replace=False)
         pool = self._pool()
         model = self._fit_fresh(Dataset(pool[answered], self.labels[answered], self.public.num_classes,
@@ -252,6 +283,8 @@ class Student:
             result["accuracy"] = math.nan
             return result
         started = time.perf_counter()
+        if self.label_propagation is not None:
+            keep, labels, result["propagated"] = self._fit_propagated_labels(keep, labels)
         if self.semi_supervised is not None:
             model = self._fit_fixmatch(keep, labels, progress)
         else:
@@ -272,6 +305,16 @@ class Student:
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
         return result
+
+    def _fit_propagated_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The answered indices and labels, plus the pool inputs label propagation labels
+        confidently (and how many it added); answered inputs keep their released labels."""
+        pool = self._pool()
+        if self.standardiser is not None:  # table columns on one scale, by public statistics
+            pool = (pool - self.standardiser.mean) / self.standardiser.scale
+        spread = propagate(pool, keep, labels, self.public.num_classes, self.label_propagation)
+        added = np.setdiff1d(spread.confident(self.label_propagation.threshold), keep)
+        return np.concatenate([keep, added]), np.concatenate([labels, spread.labels[added]]), int(len(added))
 
     def _pool(self) -> np.ndarray:
         if self._pool_inputs is None:

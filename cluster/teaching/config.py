@@ -13,6 +13,7 @@ from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.learning.embeddings import check_embedding
+from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
@@ -178,12 +179,17 @@ class StudentConfig:
     pseudo_label_threshold: float | None = None
     # FixMatch on the whole pool (learning.semi_supervised; free post-processing). null: off.
     semi_supervised: FixMatchConfig | None = None
+    # Spread the answers over a kNN graph of the pool (learning.label_propagation; free post-
+    # processing): its confident labels join the answered ones, also as FixMatch's labelled set. null: off.
+    label_propagation: LabelPropagationConfig | None = None
     # Which pool inputs to ask about: the pool in order, or rounds of an active-learning strategy.
     selection: QuerySelection = field(default_factory=QuerySelection)
 
     def __post_init__(self) -> None:
         if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
             raise ValueError("student: choose pseudo_label_threshold (self-training) or semi_supervised (FixMatch)")
+        if self.pseudo_label_threshold is not None and self.label_propagation is not None:
+            raise ValueError("student: choose pseudo_label_threshold (self-training) or label_propagation")
         if self.pseudo_label_threshold is not None and not 0 < self.pseudo_label_threshold <= 1:
             raise ValueError(f"student.pseudo_label_threshold must be in (0, 1] or null, "
                              f"got {self.pseudo_label_threshold}")

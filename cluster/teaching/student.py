@@ -59,7 +59,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
         num_threads=max(1, int(student_cpus)), features=config.data.features,
         pseudo_label_threshold=config.student.pseudo_label_threshold,
         semi_supervised=config.student.semi_supervised, selection=config.student.selection,
-        standardiser=ensemble.public.standardiser,
+        standardiser=ensemble.public.standardiser, label_propagation=config.student.label_propagation,
     )
     try:
         try:  # a CPU some node has but none has free (the teachers hold them) would wait forever

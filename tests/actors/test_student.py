@@ -13,7 +13,9 @@ from conclave.actors.student import Student, StudentActor
 from conclave.actors.teacher import TeacherGroup, TeacherSource
 from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import Dataset, make_splits
+from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import QuerySelection
+from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.filter import RenyiFilter
@@ -23,6 +25,32 @@ from conclave.privacy.mechanisms import build_mechanism
 
 TOKEN = "student-test-token"
 STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)
+
+
+class RecordingClient(AggregatorClient):
+    """The real client, keeping the size of every batch it sends and every reply it gets."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[int] = []
+        self.replies: list = []
+
+    def label_reply(self, inputs: np.ndarray):
+        self.sent.append(len(inputs))
+        reply = super().label_reply(inputs)
+        self.replies.append(reply)
+        return reply
+
+
+def recording(client_class: type[RecordingClient], address: str) -> tuple:
+    """A client factory for a student, and the list of the clients it built."""
+    clients: list[RecordingClient] = []
+
+    def build() -> RecordingClient:
+        clients.append(client_class(address, TOKEN))
+        return clients[-1]
+
+    return build, clients
 
 
 @pytest.fixture(scope="module")
@@ -116,21 +144,56 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
         Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=1.5)
 
 
-def test_student_stops_when_the_budget_is_refused_and_keeps_its_answers(world, serve):
+def room_for(answers: float) -> RenyiFilter:
+    """A budget at order 16 with room for ``answers`` GNMax answers at σ = 2 (λ/σ² = 4 each)."""
+    return RenyiFilter(epsilon_from_rdp([16.0], [answers * 4.0], 1e-5)[0], 1e-5, 16.0)
+
+
+def test_student_asks_what_the_budget_pays_for_and_stops_without_a_refusal(world, serve):
     splits, _ = world
-    mechanism = build_mechanism("gnmax", sigma=2.0)
-    # A budget at order 16 with room for 110.5 answers (λ/σ² = 4 each): five batches of 20, half of
-    # a sixth (its other ten asked again, and refused whole), all the budget an answer can use.
-    budget = RenyiFilter(epsilon_from_rdp([16.0], [110.5 * 4.0], 1e-5)[0], 1e-5, 16.0)
-    _, ledger, factory = serve(mechanism, budget)
+    budget = room_for(110.5)  # five batches of 20, a last one of 10: all the budget an answer can use
+    server, ledger, _ = serve(build_mechanism("gnmax", sigma=2.0), budget)
+    factory, clients = recording(RecordingClient, server.address)
     student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(200, 20, progress=False)
-    assert queried["budget_exhausted"]
-    assert queried["asked"] == 110  # the refused inputs count as not asked
-    assert queried["answered"] == 110 and (student.labels[:110] >= 0).all() and (student.labels[110:] == -1).all()
+    (client,) = clients
+    assert client.sent == [20, 20, 20, 20, 20, 10]  # the tail in a smaller batch; then no call at 0
+    assert not any(reply.refused.any() for reply in client.replies)  # nothing it sent was refused
+    assert [reply.budget["affordable_queries"] for reply in client.replies] == [90, 70, 50, 30, 10, 0]
+    assert queried["budget_exhausted"] and queried["asked"] == queried["answered"] == 110
+    assert (student.labels[:110] >= 0).all() and (student.labels[110:] == -1).all()
     assert ledger.report().rdp_at_budget_order == pytest.approx(440.0)
     assert ledger.report().rdp_at_budget_order <= budget.rdp_budget
     assert queried["checkpoints"][-1]["budget"]["queries_answered"] == 110
+    assert queried["checkpoints"][-1]["budget"]["affordable_queries"] == 0
+
+
+@pytest.mark.parametrize("rival_spends, asked", [(15, 35), (30, 20)])
+def test_a_budget_spent_by_another_client_meanwhile_ends_the_student_with_its_answers(world, serve,
+                                                                                       rival_spends, asked):
+    """Between the student's reading of the budget and its second call, another client spends
+    part of it (that call is answered in part, the rest asked again and the student then stops at
+    0) or all of it (that call is refused whole): the refusal handling is the fallback."""
+    splits, _ = world
+    server, _, _ = serve(build_mechanism("gnmax", sigma=2.0), room_for(50.5))
+    rival = AggregatorClient(server.address, TOKEN)
+
+    class Outpaced(RecordingClient):
+        def label_reply(self, inputs: np.ndarray):
+            if len(self.sent) == 1:  # the test split: inputs the student never asks
+                rival.label(splits.test.x[:rival_spends])
+            return super().label_reply(inputs)
+
+    factory, clients = recording(Outpaced, server.address)
+    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    queried = student.query(200, 20, progress=False)
+    rival.close()
+    assert clients[0].sent == [20, 20]  # the budget paid for 30 more when the student read it
+    assert queried["budget_exhausted"] and queried["asked"] == queried["answered"] == asked
+    order = np.asarray(student.asked_order)
+    assert len(np.unique(order)) == asked and (student.labels[order] >= 0).all()
+    assert (student.labels[np.setdiff1d(np.arange(len(splits.public)), order)] == -1).all()
+    assert len(server.answered_votes()[0]) == asked + rival_spends
 
 
 def test_query_in_stretches_resumes_where_it_stopped(world, serve):
@@ -171,18 +234,79 @@ def test_the_semi_supervised_student_beats_the_supervised_one_on_the_same_answer
     assert better["accuracy"] > base["accuracy"] + 0.08, (base["accuracy"], better["accuracy"])  # 62% → 78% when written
 
 
-@pytest.mark.parametrize("strategy", ["entropy", "diverse_public"])
-def test_chosen_queries_are_pool_inputs_never_asked_twice(world, serve, strategy):
+@pytest.mark.parametrize("strategy, cold_start", [("entropy", "random"), ("diverse_public", "random"),
+                                                  ("entropy", "kmeans"), ("pool", "kmeans")])
+def test_chosen_queries_are_pool_inputs_never_asked_twice(world, serve, strategy, cold_start):
     splits, _ = world
     server, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
     student = Student(splits.public, splits.test, "digits_cnn", dataclasses.replace(STUDENT_TRAIN, epochs=3),
-                      factory, selection=QuerySelection(strategy=strategy, round_size=25))
-    student.query(100, 10, progress=False)
+                      factory, selection=QuerySelection(strategy=strategy, round_size=25, cold_start=cold_start))
+    for _ in range(4):  # in stretches of three calls of 10: rounds of 25 and calls cross each other
+        student.query(100, 10, progress=False, max_batches=3)
     student.close()
     asked = np.asarray(student.asked_order)
+    if cold_start == "kmeans":  # the first round: the inputs nearest k-means centres of the whole pool
+        first = kmeans_cold_start(splits.public.x, np.arange(len(splits.public)), 25, seed=0)
+        assert (asked[:25] == first).all()
+        if strategy == "pool":  # then the rest in pool order
+            assert (asked[25:] == np.setdiff1d(np.arange(len(splits.public)), first)[:75]).all()
     assert len(asked) == 100 == len(np.unique(asked)) and asked.min() >= 0 and asked.max() < len(splits.public)
     votes, _ = server.answered_votes()
     assert len(votes) == 100  # the aggregator saw each chosen input once: no repeat, no cache hit
     assert (student.labels[np.setdiff1d(np.arange(len(splits.public)), asked)] == -1).all()
     with pytest.raises(ValueError, match="near_private"):
         QuerySelection(strategy="near_private")
+    with pytest.raises(ValueError, match="cold_start"):
+        QuerySelection(cold_start="centres")
+
+
+def test_kmeans_cold_start_picks_distinct_inputs_nearest_the_centres():
+    rng = np.random.default_rng(0)
+    blobs = rng.normal(0, 10, (5, 8))  # 8 dimensions: the PCA keeps them all, distances unchanged
+    points = np.concatenate([centre + rng.normal(0, 0.3, (30, 8)) for centre in blobs])
+    member = np.arange(len(points)) // 30
+
+    def nearest_mean(candidates: np.ndarray, blob: int) -> int:
+        inside = candidates[member[candidates] == blob]
+        centre = points[inside].mean(axis=0)  # k-means's centre of a blob it found
+        return int(inside[np.argmin(((points[inside] - centre) ** 2).sum(axis=1))])
+
+    everyone = np.arange(len(points))
+    picked = kmeans_cold_start(points, everyone, 5, seed=0)
+    assert sorted(picked) == sorted(nearest_mean(everyone, blob) for blob in range(5))
+    # Never an input asked before: without those five, the nearest of the rest, one per blob.
+    rest = np.setdiff1d(everyone, picked)
+    again = kmeans_cold_start(points, rest, 5, seed=0)
+    assert not set(again) & set(picked) and sorted(member[again]) == [0, 1, 2, 3, 4]
+    assert sorted(again) == sorted(nearest_mean(rest, blob) for blob in range(5))
+    # More centres than blobs: still distinct indices, every one a candidate.
+    many = kmeans_cold_start(points, rest, len(rest), seed=0)
+    assert sorted(many) == sorted(rest)
+    with pytest.raises(ValueError, match="size"):
+        kmeans_cold_start(points, rest, len(rest) + 1, seed=0)
+
+
+def test_label_propagation_spreads_the_answers_over_the_pool_at_no_privacy_cost(world, serve):
+    splits, _ = world
+    _, ledger, factory = serve(build_mechanism("gnmax", sigma=0.1))  # (nearly) the plurality: same labels every run
+    # The pool's true labels are zeros here: were they used for training, the student would learn "always 0".
+    blind = Dataset(splits.public.x, np.zeros(len(splits.public), dtype=np.int64), 10, "blind-pool")
+    supervised = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    supervised.query(30, 30, progress=False)
+    supervised.close()
+    spent = ledger.report().epsilon_spent
+    results = []
+    for semi in (None, FixMatchConfig(epochs=60, batch_size=32, threshold=0.9)):
+        student = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, semi_supervised=semi,
+                          label_propagation=LabelPropagationConfig())
+        student.labels, student.asked_order = supervised.labels.copy(), list(supervised.asked_order)  # the same answers
+        results.append(student.fit_and_evaluate())
+    base, (spread, both) = supervised.fit_and_evaluate(), results
+    assert spread["answered"] == both["answered"] == 30
+    assert 0 < spread["propagated"] == both["propagated"] <= len(blind) - 30  # propagation is deterministic
+    assert spread["accuracy"] > base["accuracy"] + 0.05, (base["accuracy"], spread["accuracy"])
+    assert both["accuracy"] > 0.7  # chance is 0.1; 75% and 82% when written
+    assert ledger.report().epsilon_spent == spent  # post-processing: nothing more was asked
+    with pytest.raises(ValueError, match="pseudo_label_threshold.*label_propagation"):
+        Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9,
+                label_propagation=LabelPropagationConfig())
