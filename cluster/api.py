@@ -12,6 +12,9 @@
             student = train_student(config, ensemble, aggregator)     # StudentResult
             report = aggregator.privacy_report()                      # the guarantee first
 
+With ``knn=KnnConfig(...)`` (and ``MechanismConfig("private-knn", ...)``) ``train_ensemble`` trains
+nothing: it starts kNN actors on the owners' nodes, and the records vote themselves.
+
 Each step returns a typed result; the steps live in ``cluster.teaching`` (config, ensemble,
 aggregation, student) and this module is their one import point, as it is for the other two
 pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``ActiveLearningResult``
@@ -30,7 +33,7 @@ from conclave.cluster.sparse_finetuning import Config as SparseConfig
 from conclave.cluster.sparse_finetuning import SparseResult, finetune_sparsely
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
-    Config, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig,
+    Config, KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig,
 )
 from conclave.cluster.teaching.ensemble import Ensemble, PublicData, train_ensemble
 from conclave.cluster.teaching.student import StudentResult, train_student
@@ -40,7 +43,7 @@ from conclave.learning.train_config import TrainConfig
 __all__ = [
     "ActiveLearningConfig", "ActiveLearningResult", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
-    "Aggregator", "Config", "DataSource", "Ensemble", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
+    "Aggregator", "Config", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainConfig", "serve", "train_ensemble",
     "train_student",
 ]

@@ -8,6 +8,8 @@ private records would be a release of its own.
 Names a config can give (``fit_embedding``):
 - ``flatten``: the inputs as they are, one vector each (raw pixels, table rows);
 - ``pca``: flattened inputs projected on the public pool's top ``dims`` principal directions;
+- ``standardised-pca``: the same after scaling each value by its spread over the public pool
+  (table columns in different units: one column must not decide the distances);
 - ``scattering-pca``: ScatterNet coefficients (``learning.data.features``) of the images, then
   PCA fitted on the public pool's coefficients — the issue's measurement: the embedding decides;
 - ``"package.module:function"``: a user's own, e.g. a public-pretrained encoder;
@@ -25,7 +27,7 @@ import numpy as np
 
 Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
 
-EMBEDDINGS = ("flatten", "pca", "scattering-pca")
+EMBEDDINGS = ("flatten", "pca", "standardised-pca", "scattering-pca")
 # Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
 # coefficients; in chunks only the projections (dims floats each) are kept.
 EMBED_CHUNK = 2048
@@ -54,24 +56,29 @@ class Flatten:
 @dataclass(frozen=True)
 class PublicPCA:
     """Projection of (optionally ``features``-transformed) flattened inputs onto the top principal
-    directions of PUBLIC data (``fit`` on the public pool only)."""
+    directions of PUBLIC data (``fit`` on the public pool only), optionally standardised first."""
 
     mean: np.ndarray  # float32 [d]
     components: np.ndarray  # float32 [dims, d], orthonormal rows
     features: str | None = None  # a fixed transform applied first (learning.data.features)
+    scale: np.ndarray | float = 1.0  # float32 [d]: each value's public spread, when standardised
 
     @classmethod
-    def fit(cls, public_inputs: np.ndarray, dims: int, features: str | None = None) -> PublicPCA:
+    def fit(cls, public_inputs: np.ndarray, dims: int, features: str | None = None,
+            standardise: bool = False) -> PublicPCA:
         flat = _represent(public_inputs, features).astype(np.float64)
         if not 1 <= dims <= min(flat.shape):
             raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
                              f"{flat.shape[1]} values, got {dims}")
         mean = flat.mean(axis=0)
-        _, _, vt = np.linalg.svd(flat - mean, full_matrices=False)
-        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32), features)
+        spread = flat.std(axis=0)
+        scale = np.where(spread > 0, spread, 1.0).astype(np.float32) if standardise else 1.0  # constants stay put
+        _, _, vt = np.linalg.svd((flat - mean) / scale, full_matrices=False)
+        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32), features, scale)
 
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
-        parts = [(_represent(inputs[start:start + EMBED_CHUNK], self.features) - self.mean) @ self.components.T
+        parts = [((_represent(inputs[start:start + EMBED_CHUNK], self.features) - self.mean) / self.scale)
+                 @ self.components.T
                  for start in range(0, len(inputs), EMBED_CHUNK)]
         return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
 
@@ -89,8 +96,9 @@ def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
     check_embedding(name)
     if name == "flatten":
         return Flatten()
-    if name in ("pca", "scattering-pca"):
-        return PublicPCA.fit(public_inputs, dims, "scattering" if name == "scattering-pca" else None)
+    if name in ("pca", "standardised-pca", "scattering-pca"):
+        return PublicPCA.fit(public_inputs, dims, "scattering" if name == "scattering-pca" else None,
+                             standardise=name == "standardised-pca")
     module, _, function = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module), function)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from conclave.actors.labeller import PrivateLabeller
-from conclave.cluster.config import from_dict, load_yaml
+from conclave.cluster.config import load_yaml
 from conclave.cluster.run_command import load_run_config
 from conclave.cluster.teaching.config import Config, KnnConfig, MechanismConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE
@@ -22,6 +21,7 @@ from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DIGITS_KNN = PROJECT_ROOT / "configs" / "digits-knn.yaml"
+HOSPITALS_KNN = PROJECT_ROOT / "configs" / "hospitals-knn.yaml"
 PRIVATE_KNN = MechanismConfig("private-knn", {"sigma1": 15.0, "threshold": 20.0, "sigma2": 8.0})
 
 
@@ -98,19 +98,12 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget(ray_session, run_
 
 
 def test_three_owners_vote_by_knn_without_the_driver_opening_their_files(ray_session, run_config_opening, tmp_path):
-    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")
-    for owner in raw["owners"]:
-        owner.pop("records")
-    raw.update(name="hospitals-knn", knn={"k": 10, "sample_rate": 0.5, "embedding": "pca", "dims": 5},
-               mechanism={"name": "private-knn", "params": {"sigma1": 4.0, "threshold": 7.0, "sigma2": 3.0}})
-    from_dict(Config, {k: v for k, v in raw.items() if k != "pipeline"})  # a valid config before it runs
-    config = tmp_path / "hospitals-knn.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    opened = run_config_opening(config)
+    opened = run_config_opening(HOSPITALS_KNN)
+    raw = load_yaml(HOSPITALS_KNN)
     owner_files = {str((PROJECT_ROOT / owner["data"]["path"]).resolve()) for owner in raw["owners"]}
     assert not opened & owner_files
     metrics = json.loads((tmp_path / "hospitals-knn" / "metrics.json").read_text())
     assert set(metrics["knn"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
     privacy = json.loads((tmp_path / "hospitals-knn" / "privacy.json").read_text())
-    assert privacy["guarantee"]["epsilon"] == 5.0 and privacy["spent"]["epsilon"] <= 5.0
+    assert privacy["guarantee"]["epsilon"] <= 5.0 and privacy["spent"]["epsilon"] <= privacy["guarantee"]["epsilon"]
     assert metrics["queries_answered"] > 0

@@ -1,0 +1,101 @@
+"""Benchmark: teachers against kNN votes on the two small examples, each run end to end.
+
+Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with its ledger, the
+student actor), the demo (50 digits teachers, Confident-GNMax, ε = 4) beside
+configs/digits-knn.yaml (the same digits as Private-kNN votes, ε = 4), and configs/hospitals.yaml
+(30 teachers across three owners, GNMax, ε = 5) beside configs/hospitals-knn.yaml (the
+hospitals' records voting, Private-kNN, ε = 5). Writes results/bench/knn_votes_examples.json:
+per run and repetition the answers, label accuracy (digits only: the hospitals' pool has no
+labels), student accuracy and the guarantee, and ``sound``. MNIST's rows are in
+bench/teacher_student_mnist.py.
+
+The hospitals' runs charge the example hospitals' lifetime budgets as any run does; the
+benchmark keeps those ledgers in a temporary ``$CONCLAVE_HOME`` unless it is set.
+
+    python bench/knn_votes_examples.py               # two repetitions of each
+    python bench/knn_votes_examples.py --repeats 1 --only demo digits-knn
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from conclave.learning.threads import share_cores  # noqa: E402  (before torch loads)
+
+share_cores()
+
+from bench.soundness import soundness  # noqa: E402
+from conclave.cluster.config import load_yaml  # noqa: E402
+from conclave.cluster.pipelines import pipeline_module  # noqa: E402
+from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.run_command import DEMO_CONFIG, load_run_config  # noqa: E402
+from conclave.cluster.teaching.ensemble import train_ensemble  # noqa: E402
+
+log = logging.getLogger("bench.knn_votes_examples")
+TEACHER_STUDENT = pipeline_module("teacher_student")
+
+CONFIGS = {
+    "demo": None,  # the embedded demo (configs/demo.yaml)
+    "digits-knn": "configs/digits-knn.yaml",
+    "hospitals": "configs/hospitals.yaml",
+    "hospitals-knn": "configs/hospitals-knn.yaml",
+}
+
+
+def run_once(name: str, seed: int, results: Path) -> dict:
+    raw = DEMO_CONFIG if CONFIGS[name] is None else load_yaml(ROOT / CONFIGS[name])
+    _, config = load_run_config(raw)
+    config = TEACHER_STUDENT.validate(dataclasses.replace(config, seed=seed))
+    started = time.perf_counter()
+    try:
+        with train_ensemble(config, progress=False) as voters:
+            outcome = TEACHER_STUDENT.teach_student(config, voters, RunDirectory(results, f"{name}-seed{seed}"))
+    finally:
+        import ray
+
+        ray.shutdown()  # the next config starts Ray with its own owners' resources
+    metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
+    return {"seed": seed, "student_accuracy": metrics["student_accuracy"], "label_accuracy": metrics["label_accuracy"],
+            "queries_asked": metrics["queries_asked"], "queries_answered": metrics["queries_answered"],
+            "guarantee": privacy["guarantee"]["epsilon"], "epsilon_spent": privacy["spent"]["epsilon"],
+            "sound": privacy["sound"], "unsound_reasons": privacy["unsound_reasons"],
+            "seconds": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None, help="run only these configs")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each config, seeds 0, 1, ... (default 2)")
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if "CONCLAVE_HOME" not in os.environ:  # the example hospitals' lifetime ledgers, not the user's
+        os.environ["CONCLAVE_HOME"] = tempfile.mkdtemp(prefix="conclave-bench-home-")
+
+    bench_dir = RunDirectory(args.results_dir, "bench")
+    runs_dir = bench_dir.path / "knn_votes_examples"
+    out: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
+    reasons: list[str] = []
+    for name in args.only or list(CONFIGS):
+        repetitions = [run_once(name, seed, runs_dir) for seed in range(args.repeats)]
+        reasons += [f"{name}: {r}" for run in repetitions for r in run["unsound_reasons"]]
+        out["runs"][name] = {"repetitions": repetitions,
+                             "student_accuracy_median": statistics.median(r["student_accuracy"] for r in repetitions)}
+        bench_dir.write_json("knn_votes_examples", {**out, **soundness(reasons)})
+        log.info("%s: students %s, answered %s, guarantee ε %s", name,
+                 [round(r["student_accuracy"], 3) for r in repetitions], [r["queries_answered"] for r in repetitions],
+                 [round(r["guarantee"], 3) for r in repetitions])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
