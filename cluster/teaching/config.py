@@ -219,9 +219,14 @@ class ServerConfig:
             raise ValueError(f"server.max_batch must be >= 1, got {self.max_batch}")
 
 
-DEFAULT_STUDENT = StudentConfig(batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9))
+# The demo's student: typical inputs first (k-means centres of the pool), its answers spread over
+# the pool by label propagation, then FixMatch (measured on digits: issue 27's closing note).
+DEFAULT_STUDENT = StudentConfig(batch_size=20, semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9),
+                                label_propagation=LabelPropagationConfig(),
+                                selection=QuerySelection(cold_start="kmeans"))
 # For table inputs FixMatch (image augmentations) does not apply: self-training instead.
-DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=None, pseudo_label_threshold=0.9)
+DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=None, pseudo_label_threshold=0.9,
+                                            label_propagation=None)
 
 
 AGGREGATIONS = (TRUSTED_AGGREGATOR.aggregation, SECURE_VOTES.aggregation)
