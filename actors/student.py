@@ -43,6 +43,7 @@ from tqdm import tqdm
 from conclave.learning.data import Dataset
 from conclave.learning.data.features import apply_features, batch_transform
 from conclave.learning.data.schema import Standardiser
+from conclave.learning.embeddings import NetworkEmbedding
 from conclave.learning.label_propagation import LabelPropagationConfig, propagate
 from conclave.learning.models import build_model
 from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
@@ -122,6 +123,7 @@ class Student:
         self.selection_seconds = 0.0
         self.snapshots: list[dict[str, Any]] = []
         self._client: Any = None
+        self._last_model: torch.nn.Module | None = None  # the last fit_and_evaluate's (``network``)
 
     @property
     def asked(self) -> int:
@@ -304,7 +306,18 @@ class Student:
                 result["pseudo_labelled"] = int(len(confident))
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
+        self._last_model = model
         return result
+
+    def network(self) -> NetworkEmbedding | None:
+        """The last model trained, as a checkpoint and an embedding (``learning.embeddings``): trained
+        on released labels and public inputs only, so it can embed a later round's kNN votes at no
+        cost. None before any training, or for a table model (its standardiser is not a tensor)."""
+        if self._last_model is None or self.standardiser is not None:
+            return None
+        state = {k: v.detach().cpu().numpy() for k, v in self._last_model.state_dict().items()}
+        return NetworkEmbedding(self.model_name, self.public.num_classes, tuple(self.test.input_shape), self.features,
+                                state)
 
     def _fit_propagated_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The answered indices and labels, plus the pool inputs label propagation labels

@@ -22,10 +22,14 @@ from conclave.cluster.pipelines import pipeline_module  # noqa: E402
 from conclave.privacy.accounting.composition import PublishedRun, composed_guarantee  # noqa: E402
 
 DELTA = 1e-5
+SCATTERNET = ("mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1", "mnist-gnmax-scatternet-eps047")
+KNN = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2")
+ROUNDS = ("mnist-knn-r1", "mnist-knn-r2")
 GROUPS = {
-    "the two ScatterNet rows (one set of teachers)": ("mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1"),
-    "every row with a finite guarantee": ("mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1", "mnist-gnmax",
-                                          "mnist-lnmax"),
+    "the three ScatterNet rows (one set of teachers)": SCATTERNET,
+    "the three kNN rows": KNN,
+    "the two kNN rounds (the second on the first's student)": ROUNDS,
+    "every row with a finite guarantee": (*KNN, *ROUNDS, *SCATTERNET, "mnist-gnmax", "mnist-lnmax"),
     "the whole table": CONFIGS,
 }
 

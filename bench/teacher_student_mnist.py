@@ -63,15 +63,20 @@ log = logging.getLogger("bench.teacher_student_mnist")
 # The pipeline's second phase on already-trained teachers: one ensemble serves several mechanisms.
 TEACHER_STUDENT = pipeline_module("teacher_student")
 
-CONFIGS = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
+CONFIGS = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
            "mnist-gnmax-scatternet-eps047", "mnist-gnmax", "mnist-nzc", "mnist-lnmax",
            "mnist-nzc-5teachers")  # most wanted first
 # Bench-only variants of a shipped config: (config file, {section: overrides}).
 VARIANTS = {"mnist-gnmax-scatternet-eps1": ("mnist-gnmax-scatternet", {"privacy": {"budget": 1.0}}),
             "mnist-gnmax-scatternet-eps047": ("mnist-gnmax-scatternet", {"privacy": {"budget": 0.47}}),
             "mnist-knn-eps1": ("mnist-knn", {"privacy": {"budget": 1.0}}),
-            "mnist-knn-eps2": ("mnist-knn", {"privacy": {"budget": 2.0}})}
+            "mnist-knn-eps2": ("mnist-knn", {"privacy": {"budget": 2.0}}),
+            # Two rounds at ε 0.3 each (≤ 0.462 composed): the second embeds with the first's student.
+            "mnist-knn-r1": ("mnist-knn", {"privacy": {"budget": 0.3}}),
+            "mnist-knn-r2": ("mnist-knn", {"privacy": {"budget": 0.3},
+                                           "knn": {"embedding": "network:{runs}/mnist-knn-r1/student.pt"}})}
 BATCH = 256
+RUNS = "teacher_student_mnist"  # the runs' folder under results/bench/
 
 # What the papers report for these settings (δ = 1e-5).
 PRIVATE_KNN = {"source": "Zhu, Yu, Chandraker & Wang 2020 (Private-kNN, MNIST: k 300, σ1 75, T 180, σ2 25, q 0.05-0.1; "
@@ -90,6 +95,8 @@ PUBLISHED = {
     "mnist-knn": PRIVATE_KNN,
     "mnist-knn-eps1": PRIVATE_KNN,
     "mnist-knn-eps2": PRIVATE_KNN,
+    "mnist-knn-r1": PRIVATE_KNN,
+    "mnist-knn-r2": PRIVATE_KNN,
     "mnist-lnmax": {"source": "Papernot et al. 2017 / Sun et al. 2019 Table 1 (LNMax, γ = 0.05)",
                     "epsilon_at_100_answers": 2.04, "epsilon_at_1000_answers": 8.03,
                     "student_accuracy_9000_answers": 0.934, "label_accuracy": 0.9302},
@@ -101,8 +108,11 @@ PUBLISHED = {
 }
 
 
-def load_config(name: str, mnist: Path, quick: bool) -> Config:
+def load_config(name: str, mnist: Path, quick: bool, runs: Path = ROOT / "results" / "bench" / RUNS) -> Config:
+    """``name``'s config; ``runs``: where this benchmark's runs write (a later round reads an earlier one's student)."""
     file, overrides = VARIANTS.get(name, (name, {}))
+    overrides = {section: {k: v.format(runs=runs) if isinstance(v, str) else v for k, v in values.items()}
+                 for section, values in overrides.items()}
     _, config = load_run_config(load_yaml(ROOT / "configs" / f"{file}.yaml"))
     config = dataclasses.replace(config, name=name, data=dataclasses.replace(config.data, root=str(mnist)),
                                  **{section: dataclasses.replace(getattr(config, section), **values)
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = bench_dir.path / "teacher_student_mnist.json"
     if args.merge and previous.is_file():  # keep what an earlier run measured, replace what this one does
         out = {**json.loads(previous.read_text()), "quick": args.quick, "thread_settings": thread_settings()}
-    run_root = bench_dir.path / "teacher_student_mnist"
+    run_root = bench_dir.path / RUNS
 
     diagnostics_file = bench_dir.path / "teacher_student_mnist.nonprivate-diagnostics.json"
     diagnostics: dict = json.loads(diagnostics_file.read_text()) if args.merge and diagnostics_file.is_file() else {}
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             **soundness(["computed from the teachers' votes without a DP mechanism"])})
 
     wanted = [] if args.speedup_only else (args.only or [n for n in CONFIGS if not (args.no_five and n == "mnist-nzc-5teachers")])
-    configs = {name: load_config(name, args.mnist, args.quick) for name in wanted}
+    configs = {name: load_config(name, args.mnist, args.quick, run_root) for name in wanted}
     # Ray lowers its workers' priority (niceness 15) by default; on a busy machine that alone
     # would slow the actor path against the in-process baseline, so keep them level here.
     os.environ.setdefault("RAY_worker_niceness", "0")

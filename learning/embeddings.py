@@ -12,22 +12,28 @@ Names a config can give (``fit_embedding``):
   (table columns in different units: one column must not decide the distances);
 - ``scattering-pca``: ScatterNet coefficients (``learning.data.features``) of the images, then
   PCA fitted on the public pool's coefficients — the issue's measurement: the embedding decides;
+- ``"network:PATH"``: a trained network's activations before its logits, from a checkpoint a
+  run wrote (``student.pt``: the student of an earlier round, trained on released labels and
+  public inputs only, so using it is post-processing; that round's ε composes with this one's);
 - ``"package.module:function"``: a user's own, e.g. a public-pretrained encoder;
   ``function(public_inputs, dims)`` returns a picklable callable ``inputs → float [n, d]``
   (ship the package to the workers with ``runtime_env``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
 
 EMBEDDINGS = ("flatten", "pca", "standardised-pca", "scattering-pca")
+NETWORK = "network:"  # prefix of a checkpoint path
 # Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
 # coefficients; in chunks only the projections (dims floats each) are kept.
 EMBED_CHUNK = 2048
@@ -36,12 +42,13 @@ EMBED_CHUNK = 2048
 def check_embedding(name: str, where: str = "embedding") -> None:
     """Refuse a name that is neither built in nor ``module:function`` (no import: configs load
     without torch)."""
-    if name in EMBEDDINGS:
+    if name in EMBEDDINGS or (name.startswith(NETWORK) and len(name) > len(NETWORK)):
         return
     module, _, function = name.partition(":")
     if not (module and function and all(part.isidentifier() for part in module.split("."))
             and function.isidentifier()):
-        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)} or 'package.module:function', got {name!r}")
+        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)}, 'network:PATH' or 'package.module:function', "
+                         f"got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,65 @@ def _represent(inputs: np.ndarray, features: str | None) -> np.ndarray:
     return Flatten()(inputs)
 
 
+@dataclass(frozen=True)
+class NetworkEmbedding:
+    """A trained network's activations before its logits (``model.features``), on its inputs'
+    ``features`` representation; saved as a plain checkpoint (names, shapes and tensors only, so
+    loading it runs no pickled code)."""
+
+    model: str  # a learning.models name
+    num_classes: int
+    input_shape: tuple[int, ...]  # what the network reads (after ``features``)
+    features: str | None
+    state: dict[str, np.ndarray] = field(repr=False)
+
+    def save(self, path: str | Path) -> None:
+        import torch
+
+        torch.save({"model": self.model, "num_classes": self.num_classes, "input_shape": list(self.input_shape),
+                    "features": self.features, "state_dict": {k: torch.tensor(v) for k, v in self.state.items()}},
+                   path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NetworkEmbedding:
+        import torch
+
+        try:
+            saved = torch.load(path, weights_only=True)
+            return cls(saved["model"], int(saved["num_classes"]), tuple(saved["input_shape"]), saved["features"],
+                       {k: v.numpy() for k, v in saved["state_dict"].items()})
+        except (OSError, KeyError, RuntimeError) as err:
+            raise ValueError(f"network checkpoint {path}: {str(err).splitlines()[0]}") from err
+
+    @functools.cached_property
+    def _network(self) -> Any:
+        import torch
+
+        from conclave.learning.models import build_model
+
+        network = build_model(self.model, self.num_classes, input_shape=self.input_shape)
+        network.load_state_dict({k: torch.tensor(v) for k, v in self.state.items()})
+        return network
+
+    def __getstate__(self) -> dict:  # the built network stays in the process that built it
+        return {k: v for k, v in self.__dict__.items() if k != "_network"}
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        from conclave.learning.data.features import features_of
+        from conclave.learning.training import embed
+
+        parts = [embed(self._network, features_of(np.asarray(inputs[start:start + EMBED_CHUNK], dtype=np.float32),
+                                                  self.features))
+                 for start in range(0, len(inputs), EMBED_CHUNK)]
+        return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
+
+
 def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
-    """The embedding ``name`` (module docstring), fitted on ``public_inputs`` where it fits anything."""
+    """The embedding ``name`` (module docstring), fitted on ``public_inputs`` where it fits anything
+    (``dims``: the PCA's; a network's activations are used as they are)."""
     check_embedding(name)
+    if name.startswith(NETWORK):
+        return NetworkEmbedding.load(name[len(NETWORK):])
     if name == "flatten":
         return Flatten()
     if name in ("pca", "standardised-pca", "scattering-pca"):

@@ -87,6 +87,8 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     }
     results.write_json("metrics", metrics)
     results.write_json("privacy", privacy.as_dict())
+    if student.network is not None:  # a later round's kNN embedding: knn.embedding "network:<this file>"
+        student.network.save(results.path / "student.pt")
     _plots(results, student.curve)
     summary = {
         "student_accuracy": round(student.accuracy, 4),

@@ -7,11 +7,14 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.teaching.aggregation import Aggregator
 from conclave.cluster.teaching.config import Config, StudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
+
+if TYPE_CHECKING:
+    from conclave.learning.embeddings import NetworkEmbedding
 
 STUDENT_START_TIMEOUT = 60.0  # seconds a student actor may wait for a CPU before the run fails
 MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
@@ -31,6 +34,7 @@ class StudentResult:
     curve: list[dict[str, Any]]
     query_seconds: float
     train_seconds: float
+    network: NetworkEmbedding | None = None  # the final model, a free embedding for a later round (image inputs)
 
 
 def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, progress: bool = True) -> StudentResult:
@@ -72,6 +76,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
         started = time.perf_counter()
         curve = ray.get(student.learning_curve.remote())
         train_seconds = time.perf_counter() - started
+        network = ray.get(student.network.remote())
     finally:
         ray.kill(student)  # frees its CPU now, not whenever the handle is collected
     label_accuracy = queried["label_accuracy"]
@@ -79,7 +84,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
         accuracy=curve[-1]["accuracy"], asked=queried["asked"], answered=queried["answered"],
         label_accuracy=None if label_accuracy is None or math.isnan(label_accuracy) else label_accuracy,
         budget_exhausted=queried["budget_exhausted"], labels_per_second=queried["labels_per_second"],
-        curve=curve, query_seconds=queried["query_seconds"], train_seconds=train_seconds)
+        curve=curve, query_seconds=queried["query_seconds"], train_seconds=train_seconds, network=network)
 
 
 def _query(student, settings: StudentConfig, progress: bool, batches_per_call: int = 4) -> dict[str, Any]:

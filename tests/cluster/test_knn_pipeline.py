@@ -9,11 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from conclave.actors.labeller import PrivateLabeller
 from conclave.cluster.config import load_yaml
 from conclave.cluster.run_command import load_run_config
 from conclave.cluster.teaching.config import Config, KnnConfig, MechanismConfig
+from conclave.learning.data import make_splits
+from conclave.learning.embeddings import NetworkEmbedding
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import PrivateKnnMechanism
@@ -37,6 +40,7 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
         Config(knn=KnnConfig(), aggregation="secure", mechanism=MechanismConfig("gnmax", {"sigma": 40.0}))
     with pytest.raises(ValueError, match="knn.embedding must be one of"):
         KnnConfig(embedding="hog")
+    KnnConfig(embedding="network:results/mnist-knn/student.pt")  # an earlier round's student
     KnnConfig(embedding="my_encoders.mnist:encoder")  # a user's own, imported where it is fitted
 
 
@@ -83,7 +87,8 @@ def test_the_aggregator_refuses_private_knn_over_votes_not_sampled_at_its_rate(t
     ledger.close()
 
 
-def test_digits_knn_runs_end_to_end_within_its_declared_budget(ray_session, run_config_opening, tmp_path):
+def test_digits_knn_runs_end_to_end_within_its_declared_budget_then_a_round_on_its_students_network(
+        ray_session, run_config_opening, tmp_path):
     run_config_opening(DIGITS_KNN)
     results = tmp_path / "digits-knn"
     privacy = json.loads((results / "privacy.json").read_text())
@@ -95,6 +100,18 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget(ray_session, run_
     assert metrics["knn"]["k"] == 30 and metrics["knn"]["actors"] >= 1 and "teachers" not in metrics
     assert 0 < metrics["queries_answered"] <= metrics["queries_asked"] <= 300
     assert metrics["student_accuracy"] > 0.5
+
+    # The student's network, trained on released labels and public inputs, embeds a second round.
+    network = NetworkEmbedding.load(results / "student.pt")
+    pool = make_splits("digits", None, public_size=300, seed=0).public.x[:5]
+    assert network(pool).shape == (5, network(pool[:1]).shape[1])
+    raw = load_yaml(DIGITS_KNN)
+    raw.update(name="digits-knn-round2", knn={**raw["knn"], "embedding": f"network:{results / 'student.pt'}"})
+    second = tmp_path / "round2.yaml"
+    second.write_text(yaml.safe_dump(raw))
+    run_config_opening(second)
+    metrics = json.loads((tmp_path / "digits-knn-round2" / "metrics.json").read_text())
+    assert metrics["knn"]["embedding"].startswith("network:") and metrics["queries_answered"] > 0
 
 
 def test_three_owners_vote_by_knn_without_the_driver_opening_their_files(ray_session, run_config_opening, tmp_path):
