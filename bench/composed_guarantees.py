@@ -23,11 +23,11 @@ from conclave.privacy.accounting.composition import PublishedRun, composed_guara
 
 DELTA = 1e-5
 SCATTERNET = ("mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1", "mnist-gnmax-scatternet-eps047")
-KNN = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-knn-balanced")
+KNN = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2")
 ROUNDS = ("mnist-knn-r1", "mnist-knn-r2")
 GROUPS = {
     "the three ScatterNet rows (one set of teachers)": SCATTERNET,
-    "the four kNN rows": KNN,
+    "the three kNN rows": KNN,
     "the two kNN rounds (the second on the first's student)": ROUNDS,
     "every row with a finite guarantee": (*KNN, *ROUNDS, *SCATTERNET, "mnist-gnmax", "mnist-lnmax"),
     "the whole table": CONFIGS,

@@ -63,21 +63,18 @@ log = logging.getLogger("bench.teacher_student_mnist")
 # The pipeline's second phase on already-trained teachers: one ensemble serves several mechanisms.
 TEACHER_STUDENT = pipeline_module("teacher_student")
 
-CONFIGS = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-knn-balanced", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
+CONFIGS = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
            "mnist-gnmax-scatternet-eps047", "mnist-gnmax", "mnist-nzc", "mnist-lnmax",
            "mnist-nzc-5teachers")  # most wanted first
-BALANCED = {"knn": {"k": 300}, "mechanism": {"params": {"sigma1": 45.0, "threshold": 210.0, "sigma2": 45.0}}}
 # Bench-only variants of a shipped config: (config file, {section: overrides}).
 VARIANTS = {"mnist-gnmax-scatternet-eps1": ("mnist-gnmax-scatternet", {"privacy": {"budget": 1.0}}),
             "mnist-gnmax-scatternet-eps047": ("mnist-gnmax-scatternet", {"privacy": {"budget": 0.47}}),
             "mnist-knn-eps1": ("mnist-knn", {"privacy": {"budget": 1.0}}),
             "mnist-knn-eps2": ("mnist-knn", {"privacy": {"budget": 2.0}}),
-            # Less strict screening for answers in every class (chosen on the public proxy: T 0.7 k).
-            "mnist-knn-balanced": ("mnist-knn", BALANCED),
             # Two rounds at ε 0.3 each (≤ 0.462 composed): the second embeds with the first's student.
-            "mnist-knn-r1": ("mnist-knn", {**BALANCED, "privacy": {"budget": 0.3}}),
-            "mnist-knn-r2": ("mnist-knn", {**BALANCED, "privacy": {"budget": 0.3},
-                                           "knn": {"k": 300, "embedding": "network:{runs}/mnist-knn-r1/student.pt"}})}
+            "mnist-knn-r1": ("mnist-knn", {"privacy": {"budget": 0.3}}),
+            "mnist-knn-r2": ("mnist-knn", {"privacy": {"budget": 0.3},
+                                           "knn": {"embedding": "network:{runs}/mnist-knn-r1/student.pt"}})}
 BATCH = 256
 RUNS = "teacher_student_mnist"  # the runs' folder under results/bench/
 
@@ -98,7 +95,6 @@ PUBLISHED = {
     "mnist-knn": PRIVATE_KNN,
     "mnist-knn-eps1": PRIVATE_KNN,
     "mnist-knn-eps2": PRIVATE_KNN,
-    "mnist-knn-balanced": PRIVATE_KNN,
     "mnist-knn-r1": PRIVATE_KNN,
     "mnist-knn-r2": PRIVATE_KNN,
     "mnist-lnmax": {"source": "Papernot et al. 2017 / Sun et al. 2019 Table 1 (LNMax, γ = 0.05)",
