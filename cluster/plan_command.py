@@ -244,18 +244,21 @@ def _teacher_student(path: str, config: Any) -> Plan:
     module = pipeline_module("teacher_student")
     planned = module.planned_work(config)
     guarantee = config.privacy.guarantee(planned)
-    owners = tuple(owner_counts(o, o.teachers, config, planned) for o in config.owners)
+    knn = getattr(config, "knn", None)  # kNN votes: the records vote, no teacher is trained
+    owners = tuple(owner_counts(o, None if knn else o.teachers, config, planned) for o in config.owners)
     if owners:
         records = None if any(o.records is None for o in owners) else sum(o.records for o in owners)
     else:
         records = config.data.private_size
-    counts = Counts(owners, config.num_teachers, records)
+    counts = Counts(owners, None if knn else config.num_teachers, records)
     student = config.student
     mechanism = config.mechanism.build()
     # With aggregation: secure the noise is the secure variant's (Skellam through the secure sum).
     runs = config.vote_mechanism().name
     work = (f"{runs} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on "
             f"{student.queries} queries asked {student.batch_size} at a time; worst case: every one answered")
+    if knn:
+        work += f"; kNN votes, k {knn.k} of a Poisson sample at rate {knn.sample_rate:g}"
     if config.smooth_sensitivity() is not None:
         work += ", plus the smooth-sensitivity release (charged before the first query)"
 
@@ -316,7 +319,9 @@ def _budget_warnings(config: Any, planned: PrivacyCharge, table: tuple[Row, ...]
     if unit == "answers":
         return [f"the budget ε = {config.privacy.budget:g} admits {table[0].fits} of the {amount} planned answers "
                 f"in the worst case (the planned work's ε = {epsilon:.4g}): the aggregator refuses the batch that "
-                "could pass it (abstentions cost less, so the student may get further)"]
+                "could pass it " + ("(every asked query costs the same, answered or not)"
+                                    if config.mechanism.name == "private-knn" else
+                                    "(abstentions cost less, so the student may get further)")]
     return [f"the planned work's worst case ε = {epsilon:.4g} exceeds the budget ε = {config.privacy.budget:g}, "
             f"which admits {table[0].fits} of the {amount} planned epochs: the ledger refuses the charge that would "
             "pass it"]

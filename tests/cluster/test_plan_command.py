@@ -181,3 +181,11 @@ def test_defaults_are_derived_from_the_declared_counts(tmp_path):
     assert fewer.teachers.count == 20 and make_plan("fewer", "teacher_student", fewer).counts.teachers == 20
     _, demo = load_run_config({"pipeline": "teacher_student"})
     assert demo.teachers.count == 50 and demo.mechanism.params["threshold"] == pytest.approx(30.0)
+
+
+def test_a_knn_plan_declares_no_teachers_and_charges_every_asked_query():
+    config_path = ROOT / "configs" / "mnist-knn.yaml"
+    _, config = load_run_config(load_yaml(config_path))
+    plan = make_plan(str(config_path), "teacher_student", config)
+    assert plan.counts.teachers is None and "kNN votes, k 300 of a Poisson sample at rate 0.1" in plan.work
+    assert any("every asked query costs the same" in warning for warning in plan.warnings)
