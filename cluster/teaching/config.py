@@ -122,7 +122,8 @@ class KnnConfig:
 
     k: int = 100
     sample_rate: float = 0.1
-    embedding: str = "scattering-pca"  # flatten | pca | scattering-pca | "package.module:function"
+    embedding: str = "scattering-pca"  # learning.embeddings: flatten, pca, standardised-pca, scattering-pca,
+    # "network:PATH" (an earlier run's student.pt) or "package.module:function"
     dims: int = 64
     actors: int | None = None  # benchmark data: actors holding the records (None: one per CPU); owners: theirs
 
