@@ -46,7 +46,7 @@ def skellam_rdp(orders, l1_sensitivity: float, l2_sensitivity: float, variance: 
     Non-integer orders are interpolated as in the module docstring.
     """
     l1, l2, mu = _check_skellam(l1_sensitivity, l2_sensitivity, variance)
-    return _at_orders(_orders(orders), _skellam_integer_rdp(l1, l2, mu))
+    return at_integer_orders(_orders(orders), skellam_integer_rdp(l1, l2, mu))
 
 
 def poisson_subsampled_rdp(orders, sample_rate: float, base: IntegerRdp) -> np.ndarray:
@@ -71,8 +71,8 @@ def poisson_subsampled_rdp(orders, sample_rate: float, base: IntegerRdp) -> np.n
     if sample_rate == 0:
         return np.zeros_like(lam)
     if sample_rate == 1:
-        return _at_orders(lam, base)
-    return _at_orders(lam, _zhu_wang(sample_rate, base))
+        return at_integer_orders(lam, base)
+    return at_integer_orders(lam, _zhu_wang(sample_rate, base))
 
 
 def subsampled_skellam_rdp(
@@ -89,7 +89,7 @@ def subsampled_skellam_rdp(
     l1, l2, mu = _check_skellam(l1_sensitivity, l2_sensitivity, variance)
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    return steps * poisson_subsampled_rdp(lam, sample_rate, _skellam_integer_rdp(l1, l2, mu))  # always finite
+    return steps * poisson_subsampled_rdp(lam, sample_rate, skellam_integer_rdp(l1, l2, mu))  # always finite
 
 
 # --- charge builders ----------------------------------------------------------------------
@@ -140,7 +140,7 @@ def _check_skellam(l1: float, l2: float, variance: float) -> tuple[float, float,
     return float(l1), float(l2), float(variance)
 
 
-def _skellam_integer_rdp(l1: float, l2: float, mu: float) -> IntegerRdp:
+def skellam_integer_rdp(l1: float, l2: float, mu: float) -> IntegerRdp:
     """Agarwal et al. 2021, Cor. 3.6 at integer orders ≥ 2."""
     def curve(alpha: np.ndarray) -> np.ndarray:
         discreteness = np.minimum(((2 * alpha - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
@@ -168,7 +168,7 @@ def _zhu_wang(q: float, base: IntegerRdp) -> IntegerRdp:
     return curve
 
 
-def _at_orders(lam: np.ndarray, integer_rdp: IntegerRdp) -> np.ndarray:
+def at_integer_orders(lam: np.ndarray, integer_rdp: IntegerRdp) -> np.ndarray:
     """``integer_rdp`` at the orders ``lam``; convex interpolation (module docstring) in between."""
     low, high = np.floor(lam), np.ceil(lam)
     needed = np.unique(np.concatenate([low[low >= 2], high]))
