@@ -31,7 +31,9 @@ Health is SERVING while the operator has marked the teachers ready and every tea
 vote: a failed vote — a teacher's error, or no votes within the vote source's deadline
 (``TeacherPool.vote_timeout_s``, below the client's) — fails the call UNAVAILABLE with nothing
 charged and turns health NOT_SERVING at once, and a watcher asks the vote source until
-it recovers (teacher actors restart and reload their saved models, ``actors.teacher``).
+it recovers (teacher actors restart and reload their saved models, ``actors.teacher``; kNN
+actors reload their owners' records, ``actors.knn_votes``). Every vote source must say whether it
+is ready (``VoteSource.ready``): one that could not would never be seen to recover.
 
 Bearer-token authentication (the scheme matched case-insensitively, RFC 6750), TLS and
 mutual TLS; a port on a non-loopback address without TLS is refused unless explicitly
@@ -187,6 +189,9 @@ class AggregatorServer:
         noise: NoisePolicy = SECURE,
         ready: bool = True,
     ) -> None:
+        if not callable(getattr(vote_source, "ready", None)):
+            raise TypeError(f"vote source {type(vote_source).__name__} has no ready(timeout) method: the aggregator's "
+                            "health follows it (actors.labeller.VoteSource)")
         self.labeller = labeller_for(vote_source, mechanism, ledger, noise)
         self.schema = input_shape if isinstance(input_shape, InputSchema) else InputSchema.for_shape(input_shape)
         self.input_shape = self.schema.shape
@@ -245,10 +250,8 @@ class AggregatorServer:
             self._service.set_health(self.serving)
 
     def _watch_teachers(self) -> None:
-        """Ask the vote source whether every teacher can vote; health follows the answer."""
-        check = getattr(self.labeller.vote_source, "ready", None)
-        if check is None:
-            return
+        """Ask the vote source whether every voter can vote; health follows the answer."""
+        check = self.labeller.vote_source.ready
         interval = self.settings.health_interval
         while not self._stopped.is_set():
             woken = self._wake_watcher.wait(interval)

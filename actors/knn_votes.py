@@ -31,6 +31,7 @@ the driver, since they are public.
 from __future__ import annotations
 
 import logging
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -40,7 +41,7 @@ import ray
 
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
-from conclave.actors.teacher import INLINE_INPUT_BYTES, TeacherSource
+from conclave.actors.teacher import INLINE_INPUT_BYTES, RecoveringActors, TeacherSource
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
@@ -92,6 +93,12 @@ class KnnShard:
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         return GroupInfo(self.num_classes, self.input_shape, node)
 
+    @ray.method(concurrency_group="probe")
+    def is_loaded(self) -> bool:
+        """Whether this actor holds its records and can answer. In the actor it runs in its own
+        thread, so the aggregator's health probe is answered while a long query is under way."""
+        return self.load_error is None
+
     def neighbours(self, queries: np.ndarray, round_: int) -> tuple[np.ndarray, np.ndarray]:
         """For embedded ``queries`` ``[batch, d]``: squared distances ``float64[batch, k]`` and labels
         ``int64[batch, k]`` of each query's k nearest records among those included (each with
@@ -126,8 +133,8 @@ class KnnShard:
 
 
 # Restarted like a teacher group (its constructor reloads the owner's records); a call is not
-# retried, so a vote fails at once rather than waiting.
-KnnShardActor = ray.remote(max_restarts=3, max_task_retries=0)(KnnShard)
+# retried, so a vote fails at once rather than waiting. Only the health probe has a thread of its own.
+KnnShardActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(KnnShard)
 
 
 @dataclass(frozen=True)
@@ -151,10 +158,14 @@ class KnnShare:
                              f"not as source features ({self.source.features!r})")
 
 
-class KnnVoteSource:
+class KnnVoteSource(RecoveringActors):
     """Driver-side handle over the owners' ``KnnShard`` actors: a vote source for the aggregator
     (``actors.labeller.VoteSource``). It holds the actor handles only — never records or their
     embeddings: each actor loads its owner's records on the owner's node.
+
+    Health as for teachers (``RecoveringActors``): ``ready`` is False while an actor restarts or
+    is hung, and an actor that died past Ray's restarts is started again (it reloads its owner's
+    records, under the same index: its sampling streams stay its own).
 
     ``votes`` embeds the (public) queries here, sends them to every actor, merges the global k
     nearest by (distance, actor, rank in the actor's answer) and counts their labels: each row
@@ -171,6 +182,7 @@ class KnnVoteSource:
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, KNN_LEMMA
     vote_timeout_s: float = 15.0  # below the client's 30 s deadline, as for the teachers
+    actor_kind, restart_note = "kNN actor", " (it reloads its owner's records)"
 
     def __init__(self, shares: Sequence[KnnShare], embed: Embedding, k: int, sample_rate: float,
                  noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0) -> None:
@@ -188,14 +200,16 @@ class KnnVoteSource:
             require_node(f"owner {share.source.owner}'s kNN shards", num_cpus_per_actor, 0.0,
                          options.get("resources"), options.get("label_selector"))
             plans.append((share, num_actors, options))
-        self._actors, self._owners = [], []
+        spawns, self._owners = [], []
         for share, num_actors, options in plans:
             bounds = np.linspace(0, share.source.num_teachers, num_actors + 1).round().astype(int)
             for a, b in zip(bounds[:-1], bounds[1:]):
                 if b > a:
-                    self._actors.append(KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote(
-                        share.source, int(a), int(b), embed, k, sample_rate, len(self._actors), noise))
+                    spawns.append(functools.partial(
+                        KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
+                        share.source, int(a), int(b), embed, k, sample_rate, len(spawns), noise))
                     self._owners.append(share.source.owner)
+        self._track(spawns)
         self._rounds = 0  # vote rounds so far: names each round's sampling streams
         described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
@@ -221,7 +235,12 @@ class KnnVoteSource:
         try:
             return ray.get(calls, timeout=self.vote_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            self._abandon(calls)
+            calls.clear()
             raise TimeoutError(f"the kNN shards gave no neighbours within {self.vote_timeout_s:g} s") from None
+
+    def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
+        return actor.is_loaded.remote()
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]`` of the global k nearest sampled records."""

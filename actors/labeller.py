@@ -65,10 +65,12 @@ GROUP_LIMIT = 1024
 
 
 class VoteSource(Protocol):
-    """What the aggregator needs from the teachers (``actors.teacher.TeacherPool``).
+    """What the aggregator needs from the voters (``actors.teacher.TeacherPool``,
+    ``actors.knn_votes.KnnVoteSource``, or a user's own).
 
-    Optional: ``num_teachers`` (every histogram row must count that many votes) and
-    ``ready(timeout) -> bool`` (whether every teacher can vote now; health follows it).
+    ``ready`` is required: the aggregator's health follows it, and after a failed vote it is
+    the only way back to SERVING (a source without it would stay NOT_SERVING for good).
+    Optional: ``num_teachers`` (every histogram row must count that many votes).
     """
 
     neighbouring: str  # the record-level relation under which one record moves at most one vote
@@ -78,6 +80,10 @@ class VoteSource(Protocol):
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
         ...
 
+    def ready(self, timeout: float = 2.0) -> bool:
+        """Whether every voter can vote now (within ``timeout`` s); brings back what it can."""
+        ...
+
 
 class SecureVoteSource(Protocol):
     """What the aggregator needs from the teachers with ``aggregation: secure``
@@ -85,6 +91,10 @@ class SecureVoteSource(Protocol):
 
     neighbouring: str
     neighbouring_lemma: str
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
+        ...
 
     def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:
         """int64 [batch, num_classes]: the histograms of float32 ``inputs`` summed through the secure

@@ -315,7 +315,83 @@ class OwnerShare:
             raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
 
 
-class TeacherPool:
+class RecoveringActors:
+    """The health of a vote source's actors, from the driver: ``ready`` says whether every actor
+    can vote now, and brings back one that died past Ray's restarts. Any vote source the
+    aggregator serves must report health (``actors.labeller.VoteSource.ready``), or a service
+    that lost an actor would never learn it recovered; teachers and kNN shards share this.
+
+    A subclass keeps ``_actors`` and, for each, ``_spawns`` (how it was first started), and
+    names ``_probe`` (a call with a thread of its own in the actor, so a long vote does not delay
+    it) and ``actor_kind`` / ``restart_note`` for the log.
+    """
+
+    max_replacements: int = 3  # new actors for one that died past Ray's restarts
+    actor_kind: str = "actor"
+    restart_note: str = ""
+
+    def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]]) -> None:
+        """Start one actor per spawn and keep how to start it again."""
+        self._spawns = spawns
+        self._actors = [spawn() for spawn in spawns]
+        self._replaced = [0] * len(spawns)
+        # Markers queued behind calls abandoned past their deadline: an actor whose marker has
+        # not run is still busy with an abandoned call (e.g. stopped), and cannot vote yet.
+        self._late: set[ray.ObjectRef] = set()
+
+    def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
+        raise NotImplementedError
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        """Whether every actor is up and can vote (False while one restarts). The probe has its
+        own thread in each actor, so a long vote does not delay it; a call abandoned past its
+        deadline and still running means that actor is hung (e.g. stopped) until it ends."""
+        if self._late:
+            done, _ = ray.wait(list(self._late), num_returns=len(self._late), timeout=0)
+            self._late.difference_update(done)
+            if self._late:
+                return False
+        probes = [self._probe(actor) for actor in self._actors]
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout)
+        if len(answered) < len(probes):
+            return False
+        alive = True
+        for index, probe in enumerate(probes):
+            try:
+                alive = bool(ray.get(probe)) and alive
+            except ray.exceptions.ActorDiedError:  # beyond its restarts: a new actor, started as the first
+                self._replace(index)
+                alive = False
+            except ray.exceptions.RayError:  # restarting, or unreachable for now
+                alive = False
+        return alive
+
+    def _replace(self, index: int) -> None:
+        """Start actor ``index`` again as it was first started (``restart_note`` says what it
+        reloads). At most ``max_replacements`` times per actor: one that keeps dying stays down
+        (NOT_SERVING)."""
+        if self._replaced[index] >= self.max_replacements:
+            return
+        self._replaced[index] += 1
+        log.warning("%s %d is gone for good (past its restarts); starting it again%s (%d of %d)", self.actor_kind,
+                    index, self.restart_note, self._replaced[index], self.max_replacements)
+        ray.kill(self._actors[index], no_restart=True)
+        self._actors[index] = self._spawns[index]()
+
+    def _abandon(self, calls: list[ray.ObjectRef]) -> None:
+        """Give up calls past their deadline, one per actor: cancel those not done (a queued call
+        never runs; a running one's result is never delivered, ``TaskCancelledError``) and queue a
+        marker behind each, which ``ready`` waits for. The caller drops its references to the
+        calls: nothing of an abandoned call reaches this process later."""
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+        finished = set(done)
+        for actor, call in zip(self._actors, calls):
+            if call not in finished:
+                ray.cancel(call)
+                self._late.add(actor.describe.remote())  # runs once the abandoned call has ended
+
+
+class TeacherPool(RecoveringActors):
     """Driver-side handle over the teacher actors of one or more owners; the vote source of
     the aggregator.
 
@@ -346,7 +422,7 @@ class TeacherPool:
     # thread until the client gives up. Three times the largest batch's vote (250 MNIST teachers
     # label about 220 inputs/s: 1,024 inputs in about 5 s).
     vote_timeout_s: float = 15.0
-    max_replacements: int = 3  # new actors for one that died past Ray's restarts
+    actor_kind, restart_note = "teacher actor", " from its saved teachers"
 
     def __init__(
         self,
@@ -379,9 +455,8 @@ class TeacherPool:
             require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus,
                          options.get("resources"), options.get("label_selector"))
             plans.append((share, num_actors, options))
-        self._actors, self._blocks, self._owners, self._spawns = [], [], [], []
+        spawns, self._blocks, self._owners = [], [], []
         self._rounds = 0  # secure vote rounds so far (``noised_votes``)
-        self._late: set[ray.ObjectRef] = set()  # votes past their deadline, still running
         offset = 0
         for share, num_actors, options in plans:
             # Contiguous blocks of teachers per actor, sizes differing by at most one.
@@ -394,12 +469,11 @@ class TeacherPool:
                         share.source, int(a), int(b), model_name, train, num_threads=threads,
                         checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
                         private_run=self.private_run)
-                    self._spawns.append(spawn)
-                    self._actors.append(spawn())
+                    spawns.append(spawn)
                     self._blocks.append((int(a), int(b)))
                     self._owners.append(share.source.owner)
             offset += share.num_teachers
-        self._replaced = [0] * len(self._actors)
+        self._track(spawns)
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
         described = describe_all(self._actors, self._owners, self.shutdown)
@@ -440,41 +514,8 @@ class TeacherPool:
                 bar.update(1)
         log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
 
-    def ready(self, timeout: float = 2.0) -> bool:
-        """Whether every actor is up and every teacher can vote (False while one restarts).
-        The probe has its own thread in each actor, so a long vote does not delay it; a vote
-        past its deadline and still running means that actor is hung (e.g. stopped) until it ends."""
-        if self._late:
-            done, _ = ray.wait(list(self._late), num_returns=len(self._late), timeout=0)
-            self._late.difference_update(done)
-            if self._late:
-                return False
-        probes = [actor.is_trained.remote() for actor in self._actors]
-        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout)
-        if len(answered) < len(probes):
-            return False
-        alive = True
-        for index, probe in enumerate(probes):
-            try:
-                alive = bool(ray.get(probe)) and alive
-            except ray.exceptions.ActorDiedError:  # beyond its restarts: a new actor, from the saved teachers
-                self._replace(index)
-                alive = False
-            except ray.exceptions.RayError:  # restarting, or unreachable for now
-                alive = False
-        return alive
-
-    def _replace(self, index: int) -> None:
-        """Start actor ``index`` again as it was first started: it reloads its shard on its
-        owner's node and the teachers it saved there, so nothing is retrained. At most
-        ``max_replacements`` times per actor: one that keeps dying stays down (NOT_SERVING)."""
-        if self._replaced[index] >= self.max_replacements:
-            return
-        self._replaced[index] += 1
-        log.warning("teacher actor %d is gone for good (past its restarts); starting it again from its saved "
-                    "teachers (%d of %d)", index, self._replaced[index], self.max_replacements)
-        ray.kill(self._actors[index], no_restart=True)
-        self._actors[index] = self._spawns[index]()
+    def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
+        return actor.is_trained.remote()
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""
@@ -488,7 +529,8 @@ class TeacherPool:
         try:
             partials = ray.get(calls, timeout=self.vote_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self._late.update(calls)
+            self._abandon(calls)
+            calls.clear()
             raise TimeoutError(f"the teachers gave no votes within {self.vote_timeout_s:g} s") from None
         return np.sum(partials, axis=0, dtype=np.int64)
 

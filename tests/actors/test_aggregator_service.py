@@ -176,6 +176,9 @@ class SlowTeachers:
         histogram[:, 0] = 3
         return histogram
 
+    def ready(self, timeout: float = 2.0) -> bool:
+        return True
+
 
 class PartialTeachers(SlowTeachers):
     """Histograms counting fewer votes than there are teachers (one actor's share missing)."""

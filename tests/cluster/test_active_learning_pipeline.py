@@ -158,6 +158,9 @@ class UnanimousTeachers:
         votes[:, 3] = 50
         return votes
 
+    def ready(self, timeout: float = 2.0) -> bool:
+        return True
+
 
 def test_the_aggregator_can_be_the_annotator_over_grpc(tmp_path):
     from conclave.actors.aggregator import AggregatorServer, ServerSettings

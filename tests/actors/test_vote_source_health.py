@@ -1,0 +1,107 @@
+"""Every vote source reports health: the real gRPC aggregator over real kNN shard actors loses
+one (killed: Ray restarts it; killed for good: the source starts it again), turns NOT_SERVING,
+comes back to SERVING and answers fresh inputs again; a source that cannot say is refused."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conclave.actors.aggregator import AggregatorServer
+from conclave.actors.knn_votes import KnnShare, KnnVoteSource
+from conclave.actors.owners import OwnerSource
+from conclave.cluster.client import AggregatorClient
+from conclave.learning.data import load_digits
+from conclave.learning.data.sources import DataSource
+from conclave.learning.embeddings import Flatten
+from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import build_mechanism
+from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
+from tests.aggregators import DELTA, INPUT_SHAPE, serving
+
+CLASSES = tuple(str(c) for c in range(10))
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+CHECK = health_pb2.HealthCheckRequest()
+RATE = 0.5
+
+
+@pytest.fixture(scope="module")
+def knn(ray_session, tmp_path_factory):
+    """kNN votes of two owners (150 digits each, their own .npz files), one actor each; and
+    public queries."""
+    train, test = load_digits()
+    folder = tmp_path_factory.mktemp("knn-health")
+    shares = []
+    for name, rows in (("a", slice(0, 150)), ("b", slice(150, 300))):
+        np.savez(folder / f"{name}.npz", x=train.x[rows], y=train.y[rows].astype(str))
+        shares.append(KnnShare(OwnerSource(name, DataSource("npz", str(folder / f"{name}.npz"), label="y"), 1,
+                                           CLASSES)))
+    source = KnnVoteSource(shares, Flatten(), 10, RATE, num_cpus_per_actor=0.25)
+    yield source, test.x.astype(np.float32)
+    source.shutdown()
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda shard: os.getpid()), timeout=60)
+
+
+def _statuses_until(health, wanted: int, seconds: float) -> list[int]:
+    """Health statuses seen, polled every 20 ms, up to the first ``wanted`` (or ``seconds``)."""
+    seen, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.append(health.Check(CHECK, timeout=5).status)
+        if seen[-1] == wanted:
+            break
+        time.sleep(0.02)
+    return seen
+
+
+def _mechanism() -> PrivateKnnMechanism:
+    return PrivateKnnMechanism(sigma1=5.0, threshold=2.0, sigma2=3.0, sample_rate=RATE)
+
+
+@pytest.mark.parametrize("past_restarts", [False, True], ids=["ray-restarts-it", "killed-for-good"])
+def test_a_killed_knn_actor_turns_health_not_serving_then_serving_and_labels_are_answered_again(
+        knn, tmp_path, past_restarts):
+    source, public = knn
+    offset = 40 if past_restarts else 0  # fresh inputs in each case
+    with serving(source, tmp_path / "ledger.sqlite", mechanism=_mechanism(), budget=None,
+                 health_interval=0.3) as (_, address), \
+            AggregatorClient(address) as client, grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert client.label(public[offset:offset + 4]).shape == (4,)
+        victim = source._actors[0]
+        if past_restarts:
+            ray.kill(victim, no_restart=True)  # as after Ray's last restart: the source starts it anew
+        else:
+            os.kill(_pid(victim), signal.SIGKILL)  # Ray restarts it; it reloads its owner's records
+        down = _statuses_until(health, NOT_SERVING, 30)
+        assert down[-1] == NOT_SERVING, down
+        up = _statuses_until(health, SERVING, 90)
+        assert up[-1] == SERVING, up
+        labels = client.label(public[offset + 4:offset + 12])
+        assert labels.shape == (8,) and client.budget()["queries_answered"] + client.budget()["queries_abstained"] == 12
+    assert (source._actors[0] is not victim) == past_restarts  # replaced only when Ray had given up
+    assert source.ready(timeout=30)
+
+
+class _Silent:
+    """A vote source that cannot say whether its voters are up."""
+
+    neighbouring, neighbouring_lemma = ADD_REMOVE, "one teacher per record"
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        return np.zeros((len(inputs), 10), dtype=np.int64)
+
+
+def test_a_vote_source_without_ready_is_refused_in_one_line(tmp_path):
+    with PrivacyLedger(tmp_path / "ledger.sqlite", DELTA) as ledger, \
+            pytest.raises(TypeError, match=r"^vote source _Silent has no ready\(timeout\) method"):
+        AggregatorServer(_Silent(), build_mechanism("gnmax", sigma=2.0), ledger, INPUT_SHAPE)
