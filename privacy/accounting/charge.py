@@ -74,6 +74,15 @@ class PrivacyCharge:
         """True when the charge costs nothing at any order (nothing need be recorded)."""
         return not self.unbounded and self.extra_delta == 0 and not np.any(self.rdp)
 
+    def scaled(self, count: int) -> PrivacyCharge:
+        """``count`` independent repetitions of this release (RDP composition, Mironov 2017, Prop. 1;
+        δ's add up); zero repetitions cost nothing."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count == 0:
+            return replace(self, rdp=np.zeros_like(self.rdp), extra_delta=0.0, unbounded=False, reason="")
+        return replace(self, rdp=count * self.rdp, extra_delta=count * self.extra_delta)
+
     def for_records(self, relation: str, why: str) -> PrivacyCharge:
         """This one-vote charge restated for record-level neighbours ``relation``.
 

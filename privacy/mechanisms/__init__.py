@@ -15,19 +15,21 @@ from conclave.privacy.mechanisms.confident_gnmax import ConfidentGNMax, SecureCo
 from conclave.privacy.mechanisms.gnmax import GNMax, SecureGNMax
 from conclave.privacy.mechanisms.lnmax import LNMax
 from conclave.privacy.mechanisms.nzc import NZC
-from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
+from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism, SecurePrivateKnn
+from conclave.privacy.mechanisms.public_clusters import PublicClusterVotes, SecurePublicClusterVotes
 from conclave.privacy.mechanisms.stability import Stability
 
 # Classes, not a lazy ``conclave.registry.Registry`` of import paths: the mechanisms are small
 # numpy-only modules, and validating any config reads their class attributes (``name``, fields,
 # ``aliases``, ``secure_variant``) anyway, so importing them late would save nothing.
 MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability,
-                                                          PrivateKnnMechanism)}
+                                                          PrivateKnnMechanism, PublicClusterVotes)}
 SECURE_MECHANISMS = tuple(name for name, cls in MECHANISMS.items() if cls.secure_variant is not None)
 
 __all__ = [
     "ABSTAIN", "Description", "MechanismResult", "VoteMechanism", "SecureVoteMechanism", "LNMax", "GNMax",
-    "ConfidentGNMax", "NZC", "Stability", "PrivateKnnMechanism", "SecureGNMax", "SecureConfidentGNMax", "build_mechanism",
+    "ConfidentGNMax", "NZC", "Stability", "PrivateKnnMechanism", "PublicClusterVotes", "SecureGNMax",
+    "SecureConfidentGNMax", "SecurePrivateKnn", "SecurePublicClusterVotes", "build_mechanism",
     "parameter_names", "secure_mechanism", "MECHANISMS", "SECURE_MECHANISMS",
 ]
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
+from conclave.privacy.secure_votes import TEACHER_VOTES, VoteBound
 
 ABSTAIN = -1
 
@@ -115,6 +116,12 @@ class SecureVoteMechanism(abc.ABC):
     name: ClassVar[str]
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     smooth_sensitivity_analysis: ClassVar[bool] = False  # it never sees clean votes
+
+    @property
+    def vote_bound(self) -> VoteBound:
+        """What one neighbour moves in a round of its vote source's histograms: each round is
+        charged by it (teachers' one vote per query unless the mechanism says otherwise)."""
+        return TEACHER_VOTES
 
     @abc.abstractmethod
     def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:

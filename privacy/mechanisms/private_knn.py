@@ -12,14 +12,73 @@ import numpy as np
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_sampled_gaussian_charge
-from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
+                                              SecureVoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.confident_gnmax import screened_argmax
+from conclave.privacy.secure_votes import VoteBound, knn_votes
 
 # Why one record moves at most one vote of a kNN histogram (actors.knn_votes); here, not there,
 # so that configs can state it without importing Ray.
 KNN_LEMMA = ("each record is one candidate neighbour: adding or removing it changes each query's k nearest "
              "sampled records by at most one entering and one leaving (or, with fewer than k sampled, one vote "
              "added or removed), so it moves at most one vote of each histogram (L2 ≤ √2, top count ±1)")
+
+
+def _check(sigma1: float, threshold: float, sigma2: float, sample_rate: float) -> None:
+    if not (sigma1 > 0 and sigma2 > 0):
+        raise ValueError(f"private-knn: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
+    if not np.isfinite(threshold):
+        raise ValueError(f"private-knn: threshold must be a finite number, got {threshold}")
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"private-knn: sample_rate must be in (0, 1], got {sample_rate}")
+
+
+@dataclass(frozen=True)
+class SecurePrivateKnn(SecureVoteMechanism):
+    """Private-kNN over the owners' own kNN votes (each owner's k_o nearest sampled records, counted
+    on its node) summed through the secure sum: ONE round per batch, Skellam noise of variance σ²
+    (σ = sigma1 = sigma2) on every count; abstain unless the noised total's maximum reaches T, else
+    its argmax. Screening and argmax read the same noised total, so the round is the whole release.
+
+    Charge per asked query: the sampled Skellam vote release at rate q
+    (``privacy.accounting.sampled_skellam``): a record added to one owner, if sampled, enters that
+    owner's k_o nearest and pushes one out (the kNN lemma, per owner), so one owner's partial
+    histogram, hence the total, moves by e_a − e_b, e_a or nothing."""
+
+    sigma1: float
+    threshold: float
+    sigma2: float
+    sample_rate: float
+    name: ClassVar[str] = "secure-private-knn"
+
+    def __post_init__(self) -> None:
+        _check(self.sigma1, self.threshold, self.sigma2, self.sample_rate)
+        if self.sigma1 != self.sigma2:
+            raise ValueError(f"secure private-knn screens and answers on one noised total, so it has one noise: set "
+                             f"sigma1 = sigma2 (got {self.sigma1:g} and {self.sigma2:g})")
+
+    @property
+    def vote_bound(self) -> VoteBound:
+        return knn_votes(self.sample_rate)
+
+    def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:
+        totals = noised(np.arange(batch_size), self.sigma2)
+        return np.where(totals.max(axis=1) >= self.threshold, np.argmax(totals, axis=1), ABSTAIN).astype(np.int64)
+
+    def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
+        return self.run_charge(batch_size, batch_size)
+
+    def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
+        """Every asked query is one sampled release, answered or not."""
+        return self.vote_bound.charge(self.sigma2, asked, self.name)
+
+    def describe(self) -> Description:
+        return Description(
+            self.name, parameters_of(self),
+            "over each owner's k nearest records of its own Poisson sample (rate q), summed through the secure sum "
+            "with Skellam noise of variance sigma^2: abstain unless the noised maximum reaches T, else its argmax",
+            "sampled Skellam vote release per asked query (Agarwal, Kairouz & Liu 2021, Cor. 3.6 moments; both "
+            "directions of the Poisson-sampled mixture), one record added or removed", bounded=True)
 
 
 @dataclass(frozen=True)
@@ -50,7 +109,10 @@ class PrivateKnnMechanism:
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     smooth_sensitivity_analysis: ClassVar[bool] = False  # its charge is data-independent only
     aliases: ClassVar[dict[str, str]] = {}
-    secure_variant: ClassVar[None] = None  # the kNN merge needs clean distances, not secure-sum totals
+    # Over the owners' own kNN votes summed securely: one noised total, σ = sigma1 = sigma2.
+    secure_variant: ClassVar[type[SecureVoteMechanism]] = SecurePrivateKnn
+    # The vote source must sample at this rate (``actors.labeller.check_pairing``).
+    paired_with: ClassVar[tuple[str, ...]] = ("sample_rate",)
     help: ClassVar[dict[str, str]] = {
         "sigma1": "noise sigma of the screening of the top kNN vote count",
         "threshold": "threshold T on the noisy top kNN vote count",
@@ -59,12 +121,7 @@ class PrivateKnnMechanism:
     }
 
     def __post_init__(self) -> None:
-        if not (self.sigma1 > 0 and self.sigma2 > 0):
-            raise ValueError(f"private-knn: sigma1 and sigma2 must be > 0, got {self.sigma1}, {self.sigma2}")
-        if not np.isfinite(self.threshold):
-            raise ValueError(f"private-knn: threshold must be a finite number, got {self.threshold}")
-        if not 0 < self.sample_rate <= 1:
-            raise ValueError(f"private-knn: sample_rate must be in (0, 1], got {self.sample_rate}")
+        _check(self.sigma1, self.threshold, self.sigma2, self.sample_rate)
 
     @property
     def releases(self) -> tuple[GaussianRelease, GaussianRelease]:

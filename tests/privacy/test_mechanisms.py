@@ -140,7 +140,8 @@ def test_bad_votes_are_rejected_by_every_mechanism(votes, message):
 
 
 def test_build_mechanism_uses_the_cli_names():
-    assert set(MECHANISMS) == {"lnmax", "gnmax", "confident-gnmax", "nzc", "stability", "private-knn"}
+    assert set(MECHANISMS) == {"lnmax", "gnmax", "confident-gnmax", "nzc", "stability", "private-knn",
+                               "public-clusters"}
     assert build_mechanism("lnmax", laplace_scale=20.0) == LNMax(20.0)
     assert build_mechanism("gnmax", sigma=40.0, laplace_scale=None) == GNMax(40.0)
     # --sigma is σ2 for confident-gnmax
@@ -175,12 +176,14 @@ def _example_params(name: str) -> dict:
         "nzc": {"constant": 1e100, "sigma": 1e10},
         "stability": {"epsilon": 1.0, "delta": 1e-5, "max_unstable": 10, "max_queries": 100},
         "private-knn": {"sigma1": 75.0, "threshold": 180.0, "sigma2": 25.0, "sample_rate": 0.05},
+        "public-clusters": {"sigma": 20.0, "m": 3, "purity": 0.8},
     }[name]
 
 
 def test_vote_mechanism_charges_hold_for_one_vote_and_restate_for_records():
-    # Private-kNN's records vote themselves: its charge is record-level already (tests/privacy/test_private_knn.py).
-    for name in set(MECHANISMS) - {"private-knn"}:
+    # Records that vote themselves (kNN, public clusters) are charged at record level already
+    # (tests/privacy/test_private_knn.py, test_public_clusters.py).
+    for name in set(MECHANISMS) - {"private-knn", "public-clusters"}:
         charge = build_mechanism(name, **_example_params(name)).worst_case_charge(3)
         assert charge.neighbouring == "one-vote"
         with pytest.raises(ValueError, match="must say why"):

@@ -182,7 +182,7 @@ def test_the_threshold_step_costs_about_twice_the_clean_modes():
 
 
 def test_secure_variants_take_the_same_parameters():
-    assert SECURE_MECHANISMS == ("gnmax", "confident-gnmax")
+    assert SECURE_MECHANISMS == ("gnmax", "confident-gnmax", "private-knn", "public-clusters")
     assert secure_mechanism(build_mechanism("gnmax", sigma=7.0)) == SecureGNMax(7.0)
     assert secure_mechanism(build_mechanism("confident-gnmax", sigma1=5.0, threshold=3.0, sigma=2.0)) == \
         SecureConfidentGNMax(5.0, 3.0, 2.0)
@@ -193,6 +193,6 @@ def test_secure_variants_take_the_same_parameters():
                                           ("stability", {"epsilon": 1.0, "delta": 1e-5, "max_unstable": 5})])
 def test_mechanisms_that_need_clean_votes_are_refused_in_one_line(name, params):
     mechanism = build_mechanism(name, **params)
-    with pytest.raises(ValueError, match="use one of gnmax, confident-gnmax") as refused:
+    with pytest.raises(ValueError, match="use one of gnmax, confident-gnmax, private-knn, public-clusters") as refused:
         secure_mechanism(mechanism)
     assert "\n" not in str(refused.value) and name in str(refused.value)
