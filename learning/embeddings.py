@@ -12,6 +12,7 @@ Names a config can give (``fit_embedding``):
   (table columns in different units: one column must not decide the distances);
 - ``scattering-pca``: ScatterNet coefficients (``learning.data.features``) of the images, then
   PCA fitted on the public pool's coefficients — the issue's measurement: the embedding decides;
+- ``hog-pca``: the same on HOG features (Private-kNN's choice; on MNIST its neighbours are purer);
 - ``"network:PATH"``: a trained network's activations before its logits, from a checkpoint a
   run wrote (``student.pt``: the student of an earlier round, trained on released labels and
   public inputs only, so using it is post-processing; that round's ε composes with this one's);
@@ -32,7 +33,10 @@ import numpy as np
 
 Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
 
-EMBEDDINGS = ("flatten", "pca", "standardised-pca", "scattering-pca")
+EMBEDDINGS = ("flatten", "pca", "standardised-pca", "scattering-pca", "hog-pca")
+# The PCA embeddings: name → (the fixed features it projects, whether standardised first).
+PCA_EMBEDDINGS = {"pca": (None, False), "standardised-pca": (None, True), "scattering-pca": ("scattering", False),
+                  "hog-pca": ("hog", False)}
 NETWORK = "network:"  # prefix of a checkpoint path
 # Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
 # coefficients; in chunks only the projections (dims floats each) are kept.
@@ -159,9 +163,9 @@ def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
         return NetworkEmbedding.load(name[len(NETWORK):])
     if name == "flatten":
         return Flatten()
-    if name in ("pca", "standardised-pca", "scattering-pca"):
-        return PublicPCA.fit(public_inputs, dims, "scattering" if name == "scattering-pca" else None,
-                             standardise=name == "standardised-pca")
+    if name in PCA_EMBEDDINGS:
+        features, standardise = PCA_EMBEDDINGS[name]
+        return PublicPCA.fit(public_inputs, dims, features, standardise=standardise)
     module, _, function = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module), function)

@@ -16,6 +16,11 @@ size (H/4, W/4) — the image's low-pass average, then moduli of Morlet wavelet 
 2 scales × 8 orientations and of their second-order cascades, each averaged over 4×4 pixels.
 ``kymatio`` computes it (its 2-D frontend is imported directly: ``kymatio.torch`` also loads
 the 3-D module, which imports a function SciPy ≥ 1.15 no longer has).
+
+HOG (Dalal & Triggs 2005; what Private-kNN embeds MNIST with, Zhu et al. 2020): unsigned gradient
+orientations in 9 bins, linearly interpolated, summed over 4×4-pixel cells, then every 2×2 block
+of cells normalised (L2-Hys: L2, clipped at 0.2, L2 again): ``[n, 36, H/4 − 1, W/4 − 1]``, computed
+with torch so that augmented batches can be represented too (``batch_transform``).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from conclave.learning.data.dataset import Dataset
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("scattering",)
+FEATURES = ("scattering", "hog")
+HOG_CELL, HOG_BINS, HOG_BLOCK, HOG_CLIP = 4, 9, 2, 0.2
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,6 +77,46 @@ def scattering(dataset: Dataset, progress: bool = False, **options) -> Dataset:
     return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering", features="scattering")
 
 
+def hog_batch(batch):
+    """HOG of a torch image batch ``[n, C, H, W]`` (channels averaged): ``[n, 36, H/4 − 1, W/4 − 1]``."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    gray = batch.mean(dim=1)
+    if gray.shape[-1] % HOG_CELL or gray.shape[-2] % HOG_CELL:
+        raise ValueError(f"HOG needs sides divisible by {HOG_CELL}, got {tuple(gray.shape[-2:])}")
+    gx, gy = torch.zeros_like(gray), torch.zeros_like(gray)
+    gx[..., :, 1:-1] = gray[..., :, 2:] - gray[..., :, :-2]
+    gy[..., 1:-1, :] = gray[..., 2:, :] - gray[..., :-2, :]
+    magnitude = torch.sqrt(gx**2 + gy**2)
+    position = torch.remainder(torch.atan2(gy, gx), math.pi) / (math.pi / HOG_BINS) - 0.5  # between bin centres
+    lower = torch.floor(position)
+    upper_weight = position - lower
+    histogram = torch.zeros(gray.shape[0], HOG_BINS, *gray.shape[1:], dtype=gray.dtype)
+    for offset, weight in ((0, 1 - upper_weight), (1, upper_weight)):
+        index = torch.remainder(lower + offset, HOG_BINS).long().unsqueeze(1)
+        histogram.scatter_add_(1, index, (magnitude * weight).unsqueeze(1))
+    cells = F.avg_pool2d(histogram, HOG_CELL) * HOG_CELL**2  # [n, bins, H/4, W/4]
+    blocks = F.unfold(cells, HOG_BLOCK)  # [n, bins·4, (H/4 − 1)(W/4 − 1)]
+    blocks = blocks / torch.sqrt((blocks**2).sum(dim=1, keepdim=True) + 1e-6)
+    blocks = torch.clamp(blocks, max=HOG_CLIP)
+    blocks = blocks / torch.sqrt((blocks**2).sum(dim=1, keepdim=True) + 1e-6)
+    side = (gray.shape[-2] // HOG_CELL - HOG_BLOCK + 1, gray.shape[-1] // HOG_CELL - HOG_BLOCK + 1)
+    return blocks.reshape(len(batch), -1, *side)
+
+
+def hog(images: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+    """HOG of ``images`` (float32 ``[n, C, H, W]``): float32 ``[n, 36, H/4 − 1, W/4 − 1]``."""
+    import torch
+
+    with torch.no_grad():
+        parts = [hog_batch(torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32)))
+                 .numpy() for start in range(0, len(images), batch_size)]
+    return np.concatenate(parts).astype(np.float32, copy=False)
+
+
 def check_features(name: str | None, where: str = "features") -> None:
     """Refuse an unknown representation name, saying where it came from (e.g. a config key)."""
     if name is not None and name not in FEATURES:
@@ -84,6 +130,10 @@ def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -
     if name is None:
         return dataset
     log.info("computing %s features of %s (%d examples)", name, dataset.name, len(dataset))
+    if name == "hog":
+        if dataset.features is not None:
+            raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
+        return Dataset(hog(dataset.x), dataset.y, dataset.num_classes, f"{dataset.name}/hog", features="hog")
     return scattering(dataset, progress=progress)
 
 
@@ -93,6 +143,8 @@ def batch_transform(name: str | None, image_shape: tuple[int, int]):
     check_features(name)
     if name is None:
         return lambda batch: batch
+    if name == "hog":
+        return hog_batch
     transform = _scattering_transform(2, tuple(image_shape), 8)
 
     def represent(batch):
@@ -107,4 +159,4 @@ def features_of(images: np.ndarray, name: str | None) -> np.ndarray:
     check_features(name)
     if name is None:
         return images
-    return scatter(images)
+    return hog(images) if name == "hog" else scatter(images)

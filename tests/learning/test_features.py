@@ -62,10 +62,12 @@ def test_features_keep_the_layout_but_not_the_pixel_range():
 def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="divisible by 4"):
         scattering(images(2, 1, 30))
-    with pytest.raises(ValueError, match="unknown feature representation 'hog'"):
-        apply_features(images(2, 1, 28), "hog")
-    with pytest.raises(ValueError, match="unknown feature representation 'hog'"):
-        features_of(images(2, 1, 28).x, "hog")
+    with pytest.raises(ValueError, match="unknown feature representation 'sift'"):
+        apply_features(images(2, 1, 28), "sift")
+    with pytest.raises(ValueError, match="unknown feature representation 'sift'"):
+        features_of(images(2, 1, 28).x, "sift")
+    with pytest.raises(ValueError, match="HOG needs sides divisible by 4"):
+        features_of(images(2, 1, 30).x, "hog")
     data = images(2, 1, 28)
     assert apply_features(data, None) is data and features_of(data.x, None) is data.x
     # unlabelled queries (what teachers vote on) get exactly the features a dataset gets
@@ -87,3 +89,23 @@ def test_scatternet_cnn_learns_digits_from_their_scattering():
     with torch.no_grad():
         accuracy = float((model(torch.from_numpy(test_f.x)).argmax(1) == torch.from_numpy(test_f.y)).float().mean())
     assert accuracy > 0.9  # chance is 0.1
+
+
+def test_hog_puts_an_edge_in_its_orientation_bin_and_keeps_blocks_normalised():
+    """A horizontal step edge has vertical gradients (π/2: all in the bin centred there, 4 of 9), a
+    vertical one horizontal gradients (orientation 0: halfway between the centres of bins 8 and 0,
+    shared equally); every block is L2-Hys normalised."""
+    from conclave.learning.data.features import HOG_BINS, apply_features, features_of
+
+    vertical = np.zeros((1, 1, 28, 28), dtype=np.float32)
+    vertical[..., 14:] = 1.0
+    horizontal = np.ascontiguousarray(vertical.transpose(0, 1, 3, 2))
+    for image, expected in ((vertical, {0: 0.5, 8: 0.5}), (horizontal, {4: 1.0})):
+        blocks = features_of(image, "hog")
+        assert blocks.shape == (1, 4 * HOG_BINS, 6, 6)
+        energy = blocks.reshape(HOG_BINS, 4, 6, 6).sum(axis=(1, 2, 3))  # unfold: (bin, cell of the block)
+        assert {b: round(float(energy[b] / energy.sum()), 3) for b in np.flatnonzero(energy > 1e-3 * energy.sum())} == expected
+    norms = np.linalg.norm(features_of(np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32), "hog"), axis=1)
+    assert np.allclose(norms, 1.0, atol=1e-3)
+    data = Dataset(vertical.repeat(2, axis=0), np.array([0, 1]), 2, "edges")
+    assert apply_features(data, "hog").features == "hog"
