@@ -25,11 +25,13 @@ for, which marks the guarantee unsound). No gRPC here: ``actors.aggregator`` ser
 With ``aggregation: secure`` (``SecureLabeller``, for a ``SecureVoteMechanism``) this process
 never holds a clean histogram: steps (2)–(3) become the mechanism's rounds of the secure sum
 (``SecureVoteSource.noised_votes``, ``privacy.secure_votes``), each a release of noised totals.
-A batch runs under the lock from its worst-case check, before its first round, to its charge,
-and the ledger is charged for the rounds that ran. A round an owner dropped out of releases
-nothing and is not charged; the batch is then refused (``TeachersUnavailable``, one line
-naming the owner) with no label released — after Confident-GNMax's first round, that round
-alone is charged, since its noised totals were seen here.
+A batch runs under the lock from its worst-case check, before its first round, to its last
+round. Each round is charged when its shares are asked for — before any arrives: whoever holds
+this process could keep an abandoned round's shares and decode them once a late one comes, so a
+round is a release from that moment, whether or not a client ever gets a label from it. A round
+that fails before (an owner sent no key) releases and is charged nothing. A failed round refuses
+the batch (``TeachersUnavailable``, one line naming the owner): no label released, no answer
+recorded, and the rounds already asked for stay charged.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -50,7 +52,6 @@ from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
-from conclave.privacy.accounting.rdp import sum_charges
 from conclave.privacy.mechanisms.base import ABSTAIN, SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.privacy.secure_votes import SkellamVotes
@@ -96,9 +97,12 @@ class SecureVoteSource(Protocol):
         """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
         ...
 
-    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:
+    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy,
+                     charge: Callable[[], None]) -> np.ndarray:
         """int64 [batch, num_classes]: the histograms of float32 ``inputs`` summed through the secure
-        sum with Skellam noise (``release``); ``OwnerDropout`` naming the owner when a share is missing."""
+        sum with Skellam noise (``release``); ``OwnerDropout`` naming the owner when a share is missing.
+        Calls ``charge`` once, before the first share is asked for (the moment the round becomes a
+        release to whoever holds this process), and asks nothing if it raises."""
         ...
 
 
@@ -515,33 +519,49 @@ class PrivateLabeller:
 
 
 class _Rounds:
-    """The secure rounds of one batch, as the mechanism asks for them; each completed round is a
-    release of noised totals, charged at the σ it was run with."""
+    """The secure rounds of one batch, as the mechanism asks for them. A round is charged (at the σ
+    it runs with) when its shares are asked for, before any could arrive: from then on whoever
+    holds this process could decode it, even from a share that comes after the round was given
+    up. So a round that fails after that point stays charged; one that fails before (an owner
+    sent no key) is not."""
 
     def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str,
-                 failures: RateLimitedLog) -> None:
+                 pay: Callable[[PrivacyCharge], None], failures: RateLimitedLog) -> None:
         self._source, self._inputs, self._noise, self._label = source, inputs, noise, label
-        self._failures = failures
-        self.released: list[PrivacyCharge] = []
+        self._pay, self._failures = pay, failures
+        self.charged = 0  # rounds charged: their shares were asked for
 
     def noised(self, rows: np.ndarray, sigma: float) -> np.ndarray:
         release = SkellamVotes(sigma)
+        paid, unpaid = False, None  # unpaid: why the ledger did not take the charge
+
+        def charge() -> None:
+            nonlocal paid, unpaid
+            if paid:  # once per round, whatever the source does
+                return
+            try:
+                self._pay(release.charge(len(rows), self._label))
+            except BaseException as err:
+                unpaid = err
+                raise
+            paid = True
+            self.charged += 1
+
         try:
-            totals = np.asarray(self._source.noised_votes(self._inputs[rows], release, self._noise))
+            totals = np.asarray(self._source.noised_votes(self._inputs[rows], release, self._noise, charge))
         except OwnerDropout as err:
             raise TeachersUnavailable(f"{err}; retry later") from err
         except Exception as err:  # teachers' failures must not leak their details to clients
+            if err is unpaid:
+                raise  # the budget refused the round, or its charge could not be written: nothing was asked
             self._failures("round", "secure vote round failed: %s", type(err).__name__, level=logging.WARNING)
             raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
+        charge()  # a source that released totals without charging first: their release is paid all the same
         if totals.ndim != 2 or totals.shape[0] != len(rows) or not np.issubdtype(totals.dtype, np.integer):
             self._failures("malformed", "secure vote round returned %s %s for %d inputs", totals.dtype, totals.shape,
                            len(rows), level=logging.ERROR)
             raise TeachersUnavailable("teachers returned malformed vote totals")
-        self.released.append(release.charge(len(rows), self._label))
         return totals.astype(np.int64)
-
-    def charge(self) -> PrivacyCharge:
-        return sum_charges(self.released, label=self._label)
 
 
 class SecureLabeller(PrivateLabeller):
@@ -552,31 +572,30 @@ class SecureLabeller(PrivateLabeller):
     mechanism: SecureVoteMechanism
 
     def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> set[bytes]:
-        # Under the lock from the worst-case check to the charge: every round a batch runs is a
-        # release, so no other batch may spend the budget between its check and its charge.
+        # Under the lock from the worst-case check to the last round's charge: no other batch may
+        # spend the budget between them, so every round of the batch fits. Each round is charged
+        # as its shares are asked for (``_Rounds``); the answers are recorded only once every round
+        # is in and the labels go back to the callers: an aborted batch records no answer.
         with self._lock:
             keys = [key for key in fresh if key not in self._answers]
             if not keys:
                 return set()
             keys = keys[: self._affordable(len(keys))]
-            worst = self._worst_case(len(keys))
             rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
-                             self._failures)
+                             lambda charge: self.ledger.charge(self._for_ledger(charge)), self._failures)
             try:
                 labels = np.asarray(self.mechanism.answer(rounds.noised, len(keys)), dtype=np.int64)
             except Exception as err:
-                if rounds.released:  # this process saw those rounds' totals: they are spent
-                    self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst)
                 if isinstance(err, TeachersUnavailable):
                     self._failures("dropout", "%s (%s)", err,
-                                   "the batch's earlier rounds are charged, no label released"
-                                   if rounds.released else "nothing released or charged", level=logging.WARNING)
+                                   f"{rounds.charged} round(s) of the batch charged as asked, no label released"
+                                   if rounds.charged else "nothing released or charged", level=logging.WARNING)
                 raise
             if labels.shape != (len(keys),):
                 raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for "
                                    f"{len(keys)} inputs")
             answers = dict(zip(keys, labels.tolist()))
-            self.ledger.charge(self._for_ledger(rounds.charge()), worst_case=worst, answers=answers)
+            self.ledger.record_answers(answers)  # paid for round by round, as each was asked
             self._answers.update(answers)
             self._count(labels)
             return set(answers)

@@ -49,7 +49,6 @@ import torch
 from tqdm import tqdm
 
 from conclave.actors import run_folder
-from conclave.actors.dp_trainer import fresh_public_keys
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
 from conclave.learning.data import Dataset, make_splits, shard
@@ -293,9 +292,9 @@ class TeacherGroup(ReleaseKeys):
 TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(TeacherGroup)
 
 
-def _dropped(owner: str) -> OwnerDropout:
-    return OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the round is aborted "
-                        "and releases nothing")
+def _dropped(owner: str, outcome: str) -> OwnerDropout:
+    return OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the round is aborted; "
+                        f"{outcome}")
 
 
 @dataclass(frozen=True)
@@ -416,7 +415,11 @@ class TeacherPool(RecoveringActors):
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
-    share_timeout_s: float = 300.0  # how long a secure vote round waits for an actor's share
+    # How long one secure round (key exchange and shares) waits for every actor: as for votes,
+    # below the client's default deadline (30 s) — Confident-GNMax's two rounds included — so a
+    # stopped owner fails the call UNAVAILABLE rather than outliving it. A round costs about one
+    # vote of the batch, plus the masks.
+    share_timeout_s: float = 12.0
     # How long a vote call waits for every actor: below the client's default deadline (30 s,
     # ``cluster.client``), so a hung actor fails the call UNAVAILABLE instead of holding a label
     # thread until the client gives up. Three times the largest batch's vote (250 MNIST teachers
@@ -534,15 +537,23 @@ class TeacherPool(RecoveringActors):
             raise TimeoutError(f"the teachers gave no votes within {self.vote_timeout_s:g} s") from None
         return np.sum(partials, axis=0, dtype=np.int64)
 
-    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy) -> np.ndarray:
+    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy,
+                     charge: Callable[[], None]) -> np.ndarray:
         """One secure round (``privacy.secure_votes``): the histograms ``int64[batch, num_classes]``
         summed through the secure sum with Skellam noise of variance ``release.sigma``² against any
         one owner. Every actor makes a fresh key pair, returns only its masked share, and the shares
         are added and decoded here: no clean histogram, partial or whole, reaches this process.
 
-        An actor that dies or sends no share within ``share_timeout_s`` aborts the round:
-        ``OwnerDropout`` names its owner, and nothing of the round can be decoded. Rounds must not
-        overlap (an actor holds one key pair at a time): the secure labeller runs one at a time.
+        ``charge`` is called once the keys are in and before any share is asked for: from then on
+        the round is a release to whoever holds this process — honest code drops an abandoned
+        round, but a curious aggregator could keep its shares and decode them once a late one
+        arrives — so it is paid for first, and if ``charge`` raises nothing is asked.
+
+        The whole round, keys and shares, has ``share_timeout_s``. An actor that dies, or sends no
+        key or share in time, aborts the round: ``OwnerDropout`` names its owner. Shares not in
+        are cancelled and every reference to the round's shares dropped (a timed-out Ray task's
+        result still arrives otherwise), so nothing of it is decoded here. Rounds must not overlap
+        (an actor holds one key pair at a time): the secure labeller runs one at a time.
         """
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
         if inputs.shape[1:] != self.input_shape:
@@ -551,40 +562,40 @@ class TeacherPool(RecoveringActors):
         session = f"pate-votes/{self._rounds}"  # fresh key pairs every round; this names the noise streams
         owners = tuple(self._owners)
         plan = release.plan(len(inputs), self.num_classes, owners, [last - first for first, last in self._blocks])
-        try:
-            public_keys = fresh_public_keys(self._actors)
-        except ray.exceptions.RayActorError:
-            raise self._dropout() from None
+        deadline = time.monotonic() + self.share_timeout_s
+        public_keys = self._gather([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)],
+                                   deadline, "no key for", "no share was asked, so nothing was released or charged")
+        charge()
         shared = ray.put(inputs)
         refs = [actor.vote_share.remote(shared, release, plan, owners, public_keys, session, noise)
                 for actor in self._actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.share_timeout_s)
-        for owner, ref in zip(owners, refs):
-            if ref not in ready:
-                raise OwnerDropout(f"owner {owner} sent no share of a secure vote round within "
-                                   f"{self.share_timeout_s:g} s: the round is aborted and releases nothing")
-        shares = []
-        for owner, ref in zip(owners, refs):
-            try:
-                shares.append(ray.get(ref))
-            except ray.exceptions.RayActorError:
-                raise _dropped(owner) from None
+        del shared
+        shares = self._gather(refs, deadline, "no share of",
+                              "its shares were asked, so it was charged; nothing of it is decoded")
         return release.total(shares, plan, len(inputs))
 
-    def _dropout(self) -> OwnerDropout:
-        """After an actor failed while making its key pair: name its owner (a dead actor fails the
-        probe at once; one restarting does not answer it in time)."""
-        probes = [actor.is_trained.remote() for actor in self._actors]
-        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5)
-        for owner, probe in zip(self._owners, probes):
-            try:
-                alive = probe in ready and ray.get(probe)
-            except ray.exceptions.RayError:
-                alive = False
-            if not alive:
-                return _dropped(owner)
-        return OwnerDropout("an owner's actor failed during a secure vote round and is back: the round is aborted "
-                            "and releases nothing")
+    def _gather(self, refs: list[ray.ObjectRef], deadline: float, missing: str, outcome: str) -> list:
+        """Every actor's answer to one step of a secure round by ``deadline``, or ``OwnerDropout``
+        naming the owner who sent ``missing`` the round (``outcome``: what that leaves). On the way
+        out the calls not done are cancelled and ``refs`` is emptied: no reference is kept."""
+        try:
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            late = [owner for owner, ref in zip(self._owners, refs) if ref in pending]
+            done.clear()
+            pending.clear()
+            if late:
+                self._abandon(refs)
+                raise OwnerDropout(f"owner {late[0]} sent {missing} a secure vote round within "
+                                   f"{self.share_timeout_s:g} s: the round is aborted; {outcome}")
+            answers = []
+            for owner, ref in zip(self._owners, refs):
+                try:
+                    answers.append(ray.get(ref))
+                except ray.exceptions.RayActorError:
+                    raise _dropped(owner, outcome) from None
+            return answers
+        finally:
+            refs.clear()
 
     def shutdown(self) -> None:
         """Stop the actors (their models and shards go with them, their checkpoints are deleted)."""

@@ -4,8 +4,10 @@ noise, the ledger charged for the rounds that ran, and an owner whose actor dies
 batch with nothing released or charged."""
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import time
 from pathlib import Path
 
 import grpc
@@ -13,8 +15,12 @@ import numpy as np
 import pytest
 import ray
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from conclave.actors.aggregator import AggregatorServer, ServerSettings
+from conclave.actors.labeller import input_keys
 from conclave.actors.owners import OwnerDropout
+from conclave.actors.teacher import TeacherPool
 from conclave.cluster.client import AggregatorClient
 from conclave.cluster.config import load_yaml
 from conclave.cluster.teaching.ensemble import checked_public, resolved, teacher_pool
@@ -26,8 +32,11 @@ from conclave.privacy.mechanisms import SecureGNMax
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_votes import SkellamVotes
 
+from tests.aggregators import wait_for
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DELTA = 1e-5
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _hospitals(teachers: int):
@@ -57,8 +66,10 @@ def test_a_round_is_the_clean_histogram_plus_skellam_noise_of_the_planned_varian
     sigma = 4.0
     clean = pool.votes(inputs)
     assert (clean.sum(axis=1) == 6).all()
-    noise = np.concatenate([pool.noised_votes(inputs, SkellamVotes(sigma), NoisePolicy()) - clean
-                            for _ in range(4)]).ravel()
+    charged = []
+    noise = np.concatenate([pool.noised_votes(inputs, SkellamVotes(sigma), NoisePolicy(), lambda: charged.append(1))
+                            - clean for _ in range(4)]).ravel()
+    assert len(charged) == 4  # each round asks to be charged before its shares
     variance, n = 1.5 * sigma**2, noise.size
     assert n == 4 * len(inputs) * 2 and noise.dtype == np.int64
     assert abs(noise.mean()) < 5 * math.sqrt(variance / n)
@@ -91,6 +102,88 @@ def test_the_aggregator_charges_the_skellam_curve_of_what_it_answered_and_keeps_
         ledger.close()
 
 
+def _stall(actor, where: str, seconds: float) -> None:
+    """Make one real teacher actor slow: its next votes (``where="votes"``: after it sent its key,
+    inside its share) or its whole queue (``"queue"``: before its key) take ``seconds`` longer."""
+    if where == "votes":
+        actor.__ray_call__.remote(lambda group: setattr(group, "votes", (lambda votes: lambda inputs: (
+            time.sleep(seconds), votes(inputs))[1])(group.votes)))
+    else:
+        actor.__ray_call__.remote(lambda group: time.sleep(seconds))
+
+
+def _unstall(actor) -> None:
+    ray.get(actor.__ray_call__.remote(lambda group: group.__dict__.pop("votes", None)), timeout=60)
+
+
+def _references() -> str:
+    """Every object reference this process (the aggregator's) holds, as Ray counts them."""
+    return str(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+
+
+@pytest.mark.parametrize("stalled", ["share", "key"])
+def test_a_stalled_owner_fails_the_call_unavailable_before_the_clients_deadline_and_nothing_is_answered(
+        hospitals, tmp_path, monkeypatch, stalled):
+    """hospital_c's actor stalls past the round's deadline: after its key (the round's shares were
+    asked: the round is charged, since whoever holds the aggregator could decode it once the late
+    share comes; here the share is cancelled and no reference to it kept), or before (nothing
+    asked, nothing charged). Either way the client gets UNAVAILABLE, no label and no answer is
+    recorded, health turns NOT_SERVING until the owner is free, and the next call is answered."""
+    pool, inputs = hospitals
+    mechanism = SecureGNMax(3.0)
+    planned = mechanism.worst_case_charge(40).for_records(ADD_REMOVE, "one teacher per record")
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, filter_for(planned, 50.0, DELTA))
+    monkeypatch.setattr(pool, "share_timeout_s", 1.5)
+    cancelled = []
+    cancel = ray.cancel
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kwargs: (cancelled.append(ref.hex()), cancel(ref, **kwargs)))
+    server = AggregatorServer(pool, mechanism, ledger, pool.input_shape, ServerSettings(token="t", health_interval=0.3))
+    victim = pool._actors[2]  # hospital_c's only teacher actor
+    try:
+        with AggregatorClient(server.start(), token="t") as client, grpc.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert client.label(inputs[60:62]).shape == (2,)
+            before = ledger.report()
+            _stall(victim, "votes" if stalled == "share" else "queue", 4.0)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.label(inputs[62:67])
+            took = time.monotonic() - started
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == NOT_SERVING
+            _unstall(victim)
+            after = ledger.report()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and took < 10
+            if stalled == "share":
+                assert refused.value.details().startswith("owner hospital_c sent no share of a secure vote round "
+                                                          "within 1.5 s: the round is aborted; its shares were asked")
+                # Charged as one round of the 5 inputs at σ = 3, beside the 2 answered before.
+                with PrivacyLedger(tmp_path / "reference.sqlite", DELTA, None) as reference:
+                    reference.charge(mechanism.run_charge(7, 7).for_records(ADD_REMOVE, "one teacher per record"))
+                    expected = reference.report().epsilon_spent
+                assert after.charges == before.charges + 1 and after.epsilon_spent == pytest.approx(expected, rel=1e-9)
+                assert len(cancelled) == 1  # hospital_c's share; the others had come in
+            else:
+                assert "owner hospital_c sent no key for a secure vote round" in refused.value.details()
+                assert (after.charges, after.epsilon_spent) == (before.charges, before.epsilon_spent)
+                assert len(cancelled) == 1  # its key call
+            assert server.budget().queries_answered == 2  # nothing recorded as answered
+            assert not set(input_keys(inputs[62:67])) & set(ledger.answers())
+            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING, 60)
+            assert not [ref for ref in cancelled if ref in _references()]  # no reference to it is left
+            assert client.label(inputs[62:67]).shape == (5,)
+            assert server.budget().queries_answered == 7
+    finally:
+        _unstall(victim)
+        server.stop()
+        ledger.close()
+
+
+def test_a_secure_batch_fits_within_the_clients_deadline():
+    """Confident-GNMax's two rounds at their longest end before the client gives up, as one vote does."""
+    client_deadline = inspect.signature(AggregatorClient).parameters["timeout"].default
+    assert 2 * TeacherPool.share_timeout_s < client_deadline and TeacherPool.vote_timeout_s < client_deadline
+
+
 def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_charged(hospitals, tmp_path, caplog):
     """Last in this module: it kills hospital_b's actor (each owner's custom resource admits one
     pool at a time on the test node, so the module's pool is the one to break)."""
@@ -115,7 +208,7 @@ def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_cha
         dropped = [r.getMessage() for r in caplog.records if "dropped out" in r.getMessage()]
         assert len(dropped) == 1 and "hospital_b" in dropped[0] and "nothing released or charged" in dropped[0]
         with pytest.raises(OwnerDropout, match="owner hospital_b"):
-            pool.noised_votes(inputs[:5], SkellamVotes(3.0), NoisePolicy())
+            pool.noised_votes(inputs[:5], SkellamVotes(3.0), NoisePolicy(), lambda: None)
     finally:
         server.stop()
         ledger.close()
