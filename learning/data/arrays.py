@@ -27,8 +27,7 @@ def read_npz(source: DataSource) -> RawData:
         if isinstance(err, DataFormatError):
             raise
         raise DataFormatError(f"{source.path}: not a readable .npz archive ({err})") from None
-    x, unusable = inputs(x, source.path)
-    return RawData(x, labels, unusable)
+    return RawData(inputs(x, source.path), labels)
 
 
 def read_npy(source: DataSource) -> RawData:
@@ -37,8 +36,7 @@ def read_npy(source: DataSource) -> RawData:
     labels = _load_npy(source.label) if source.label else None
     if labels is not None and labels.ndim != 1:
         raise DataFormatError(f"{source.label}: labels must be one-dimensional, got shape {labels.shape}")
-    x, unusable = inputs(x, source.path)
-    return RawData(x, labels, unusable)
+    return RawData(inputs(x, source.path), labels)
 
 
 def _load_npy(path: str) -> np.ndarray:
@@ -48,21 +46,15 @@ def _load_npy(path: str) -> np.ndarray:
         raise DataFormatError(f"{path}: not a readable .npy array ({err})") from None
 
 
-def inputs(x: np.ndarray, path: str) -> tuple[np.ndarray, dict[int, str]]:
-    """float32 table rows or images in [0, 1] from an array as stored, and the rows holding a
-    NaN, an infinity or (float images) a pixel outside [0, 1] (row → why; zeroed here)."""
+def inputs(x: np.ndarray, path: str) -> np.ndarray:
+    """float32 table rows or images from an array as stored (uint8 images scaled to [0, 1]).
+    A row that is not usable as float32 (a NaN, an infinity, a float64 past float32's range, a
+    pixel outside [0, 1]) is found where every source's rows are checked (``sources.unfit_rows``)."""
     if x.ndim == 3:
         x = x[:, None]  # [n, H, W] → one channel
     if x.ndim not in (2, 4) or not np.issubdtype(x.dtype, np.number):
         raise DataFormatError(f"{path}: expected numbers [n, d], [n, H, W] or [n, C, H, W], got {x.dtype} {x.shape}")
     if x.ndim == 4 and x.dtype == np.uint8:
-        return (x.astype(np.float32) / 255.0).astype(np.float32), {}
-    x = x.astype(np.float32)
-    flat = x.reshape(len(x), -1)
-    finite = np.isfinite(flat).all(axis=1)
-    in_range = (flat.min(axis=1, initial=0.0) >= 0) & (flat.max(axis=1, initial=0.0) <= 1) if x.ndim == 4 else finite
-    unusable = {int(row): "NaN or infinite value" if not finite[row] else
-                "pixel outside [0, 1] (store uint8 images to have them scaled)"
-                for row in np.flatnonzero(~(finite & in_range))}
-    x[list(unusable)] = 0.0
-    return x, unusable
+        return (x.astype(np.float32) / 255.0).astype(np.float32)
+    with np.errstate(over="ignore"):  # past float32's range: inf, a row the caller drops
+        return x.astype(np.float32)

@@ -17,11 +17,15 @@ Two ways to read, because the two kinds of data answer to different rules:
 - ``read``: public data (the pool, the test split). Any unusable row is an error naming it:
   the driver's own files, nothing private.
 - ``read_private``: an owner's data, on its node. A row with a missing, non-numeric or
-  out-of-range value, or a label outside the run's classes, is dropped there and the run goes
-  on: an error would make the run's course depend on one record, outside any mechanism. What
-  was dropped is returned as a ``RowCheck`` that only the owner sees (``conclave check-data``).
-  Problems of the declared schema (no such file or column, an unreadable format) do not depend
-  on any record and stay errors.
+  out-of-range value, a line that is no record, or a label outside the run's classes, is
+  dropped there and the run goes on: an error would make the run's course depend on one record,
+  outside any mechanism. What was dropped is returned as a ``RowCheck`` that only the owner sees
+  (``conclave check-data``). Problems of the declared schema (no such file or column, an
+  unreadable format) do not depend on any record and stay errors.
+
+Whatever a reader lets through, a row is checked as the model will see it, after the cast to
+float32 (``unfit_rows``: finite values, pixels in [0, 1]), so no value of one record can make
+``Dataset`` refuse the whole source.
 
 Tables are read by column name, never by position: the public pool's input columns name the
 run's inputs (``input_columns``), and every other table of the run — the test table, each
@@ -30,6 +34,7 @@ and any extra columns do not matter; a missing column is an error naming it.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -62,13 +67,23 @@ TABLE_HEADER = "conclave.learning.data.tables:table_input_columns"
 LABELLED_BY_LAYOUT = ("images", "digits", "mnist", "cifar10", "cifar100", "svhn")
 
 
+class MissingColumns(DataFormatError):
+    """A table lacks columns it is read by (``missing``): the label, or input columns that the
+    run's schema (the public pool's header) names, so the caller can say which file sets them."""
+
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 @dataclass(frozen=True, eq=False)
 class RawData:
     """What a reader found: inputs ``float32 [n, C, H, W]`` (pixels in [0, 1]) or ``[n, d]``,
     and the label of each row as stored (None: the source has no labels).
 
-    ``unusable``: rows whose inputs cannot be used (a missing, non-numeric, infinite or
-    out-of-range value, an unreadable image), row number → why; their ``x`` rows are zeros."""
+    ``unusable``: rows the reader found unusable (a missing, non-numeric or infinite value, a
+    line that is no record, an unreadable image), row number → why; whatever their ``x`` rows
+    hold is dropped with them."""
 
     x: np.ndarray
     labels: np.ndarray | None
@@ -202,7 +217,7 @@ class DataSource:
 
     def _read(self, classes: tuple[str, ...], name: str | None) -> tuple[Dataset, RowCheck]:
         raw = self.read_raw()
-        problems = dict(raw.unusable)
+        problems = {**unfit_rows(raw.x), **raw.unusable}  # the reader's reason names more (a column)
         if raw.labels is None:
             y = np.full(len(raw.x), UNLABELED, dtype=np.int64)
         else:
@@ -214,10 +229,38 @@ class DataSource:
         return dataset, RowCheck(self.describes, len(raw.x), problems)
 
 
+def unfit_rows(x: np.ndarray) -> dict[int, str]:
+    """The rows of float32 inputs a ``Dataset`` would refuse (row → why): a NaN or an infinity,
+    or in images ``[n, C, H, W]`` a pixel outside [0, 1]."""
+    flat = x.reshape(len(x), int(np.prod(x.shape[1:])))  # -1 cannot size an empty source's rows
+    finite = np.isfinite(flat).all(axis=1)
+    unfit = {int(row): "NaN or infinite value" for row in np.flatnonzero(~finite)}
+    if x.ndim == 4:  # NaN fails both comparisons, and those rows are named above
+        inside = (flat.min(axis=1, initial=0.0) >= 0) & (flat.max(axis=1, initial=0.0) <= 1)
+        unfit.update({int(row): "pixel outside [0, 1] (store uint8 images to have them scaled)"
+                      for row in np.flatnonzero(finite & ~inside)})
+    return unfit
+
+
 def label_names(labels: np.ndarray) -> list[str]:
-    """Each label as the string a class list names it by (integers without a decimal point)."""
-    values = labels.tolist()
-    return [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in values]
+    """Each label as the string a class list names it by: a number by its value (integers without
+    a decimal point), whether stored as a number or as text. Named one by one, so one record
+    cannot change how the others are named (a CSV column of numbers becomes text when one label
+    is not a number: ``1.0`` must still be class ``1``)."""
+    return [_label_name(value) for value in labels.tolist()]
+
+
+def _label_name(value: object) -> str:
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        # only what reads as a number in a numeric column (Python's float also takes "1_0", " 1")
+        if not math.isfinite(number) or value != value.strip() or "_" in value:
+            return value
+        value = number
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def class_names(labels: np.ndarray) -> tuple[str, ...]:
@@ -235,10 +278,16 @@ def label_indices(labels: np.ndarray, classes: tuple[str, ...]) -> tuple[np.ndar
     index = {name: i for i, name in enumerate(classes)}
     missing = _missing(labels)
     names = label_names(labels)
-    problems = {row: "missing label" if missing[row] else f"label {names[row]!r} not among the classes {list(classes)}"
+    problems = {row: "missing label" if missing[row] else
+                f"label {_shortened(names[row])!r} not among the classes {list(classes)}"
                 for row in range(len(names)) if missing[row] or names[row] not in index}
     y = np.fromiter((index.get(n, 0) for n in names), dtype=np.int64, count=len(names))
     return y, problems
+
+
+def _shortened(name: str, limit: int = 40) -> str:
+    """A label as a one-line message shows it (one record's label may be a whole novel)."""
+    return name if len(name) <= limit else name[:limit] + "…"
 
 
 def _missing(labels: np.ndarray) -> np.ndarray:

@@ -2,22 +2,36 @@
 
 Read with pandas (pyarrow for Parquet). Inputs are selected by column name, in the order
 ``source.columns`` gives (a run gives every table the public pool's, ``DataSource.by_name``):
-a file's own column order and its extra columns do not matter. A missing, non-numeric or
-infinite input value makes its row unusable (``RawData.unusable``, naming the column), never a
-silent NaN the model would train on; whether that is an error or a dropped row is the caller's
-rule (``DataSource.read``).
+a file's own column order and its extra columns do not matter. A missing or non-numeric input
+value, or one that is not finite as float32 (where the model sees it: ``1e39`` is finite in
+float64 and infinite after the cast), makes its row unusable (``RawData.unusable``, naming the
+column), never a silent NaN the model would train on; whether that is an error or a dropped row
+is the caller's rule (``DataSource.read``).
+
+A CSV holds one record per line, whatever the other lines hold: a line with more fields than the
+header, or with a quote that does not close on it, is one unusable row, and a line with fewer
+fields has missing values. So no line can abort the read, shift the columns of the others (pandas
+takes the first column for an index when the first record has one field too many) or swallow
+the lines after it (a quoted field may hold commas and quotes, not line breaks). Bytes that are
+not UTF-8 read as U+FFFD, which no number or class name holds. Blank lines are no records.
 """
 from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from conclave.learning.data.dataset import DataFormatError
-from conclave.learning.data.sources import DataSource, RawData
+from conclave.learning.data.sources import DataSource, MissingColumns, RawData
 
 
 def read_csv(source: DataSource) -> RawData:
-    return table_data(_csv(source), source)
+    frame, malformed = _csv_records(source.path)
+    return table_data(frame, source, malformed)
 
 
 def read_parquet(source: DataSource) -> RawData:
@@ -36,25 +50,50 @@ def table_input_columns(source: DataSource) -> tuple[str, ...]:
     return tuple(_input_columns([str(c) for c in names], source))
 
 
-def table_data(frame: pd.DataFrame, source: DataSource) -> RawData:
-    """Inputs from ``source.columns`` by name (default: all but the label), labels from ``source.label``."""
+def table_data(frame: pd.DataFrame, source: DataSource, malformed: dict[int, str] | None = None) -> RawData:
+    """Inputs from ``source.columns`` by name (default: all but the label), labels from ``source.label``;
+    ``malformed``: rows that are unusable whatever their values (a CSV line that is no record)."""
     names = [str(c) for c in frame.columns]
     frame.columns = names
     columns = _input_columns(names, source)
     inputs = frame[columns]
     # A value that is not a number becomes NaN here and makes its row unusable: a column's
     # dtype must not depend on one record's value.
-    x = inputs.apply(pd.to_numeric, errors="coerce").to_numpy(dtype=np.float64, copy=True)
+    wide = np.stack([_numbers(inputs[c]) for c in columns], axis=1) if len(inputs) else np.zeros((0, len(columns)))
+    with np.errstate(over="ignore"):  # past float32's range: inf, found below
+        x = wide.astype(np.float32)
     bad = ~np.isfinite(x)
     absent = inputs.isna().to_numpy()
-    unusable = {}
+    unusable = dict(malformed or {})
     for row in np.flatnonzero(bad.any(axis=1)):
+        if int(row) in unusable:
+            continue
         col = int(np.argmax(bad[row]))
-        what = "missing" if absent[row, col] else "non-numeric" if np.isnan(x[row, col]) else "infinite"
+        value = wide[row, col]
+        what = ("missing" if absent[row, col] else "non-numeric" if np.isnan(value) else
+                "infinite or too large" if np.isinf(value) else "out-of-range (past float32's)")
         unusable[int(row)] = f"{what} value in column {columns[col]!r}"
-    x[bad.any(axis=1)] = 0.0
     labels = frame[source.label].to_numpy() if source.label else None
-    return RawData(x.astype(np.float32), labels, unusable)
+    return RawData(x, labels, unusable)
+
+
+def _numbers(column: pd.Series) -> np.ndarray:
+    """A column's values as float64, NaN where one is not a number. Value by value when pandas
+    cannot convert the column at once (an integer past float64's range raises): one record's
+    value must not stop the others from being read."""
+    try:
+        return pd.to_numeric(column, errors="coerce").to_numpy(dtype=np.float64)
+    except OverflowError:
+        return np.array([_number(value) for value in column], dtype=np.float64)
+
+
+def _number(value: object) -> float:
+    try:
+        return float(pd.to_numeric(value, errors="coerce"))
+    except OverflowError:
+        return math.inf
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _input_columns(names: list[str], source: DataSource) -> list[str]:
@@ -63,7 +102,7 @@ def _input_columns(names: list[str], source: DataSource) -> list[str]:
     missing = [c for c in ([source.label] if source.label else []) + list(source.columns or ()) if c not in names]
     if missing:
         has = f"the table has {names}" if len(names) <= 10 else f"not among the table's {len(names)} columns"
-        raise DataFormatError(f"{source.path}: no column(s) {missing}; {has}")
+        raise MissingColumns(f"{source.path}: no column(s) {missing}; {has}", missing)
     columns = list(source.columns) if source.columns else [c for c in names if c != source.label]
     if not columns:
         raise DataFormatError(f"{source.path}: no input columns")
@@ -71,12 +110,68 @@ def _input_columns(names: list[str], source: DataSource) -> list[str]:
 
 
 def _csv(source: DataSource, rows: int | None = None) -> pd.DataFrame:
-    """The CSV table (``rows``: only its first rows; 0: the header alone)."""
+    """The CSV table's first ``rows`` as pandas reads them (0: the header alone)."""
     try:
-        return pd.read_csv(source.path, nrows=rows)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        return pd.read_csv(source.path, nrows=rows, index_col=False, encoding_errors="replace")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
         raise DataFormatError(f"{source.path}: not a readable CSV table ({type(err).__name__}: "
                               f"{str(err).splitlines()[0]})") from None
+
+
+def _csv_records(path: str) -> tuple[pd.DataFrame, dict[int, str]]:
+    """The CSV table read one record per line, and the lines that are no record (row → why;
+    their row is all missing values). Rows count the lines after the header that are not
+    blank, so ``conclave check-data`` names a row as its owner would count it."""
+    text = Path(path).read_bytes().decode("utf-8-sig", errors="replace")
+    # A line ends at \n, \r\n or \r, as pandas reads it (str.splitlines would also split at form
+    # feeds and Unicode separators, which pandas keeps inside a field); pandas skips blank lines.
+    lines = [line for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n") if line.strip(" \t")]
+    if not lines:
+        raise DataFormatError(f"{path}: not a readable CSV table (no header)")
+    try:
+        width = len(next(csv.reader([lines[0]])))
+    except csv.Error as err:
+        raise DataFormatError(f"{path}: not a readable CSV table (its header: {err})") from None
+    malformed = {}
+    for row, line in enumerate(lines[1:]):
+        if '"' in line or line.count(",") >= width:  # else a plain line of at most ``width`` fields
+            lines[row + 1], fault = _record(line, width)
+            if fault:
+                malformed[row] = fault
+    try:
+        # low_memory=False: one pass infers each column's type, so no "mixed types" warning (which
+        # would reach the driver's terminal) says that a record somewhere is not a number.
+        frame = pd.read_csv(io.BytesIO("\n".join(lines).encode()), index_col=False, low_memory=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+        raise DataFormatError(f"{path}: not a readable CSV table ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0]})") from None
+    return frame, malformed
+
+
+def _record(line: str, width: int) -> tuple[str, str | None]:
+    """One line as pandas should read it — itself, or re-quoted so that it is exactly one row —
+    and why it is no record of a table ``width`` columns wide (None: it is one). Too few fields
+    are no fault: the absent ones are missing values."""
+    if '"' not in line:  # the usual line: no quoting to get wrong
+        count = line.count(",") + 1
+        return (line, None) if count <= width else (_no_record(width), f"{count} fields where the header has {width}")
+    try:
+        fields = next(csv.reader([line + "\n"]))
+    except csv.Error as err:  # e.g. a field past the csv module's size limit
+        return _no_record(width), f"unreadable line ({err})"
+    if fields and fields[-1].endswith("\n"):  # the line break was read into a quoted field
+        return _no_record(width), "a quote that does not close on its line"
+    if len(fields) > width:
+        return _no_record(width), f"{len(fields)} fields where the header has {width}"
+    out = io.StringIO()
+    # Every field quoted: a field of spaces stays a field (pandas would skip the line as blank).
+    csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="").writerow(fields)
+    return out.getvalue(), None
+
+
+def _no_record(width: int) -> str:
+    """A line pandas reads as one row of ``width`` missing values (quoted: never a blank line)."""
+    return ",".join(['""'] * width)
 
 
 def _parquet_columns(source: DataSource) -> list[str]:
