@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from conclave.privacy.accounting.pld import GaussianSteps
+
 # Neighbouring relations a bound can hold for (identifier → what changes between neighbours).
 ADD_REMOVE = "add-remove"
 REPLACE_ONE = "replace-one"
@@ -42,6 +44,8 @@ class PrivacyCharge:
         reason: one line saying why a charge is unbounded (empty otherwise).
         label: what was charged, e.g. "gnmax", "threshold", "dpsgd-epoch-3".
         neighbouring: the relation the bound holds for (a key of ``NEIGHBOURING``).
+        pld: the Gaussian releases the charge is made of, when it is nothing else
+            (``privacy.accounting.pld``: a tighter (ε, δ) for work fixed in advance); None otherwise.
     """
 
     orders: np.ndarray
@@ -52,6 +56,7 @@ class PrivacyCharge:
     label: str = ""
     details: dict = field(default_factory=dict, compare=False)
     neighbouring: str = ADD_REMOVE
+    pld: tuple[GaussianSteps, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.neighbouring not in NEIGHBOURING:
@@ -80,8 +85,9 @@ class PrivacyCharge:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if count == 0:
-            return replace(self, rdp=np.zeros_like(self.rdp), extra_delta=0.0, unbounded=False, reason="")
-        return replace(self, rdp=count * self.rdp, extra_delta=count * self.extra_delta)
+            return replace(self, rdp=np.zeros_like(self.rdp), extra_delta=0.0, unbounded=False, reason="", pld=())
+        pld = None if self.pld is None else tuple(step.times(count) for step in self.pld)
+        return replace(self, rdp=count * self.rdp, extra_delta=count * self.extra_delta, pld=pld)
 
     def for_records(self, relation: str, why: str) -> PrivacyCharge:
         """This one-vote charge restated for record-level neighbours ``relation``.

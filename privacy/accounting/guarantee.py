@@ -10,6 +10,8 @@ A guarantee has one of three bases:
   planned query answered, a DP-SGD schedule), composed in RDP (Mironov 2017, Prop. 1,
   which allows adaptively chosen mechanisms with fixed costs) and converted at its best
   order (Balle et al. 2020, Thm 21). Stopping early is post-processing, so it still holds.
+  Where the work is Gaussian releases alone, their privacy-loss distribution is a second
+  theorem for it (``privacy.accounting.pld``), and the smaller ε is the one given.
 * ``unbounded`` — no finite ε holds (NZC as published, or a run with neither).
 
 Where a run has both a budget and fixed planned work, both are theorems for the same run,
@@ -25,6 +27,8 @@ from typing import Any
 from conclave.privacy.accounting.charge import NEIGHBOURING, PrivacyCharge
 from conclave.privacy.accounting.filter import THEOREM as FILTER_THEOREM
 from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.pld import THEOREM as PLD_THEOREM
+from conclave.privacy.accounting.pld import pld_epsilon
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
 WORST_CASE_THEOREM = ("data-independent worst case of the planned work: RDP composition (Mironov 2017, Prop. 1), "
@@ -94,8 +98,12 @@ def worst_case_guarantee(planned: PrivacyCharge, delta: float) -> Guarantee:
         return unbounded_guarantee(delta, planned.neighbouring,
                                    f"the work spends δ {planned.extra_delta:g} outside its RDP curve, not below {delta:g}")
     epsilon, order = epsilon_from_rdp(planned.orders, planned.rdp, curve_delta)
-    return Guarantee(epsilon, delta, "worst-case", planned.neighbouring, WORST_CASE_THEOREM,
-                     None if math.isnan(order) else order)
+    rdp = Guarantee(epsilon, delta, "worst-case", planned.neighbouring, WORST_CASE_THEOREM,
+                    None if math.isnan(order) else order)
+    if planned.pld is None or planned.extra_delta or not epsilon > 0:
+        return rdp
+    tighter = pld_epsilon(planned.pld, delta)
+    return Guarantee(tighter, delta, "worst-case", planned.neighbouring, PLD_THEOREM) if tighter < epsilon else rdp
 
 
 def unbounded_guarantee(delta: float, neighbouring: str, reason: str) -> Guarantee:

@@ -20,6 +20,7 @@ import numpy as np
 from scipy import special
 
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.pld import GaussianSteps
 
 # Opacus's default alphas (1.1 … 10.9 by 0.1, then 12 … 63) so DP-SGD figures match Opacus
 # exactly, extended to large integer orders: PATE queries with σ = 40 … 200 and small
@@ -211,6 +212,7 @@ def gaussian_charge(noise_multiplier: float, count: int = 1, label: str = "", or
         label=label,
         details={"noise_multiplier": noise_multiplier, "count": count},
         neighbouring=neighbouring,
+        pld=(GaussianSteps(noise_multiplier, count),),
     )
 
 
@@ -224,6 +226,7 @@ def sampled_gaussian_charge(
         sampled_gaussian_rdp(lam, sample_rate, noise_multiplier, steps),
         label=label,
         details={"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "steps": steps},
+        pld=(GaussianSteps(noise_multiplier, steps, sample_rate),) if sample_rate > 0 else (),
     )
 
 
@@ -271,6 +274,7 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
             raise ValueError(f"charges hold for different neighbouring relations ({charges[0].neighbouring!r}, "
                              f"{charge.neighbouring!r}); they do not compose as one")
     reasons = "; ".join(c.reason for c in charges if c.unbounded)
+    plans = [c.pld for c in charges]
     return PrivacyCharge(
         lam,
         np.sum([c.rdp for c in charges], axis=0),
@@ -279,4 +283,5 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
         reason=reasons,
         label=label or "+".join(c.label for c in charges if c.label),
         neighbouring=charges[0].neighbouring,
+        pld=None if any(p is None for p in plans) else tuple(step for p in plans for step in p),
     )
