@@ -15,6 +15,7 @@ from conclave.cluster import analyze_command
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.accounting.filter import filter_for
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
+from conclave.privacy.accounting.pld import analytic_gaussian_epsilon
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
 from conclave.privacy.accounting.report import analysis_report, planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
@@ -295,10 +296,11 @@ def test_orders_and_the_classic_conversion_change_the_estimates_only(run_files, 
     code, out, _ = call(capsys, *base)
     tight = strict_json(out)
     assert tight["estimates"][0]["epsilon"] < estimate["epsilon"]  # the tight default
-    # the guarantee stays on the ledger's grid, tight conversion, whatever --orders says
+    # the guarantee is the fixed plan's, whatever --orders and --conversion say: its Gaussians' exact
+    # curve, below the RDP figure on the ledger's grid
     assert tight["guarantee"] == classic["guarantee"]
-    assert tight["guarantee"]["epsilon"] == pytest.approx(
-        epsilon_from_rdp(DEFAULT_ORDERS, 60 * DEFAULT_ORDERS / 1600, 1e-6)[0])
+    assert tight["guarantee"]["epsilon"] == pytest.approx(analytic_gaussian_epsilon(40.0 / math.sqrt(2 * 60), 1e-6))
+    assert tight["guarantee"]["epsilon"] < epsilon_from_rdp(DEFAULT_ORDERS, 60 * DEFAULT_ORDERS / 1600, 1e-6)[0]
 
 
 def test_nzc_json_is_unbounded_with_the_claim_beside_it(run_files, capsys):
