@@ -35,8 +35,9 @@ def main(args: argparse.Namespace) -> int:
         pipeline, config = load_run_config(load_yaml(args.config))
         owner = _owner(config, args.owner)
         classes = _classes(config)
-        source = owner_data(owner, _columns(config), os.getcwd())
-        dataset, check = source.read_private(classes, owner.name)
+        columns = _columns(config)
+        source = owner_data(owner, columns, os.getcwd())
+        dataset, check = _read(source, classes, owner.name, columns, config)
     except (ValueError, OSError) as err:  # the config, a file, its format (ConfigError, DataFormatError)
         print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -59,6 +60,21 @@ def _owner(config, name: str):
             return owner
     known = ", ".join(o.name for o in owners) or "none: this config has no owners section"
     raise ConfigError(f"no owner {name!r} in the config (owners: {known})")
+
+
+def _read(source, classes: tuple[str, ...], name: str, columns: tuple[str, ...] | None, config):
+    """``source.read_private``, where a column the owner's table lacks is named as the public
+    pool's (its header sets the run's inputs: the pool may be the file at fault)."""
+    from conclave.learning.data.sources import MissingColumns
+
+    try:
+        return source.read_private(classes, name)
+    except MissingColumns as err:
+        pooled = [c for c in err.missing if c in (columns or ())]
+        if not pooled:
+            raise
+        raise MissingColumns(f"{source.path}: no column(s) {pooled} of the public pool {config.public.path}, "
+                             "whose columns are the run's inputs", pooled) from None
 
 
 def _columns(config) -> tuple[str, ...] | None:

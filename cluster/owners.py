@@ -154,19 +154,28 @@ class PublicData:
     def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
         """The ``public`` and ``test`` sources, the test table read by the pool's column names;
         the class list is ``classes`` or the test labels' (never an owner's)."""
-        from conclave.learning.data.sources import class_names
+        from conclave.learning.data.sources import MissingColumns, class_names
 
         columns = public.input_columns()  # the run's inputs, by name (None: not a table)
         try:
             test = test.by_name(columns)
         except ValueError as err:
             raise ValueError(f"test: {err}") from None
-        if not classes:
-            labels = test.read_raw().labels
-            if labels is None:
-                raise ValueError(f"test: {test.describes} has no labels: the models are evaluated on them")
-            classes = class_names(labels)
-        splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
+        try:
+            if not classes:
+                labels = test.read_raw().labels
+                if labels is None:
+                    raise ValueError(f"test: {test.describes} has no labels: the models are evaluated on them")
+                classes = class_names(labels)
+            splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
+        except MissingColumns as err:
+            pooled = [c for c in err.missing if c in (columns or ())]
+            if not pooled:  # the test table's own label
+                raise
+            # the pool's header sets the run's inputs: an extra column there is missed in test.csv
+            raise MissingColumns(f"{public.path}: the public pool's input column(s) {pooled} are not in the test "
+                                 f"table {test.path} (every table is read by the pool's columns): drop them from "
+                                 "the pool, or add them to the test table", pooled) from None
         if splits.public.input_shape != splits.test.input_shape:
             raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
                              f"{list(splits.test.input_shape)} differ in shape")

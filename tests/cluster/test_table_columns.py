@@ -55,6 +55,33 @@ def test_the_test_table_is_read_by_the_pools_column_names(tmp_path):
     np.testing.assert_array_equal(got.splits.test.y, want.splits.test.y)
 
 
+def test_a_pool_with_an_extra_column_is_reported_against_the_pool(tmp_path, capsys, monkeypatch):
+    """The pool's header sets the run's inputs, so an extra column there is first missed in the
+    test table: the one-line error names the pool first, and the test table, before Ray starts."""
+    import ray
+
+    from conclave.cluster import cli
+
+    pool = tmp_path / "pool.csv"
+    pd.read_csv(DATA / "public" / "unlabeled.csv").assign(ward=1.0).to_csv(pool, index=False)
+    raw = load_yaml(HOSPITALS)
+    raw["public"]["path"] = str(pool)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(PROJECT_ROOT)
+    was_running = ray.is_initialized()
+    assert cli.main(["run", str(path), "--results-dir", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"conclave: public/test: {pool}: the public pool's input column(s) ['ward'] are not in "
+                          "the test table examples/hospitals/data/public/test.csv") and "\n" not in err
+    assert ray.is_initialized() == was_running
+    # an owner checking its data hears that the column is the pool's
+    assert cli.main(["check-data", str(path), "--owner", "hospital_b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"conclave: {DATA / 'hospital_b' / 'records.csv'}: no column(s) ['ward'] of the "
+                   f"public pool {pool}, whose columns are the run's inputs")
+
+
 def test_an_image_folder_test_split_needs_no_label(tmp_path):
     rng = np.random.default_rng(0)
     for folder in ("owner/cat", "owner/dog", "pool", "test/cat", "test/dog"):
