@@ -16,13 +16,13 @@ Trust model, plainly:
   embeddings and labels. Records and their embeddings never leave the owner's node.
 - The inclusion sample is drawn inside the actor from the run's ``NoisePolicy`` (OS entropy;
   an insecure seed replays it, for tests, and makes the run unsound).
-- Per query, an actor returns the distances and labels of its k nearest *included* records,
-  padded with +inf / -1: ``float64[batch, k]`` and ``int64[batch, k]``, nothing else.
-- The merging process (the aggregator, ``KnnVoteSource``) sees those distances and labels
-  un-noised, across all owners, and builds the clean vote histogram from them — as the
-  aggregator sees clean vote histograms in the trusted-aggregator setting of the teachers.
-  Distances do say something about the records beyond the vote, so this is a trusted
-  aggregator. A secure merge (no party seeing the neighbours in the clear) is future work.
+- **Owner-local votes** (across owners): each actor counts its own k_p nearest sampled records
+  into its partial histogram, and only a masked share of it, with a Skellam noise share, leaves
+  (a secure round, ``actors.vote_parties``): nothing per record, no partial histogram.
+- **Clean merge** (one owner whose node runs the aggregator): per query, an actor returns the
+  distances and labels of its k nearest *included* records, padded with +inf / -1, and the
+  aggregator merges the global k nearest. Those distances locate the records (issue 37 rebuilt
+  raw rows from them with d + 1 chosen queries), so the merge never crosses an owner's node.
 
 The embedding is a fixed public transform (``learning.embeddings``: ``Flatten``, ``PublicPCA``
 fitted on public data only, or any picklable callable): it costs no privacy, and queries are embedded the same way on
@@ -41,7 +41,9 @@ import ray
 
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
-from conclave.actors.teacher import INLINE_INPUT_BYTES, RecoveringActors, TeacherSource
+from conclave.actors.teacher import TeacherSource
+from conclave.actors.vote_parties import (INLINE_INPUT_BYTES, RecordShare, VoteParties, VoteParty, declared_share,
+                                          party_blocks)
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
@@ -60,9 +62,11 @@ def sample_stream(round_: int, shard: int) -> str:
     return f"knn-votes/{round_}/{shard}"
 
 
-class KnnShard:
+class KnnShard(VoteParty):
     """The records of shards ``first``..``last - 1`` of one owner's source, embedded and held in
-    this process; answers each query with its k nearest records of a fresh Poisson sample.
+    this process; answers each query with its k nearest records of a fresh Poisson sample — as
+    distances and labels for the clean merge (``neighbours``), or counted here into this party's
+    own histogram (``partial_votes``: its k nearest, the owner-local vote a secure round sums).
 
     No Ray here (the actor is the same class). A source that cannot be read is kept as an error
     that ``describe`` raises as ``OwnerDataError`` (one line naming the owner), as for teachers.
@@ -104,13 +108,24 @@ class KnnShard:
         ``int64[batch, k]`` of each query's k nearest records among those included (each with
         probability ``sample_rate``, drawn here from stream ``sample_stream(round_, index)``),
         nearest first, ties by record position; +inf / -1 where fewer than k are included."""
+        return self._sampled_nearest(queries, sample_stream(round_, self.index))
+
+    def partial_votes(self, queries: np.ndarray, stream: str) -> np.ndarray:
+        """``int64[batch, classes]``: the labels of each query's k nearest records of a fresh Poisson
+        sample (drawn from ``stream``), counted here; nothing per record leaves."""
+        _, labels = self._sampled_nearest(queries, stream)
+        batch = len(labels)
+        cells = (np.arange(batch)[:, None] * self.num_classes + labels)[labels >= 0]  # pads vote for nothing
+        return np.bincount(cells, minlength=batch * self.num_classes).reshape(batch, self.num_classes)
+
+    def _sampled_nearest(self, queries: np.ndarray, stream: str) -> tuple[np.ndarray, np.ndarray]:
         if self.load_error is not None:
             raise OwnerDataError(self.load_error)
         queries = np.asarray(queries, dtype=np.float64)
         batch, n = len(queries), len(self._labels)
         distances = np.full((batch, self.k), np.inf)
         labels = np.full((batch, self.k), -1, dtype=np.int64)
-        rng = self.noise.source(sample_stream(round_, self.index)).rng
+        rng = self.noise.source(stream).rng
         rows = max(1, CHUNK_PAIRS // max(n, 1))
         for start in range(0, batch, rows):
             chunk = queries[start:start + rows]
@@ -137,98 +152,80 @@ class KnnShard:
 KnnShardActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(KnnShard)
 
 
-@dataclass(frozen=True)
-class KnnShare:
-    """One owner's part of the kNN vote: its source (all of its ``num_teachers`` shards vote), on
-    how many actors (each a contiguous block of shards), placed where. Set no ``records`` cap on an
-    ``OwnerSource``: cutting a shard down would turn adding a record into replacing one."""
-
-    source: TeacherSource | OwnerSource
-    num_actors: int = 1
-    placement: Placement = field(default_factory=Placement)
-
-    def __post_init__(self) -> None:
-        if self.num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
-        if getattr(self.source, "records", None) is not None:
-            raise ValueError(f"owner {self.source.owner}: leave records unset for kNN votes (a cap replaces "
-                             "records; Poisson sampling covers any number held)")
-        if self.source.features is not None:
-            raise ValueError(f"owner {self.source.owner}: give the kNN representation as the embedding, "
-                             f"not as source features ({self.source.features!r})")
-
-
-class KnnVoteSource(RecoveringActors):
+class KnnVoteSource(VoteParties):
     """Driver-side handle over the owners' ``KnnShard`` actors: a vote source for the aggregator
     (``actors.labeller.VoteSource``). It holds the actor handles only — never records or their
     embeddings: each actor loads its owner's records on the owner's node.
 
-    Health as for teachers (``RecoveringActors``): ``ready`` is False while an actor restarts or
-    is hung, and an actor that died past Ray's restarts is started again (it reloads its owner's
+    Two ways to count, fixed at construction (``local``):
+    - **owner-local** (``local=True``, the only one across owners): each party votes with its own
+      k_p nearest sampled records, k_p fixed in advance from the declared record counts (``party_k``),
+      and the partial histograms meet only in a secure round (``noised_votes``). One record moves
+      one party's histogram by at most one vote (the kNN lemma, per party).
+    - **clean merge** (``local=False``, one owner whose node runs the aggregator): ``votes`` merges
+      the global k nearest by (distance, actor, rank in the actor's answer) from every actor's
+      distances and labels, and counts their labels. The distances say more than the votes (the
+      chosen-query attack of issue 37 rebuilds records from them), so this stays inside one owner.
+
+    Health as for teachers (``VoteParties``): ``ready`` is False while an actor restarts or is
+    hung, and an actor that died past Ray's restarts is started again (it reloads its owner's
     records, under the same index: its sampling streams stay its own).
 
-    ``votes`` embeds the (public) queries here, sends them to every actor, merges the global k
-    nearest by (distance, actor, rank in the actor's answer) and counts their labels: each row
-    sums to min(k, records included for that query).
-
     Args:
-        shares: each owner's source, actor count and placement.
+        shares: each owner's source, actor count, placement and declared records (for ``local``).
         embed: the fixed public embedding, applied to queries here and to records in the actors.
-        k: neighbours per query (≥ 1).
+        k: neighbours per query (≥ 1), shared among the parties when ``local``.
         sample_rate: each record's inclusion probability per query, in (0, 1].
         noise: where the inclusion draws come from (OS entropy unless a test asks to replay them).
         num_cpus_per_actor: CPUs each actor reserves.
+        local: owner-local votes (secure rounds) rather than the clean merge.
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, KNN_LEMMA
-    vote_timeout_s: float = 15.0  # below the client's 30 s deadline, as for the teachers
     actor_kind, restart_note = "kNN actor", " (it reloads its owner's records)"
 
-    def __init__(self, shares: Sequence[KnnShare], embed: Embedding, k: int, sample_rate: float,
-                 noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0) -> None:
+    def __init__(self, shares: Sequence[RecordShare], embed: Embedding, k: int, sample_rate: float,
+                 noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0, local: bool = False) -> None:
         if not shares:
             raise ValueError("kNN votes need at least one owner")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if not 0.0 < sample_rate <= 1.0 or not math.isfinite(sample_rate):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-        self.embed, self.k, self.sample_rate = embed, k, sample_rate
+        self.embed, self.k, self.sample_rate, self.local = embed, k, sample_rate, local
         plans = []
         for share in shares:  # every placement checked before any actor starts
-            num_actors = min(share.num_actors, share.source.num_teachers)
-            options = share.placement.actor_options(num_actors)
+            options = share.placement.actor_options(min(share.num_actors, share.source.num_teachers))
             require_node(f"owner {share.source.owner}'s kNN shards", num_cpus_per_actor, 0.0,
                          options.get("resources"), options.get("label_selector"))
-            plans.append((share, num_actors, options))
-        spawns, self._owners = [], []
-        for share, num_actors, options in plans:
-            bounds = np.linspace(0, share.source.num_teachers, num_actors + 1).round().astype(int)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if b > a:
-                    spawns.append(functools.partial(
-                        KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
-                        share.source, int(a), int(b), embed, k, sample_rate, len(spawns), noise))
-                    self._owners.append(share.source.owner)
-        self._track(spawns)
-        self._rounds = 0  # vote rounds so far: names each round's sampling streams
+            plans.append((share, party_blocks(share.source.num_teachers, share.num_actors), options))
+        self.party_k = party_k([(share, blocks) for share, blocks, _ in plans], k) if local else None
+        spawns, owners = [], []
+        for share, blocks, options in plans:
+            for a, b in blocks:
+                k_here = self.party_k[len(spawns)] if local else k
+                spawns.append(functools.partial(KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
+                                                share.source, a, b, embed, k_here, sample_rate, len(spawns), noise))
+                owners.append(share.source.owner)
+        self._track(spawns, owners)
         described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         self.placement = nodes_of(self._owners, described)
-        log.info("kNN votes over %d owner(s) on %d actors (k=%d, sample rate %g)", len(shares),
-                 len(self._actors), k, sample_rate)
+        log.info("kNN votes over %d owner(s) on %d actors (k=%d%s, sample rate %g)", len(shares),
+                 len(self._actors), k, f" shared as {self.party_k}" if local else "", sample_rate)
 
-    @property
-    def num_actors(self) -> int:
-        return len(self._actors)
+    def queries(self, inputs: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.embed(inputs), dtype=np.float64).reshape(len(inputs), -1)
+
+    def cell_bounds(self) -> list[int]:
+        return list(self.party_k or [self.k] * len(self._actors))
 
     def neighbours(self, inputs: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each actor's answer for one round: squared distances ``float64[batch, k]`` and labels
         ``int64[batch, k]`` of its k nearest sampled records per query (what the merge sees)."""
-        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
-        if inputs.shape[1:] != self.input_shape:
-            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; the owners' records are "
-                             f"{self.input_shape}")
-        queries = np.ascontiguousarray(self.embed(inputs), dtype=np.float64).reshape(len(inputs), -1)
+        if self.local:
+            raise RuntimeError("owner-local kNN votes never send distances: their rounds are secure")
+        queries = self.queries(self.checked(inputs))
         shared = ray.put(queries) if queries.nbytes > INLINE_INPUT_BYTES else queries
         self._rounds += 1
         calls = [actor.neighbours.remote(shared, self._rounds) for actor in self._actors]
@@ -244,6 +241,8 @@ class KnnVoteSource(RecoveringActors):
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Vote histogram ``int64[batch, num_classes]`` of the global k nearest sampled records."""
+        if self.local:
+            raise RuntimeError("owner-local kNN votes meet only in secure rounds (noised_votes)")
         answers = self.neighbours(inputs)
         distances = np.concatenate([d for d, _ in answers], axis=1)
         labels = np.concatenate([lab for _, lab in answers], axis=1)
@@ -259,6 +258,13 @@ class KnnVoteSource(RecoveringActors):
 
     def shutdown(self) -> None:
         """Stop the actors (the records and embeddings they hold go with them)."""
-        for actor in self._actors:
-            ray.kill(actor)
-        self._actors = []
+        self.stop()
+
+
+def party_k(shares: Sequence[tuple[RecordShare, list[tuple[int, int]]]], k: int) -> list[int]:
+    """Each party's k for owner-local votes: k shared among the owners by their declared records
+    (equally where none is declared: the benchmark's parts), then among an owner's parties by
+    their shards — public figures only, fixed before any record is read."""
+    per_owner = declared_share(k, [share.declared or 1 for share, _ in shares])
+    return [k_owner_part for (share, blocks), k_owner in zip(shares, per_owner)
+            for k_owner_part in declared_share(k_owner, [b - a for a, b in blocks])]

@@ -17,7 +17,7 @@ driver adds the actors' partial histograms, which only the aggregator's DP mecha
 and once the number of classes and the input shape. Per-teacher predictions, losses, models
 and data stay inside the actor. With ``aggregation: secure`` not even the partial histogram
 leaves: only a masked share of it with the actor's Skellam noise share in it
-(``TeacherGroup.vote_share``, ``TeacherPool.noised_votes``, ``privacy.secure_votes``).
+(``actors.vote_parties``, ``privacy.secure_votes``).
 
 Shards are cut by a keyed hash of each record (``learning.data.shard``), so adding or
 removing one record changes one teacher's shard and at most one vote: the vote mechanisms'
@@ -49,8 +49,9 @@ import torch
 from tqdm import tqdm
 
 from conclave.actors import run_folder
-from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import Placement, require_node
+from conclave.actors.vote_parties import VoteParties, VoteParty, party_blocks
 from conclave.learning.data import Dataset, make_splits, shard
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import apply_features, features_of
@@ -60,16 +61,8 @@ from conclave.learning.models.ensemble import StackedEnsemble
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import fit, predict
 from conclave.privacy.accounting.charge import ADD_REMOVE
-from conclave.privacy.noise import NoisePolicy
-from conclave.privacy.secure_release import ReleaseKeys
-from conclave.privacy.secure_sum import SecureSumPlan
-from conclave.privacy.secure_votes import SkellamVotes
 
 log = logging.getLogger(__name__)
-
-# Vote inputs up to this size ride inline with each actor call rather than through the
-# object store (Ray itself inlines arguments below 100 KiB).
-INLINE_INPUT_BYTES = 64 * 1024
 
 
 def teacher_seed(base_seed: int, teacher: int) -> int:
@@ -121,7 +114,7 @@ class TeacherSource:
         return f"{self.dataset} (private split)"
 
 
-class TeacherGroup(ReleaseKeys):
+class TeacherGroup(VoteParty):
     """Teachers ``first``..``last - 1`` of ``source`` in one process, on shards it loads
     itself from ``source`` — in an actor, the private data is read where it stays.
 
@@ -275,14 +268,9 @@ class TeacherGroup(ReleaseKeys):
         cells = np.arange(len(inputs)) * self.num_classes + predicted  # (input, class) of every vote
         return np.bincount(cells.ravel(), minlength=len(inputs) * self.num_classes).reshape(len(inputs), -1)
 
-    def vote_share(self, inputs: np.ndarray, release: SkellamVotes, plan: SecureSumPlan, owners: tuple[str, ...],
-                   public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy) -> np.ndarray:
-        """This group's masked share of one secure vote round (its key pair from ``mask_key`` just
-        before): its histogram of ``inputs``, plus its Skellam noise share drawn here, under
-        pairwise masks. The histogram itself never leaves."""
-        keys = self._take_mask_keys()
-        return release.share(self.votes(inputs), plan, owners, keys.pairwise_masks(public_keys, session),
-                             noise.source(f"{session}/{keys.rank}"))
+    def partial_votes(self, queries: np.ndarray, stream: str) -> np.ndarray:
+        """What this group sends the vote source: its teachers' histogram (nothing random)."""
+        return self.votes(queries)
 
 
 # The Ray actor is the same class; Ray imports it by module path in the worker. A dead actor
@@ -290,11 +278,6 @@ class TeacherGroup(ReleaseKeys):
 # a vote fails at once and the aggregator turns NOT_SERVING rather than waiting. Training and
 # voting run one at a time; only the health probe has a thread of its own.
 TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_groups={"probe": 1})(TeacherGroup)
-
-
-def _dropped(owner: str, outcome: str) -> OwnerDropout:
-    return OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the round is aborted; "
-                        f"{outcome}")
 
 
 @dataclass(frozen=True)
@@ -314,83 +297,7 @@ class OwnerShare:
             raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
 
 
-class RecoveringActors:
-    """The health of a vote source's actors, from the driver: ``ready`` says whether every actor
-    can vote now, and brings back one that died past Ray's restarts. Any vote source the
-    aggregator serves must report health (``actors.labeller.VoteSource.ready``), or a service
-    that lost an actor would never learn it recovered; teachers and kNN shards share this.
-
-    A subclass keeps ``_actors`` and, for each, ``_spawns`` (how it was first started), and
-    names ``_probe`` (a call with a thread of its own in the actor, so a long vote does not delay
-    it) and ``actor_kind`` / ``restart_note`` for the log.
-    """
-
-    max_replacements: int = 3  # new actors for one that died past Ray's restarts
-    actor_kind: str = "actor"
-    restart_note: str = ""
-
-    def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]]) -> None:
-        """Start one actor per spawn and keep how to start it again."""
-        self._spawns = spawns
-        self._actors = [spawn() for spawn in spawns]
-        self._replaced = [0] * len(spawns)
-        # Markers queued behind calls abandoned past their deadline: an actor whose marker has
-        # not run is still busy with an abandoned call (e.g. stopped), and cannot vote yet.
-        self._late: set[ray.ObjectRef] = set()
-
-    def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
-        raise NotImplementedError
-
-    def ready(self, timeout: float = 2.0) -> bool:
-        """Whether every actor is up and can vote (False while one restarts). The probe has its
-        own thread in each actor, so a long vote does not delay it; a call abandoned past its
-        deadline and still running means that actor is hung (e.g. stopped) until it ends."""
-        if self._late:
-            done, _ = ray.wait(list(self._late), num_returns=len(self._late), timeout=0)
-            self._late.difference_update(done)
-            if self._late:
-                return False
-        probes = [self._probe(actor) for actor in self._actors]
-        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout)
-        if len(answered) < len(probes):
-            return False
-        alive = True
-        for index, probe in enumerate(probes):
-            try:
-                alive = bool(ray.get(probe)) and alive
-            except ray.exceptions.ActorDiedError:  # beyond its restarts: a new actor, started as the first
-                self._replace(index)
-                alive = False
-            except ray.exceptions.RayError:  # restarting, or unreachable for now
-                alive = False
-        return alive
-
-    def _replace(self, index: int) -> None:
-        """Start actor ``index`` again as it was first started (``restart_note`` says what it
-        reloads). At most ``max_replacements`` times per actor: one that keeps dying stays down
-        (NOT_SERVING)."""
-        if self._replaced[index] >= self.max_replacements:
-            return
-        self._replaced[index] += 1
-        log.warning("%s %d is gone for good (past its restarts); starting it again%s (%d of %d)", self.actor_kind,
-                    index, self.restart_note, self._replaced[index], self.max_replacements)
-        ray.kill(self._actors[index], no_restart=True)
-        self._actors[index] = self._spawns[index]()
-
-    def _abandon(self, calls: list[ray.ObjectRef]) -> None:
-        """Give up calls past their deadline, one per actor: cancel those not done (a queued call
-        never runs; a running one's result is never delivered, ``TaskCancelledError``) and queue a
-        marker behind each, which ``ready`` waits for. The caller drops its references to the
-        calls: nothing of an abandoned call reaches this process later."""
-        done, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
-        finished = set(done)
-        for actor, call in zip(self._actors, calls):
-            if call not in finished:
-                ray.cancel(call)
-                self._late.add(actor.describe.remote())  # runs once the abandoned call has ended
-
-
-class TeacherPool(RecoveringActors):
+class TeacherPool(VoteParties):
     """Driver-side handle over the teacher actors of one or more owners; the vote source of
     the aggregator.
 
@@ -415,16 +322,9 @@ class TeacherPool(RecoveringActors):
     """
 
     neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
-    # How long one secure round (key exchange and shares) waits for every actor: as for votes,
-    # below the client's default deadline (30 s) — Confident-GNMax's two rounds included — so a
-    # stopped owner fails the call UNAVAILABLE rather than outliving it. A round costs about one
-    # vote of the batch, plus the masks.
-    share_timeout_s: float = 12.0
-    # How long a vote call waits for every actor: below the client's default deadline (30 s,
-    # ``cluster.client``), so a hung actor fails the call UNAVAILABLE instead of holding a label
-    # thread until the client gives up. Three times the largest batch's vote (250 MNIST teachers
-    # label about 220 inputs/s: 1,024 inputs in about 5 s).
-    vote_timeout_s: float = 15.0
+    # Deadlines (``VoteParties``): a vote call 15 s, three times the largest batch's vote (250 MNIST
+    # teachers label about 220 inputs/s: 1,024 inputs in about 5 s); a secure round 12 s, about one
+    # vote of the batch plus the masks. Both below the client's 30 s deadline.
     actor_kind, restart_note = "teacher actor", " from its saved teachers"
 
     def __init__(
@@ -458,25 +358,20 @@ class TeacherPool(RecoveringActors):
             require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus,
                          options.get("resources"), options.get("label_selector"))
             plans.append((share, num_actors, options))
-        spawns, self._blocks, self._owners = [], [], []
-        self._rounds = 0  # secure vote rounds so far (``noised_votes``)
+        spawns, self._blocks, owners = [], [], []
         offset = 0
         for share, num_actors, options in plans:
-            # Contiguous blocks of teachers per actor, sizes differing by at most one.
-            bounds = np.linspace(0, share.num_teachers, num_actors + 1).round().astype(int)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if b > a:
-                    # How to start this actor again once Ray has given up restarting it.
-                    spawn = functools.partial(
-                        TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote,
-                        share.source, int(a), int(b), model_name, train, num_threads=threads,
-                        checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
-                        private_run=self.private_run)
-                    spawns.append(spawn)
-                    self._blocks.append((int(a), int(b)))
-                    self._owners.append(share.source.owner)
+            for a, b in party_blocks(share.num_teachers, num_actors):  # contiguous blocks of teachers
+                # How to start this actor again once Ray has given up restarting it.
+                spawns.append(functools.partial(
+                    TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote,
+                    share.source, a, b, model_name, train, num_threads=threads,
+                    checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
+                    private_run=self.private_run))
+                self._blocks.append((a, b))
+                owners.append(share.source.owner)
             offset += share.num_teachers
-        self._track(spawns)
+        self._track(spawns, owners)
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
         described = describe_all(self._actors, self._owners, self.shutdown)
@@ -491,10 +386,6 @@ class TeacherPool(RecoveringActors):
         """The first ``num_teachers`` teachers of one source on ``num_actors`` actors (capped at
         the number of teachers) anywhere in the cluster."""
         return cls([OwnerShare(source, num_teachers, num_actors)], model_name, train, **kwargs)
-
-    @property
-    def num_actors(self) -> int:
-        return len(self._actors)
 
     def train(self, progress: bool = True, retries: int = 2) -> None:
         """Train every teacher (actors in parallel). A teacher whose actor died is asked
@@ -520,82 +411,11 @@ class TeacherPool(RecoveringActors):
     def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
         return actor.is_trained.remote()
 
-    def votes(self, inputs: np.ndarray) -> np.ndarray:
-        """Vote histogram ``int64[batch, num_classes]``: the actors' partial histograms added."""
-        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
-        if inputs.shape[1:] != self.input_shape:
-            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; teachers expect {self.input_shape}")
-        # A large batch goes once to the object store, read by every actor; a small one travels
-        # inline with each call (a store round trip costs more than the copies).
-        shared = ray.put(inputs) if inputs.nbytes > INLINE_INPUT_BYTES else inputs
-        calls = [actor.votes.remote(shared) for actor in self._actors]
-        try:
-            partials = ray.get(calls, timeout=self.vote_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._abandon(calls)
-            calls.clear()
-            raise TimeoutError(f"the teachers gave no votes within {self.vote_timeout_s:g} s") from None
-        return np.sum(partials, axis=0, dtype=np.int64)
+    def queries(self, inputs: np.ndarray) -> np.ndarray:
+        return inputs  # teachers vote on the inputs themselves (each group transforms them as it learned)
 
-    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy,
-                     charge: Callable[[], None]) -> np.ndarray:
-        """One secure round (``privacy.secure_votes``): the histograms ``int64[batch, num_classes]``
-        summed through the secure sum with Skellam noise of variance ``release.sigma``² against any
-        one owner. Every actor makes a fresh key pair, returns only its masked share, and the shares
-        are added and decoded here: no clean histogram, partial or whole, reaches this process.
-
-        ``charge`` is called once the keys are in and before any share is asked for: from then on
-        the round is a release to whoever holds this process — honest code drops an abandoned
-        round, but a curious aggregator could keep its shares and decode them once a late one
-        arrives — so it is paid for first, and if ``charge`` raises nothing is asked.
-
-        The whole round, keys and shares, has ``share_timeout_s``. An actor that dies, or sends no
-        key or share in time, aborts the round: ``OwnerDropout`` names its owner. Shares not in
-        are cancelled and every reference to the round's shares dropped (a timed-out Ray task's
-        result still arrives otherwise), so nothing of it is decoded here. Rounds must not overlap
-        (an actor holds one key pair at a time): the secure labeller runs one at a time.
-        """
-        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
-        if inputs.shape[1:] != self.input_shape:
-            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; teachers expect {self.input_shape}")
-        self._rounds += 1
-        session = f"pate-votes/{self._rounds}"  # fresh key pairs every round; this names the noise streams
-        owners = tuple(self._owners)
-        plan = release.plan(len(inputs), self.num_classes, owners, [last - first for first, last in self._blocks])
-        deadline = time.monotonic() + self.share_timeout_s
-        public_keys = self._gather([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)],
-                                   deadline, "no key for", "no share was asked, so nothing was released or charged")
-        charge()
-        shared = ray.put(inputs)
-        refs = [actor.vote_share.remote(shared, release, plan, owners, public_keys, session, noise)
-                for actor in self._actors]
-        del shared
-        shares = self._gather(refs, deadline, "no share of",
-                              "its shares were asked, so it was charged; nothing of it is decoded")
-        return release.total(shares, plan, len(inputs))
-
-    def _gather(self, refs: list[ray.ObjectRef], deadline: float, missing: str, outcome: str) -> list:
-        """Every actor's answer to one step of a secure round by ``deadline``, or ``OwnerDropout``
-        naming the owner who sent ``missing`` the round (``outcome``: what that leaves). On the way
-        out the calls not done are cancelled and ``refs`` is emptied: no reference is kept."""
-        try:
-            done, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-            late = [owner for owner, ref in zip(self._owners, refs) if ref in pending]
-            done.clear()
-            pending.clear()
-            if late:
-                self._abandon(refs)
-                raise OwnerDropout(f"owner {late[0]} sent {missing} a secure vote round within "
-                                   f"{self.share_timeout_s:g} s: the round is aborted; {outcome}")
-            answers = []
-            for owner, ref in zip(self._owners, refs):
-                try:
-                    answers.append(ray.get(ref))
-                except ray.exceptions.RayActorError:
-                    raise _dropped(owner, outcome) from None
-            return answers
-        finally:
-            refs.clear()
+    def cell_bounds(self) -> list[int]:
+        return [last - first for first, last in self._blocks]  # one vote per teacher and query
 
     def shutdown(self) -> None:
         """Stop the actors (their models and shards go with them, their checkpoints are deleted)."""
@@ -603,6 +423,4 @@ class TeacherPool(RecoveringActors):
             ray.get([actor.forget.remote() for actor in self._actors], timeout=30)
         except ray.exceptions.RayError as err:  # includes GetTimeoutError
             log.warning("teacher checkpoints under %s may remain: %s", self.checkpoint_dir, type(err).__name__)
-        for actor in self._actors:
-            ray.kill(actor)  # no_restart: gone for good
-        self._actors = []
+        self.stop()

@@ -21,9 +21,11 @@ def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -
     are read and embedded by the actors."""
     import ray
 
-    from conclave.actors.knn_votes import KnnShare, KnnVoteSource
+    from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.owners import OwnerSource
+    from conclave.actors.placement import cpu_share
     from conclave.actors.teacher import TeacherSource
+    from conclave.actors.vote_parties import RecordShare
     from conclave.learning.embeddings import fit_embedding
 
     knn = config.knn
@@ -31,14 +33,14 @@ def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     if config.owners:
         here = os.getcwd()  # a relative path is the launching directory's, as for teachers
-        shares = [KnnShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
+        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
                                        public.classes, config.seed), owner.actors, owner.placement(embedded))
                   for owner in config.owners]
     else:  # the benchmark's private split, cut into one part per actor (each record in exactly one)
         actors = knn.actors or max(1, int(cpus / 2))
         source = TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
                                num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
-        shares = [KnnShare(source, actors)]
+        shares = [RecordShare(source, actors)]
     total_actors = sum(min(share.num_actors, share.source.num_teachers) for share in shares)
     return KnnVoteSource(shares, embed, knn.k, knn.sample_rate, noise=config.privacy.noise,
-                         num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors)
+                         num_cpus_per_actor=cpu_share(cpus / 2, total_actors))

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conclave.actors.knn_votes import KnnShare, KnnShard, KnnVoteSource, sample_stream
+from conclave.actors.knn_votes import KnnShard, KnnVoteSource, sample_stream
+from conclave.actors.vote_parties import RecordShare
 from conclave.learning.embeddings import Flatten, PublicPCA
 from conclave.actors.owners import OwnerSource
 from conclave.learning.data import load_digits
@@ -33,7 +34,7 @@ def owners(tmp_path_factory) -> tuple[list[OwnerSource], np.ndarray]:
 
 
 def knn_source(sources: list[OwnerSource], k: int, rate: float) -> KnnVoteSource:
-    return KnnVoteSource([KnnShare(source) for source in sources], Flatten(), k, rate, noise=SEED,
+    return KnnVoteSource([RecordShare(source) for source in sources], Flatten(), k, rate, noise=SEED,
                          num_cpus_per_actor=0.25)
 
 
@@ -128,8 +129,8 @@ def test_bad_settings_are_one_line_each(owners):
     sources, _ = owners
     capped = OwnerSource("a", sources[0].data, 1, CLASSES, records=10)
     with pytest.raises(ValueError, match="leave records unset"):
-        KnnShare(capped)
+        RecordShare(capped)
     with pytest.raises(ValueError, match="k must be >= 1"):
-        KnnVoteSource([KnnShare(sources[0])], Flatten(), 0, 0.5)
+        KnnVoteSource([RecordShare(sources[0])], Flatten(), 0, 0.5)
     with pytest.raises(ValueError, match="sample_rate must be in"):
-        KnnVoteSource([KnnShare(sources[0])], Flatten(), 3, 1.5)
+        KnnVoteSource([RecordShare(sources[0])], Flatten(), 3, 1.5)

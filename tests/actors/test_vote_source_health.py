@@ -14,7 +14,8 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conclave.actors.aggregator import AggregatorServer
-from conclave.actors.knn_votes import KnnShare, KnnVoteSource
+from conclave.actors.knn_votes import KnnVoteSource
+from conclave.actors.vote_parties import RecordShare
 from conclave.actors.owners import OwnerSource
 from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_digits
@@ -41,7 +42,7 @@ def knn(ray_session, tmp_path_factory):
     shares = []
     for name, rows in (("a", slice(0, 150)), ("b", slice(150, 300))):
         np.savez(folder / f"{name}.npz", x=train.x[rows], y=train.y[rows].astype(str))
-        shares.append(KnnShare(OwnerSource(name, DataSource("npz", str(folder / f"{name}.npz"), label="y"), 1,
+        shares.append(RecordShare(OwnerSource(name, DataSource("npz", str(folder / f"{name}.npz"), label="y"), 1,
                                            CLASSES)))
     source = KnnVoteSource(shares, Flatten(), 10, RATE, num_cpus_per_actor=0.25)
     yield source, test.x.astype(np.float32)
