@@ -23,7 +23,9 @@ rate-limited log line, not a traceback; so is every per-call failure (``RateLimi
 full disk fails every call alike, and only the first line carries a traceback). On the
 Aggregator service RESOURCE_EXHAUSTED means the privacy budget and nothing else; its trailing
 metadata says so (``conclave-reason: privacy-budget``), which is what
-``cluster.client.is_budget_refusal`` checks. (A message over the port's size limit gets
+``cluster.client.is_budget_refusal`` checks. A full disk under the ledger is UNAVAILABLE, not
+RESOURCE_EXHAUSTED: nothing was charged and the same call succeeds once the operator frees
+space, where a client reading RESOURCE_EXHAUSTED would take the budget as spent for good. (A message over the port's size limit gets
 gRPC's own RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest batch the
 server accepts, so a well-formed client never meets it.)
 
@@ -42,12 +44,14 @@ allowed, since the token would travel in clear.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import inspect
 import ipaddress
 import logging
 import math
 import socket
+import sqlite3
 import threading
 import time
 from concurrent import futures
@@ -86,6 +90,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = aggregator_pb2.DESCRIPTOR.services_by_name["Aggregator"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # trailing metadata of a budget refusal
+STORAGE_FULL = ("the aggregator cannot write its privacy ledger (disk full): nothing was released or charged; "
+                "retry later")
 
 
 @dataclass(frozen=True)
@@ -421,6 +427,10 @@ class _Service:
             yield await self._answer(raw, context, "LabelStream")
 
     async def _get_budget(self, raw: bytes, context: grpc.aio.ServicerContext) -> aggregator_pb2.BudgetReply:
+        problem = _budget_request_problem(raw)
+        if problem is not None:
+            self._rejections("invalid", "GetBudget from %s rejected: %s", context.peer(), problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         status = await self._loop.run_in_executor(self._budget_pool, self._owner.budget)
         return budget_reply(status)
 
@@ -449,7 +459,11 @@ class _Service:
                                 trailing_metadata=((REASON_KEY, BUDGET_REASON),))
         except TeachersUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except Exception as err:  # a bug or a failing disk must not look like a client error, nor leak internals
+        except Exception as err:  # a bug must not look like a client error, nor leak internals
+            if storage_full(err):  # the operator frees space and the same call succeeds: UNAVAILABLE
+                self._rejections("storage", "%s failed: the privacy ledger cannot be written (%s)", method, err,
+                                 level=logging.ERROR)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, STORAGE_FULL)
             self._rejections("internal", "%s failed: %s", method, type(err).__name__, level=logging.ERROR,
                              exc_info=err)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the aggregator (see its log)")
@@ -458,6 +472,37 @@ class _Service:
         return aggregator_pb2.LabelReply(labels=outcome.labels.tolist(), answered=outcome.answered,
                                          budget=budget_reply(status),
                                          budget_refused=outcome.refused.tolist() if outcome.refused.any() else [])
+
+
+def storage_full(err: BaseException) -> bool:
+    """Whether ``err``, or an error it came from, is a full disk (or quota): SQLite's
+    SQLITE_FULL, or ENOSPC / EDQUOT from the OS — also inside a Ray task's error, as when an
+    owner's ledger on its node cannot be written."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, sqlite3.Error) and getattr(current, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        pending += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    return False
+
+
+def _budget_request_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not a ``BudgetRequest`` (an empty message: any field in it is one this
+    server does not have), or None."""
+    try:
+        request = aggregator_pb2.BudgetRequest.FromString(raw)
+    except DecodeError:
+        return "the request is not a BudgetRequest message"
+    if request.ByteSize():
+        return f"a BudgetRequest has no fields; this one carries {request.ByteSize()} bytes of them"
+    return None
 
 
 def _label_then_budget(owner: AggregatorServer, inputs: np.ndarray) -> tuple[LabelOutcome, BudgetStatus]:

@@ -197,8 +197,13 @@ def _first(mask: np.ndarray, count: int = 5) -> str:
 
 
 def input_keys(inputs: np.ndarray) -> list[bytes]:
-    """Answer key of each example: sha256 of its float32 bytes."""
-    flat = np.ascontiguousarray(inputs, dtype=INPUT_DTYPE).reshape(len(inputs), -1)
+    """Answer key of each example: sha256 of its float32 bytes, made canonical first — -0.0 as
+    +0.0 and every NaN as one NaN — so that one input cannot be asked twice under two spellings
+    and get fresh noise the second time. (The wire rejects NaN; an in-process caller may not.)
+    Every other value keeps its bytes, so the keys of answers on record do not change."""
+    flat = np.asarray(inputs, dtype=np.float32).reshape(len(inputs), -1) + np.float32(0.0)  # -0 + 0 = +0
+    flat[np.isnan(flat)] = np.float32(np.nan)
+    flat = np.ascontiguousarray(flat, dtype=INPUT_DTYPE)
     return [hashlib.sha256(row.tobytes()).digest() for row in flat]
 
 
@@ -314,8 +319,9 @@ class PrivateLabeller:
                 answered = self._groups.run(_Asked(inputs, fresh))
             except BudgetExceeded:
                 with self._lock:
-                    if not any(key in self._answers for key in keys):
-                        raise  # nothing in this batch is on record: refuse it whole
+                    on_record = any(key in self._answers for key in keys)
+                if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
+                    raise self._exhausted(self.ledger.refusal(self._worst_case(len(fresh))) or "", len(fresh)) from None
                 break
             newly_answered += answered
             # Calls earlier in the group may have taken what was left: try again alone while the
@@ -403,11 +409,14 @@ class PrivateLabeller:
         return paid
 
     def _exhausted(self, refused: str, count: int) -> BudgetExceeded:
+        """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
+        how many other clients asked meanwhile)."""
+        inputs = f"{count} new input{'' if count == 1 else 's'}"
         if refused.startswith("owner "):  # an owner's lifetime budget (``privacy.accounting.run_ledger``)
-            return BudgetExceeded(f"privacy budget exhausted: labelling {count} new inputs: {refused}")
+            return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {refused}")
         report = self.ledger.report()
         return BudgetExceeded(
-            f"privacy budget exhausted: labelling {count} new inputs could cost more than the budget "
+            f"privacy budget exhausted: labelling {inputs} could cost more than the budget "
             f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
         )
 

@@ -7,8 +7,11 @@
 Server-side failures raise ``grpc.RpcError``; ``err.code()`` tells them apart:
 INVALID_ARGUMENT (bad inputs), UNAUTHENTICATED (token), RESOURCE_EXHAUSTED (the privacy budget
 pays for none of the batch: nothing was released or charged — ``is_budget_refusal(err)`` checks
-the server's reason too; a batch it pays for in part is answered, the rest marked ``refused``), UNAVAILABLE (teachers not ready, or the server busy: retry later),
-DEADLINE_EXCEEDED (the call's deadline, or a stream left idle too long).
+the server's reason too; a batch it pays for in part is answered, the rest marked ``refused``),
+UNAVAILABLE (teachers not ready or past their deadline, an owner missing a secure round's, the
+server's disk full, or the server busy: retry later), DEADLINE_EXCEEDED (the call's deadline —
+the server's own deadlines are below the default 30 s, so a hung owner is UNAVAILABLE — or a
+stream left idle too long).
 """
 from __future__ import annotations
 

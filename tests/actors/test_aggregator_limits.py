@@ -3,24 +3,34 @@ open streams, a hung teacher fails the call fast with nothing charged, and a fai
 does not flood the log.
 
 Real servers on 127.0.0.1 (and ::1, a second client address), real gRPC clients, real teacher
-actors stopped with SIGSTOP, a real ledger that runs out of room; bounded in count and time.
+actors stopped with SIGSTOP, a real ledger on a real file system that runs out of room;
+bounded in count and time.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import shutil
 import signal
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
 
 import grpc
 import numpy as np
+import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conclave.actors.aggregator import _peer_address, _StreamSlots
+from conclave.actors.aggregator import STORAGE_FULL, _peer_address, _StreamSlots, storage_full
 from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import ADD_REMOVE
@@ -203,28 +213,112 @@ def test_a_stopped_teacher_fails_calls_fast_with_unavailable_and_charges_nothing
 # ---- item 8: every failure path is rate-limited ----
 
 
-def test_a_full_ledger_fails_each_call_internal_with_a_bounded_log(tmp_path, caplog):
-    # Before: on a full disk each failed call logged a traceback (12,625 lines for 407 calls).
-    with serving(InstantTeachers(), tmp_path / "ledger.sqlite", budget=None) as (server, address), \
-            AggregatorClient(address, timeout=10) as client:
-        # SQLite's own page limit: the file cannot grow, as on a full disk
-        db = server.labeller.ledger._db
-        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
-        inputs = fresh_inputs(200, 2)
-        failures = []
-        with caplog.at_level(logging.INFO, logger="conclave"):
-            for i in range(200):
-                try:
-                    client.label(inputs[i : i + 1])
-                except grpc.RpcError as err:
-                    failures.append(err)
-        # the pages' free room takes a few answers before the file has to grow
-        assert len(failures) >= 190
-        assert all(e.code() == grpc.StatusCode.INTERNAL and "see its log" in e.details() for e in failures)
-        lines = [record for record in caplog.records if record.name.startswith("conclave")]
-        assert 1 <= len(lines) <= 5
-        assert sum(record.exc_info is not None for record in lines) == 1  # the first one's traceback only
-        assert "database or disk is full" in caplog.text
+# An aggregator in a process of its own whose ledger lies on a small tmpfs, mounted in a private
+# mount namespace (``unshare``): a real file system that refuses writes with ENOSPC once full, and
+# nothing mounted where other processes see it. It serves until its stdin closes.
+ON_SMALL_DISK = """
+import logging, sys
+from pathlib import Path
+from tests.actors.test_aggregator_limits import InstantTeachers
+from tests.aggregators import serving
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+with serving(InstantTeachers(), Path(sys.argv[1]) / "ledger.sqlite", budget=None) as (_, address):
+    print(address, flush=True)
+    sys.stdin.read()
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def aggregator_on_a_small_disk(size: str) -> Iterator[tuple[str, Path, subprocess.Popen]]:
+    """(address, the tmpfs folder as this process reaches it, the server process)."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        pytest.skip("needs Linux and unshare for a private tmpfs")
+    flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
+    folder = "/mnt"  # inside the namespace only
+    server = subprocess.Popen(
+        ["unshare", *flags, "--propagation", "private", "sh", "-c",
+         f'mount -t tmpfs -o size={size} conclave-test {folder} && exec "$0" "$@"',
+         sys.executable, "-c", ON_SMALL_DISK, folder],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().strip()
+        if not address:
+            server.kill()
+            pytest.skip(f"no private tmpfs here: {server.stderr.read().strip()[-300:]}")
+        # Through the server's root (unshare execs: the PID is the server's). Not for SQLite, which
+        # would resolve the link to this process's own /mnt.
+        yield address, Path(f"/proc/{server.pid}/root{folder}"), server
+    finally:
+        if server.poll() is None:
+            server.stdin.close()
+            server.wait(timeout=30)
+
+
+def fill(disk: Path) -> int:
+    """Write a file on ``disk`` until the file system refuses (ENOSPC); its size."""
+    written = 0
+    with open(disk / "filler", "wb", buffering=0) as filler:
+        try:
+            while True:
+                written += filler.write(b"\0" * 4096)
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+    return written
+
+
+def test_a_full_disk_under_the_ledger_fails_each_call_unavailable_with_a_bounded_log():
+    # Before: INTERNAL, a code outside the documented table (and, earlier, a traceback per call:
+    # 12,625 lines for 407 calls). Now UNAVAILABLE: nothing was charged, and once the operator frees
+    # space the same call is answered.
+    inputs = fresh_inputs(121, 2)
+    with aggregator_on_a_small_disk("1m") as (address, disk, server), AggregatorClient(address, timeout=10) as client:
+        assert client.label(inputs[:1]).shape == (1,)
+        assert fill(disk) > 0
+        before = client.budget()
+        failures, answered = [], 0
+        for i in range(1, 120):
+            try:
+                client.label(inputs[i : i + 1])
+                answered += 1
+            except grpc.RpcError as err:
+                failures.append(err)
+        # the file system's last partial page may take an answer or two before it fails
+        assert len(failures) >= 115 and answered <= 4
+        assert all(e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == STORAGE_FULL for e in failures)
+        after = client.budget()
+        assert after["queries_answered"] + after["queries_abstained"] == 1 + answered
+        assert answered or after["epsilon_spent"] == before["epsilon_spent"]  # the refused: nothing charged
+        assert client.label(inputs[:1]).shape == (1,)  # on record: answered from it, free
+        (disk / "filler").unlink()
+        assert client.label(inputs[120:121]).shape == (1,)  # room again: the same kind of call is answered
+        server.stdin.close()
+        log = server.stderr.read()
+    lines = [line for line in log.splitlines() if line.startswith("conclave.actors.aggregator: Label failed")]
+    assert 1 <= len(lines) <= 5 and "database or disk is full" in lines[0]
+    assert "Traceback" not in log  # a full disk is no bug: no traceback
+
+
+def test_a_full_disk_is_recognised_through_the_errors_that_carry_it():
+    assert storage_full(_sqlite_full())
+    try:  # e.g. an owner's ledger on its node, reached through another error
+        raise RuntimeError("owner ledger") from OSError(errno.ENOSPC, "No space left on device")
+    except RuntimeError as err:
+        assert storage_full(err)
+    assert not storage_full(RuntimeError("charge failed"))
+    assert not storage_full(OSError(errno.EACCES, "Permission denied"))
+
+
+def _sqlite_full() -> sqlite3.Error:
+    """The error SQLite raises when its file cannot grow (SQLITE_FULL, as on a full disk)."""
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (x BLOB)")
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+    try:
+        db.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    except sqlite3.OperationalError as err:
+        return err
+    raise AssertionError("SQLite took a row past its page limit")
 
 
 def test_rate_limited_log_gives_the_first_traceback_then_counts(caplog):

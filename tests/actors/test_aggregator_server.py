@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conclave.actors.aggregator import AggregatorActor, AggregatorServer, ServerSettings
+from conclave.actors.aggregator import SERVICE_NAME, AggregatorActor, AggregatorServer, ServerSettings
+from conclave.actors.labeller import input_keys
 from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_digits
 from conclave.privacy.accounting.charge import ADD_REMOVE
@@ -128,6 +129,15 @@ def test_each_bad_input_gets_invalid_argument_and_spends_nothing(teachers, publi
             assert code == grpc.StatusCode.INVALID_ARGUMENT, case
         assert stub.GetBudget(aggregator_pb2.BudgetRequest()) == before
         assert len(server.answered_votes()[1]) == 2
+        # GetBudget reads its request too: an empty BudgetRequest and nothing else
+        get_budget = channel.unary_unary(f"/{SERVICE_NAME}/GetBudget", request_serializer=bytes,
+                                         response_deserializer=aggregator_pb2.BudgetReply.FromString)
+        assert get_budget(b"") == before
+        for body, problem in ((b"\xff\xff\xff", "the request is not a BudgetRequest message"),
+                              (aggregator_pb2.LabelRequest(inputs=tensor(x)).SerializeToString(),
+                               "a BudgetRequest has no fields; this one carries")):
+            code, details = status_of(lambda: get_budget(body))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(problem), details
 
 
 def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_path):
@@ -153,7 +163,26 @@ def test_repeated_inputs_come_from_the_cache_at_no_cost(teachers, public, tmp_pa
             assert all((reply == replies[0]).all() for reply in replies)
             final = client.budget()
             assert final["queries_answered"] == 58 + 16 and final["cache_hits"] == 58 + 3 * 16
+            # -0.0 for +0.0 is the same input: the record's answers, not a second draw of the noise
+            signed = x.copy()
+            assert (signed == 0).sum() > 48 * 10  # digits: many zero pixels in each image
+            signed[signed == 0] = -0.0
+            assert np.signbit(signed).any() and signed.tobytes() != x.tobytes()
+            np.testing.assert_array_equal(client.label(signed), first)
+            again = client.budget()
+            assert again["epsilon_spent"] == final["epsilon_spent"] and again["cache_hits"] == final["cache_hits"] + 48
         assert len(server.answered_votes()[0]) == 58 + 16
+
+
+def test_an_input_key_is_canonical_in_signed_zeros_and_nan_payloads_only():
+    x = np.array([[0.0, 0.5, np.nan, -1.0]], dtype=np.float32)
+    spellings = np.repeat(x, 3, axis=0)
+    spellings[1, 0] = -0.0
+    spellings.view(np.uint32)[2, 2] = 0xFFC00123  # a NaN with another sign and payload
+    assert len(set(input_keys(spellings))) == 1
+    other = x.copy()
+    other[0, 3] = np.nextafter(np.float32(-1.0), np.float32(0.0))  # any other change is another input
+    assert input_keys(other) != input_keys(x)
 
 
 def test_two_servers_release_different_noise_unless_reproducible_noise_is_asked_for(teachers, public, tmp_path):

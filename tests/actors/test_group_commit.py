@@ -129,5 +129,8 @@ def test_the_budget_pays_concurrent_calls_in_turn_and_refuses_the_rest_whole(tea
     assert sum(answered) == 10 and answered.count(1) <= 1  # at most one call answered in part
     refused = [r for r in results if isinstance(r, str)]
     assert refused and all("privacy budget exhausted" in r for r in refused)
+    # Each refusal counts its own call's inputs, never its group's: that would tell a caller how
+    # many other clients asked meanwhile.
+    assert all("labelling 2 new inputs" in r for r in refused), refused
     assert ledger.report().epsilon_spent <= ledger.report().epsilon_limit
     ledger.close()
