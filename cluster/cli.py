@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     share_cores()  # before any command imports torch
     _import_from_working_directory()
-    parser = build_parser(_selected_command(argv))
+    try:  # loading the command's module: a Ctrl-C here has nothing to undo, and no traceback to show
+        parser = build_parser(_selected_command(argv))
+    except KeyboardInterrupt:
+        print("conclave: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -15,7 +15,8 @@ A driver killed with SIGKILL cannot stop the Ray processes it started, and some 
 dashboard and runtime-env agents) outlive it, holding ports. So each embedded start records
 the processes it started (PID and start time, in a per-user directory), and the next start
 stops those whose driver is gone — only those, by PID, checked against the recorded start
-time so a reused PID is never touched — and says so.
+time so a reused PID is never touched — and says so. A driver that stops on its own terms
+(``stop_ray``) also stops what outlives Ray's shutdown, as an interrupted start leaves.
 """
 from __future__ import annotations
 
@@ -161,6 +162,51 @@ def record_ray_processes() -> None:
     path = directory / f"{me.pid}.json"
     path.with_suffix(".partial").write_text(json.dumps({"driver": _identity(me), "processes": children}))
     path.with_suffix(".partial").replace(path)
+
+
+def stop_ray(wait: float = 5.0) -> list[int]:
+    """Shut Ray down (or leave the cluster this process joined) and stop every process this one
+    started that outlives the shutdown: Ray's agents may, the more so when a start was interrupted
+    before Ray knew of them, and then hold ports for minutes. Only this process's own descendants,
+    as listed before and after the shutdown (one reparented meanwhile is in the first list), each
+    checked against its start time, so a reused PID is never touched. Returns the PIDs stopped."""
+    before = _descendants()
+    try:
+        ray.shutdown()
+    except Exception as err:  # a half-started Ray: what it started is stopped below all the same
+        log.warning("Ray did not shut down cleanly (%s); stopping its processes", type(err).__name__)
+    left = [process for process in {*before, *_descendants()} if _running(process)]
+    for process in left:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, stubborn = psutil.wait_procs(left, timeout=wait)
+    for process in stubborn:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(stubborn, timeout=wait)
+    if left:
+        log.info("stopped %d Ray processes that outlived its shutdown: PIDs %s", len(left), sorted(p.pid for p in left))
+    _forget_record()
+    return [process.pid for process in left]
+
+
+def _descendants() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _running(process: psutil.Process) -> bool:
+    """Alive, and still the process it was (``is_running`` compares start times), not a zombie."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _forget_record() -> None:

@@ -19,11 +19,14 @@ folder is writable and the ledger opens — and a failure is one line and exit s
 
 Without ``--address`` (or ``RAY_ADDRESS``) Ray runs embedded in this process and never joins
 another cluster on the machine; if an earlier ``serve`` was killed, the Ray processes it left
-are stopped first (``cluster.ray_runtime``).
+are stopped first (``cluster.ray_runtime``). Ctrl-C or SIGTERM at any moment of the start undoes
+what was started — Ray and every process it left included — with one line and status 130; once
+serving, they stop the service cleanly (status 0).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 from conclave.cluster.config import ConfigError, load_yaml
 
@@ -57,6 +61,25 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    """Serve until stopped; 2 on a problem found while starting (one line), 130 when interrupted
+    while starting. Ctrl-C or SIGTERM at any moment of the start — loading, Ray starting, teachers
+    training — stops what was started (actors, ledger, Ray and every process it left) and exits
+    with one line, no traceback: a start can take minutes, and an operator stops it at will."""
+    started = contextlib.ExitStack()  # how to undo each step of the start that has run
+    # A Ray that runs already is an in-process caller's (tests): theirs to stop, not ours.
+    ours = not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    try:
+        with _interrupting_on_sigterm():
+            return _serve(args, stop, started, ours)
+    except KeyboardInterrupt:
+        _ignore_signals()
+        print("conclave: interrupted while starting; stopping what was started (nothing was served)",
+              file=sys.stderr, flush=True)
+        _undo(started, ours)
+        return 130
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event | None, started: contextlib.ExitStack, ours: bool) -> int:
     from conclave.cluster.run_command import load_run_config
 
     try:
@@ -77,7 +100,7 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from conclave.privacy.accounting.ledger import LedgerInUse
     from conclave.privacy.accounting.owner_ledger import LedgerMissing
 
-    from conclave.cluster.tls import CertificateError, check_server_files
+    from conclave.cluster.tls import CertificateError, HandshakeLog, check_server_files
 
     # Out of the environment before Ray starts: an embedded Ray's processes, and every worker
     # they start, inherit this process's environment. The server runs here, in the driver.
@@ -109,51 +132,96 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     except sqlite3.Error as err:  # not a database, or one SQLite cannot write
         print(f"conclave: ledger {ledger_path}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
+    started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
     config = resolved(config, public)
     try:
         teachers = train_ensemble(config, args.address, public=public)
     except (OwnerDataError, PlacementError) as err:
-        ledger.close()
+        _undo(started, ours)
         print(f"conclave: {err}", file=sys.stderr)
         return 2
+    started.callback(teachers.pool.shutdown)
     try:  # the owners' lifetime ledgers, on their nodes, once Ray runs
         ledger = config.privacy.with_owners(ledger, config.planned(), config.owners, config.name)
     except (LedgerMissing, ValueError, PlacementError) as err:
-        teachers.pool.shutdown()
+        _undo(started, ours)
         print(f"conclave: {err}", file=sys.stderr)
         return 2
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
+    # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
+    # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.
+    handshakes = HandshakeLog(logging.getLogger("conclave.cluster.tls")) if settings.tls else None
+    if handshakes is not None:
+        handshakes.start()
+        started.callback(handshakes.stop)
     try:
         server, address = start_aggregator(config, teachers.pool, ledger, settings)
     except OSError as err:  # the port was taken meanwhile
-        teachers.pool.shutdown()
-        ledger.close()
+        _undo(started, ours)
         print(f"conclave: {err}", file=sys.stderr)
         return 2
+    started.callback(server.stop)
     guarantee, report = server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
     voters = (f"kNN votes, k {config.knn.k} at sample rate {config.knn.sample_rate:g}" if config.knn
               else f"{teachers.pool.num_teachers} teachers")
+    stop = stop or threading.Event()
+    _stop_on_signals(stop)  # from here a signal stops the service as below, not the start
     print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, {voters}, "
           f"aggregation {config.aggregation})")
     print(f"token: from ${TOKEN_ENV}" if from_env else f"token: {token}  (generated; shown only now)")
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
           f"({guarantee.basis}); realised spend so far ε = {report.epsilon_spent:.4g}")
     print("press Ctrl-C (or send SIGTERM) to stop", flush=True)
-    stop = stop or threading.Event()
-    _stop_on_signals(stop)
     try:
         stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()
-        teachers.pool.shutdown()
+        server.stop()  # first: no call is answered while the rest stops
         report = ledger.report()
-        ledger.close()
+        _undo(started, ours)  # the filter, the teachers, the ledger; Ray
         print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "
               f"(guarantee ε = {guarantee.epsilon:.4g})")
     return 0
+
+
+@contextlib.contextmanager
+def _interrupting_on_sigterm() -> Iterator[None]:
+    """While starting, SIGTERM (a service manager's stop) interrupts as Ctrl-C does: both raise
+    ``KeyboardInterrupt`` wherever the start is, and ``main`` undoes it. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # SIGINT too where it came ignored (a background job of a script): a stop is a stop.
+    previous = {signum: signal.signal(signum, signal.default_int_handler) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is signal.default_int_handler:  # not replaced since: the start failed
+                signal.signal(signum, handler)
+
+
+def _ignore_signals() -> None:
+    """Let nothing interrupt the clean-up (it is bounded: actors, ledger, Ray's processes)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _undo(started: contextlib.ExitStack, ours: bool) -> None:
+    """Undo the start's steps, latest first, and stop Ray if this command started or joined it:
+    every step is tried, and a step that fails is one log line (no traceback on the way out)."""
+    _ignore_signals()  # a second Ctrl-C must not cut the clean-up short
+    try:
+        started.close()
+    except Exception as err:  # e.g. the actors' node went down meanwhile
+        log.warning("stopping the service: %s: %s", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    if ours:
+        from conclave.cluster.ray_runtime import stop_ray
+
+        stop_ray()
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

@@ -9,14 +9,20 @@ certificate the CA signed; a client also checks the server's certificate names t
 dialled, so a node's certificate names the IP addresses (or DNS names) other nodes reach it
 by. ``conclave ray-certs`` writes these files; the aggregator's gRPC TLS tests use the same
 functions for their server and client certificates.
+
+``HandshakeLog`` keeps a TLS port's failed handshakes to one log line per interval: gRPC writes
+one line for each, and anyone who can reach the port can make thousands.
 """
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import re
 import shutil
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,3 +219,84 @@ def _pem_certificates(path: Path, setting: str) -> list[x509.Certificate]:
 
 def _public_der(key) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+# gRPC's C core writes a line of its own to stderr for every failed TLS handshake (a plaintext
+# client, a scanner, a certificate the server does not trust), outside Python's logging, e.g.
+# ``I1127 04:30:17.905047    7072 ssl_transport_security.cc:2563] Handshake failed with error …``.
+GRPC_HANDSHAKE_FAILED = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\] Handshak(?:e|ing) failed(?P<detail>.*)$")
+
+
+class HandshakeLog:
+    """Rate-limited lines for failed TLS handshakes: while started, this process's stderr (fd 2)
+    goes through a pipe that a thread reads; gRPC's handshake-failure lines become one warning
+    per ``interval`` seconds with the count of those left out (a scan of the port made 300 lines
+    in 0.1 s), and every other line passes through unchanged, in order.
+
+    The warnings go straight to the original stderr (never through the pipe: the thread would
+    wait on itself), formatted as the root logger's first handler formats.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self._logger = logging.getLogger(f"{logger.name}.handshakes")
+        self._interval = interval
+        self._stderr: int | None = None  # the original fd 2, while started
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        from conclave.actors.labeller import RateLimitedLog
+
+        sys.stderr.flush()
+        self._stderr = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        handler = logging.StreamHandler(os.fdopen(os.dup(self._stderr), "w", buffering=1))
+        root = logging.getLogger().handlers
+        if root and root[0].formatter is not None:
+            handler.setFormatter(root[0].formatter)
+        self._logger.addHandler(handler)
+        self._logger.propagate = False
+        self._limited = RateLimitedLog(self._logger, self._interval)
+        self._thread = threading.Thread(target=self._pump, args=(read,), name="stderr-handshakes", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Give fd 2 back (the pipe's last writer closes: the thread forwards what is left and ends)."""
+        if self._stderr is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._stderr, 2)
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # a child still holds the pipe: the thread forwards for as long
+            return
+        for handler in self._logger.handlers[:]:
+            self._logger.removeHandler(handler)
+            handler.close()
+        os.close(self._stderr)
+        self._stderr = None
+
+    def _pump(self, read: int) -> None:
+        pending = b""
+        try:
+            while chunk := os.read(read, 65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._line(line + b"\n")
+            if pending:
+                self._line(pending)
+        finally:
+            os.close(read)
+
+    def _line(self, line: bytes) -> None:
+        match = GRPC_HANDSHAKE_FAILED.match(line.decode("utf-8", "replace").rstrip("\n"))
+        if match is not None:
+            self._limited("handshake", "TLS handshake failed%s (a client without TLS, or one whose certificate "
+                          "this server does not trust?)", match["detail"], level=logging.WARNING)
+            return
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._stderr, view):]
+        except OSError:  # the original stderr is gone: nothing to forward to
+            pass

@@ -1,15 +1,19 @@
 """``conclave serve`` checks what it needs before Ray starts (TLS files, port, ledger folder),
-keeps a token from the environment off its output and out of Ray's processes, and takes
-any host that resolves to loopback only as loopback."""
+keeps a token from the environment off its output and out of Ray's processes, takes any host
+that resolves to loopback only as loopback, stops cleanly on Ctrl-C at any moment of its start,
+and keeps failed TLS handshakes to a few log lines."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -21,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from conclave.actors.aggregator import ServerSettings, is_loopback
+from conclave.cluster.client import AggregatorClient
 from conclave.cluster.tls import CertificateError, check_server_files, create_authority, issue
 from tests.certificates import make_certificates
 
@@ -178,3 +183,116 @@ def test_a_token_from_the_environment_is_neither_printed_nor_given_to_ray_proces
     output = "".join(printed) + rest
     assert serve.returncode == 0 and "stopped; realised spend" in output, output
     assert "token: from $CONCLAVE_TOKEN" in output and token not in output
+
+
+class _Serve:
+    """A real ``conclave serve`` in a session of its own (Ctrl-C in a terminal reaches the whole
+    foreground group: Ray's processes too), its output collected as it comes and every process
+    under it recorded every 50 ms."""
+
+    def __init__(self, tmp_path: Path, *flags: str) -> None:
+        config = tmp_path / "serve.yaml"
+        config.write_text(yaml.safe_dump(SMALL))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "conclave.cluster.cli", "serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
+             "--port", "0", *flags],
+            cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.output = b""
+        self.seen: dict[int, float] = {}  # pid → start time of every process under serve
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read(self) -> None:
+        while chunk := os.read(self.process.stdout.fileno(), 65536):
+            self.output += chunk
+
+    def _watch(self) -> None:
+        while self.process.poll() is None:
+            try:
+                for child in psutil.Process(self.process.pid).children(recursive=True):
+                    self.seen.setdefault(child.pid, child.create_time())
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+
+    def wait_for(self, text: str, seconds: float = 300) -> None:
+        deadline = time.monotonic() + seconds
+        while text.encode() not in self.output:
+            assert self.process.poll() is None and time.monotonic() < deadline, self.text
+            time.sleep(0.02)
+
+    def ctrl_c(self) -> int:
+        os.killpg(self.process.pid, signal.SIGINT)
+        return self.process.wait(timeout=120)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    def left_running(self, within: float = 15.0) -> list[int]:
+        """Processes that ran under serve and still run ``within`` s after it ended."""
+        deadline = time.monotonic() + within
+        while True:
+            left = []
+            for pid, started in self.seen.items():
+                try:
+                    process = psutil.Process(pid)
+                    if abs(process.create_time() - started) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+                        left.append(pid)
+                except psutil.Error:
+                    continue
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("moment", ["loading", "Ray starting", "training teachers"])
+def test_ctrl_c_at_any_moment_of_the_start_stops_everything_without_a_traceback(tmp_path, moment):
+    """Before: a traceback, and two Ray agents left for minutes."""
+    serve = _Serve(tmp_path)
+    try:
+        if moment == "loading":
+            time.sleep(1.0)  # the interpreter is up; the config, torch and the data load
+        elif moment == "Ray starting":  # its first process is up, the rest are coming
+            serve.wait_for("starting embedded Ray")
+            deadline = time.monotonic() + 60
+            while not serve.seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            serve.wait_for(moment)
+        status = serve.ctrl_c()
+    finally:
+        if serve.process.poll() is None:
+            os.killpg(serve.process.pid, signal.SIGKILL)
+    assert status == 130, serve.text
+    assert "Traceback" not in serve.text and "interrupted while starting" in serve.text, serve.text
+    assert "aggregator serving on" not in serve.text
+    assert not serve.left_running(), (serve.seen, serve.text)
+    assert moment == "loading" or serve.seen  # Ray had started processes, and they are gone
+
+
+def test_a_tls_port_logs_failed_handshakes_a_few_lines_at_most_and_ctrl_c_stops_it_cleanly(tmp_path, certs):
+    """300 plaintext connections to the TLS port: before, 300 lines of gRPC's in 0.1 s; a client
+    with the CA is answered meanwhile, and Ctrl-C then stops everything."""
+    serve = _Serve(tmp_path, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key))
+    try:
+        serve.wait_for("press Ctrl-C")
+        address = re.search(rb"aggregator serving on (\S+)", serve.output).group(1).decode()
+        host, port = address.rsplit(":", 1)
+        for _ in range(300):
+            with socket.create_connection((host, int(port)), timeout=5) as connection:
+                connection.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                with contextlib.suppress(OSError):
+                    connection.recv(64)
+        with AggregatorClient(address, token="t", root_cert=certs.ca) as client:
+            assert client.budget()["queries_answered"] == 0  # TLS clients are served meanwhile
+        time.sleep(0.5)
+        status = serve.ctrl_c()
+    finally:
+        if serve.process.poll() is None:
+            os.killpg(serve.process.pid, signal.SIGKILL)
+    failed = [line for line in serve.text.splitlines() if "andshake" in line]
+    assert 1 <= len(failed) <= 2 and "TLS handshake failed" in failed[0], failed[:5]
+    assert status == 0 and "stopped; realised spend" in serve.text and "Traceback" not in serve.text, serve.text
+    assert not serve.left_running(), (serve.seen, serve.text)
