@@ -54,7 +54,7 @@ from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
 from conclave.privacy.mechanisms.base import ABSTAIN, SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
-from conclave.privacy.secure_votes import SkellamVotes
+from conclave.privacy.secure_votes import SkellamVotes, VoteBound
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,21 @@ class SecureVoteSource(Protocol):
         ...
 
 
-def check_sampling(vote_source: VoteSource | SecureVoteSource,
-                   mechanism: VoteMechanism | SecureVoteMechanism) -> None:
-    """Refuse a mechanism whose charge is amplified by sampling (``sample_rate``: Private-kNN) over
-    votes not sampled at exactly that rate: its record-level charge would then understate ε."""
-    rate = getattr(mechanism, "sample_rate", None)
-    if rate is not None and getattr(vote_source, "sample_rate", None) != rate:
-        raise ValueError(f"mechanism {mechanism.name} is charged for votes over a Poisson sample at rate {rate:g}; "
-                         f"this vote source samples at {getattr(vote_source, 'sample_rate', 'no rate')}: use a kNN vote "
-                         "source sampling at that rate")
+def check_pairing(vote_source: VoteSource | SecureVoteSource,
+                  mechanism: VoteMechanism | SecureVoteMechanism) -> None:
+    """Refuse a mechanism charged for another vote source than this one: each attribute it is paired
+    with (``paired_with``: a kNN sample rate, the votes per record of public clusters) must be the
+    vote source's, or its record-level charge would understate ε; and a source whose votes meet
+    only in secure rounds (owner-local kNN) takes only a secure mechanism."""
+    for attribute in getattr(mechanism, "paired_with", ()):
+        wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute, None)
+        if held != wanted:
+            raise ValueError(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
+                             f"source has {attribute} {held if held is not None else 'unset'}: pair it with a vote "
+                             "source of that setting")
+    if getattr(vote_source, "local", False) and not isinstance(mechanism, SecureVoteMechanism):
+        raise ValueError(f"owner-local votes meet only in secure rounds; mechanism {mechanism.name} needs clean "
+                         "histograms: use aggregation: secure")
 
 
 class InvalidInput(ValueError):
@@ -280,7 +286,7 @@ class PrivateLabeller:
 
     def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: PrivacyLedger,
                  noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
-        check_sampling(vote_source, mechanism)
+        check_pairing(vote_source, mechanism)
         self.vote_source = vote_source
         self.mechanism = mechanism
         self.ledger = ledger
@@ -535,13 +541,13 @@ class _Rounds:
     sent no key) is not."""
 
     def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str,
-                 pay: Callable[[PrivacyCharge], None], failures: RateLimitedLog) -> None:
-        self._source, self._inputs, self._noise, self._label = source, inputs, noise, label
+                 pay: Callable[[PrivacyCharge], None], failures: RateLimitedLog, bound: VoteBound) -> None:
+        self._source, self._inputs, self._noise, self._label, self._bound = source, inputs, noise, label, bound
         self._pay, self._failures = pay, failures
         self.charged = 0  # rounds charged: their shares were asked for
 
     def noised(self, rows: np.ndarray, sigma: float) -> np.ndarray:
-        release = SkellamVotes(sigma)
+        release = SkellamVotes(sigma, self._bound)
         paid, unpaid = False, None  # unpaid: why the ledger did not take the charge
 
         def charge() -> None:
@@ -591,7 +597,8 @@ class SecureLabeller(PrivateLabeller):
                 return set()
             keys = keys[: self._affordable(len(keys))]
             rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
-                             lambda charge: self.ledger.charge(self._for_ledger(charge)), self._failures)
+                             lambda charge: self.ledger.charge(self._for_ledger(charge)), self._failures,
+                             self.mechanism.vote_bound)
             try:
                 labels = np.asarray(self.mechanism.answer(rounds.noised, len(keys)), dtype=np.int64)
             except Exception as err:

@@ -50,6 +50,7 @@ class SecurePrivateKnn(SecureVoteMechanism):
     sigma2: float
     sample_rate: float
     name: ClassVar[str] = "secure-private-knn"
+    paired_with: ClassVar[tuple[str, ...]] = ("sample_rate",)  # ``actors.labeller.check_pairing``
 
     def __post_init__(self) -> None:
         _check(self.sigma1, self.threshold, self.sigma2, self.sample_rate)

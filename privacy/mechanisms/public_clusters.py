@@ -65,6 +65,7 @@ class SecurePublicClusterVotes(SecureVoteMechanism):
     threshold: float = 0.0
     purity: float = 0.0
     name: ClassVar[str] = "secure-public-clusters"
+    paired_with: ClassVar[tuple[str, ...]] = ("votes_per_record",)  # ``actors.labeller.check_pairing``
 
     def __post_init__(self) -> None:
         _check(self.sigma, self.votes_per_record, self.threshold, self.purity)

@@ -79,9 +79,9 @@ class _SampledVotes(_TeacherVotes):
 def test_the_aggregator_refuses_private_knn_over_votes_not_sampled_at_its_rate(tmp_path):
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", 1e-5)
     mechanism = PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
-    with pytest.raises(ValueError, match="charged for votes over a Poisson sample at rate 0.3"):
+    with pytest.raises(ValueError, match="charged for votes with sample_rate 0.3; this vote source has sample_rate unset"):
         PrivateLabeller(_TeacherVotes(), mechanism, ledger)
-    with pytest.raises(ValueError, match="this vote source samples at 0.5"):
+    with pytest.raises(ValueError, match="this vote source has sample_rate 0.5"):
         PrivateLabeller(_SampledVotes(), mechanism, ledger)
     PrivateLabeller(_SampledVotes(), dataclasses.replace(mechanism, sample_rate=0.5), ledger)
     ledger.close()
