@@ -2,14 +2,19 @@
 
 A run never stops on, or says anything about, an owner's records: that would make its course
 depend on one record outside any mechanism. So an owner's node drops unusable rows (a missing,
-non-numeric or out-of-range value, a label outside the run's classes) without a word, runs with
-fewer records than declared, and cuts its teachers' shards down when it holds more
-(``actors.owners.OwnerSource``). This command shows the owner what a run would do with its file.
+non-numeric or out-of-range value, a CSV line that is no record, a label outside the run's
+classes) without a word, runs with fewer records than declared, and cuts its teachers' shards
+down when it holds more (``actors.owners.OwnerSource``). This command shows the owner what a
+run would do with its file.
 
 It reads that owner's file in this process, by the public pool's column names as a run does
 (the pool's header is read too), and prints to this terminal only: run it on the owner's
 machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
 every row is usable, 1 when rows would be dropped, 2 when the file or the config cannot be read.
+
+It also warns when the usable rows hold none at all, or fewer of the run's classes than there
+are (one class only, say): a run trains on them all the same, and its teachers or records can
+then vote only for the classes they hold. That is the owner's to know, and a run never says it.
 """
 from __future__ import annotations
 
@@ -48,9 +53,26 @@ def main(args: argparse.Namespace) -> int:
     if not dataset.unlabeled and len(dataset):
         counts = Counter(dataset.y.tolist())
         print("  labels: " + ", ".join(f"{name} {counts.get(i, 0)}" for i, name in enumerate(classes)))
+    for line in _class_warnings(dataset, classes):
+        print(f"  warning: {line}")
     for line in _against_declared(owner, check.kept):
         print(f"  {line}")
     return 1 if check.problems else 0
+
+
+def _class_warnings(dataset, classes: tuple[str, ...]) -> list[str]:
+    """What the owner should know about the classes its usable rows hold: none at all, or fewer
+    than the run's (a run goes on either way, and says nothing of it)."""
+    if not len(dataset):
+        return ["no usable rows: a run goes on, and your data teaches it nothing"]
+    held = sorted(set(dataset.y.tolist()))
+    if dataset.unlabeled or len(held) == len(classes):
+        return []
+    lacking = ", ".join(repr(classes[i]) for i in range(len(classes)) if i not in held)
+    if len(held) == 1:
+        return [f"every usable row is of class {classes[held[0]]!r}: what your data teaches a run is that class "
+                f"alone (none of {lacking})"]
+    return [f"your usable rows hold {len(held)} of the run's {len(classes)} classes: none of {lacking}"]
 
 
 def _owner(config, name: str):

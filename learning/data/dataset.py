@@ -136,7 +136,7 @@ SHARD_LEMMA = ("a record's shard is a keyed hash of the record alone (learning.d
 def record_hashes(dataset: Dataset, key: int) -> np.ndarray:
     """uint64 per record: a BLAKE2b hash, keyed with ``key``, of the record's own bytes (input and label)."""
     key_bytes = int(key).to_bytes(16, "little", signed=True)
-    rows = np.ascontiguousarray(dataset.x).reshape(len(dataset), -1)
+    rows = np.ascontiguousarray(dataset.x).reshape(len(dataset), math.prod(dataset.input_shape))  # -1: not for n = 0
     labels = dataset.y.astype("<i8")
     return np.array([int.from_bytes(hashlib.blake2b(row.tobytes() + label.tobytes(), digest_size=8,
                                                      key=key_bytes).digest(), "little")

@@ -115,8 +115,10 @@ def _released(ray, resource: str, timeout: float = 20.0) -> bool:
 
 
 def _flawed_owner_files(tmp_path):
-    """The three hospitals' files with one flaw each: hospital_a holds one record fewer than it
-    declares, hospital_b has a label outside the classes, hospital_c a missing value."""
+    """The three hospitals' files with flawed records: hospital_a holds one record fewer than it
+    declares; hospital_b has a label outside the classes, and an extra field on its first line
+    (pandas once took the first column of every line for an index then); hospital_c a missing
+    value, and a value finite in float64 but past float32's range (it once aborted the run)."""
     import pandas as pd
 
     flawed = {}
@@ -129,15 +131,19 @@ def _flawed_owner_files(tmp_path):
             table.loc[3, "diagnosis"] = "unsure"
         else:
             table.loc[7, "mean_radius"] = None
+            table.loc[20, "worst_area"] = 1e39
         flawed[name] = tmp_path / f"{name}.csv"
         table.to_csv(flawed[name], index=False)
+    lines = flawed["hospital_b"].read_text().splitlines()
+    lines[1] += ",1.0"
+    flawed["hospital_b"].write_text("\n".join(lines) + "\n")
     return flawed
 
 
-def _flawed_config(tmp_path):
-    """configs/hospitals.yaml with the flawed owner files above."""
+def _flawed_config(tmp_path, config=HOSPITALS):
+    """``config`` (configs/hospitals.yaml) with the flawed owner files above."""
     flawed = _flawed_owner_files(tmp_path)
-    raw = load_yaml(HOSPITALS)
+    raw = load_yaml(config)
     for owner in raw["owners"]:
         owner["data"]["path"] = str(flawed[owner["name"]])
     config_file = tmp_path / "flawed.yaml"
@@ -145,22 +151,43 @@ def _flawed_config(tmp_path):
     return config_file
 
 
+def _as_printed(text: str) -> str:
+    """What a run printed, with every number masked (answers and accuracies come from
+    mechanisms), each progress display once, at its last state, without its timing (seconds and
+    rates are not published; how often a display is redrawn is a matter of time)."""
+    import itertools
+    import re
+
+    lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+    lines = [re.sub(r"\d+", "#", re.sub(r"\s*\[[^\]]*\]$", "", line) if "%|" in line else line) for line in lines]
+    return "\n".join(line for line, _ in itertools.groupby(lines))
+
+
 @pytest.mark.slow
 def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
-    """One record fewer than declared, an unknown label, a missing value: the run finishes, with
-    the guarantee the config alone fixes, and nothing it prints or writes names a flaw."""
+    """One record fewer than declared, an unknown label, a missing value, a value past float32,
+    a line with an extra field: the run finishes, with the guarantee the config alone fixes, it
+    prints what the run on the example's files prints (numbers aside) and writes the same files,
+    and nothing it prints or writes names a flaw."""
     from conclave.cluster import cli
 
-    config_file = _flawed_config(tmp_path)
     monkeypatch.chdir(PROJECT_ROOT)
-    assert cli.main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
-    out, err = capsys.readouterr()
-    privacy = json.loads((tmp_path / "results" / "hospitals" / "privacy.json").read_text())
+    printed, written = {}, {}
+    for name, config_file in (("clean", HOSPITALS), ("flawed", _flawed_config(tmp_path))):
+        results = tmp_path / name
+        assert cli.main(["run", str(config_file), "--results-dir", str(results)]) == 0
+        out, err = capsys.readouterr()
+        printed[name] = (_as_printed(out.replace(str(results), "RESULTS")), _as_printed(err))
+        written[name] = sorted(p.relative_to(results).as_posix() for p in results.rglob("*"))
+    assert printed["flawed"] == printed["clean"] and written["flawed"] == written["clean"]
+    privacy = json.loads((tmp_path / "flawed" / "hospitals" / "privacy.json").read_text())
     _, config = load_run_config(load_yaml(HOSPITALS))
     assert privacy["guarantee"] == config.privacy.guarantee(config.planned()).as_dict() and privacy["sound"]
     assert privacy["aggregation"] == "trusted-aggregator"  # the aggregator sees clean votes, and says so
-    published = out + err + "".join(f.read_text() for f in (tmp_path / "results" / "hospitals").glob("*.json"))
-    assert not any(word in published for word in ("unsure", "missing", "fewer", "dropped", "usable"))
+    published = "".join(printed["flawed"]) + "".join(
+        f.read_text() for f in (tmp_path / "flawed" / "hospitals").glob("*.json"))
+    assert not any(word in published for word in ("unsure", "missing", "fewer", "dropped", "usable", "float32",
+                                                   "fields"))
 
 
 def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, monkeypatch, capsys):
@@ -170,15 +197,115 @@ def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, mo
     monkeypatch.chdir(PROJECT_ROOT)
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_b"]) == 1
     out = capsys.readouterr().out
-    assert "rows read: 100; usable: 99; dropped: 1" in out
+    assert "rows read: 100; usable: 98; dropped: 2" in out
     assert "label 'unsure' not among the classes ['benign', 'malignant'] (row 3)" in out
+    assert "32 fields where the header has 31 (row 0)" in out
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_c"]) == 1
-    assert "missing value in column 'mean_radius' (row 7)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "missing value in column 'mean_radius' (row 7)" in out
+    assert "out-of-range (past float32's) value in column 'worst_area' (row 20)" in out
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_a"]) == 0
     out = capsys.readouterr().out
     assert "usable here: 99" in out and "fewer than declared: a run uses what there is" in out
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_z"]) == 2
     assert "no owner 'hospital_z' in the config" in capsys.readouterr().err
+
+
+def test_check_data_warns_an_owner_whose_usable_rows_hold_one_class(tmp_path, monkeypatch, capsys):
+    """The owner's own business, told only to it: a run trains on one class all the same (its
+    actors' data keep the run's class list, so nothing of it shows), but the owner should know."""
+    import pandas as pd
+
+    from conclave.actors.owners import OwnerSource
+    from conclave.cluster import cli
+
+    table = pd.read_csv(DATA / "hospital_b" / "records.csv")
+    table[table["diagnosis"] == "benign"].to_csv(tmp_path / "benign.csv", index=False)
+    table.iloc[:1].assign(diagnosis="unsure").to_csv(tmp_path / "unsure.csv", index=False)
+    monkeypatch.chdir(PROJECT_ROOT)
+    for name, status, warning in (("benign", 0, "warning: every usable row is of class 'benign': what your data "
+                                                "teaches a run is that class alone (none of 'malignant')"),
+                                  ("unsure", 1, "warning: no usable rows: a run goes on, and your data teaches "
+                                                "it nothing")):
+        raw = load_yaml(HOSPITALS)
+        raw["owners"][1]["data"]["path"] = str(tmp_path / f"{name}.csv")
+        config_file = tmp_path / f"{name}.yaml"
+        config_file.write_text(yaml.safe_dump(raw))
+        assert cli.main(["check-data", str(config_file), "--owner", "hospital_b"]) == status
+        assert warning in capsys.readouterr().out
+        owner = load_run_config(raw)[1].owners[1]
+        shards = OwnerSource(owner.name, owner.data, 10, ("benign", "malignant")).load(range(10))
+        assert {(part.num_classes, part.input_shape) for part in shards} == {(2, (30,))}
+    assert cli.main(["check-data", str(HOSPITALS), "--owner", "hospital_b"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def _knn_actor_says(owner, config, public):
+    """What a kNN shard actor of ``owner`` says (run in this process: the actor's class), after
+    checking that its distances to a few public queries are finite."""
+    import numpy as np
+
+    from conclave.actors.knn_votes import KnnShard
+    from conclave.actors.owners import OwnerSource
+    from conclave.cluster.owners import owner_data
+    from conclave.learning.embeddings import fit_embedding
+
+    embed = fit_embedding(config.knn.embedding, public.splits.public.x, config.knn.dims)
+    source = OwnerSource(owner.name, owner_data(owner, public.schema.columns, str(PROJECT_ROOT)), 2, public.classes,
+                         config.seed)
+    shard = KnnShard(source, 0, 2, embed, config.knn.k, config.knn.sample_rate, index=0)
+    distances, labels = shard.neighbours(embed(public.splits.test.x[:5]), 1)
+    assert np.isfinite(distances[labels >= 0]).all()
+    return shard.describe()
+
+
+def _dpsgd_actor_says(owner, config, public):
+    """What a DP-SGD shard actor of ``owner`` says (its class, in this process), after checking
+    that one epoch of DP-SGD on its records leaves finite weights."""
+    import numpy as np
+
+    from conclave.actors.dp_trainer import ModelSpec, OwnerShards, ShardHolder
+    from conclave.actors.owners import OwnerSource
+    from conclave.cluster.owners import owner_data
+    from conclave.learning.dp_schedule import DPSGDConfig
+    from conclave.privacy.noise import SECURE
+
+    source = OwnerSource(owner.name, owner_data(owner, public.schema.columns, str(PROJECT_ROOT)), 1, public.classes,
+                         config.seed)
+    spec = ModelSpec(config.model, len(public.classes), input_shape=public.schema.shape,
+                     standardiser=public.standardiser)
+    holder = ShardHolder(OwnerShards(source), [0], spec)
+    epoch = DPSGDConfig(epochs=1, batch_size=config.dpsgd.batch_size, lr=config.dpsgd.lr,
+                        max_grad_norm=config.dpsgd.max_grad_norm, noise_multiplier=config.dpsgd.noise_multiplier)
+    weights = holder.train_dp(epoch, SECURE, num_examples=owner.records)[-1].state
+    assert all(np.isfinite(w).all() for w in weights.values())
+    return holder.describe()
+
+
+@pytest.mark.parametrize("config, says", [(PROJECT_ROOT / "configs" / "hospitals-knn.yaml", _knn_actor_says),
+                                          (HOSPITALS_ACTIVE, _dpsgd_actor_says)], ids=["knn", "dpsgd"])
+def test_a_flawed_record_changes_nothing_an_owners_knn_or_dpsgd_actor_says(tmp_path, config, says):
+    """The kNN and DP-SGD pipelines read an owner's file in its actors as the teachers do
+    (``OwnerSource``). With the flawed files, and for an owner whose only record is flawed,
+    each owner's actor loads and says what it says with the example's (classes, input shape),
+    and what it computes from them stays finite."""
+    import dataclasses
+
+    import pandas as pd
+
+    from conclave.cluster.owners import PublicData
+
+    _, clean = load_run_config(load_yaml(config))
+    _, flawed = load_run_config(load_yaml(_flawed_config(tmp_path, config)))
+    public = PublicData.read(clean.public.anchored(str(PROJECT_ROOT)), clean.test.anchored(str(PROJECT_ROOT)),
+                             clean.classes)
+    pd.read_csv(DATA / "hospital_b" / "records.csv").iloc[:1].assign(mean_area=1e39).to_csv(
+        tmp_path / "one.csv", index=False)
+    nothing_usable = dataclasses.replace(clean.owners[1], data=dataclasses.replace(
+        clean.owners[1].data, path=str(tmp_path / "one.csv")))
+    for clean_owner, flawed_owner in [*zip(clean.owners, flawed.owners), (clean.owners[1], nothing_usable)]:
+        said = [says(owner, clean, public) for owner in (clean_owner, flawed_owner)]
+        assert [(info.num_classes, info.input_shape) for info in said] == [(2, (30,))] * 2, flawed_owner.data.path
 
 
 def test_teachers_keep_at_most_their_share_of_the_declared_records(ray_session):
