@@ -157,7 +157,8 @@ def test_one_edited_csv_line_changes_only_its_own_record(tmp_path, ending):
     lines = original.read_bytes().splitlines()
     base = records(DataSource("csv", str(original), label="kind").read(CLASSES))
     assert len(base) == ROWS
-    cases = [(f"{name} at record {r}", edit, outcome) for r in POSITIONS for name, (edit, outcome) in line_edits(r).items()]
+    cases = [(f"{name} at record {r}", edit, outcome)
+             for r in POSITIONS for name, (edit, outcome) in line_edits(r).items()]
     cases += [(name, edit, outcome) for name, (edit, outcome) in added_lines().items()]
     for i, (what, edit, outcome) in enumerate(cases):
         path = tmp_path / f"edit{i}.csv"
