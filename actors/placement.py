@@ -45,6 +45,14 @@ def _share(amount: float, parts: int) -> float:
     return math.floor(share) if share >= 1 else math.floor(share * 10_000) / 10_000
 
 
+def cpu_share(cpus: float, parts: int) -> float:
+    """``cpus`` split ``parts`` ways, rounded down to hundredths (below 0.01: to Ray's 0.0001): the
+    shares never add up to more than ``cpus``, and Ray's messages and ours show 0.33 CPU, not
+    0.3333333333333333."""
+    share = cpus / parts
+    return math.floor(100 * share) / 100 if share >= 0.01 else max(math.floor(10_000 * share) / 10_000, 0.0001)
+
+
 def require_node(what: str, cpus: float = 0.0, gpus: float = 0.0, resources: dict[str, float] | None = None,
                  labels: dict[str, str] | None = None) -> None:
     """Raise ``PlacementError`` unless some alive node has (in total) what ``what`` asks for."""
