@@ -41,9 +41,10 @@ import numpy as np
 import ray
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
-from conclave.actors.placement import Placement, require_node
+from conclave.actors.placement import Placement, cpu_share, require_node
 from conclave.learning.annotation import split_private_public
 from conclave.learning.data import Dataset, load_dataset, shard
 from conclave.learning.data.features import apply_features
@@ -52,6 +53,7 @@ from conclave.learning.dp_schedule import DPSGDConfig, dp_step_charge
 from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.secure_dpsgd import SecureGroup
+from conclave.progress import waiting
 from conclave.learning.models import build_model
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
@@ -64,6 +66,8 @@ from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
 
 log = logging.getLogger(__name__)
+
+PROGRESS_POLL_S = 1.0  # how often the driver asks rank 0 how many epochs it finished
 
 
 class ShardSource(Protocol):
@@ -163,6 +167,7 @@ class DataParallelGroup:
     owners: tuple[str, ...]
     public_keys: tuple[bytes, ...]  # every rank's secure-sum key, passed on through Ray
     timeout_s: float = 300.0
+    records: int | None = None  # public bound on this rank's examples, which sizes its padded batches
 
     @property
     def world(self) -> int:
@@ -221,6 +226,7 @@ class ShardHolder(ReleaseKeys):
         self._embeddings: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
         self._load_error: str | None = None
+        self._epochs_done = 0  # of the current ``train_dp``, for the driver's progress bar
         try:
             self._data = source.load(list(shard_ids))
         except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
@@ -240,27 +246,34 @@ class ShardHolder(ReleaseKeys):
             return f"tcp://{host}:{probe.getsockname()[1]}"
 
     def train_dp(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
-                 group: DataParallelGroup | None = None, recipe: TrainingRecipe | None = None,
-                 progress: bool = False) -> list[DPCheckpoint]:
+                 group: DataParallelGroup | None = None, recipe: TrainingRecipe | None = None) -> list[DPCheckpoint]:
         """DP-SGD on the held shards with the schedule of ``num_examples`` (declared, see the
         module docstring), alone or as one rank of ``group``; rank 0 returns one checkpoint
-        per epoch (the weights are DP output), the other ranks nothing."""
+        per epoch (the weights are DP output), the other ranks nothing. ``epochs_done`` says how
+        far it is, meanwhile."""
         recipe = recipe or self._spec
         if recipe is None:
             raise ValueError("nothing to train: this shard actor has no model spec, so give a recipe")
         model, masks = recipe.prepare()
         snapshots: list[dict[str, np.ndarray]] = []
         rank = group.rank if group else 0
+        self._epochs_done = 0
+
+        def on_epoch(epoch: int, epsilon: float) -> None:
+            # train_dp updates ``model``'s parameters in place, so a snapshot after each epoch
+            # is that epoch's DP model.
+            if rank == 0:
+                snapshots.append(_state_of(model))
+            self._epochs_done = epoch + 1
+
         if group is not None:
             self._join(group)
         try:
-            # train_dp updates ``model``'s parameters in place, so a snapshot after each epoch
-            # is that epoch's DP model.
             result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
-                              on_epoch=lambda epoch, eps: snapshots.append(_state_of(model)) if rank == 0 else None,
-                              progress=progress, num_examples=num_examples,
+                              on_epoch=on_epoch, num_examples=num_examples,
                               secure_group=None if group is None else SecureGroup(group.owners, self._mask_keys,
-                                                                                  group.public_keys))
+                                                                                  group.public_keys),
+                              records_held=None if group is None else group.records)
         finally:
             if group is not None:
                 torch.distributed.destroy_process_group()
@@ -270,6 +283,11 @@ class ShardHolder(ReleaseKeys):
         return [DPCheckpoint(epoch + 1, eps, config.delta, result.sample_rate, result.noise_multiplier,
                              steps_per_epoch * (epoch + 1), state, result.schedule.secure)
                 for epoch, (eps, state) in enumerate(zip(result.epsilons, snapshots))]
+
+    def epochs_done(self) -> int:
+        """Epochs of the running ``train_dp`` finished (public: the schedule's, and in a secure
+        sum each step's time is fixed by its padded batch, ``learning.secure_dpsgd``)."""
+        return self._epochs_done
 
     @staticmethod
     def _join(group: DataParallelGroup) -> None:
@@ -431,6 +449,9 @@ class ShardPlan:
     shard_ids: tuple[int, ...]
     placement: Placement = field(default_factory=Placement)
     num_actors_sharing: int = 1  # the owner's actors that split the placement's amounts
+    # Public: the most examples this actor can hold (its owner's declared records; None: the run's
+    # declared N). In a secure sum every step computes on a batch padded to a size set by it.
+    declared_records: int | None = None
 
 
 class ShardGroup:
@@ -444,18 +465,21 @@ class ShardGroup:
         if not plans:
             raise ValueError("a shard group needs at least one shard actor")
         # They train as one group, so all must run at once: no more CPU each than an even share.
-        num_cpus = min(num_cpus, float(ray.cluster_resources().get("CPU", 1.0)) / len(plans))
+        num_cpus = min(num_cpus, cpu_share(float(ray.cluster_resources().get("CPU", 1.0)), len(plans)))
         options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
         for plan, option in zip(plans, options):
             require_node(f"owner {plan.source.owner}'s DP-SGD", num_cpus, num_gpus,
                          option.get("resources"), option.get("label_selector"))
-        self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, **option).remote(
+        # Two calls at once: ``epochs_done`` is answered while ``train_dp`` runs.
+        self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, **option).remote(
                            plan.source, list(plan.shard_ids), model, torch_threads)
                        for plan, option in zip(plans, options)]
         owners = [plan.source.owner for plan in plans]
         self.owners = tuple(owners)  # each rank's owner
+        self._declared = tuple(plan.declared_records for plan in plans)
         # Fail rather than wait forever for actors that cannot start beside the others.
-        described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
+        with waiting("starting the shard actors (each loads its owner's data)"):
+            described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         if input_shape is not None and self.input_shape != tuple(input_shape):
             self.shutdown()
@@ -471,25 +495,33 @@ class ShardGroup:
     def train(self, config: DPSGDConfig, noise: NoisePolicy, num_examples: int,
               recipe: TrainingRecipe | None = None, progress: bool = False) -> list[DPCheckpoint]:
         """DP-SGD with the schedule of ``num_examples`` over all actors (data-parallel when
-        there are several); one checkpoint per epoch, oldest first."""
+        there are several); one checkpoint per epoch, oldest first. ``progress``: a bar of the
+        epochs rank 0 has finished (its actor answers ``epochs_done`` while it trains)."""
         if len(self.actors) == 1:
-            return ray.get(self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe, progress))
-        address = ray.get(self.actors[0].rendezvous.remote())
-        public_keys = fresh_public_keys(self.actors)
-        log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
-                 len(self.actors), address)
-        ranks = [actor.train_dp.remote(config, noise, num_examples,
-                                       DataParallelGroup(address, rank, self.owners, public_keys),
-                                       recipe, progress and rank == 0)
-                 for rank, actor in enumerate(self.actors)]
+            ranks = [self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe)]
+        else:
+            address = ray.get(self.actors[0].rendezvous.remote())
+            public_keys = fresh_public_keys(self.actors)
+            log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
+                     len(self.actors), address)
+            ranks = [actor.train_dp.remote(config, noise, num_examples,
+                                           DataParallelGroup(address, rank, self.owners, public_keys,
+                                                             records=self._declared[rank]), recipe)
+                     for rank, actor in enumerate(self.actors)]
         pending = list(ranks)
-        try:
-            while pending:  # the first failure raises at once instead of after the others time out
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
-        except ray.exceptions.RayError:
-            self._raise_dropout(ranks)
-            raise
+        with tqdm(total=config.epochs, desc="DP-SGD", unit="epoch", disable=not progress) as bar:
+            try:
+                while pending:  # the first failure raises at once instead of after the others time out
+                    done, pending = ray.wait(pending, num_returns=1, timeout=PROGRESS_POLL_S)
+                    if done:
+                        ray.get(done)
+                    if progress and pending:
+                        bar.update(ray.get(self.actors[0].epochs_done.remote()) - bar.n)
+            except ray.exceptions.RayError:
+                if len(ranks) > 1:
+                    self._raise_dropout(ranks)
+                raise
+            bar.update(config.epochs - bar.n)
         return ray.get(ranks[0])
 
     def _raise_dropout(self, ranks: list) -> None:

@@ -194,5 +194,5 @@ def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], see
     # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
     return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, columns, here), owner.actors, classes,
                                               seed, features)),
-                      (i,), owner.placement(embedded), owner.actors)
+                      (i,), owner.placement(embedded), owner.actors, owner.records)
             for owner in owners for i in range(owner.actors)]

@@ -44,8 +44,8 @@ from tqdm import tqdm
 from conclave.learning.bookkeeping import BookKeeping, private_optimizer
 from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  # torch-free: `conclave plan` uses it
 from conclave.learning.grad_sample_modes import PROBED, fastest_mode
-from conclave.learning.secure_dpsgd import (SecureAggregation, SecureGroup, SecureSumDPOptimizer, broadcast_parameters,
-                                   trainable_entries)
+from conclave.learning.secure_dpsgd import (PaddedPoissonBatches, SecureAggregation, SecureGroup, SecureSumDPOptimizer,
+                                            broadcast_parameters, trainable_entries)
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import NoiseSource
@@ -190,6 +190,7 @@ def train_dp(
     progress: bool = False,
     num_examples: int | None = None,
     secure_group: SecureGroup | None = None,
+    records_held: int | None = None,
 ) -> DPTrainResult:
     """Train ``model`` in place with DP-SGD on ``dataset`` (``.x`` float32 [n, ...], ``.y`` int64).
 
@@ -209,7 +210,10 @@ def train_dp(
     union of the batches is a Poisson sample of the union; the clipped sums are added up by
     secure aggregation with distributed Skellam noise (``learning.secure_dpsgd``), and every
     rank applies the same noised total divided by qN: central DP-SGD on the union, no rank
-    seeing another's clean sum, charged as the Poisson-subsampled Skellam mechanism.
+    seeing another's clean sum, charged as the Poisson-subsampled Skellam mechanism. Each step
+    computes on a batch padded to one public size (``secure_dpsgd.PaddedPoissonBatches``), so
+    when this rank reaches the all-reduce does not tell the others its batch; ``records_held``
+    (public: what this rank's owner declared; default ``num_examples``) sets that size.
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
@@ -233,6 +237,12 @@ def train_dp(
         probe_batch = min(max(1, round(sample_rate * schedule.num_examples)), 512)
         mode = fastest_mode(model, dataset.x.shape[1:], probe_batch, candidates, device)
     ghost = mode == "ghost"
+    padded = None
+    if data_parallel:  # every step of this rank on a batch of one public size (module secure_dpsgd, Timing)
+        padded = PaddedPoissonBatches(
+            torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long),
+            sample_rate, schedule.steps // config.epochs, records_held or schedule.num_examples,
+            torch_generator(noise), config.max_physical_batch_size)
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
@@ -316,7 +326,7 @@ def train_dp(
         optimizer.noise_multiplier = drawn
 
     dp_optimizer.attach_step_hook(count_step)
-    if config.max_physical_batch_size is not None:
+    if config.max_physical_batch_size is not None and padded is None:
         private_loader = wrap_data_loader(
             data_loader=private_loader, max_batch_size=config.max_physical_batch_size, optimizer=dp_optimizer
         )
@@ -324,27 +334,47 @@ def train_dp(
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     epsilons: list[float] = []
     epochs = tqdm(range(config.epochs), desc="DP-SGD", disable=not progress)
-    for epoch in epochs:
-        private_model.train()
-        for x, y in private_loader:
-            x, y = x.to(device), y.to(device)
+    weighted = nn.CrossEntropyLoss(reduction="none")
+
+    def step_padded(chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """One logical step on a padded batch: its chunks accumulate, the last one steps."""
+        for i, (x, y, weight) in enumerate(chunks):
             dp_optimizer.zero_grad()
-            # An empty Poisson batch still takes a (pure noise) step: skipping it would
-            # reveal that the batch was empty, and the accountant counts every step.
-            if len(y):
-                criterion(private_model(x), y).backward()
-            elif mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
-                for parameter in trainable:
-                    parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))
-            elif mode == "bk":  # the clipped sum of no examples
-                for parameter in trainable:
-                    parameter.grad = torch.zeros_like(parameter)
-            else:
-                (private_model(x).sum() * 0.0).backward()
+            if i < len(chunks) - 1:
+                dp_optimizer.signal_skip_step(True)
+            # Opacus scales a mean loss's per-example gradients by the rows: each row's is weight × its own.
+            (weighted(private_model(x.to(device)), y.to(device)) * weight.to(device)).mean().backward()
             taken = steps
             dp_optimizer.step()
-            if steps > taken:  # a logical step, not one physical chunk of a split batch
+            if steps > taken:
                 scheduler.step()
+
+    def step_loaded(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One step (or one physical chunk of a split one) on the loader's Poisson batch."""
+        x, y = batch[0].to(device), batch[1].to(device)
+        dp_optimizer.zero_grad()
+        # An empty Poisson batch still takes a (pure noise) step: skipping it would
+        # reveal that the batch was empty, and the accountant counts every step.
+        if len(y):
+            criterion(private_model(x), y).backward()
+        elif mode == "ew":  # expanded weights refuse a batch of 0: no per-example gradients
+            for parameter in trainable:
+                parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))
+        elif mode == "bk":  # the clipped sum of no examples
+            for parameter in trainable:
+                parameter.grad = torch.zeros_like(parameter)
+        else:
+            (private_model(x).sum() * 0.0).backward()
+        taken = steps
+        dp_optimizer.step()
+        if steps > taken:  # a logical step, not one physical chunk of a split batch
+            scheduler.step()
+
+    batches, take_step = (padded, step_padded) if padded is not None else (private_loader, step_loaded)
+    for epoch in epochs:
+        private_model.train()
+        for batch in batches:
+            take_step(batch)
         if not data_parallel:
             epsilons.append(float(engine.get_epsilon(config.delta)))
         else:  # Opacus's accountant knows only the Gaussian

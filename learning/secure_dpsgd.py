@@ -32,9 +32,23 @@ at Δ₂ = Δ₁ = 21. ``learning.dp_schedule.secure_charge`` charges that domin
 ledger can be charged before training, from the config alone, and never less than any plan costs.
 
 Only ``grad_sample_mode`` hooks is supported here (per-example gradients, masks before clipping).
+
+Timing. The all-reduce is a rendezvous: each rank sees when the others reach it. A rank that
+computed on its own Poisson batch would reach it after a time that grows with that batch, a
+secret draw whose mean is q·(its records). So every step of every rank computes on a batch of
+one public size (``PaddedPoissonBatches``): its sampled examples followed by padding rows of
+weight 0, whose per-example gradients are exactly 0 (so they add nothing to the clipped sum),
+``padded_batch_size`` rows in all — the size a Poisson batch of the rank's declared records
+passes with probability at most ``OVERFLOW`` per step. The inclusion draws run over the declared
+records too. The arithmetic is the same for every batch, so when a rank reaches the all-reduce
+depends on its hardware and load, not on its records. Only a batch past the padded size (at most
+``OVERFLOW`` per step, or an owner holding more records than it declared) takes a second chunk,
+and so longer.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +96,56 @@ class SecureAggregation:
                             dimension=self.dimension, owners=self.owners, norm_bound=max_grad_norm * num_examples,
                             noise_multiplier=noise_multiplier, integer_inputs=False, what="secure DP-SGD",
                             sensitivity=max_grad_norm, rounds=max(steps, 1))
+
+
+OVERFLOW = 1e-9  # the chance per step that a rank's Poisson batch passes its padded size
+
+
+def padded_batch_size(records: int, sample_rate: float, overflow: float = OVERFLOW) -> int:
+    """The rows each step of a rank computes on: a Poisson batch of ``records`` examples (public:
+    declared) at rate ``sample_rate`` passes it with probability at most ``overflow``."""
+    from scipy.stats import binom
+
+    return max(1, int(binom.isf(overflow, records, sample_rate)))
+
+
+class PaddedPoissonBatches:
+    """One rank's Poisson batches for ``steps`` steps, each as the same number of chunks of
+    ``rows`` (≤ ``max_rows``) inputs, labels and weights: the sampled examples (weight 1), then
+    padding rows (index 0, weight 0). Each example is included with probability ``sample_rate``,
+    drawn from ``generator``; the draws cover ``records`` (public, declared) entries, of which
+    the examples held are the first, so neither their cost nor the batch's shape depends on how
+    many are held (module docstring, Timing)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sample_rate: float, steps: int, records: int,
+                 generator: torch.Generator, max_rows: int | None = None) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"dataset needs matching x and y (got {len(x)} and {len(y)})")
+        self.held = len(y)
+        if not self.held:  # a zero row to pad with, never sampled
+            x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
+        self.x, self.y = x, y
+        self.sample_rate, self.steps, self.generator = sample_rate, steps, generator
+        self.draws = max(records, self.held)
+        padded = padded_batch_size(records, sample_rate)
+        self.rows = min(padded, max_rows) if max_rows else padded
+        self.chunks = math.ceil(padded / self.rows)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        for _ in range(self.steps):
+            included = torch.rand(self.draws, generator=self.generator) < self.sample_rate
+            included[self.held:] = False
+            chosen = included.nonzero().flatten()
+            chunks = max(self.chunks, math.ceil(len(chosen) / self.rows))  # more only past the padded size
+            index = torch.zeros(chunks * self.rows, dtype=torch.long)
+            weight = torch.zeros(chunks * self.rows)
+            index[:len(chosen)], weight[:len(chosen)] = chosen, 1.0
+            x, y = self.x[index], self.y[index]
+            yield [(x[i:i + self.rows], y[i:i + self.rows], weight[i:i + self.rows])
+                   for i in range(0, len(index), self.rows)]
 
 
 def trainable_entries(model: nn.Module, masks: dict[str, torch.Tensor]) -> int:

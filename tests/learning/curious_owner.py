@@ -30,7 +30,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    seen: dict[str, list[np.ndarray]] = {"quantized": [], "noise": [], "share": [], "total": []}
+    seen: dict[str, list[np.ndarray]] = {"quantized": [], "noise": [], "share": [], "total": [], "rows": []}
 
     def keep(name, function):
         def wrapped(*args, **kwargs):
@@ -51,6 +51,8 @@ def run_rank(rank: int, port: int, out: str) -> None:
 
     secure.dist.all_reduce = observed_all_reduce
     model = nn.Linear(3, 2)
+    # How many inputs each forward pass computes on: what the time to reach the all-reduce follows.
+    model.register_forward_pre_hook(lambda module, inputs: seen["rows"].append(np.array(len(inputs[0]))))
     torch.manual_seed(0)
     nn.init.normal_(model.weight, std=0.1)
     nn.init.zeros_(model.bias)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import socket
 
 import numpy as np
+import pytest
+import torch
 import torch.multiprocessing as mp
 
+from conclave.learning.secure_dpsgd import PaddedPoissonBatches, padded_batch_size
 from tests.learning.curious_owner import RECORD_B, run_rank
 
 
@@ -52,6 +55,63 @@ def test_a_curious_owner_holds_only_the_noised_total_of_the_other_owners_clipped
         errors.append(np.linalg.norm(guess - RECORD_B[0]) / np.linalg.norm(RECORD_B[0]))
     assert np.median(errors) > 0.5
 
+    # Both owners compute every step on batches of one public size, though A holds 40 records and
+    # B one: when each reaches the all-reduce does not follow its secret Poisson batch.
+    assert len(a["rows"]) == len(b["rows"]) == steps
+    assert set(a["rows"].tolist()) == set(b["rows"].tolist()) == {padded_batch_size(41, 1 / 5)}
+
     # What each rank sends is uniform on the ring whatever its value.
     shares = np.concatenate([a["share"].ravel(), b["share"].ravel()]).astype(np.float64) / modulus
     assert 0 <= shares.min() and shares.max() < 1 and abs(shares.mean() - 0.5) < 0.1
+
+
+@pytest.mark.parametrize("max_rows", [None, 7])
+def test_every_step_computes_on_the_same_padded_shape_whatever_the_rank_holds(max_rows):
+    shapes, states = set(), set()
+    for held in (0, 1, 40):
+        generator = torch.Generator().manual_seed(5)
+        x, y = torch.randn(held, 3), torch.arange(held) % 2
+        batches = PaddedPoissonBatches(x, y, 0.2, steps=30, records=41, generator=generator, max_rows=max_rows)
+        for chunks in batches:
+            shapes.add(tuple((tuple(cx.shape), tuple(cy.shape), tuple(w.shape)) for cx, cy, w in chunks))
+            weight = torch.cat([w for _, _, w in chunks])
+            rows = torch.cat([cx for cx, _, _ in chunks])[weight == 1]
+            assert len(rows) <= held and len({tuple(r.tolist()) for r in rows}) == len(rows)  # held, distinct
+            assert torch.all(weight[int(weight.sum()):] == 0)  # the sampled examples first, then padding
+        states.add(generator.get_state().numpy().tobytes())  # as many draws for 0, 1 or 40 held
+    padded = padded_batch_size(41, 0.2)
+    rows = min(padded, max_rows or padded)
+    assert shapes == {tuple(((rows, 3), (rows,), (rows,)) for _ in range(-(-padded // rows)))}
+    assert len(states) == 1
+
+
+def test_a_batch_past_the_padded_size_takes_more_chunks_and_keeps_every_example():
+    # Only an owner holding more than it declared (or a draw of probability <= OVERFLOW) gets here.
+    batches = PaddedPoissonBatches(torch.randn(40, 3), torch.zeros(40, dtype=torch.long), 1.0, steps=1,
+                                   records=5, generator=torch.Generator().manual_seed(0))
+    [chunks] = list(batches)
+    assert sum(int(w.sum()) for _, _, w in chunks) == 40 and len(chunks) == 8
+
+
+def test_padding_rows_add_nothing_to_the_clipped_sum_and_the_sampled_rows_keep_their_own():
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from torch import nn
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3) * 3, torch.tensor([0, 1, 1, 0])
+    model = GradSampleModule(nn.Linear(3, 2))
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+                            expected_batch_size=4)
+
+    def clipped_sum(inputs, labels, weight):
+        optimizer.zero_grad()
+        (nn.CrossEntropyLoss(reduction="none")(model(inputs), labels) * weight).mean().backward()
+        optimizer.clip_and_accumulate()
+        return [p.summed_grad.clone() for p in optimizer.params]
+
+    plain = clipped_sum(x, y, torch.ones(4))
+    padded = clipped_sum(torch.cat([x, torch.zeros(5, 3)]), torch.cat([y, torch.zeros(5, dtype=torch.long)]),
+                         torch.cat([torch.ones(4), torch.zeros(5)]))
+    for a, b in zip(plain, padded):
+        torch.testing.assert_close(a, b)
