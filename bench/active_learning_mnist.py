@@ -40,7 +40,7 @@ from conclave.cluster.pipelines import RunContext, pipeline_module  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
 from conclave.cluster.run_command import load_run_config  # noqa: E402
 
-from bench.soundness import run_reasons, soundness  # noqa: E402
+from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 
 log = logging.getLogger("bench.active_learning_mnist")
 
@@ -115,6 +115,7 @@ def main() -> int:
         runs = {f"{kind}/{name}": run for kind in MODES if kind in everything
                 for name, run in everything[kind]["runs"].items()}
         everything.update(soundness(run_reasons(runs)))
+        everything.update(timed_on("MNIST, its training split in the private role"))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(everything, indent=2, sort_keys=True, default=str) + "\n")
 

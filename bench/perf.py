@@ -69,7 +69,7 @@ from torch import nn  # noqa: E402
 from conclave.learning.grad_sample_modes import PROBED as DPSGD_MODES  # noqa: E402  Opacus's ways to clip per example
 from conclave.privacy.noise import SECURE  # noqa: E402
 
-from bench.soundness import soundness  # noqa: E402
+from bench.soundness import soundness, timed_on  # noqa: E402
 
 log = logging.getLogger("bench.perf")
 
@@ -575,7 +575,8 @@ def main() -> int:
         "teacher_pool": lambda: bench_teacher_pool(1 if args.quick else 3, args.quick),
         "end_to_end": lambda: bench_end_to_end(100 if args.quick else 500, args.quick),
     }
-    results: dict = {"benchmark": "perf", **soundness([SECURE.unsound_reason]), "quick": args.quick,
+    results: dict = {"benchmark": "perf", **soundness([SECURE.unsound_reason]),
+                     **timed_on("scikit-learn's digits, MNIST and random tensors"), "quick": args.quick,
                      "thread_settings": thread_settings(),
                      "gpu": {"available": torch.cuda.is_available(),
                              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}

@@ -23,3 +23,12 @@ def run_reasons(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return [f"{name}: {reason}" for name, run in runs.items() if not run["sound"]
             # a run merged from a file written before runs listed their reasons
             for reason in run.get("unsound_reasons") or ["its report says sound: false"]]
+
+
+def timed_on(data: str) -> dict[str, str]:
+    """``{"timings": ...}``: the statement a benchmark file carries when it publishes seconds or
+    rates. Runs on an owner's records publish none (how long private work takes grows with the
+    records, docs/privacy.md); a benchmark may time the same code on public stand-in data, and
+    says which."""
+    return {"timings": f"measured on public stand-in data ({data}); a run on an owner's records publishes "
+                       "no timing of its private work"}

@@ -53,7 +53,7 @@ from conclave.privacy.accounting.guarantee import worst_case_guarantee  # noqa: 
 from conclave.privacy.accounting.rdp import sum_charges  # noqa: E402
 from conclave.privacy.noise import SECURE  # noqa: E402
 
-from bench.soundness import soundness  # noqa: E402
+from bench.soundness import soundness, timed_on  # noqa: E402
 
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 OUTPUT = ROOT / "results" / "bench" / "sparse_finetune.json"
@@ -118,7 +118,8 @@ def summarize(setting: dict, runs: list[dict], planned: int, sigma: float, noise
     pairs = [(a, c) for a, c in zip(table["all"], table["classifier"]) if a is not None and c is not None]
     gaps = [a - c for a, c in pairs]
     return {
-        "benchmark": "sparse_finetune", **soundness(guarantee["unsound_reasons"]), "setting": setting,
+        "benchmark": "sparse_finetune", **soundness(guarantee["unsound_reasons"]),
+        **timed_on("MNIST, digits 5-9 in the private role"), "setting": setting,
         "thread_settings": thread_settings(), "complete": len(runs) == planned, "guarantee_all_runs": guarantee,
         "paper_table3_cifar10": PAPER, "accuracy_by_variant": table,
         "direction": {

@@ -43,7 +43,7 @@ from conclave.learning.data.dataset import record_hashes  # noqa: E402
 from conclave.privacy.mechanisms import ABSTAIN, Stability  # noqa: E402
 from conclave.privacy.noise import SECURE  # noqa: E402
 
-from bench.soundness import soundness  # noqa: E402
+from bench.soundness import soundness, timed_on  # noqa: E402
 
 log = logging.getLogger("bench.stability_ensemble_size")
 
@@ -154,6 +154,7 @@ def main() -> int:
 
     out = {
         "benchmark": "stability_ensemble_size", **soundness([*UNSOUND_REASONS, SECURE.unsound_reason]),
+        **timed_on("MNIST"),
         "quick": args.quick, "thread_settings": thread_settings(), "epsilon": EPSILON, "delta": DELTA,
         "queries": queries_count, "runs_per_cap": runs, "caps": CAPS,
         "teachers_model": "1-nearest-neighbour on 40 PCA components fitted on public MNIST test images",

@@ -74,5 +74,5 @@ def main(args: argparse.Namespace) -> int:
         results.write_json("audit", result.as_dict())
     bound, guarantee = result.bound, result.guarantee
     print(f"audit: ε ≥ {bound.epsilon:.3f} at {bound.confidence:.0%} (m={bound.m}, r={bound.r}, v={bound.v}) "
-          f"under guarantee ε = {guarantee.epsilon:.3f}; {result.seconds:.0f} s")
+          f"under guarantee ε = {guarantee.epsilon:.3f}")
     return 0

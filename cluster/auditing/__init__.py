@@ -63,7 +63,8 @@ class SecretInclusion:
 @dataclass(frozen=True)
 class AuditResult:
     """What ``conclave audit`` writes to ``audit.json``: the lower bound beside the guarantee it
-    sits under, how it was obtained, and how long it took."""
+    sits under and how it was obtained. Not how long it took: the audit trains on the owners'
+    records, so its time grows with them (docs/privacy.md)."""
 
     pipeline: str
     run_name: str
@@ -72,7 +73,6 @@ class AuditResult:
     canaries: int
     guesses: int
     correct: int
-    seconds: float
     method: str  # what was audited and how each canary was scored, one line
     unsound_reasons: tuple[str, ...] = ()
 
@@ -90,7 +90,7 @@ class AuditResult:
                                 "delta": self.bound.delta, "theorem": self.bound.theorem},
                 "guarantee": self.guarantee.as_dict(), "below_guarantee": self.below_guarantee,
                 "canaries": self.canaries, "guesses": self.guesses, "correct": self.correct,
-                "seconds": self.seconds, "method": self.method,
+                "method": self.method,
                 "sound": self.sound, "unsound_reasons": list(self.unsound_reasons)}
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +161,6 @@ def audit(config: Config, settings: AuditSettings) -> AuditResult:
         raise ValueError("checkpoints_from: an audit trains its own DP-SGD run with the canaries; remove it")
     if settings.broken_noise is not None and config.secure_training:
         raise ValueError("broken_noise scales Opacus's Gaussian noise; this config trains through the secure sum")
-    started = time.perf_counter()
     run_name = f"{config.name}-audit"
     policy = config.privacy.noise
     if settings.broken_noise is not None:
@@ -212,5 +210,5 @@ def audit(config: Config, settings: AuditSettings) -> AuditResult:
     guarantee = report.guarantee.marked(unsound)
     bound = epsilon_lower_bound(m, r, correct, guarantee.delta, settings.confidence)
     holder_name = f"owner {holder.source.owner}'s data" if config.owners else "the private split"
-    return AuditResult(PIPELINE, run_name, bound, guarantee, m, r, correct, time.perf_counter() - started,
-                       METHOD.format(holder=holder_name), unsound)
+    return AuditResult(PIPELINE, run_name, bound, guarantee, m, r, correct, METHOD.format(holder=holder_name),
+                       unsound)

@@ -67,7 +67,6 @@ import logging
 import math
 import secrets
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,7 +436,6 @@ def audit(config: Config, settings: AuditSettings) -> AuditResult:
                          f"and {settings.guesses}")
     if settings.broken_noise is not None and config.secure:
         raise ValueError("broken_noise scales the aggregator's noise; with aggregation: secure the teachers draw it")
-    started = time.perf_counter()
     public = checked_public(config)
     config = resolved(config, public)
     pool_size = len(public.splits.public)
@@ -476,8 +474,7 @@ def audit(config: Config, settings: AuditSettings) -> AuditResult:
     guarantee = report.guarantee.marked(unsound)
     bound = epsilon_lower_bound(m, r, correct, guarantee.delta, settings.confidence)
     method = METHOD.format(m=m, canary=design.canary_voters, third=design.third_voters, hosts=design.hosts)
-    return AuditResult(PIPELINE, audited.name, bound, guarantee, m, r, correct, time.perf_counter() - started,
-                       method, unsound)
+    return AuditResult(PIPELINE, audited.name, bound, guarantee, m, r, correct, method, unsound)
 
 
 def ask_canaries(config: Config, public: PublicData, embedded: bool, shares: Sequence[Share],

@@ -75,14 +75,15 @@ def test_conclave_audit_writes_audit_json_and_prints_one_line(ray_session, tmp_p
     assert code == 0, captured.err[-2000:]
     audit = json.loads((tmp_path / "cli-audit" / "audit.json").read_text())
     assert {"pipeline", "run_name", "lower_bound", "guarantee", "below_guarantee", "canaries", "guesses", "correct",
-            "seconds", "method", "sound", "unsound_reasons"} <= set(audit)
+            "method", "sound", "unsound_reasons"} <= set(audit)
+    assert "seconds" not in audit  # the audit trains on the owners' records: its time grows with them
     assert audit["pipeline"] == "active_learning" and audit["run_name"] == "cli-audit"
     assert (audit["canaries"], audit["guesses"]) == (40, 10) and 0 <= audit["correct"] <= 10
     assert audit["lower_bound"]["confidence"] == 0.95 and audit["lower_bound"]["delta"] == 1e-5
-    assert audit["sound"] and audit["seconds"] > 0
+    assert audit["sound"]
     assert audit["below_guarantee"] or audit["correct"] == 10  # the audit's own false alarm: < 1e-3 here
     assert out == [f"audit: ε ≥ {audit['lower_bound']['epsilon']:.3f} at 95% (m=40, r=10, v={audit['correct']}) "
-                   f"under guarantee ε = {audit['guarantee']['epsilon']:.3f}; {audit['seconds']:.0f} s"]
+                   f"under guarantee ε = {audit['guarantee']['epsilon']:.3f}"]
     assert not list(tmp_path.glob("cli/*")) and not list(tmp_path.glob("**/ledger.sqlite"))  # no ledger kept
 
 
