@@ -45,7 +45,7 @@ from conclave.learning.data.features import apply_features, batch_transform
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.embeddings import NetworkEmbedding
 from conclave.learning.label_propagation import LabelPropagationConfig, propagate
-from conclave.learning.models import build_model
+from conclave.learning.models import build_model, model_label
 from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
 from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
@@ -63,7 +63,7 @@ class Student:
     Args:
         public: the unlabeled pool (its ``y`` only measures label accuracy).
         test: held-out split the student is evaluated on.
-        model_name: a ``learning.models.build_model`` name.
+        model_name: a ``learning.models.build_model`` name, or the factory itself.
         train: how each student model is trained (``train.seed`` seeds its initial weights).
         client_factory: builds a connected aggregator client (``label_reply``, ``budget``,
             ``is_budget_refusal``, ``close``: ``cluster.client.AggregatorClient``).
@@ -80,7 +80,7 @@ class Student:
         self,
         public: Dataset,
         test: Dataset,
-        model_name: str,
+        model_name: str | Callable[..., Any],
         train: TrainConfig,
         client_factory: Callable[[], Any],
         num_threads: int | None = None,
@@ -119,8 +119,6 @@ class Student:
         self._round: list[int] = []  # chosen for the current round, not asked yet
         self._rng = np.random.default_rng(selection.seed)
         self.exhausted = False  # the aggregator refused: no budget left
-        self.query_seconds = 0.0
-        self.selection_seconds = 0.0
         self.snapshots: list[dict[str, Any]] = []
         self._client: Any = None
         self._last_model: torch.nn.Module | None = None  # the last fit_and_evaluate's (``network``)
@@ -156,7 +154,6 @@ class Student:
         stops = sorted({c for c in checkpoints if 0 < c < num_queries} | {num_queries})
         if self._client is None:
             self._client = self.client_factory()
-        started = time.perf_counter()
         calls = 0
         budget: dict[str, Any] | None = None  # read before the first call, then each reply's (the budget after it)
         with tqdm(total=num_queries, initial=self.asked, desc="student queries", unit="query",
@@ -199,7 +196,6 @@ class Student:
                     self.snapshots.append(self._snapshot(self._client.budget()))
                 if self.asked < stop:
                     break
-        self.query_seconds += time.perf_counter() - started
         return self.summary()
 
     # ---- which inputs to ask ----
@@ -207,9 +203,7 @@ class Student:
     def _next_batch(self, count: int) -> np.ndarray:
         """The next ``count`` pool indices to ask: from the current round, choosing a new one when it is spent."""
         if not self._round:
-            started = time.perf_counter()
             self._round = self._choose_round().tolist()
-            self.selection_seconds += time.perf_counter() - started
         chosen, self._round = self._round[:count], self._round[count:]
         return np.asarray(chosen, dtype=np.int64)
 
@@ -248,16 +242,13 @@ class Student:
         return first[self.labels[first] != ABSTAIN]
 
     def summary(self) -> dict[str, Any]:
-        """What the queries so far gave: counts, label accuracy, speed and the checkpoints."""
-        seconds = self.query_seconds
+        """What the queries so far gave: counts, label accuracy and the checkpoints. No time: how
+        long the aggregator took to answer grows with the voters' private records (kNN votes)."""
         return {
             "asked": self.asked,
             "answered": len(self._answered(self.asked)),
             "budget_exhausted": self.exhausted,
             "label_accuracy": self.label_accuracy(),
-            "query_seconds": seconds,
-            "selection_seconds": self.selection_seconds,
-            "labels_per_second": self.asked / seconds if seconds > 0 else math.nan,
             "checkpoints": list(self.snapshots),
         }
 
@@ -304,6 +295,7 @@ class Student:
                 result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds
                 model = self._fit_fresh(training, progress)
                 result["pseudo_labelled"] = int(len(confident))
+        # Post-processing of released labels and public inputs: its time says nothing more of the records.
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
         self._last_model = model
@@ -316,7 +308,7 @@ class Student:
         if self._last_model is None or self.standardiser is not None:
             return None
         state = {k: v.detach().cpu().numpy() for k, v in self._last_model.state_dict().items()}
-        return NetworkEmbedding(self.model_name, self.public.num_classes, tuple(self.test.input_shape), self.features,
+        return NetworkEmbedding(model_label(self.model_name), self.public.num_classes, tuple(self.test.input_shape), self.features,
                                 state)
 
     def _fit_propagated_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

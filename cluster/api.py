@@ -18,15 +18,22 @@ nothing: it starts kNN actors on the owners' nodes, and the records vote themsel
 Each step returns a typed result; the steps live in ``cluster.teaching`` (config, ensemble,
 aggregation, student) and this module is their one import point, as it is for the other two
 pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``ActiveLearningResult``
-and ``finetune_sparsely(SparseConfig(...), results)`` → ``SparseResult``. ``conclave run``
+(its sections: ``ActiveLearningData``, ``ActiveLearningDPSGD``, ``SelectionConfig``,
+``FinetuneConfig``, ``AnnotatorConfig``) and ``finetune_sparsely(SparseConfig(...), results)`` →
+``SparseResult``. A model may be a ``learning.models`` name, ``"module:function"``, or the factory
+itself (``TeachersConfig(model=my_factory)``): Ray sends a function of the script that runs by
+value and ships the package of any other (``cluster.ray_runtime.with_models``). ``conclave run``
 (``cluster.pipelines.teacher_student``), ``conclave serve``, the tuning trainables and the
 benchmarks are clients of these functions.
 ``examples/hospitals/library.py`` is the runnable version of the lines above.
 """
 from __future__ import annotations
 
-from conclave.cluster.active_learning import ActiveLearningResult, learn_actively
+from conclave.cluster.active_learning import ActiveLearningResult, AnnotatorConfig, FinetuneConfig, SelectionConfig
 from conclave.cluster.active_learning import Config as ActiveLearningConfig
+from conclave.cluster.active_learning import DataConfig as ActiveLearningData
+from conclave.cluster.active_learning import DPSGDSection as ActiveLearningDPSGD
+from conclave.cluster.active_learning import learn_actively
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
 from conclave.cluster.sparse_finetuning import Config as SparseConfig
@@ -41,7 +48,8 @@ from conclave.learning.data.sources import DataSource
 from conclave.learning.train_config import TrainConfig
 
 __all__ = [
-    "ActiveLearningConfig", "ActiveLearningResult", "RunDirectory", "SparseConfig", "SparseResult",
+    "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",
+    "FinetuneConfig", "SelectionConfig", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
     "Aggregator", "Config", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainConfig", "serve", "train_ensemble",

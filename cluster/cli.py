@@ -47,6 +47,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Ray's notice that token authentication is on (its 2.60 default), logged at every start: the
+# docs say it once (docs/cluster-and-tuning.md); -v shows it again.
+QUIETED = ("ray._private.authentication.authentication_token_setup",)
+
+
 def _selected_command(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not args.verbose:
+        for name in QUIETED:
+            logging.getLogger(name).setLevel(logging.ERROR)
     return int(args.handler(args) or 0)
 
 

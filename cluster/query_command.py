@@ -2,7 +2,10 @@
 
 Prints one label per line on stdout (-1 = the teachers abstained, or no label: refused or not
 asked) and a one-line budget summary on stderr; ``--json`` prints labels, counts and the budget
-as one JSON object. The server answers a batch up to what the budget pays and marks the rest
+as one JSON object. Labels travel as class indices; ``--config`` (the run config the server was
+started with) prints the class names instead — the config's ``classes``, else its test labels',
+read here as the server reads them (public data) — and ``--json`` then adds ``classes`` and
+``names``. The server answers a batch up to what the budget pays and marks the rest
 refused. When a call fails (the budget refuses a whole batch, or any other error) the query
 stops there, still writes every label it got (one line per input), and says on stderr, in one
 line, why it stopped. Exit status: 0 answered, 1 the server refused (status code and reason on
@@ -36,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="inputs per request (default 256)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a single request")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of one label per line")
+    parser.add_argument("--config", default=None,
+                        help="the config the server runs (conclave serve CONFIG): print its class names, not indices")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -54,6 +59,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"conclave query: {args.inputs} has dtype {inputs.dtype}; expected floats scaled like the training data", file=sys.stderr)
         return 2
 
+    try:
+        classes = None if args.config is None else class_names(args.config)
+    except (ValueError, OSError) as err:  # ConfigError is a ValueError
+        print(f"conclave query: --config {args.config}: {str(err).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
     token = args.token or os.environ.get(TOKEN_ENV) or None
     batches = [inputs[start : start + args.batch_size] for start in range(0, len(inputs), args.batch_size)]
     labels = np.full(len(inputs), -1, dtype=np.int64)  # -1 until answered
@@ -92,9 +102,11 @@ def main(args: argparse.Namespace) -> int:
 
     labelled = int((labels >= 0).sum())
     abstained = done - labelled - int(refused[:done].sum())
+    names = None if classes is None else [_name(classes, label) for label in labels.tolist()]
     if args.json:
         print(json.dumps({
             "labels": labels.tolist(),
+            **({} if classes is None else {"classes": list(classes), "names": names}),
             "answered": labelled,
             "abstained": abstained,
             "budget_refused": int(refused.sum()),
@@ -103,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
             "budget": None if budget is None else _finite_or_text(budget),
         }))
     else:
-        print("\n".join(str(label) for label in labels.tolist()))
+        shown = labels.tolist() if names is None else [n if n is not None else -1 for n in names]
+        print("\n".join(str(label) for label in shown))
         print(f"labelled {labelled} of {len(labels)} inputs ({abstained} abstained"
               f"{f', {int(refused.sum())} refused: privacy budget spent' if refused.any() else ''})"
               f"{'' if budget is None else '; ' + _budget_line(budget)}", file=sys.stderr)
@@ -112,6 +125,28 @@ def main(args: argparse.Namespace) -> int:
               "them costs nothing: the server keeps its answers)", file=sys.stderr)
         return status
     return 3 if refused.any() else 0
+
+
+def class_names(config_path: str) -> tuple[str, ...] | None:
+    """The class names of the run config at ``config_path``, in the order of the indices the
+    server answers with: its ``classes``, else its test labels' (``PublicData.read``, as the
+    server reads them); None for a benchmark's data, whose class index is its name."""
+    from conclave.cluster.config import ConfigError, load_yaml
+    from conclave.cluster.owners import PublicData
+    from conclave.cluster.run_command import load_run_config
+
+    pipeline, config = load_run_config(load_yaml(config_path))
+    if pipeline != "teacher_student":
+        raise ConfigError(f"a {pipeline} run serves no labels; conclave serve runs teacher_student configs")
+    if config.classes:
+        return tuple(config.classes)
+    if not config.owners:
+        return None
+    return PublicData.read(config.public, config.test, None).classes
+
+
+def _name(classes: tuple[str, ...], label: int) -> str | None:
+    return classes[label] if 0 <= label < len(classes) else None
 
 
 def _budget_line(budget: dict) -> str:

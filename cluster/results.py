@@ -37,6 +37,8 @@ def _jsonable(value: Any) -> Any:
         return str(value)
     if isinstance(value, float) and not np.isfinite(value):
         return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if callable(value):  # a user's model factory given to the library: its import path
+        return f"{getattr(value, '__module__', None) or '?'}:{getattr(value, '__qualname__', type(value).__name__)}"
     return value
 
 
@@ -63,12 +65,17 @@ class RunDirectory:
     def staged(cls, root: str | Path, run_name: str) -> Iterator[RunDirectory]:
         """A run's folder that takes the place of ``root/run_name``'s outputs only if the run
         finishes: on an exception the staging folder is removed and the results folder is as it was
-        (its durable ledger keeps what the failed run was charged)."""
+        (its durable ledger keeps what the failed run was charged); one this run made and left
+        empty is removed, so a refused run leaves no folder behind."""
+        made = [folder for folder in (Path(root) / run_name, *(Path(root) / run_name).parents) if not folder.exists()]
         directory = cls(root, run_name, staging=True)
         try:
             yield directory
         except BaseException:
             shutil.rmtree(directory.path, ignore_errors=True)
+            for folder in made:  # deepest first; only while empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             raise
         directory._publish()
 

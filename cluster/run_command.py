@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     except TrackingFailed as err:
         print(f"conclave: {err}", file=sys.stderr)
         return EXIT_CODES["tracking"]
-    started, wall_started = time.perf_counter(), time.time()
+    started = time.time()  # the only time the run publishes: taken before anything private is read
     try:
         with RunDirectory.staged(args.results_dir, run_name) as results:
             results.write_json("config", {"pipeline": pipeline, **_as_dict(config)})
@@ -91,13 +91,13 @@ def main(args: argparse.Namespace) -> int:
         log.debug("run '%s' failed", run_name, exc_info=True)
         print(f"conclave: {line}", file=sys.stderr)
         return EXIT_CODES[kind]
-    elapsed = time.perf_counter() - started
-    print(f"\n{pipeline} run '{run_name}' finished in {elapsed:.0f} s; results in {results.path}/")
+    # No run time: it grows with the owners' records (docs/privacy.md, Timing).
+    print(f"\n{pipeline} run '{run_name}' finished; results in {results.path}/")
     for key, value in summary.items():
         print(f"  {key}: {value}")
     if tracker is not None:
         try:
-            run_id = tracker.log_run(results.path, run_name, wall_started, time.time())
+            run_id = tracker.log_run(results.path, run_name, started, module.unused_settings(config))
         except TrackingFailed as err:
             print(f"conclave: run '{run_name}' finished and its results are in {results.path}/, but {err}",
                   file=sys.stderr)

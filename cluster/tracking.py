@@ -13,10 +13,14 @@ Tune's ``MLflowLoggerCallback``. A random-repetition sweep must keep its number 
 secret (``tuning.sweep``), so it logs the summary run alone, made after the sweep with every
 time in it set to the time the trials started, as its results folder's files are.
 
-Where: ``tracking_uri`` (any MLflow URI), by default a file store at ``<results-dir>/mlruns``.
-MLflow 3's default store is SQLite, which needs SQLAlchemy (not part of ``mlflow-skinny``), and
-it refuses its file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set: a file store used here is
-opted in for this process.
+Where: ``tracking_uri`` (any MLflow URI), by default SQLite at ``<results-dir>/mlflow.db`` with
+the artefacts beside it in ``<results-dir>/mlartifacts`` (the ``tracking`` extra brings
+SQLAlchemy and Alembic, which ``mlflow-skinny`` leaves out), so MLflow's own client reads it
+back as it is (MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set: a
+``file:`` URI given here is opted in for this process, and its readers must set it too).
+
+Times: a run's every timestamp is when it started (``log_run``): when it ended would say how
+long its private work took (docs/privacy.md, Timing).
 """
 from __future__ import annotations
 
@@ -25,11 +29,12 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +52,7 @@ _NOT_A_NAME_CHAR = re.compile(r"[^\w.\- ]")  # MLflow's name characters, less ':
 @dataclass(frozen=True)
 class TrackingConfig:
     """A config's ``tracking`` section. ``mlflow``: log the run (or the sweep) to MLflow;
-    ``tracking_uri``: where (default: a file store at ``<results-dir>/mlruns``); ``experiment``:
+    ``tracking_uri``: where (default: SQLite at ``<results-dir>/mlflow.db``); ``experiment``:
     the MLflow experiment (default: the run's or the sweep's name)."""
 
     mlflow: bool = False
@@ -66,7 +71,7 @@ class TrackingFailed(RuntimeError):
 def add_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow", nargs="?", const=True, default=None, metavar="URI",
                         help="log the results to MLflow, at URI if given (default: the config's "
-                             "tracking.tracking_uri, else a file store at RESULTS_DIR/mlruns)")
+                             "tracking.tracking_uri, else SQLite at RESULTS_DIR/mlflow.db)")
 
 
 def from_section(section: Any, where: str = "config.tracking") -> TrackingConfig:
@@ -95,24 +100,38 @@ class MlflowLog:
     creation time says nothing of how long that work took."""
 
     def __init__(self, config: TrackingConfig, results_root: str | Path, default_experiment: str) -> None:
-        self.uri = config.tracking_uri or (Path(results_root).resolve() / "mlruns").as_uri()
+        root = Path(results_root).resolve()
+        self.uri = config.tracking_uri or f"sqlite:///{root / 'mlflow.db'}"
         self.experiment = config.experiment or default_experiment
-        self._file_store = urlparse(self.uri).scheme in ("", "file")
-        if self._file_store:  # MLflow 3 refuses its file store unless opted in (see the module's docstring)
+        scheme = urlparse(self.uri).scheme
+        if scheme in ("", "file"):  # MLflow 3 refuses its file store unless opted in (see the module's docstring)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        artefacts = None  # the server's (or the file store's) own place
+        if scheme == "sqlite":
+            # Its artefacts beside the database (MLflow's default is ./mlruns, wherever the run starts).
+            folder = Path(self.uri[len("sqlite:///"):]).resolve().parent
+            folder.mkdir(parents=True, exist_ok=True)
+            artefacts = (folder / "mlartifacts").as_uri()
+            for name in ("mlflow.store.db.utils", "alembic"):  # its table creation, at INFO, on first use
+                logging.getLogger(name).setLevel(logging.WARNING)
         with _failures(f"MLflow at {_shown(self.uri)}"):
             from mlflow.tracking import MlflowClient
 
             self.client = MlflowClient(tracking_uri=self.uri)
             found = self.client.get_experiment_by_name(self.experiment)
             self.experiment_id = (found.experiment_id if found is not None
-                                  else self.client.create_experiment(self.experiment))
+                                  else self.client.create_experiment(self.experiment, artifact_location=artefacts))
 
-    def log_run(self, folder: Path, run_name: str, started: float, ended: float) -> str:
-        """Log a finished run's published folder as one MLflow run; returns its id."""
+    def log_run(self, folder: Path, run_name: str, started: float, unused: Iterable[str] = ()) -> str:
+        """Log a finished run's published folder as one MLflow run; returns its id. Every time in
+        it is ``started``: when the run ended would tell how long its private work took.
+        ``unused``: config keys the run did not read (its pipeline's ``unused_settings``), left out
+        of the params (``config.json`` keeps them). Each owner's lifetime account becomes metrics
+        ``owners.<name>.lifetime_epsilon``, ``.epsilon_spent`` and ``.charges``."""
         config = json.loads((folder / "config.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
-        guarantee = json.loads((folder / "privacy.json").read_text())["guarantee"]
+        privacy = json.loads((folder / "privacy.json").read_text())
+        guarantee = privacy["guarantee"]
         tags = {"conclave.kind": "run", "conclave.pipeline": str(config.get("pipeline")),
                 "guarantee.basis": str(guarantee["basis"]), "guarantee.sound": str(bool(guarantee["sound"])).lower(),
                 "guarantee.neighbouring": str(guarantee["neighbouring"])}
@@ -121,11 +140,18 @@ class MlflowLog:
         # (float(): JSON spells an unbounded ε "inf", see cluster.results)
         numbers = [*_numbers(metrics), ("guarantee.epsilon", float(guarantee["epsilon"]), 0),
                    ("guarantee.delta", float(guarantee["delta"]), 0)]
+        for owner, account in privacy.get("owners", {}).items():
+            numbers += [(_name(f"owners.{owner}.lifetime_epsilon"), float(account["guarantee"]["epsilon"]), 0),
+                        (_name(f"owners.{owner}.epsilon_spent"), float(account["spent"]["epsilon"]), 0),
+                        (_name(f"owners.{owner}.charges"), float(account["spent"]["charges"]), 0)]
+        skipped = tuple(unused)
+        params = {key: value for key, value in _params(config).items()
+                  if not any(key == u or key.startswith(f"{u}.") for u in skipped)}
         with _failures(f"logging run '{run_name}' to MLflow at {_shown(self.uri)}"):
             run_id = self.client.create_run(self.experiment_id, start_time=_ms(started), run_name=run_name,
                                             tags=tags).info.run_id
-            self._fill(run_id, folder, _params(config), numbers, _ms(ended))
-            self.client.set_terminated(run_id, end_time=_ms(ended))
+            self._fill(run_id, folder, params, numbers, _ms(started))
+            self.client.set_terminated(run_id, end_time=_ms(started))
         return run_id
 
     def start_sweep(self, name: str) -> str:
@@ -162,7 +188,7 @@ class MlflowLog:
             self.client.log_batch(run_id, tags=_tags(tags))
             self._fill(run_id, folder, params, numbers, when)
             self.client.set_terminated(run_id, end_time=when)
-            if at is not None and self._file_store:
+            if at is not None:
                 self._one_modification_time(run_id, at)
         return run_id
 
@@ -181,11 +207,15 @@ class MlflowLog:
                 self.client.log_artifact(run_id, str(path))
 
     def _one_modification_time(self, run_id: str, when: float) -> None:
-        """The run's files and its experiment's folder get ``when``: in a file store, the times
-        files were written tell when the sweep ended, and so how many trials it ran."""
+        """The run's local files (a file store's run folder, or a SQLite store's artefacts) and
+        their experiment's folder get ``when``: the times files were written tell when the sweep
+        ended, and so how many trials it ran. Artefacts on a server: nothing here to set."""
         from mlflow.utils.file_utils import local_file_uri_to_path
 
-        run_dir = Path(local_file_uri_to_path(self.client.get_run(run_id).info.artifact_uri)).parent
+        artefacts = self.client.get_run(run_id).info.artifact_uri
+        if urlparse(artefacts).scheme not in ("", "file"):
+            return
+        run_dir = Path(local_file_uri_to_path(artefacts)).parent
         for path in [*run_dir.rglob("*"), run_dir, run_dir.parent]:
             os.utime(path, (when, when))
 

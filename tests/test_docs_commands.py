@@ -7,10 +7,16 @@ Placeholders the text asks the reader to fill in (HEAD_IP, VOTES.npy, …) are t
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +117,54 @@ def test_cheap_commands_run_as_written(argv):
     assert result.returncode == 0, result.stderr[-2000:]
     shown = {tuple(a) for _, a in COMMANDS_SHOWN}
     assert argv == ["--version"] or tuple(argv) in shown
+
+
+def head_command() -> str:
+    """docs/cluster-and-tuning.md's local head: the one `ray start --head` line that names its ports."""
+    [line] = [line for line in shell_lines(ROOT / "docs" / "cluster-and-tuning.md")
+              if "ray start --head" in line and "--temp-dir=" in line]
+    return line
+
+
+def test_the_documented_head_keeps_its_fixed_ports_outside_rays_worker_range():
+    ports = {option: int(value) for option, value in re.findall(r"(--[a-z-]*port)=(\d+)", head_command())}
+    low, high = ports.pop("--min-worker-port", 10002), ports.pop("--max-worker-port", 19999)  # Ray's defaults
+    assert ports and not [option for option, port in ports.items() if low <= port <= high]
+
+
+def test_the_documented_head_starts_as_written(tmp_path):
+    # As written, with --block: the head then runs in this test's process group, and stopping that
+    # group stops only what it started (`ray stop` would stop every Ray on the machine).
+    line = head_command()
+    ports = [int(port) for port in re.findall(r"--[a-z-]*port=(\d+)", line)]
+    temp_dir = Path(re.search(r"--temp-dir=(\S+)", line).group(1))
+    for port in ports:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} is taken: a head of the docs' may be running here")
+    if temp_dir.exists():
+        pytest.skip(f"{temp_dir} exists: a head of the docs' may be running here")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # the venv, as the docs say
+    log = tmp_path / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(["bash", "-c", f"{line} --block"], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=10):  # the GCS answers on its port
+            pass
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # whatever is left of the group this test made
+        head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,9 +1,11 @@
 """Pipelines a config can name: YAML → library adapters. Each module exposes ``Config`` (a frozen
 dataclass), ``validate(config) -> Config`` (what the driver checks before Ray starts, one-line
 ``ConfigError``s; the config with its defaults resolved), ``run(config: Config, context:
-RunContext) -> RunOutcome`` (what it wrote, as values), and ``planned_work(config) ->
+RunContext) -> RunOutcome`` (what it wrote, as values), ``planned_work(config) ->
 PrivacyCharge``: the worst case of what the run will release, from public settings only (it
-fixes the budget's order and is the run's worst-case guarantee)."""
+fixes the budget's order and is the run's worst-case guarantee), and ``unused_settings(config)
+-> tuple[str, ...]``: the config's keys (dotted) that this run does not read, which tracking
+leaves out of its params."""
 from __future__ import annotations
 
 from dataclasses import dataclass

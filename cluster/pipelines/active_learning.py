@@ -6,7 +6,15 @@ from __future__ import annotations
 from conclave.cluster.active_learning import Config, learn_actively, planned_work, validate
 from conclave.cluster.pipelines import RunContext, RunOutcome
 
-__all__ = ["Config", "planned_work", "run", "validate"]
+__all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
+
+
+def unused_settings(config: Config) -> tuple[str, ...]:
+    """The keys this run does not read: beside owners, the benchmark's data keys
+    (``data.public_size`` and ``data.features`` stay); without owners, the owners' sections."""
+    if config.owners:
+        return ("data.name", "data.root", "data.private_size", "data.num_shards", "data.pollution")
+    return ("owners", "public", "test", "classes")
 
 
 def run(config: Config, context: RunContext) -> RunOutcome:

@@ -6,7 +6,13 @@ from __future__ import annotations
 from conclave.cluster.pipelines import RunContext, RunOutcome
 from conclave.cluster.sparse_finetuning import Config, finetune_sparsely, planned_work, validate
 
-__all__ = ["Config", "planned_work", "run", "validate"]
+__all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
+
+
+def unused_settings(config: Config) -> tuple[str, ...]:
+    """The keys this run does not read: beside owners, the benchmark's private split; without
+    owners, the owners' sections."""
+    return ("private",) if config.owners else ("owners", "test", "classes")
 
 
 def run(config: Config, context: RunContext) -> RunOutcome:

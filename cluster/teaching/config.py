@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from conclave.cluster.owners import DataOwner, check_owners
 from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, PrivacyConfig
@@ -65,7 +67,9 @@ class OwnerConfig(DataOwner):
 class TeachersConfig:
     count: int | None = None  # Config fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
     per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
-    model: str | None = None  # None: by the inputs (learning.models.default_model)
+    # A learning.models name, "module:function", or (through the library) the factory itself;
+    # None: by the inputs (learning.models.default_model)
+    model: str | Callable[..., Any] | None = None
     # learning's TrainConfig; its seed is replaced by the run's (``Config.seed``) where a model trains
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=60, batch_size=32, lr=3e-3))
 
@@ -173,7 +177,7 @@ class StudentConfig:
     queries: int = 300  # inputs of the public pool asked, in pool order
     batch_size: int = 50  # inputs per gRPC call
     checkpoints: tuple[int, ...] = (50, 100, 200)  # also train+evaluate after this many asked
-    model: str | None = None  # None: by the inputs (learning.models.default_model)
+    model: str | Callable[..., Any] | None = None  # as teachers.model; None: the teachers'
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=40, batch_size=32, lr=3e-3))
     # Self-training on the rest of the public pool (free post-processing; actors/student.py):
     # the student's own predictions at least this confident become extra labels. null: off.
@@ -326,7 +330,7 @@ class Config:
                         "leave it out)", self.teachers.count, self.num_teachers)
 
     @property
-    def models(self) -> tuple[str | None, ...]:
+    def models(self) -> tuple[str | Callable[..., Any] | None, ...]:
         """The models this run builds (None: chosen by the inputs, a built-in one)."""
         return self.teachers.model, self.student.model
 

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -18,6 +17,7 @@ import numpy as np
 from conclave.cluster.owners import PublicData, check_owner_columns, owner_data, owner_resources
 from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, Config
 from conclave.learning.data.dataset import StudentSplits
+from conclave.progress import waiting
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
     from conclave.actors.knn_votes import KnnVoteSource
@@ -35,8 +35,9 @@ def train_ensemble(config: Config, ray_address: str | None = None, progress: boo
     config = resolved(config, public)
     from conclave.cluster.ray_runtime import start_ray
 
-    embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
-                         models=config.models)
+    with waiting("starting Ray", progress):
+        embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
+                             models=config.models)
     return train_teachers(config, progress=progress, public=public, embedded=embedded)
 
 
@@ -48,7 +49,6 @@ class Ensemble:
 
     public: PublicData
     pool: TeacherPool | KnnVoteSource
-    seconds: float  # training time: for benchmarks only, never published from a run (it grows with the records)
 
     @property
     def splits(self) -> StudentSplits:
@@ -76,21 +76,21 @@ def train_teachers(config: Config, progress: bool = True, public: PublicData | N
     ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
     whether this is the embedded one-node Ray (owners' node labels are then not used)."""
     public = public if public is not None else public_data(config)
-    started = time.perf_counter()
     if config.knn is not None:  # no training: the records vote themselves
         from conclave.cluster.teaching.knn import knn_vote_source
 
-        return Ensemble(public, knn_vote_source(config, public, embedded), time.perf_counter() - started)
-    pool = teacher_pool(config, public, embedded=embedded)
+        with waiting("starting the owners' kNN actors (each loads its owner's records)", progress):
+            return Ensemble(public, knn_vote_source(config, public, embedded))
+    with waiting("starting the teacher actors (each loads its shards)", progress):
+        pool = teacher_pool(config, public, embedded=embedded)
     try:
         pool.train(progress=progress)
     except BaseException:
         pool.shutdown()
         raise
-    # The time goes to the caller (a benchmark's own measurement), never to a log or a run's
-    # results: it grows with the private records each teacher holds.
+    # No time in the log or the results: it grows with the private records each teacher holds.
     log.info("teachers: %d trained on %d actors", pool.num_teachers, pool.num_actors)
-    return Ensemble(public, pool, time.perf_counter() - started)
+    return Ensemble(public, pool)
 
 
 def student_splits(config: Config) -> StudentSplits:
@@ -216,6 +216,7 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     added to the owners' (``cluster.auditing.labels``)."""
     import ray
 
+    from conclave.actors.placement import cpu_share
     from conclave.actors.teacher import TeacherPool
 
     config = resolved(config, public)
@@ -229,4 +230,4 @@ def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = 
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)
     train = dataclasses.replace(config.teachers.train, seed=config.seed)
     return TeacherPool(shares, config.teachers.model, train, seed=config.seed,
-                       num_cpus_per_actor=max(cpus / 2, 0.01) / total_actors, standardiser=public.standardiser)
+                       num_cpus_per_actor=cpu_share(cpus / 2, total_actors), standardiser=public.standardiser)

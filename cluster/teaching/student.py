@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +29,7 @@ class StudentResult:
     asked: int
     answered: int
     budget_exhausted: bool
-    labels_per_second: float
-    curve: list[dict[str, Any]]
-    query_seconds: float
-    train_seconds: float
+    curve: list[dict[str, Any]]  # each checkpoint's student: trained on released labels and public inputs
     network: NetworkEmbedding | None = None  # the final model, a free embedding for a later round (image inputs)
 
 
@@ -42,7 +38,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray
 
-    from conclave.actors.placement import PlacementError, largest_free_cpu, require_node
+    from conclave.actors.placement import PlacementError, cpu_share, largest_free_cpu, require_node
     from conclave.actors.student import StudentActor
     from conclave.cluster.client import AggregatorClient
 
@@ -50,7 +46,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     free = largest_free_cpu()
     # On small nodes the student takes what one node has free (it trains a small model).
-    student_cpus = min(1.0, cpus / 2) if free is None else min(1.0, cpus / 2, free)
+    student_cpus = cpu_share(min(1.0, cpus / 2) if free is None else min(1.0, cpus / 2, free), 1)
     if free is not None and student_cpus < MIN_STUDENT_CPUS:
         raise PlacementError(f"the student: no node has {MIN_STUDENT_CPUS:g} CPU free (the most on one node: "
                              f"{free:g}); give the cluster a node with a free CPU")
@@ -73,9 +69,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
                                  f"{STUDENT_START_TIMEOUT:g} s (free: {ray.available_resources().get('CPU', 0):g} "
                                  "CPU in all); give the cluster a node with a free CPU") from None
         queried = _query(student, config.student, progress)
-        started = time.perf_counter()
         curve = ray.get(student.learning_curve.remote())
-        train_seconds = time.perf_counter() - started
         network = ray.get(student.network.remote())
     finally:
         ray.kill(student)  # frees its CPU now, not whenever the handle is collected
@@ -83,8 +77,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
     return StudentResult(
         accuracy=curve[-1]["accuracy"], asked=queried["asked"], answered=queried["answered"],
         label_accuracy=None if label_accuracy is None or math.isnan(label_accuracy) else label_accuracy,
-        budget_exhausted=queried["budget_exhausted"], labels_per_second=queried["labels_per_second"],
-        curve=curve, query_seconds=queried["query_seconds"], train_seconds=train_seconds, network=network)
+        budget_exhausted=queried["budget_exhausted"], curve=curve, network=network)
 
 
 def _query(student, settings: StudentConfig, progress: bool, batches_per_call: int = 4) -> dict[str, Any]:

@@ -14,17 +14,21 @@ whichever process builds the model; a run ships its package to the workers itsel
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from conclave.learning.models.contract import check_model, contract_arguments, input_hints, user_source
-from conclave.learning.models.registry import REGISTRY, ModelContractError, default_model, factory_of
+from conclave.learning.models.registry import REGISTRY, ModelContractError, default_model, factory_of, model_label
 
-def build_model(name: str, num_classes: int, in_channels: int = 1, *, seed: int | None = None,
+def build_model(name: str | Callable[..., Any], num_classes: int, in_channels: int = 1, *, seed: int | None = None,
                 input_size: int | None = None, input_shape: tuple[int, ...] | None = None,
                 standardiser=None, **kwargs) -> nn.Module:
-    """A fresh model ``name``. With ``seed``, its initial weights depend on the seed only
-    (the global torch RNG is left as it was). The input hints — ``in_channels``,
+    """A fresh model ``name`` (a registry name, ``module:function``, or the factory itself). With
+    ``seed``, its initial weights depend on the seed only (the global torch RNG is left as it
+    was). The input hints — ``in_channels``,
     ``input_size`` (an image's side), ``input_shape`` (one example's shape; an image's fixes
     the other two), ``standardiser`` (a table's public column statistics) — reach the
     factories that declare them (``contract.contract_arguments``); ``kwargs`` always do."""
@@ -38,4 +42,5 @@ def build_model(name: str, num_classes: int, in_channels: int = 1, *, seed: int 
         return factory(**arguments)
 
 
-__all__ = ["REGISTRY", "ModelContractError", "build_model", "check_model", "default_model", "factory_of", "user_source"]
+__all__ = ["REGISTRY", "ModelContractError", "build_model", "check_model", "default_model", "factory_of", "model_label",
+           "user_source"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conclave.learning.models.registry import ModelContractError, factory_of
+from conclave.learning.models.registry import ModelContractError, factory_of, model_label
 
 HINTS = ("in_channels", "input_size", "input_shape", "standardiser")
 # What a pipeline may need besides the logits, and what it is.
@@ -65,16 +65,18 @@ def contract_arguments(factory: Callable, num_classes: int, hints: Mapping[str, 
             **{k: v for k, v in hints.items() if v is not None and k in declared}}
 
 
-def check_model(name: str, num_classes: int, input_shape: tuple[int, ...], *,
+def check_model(name: str | Callable[..., Any], num_classes: int, input_shape: tuple[int, ...], *,
                 parts: Mapping[str, str] | None = None, dp_sgd: bool = False, standardiser: Any = None,
                 **kwargs: Any) -> None:
     """Check model ``name`` against the contract for inputs of ``input_shape`` and
     ``num_classes`` classes: it imports, takes the contract's arguments (and ``kwargs``, a
     config's extra ones), builds an ``nn.Module`` whose logits on a zero batch have the right
     shape, has the ``parts`` asked for (part → why the pipeline needs it), and, with
-    ``dp_sgd``, is a model Opacus can train. ``ModelContractError`` (one line) otherwise."""
+    ``dp_sgd``, is a model Opacus can train. ``ModelContractError`` (one line) otherwise.
+    ``name`` may be the factory itself."""
 
     factory = factory_of(name)
+    name = model_label(name)  # what the messages call it
     hints = input_hints(None, None, input_shape, standardiser)
     arguments = {**contract_arguments(factory, num_classes, hints), **kwargs}
     try:
@@ -164,11 +166,16 @@ def _installed_roots() -> list[Path]:
     return [Path(root).resolve() for root in roots]
 
 
-def user_source(name: str) -> Path | None:
-    """Where a user's factory ``module:function`` lives when it is not an installed package:
-    the folder of its top-level package, or its module file — what Ray's ``py_modules`` ships
-    to workers so they import it as the driver does. None for built-in models, installed
-    packages and modules that cannot be found (``check_model`` reports those)."""
+def user_source(name: str | Callable[..., Any]) -> Path | None:
+    """Where a user's factory ``module:function`` (or the factory itself) lives when it is not an
+    installed package: the folder of its top-level package, or its module file — what Ray's
+    ``py_modules`` ships to workers so they import it as the driver does. None for built-in
+    models, installed packages, modules that cannot be found (``check_model`` reports those) and
+    a factory of the script being run (``__main__``: Ray sends such a function by value)."""
+    if callable(name):
+        if getattr(name, "__module__", "__main__") == "__main__":
+            return None
+        name = model_label(name)
     if ":" not in name:
         return None  # a registry name: part of this package
     top = name.split(":", 1)[0].split(".", 1)[0]

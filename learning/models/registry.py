@@ -1,6 +1,7 @@
 """The model registry: names → "module:function" factories, imported on first use, and a
-user's own ``module:function`` resolved the same way. Adding a model is its file and one line
-in ``REGISTRY``."""
+user's own ``module:function`` resolved the same way — or the user's factory itself, passed
+as a callable through the library (as Opacus takes the user's model). Adding a model is its
+file and one line in ``REGISTRY``."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,9 +34,22 @@ def default_model(input_shape: tuple[int, ...], kind: str) -> str:
     return "digits_cnn" if side <= 8 else "tutorial_cnn" if side <= 28 else "gn_cnn"
 
 
-def factory_of(name: str) -> Callable[..., Any]:
-    """The factory ``name`` stands for: a registry entry or a ``module:function`` path
-    (``ModelContractError``, one line, when it is neither or cannot be imported)."""
+def model_label(model: str | Callable[..., Any]) -> str:
+    """How messages and results name a model: its registry name or path, or a factory's
+    ``module:qualname`` (a name a later run can import it by, unless it lives in ``__main__``)."""
+    if not callable(model):
+        return model
+    return f"{getattr(model, '__module__', None) or '?'}:{getattr(model, '__qualname__', type(model).__name__)}"
+
+
+def factory_of(name: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The factory ``name`` stands for: the factory itself when it is one, a registry entry or a
+    ``module:function`` path (``ModelContractError``, one line, when it is neither or cannot be
+    imported)."""
+    if callable(name):
+        return name
+    if not isinstance(name, str):
+        raise ModelContractError(f"model {name!r}: give a name, 'module:function' or the factory itself")
     if name in REGISTRY:
         path = REGISTRY.path(name)
     elif ":" in name:

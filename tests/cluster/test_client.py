@@ -152,3 +152,24 @@ def test_query_command_json_writes_an_unlimited_budget_as_text(teachers, digits,
         budget = json.loads(capsys.readouterr().out)["budget"]
         assert budget["epsilon_limit"] == "inf" and budget["guarantee"]["epsilon"] == "inf"
         assert budget["sound"] is False and budget["guarantee"]["basis"] == "unbounded"
+
+
+def test_query_command_gives_the_class_names_of_the_config_the_server_runs(teachers, digits, tmp_path, capsys):
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    source = {"format": "npz", "path": str(tmp_path / "unused.npz"), "label": "y"}  # classes given: not read
+    config = tmp_path / "served.yaml"
+    config.write_text(json.dumps({"pipeline": "teacher_student", "classes": names, "public": source, "test": source,
+                                  "owners": [{"name": "clinic", "data": source}]}))
+    inputs = tmp_path / "inputs.npy"
+    np.save(inputs, digits[1].x[:12])
+    with serving(teachers, tmp_path) as address:
+        assert query(address, "--inputs", str(inputs), "--json") == 0
+        labels = json.loads(capsys.readouterr().out)["labels"]
+        assert query(address, "--inputs", str(inputs), "--json", "--config", str(config)) == 0
+        named = json.loads(capsys.readouterr().out)
+        assert named["labels"] == labels and named["classes"] == names  # the wire's indices, unchanged
+        assert named["names"] == [names[label] for label in labels]
+        assert query(address, "--inputs", str(inputs), "--config", str(config)) == 0
+        assert capsys.readouterr().out.split() == named["names"]
+        assert query(address, "--inputs", str(inputs), "--config", str(tmp_path / "missing.yaml")) == 2
+        assert capsys.readouterr().err.startswith(f"conclave query: --config {tmp_path / 'missing.yaml'}: ")

@@ -153,3 +153,18 @@ def test_a_second_run_on_the_same_durable_ledger_publishes_a_guarantee_covering_
     once = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
     twice = epsilon_from_rdp(planned.orders, 2 * np.asarray(planned.rdp), 1e-5)[0]
     assert epsilons == [pytest.approx(once, rel=1e-9), pytest.approx(twice, rel=1e-9)]
+
+
+def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
+    with pytest.raises(RuntimeError):
+        with RunDirectory.staged(tmp_path / "results" / "nested", "run"):
+            raise RuntimeError("refused before anything was written")
+    assert not any(tmp_path.iterdir())
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RuntimeError):
+        with RunDirectory.staged(kept, "run") as run:
+            (run.durable / "ledger.sqlite").write_text("what the failed run was charged")
+            raise RuntimeError("after a charge")
+    assert [p.name for p in kept.iterdir()] == ["run"] and [p.name for p in (kept / "run").iterdir()] == [
+        "ledger.sqlite"]

@@ -1,7 +1,9 @@
-"""`conclave run --mlflow`: a real small run logged to a real MLflow file store, read back with
-MLflow's own client — its metrics, its guarantee and its published files, nothing else."""
+"""`conclave run --mlflow`: a real small run logged to a real MLflow store (the default SQLite one),
+read back with MLflow's own client as the docs say — its metrics, its guarantee and its published
+files, nothing else, and no time but the run's start."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,19 +28,16 @@ TINY = {
 }
 
 
-@pytest.fixture
-def allow_file_store(monkeypatch):
-    """What a reader of the default store sets too (docs: "Experiment tracking")."""
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-
-
-def _client(store: Path):
+def _client(results: Path):
+    """MLflow's own client on the default store, as docs/cluster-and-tuning.md reads it: no switch to set."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=store.as_uri())
+    return MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
 
 
-def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp_path, capsys, allow_file_store):
+def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)  # MLflow's own default place for artefacts would be ./mlruns
     config_file = tmp_path / "tracked.yaml"
     config_file.write_text(yaml.safe_dump(TINY))
     results = tmp_path / "results"
@@ -47,7 +46,7 @@ def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp
     metrics = json.loads((results / "tracked" / "metrics.json").read_text())
     privacy = json.loads((results / "tracked" / "privacy.json").read_text())
 
-    client = _client(results / "mlruns")  # the default store: a file store beside the runs
+    client = _client(results)  # the default store: SQLite beside the runs
     experiment = client.get_experiment_by_name("tracked")
     (run,) = client.search_runs([experiment.experiment_id])
     logged = run.data.metrics
@@ -69,7 +68,40 @@ def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp
     artefacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "metrics.json", "privacy.json", "student_accuracy.png"} <= artefacts
     assert not any(a.startswith("ledger") for a in artefacts)
-    assert run.info.status == "FINISHED" and run.info.start_time <= run.info.end_time
+    assert run.info.status == "FINISHED" and run.info.start_time == run.info.end_time  # no run time
+    assert {m.timestamp for k in logged for m in client.get_metric_history(run.info.run_id, k)} == {
+        run.info.start_time}
+    assert (results / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    # the params the run read: no owners' sections in a benchmark-data run
+    assert not {"owners", "public", "test", "classes"} & set(run.data.params)
+
+
+def test_an_owners_run_logs_each_owners_lifetime_spend_and_no_data_keys_it_did_not_read(tmp_path):
+    from conclave.cluster.pipelines import pipeline_module
+    from conclave.cluster.run_command import load_run_config
+    from conclave.cluster.tracking import MlflowLog
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "hospitals.yaml").read_text())
+    raw.pop("tracking", None)
+    pipeline, config = load_run_config(raw)
+    folder = tmp_path / "results" / "hospitals"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"pipeline": pipeline, **dataclasses.asdict(config)}, default=str))
+    (folder / "metrics.json").write_text(json.dumps({"student_accuracy": 0.8}))
+    account = {"guarantee": {"epsilon": 20.0}, "spent": {"epsilon": 4.5, "charges": 3}}
+    (folder / "privacy.json").write_text(json.dumps({
+        "guarantee": {"epsilon": 5.0, "delta": 1e-5, "basis": "renyi-filter", "sound": True,
+                      "neighbouring": "add-remove"},
+        "owners": {"hospital_a": account, "hospital_b": {**account, "spent": {"epsilon": 1.5, "charges": 1}}}}))
+    tracker = MlflowLog(TrackingConfig(mlflow=True), tmp_path / "results", "hospitals")
+    run_id = tracker.log_run(folder, "hospitals", 1_000.0, pipeline_module(pipeline).unused_settings(config))
+    run = _client(tmp_path / "results").get_run(run_id)
+    metrics, params = run.data.metrics, run.data.params
+    assert metrics["owners.hospital_a.epsilon_spent"] == 4.5 and metrics["owners.hospital_b.epsilon_spent"] == 1.5
+    assert metrics["owners.hospital_a.lifetime_epsilon"] == 20.0 and metrics["owners.hospital_b.charges"] == 1
+    assert not [key for key in params if key.startswith("data.") and key != "data.features"]
+    assert "hospital_a" in params["owners"] and any(key.startswith("public.") for key in params)
+    assert run.info.start_time == run.info.end_time == 1_000_000
 
 
 def test_the_tracking_section_names_the_store_and_the_experiment(tmp_path):

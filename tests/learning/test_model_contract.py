@@ -113,3 +113,21 @@ def test_user_source_is_what_ray_ships_a_folder_of_the_user_not_an_installed_pac
     assert user_source("numpy.linalg:norm") is None  # installed in site-packages
     assert user_source("json:loads") is None  # the standard library
     assert user_source("no_such_package_anywhere:build") is None  # check_model says why
+
+
+def test_a_factory_passed_as_a_callable_is_built_checked_and_named_by_its_import_path(user_package):
+    import importlib
+
+    table = importlib.import_module(f"{user_package}.models").table
+    assert build_model(table, 3, input_shape=(5,), seed=0)(torch.zeros(2, 5)).shape == (2, 3)
+    check_model(table, 3, (5,), parts={"features": "x", "classifier": "y"}, dp_sgd=True)
+    fails = importlib.import_module(f"{user_package}.models").fails
+    with pytest.raises(ModelContractError, match=rf"^model '{user_package}.models:fails': the factory failed"):
+        check_model(fails, 3, (5,))
+    assert user_source(table) == user_source(f"{user_package}.models:table")  # shipped as its path would be
+
+    def in_the_script(num_classes, input_shape):  # a script's own function travels by value
+        return torch.nn.Linear(input_shape[0], num_classes)
+
+    in_the_script.__module__ = "__main__"
+    assert user_source(in_the_script) is None and build_model(in_the_script, 2, input_shape=(5,)).out_features == 2

@@ -1,0 +1,61 @@
+"""The library's front door (cluster/api.py): every name it exports, the active-learning config
+built from them alone, and a model factory passed as a function from a user's script."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from conclave.cluster import api
+
+# A user's script: its own factory, given to the library as a function (not a "module:function"
+# string), for the teachers and the student; Ray sends a function of __main__ by value.
+SCRIPT = '''
+import json, sys
+from torch import nn
+from conclave.cluster.api import Config, StudentConfig, TeachersConfig, TrainConfig, RunDirectory, train_ensemble
+from conclave.cluster.pipelines.teacher_student import teach_student
+from conclave.cluster.teaching.config import DataConfig
+
+
+def tiny_net(num_classes, input_shape):
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(input_shape[-1] * input_shape[-2]), num_classes))
+
+
+config = Config(name="callable", data=DataConfig(public_size=60),
+                teachers=TeachersConfig(count=4, model=tiny_net, train=TrainConfig(epochs=2, batch_size=32, lr=0.05)),
+                student=StudentConfig(queries=20, batch_size=10, checkpoints=(), model=tiny_net,
+                                      train=TrainConfig(epochs=2, batch_size=8, lr=0.05)))
+with train_ensemble(config, progress=False) as ensemble:
+    outcome = teach_student(config, ensemble, RunDirectory(sys.argv[1], "callable"))
+print(json.dumps({"asked": outcome.metrics["queries_asked"], "model": outcome.metrics["teachers"]["model"]}))
+'''
+
+
+def test_every_exported_name_resolves_and_builds_an_active_learning_config():
+    assert all(hasattr(api, name) for name in api.__all__)
+    config = api.ActiveLearningConfig(
+        data=api.ActiveLearningData(private_size=300, num_shards=1), dpsgd=api.ActiveLearningDPSGD(epochs=1),
+        selection=api.SelectionConfig(strategies=("random",), sizes=(20,)), finetune=api.FinetuneConfig(epochs=1),
+        annotator=api.AnnotatorConfig())
+    assert config.private_size == 300 and config.selection.sizes == (20,)
+
+
+def test_a_factory_given_as_a_function_trains_the_teachers_and_the_student(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    try:
+        run = subprocess.run([sys.executable, str(script), str(tmp_path / "results")], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600, env={**env, "RAY_TMPDIR": ray_dir})
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"asked": 20, "model": "__main__:tiny_net"}
+    written = json.loads((tmp_path / "results" / "callable" / "metrics.json").read_text())
+    assert written["teachers"]["model"] == "__main__:tiny_net"
