@@ -25,8 +25,7 @@ for, which marks the guarantee unsound). No gRPC here: ``actors.aggregator`` ser
 With ``aggregation: secure`` (``SecureLabeller``, for a ``SecureVoteMechanism``) this process
 never holds a clean histogram: steps (2)–(3) become the mechanism's rounds of the secure sum
 (``SecureVoteSource.noised_votes``, ``privacy.secure_votes``), each a release of noised totals.
-A batch runs under the lock from its worst-case check, before its first round, to its last
-round. Each round is charged when its shares are asked for — before any arrives: whoever holds
+A batch runs alone from its worst-case check, before its first round, to its last round. Each round is charged when its shares are asked for — before any arrives: whoever holds
 this process could keep an abandoned round's shares and decode them once a late one comes, so a
 round is a release from that moment, whether or not a client ever gets a label from it. A round
 that fails before (an owner sent no key) releases and is charged nothing. A failed round refuses
@@ -586,13 +585,22 @@ class SecureLabeller(PrivateLabeller):
     vote_source: SecureVoteSource
     mechanism: SecureVoteMechanism
 
+    def __init__(self, vote_source: SecureVoteSource, mechanism: SecureVoteMechanism, ledger: PrivacyLedger,
+                 noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
+        super().__init__(vote_source, mechanism, ledger, noise, group_limit)
+        self._batch = threading.Lock()  # held by one batch from its worst-case check to its last round
+
     def _label_fresh(self, inputs: np.ndarray, fresh: dict[bytes, int]) -> set[bytes]:
-        # Under the lock from the worst-case check to the last round's charge: no other batch may
-        # spend the budget between them, so every round of the batch fits. Each round is charged
+        # One batch at a time from the worst-case check to the last round's charge: no other batch
+        # may spend the budget between them, so every round of the batch fits. Each round is charged
         # as its shares are asked for (``_Rounds``); the answers are recorded only once every round
-        # is in and the labels go back to the callers: an aborted batch records no answer.
-        with self._lock:
-            keys = [key for key in fresh if key not in self._answers]
+        # is in and the labels go back to the callers: an aborted batch records no answer. The
+        # answers' lock is not held over the rounds (up to a round deadline each): calls arriving
+        # meanwhile join the next group, and share this batch's failure rather than wait for their
+        # own deadline after it; budget replies and repeats are answered meanwhile.
+        with self._batch:
+            with self._lock:
+                keys = [key for key in fresh if key not in self._answers]
             if not keys:
                 return set()
             keys = keys[: self._affordable(len(keys))]
@@ -612,8 +620,9 @@ class SecureLabeller(PrivateLabeller):
                                    f"{len(keys)} inputs")
             answers = dict(zip(keys, labels.tolist()))
             self.ledger.record_answers(answers)  # paid for round by round, as each was asked
-            self._answers.update(answers)
-            self._count(labels)
+            with self._lock:
+                self._answers.update(answers)
+                self._count(labels)
             return set(answers)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
