@@ -47,11 +47,29 @@ if one fails:
    up to the budget, the rest (the batch's last inputs) ``budget_refused``; inputs on record
    answered beside refused new ones; ε spent ≤ the budget.
 
+Then the faults of issue 36, against serve processes of their own too:
+
+7. signed-zero re-ask: 16 inputs answered, then asked with every 0.0 spelt -0.0: the record's
+   labels, no charge (before: fresh noise, charged again);
+8. kNN actor kill: on kNN votes (digits), one kNN actor SIGKILLed 4 times while 4 clients ask
+   fresh inputs: NOT_SERVING then SERVING each time, fresh inputs answered again, the fourth
+   replaced past Ray's restarts (before: NOT_SERVING for good);
+9. stopped secure owner: the three hospitals with ``aggregation: secure``, one owner's actor
+   SIGSTOPped for 20 s under 4 clients: every call UNAVAILABLE within the 30 s deadline (before:
+   DEADLINE_EXCEEDED after 300 s rounds), no input recorded as answered that no client got, at
+   most the round in flight at the stop charged with no answer, SERVING after SIGCONT;
+10. full disk: the ledger on a 2 MiB tmpfs in a private mount namespace (``unshare``), filled
+    until ENOSPC: fresh inputs UNAVAILABLE naming the disk (before: INTERNAL), nothing charged,
+    inputs on record answered, a few log lines; space freed, answered again.
+
     python bench/service_soak.py [--quick] [--out PATH]
+    python bench/service_soak.py --only knn_actor_kill,full_disk   # those scenarios, no load:
+                                                                    # results/bench/service_soak_scenarios.json
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -128,9 +146,10 @@ class Serve:
     """`conclave serve` as a child process on a fixed port and ledger, restartable after a SIGKILL."""
 
     def __init__(self, config: Path, ledger: Path, port: int, workdir: Path, name: str = "serve",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()) -> None:
         self.config, self.ledger, self.port, self.workdir = config, ledger, port, workdir
         self.name, self.env = name, env or {}  # env: added to this process's (e.g. TMPDIR)
+        self.wrapper = wrapper  # a command serve runs under, which execs it (its PID is serve's)
         self.process: subprocess.Popen | None = None
         self.starts = 0
         self.reclaimed: list[int] = []  # Ray processes each start found left over (and stopped)
@@ -147,8 +166,8 @@ class Serve:
         err_path = self.err_path = self.workdir / f"{self.name}-{self.starts}.err"
         env = {**os.environ, **self.env, "CONCLAVE_TOKEN": TOKEN}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "conclave.cluster.cli", "serve", str(self.config), "--port", str(self.port),
-             "--ledger", str(self.ledger)],
+            [*self.wrapper, sys.executable, "-m", "conclave.cluster.cli", "serve", str(self.config),
+             "--port", str(self.port), "--ledger", str(self.ledger)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err_path.open("w"), text=True)
         for line in self.process.stdout:
             if line.startswith("aggregator serving on"):
@@ -177,11 +196,15 @@ class Serve:
             return []
 
     def teacher_pids(self) -> list[int]:
+        return self.actor_pids("TeacherGroup")
+
+    def actor_pids(self, actor_class: str) -> list[int]:
+        """The processes of this serve's actors of ``actor_class`` (``TeacherGroup``, ``KnnShard``)."""
         try:
             children = psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [c.pid for c in children if "TeacherGroup" in " ".join(_cmdline(c))]
+        return [c.pid for c in children if actor_class in " ".join(_cmdline(c))]
 
 
 def _cmdline(process: psutil.Process) -> list[str]:
@@ -845,55 +868,396 @@ def partial_batch(outcome: Outcome, serve: Serve) -> None:
                   f"ε spent {final['epsilon_spent']} over the budget {limit}")
 
 
-def scenarios(workdir: Path) -> dict[str, dict]:
-    """Each failure of issue 28 against real ``conclave serve`` processes; ``passed`` and why."""
+# ---- the service faults of issue 36, one scenario each ----
+
+# kNN votes on digits (no teachers to train), with room for every call the scenario makes.
+KNN_CONFIG = {**yaml.safe_load((ROOT / "configs" / "digits-knn.yaml").read_text()), "name": "soak-knn",
+              "privacy": {"budget": 100.0, "delta": 1.0e-5}, "server": {"max_batch": 64}}
+# The three hospitals with aggregation: secure, 3 teachers each; room for every call, in the run's
+# budget and in each owner's lifetime one (their ledgers under the bench's own CONCLAVE_HOME).
+_HOSPITALS = yaml.safe_load((ROOT / "configs" / "hospitals.yaml").read_text())
+SECURE_CONFIG = {**_HOSPITALS, "name": "soak-secure", "aggregation": "secure",
+                 "owners": [{**owner, "teachers": 3, "budget": {"epsilon": 1000.0, "delta": 1.0e-5}}
+                            for owner in _HOSPITALS["owners"]],
+                 "privacy": {"budget": 200.0, "delta": 1.0e-5}, "server": {"max_batch": 64}}
+STORAGE_FULL = "the aggregator cannot write its privacy ledger (disk full)"
+
+
+def signed_zero_reask(outcome: Outcome, serve: Serve) -> None:
+    """Inputs answered once, then asked again with every 0.0 written as -0.0 (other bytes, the
+    same image): the record's answers, at no cost — not a second draw of the noise."""
+    inputs = marked_inputs(3000, 16)
+    signed = inputs.copy()
+    signed[signed == 0] = -0.0
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        first = labels_of(client, inputs)
+        before = client.budget()
+        again = labels_of(client, signed)
+        after = client.budget()
+    changed = int(np.sum(np.signbit(signed) & ~np.signbit(inputs)))
+    outcome.measured.update({
+        "inputs": len(inputs), "zeros_written_as_minus_zero": changed,
+        "labels_again": "failed: " + again if isinstance(again, str) else
+        "same labels" if np.array_equal(first, again) else "changed",
+        "epsilon_spent": {"after_first_ask": before["epsilon_spent"], "after_re_ask": after["epsilon_spent"]},
+        "cache_hits_added": after["cache_hits"] - before["cache_hits"],
+    })
+    outcome.check(not isinstance(first, str) and changed > 0, "the first ask failed, or nothing was re-spelt")
+    outcome.check(outcome.measured["labels_again"] == "same labels", f"re-ask: {outcome.measured['labels_again']}")
+    outcome.check(after["epsilon_spent"] == before["epsilon_spent"], "the re-ask was charged")
+    outcome.check(after["cache_hits"] - before["cache_hits"] == len(inputs), "the re-ask was not served from the record")
+
+
+class Callers:
+    """``clients`` threads asking fresh single inputs (``next_input``) with the clients' 30 s
+    deadline until stopped; each call's start, duration and status."""
+
+    def __init__(self, serve: Serve, next_input, clients: int) -> None:
+        self.calls: list[tuple[float, float, str]] = []
+        self.answered_inputs = 0
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._threads = [threading.Thread(target=self._call, args=(serve, next_input), daemon=True)
+                         for _ in range(clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def _call(self, serve: Serve, next_input) -> None:
+        with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+            while not self._stop.is_set():
+                row = next_input()
+                started = time.monotonic()
+                try:
+                    client.label(row)
+                    code = "OK"
+                except grpc.RpcError as err:
+                    code = err.code().name
+                with self._lock:
+                    self.calls.append((started, time.monotonic() - started, code))
+                    self.answered_inputs += code == "OK"
+                if code != "OK":
+                    time.sleep(0.2)  # a client backs off a little
+
+    def stop(self) -> int:
+        """Stop asking; how many callers were still in a call after their deadline and 5 s."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=DEADLINE + 5)
+        return sum(thread.is_alive() for thread in self._threads)
+
+    def summary(self) -> dict:
+        seconds = [took for _, took, _ in self.calls]
+        return {"calls_by_status": dict(Counter(code for _, _, code in self.calls)),
+                "slowest_call_s": round(max(seconds), 2) if seconds else None, "call_latency_ms": ms(seconds)}
+
+
+def knn_actor_kill(outcome: Outcome, serve: Serve, kills: int = 4, clients: int = 4, serving_for: float = 3.0) -> None:
+    """One kNN actor SIGKILLed ``kills`` times while clients ask fresh inputs (Ray restarts it
+    three times; past those the vote source starts it again): each time health turns NOT_SERVING
+    and comes back to SERVING, and fresh inputs are answered again. Before: NOT_SERVING for good."""
+    inputs = marked_inputs(4000, 4000)
+    rows, rows_lock = iter(range(len(inputs))), threading.Lock()
+
+    def next_input() -> np.ndarray:
+        with rows_lock:
+            row = next(rows)
+        return inputs[row : row + 1]
+
+    known = marked_inputs(3500, 8)
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        answered = labels_of(client, known)
+        if isinstance(answered, str):
+            outcome.problems.append(f"labelling before the kills failed: {answered}")
+            return
+        callers = Callers(serve, next_input, clients)
+        pids = serve.actor_pids("KnnShard")
+        victim, others = min(pids), set(pids) - {min(pids)}
+        rounds = []
+        for kill in range(1, kills + 1):
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            repeated = labels_of(client, known)
+            down = wait_for(lambda: health_status(serve) == NOT_SERVING, 30, 0.02)
+            up = wait_for(lambda: health_status(serve) == SERVING, 180, 0.1)
+            back = None if up is None else time.monotonic() - killed
+            fresh = labels_of(client, next_input())
+            time.sleep(serving_for)  # the clients are answered again before the next kill
+            new = set(serve.actor_pids("KnnShard")) - others
+            rounds.append({"kill": kill, "not_serving_after_s": None if down is None else round(down, 2),
+                           "serving_again_after_s": None if back is None else round(back, 1),
+                           "answered_inputs_while_down": repeated if isinstance(repeated, str)
+                           else "same labels" if np.array_equal(repeated, answered) else "changed",
+                           "fresh_input_after": fresh if isinstance(fresh, str) else "OK"})
+            if up is None or len(new) != 1:
+                outcome.problems.append(f"after kill {kill}: serving again {up is not None}, {len(new)} new kNN "
+                                        "processes")
+                break
+            victim = new.pop()
+        still_calling = callers.stop()
+    replaced = serve.err_path.read_text().count("kNN actor 0 is gone for good")
+    outcome.measured.update({"kills": rounds, "kNN_actors": len(pids), "replacements_logged": replaced,
+                             "clients": clients, **callers.summary()})
+    codes = set(outcome.measured["calls_by_status"])
+    outcome.check(len(rounds) == kills and all(r["serving_again_after_s"] is not None for r in rounds),
+                  "the service did not serve again after every kill")
+    outcome.check(all(r["not_serving_after_s"] is not None for r in rounds), "health missed a NOT_SERVING")
+    outcome.check(all(r["fresh_input_after"] == "OK" for r in rounds), "a fresh input after a recovery failed")
+    outcome.check(all(r["answered_inputs_while_down"] == "same labels" for r in rounds),
+                  "inputs answered before were not answered the same while the actor was down")
+    outcome.check(replaced >= 1, "no replacement past Ray's restarts was logged")
+    outcome.check(codes <= {"OK", "UNAVAILABLE"} and not still_calling, f"calls ended {codes}")
+    outcome.check("OK" in codes, "the clients' fresh inputs were never answered between the kills")
+
+
+def stopped_secure_owner(outcome: Outcome, serve: Serve, stop_for: float = 20.0, clients: int = 4) -> None:
+    """aggregation: secure, one owner's teacher actor SIGSTOPped for ``stop_for`` s while clients
+    ask fresh rows with the 30 s deadline: every call ends UNAVAILABLE before it (before: 300 s
+    rounds, DEADLINE_EXCEEDED), nothing is recorded as answered that no client got, a round in
+    flight at the stop (its shares asked) is charged, and SIGCONT brings SERVING back."""
+    public = np.genfromtxt(ROOT / "examples/hospitals/data/public/unlabeled.csv", delimiter=",", skip_header=1,
+                           dtype=np.float32)
+    counter, counter_lock = iter(range(1, 1_000_000)), threading.Lock()
+
+    def next_input() -> np.ndarray:
+        with counter_lock:
+            i = next(counter)
+        row = public[i % len(public)].copy()
+        row[0] += np.float32(i * 1e-3)  # distinct bytes, a plausible row
+        return row[None, :]
+
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        client.label(next_input())
+        start, facts_before = client.budget(), secure_ledger_facts(serve.ledger)
+        callers = Callers(serve, next_input, clients)
+        time.sleep(3.0)  # rounds in flight: the stop lands in one or between two
+        before = client.budget()
+        victim = max(serve.teacher_pids())  # the last owner's actor
+        health_seen, done = [], threading.Event()
+
+        def watch_health() -> None:
+            while not done.is_set():
+                health_seen.append((time.monotonic() - stopped, health_status(serve)))
+                done.wait(0.05)
+
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        watcher = threading.Thread(target=watch_health, daemon=True)
+        watcher.start()
+        try:
+            time.sleep(stop_for)
+            during = client.budget()
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        serving_after = wait_for(lambda: health_status(serve) == SERVING, 60, 0.05)
+        done.set()
+        still_calling = callers.stop()
+        after, facts_after = client.budget(), secure_ledger_facts(serve.ledger)
+        try:
+            client.label(next_input())
+            fresh_after = "OK"
+        except grpc.RpcError as err:
+            fresh_after = err.code().name
+    during_stop = [(at - stopped, took, code) for at, took, code in callers.calls
+                   if stopped - DEADLINE <= at <= stopped + stop_for]
+    calls_in_stop = Counter(code for _, _, code in during_stop)
+    not_serving = next((at for at, status in health_seen if status == NOT_SERVING), None)
+    rounds = facts_after["charges"] - facts_before["charges"]
+    batches = facts_after["answer_batches"] - facts_before["answer_batches"]
+    outcome.measured.update({
+        "stopped_for_s": stop_for, "clients": clients, "client_deadline_s": DEADLINE,
+        "calls_around_the_stop": dict(calls_in_stop),
+        "slowest_call_around_the_stop_s": round(max((took for _, took, _ in during_stop), default=0.0), 2),
+        **callers.summary(),
+        "not_serving_after_stop_s": None if not_serving is None else round(not_serving, 2),
+        "serving_after_sigcont_s": None if serving_after is None else round(serving_after, 2),
+        "epsilon_spent": {"before": before["epsilon_spent"], "while_stopped": during["epsilon_spent"],
+                          "after": after["epsilon_spent"]},
+        "rounds_charged": rounds, "answered_batches_recorded": batches,
+        "rounds_charged_with_no_answer": rounds - batches,
+        "inputs_recorded_as_answered": after["queries_answered"] + after["queries_abstained"]
+        - start["queries_answered"] - start["queries_abstained"],
+        "inputs_clients_got_labels_for": callers.answered_inputs,  # each call: one fresh input
+        "fresh_call_after_recovery": fresh_after,
+    })
+    m = outcome.measured
+    codes = set(m["calls_by_status"])
+    outcome.check(calls_in_stop.get("UNAVAILABLE", 0) > 0 and codes <= {"OK", "UNAVAILABLE"},
+                  f"calls ended {m['calls_by_status']}: not only OK and UNAVAILABLE")
+    outcome.check(m["slowest_call_s"] is not None and m["slowest_call_s"] < DEADLINE and not still_calling,
+                  f"a call ran to the client's {DEADLINE:g} s deadline")
+    outcome.check(not_serving is not None, "health never went NOT_SERVING while the owner was stopped")
+    outcome.check(serving_after is not None and fresh_after == "OK", "not serving again after SIGCONT")
+    outcome.check(m["inputs_recorded_as_answered"] == m["inputs_clients_got_labels_for"],
+                  "inputs recorded as answered that no client got a label for, or the reverse")
+    outcome.check(0 <= m["rounds_charged_with_no_answer"] <= 1,
+                  f"{m['rounds_charged_with_no_answer']} rounds charged with no answer: at most the one in flight")
+    outcome.check(during["epsilon_spent"] <= after["epsilon_spent"] and before["epsilon_spent"] <= during["epsilon_spent"],
+                  "ε went down")
+
+
+def secure_ledger_facts(path: Path) -> dict:
+    """Charges (one per secure round) and recorded answer batches (one per answered batch)."""
+    with sqlite3.connect(path) as db:
+        return {"charges": db.execute("SELECT COUNT(*) FROM charges").fetchone()[0],
+                "answer_batches": db.execute("SELECT COUNT(*) FROM answer_batches").fetchone()[0]}
+
+
+def full_disk(outcome: Outcome, serve: Serve, folder: Path) -> None:
+    """``serve`` with its ledger on a 2 MiB tmpfs mounted on ``folder`` in a mount namespace of its
+    own, filled until ENOSPC: fresh inputs UNAVAILABLE with the disk named (before: INTERNAL),
+    inputs on record still answered, nothing charged, a few log lines; space freed, fresh inputs
+    answered."""
+    disk = Path(f"/proc/{serve.process.pid}/root{folder}")  # serve's mounts (the wrapper execs serve)
+    inputs = marked_inputs(3600, 60)
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        answered = labels_of(client, inputs[:8])
+        written = 0
+        with open(disk / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    written += filler.write(b"\0" * 65536)
+            except OSError as err:
+                full = err.errno == errno.ENOSPC
+        before = client.budget()
+        codes, messages = Counter(), Counter()
+        for i in range(8, 48):
+            try:
+                client.label(inputs[i : i + 1])
+                codes["OK"] += 1
+            except grpc.RpcError as err:
+                codes[err.code().name] += 1
+                messages[err.details()] += 1
+        repeated = labels_of(client, inputs[:8])
+        after = client.budget()
+        health = health_status(serve)
+        (disk / "filler").unlink()
+        fresh = labels_of(client, inputs[48:56])
+    log_lines = [line for line in serve.err_path.read_text().splitlines() if "cannot be written" in line]
+    outcome.measured.update({
+        "filler_bytes": written, "disk_full": full, "fresh_calls_by_status": dict(codes),
+        "messages": dict(messages), "on_record_while_full": repeated if isinstance(repeated, str)
+        else "same labels" if np.array_equal(repeated, answered) else "changed",
+        "epsilon_spent": {"full_before": before["epsilon_spent"], "full_after": after["epsilon_spent"]},
+        "health_while_full": {SERVING: "SERVING", NOT_SERVING: "NOT_SERVING"}.get(health, str(health)),
+        "fresh_after_freeing": fresh if isinstance(fresh, str) else "OK", "server_log_lines": len(log_lines),
+    })
+    outcome.check(full and not isinstance(answered, str), "the disk did not fill, or the first inputs failed")
+    outcome.check(codes.get("UNAVAILABLE", 0) >= 38 and set(codes) <= {"OK", "UNAVAILABLE"},
+                  f"fresh calls on a full disk ended {dict(codes)}")
+    outcome.check(all(message.startswith(STORAGE_FULL) for message in messages), f"messages {dict(messages)}")
+    outcome.check(codes.get("OK", 0) > 0 or after["epsilon_spent"] == before["epsilon_spent"],
+                  "refused calls were charged")
+    outcome.check(outcome.measured["on_record_while_full"] == "same labels", "inputs on record were not answered")
+    outcome.check(not isinstance(fresh, str), f"after freeing space: {fresh}")
+    outcome.check(1 <= len(log_lines) <= 5, f"{len(log_lines)} log lines for the failed calls")
+
+
+def disk_wrapper(folder: Path, size: str) -> tuple[str, ...] | None:
+    """A command that mounts a tmpfs of ``size`` on ``folder`` in a private mount namespace and
+    execs the rest; None where this machine cannot (``unshare`` missing or not permitted)."""
+    flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
+    wrapper = ("unshare", *flags, "--propagation", "private", "sh", "-c",
+               f'mount -t tmpfs -o size={size} conclave-soak {folder} && exec "$0" "$@"')
+    if shutil.which("unshare") is None or subprocess.run([*wrapper, "true"], capture_output=True).returncode:
+        return None
+    return wrapper
+
+
+ISSUE_28 = ("health_watch_flood", "hung_teacher", "fourth_kill", "bad_tls_files", "sigkill_leftovers",
+            "partial_batch_at_the_end_of_the_budget")
+ISSUE_36 = ("signed_zero_reask", "knn_actor_kill", "stopped_secure_owner", "full_disk")
+
+
+def scenarios(workdir: Path, only: set[str] | None = None) -> dict[str, dict]:
+    """Each failure of issues 28 and 36 against real ``conclave serve`` processes (``only``: those
+    named); ``passed`` and why. A serve starts only for the scenarios that run on it."""
     results: dict[str, Outcome] = {}
+    wanted = set(ISSUE_28 + ISSUE_36) if only is None else only
     scenario_config, partial_config = workdir / "scenarios.yaml", workdir / "partial.yaml"
     scenario_config.write_text(yaml.safe_dump(SCENARIO_CONFIG))
     partial_config.write_text(yaml.safe_dump(PARTIAL_CONFIG))
 
-    serve = Serve(scenario_config, workdir / "scenarios-ledger.sqlite", free_port(), workdir, name="scenarios")
-    try:
-        serve.start()
-        results["health_watch_flood"] = scenario("health Watch flood", watch_flood, serve)
-        results["hung_teacher"] = scenario("hung teacher", hung_teacher, serve)
-        results["fourth_kill"] = scenario("fourth kill", fourth_kill, serve)
-    except RuntimeError as err:  # serve did not come up: the scenarios on it fail with that reason
-        results.update({name: Outcome(problems=[str(err)])
-                        for name in ("health_watch_flood", "hung_teacher", "fourth_kill")})
-    finally:
-        if serve.process is not None and serve.process.poll() is None:
-            serve.stop()
-    results["bad_tls_files"] = scenario("bad TLS files", bad_tls, workdir)
+    def on_serve(serve: Serve, runs: list[tuple[str, str, tuple]]) -> None:
+        """Start ``serve`` and run each (key, title, extra arguments) that is wanted on it."""
+        runs = [run for run in runs if run[0] in wanted]
+        if not runs:
+            return
+        try:
+            serve.start()
+            for key, title, extra in runs:
+                results[key] = scenario(title, SCENARIOS[key], serve, *extra)
+        except RuntimeError as err:  # serve did not come up: the scenarios on it fail with that reason
+            results.update({key: Outcome(problems=[str(err)]) for key, _, _ in runs if key not in results})
+        finally:
+            if serve.process is not None and serve.process.poll() is None:
+                serve.stop()
 
-    temp = workdir / "t"  # short: Ray's socket paths under it must stay below 108 bytes
-    base = temp / f"conclave-private-{os.getuid()}"
-    serve = Serve(partial_config, workdir / "partial-ledger.sqlite", free_port(), workdir, name="partial",
-                  env={"TMPDIR": str(temp)})
-    decoys = plant_decoys(base)
-    try:
-        serve.start()
-        # The partial batch runs on this serve's first start; the leftovers scenario then kills it.
-        partial = scenario("partial batch at the end of the budget", partial_batch, serve)
-        results["sigkill_leftovers"] = scenario("SIGKILL leftovers", sigkill_leftovers, serve, base, decoys)
-        results["partial_batch_at_the_end_of_the_budget"] = partial
-    except RuntimeError as err:
-        results.update({name: Outcome(problems=[str(err)])
-                        for name in ("sigkill_leftovers", "partial_batch_at_the_end_of_the_budget")})
-    finally:
-        if serve.process is not None and serve.process.poll() is None:
-            serve.stop()
-        for name in decoys:
-            shutil.rmtree(base / name, ignore_errors=True)
+    on_serve(Serve(scenario_config, workdir / "scenarios-ledger.sqlite", free_port(), workdir, name="scenarios"),
+             [("health_watch_flood", "health Watch flood", ()), ("hung_teacher", "hung teacher", ()),
+              ("fourth_kill", "fourth kill", ()), ("signed_zero_reask", "signed-zero re-ask", ())])
+    if "bad_tls_files" in wanted:
+        results["bad_tls_files"] = scenario("bad TLS files", bad_tls, workdir)
+
+    if wanted & {"sigkill_leftovers", "partial_batch_at_the_end_of_the_budget"}:
+        temp = workdir / "t"  # short: Ray's socket paths under it must stay below 108 bytes
+        base = temp / f"conclave-private-{os.getuid()}"
+        serve = Serve(partial_config, workdir / "partial-ledger.sqlite", free_port(), workdir, name="partial",
+                      env={"TMPDIR": str(temp)})
+        decoys = plant_decoys(base)
+        try:
+            serve.start()
+            # The partial batch runs on this serve's first start; the leftovers scenario then kills it.
+            partial = scenario("partial batch at the end of the budget", partial_batch, serve)
+            results["sigkill_leftovers"] = scenario("SIGKILL leftovers", sigkill_leftovers, serve, base, decoys)
+            results["partial_batch_at_the_end_of_the_budget"] = partial
+        except RuntimeError as err:
+            results.update({name: Outcome(problems=[str(err)])
+                            for name in ("sigkill_leftovers", "partial_batch_at_the_end_of_the_budget")})
+        finally:
+            if serve.process is not None and serve.process.poll() is None:
+                serve.stop()
+            for name in decoys:
+                shutil.rmtree(base / name, ignore_errors=True)
+
+    knn_config, secure_config = workdir / "knn.yaml", workdir / "secure.yaml"
+    knn_config.write_text(yaml.safe_dump(KNN_CONFIG))
+    secure_config.write_text(yaml.safe_dump(SECURE_CONFIG))
+    on_serve(Serve(knn_config, workdir / "knn-ledger.sqlite", free_port(), workdir, name="knn"),
+             [("knn_actor_kill", "kNN actor kill", ())])
+    home = workdir / "home"  # the owners' lifetime ledgers: the bench's, never the user's
+    home.mkdir(exist_ok=True)
+    on_serve(Serve(secure_config, workdir / "secure-ledger.sqlite", free_port(), workdir, name="secure",
+                   env={"CONCLAVE_HOME": str(home)}),
+             [("stopped_secure_owner", "stopped secure owner", ())])
+    if "full_disk" in wanted:
+        disk = workdir / "disk"
+        disk.mkdir(exist_ok=True)
+        wrapper = disk_wrapper(disk, "2m")
+        if wrapper is None:
+            results["full_disk"] = Outcome(measured={"skipped": "no private tmpfs here (unshare missing or refused)"})
+        else:
+            on_serve(Serve(scenario_config, disk / "ledger.sqlite", free_port(), workdir, name="full-disk",
+                           wrapper=wrapper), [("full_disk", "full disk", (disk,))])
     return {name: outcome.as_dict() for name, outcome in results.items()}
+
+
+SCENARIOS = {"health_watch_flood": watch_flood, "hung_teacher": hung_teacher, "fourth_kill": fourth_kill,
+             "signed_zero_reask": signed_zero_reask, "knn_actor_kill": knn_actor_kill,
+             "stopped_secure_owner": stopped_secure_owner, "full_disk": full_disk}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 clients × 100 calls, one kill")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "service_soak.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default results/bench/service_soak.json, or service_soak_scenarios.json with --only")
+    parser.add_argument("--only", default=None, metavar="NAME[,NAME]",
+                        help=f"run only these scenarios, without the load: {', '.join(ISSUE_28 + ISSUE_36)}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.only is not None:
+        return only_scenarios(set(args.only.split(",")), args.out or ROOT / "results" / "bench" /
+                              "service_soak_scenarios.json")
+    args.out = args.out or ROOT / "results" / "bench" / "service_soak.json"
     plan = QUICK if args.quick else Plan()
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
     config = workdir / "soak.yaml"
@@ -996,6 +1360,25 @@ def main() -> int:
         print(f"scenario {name}: {'passed' if result['passed'] else 'FAILED'} ({result['reason']}; "
               f"{result['seconds']} s)")
     return 1 if failed else 0
+
+
+def only_scenarios(names: set[str], out: Path) -> int:
+    """The named scenarios alone (no load), written to ``out``; 1 if one failed."""
+    unknown = names - set(ISSUE_28 + ISSUE_36)
+    if unknown:
+        print(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(ISSUE_28 + ISSUE_36)}", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+    results = scenarios(Path(tempfile.mkdtemp(prefix="soak-")), names)
+    # serve draws its noise from OS entropy, and these configs declare their budgets
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "service_soak_scenarios", **soundness([]),
+                               "thread_settings": thread_settings(), "scenarios": results,
+                               "seconds": time.monotonic() - began}, indent=2) + "\n")
+    for name, result in results.items():
+        print(f"scenario {name}: {'passed' if result['passed'] else 'FAILED'} ({result['reason']}; "
+              f"{result['seconds'] if 'seconds' in result else '-'} s)")
+    return 1 if any(not result["passed"] for result in results.values()) else 0
 
 
 if __name__ == "__main__":
