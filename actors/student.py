@@ -43,10 +43,11 @@ from tqdm import tqdm
 from conclave.learning.data import Dataset
 from conclave.learning.data.features import apply_features, batch_transform
 from conclave.learning.data.schema import Standardiser
-from conclave.learning.embeddings import NetworkEmbedding
+from conclave.learning.embeddings import Embedding, NetworkEmbedding
 from conclave.learning.label_propagation import LabelPropagationConfig, propagate
 from conclave.learning.models import build_model, model_label
-from conclave.learning.selection import POOL_ORDER, PublicPool, QuerySelection, build_strategy
+from conclave.learning.selection import CLUSTERS, POOL_ORDER, PublicPool, QuerySelection, build_strategy
+from conclave.learning.selection.clusters import PoolClusters, cluster_pool
 from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
 from conclave.learning.train_config import TrainConfig
@@ -74,6 +75,8 @@ class Student:
             self-training, combines with FixMatch.
         selection: which pool inputs to ask about.
         standardiser: public column statistics for a table model.
+        cluster_embedding: the vote source's public embedding, where "clusters" selection cuts the
+            pool (public-cluster votes: each answered medoid labels its cluster).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class Student:
         selection: QuerySelection = QuerySelection(),
         standardiser: Standardiser | None = None,
         label_propagation: LabelPropagationConfig | None = None,
+        cluster_embedding: Embedding | None = None,
     ) -> None:
         if semi_supervised is not None and not public.is_image:
             raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
@@ -100,9 +104,13 @@ class Student:
             raise ValueError("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
         if pseudo_label_threshold is not None and label_propagation is not None:
             raise ValueError("choose self-training (pseudo_label_threshold) or label_propagation, not both")
+        if selection.strategy == CLUSTERS and cluster_embedding is None:
+            raise ValueError("clusters selection needs the vote source's public embedding (cluster_embedding)")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
         self.public = public  # images: what the student asks about
+        self.cluster_embedding = cluster_embedding
+        self.clusters: PoolClusters | None = None  # the last "clusters" round's cut of the pool
         self.features = features
         self.pseudo_label_threshold = pseudo_label_threshold
         self.semi_supervised = semi_supervised
@@ -212,6 +220,9 @@ class Student:
         size = min(self.selection.round_size, len(unasked))
         answered = np.asarray([i for i in self.asked_order if self.labels[i] != ABSTAIN], dtype=np.int64)
         cold = len(np.unique(self.labels[answered])) < 2  # nothing to learn from yet
+        if self.selection.strategy == CLUSTERS:  # one medoid per cluster of the pool, largest first
+            self.clusters = cluster_pool(self.cluster_embedding(self.public.x), size, self.selection.seed)
+            return np.asarray([m for m in self.clusters.medoids if m in set(unasked.tolist())], dtype=np.int64)
         if self.selection.strategy == POOL_ORDER:
             if not (cold and self.selection.cold_start == "kmeans"):
                 return unasked  # setdiff1d keeps the pool's order
@@ -276,6 +287,11 @@ class Student:
             result["accuracy"] = math.nan
             return result
         started = time.perf_counter()
+        if self.clusters is not None:  # each answered medoid labels its cluster
+            keep, labels = self._cluster_labels(keep, labels)
+            result["cluster_labelled"] = int(len(keep))
+            if not self.public.unlabeled:  # measured with the pool's truth, never trained on
+                result["cluster_label_accuracy"] = float((labels == self.public.y[keep]).mean())
         if self.label_propagation is not None:
             keep, labels, result["propagated"] = self._fit_propagated_labels(keep, labels)
         if self.semi_supervised is not None:
@@ -310,6 +326,12 @@ class Student:
         state = {k: v.detach().cpu().numpy() for k, v in self._last_model.state_dict().items()}
         return NetworkEmbedding(model_label(self.model_name), self.public.num_classes, tuple(self.test.input_shape), self.features,
                                 state)
+
+    def _cluster_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every pool input of a cluster whose medoid was answered, with the medoid's label."""
+        spread = self.clusters.spread(dict(zip(keep.tolist(), labels.tolist())))
+        members = np.fromiter(spread, dtype=np.int64, count=len(spread))
+        return members, np.fromiter(spread.values(), dtype=np.int64, count=len(spread))
 
     def _fit_propagated_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The answered indices and labels, plus the pool inputs label propagation labels

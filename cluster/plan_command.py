@@ -244,13 +244,13 @@ def _teacher_student(path: str, config: Any) -> Plan:
     module = pipeline_module("teacher_student")
     planned = module.planned_work(config)
     guarantee = config.privacy.guarantee(planned)
-    knn = getattr(config, "knn", None)  # kNN votes: the records vote, no teacher is trained
-    owners = tuple(owner_counts(o, None if knn else o.teachers, config, planned) for o in config.owners)
+    knn, voting = config.knn, config.records_vote  # records that vote themselves: no teacher is trained
+    owners = tuple(owner_counts(o, None if voting else o.teachers, config, planned) for o in config.owners)
     if owners:
         records = None if any(o.records is None for o in owners) else sum(o.records for o in owners)
     else:
         records = config.data.private_size
-    counts = Counts(owners, None if knn else config.num_teachers, records)
+    counts = Counts(owners, None if voting else config.num_teachers, records)
     student = config.student
     mechanism = config.mechanism.build()
     # With aggregation: secure the noise is the secure variant's (Skellam through the secure sum).
@@ -259,6 +259,10 @@ def _teacher_student(path: str, config: Any) -> Plan:
             f"{student.queries} queries asked {student.batch_size} at a time; worst case: every one answered")
     if knn:
         work += f"; kNN votes, k {knn.k} of a Poisson sample at rate {knn.sample_rate:g}"
+    elif config.clusters is not None:
+        work = (f"{runs} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on the medoids of "
+                f"{config.clusters.count} clusters of the pool, asked in one batch: each record votes for its "
+                f"{config.clusters.votes_per_record} nearest, one release")
     if config.smooth_sensitivity() is not None:
         work += ", plus the smooth-sensitivity release (charged before the first query)"
 
@@ -300,8 +304,8 @@ def _normal_cdf(x: float) -> float:
 
 def _record_warnings(counts: Counts, benchmark_records: int | None) -> list[str]:
     """Teachers that would each learn from fewer than ``RECORDS_PER_TEACHER`` declared records."""
-    shares = [(o.name, o.records, o.teachers) for o in counts.owners if o.records is not None]
-    if not counts.owners and benchmark_records is not None:
+    shares = [(o.name, o.records, o.teachers) for o in counts.owners if o.records is not None and o.teachers]
+    if not counts.owners and benchmark_records is not None and counts.teachers:
         shares.append(("data.private_size", benchmark_records, counts.teachers))
     few = [f"{who} {records / teachers:.3g}" for who, records, teachers in shares
            if records / teachers < RECORDS_PER_TEACHER]

@@ -144,9 +144,14 @@ TRUSTED_AGGREGATOR = TrustModel(
     "actors see only that owner's records and teachers; students and outsiders see released labels only")
 KNN_AGGREGATOR = TrustModel(
     "trusted-aggregator", ("the aggregator",),
-    "the aggregator (in the driver's process) sees, for each query, the squared distances and labels of each "
-    "owner actor's k nearest sampled records (in the public embedding) and the clean vote histogram they make; "
-    "each owner's actors see only that owner's records; students and outsiders see released labels only")
+    "one owner, whose node also runs the aggregator: the aggregator (in the driver's process) sees, for each "
+    "query, the squared distances and labels of the k nearest sampled records (in the public embedding) and the "
+    "clean vote histogram they make — enough to locate records, so it never runs across owners; students and "
+    "outsiders see released labels only")
+CLUSTER_AGGREGATOR = TrustModel(
+    "trusted-aggregator", ("the aggregator",),
+    "one owner, whose node also runs the aggregator: the aggregator (in the driver's process) sees the clean "
+    "histogram of the records' votes for the medoids; students and outsiders see released labels only")
 SECURE_SUMS = TrustModel(
     "secure", (),
     "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "
@@ -154,9 +159,11 @@ SECURE_SUMS = TrustModel(
     "totals; the driver sees DP releases only")
 SECURE_VOTES = TrustModel(
     "secure", (),
-    "each owner's teacher actors send only a masked share of their vote histograms with their Skellam noise "
-    "share in it, so the aggregator (in the driver's process) sees only noised vote totals and each owner's "
-    "actors see only the public inputs; students and outsiders see released labels only")
+    "each owner's vote actors (teachers, kNN or public-cluster shards) count their votes on the owner's node "
+    "and send only a masked share of their vote histograms with their Skellam noise share in it, so the "
+    "aggregator (in the driver's process) sees only noised vote totals — no distance, neighbour or per-owner "
+    "histogram — and each owner's actors see only the public inputs; students and outsiders see released "
+    "labels only")
 SINGLE_HOLDER = TrustModel(
     "single-holder", (),
     "one actor holds all the private data and adds the noise itself; nothing computed from the records "

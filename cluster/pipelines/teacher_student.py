@@ -110,8 +110,10 @@ def _vote_source(config: Config, teachers: Ensemble) -> dict[str, Any]:
     by its import path."""
     from conclave.learning.models import model_label
 
-    if config.knn is not None:
-        return {"knn": {**dataclasses.asdict(config.knn), "actors": teachers.pool.num_actors, "nodes": teachers.nodes}}
+    if config.records_vote is not None:
+        section = "knn" if config.knn is not None else "clusters"
+        return {section: {**dataclasses.asdict(config.records_vote), "actors": teachers.pool.num_actors,
+                          "nodes": teachers.nodes}}
     return {"teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
                          "model": model_label(config.teachers.model), "nodes": teachers.nodes}}
 

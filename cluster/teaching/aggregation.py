@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from conclave.cluster.run_privacy import KNN_AGGREGATOR, SECURE_VOTES, TRUSTED_AGGREGATOR, RunPrivacy
+from conclave.cluster.run_privacy import (CLUSTER_AGGREGATOR, KNN_AGGREGATOR, SECURE_VOTES, TRUSTED_AGGREGATOR,
+                                         RunPrivacy)
 from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -53,7 +54,8 @@ def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: 
     from conclave.privacy.accounting.report import vote_report
 
     planned = config.planned()
-    trust = SECURE_VOTES if config.secure else KNN_AGGREGATOR if config.knn else TRUSTED_AGGREGATOR
+    trust = (SECURE_VOTES if config.secure else KNN_AGGREGATOR if config.knn
+             else CLUSTER_AGGREGATOR if config.clusters else TRUSTED_AGGREGATOR)
     report = config.privacy.report(planned, ledger, trust)
     report = report.adding(mechanism=config.vote_mechanism().describe().as_dict())
     if config.secure:

@@ -16,14 +16,15 @@ from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.learning.embeddings import check_embedding
 from conclave.learning.label_propagation import LabelPropagationConfig
-from conclave.learning.selection import QuerySelection
+from conclave.learning.selection import CLUSTERS, QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from conclave.privacy.mechanisms import SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
+from conclave.privacy.mechanisms import MECHANISMS, SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
+from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 
 log = logging.getLogger(__name__)
 
@@ -92,22 +93,30 @@ THRESHOLD_SHARE = 0.6
 @dataclass(frozen=True)
 class MechanismConfig:
     """A ``privacy.mechanisms.build_mechanism`` name and its parameters. Confident-GNMax's
-    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the votes per query (teachers, or k);
-    Private-kNN's ``sample_rate`` is the ``knn`` section's (``Config`` fills them in)."""
+    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the votes per query (teachers, or k); what a
+    mechanism is paired with in its vote source (``paired_with``: Private-kNN's ``sample_rate``,
+    public clusters' ``votes_per_record``) comes from the ``knn`` or ``clusters`` section
+    (``Config`` fills them in)."""
 
     name: str = "confident-gnmax"
     params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
 
     def __post_init__(self) -> None:
-        self.filled(1, 1.0).build()  # an unknown name or a bad parameter is a config error now, not mid-run
+        self.filled(1, {attr: 1 for attr in self.paired_with}).build()  # an unknown name or a bad parameter: now
 
-    def filled(self, votes: int, sample_rate: float | None) -> MechanismConfig:
-        """This mechanism with what it left to the votes per query and the kNN sample rate filled in."""
+    @property
+    def paired_with(self) -> tuple[str, ...]:
+        """The vote source's settings this mechanism's charge holds for (none for teachers' votes)."""
+        return tuple(getattr(MECHANISMS.get(self.name), "paired_with", ()))
+
+    def filled(self, votes: int, supplied: dict[str, float]) -> MechanismConfig:
+        """This mechanism with what it left to the votes per query and to its vote source filled in."""
         params = dict(self.params)
         if self.name == "confident-gnmax" and params.get("threshold") is None:
             params["threshold"] = THRESHOLD_SHARE * votes
-        if self.name == "private-knn" and params.get("sample_rate") is None and sample_rate is not None:
-            params["sample_rate"] = sample_rate
+        for attr in self.paired_with:
+            if params.get(attr) is None and attr in supplied:
+                params[attr] = supplied[attr]
         return self if params == self.params else dataclasses.replace(self, params=params)
 
     def build(self):
@@ -139,6 +148,38 @@ class KnnConfig:
             raise ValueError(f"knn.sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.actors is not None and self.actors < 1:
             raise ValueError(f"knn.actors must be >= 1 or null, got {self.actors}")
+
+    @property
+    def supplies(self) -> dict[str, float]:
+        return {"sample_rate": self.sample_rate}
+
+
+@dataclass(frozen=True)
+class ClustersConfig:
+    """Public-cluster votes over the owners' records instead of teachers (reverse kNN, Li et al.
+    2022; ``actors.cluster_votes``): the student asks the medoids of ``count`` k-means clusters of
+    the public pool in a fixed public ``embedding`` (``learning.embeddings``, fitted on the pool
+    only) in ONE batch; each record votes, with its label, for its ``votes_per_record`` nearest
+    medoids, and the batch is one release whatever ``count``. A medoid's label then labels its
+    whole cluster (post-processing)."""
+
+    count: int = 300
+    votes_per_record: int = 3
+    embedding: str = "hog-pca"
+    dims: int = 50
+    actors: int | None = None  # benchmark data: actors holding the records (None: one per two CPUs); owners: theirs
+
+    def __post_init__(self) -> None:
+        check_embedding(self.embedding, "clusters.embedding")
+        if self.count < 1 or self.votes_per_record < 1 or self.dims < 1:
+            raise ValueError(f"clusters.count, clusters.votes_per_record and clusters.dims must be >= 1, got "
+                             f"{self.count}, {self.votes_per_record}, {self.dims}")
+        if self.actors is not None and self.actors < 1:
+            raise ValueError(f"clusters.actors must be >= 1 or null, got {self.actors}")
+
+    @property
+    def supplies(self) -> dict[str, float]:
+        return {"votes_per_record": self.votes_per_record}
 
 
 @dataclass(frozen=True)
@@ -257,6 +298,8 @@ class Config:
     runtime_env: dict = field(default_factory=dict)
     # kNN votes over the owners' records instead of teachers (the teachers section is then unused).
     knn: KnnConfig | None = None
+    # Public-cluster votes over the owners' records instead of teachers (the student asks cluster medoids).
+    clusters: ClustersConfig | None = None
     # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
     # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
     # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
@@ -271,8 +314,11 @@ class Config:
         count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
         object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
         votes = self.knn.k if self.knn else count
-        object.__setattr__(self, "mechanism", self.mechanism.filled(votes, self.knn and self.knn.sample_rate))
+        supplied = self.records_vote.supplies if self.records_vote else {}
+        object.__setattr__(self, "mechanism", self.mechanism.filled(votes, supplied))
         self._check_votes()
+        if self.clusters is not None:  # the student asks the medoids, all in one batch
+            self._ask_cluster_medoids()
         if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
@@ -295,29 +341,56 @@ class Config:
                                  "never shows the aggregator: turn it off")
 
     def _check_votes(self) -> None:
-        """kNN votes and the mechanisms charged for them go together, at one sample rate."""
-        rate = self.mechanism.params.get("sample_rate") if self.mechanism.name == "private-knn" else None
-        if self.knn is None:
-            if self.mechanism.name == "private-knn":
-                raise ValueError("mechanism private-knn is charged for kNN votes over a Poisson sample: add a knn section")
+        """Records that vote themselves (``knn``, ``clusters``) and the mechanisms charged for them go
+        together, at one setting; across owners their votes meet only in the secure sum."""
+        if self.knn is not None and self.clusters is not None:
+            raise ValueError("choose one vote source: knn or clusters")
+        supplied = self.records_vote.supplies if self.records_vote else {}
+        for attr in self.mechanism.paired_with:
+            if attr not in supplied:
+                section = "a knn section" if attr == "sample_rate" else "a clusters section"
+                raise ValueError(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add {section}")
+            if self.mechanism.params[attr] != supplied[attr]:
+                raise ValueError(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
+                                 f"vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the section "
+                                 "sets it)")
+        if self.clusters is not None and self.mechanism.name != "public-clusters":
+            raise ValueError(f"clusters votes are charged once per batch by mechanism public-clusters, not "
+                             f"{self.mechanism.name}")
+        if self.records_vote is None:
             return
-        if rate is not None and rate != self.knn.sample_rate:
-            raise ValueError(f"mechanism private-knn samples at {rate:g} but knn.sample_rate is {self.knn.sample_rate:g}: "
-                             "leave the mechanism's sample_rate out (the knn section sets it)")
-        if self.secure:
-            raise ValueError("knn votes merge neighbours' distances in the aggregator: aggregation: secure has no kNN "
-                             "merge (use trusted-aggregator)")
+        kind = "knn" if self.knn is not None else "clusters"
+        if len(self.owners) > 1 and not self.secure:
+            shown = "their neighbours' distances" if kind == "knn" else "each owner's vote histogram"
+            raise ValueError(f"{kind} votes over {len(self.owners)} owners would show the aggregator {shown}: set "
+                             "aggregation: secure (only noised totals leave each owner's node)")
         if self.estimates.smooth_sensitivity:
-            raise ValueError("estimates.smooth_sensitivity is not analysed for knn votes: turn it off")
-        capped = [owner.name for owner in self.owners if owner.records is not None]
-        if capped:
-            raise ValueError(f"owners {capped}: leave records unset with knn votes (a cap replaces records; the "
-                             "Poisson sample covers any number held)")
+            raise ValueError(f"estimates.smooth_sensitivity is not analysed for {kind} votes: turn it off")
+
+    @property
+    def records_vote(self) -> KnnConfig | ClustersConfig | None:
+        """The section in which the owners' records vote themselves, if any."""
+        return self.knn or self.clusters
+
+    def _ask_cluster_medoids(self) -> None:
+        """The student asks the ``clusters.count`` medoids in one call (one release), then learns."""
+        count = self.clusters.count
+        if count > self.server.max_batch:
+            raise ValueError(f"clusters.count ({count}) exceeds server.max_batch ({self.server.max_batch}): the "
+                             "medoids are asked in one batch")
+        student = self.student
+        asked = dataclasses.replace(student, queries=count, batch_size=count, checkpoints=(),
+                                    selection=dataclasses.replace(student.selection, strategy=CLUSTERS,
+                                                                  round_size=count))
+        if (student.queries, student.batch_size) != (asked.queries, asked.batch_size) and \
+                student.selection.strategy == CLUSTERS:
+            log.warning("student.queries and batch_size are the clusters' count (%d) with clusters votes", count)
+        object.__setattr__(self, "student", asked)
 
     @property
     def vote_lemma(self) -> str:
-        """Why one record moves at most one vote of a histogram: disjoint shards, or kNN."""
-        return KNN_LEMMA if self.knn else SHARD_LEMMA
+        """Why one record moves what the charges assume: disjoint shards, kNN, or public clusters."""
+        return KNN_LEMMA if self.knn else CLUSTER_LEMMA if self.clusters else SHARD_LEMMA
 
     def _check_owners(self) -> None:
         check_owners(self.owners, self.test, self.classes, self.public)
@@ -356,6 +429,7 @@ class Config:
         ``answers`` queries answered (default: every one of ``student.queries``), plus the
         smooth-sensitivity release if asked (fixed by ``student.queries``)."""
         answered = self.student.queries if answers is None else answers
-        planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity())
-        # Private-kNN's charge is already record-level; teachers' mechanisms are charged per vote.
+        planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity(),
+                                 batch_size=self.student.batch_size)
+        # Records that vote themselves are charged at record level already; teachers' mechanisms per vote.
         return planned if planned.neighbouring == ADD_REMOVE else planned.for_records(ADD_REMOVE, self.vote_lemma)

@@ -20,6 +20,7 @@ from conclave.learning.data.dataset import StudentSplits
 from conclave.progress import waiting
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from conclave.actors.cluster_votes import ClusterVoteSource
     from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
 
@@ -48,7 +49,7 @@ class Ensemble:
     nodes. A context manager: leaving it stops the actors."""
 
     public: PublicData
-    pool: TeacherPool | KnnVoteSource
+    pool: TeacherPool | KnnVoteSource | ClusterVoteSource
 
     @property
     def splits(self) -> StudentSplits:
@@ -81,6 +82,11 @@ def train_teachers(config: Config, progress: bool = True, public: PublicData | N
 
         with waiting("starting the owners' kNN actors (each loads its owner's records)", progress):
             return Ensemble(public, knn_vote_source(config, public, embedded))
+    if config.clusters is not None:
+        from conclave.cluster.teaching.clusters import cluster_vote_source
+
+        with waiting("starting the owners' cluster-vote actors (each loads its owner's records)", progress):
+            return Ensemble(public, cluster_vote_source(config, public, embedded))
     with waiting("starting the teacher actors (each loads its shards)", progress):
         pool = teacher_pool(config, public, embedded=embedded)
     try:

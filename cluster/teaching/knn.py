@@ -34,7 +34,8 @@ def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -
     if config.owners:
         here = os.getcwd()  # a relative path is the launching directory's, as for teachers
         shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
-                                       public.classes, config.seed), owner.actors, owner.placement(embedded))
+                                          public.classes, config.seed), owner.actors, owner.placement(embedded),
+                              declared=owner.records)
                   for owner in config.owners]
     else:  # the benchmark's private split, cut into one part per actor (each record in exactly one)
         actors = knn.actors or max(1, int(cpus / 2))
@@ -42,5 +43,24 @@ def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -
                                num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
         shares = [RecordShare(source, actors)]
     total_actors = sum(min(share.num_actors, share.source.num_teachers) for share in shares)
-    return KnnVoteSource(shares, embed, knn.k, knn.sample_rate, noise=config.privacy.noise,
-                         num_cpus_per_actor=cpu_share(cpus / 2, total_actors))
+    source = KnnVoteSource(shares, embed, knn.k, knn.sample_rate, noise=config.privacy.noise,
+                           num_cpus_per_actor=cpu_share(cpus / 2, total_actors), local=config.secure)
+    if not config.secure:
+        check_clean_votes_stay_home(source, "their neighbours' distances")
+    return source
+
+
+def check_clean_votes_stay_home(source, what: str) -> None:
+    """Clean votes (kNN distances, public clusters' histograms) go to the aggregator: refuse them
+    (one line, the actors stopped) unless every record belongs to one owner whose actors run on
+    this node, the aggregator's."""
+    import ray
+
+    from conclave.cluster.config import ConfigError
+
+    here = ray.get_runtime_context().get_node_id()
+    away = sorted(owner for owner, nodes in source.placement.items() if set(nodes) != {here})
+    if len(source.placement) > 1 or away:
+        source.shutdown()
+        raise ConfigError(f"the votes of owner(s) {away or sorted(source.placement)} would send {what} off their "
+                          "node to the aggregator: set aggregation: secure")

@@ -60,6 +60,7 @@ def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, pr
         pseudo_label_threshold=config.student.pseudo_label_threshold,
         semi_supervised=config.student.semi_supervised, selection=config.student.selection,
         standardiser=ensemble.public.standardiser, label_propagation=config.student.label_propagation,
+        cluster_embedding=ensemble.pool.embed if config.clusters is not None else None,
     )
     try:
         try:  # a CPU some node has but none has free (the teachers hold them) would wait forever

@@ -60,14 +60,17 @@ STRATEGIES: Registry[type[SelectionStrategy]] = Registry("selection strategy", {
 
 
 POOL_ORDER = "pool"
+CLUSTERS = "clusters"  # the medoids of round_size clusters of the pool (``learning.selection.clusters``)
 COLD_STARTS = ("random", "kmeans")
 
 
 @dataclass(frozen=True)
 class QuerySelection:
     """Which public inputs a student asks the teachers about: ``strategy`` "pool" (the pool in
-    order) or a strategy above choosing ``round_size`` inputs at a time from a model trained on
-    the answers so far. NearPrivate reads private data, so a student cannot use it.
+    order), "clusters" (the medoids of ``round_size`` k-means clusters of the pool in the vote
+    source's public embedding, whose labels then label their clusters: public-cluster votes), or a
+    strategy above choosing ``round_size`` inputs at a time from a model trained on the answers so
+    far. NearPrivate reads private data, so a student cannot use it.
 
     ``cold_start``: what is asked while fewer than two classes are answered (nothing to train a
     model on): "random" inputs (the pool's first inputs, for "pool"), or "kmeans", the inputs
@@ -82,8 +85,9 @@ class QuerySelection:
 
     def __post_init__(self) -> None:
         usable = sorted(set(STRATEGIES) - {"near_private"})
-        if self.strategy != POOL_ORDER and self.strategy not in usable:
-            raise ValueError(f"selection strategy must be {POOL_ORDER!r} or one of {usable}, got {self.strategy!r}")
+        if self.strategy not in (POOL_ORDER, CLUSTERS) and self.strategy not in usable:
+            raise ValueError(f"selection strategy must be {POOL_ORDER!r}, {CLUSTERS!r} or one of {usable}, got "
+                             f"{self.strategy!r}")
         if self.round_size < 1:
             raise ValueError(f"round_size must be >= 1, got {self.round_size}")
         if self.cold_start not in COLD_STARTS:

@@ -87,11 +87,19 @@ class PrivacyReport:
         return self.as_dict(include_private=False)
 
 
-def planned_charge(mechanism: VoteMechanism, queries: int,
-                   smooth: SmoothSensitivityParameters | None = None, orders=None) -> PrivacyCharge:
+def planned_charge(mechanism: VoteMechanism, queries: int, smooth: SmoothSensitivityParameters | None = None,
+                   orders=None, batch_size: int | None = None) -> PrivacyCharge:
     """The worst case of answering ``queries`` queries (all answered), plus the smooth-sensitivity
-    release when one is planned: public settings only, so it can fix a filter's order."""
-    charges = [mechanism.run_charge(queries, queries)]
+    release when one is planned: public settings only, so it can fix a filter's order. With
+    ``batch_size`` (how the queries are asked) a stateless mechanism is charged batch by batch —
+    the same for one charged per query, one release per batch for public-cluster votes."""
+    if batch_size and getattr(mechanism, "stateless", False) and queries:
+        full, rest = divmod(queries, batch_size)
+        batches = [mechanism.worst_case_charge(batch_size).scaled(full)]
+        batches += [mechanism.worst_case_charge(rest)] if rest else []
+        charges = [sum_charges(batches, label=mechanism.name)]
+    else:
+        charges = [mechanism.run_charge(queries, queries)]
     if smooth is not None and mechanism.smooth_sensitivity_analysis:
         charges.append(smooth.charge(charges[0].orders if orders is None else np.asarray(orders, dtype=float)))
     return sum_charges(charges, label="planned")

@@ -34,12 +34,16 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
     config = Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
     assert config.vote_mechanism() == PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
     mismatched = MechanismConfig("private-knn", {**PRIVATE_KNN.params, "sample_rate": 0.5})
-    with pytest.raises(ValueError, match="samples at 0.5 but knn.sample_rate is 0.3"):
+    with pytest.raises(ValueError, match="sample_rate 0.5 but the vote source's is 0.3"):
         Config(mechanism=mismatched, knn=KnnConfig(k=30, sample_rate=0.3))
-    with pytest.raises(ValueError, match="aggregation: secure has no kNN merge"):
-        Config(knn=KnnConfig(), aggregation="secure", mechanism=MechanismConfig("gnmax", {"sigma": 40.0}))
+    # owner-local kNN votes summed securely: one noised total, so one σ
+    with pytest.raises(ValueError, match="set sigma1 = sigma2"):
+        Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
+    secure = MechanismConfig("private-knn", {"sigma1": 8.0, "threshold": 20.0, "sigma2": 8.0})
+    assert Config(mechanism=secure, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure").vote_mechanism().name \
+        == "secure-private-knn"
     with pytest.raises(ValueError, match="knn.embedding must be one of"):
-        KnnConfig(embedding="hog")
+        KnnConfig(embedding="sift")
     KnnConfig(embedding="network:results/mnist-knn/student.pt")  # an earlier round's student
     KnnConfig(embedding="my_encoders.mnist:encoder")  # a user's own, imported where it is fitted
 
@@ -57,10 +61,16 @@ def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_
     assert Config(knn=KnnConfig(k=30)).vote_mechanism().threshold == pytest.approx(0.6 * 30)
 
 
-def test_owners_with_a_records_cap_are_refused_with_knn_votes():
+def test_owners_declared_records_share_k_and_cap_nothing():
+    """With kNN votes an owner's ``records`` is its declared count, which shares k among the owners
+    (``actors.knn_votes.party_k``); nothing is cut to it (a cap would replace records)."""
     _, hospitals = load_run_config(load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml"))
-    with pytest.raises(ValueError, match="leave records unset with knn votes"):
-        dataclasses.replace(hospitals, knn=KnnConfig(k=10, sample_rate=0.5, embedding="pca", dims=5))
+    secure_knn = dataclasses.replace(hospitals, knn=KnnConfig(k=10, sample_rate=0.5, embedding="pca", dims=5),
+                                     aggregation="secure",
+                                     mechanism=MechanismConfig("private-knn", {"sigma1": 4.0, "threshold": 5.0,
+                                                                               "sigma2": 4.0}))
+    assert [owner.records for owner in secure_knn.owners] == [100, 100, 99]
+    assert secure_knn.vote_mechanism().name == "secure-private-knn"
 
 
 class _TeacherVotes:
@@ -114,7 +124,8 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget_then_a_round_on_i
     assert metrics["knn"]["embedding"].startswith("network:") and metrics["queries_answered"] > 0
 
 
-def test_three_owners_vote_by_knn_without_the_driver_opening_their_files(ray_session, run_config_opening, tmp_path):
+def test_three_owners_vote_by_knn_on_their_nodes_and_meet_only_in_the_secure_sum(ray_session, run_config_opening,
+                                                                                 tmp_path):
     opened = run_config_opening(HOSPITALS_KNN)
     raw = load_yaml(HOSPITALS_KNN)
     owner_files = {str((PROJECT_ROOT / owner["data"]["path"]).resolve()) for owner in raw["owners"]}
@@ -122,5 +133,16 @@ def test_three_owners_vote_by_knn_without_the_driver_opening_their_files(ray_ses
     metrics = json.loads((tmp_path / "hospitals-knn" / "metrics.json").read_text())
     assert set(metrics["knn"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
     privacy = json.loads((tmp_path / "hospitals-knn" / "privacy.json").read_text())
+    assert privacy["aggregation"] == "secure" and privacy["mechanism"]["name"] == "secure-private-knn"
+    assert "no distance, neighbour or per-owner histogram" in privacy["trust_model"]["statement"]
     assert privacy["guarantee"]["epsilon"] <= 5.0 and privacy["spent"]["epsilon"] <= privacy["guarantee"]["epsilon"]
     assert metrics["queries_answered"] > 0
+
+
+def test_several_owners_never_merge_clean_distances(tmp_path):
+    """kNN (or public-cluster) votes of several owners without the secure sum are refused in one line."""
+    raw = load_yaml(HOSPITALS_KNN)
+    raw.pop("aggregation")
+    with pytest.raises(ValueError, match="knn votes over 3 owners would show the aggregator their neighbours' "
+                                         "distances: set aggregation: secure"):
+        load_run_config(raw)
