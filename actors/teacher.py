@@ -231,6 +231,10 @@ class TeacherGroup(VoteParty):
         aggregator's health probe is answered while a long vote is under way."""
         return self.load_error is None and all(model is not None for model in self.models)
 
+    def ready(self, timeout: float = 2.0) -> bool:
+        """Health when the group itself is the vote source (in-process, e.g. a benchmark): trained."""
+        return self.is_trained()
+
     def forget(self) -> None:
         """Delete this group's checkpoints (the pool is shutting down), and the run's private
         folder once no other group holds it."""

@@ -24,26 +24,34 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import ray
 
-from conclave.actors.owners import OwnerDropout, OwnerSource
+from conclave.actors.owners import OwnerDropout
 from conclave.actors.placement import Placement
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
 from conclave.privacy.secure_votes import SkellamVotes
 
-if TYPE_CHECKING:  # the teachers' module builds on this one
-    from conclave.actors.teacher import TeacherSource
-
 log = logging.getLogger(__name__)
 
 # Query batches up to this size ride inline with each actor call rather than through the object
 # store (Ray itself inlines arguments below 100 KiB).
 INLINE_INPUT_BYTES = 64 * 1024
+
+
+class RecordSource(Protocol):
+    """Where one owner's records are read from, in the actor that holds them
+    (``actors.owners.OwnerSource``, or a benchmark's private split, ``actors.teacher.TeacherSource``)."""
+
+    owner: str
+    num_teachers: int  # shards the records are cut into (by a keyed hash of each record)
+    features: str | None
+
+    def load(self, shard_ids: Sequence[int]) -> list: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class RecordShare:
     no ``records`` cap on an ``OwnerSource``: cutting a shard down would turn adding a record into
     replacing one."""
 
-    source: TeacherSource | OwnerSource
+    source: RecordSource
     num_actors: int = 1
     placement: Placement = field(default_factory=Placement)
     declared: int | None = None

@@ -134,7 +134,7 @@ def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(
     assert [r["strategy"] for r in metrics["results"]] == ["diverse_public", "near_private"]
     assert all(r["accuracy"] > 0.25 for r in metrics["results"])
     with pytest.raises(ConfigError, match="data.features"):
-        load_run_config({"pipeline": "active_learning", "data": {"features": "hog"}})
+        load_run_config({"pipeline": "active_learning", "data": {"features": "sift"}})
 
 
 def test_pollution_adds_marked_out_of_domain_images():

@@ -168,7 +168,7 @@ def test_mnist_configs_carry_the_papers_settings():
         ({"estimates": {"smooth_sensitivity": True, "order": 10.0}}, "go together"),
         ({"student": {"queries": 301}}, "public_size"),
         ({"privacy": {"delta": 2.0}}, "delta"),
-        ({"data": {"features": "hog"}}, "data.features"),
+        ({"data": {"features": "sift"}}, "data.features"),
     ],
 )
 def test_a_bad_config_is_a_config_error_naming_the_problem(override, named):
