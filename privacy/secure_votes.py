@@ -36,8 +36,10 @@ the sample, charged as the sampled Skellam release (``knn_votes``,
 ``privacy.accounting.sampled_skellam``); public-cluster votes move m cells of the whole round, once
 (``cluster_votes``: one release per round, Δ₁ = m, Δ₂ = √m, whatever the batch).
 
-A missing share leaves the total uniformly random: the round is aborted, releasing nothing and
-charged nothing (``actors.teacher.TeacherPool.noised_votes``, ``actors.labeller.SecureLabeller``).
+A missing share leaves the total uniformly random, so the round is aborted and no label is
+released. It is charged all the same once its shares were asked for: a late share still arrives,
+and an aggregator that kept the others could decode the round (``actors.vote_parties``,
+``actors.labeller.SecureLabeller``); a round that fails before (an owner sent no key) costs nothing.
 """
 from __future__ import annotations
 
