@@ -106,20 +106,23 @@ def _represent(inputs: np.ndarray, features: str | None) -> np.ndarray:
 class NetworkEmbedding:
     """A trained network's activations before its logits (``model.features``), on its inputs'
     ``features`` representation; saved as a plain checkpoint (names, shapes and tensors only, so
-    loading it runs no pickled code)."""
+    loading it runs no pickled code). ``lineage``: the privacy bounds of the runs whose releases
+    trained it (plain values, ``privacy.accounting.composition.PublishedRun.as_record``), so a
+    round that embeds with it states the composition with them."""
 
     model: str  # a learning.models name
     num_classes: int
     input_shape: tuple[int, ...]  # what the network reads (after ``features``)
     features: str | None
     state: dict[str, np.ndarray] = field(repr=False)
+    lineage: tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path: str | Path) -> None:
         import torch
 
         torch.save({"model": self.model, "num_classes": self.num_classes, "input_shape": list(self.input_shape),
-                    "features": self.features, "state_dict": {k: torch.tensor(v) for k, v in self.state.items()}},
-                   path)
+                    "features": self.features, "state_dict": {k: torch.tensor(v) for k, v in self.state.items()},
+                    "lineage": list(self.lineage)}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkEmbedding:
@@ -128,7 +131,7 @@ class NetworkEmbedding:
         try:
             saved = torch.load(path, weights_only=True)
             return cls(saved["model"], int(saved["num_classes"]), tuple(saved["input_shape"]), saved["features"],
-                       {k: v.numpy() for k, v in saved["state_dict"].items()})
+                       {k: v.numpy() for k, v in saved["state_dict"].items()}, tuple(saved.get("lineage", ())))
         except (OSError, KeyError, RuntimeError) as err:
             raise ValueError(f"network checkpoint {path}: {str(err).splitlines()[0]}") from err
 

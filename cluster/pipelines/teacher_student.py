@@ -37,6 +37,7 @@ from conclave.cluster.pipelines import RunOutcome
 from conclave.cluster.teaching.aggregation import serve
 from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
+from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
 from conclave.cluster.teaching.student import train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 
@@ -73,10 +74,11 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     (the benchmark does this for the three 250-teacher MNIST configs).
     """
     config = resolved(config, teachers.public)
+    earlier = earlier_rounds(config)  # the rounds behind a network embedding compose with this one
     with serve(config, teachers, results.path / "ledger.sqlite") as aggregator:
         student = train_student(config, teachers, aggregator)
         aggregator.stop()
-        privacy = aggregator.privacy_report()
+        privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier)
     # No seconds or rates: the teachers' training, the votes (kNN: over every record) and the
     # analysis of the votes take times that grow with the owners' records (docs/privacy.md).
     metrics = {
@@ -90,8 +92,8 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     }
     results.write_json("metrics", metrics)
     results.write_json("privacy", privacy.as_dict())
-    if student.network is not None:  # a later round's kNN embedding: knn.embedding "network:<this file>"
-        student.network.save(results.path / "student.pt")
+    if student.network is not None:  # a later round's embedding: "network:<this file>", with every round's bound
+        with_lineage(student.network, config, earlier).save(results.path / "student.pt")
     _plots(results, student.curve)
     summary = {
         "student_accuracy": round(student.accuracy, 4),

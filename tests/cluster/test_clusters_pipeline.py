@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conclave.cluster.config import load_yaml
 from conclave.cluster.run_command import load_run_config
@@ -68,6 +69,17 @@ def test_digits_vote_for_the_medoids_once_and_the_clusters_are_labelled(ray_sess
     assert metrics["student_accuracy"] > 0.6
     snapshot = read_ledger(results / "ledger.sqlite")
     assert snapshot.charges == 1 and snapshot.answers == 60  # one release, sixty labels on record
+
+    # Round 2 clusters the pool in round 1's student network: new medoids, and the two releases compose.
+    raw = load_yaml(DIGITS)
+    raw.update(name="digits-clusters-round2", clusters={**raw["clusters"], "embedding": f"network:{results / 'student.pt'}"})
+    second = tmp_path / "round2.yaml"
+    second.write_text(yaml.safe_dump(raw))
+    run_config_opening(second)
+    privacy = json.loads((tmp_path / "digits-clusters-round2" / "privacy.json").read_text())
+    assert privacy["rounds"]["composed_with"] == ["digits-clusters"] and privacy["guarantee"]["basis"] == "composed"
+    # two fixed Gaussian releases compose exactly: one at σ/√2
+    assert privacy["guarantee"]["epsilon"] == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(6), 1e-5))
 
 
 @pytest.mark.slow

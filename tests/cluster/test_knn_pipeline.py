@@ -122,6 +122,11 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget_then_a_round_on_i
     run_config_opening(second)
     metrics = json.loads((tmp_path / "digits-knn-round2" / "metrics.json").read_text())
     assert metrics["knn"]["embedding"].startswith("network:") and metrics["queries_answered"] > 0
+    # round 2's embedding came from round 1's releases: it publishes the two composed
+    second_privacy = json.loads((tmp_path / "digits-knn-round2" / "privacy.json").read_text())
+    assert second_privacy["guarantee"]["basis"] == "composed"
+    assert second_privacy["rounds"]["composed_with"] == ["digits-knn"]
+    assert second_privacy["guarantee"]["epsilon"] > max(4.0, second_privacy["rounds"]["this_run"]["epsilon"]) - 1e-9
 
 
 def test_three_owners_vote_by_knn_on_their_nodes_and_meet_only_in_the_secure_sum(ray_session, run_config_opening,

@@ -1,0 +1,50 @@
+"""Rounds: a run whose vote embedding is an earlier run's student (``network:PATH``) publishes the
+composition of its own bound with every earlier round's, because its embedding (and what it asks)
+came from their releases. The bounds travel inside the student checkpoint (``lineage``), so no
+results folder need be found again, and each round hands on the whole chain."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from conclave.cluster.teaching.config import Config
+from conclave.privacy.accounting.composition import PublishedRun, composed_guarantee
+
+if TYPE_CHECKING:
+    from conclave.cluster.run_privacy import RunPrivacy
+    from conclave.learning.embeddings import NetworkEmbedding
+
+NETWORK = "network:"
+
+
+def this_round(config: Config) -> PublishedRun:
+    """This run's bound: its planned worst case under its declared budget."""
+    planned = config.planned()
+    return PublishedRun(config.name, planned, config.privacy.budget_filter(planned))
+
+
+def earlier_rounds(config: Config) -> tuple[PublishedRun, ...]:
+    """The runs behind this run's embedding, oldest first (none unless it embeds with a network)."""
+    from conclave.learning.embeddings import NetworkEmbedding
+
+    section = config.records_vote
+    if section is None or not section.embedding.startswith(NETWORK):
+        return ()
+    network = NetworkEmbedding.load(section.embedding[len(NETWORK):])
+    return tuple(PublishedRun.from_record(record) for record in network.lineage)
+
+
+def with_earlier_rounds(privacy: RunPrivacy, config: Config, earlier: tuple[PublishedRun, ...]) -> RunPrivacy:
+    """``privacy`` with the composition of this run and ``earlier`` as its guarantee (its own
+    beside it); unchanged without earlier rounds."""
+    if not earlier:
+        return privacy
+    own = privacy.guarantee
+    composed = composed_guarantee([*earlier, this_round(config)], own.delta).marked(own.unsound_reasons)
+    return dataclasses.replace(privacy, guarantee=composed).adding(
+        rounds={"composed_with": [run.name for run in earlier], "this_run": own.as_dict()})
+
+
+def with_lineage(network: NetworkEmbedding, config: Config, earlier: tuple[PublishedRun, ...]) -> NetworkEmbedding:
+    """The student network carrying the bounds of every round behind it, this one's last."""
+    return dataclasses.replace(network, lineage=tuple(run.as_record() for run in (*earlier, this_round(config))))
