@@ -18,6 +18,7 @@ REGISTRY: Registry[Callable[..., Any]] = Registry("model", {
     "tutorial_cnn": "conclave.learning.models.cnn:tutorial_cnn",   # 28×28, TF Privacy tutorial
     "tutorial_cnn_tanh": "conclave.learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
     "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
+    "scatternet_cnn_wide": "conclave.learning.models.scatternet:scatternet_cnn_wide",  # the same, width 128
     "digits_cnn": "conclave.learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
     "gn_resnet18": "conclave.learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
     "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32

@@ -16,6 +16,7 @@ CASES = [
     ("tutorial_cnn", 1, 28, {}),
     ("tutorial_cnn_tanh", 1, 28, {}),
     ("scatternet_cnn", 81, 7, {}),
+    ("scatternet_cnn_wide", 81, 7, {}),
     ("digits_cnn", 1, 8, {}),
     ("gn_cnn", 3, 32, {}),
     ("gn_resnet18", 3, 32, {"width": 0.25}),
