@@ -22,7 +22,16 @@ leaves a gap or a short chain. Every read checks the chain, and anything not as 
 an edited or deleted row, edited settings, a truncated file, a file from before the
 checksums — raises ``LedgerDamaged``: a budget that cannot be verified is not a budget. The
 checksums have no key: they reveal edits, corruption and truncation, not a forger who
-recomputes the whole chain (that needs a record of the ledger held elsewhere).
+recomputes the whole chain. A shorter chain is still a valid one, so a ledger opened with
+``keep_record`` (a service's, a run folder's durable one, an owner's) also keeps its length and
+last checksum outside the file (``privacy.accounting.ledger_records``), and a file missing,
+emptied, replaced or shorter than that record is refused on every open and read.
+
+A budget can change after it was declared only by an entry of the chain (``change_budget``,
+``BUDGET_CHANGE``): the owner of the data raising or lowering its lifetime budget. The filter
+then refuses past the new limit, and the guarantee the ledger states is the largest budget it
+ever declared (a limit lowered after releases were seen stops later charges; it cannot shrink
+the bound on what came before).
 
 The ledger *is* the run's privacy filter (``privacy.accounting.filter``): with a budget it
 refuses any charge whose worst case would take the summed RDP at the budget's fixed order
@@ -49,6 +58,7 @@ only the budget is.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -71,6 +81,7 @@ import numpy as np
 from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
+from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 log = logging.getLogger(__name__)
@@ -104,6 +115,7 @@ _SCHEMA = (
 )""",
 )
 _TABLES = ("meta", "charges", "answer_batches", "answers")
+BUDGET_CHANGE = "budget-change"  # the label of a chain entry that changes the budget, not a charge
 
 
 class BudgetExceeded(Exception):
@@ -116,7 +128,27 @@ class LedgerInUse(RuntimeError):
 
 class LedgerDamaged(ValueError):
     """The ledger file is not as its writer left it (edited, truncated, corrupt, or older than
-    checksums): its budget cannot be trusted, so it is not used."""
+    checksums), or is shorter than its record says: its budget cannot be trusted, so it is not used."""
+
+
+@dataclass(frozen=True)
+class BudgetChange:
+    """A budget changed after it was declared: entry ``entry`` of the chain, at ``created``
+    (seconds since the epoch), from ε ``previous`` to ε ``epsilon`` (δ and order unchanged)."""
+
+    entry: int
+    created: float
+    previous: float
+    epsilon: float
+
+    @property
+    def raised(self) -> bool:
+        return self.epsilon > self.previous
+
+    def as_dict(self) -> dict:
+        return {"entry": self.entry, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.created)),
+                "from_epsilon": self.previous, "to_epsilon": self.epsilon,
+                "change": "raised" if self.raised else "lowered"}
 
 
 @dataclass(frozen=True)
@@ -131,16 +163,19 @@ class BudgetReport:
     budget: RenyiFilter | None  # None: a record-only ledger
     rdp_at_budget_order: float | None  # the filter's running sum (None without a budget)
     extra_delta: float  # δ spent outside RDP curves so far
+    changes: tuple[BudgetChange, ...] = ()  # the budget's changes since it was declared, in order
 
     @property
     def epsilon_limit(self) -> float:
-        """The budget's ε (inf for a record-only ledger)."""
+        """The budget's ε now (inf for a record-only ledger)."""
         return self.budget.epsilon if self.budget is not None else math.inf
 
     @property
     def guarantee(self) -> Guarantee | None:
-        """The filter's guarantee, or None without a budget (the run's planned work must give one)."""
-        return None if self.budget is None else filter_guarantee(self.budget, self.neighbouring)
+        """The filter's guarantee — at the largest budget it ever declared — or None without a
+        budget (the run's planned work must give one)."""
+        largest = largest_budget(self.budget, self.changes)
+        return None if largest is None else filter_guarantee(largest, self.neighbouring)
 
     @property
     def remaining_rdp(self) -> float | None:
@@ -164,7 +199,7 @@ class _Totals:
 
     def add(self, row_id: int, label: str, rdp: np.ndarray, extra_delta: float, unbounded: bool) -> None:
         self.last_id = row_id
-        self.count += 1
+        self.count += 1  # charges only: the chain's budget changes move last_id alone
         self.rdp = self.rdp + rdp
         self.extra_delta += extra_delta
         self.unbounded = self.unbounded or unbounded
@@ -177,12 +212,16 @@ class PrivacyLedger:
 
     ``budget=None`` makes a record-only ledger: it refuses nothing, also not unbounded
     charges (its report then has ``bounded = False``). ``delta`` is the run's δ; with a
-    budget it must equal the budget's. Raises ``LedgerInUse`` while another writer holds the
-    file and ``LedgerDamaged`` when its contents fail their checksums.
+    budget it must equal the budget's (as declared: later changes are entries of the file).
+    ``keep_record``: keep the file's length and last checksum outside it
+    (``ledger_records``), for a ledger that must outlive its process; a file that has such a
+    record is checked against it and keeps it, whoever opens it. Raises ``LedgerInUse`` while
+    another writer holds the file and ``LedgerDamaged`` when its contents fail their checksums
+    or are shorter than its record.
     """
 
     def __init__(self, path: str | Path, delta: float, budget: RenyiFilter | None = None,
-                 neighbouring: str = ADD_REMOVE, orders=DEFAULT_ORDERS) -> None:
+                 neighbouring: str = ADD_REMOVE, orders=DEFAULT_ORDERS, keep_record: bool = False) -> None:
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
         if budget is not None and budget.delta != delta:
@@ -201,9 +240,15 @@ class PrivacyLedger:
         self._totals = _Totals(self.orders.size)
         self._cached_report: tuple[tuple[int, int], BudgetReport] | None = None
         self._db: sqlite3.Connection | None = None
-        # An in-memory ledger has no file another writer could open.
-        self._file_lock: IO[str] | None = None if str(path) == ":memory:" else _hold_lock(self.path)
+        self.last_refusal: str | None = None  # the latest refusal's line (why a run stopped)
+        in_memory = str(path) == ":memory:"
+        # An in-memory ledger has no file another writer could open, nor one to keep a record of.
+        self._file_lock: IO[str] | None = None if in_memory else _hold_lock(self.path)
+        self._records = None if in_memory else LedgerRecords()
         try:
+            record = None if self._records is None else self._records.get(self.path)
+            if record is not None and record.entries:  # before SQLite could make an empty file a new ledger
+                _check_record(self.path, _read_or_none(self.path), record)
             # autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE for writes).
             self._db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None, check_same_thread=False)
             if _table_exists(self._db, "charges") and "checksum" not in _columns(self._db, "charges"):
@@ -212,6 +257,7 @@ class PrivacyLedger:
             self._db.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
             with self._transaction():
                 contents = self._create_or_check()
+            _check_record(self.path, contents, record)
         except BaseException as error:
             self.close()
             damaged = _unreadable(self.path, error)
@@ -220,14 +266,19 @@ class PrivacyLedger:
             raise
         for row_id, label, rdp, extra_delta, unbounded in contents.rows:
             self._totals.add(row_id, label, rdp, extra_delta, unbounded)
+        self._totals.last_id = contents.entries
         self._heads = contents.heads
         self.ledger_id = contents.settings["ledger_id"]  # random, fixed at creation: tells this file from a new one
+        self.changes: tuple[BudgetChange, ...] = tuple(contents.changes)
+        self.budget = current_budget(budget, self.changes)
+        self._keep_record = keep_record or record is not None
+        self._note_record()
 
     @classmethod
-    def open_existing(cls, path: str | Path) -> PrivacyLedger:
+    def open_existing(cls, path: str | Path, keep_record: bool = False) -> PrivacyLedger:
         """Reopen a ledger file with the settings it was created with (to read or keep charging it)."""
         delta, budget, neighbouring, orders = _declared(path, _read(Path(path)).settings)
-        return cls(path, delta, budget, neighbouring=neighbouring, orders=orders)
+        return cls(path, delta, budget, neighbouring=neighbouring, orders=orders, keep_record=keep_record)
 
     # --- public API -----------------------------------------------------------------------
 
@@ -238,6 +289,8 @@ class PrivacyLedger:
         (default: the charge) would pass the budget. Call before releasing anything the
         charge pays for."""
         self._check_charge(charge)
+        if charge.label == BUDGET_CHANGE:
+            raise ValueError(f"{BUDGET_CHANGE!r} labels the budget's changes, not a charge")
         if worst_case is not None:
             self._check_charge(worst_case)
             if np.any(charge.rdp > worst_case.rdp * (1 + 1e-9) + 1e-15) or charge.extra_delta > worst_case.extra_delta * (
@@ -247,7 +300,11 @@ class PrivacyLedger:
         rdp = np.asarray(charge.rdp, dtype="<f8")
         with self._lock:
             self._connection()
-            self._refuse_if_over(worst_case if worst_case is not None else charge)
+            try:
+                self._refuse_if_over(worst_case if worst_case is not None else charge)
+            except BudgetExceeded as refused:
+                self.last_refusal = str(refused)
+                raise
             row_id = self._totals.last_id + 1
             row = (row_id, charge.label, rdp.tobytes(), float(charge.extra_delta), int(charge.unbounded),
                    charge.reason, json.dumps(charge.details, default=str), charge.neighbouring, time.time())
@@ -262,7 +319,32 @@ class PrivacyLedger:
             # Only after COMMIT succeeded does the new row enter the running totals.
             self._totals.add(row_id, charge.label, rdp, float(charge.extra_delta), bool(charge.unbounded))
             self._heads = _Heads(checksum, self._heads.batch, self._heads.batches)
+            self._note_record()
             return self._report()
+
+    def change_budget(self, epsilon: float) -> BudgetChange:
+        """Change the budget's ε from now on (δ, order and reserved δ stay), as an entry of the
+        chain: only the data's owner does this (``conclave owner raise`` / ``lower``). The
+        filter refuses past the new limit; the guarantee stays the largest budget declared."""
+        if self.budget is None:
+            raise ValueError(f"ledger {self.path} records only: it has no budget to change")
+        new = dataclasses.replace(self.budget, epsilon=float(epsilon))  # a limit with no RDP budget: ValueError
+        with self._lock:
+            self._connection()
+            row_id = self._totals.last_id + 1
+            change = BudgetChange(row_id, time.time(), self.budget.epsilon, new.epsilon)
+            row = (row_id, BUDGET_CHANGE, np.zeros(self.orders.size, dtype="<f8").tobytes(), 0.0, 0, "",
+                   json.dumps({"epsilon": change.epsilon, "previous": change.previous}), self.neighbouring,
+                   change.created)
+            with self._transaction():
+                checksum = _checksum("charge", self._heads.charge, row, [])
+                self._insert("charges (id, label, rdp, extra_delta, unbounded, reason, details, neighbouring, "
+                             "created, checksum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, checksum), row_id)
+            self._totals.last_id = row_id
+            self._heads = _Heads(checksum, self._heads.batch, self._heads.batches)
+            self.budget, self.changes = new, (*self.changes, change)
+            self._note_record()
+            return change
 
     def can_afford(self, charge: PrivacyCharge) -> bool:
         """Whether ``charge`` would be accepted now (nothing is recorded)."""
@@ -276,7 +358,8 @@ class PrivacyLedger:
             try:
                 self._refuse_if_over(charge)
             except BudgetExceeded as refused:
-                return str(refused)
+                self.last_refusal = str(refused)
+                return self.last_refusal
             return None
 
     def report(self) -> BudgetReport:
@@ -343,6 +426,12 @@ class PrivacyLedger:
         if self._db is None:
             raise RuntimeError(f"privacy ledger {self.path} is closed")
         return self._db
+
+    def _note_record(self) -> None:
+        """Keep the chain's length and last checksum outside the file (after a commit, so a
+        record is never ahead of the file it describes)."""
+        if self._keep_record and self._records is not None:
+            self._records.note(LedgerRecord(str(self.path), self.ledger_id, self._totals.last_id, self._heads.charge))
 
     class _Txn:
         def __init__(self, db: sqlite3.Connection, write: bool) -> None:
@@ -482,6 +571,7 @@ class PrivacyLedger:
             budget=self.budget,
             rdp_at_budget_order=None if self._budget_index is None else float(spent.rdp[self._budget_index]),
             extra_delta=spent.extra_delta,
+            changes=self.changes,
         )
         self._cached_report = ((spent.last_id, spent.count), report)
         return report
@@ -495,18 +585,21 @@ class LedgerSnapshot:
     path: Path
     ledger_id: str  # random, written when the file was created
     delta: float
-    budget: RenyiFilter | None  # None: a record-only ledger, no filter was in force
+    budget: RenyiFilter | None  # None: a record-only ledger, no filter was in force; else the limit now
     neighbouring: str
     orders: np.ndarray
     charges: int
     answers: int  # released answers on record (a labelling service records one per distinct input)
     spent: PrivacyCharge  # every charge composed
     by_label: dict[str, PrivacyCharge]  # each label's charges composed
+    entries: int = 0  # rows of the chain: charges and budget changes
+    changes: tuple[BudgetChange, ...] = ()
 
     @property
     def guarantee(self) -> Guarantee | None:
-        """The filter's guarantee, or None for a record-only ledger."""
-        return None if self.budget is None else filter_guarantee(self.budget, self.neighbouring)
+        """The filter's guarantee (its largest budget declared), or None for a record-only ledger."""
+        largest = largest_budget(self.budget, self.changes)
+        return None if largest is None else filter_guarantee(largest, self.neighbouring)
 
 
 def read_ledger(path: str | Path) -> LedgerSnapshot:
@@ -518,7 +611,7 @@ def read_ledger(path: str | Path) -> LedgerSnapshot:
     and ValueError for a file that is not a ledger.
     """
     path = Path(path)
-    contents = _read(path)
+    contents = _read_checked(path)
     delta, budget, neighbouring, orders = _declared(path, contents.settings)
     totals = _Totals(orders.size)
     for row in contents.rows:
@@ -530,10 +623,11 @@ def read_ledger(path: str | Path) -> LedgerSnapshot:
                              neighbouring=neighbouring)
 
     return LedgerSnapshot(
-        path, contents.settings["ledger_id"], delta, budget, neighbouring, orders, totals.count,
-        len(contents.answers),
+        path, contents.settings["ledger_id"], delta, current_budget(budget, contents.changes), neighbouring, orders,
+        totals.count, len(contents.answers),
         composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent"),
         {label: composed(*sums, label) for label, sums in totals.by_label.items()},
+        contents.entries, tuple(contents.changes),
     )
 
 
@@ -550,15 +644,16 @@ class ChargeRecord:
 
 
 def read_history(path: str | Path) -> list[ChargeRecord]:
-    """Every charge of a ledger file, in order, read without writing or locking, after the
+    """Every entry of a ledger file's chain — its charges and budget changes (label
+    ``BUDGET_CHANGE``, costing nothing) — in order, read without writing or locking, after the
     file's chain has been checked (``read_ledger``'s checks)."""
     path = Path(path)
-    contents = _read(path)
+    contents = _read_checked(path)
     _, _, neighbouring, orders = _declared(path, contents.settings)
     db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=60.0)
     try:
         rows = db.execute("SELECT id, label, rdp, extra_delta, unbounded, reason, details, created FROM charges "
-                          "WHERE id <= ? ORDER BY id", (len(contents.rows),)).fetchall()
+                          "WHERE id <= ? ORDER BY id", (contents.entries,)).fetchall()
     finally:
         db.close()
     return [ChargeRecord(row_id, label, created, json.loads(details),
@@ -623,9 +718,12 @@ class _Contents:
     """A ledger file's contents, checked."""
 
     settings: dict[str, str]  # the meta table
-    rows: list[tuple[int, str, np.ndarray, float, bool]]  # (id, label, RDP curve, extra δ, unbounded) by id
+    rows: list[tuple[int, str, np.ndarray, float, bool]]  # charges: (id, label, RDP curve, extra δ, unbounded)
     answers: dict[bytes, int]
     heads: _Heads
+    entries: int = 0  # rows of the charge chain: charges and budget changes
+    checksums: tuple[str, ...] = ()  # each entry's checksum, by id
+    changes: tuple[BudgetChange, ...] = ()
 
 
 def _read(path: Path) -> _Contents:
@@ -683,7 +781,7 @@ def _verified(path: Path, db: sqlite3.Connection) -> _Contents | None:
         (by_charge[charge_id] if batch_id is None else by_batch[batch_id]).append((key, answer))
         answers[key] = answer
 
-    rows, head = [], settings["checksum"]
+    rows, head, checksums, changes = [], settings["checksum"], [], []
     for expected, row in enumerate(db.execute(
             "SELECT id, label, rdp, extra_delta, unbounded, reason, details, neighbouring, created, checksum "
             "FROM charges ORDER BY id"), start=1):
@@ -695,16 +793,94 @@ def _verified(path: Path, db: sqlite3.Connection) -> _Contents | None:
             raise LedgerDamaged(_damaged(path, f"charge {row_id}'s RDP curve is not {size} non-negative numbers"))
         if not (isinstance(extra_delta, float) and 0 <= extra_delta < 1) or unbounded not in (0, 1):
             raise LedgerDamaged(_damaged(path, f"charge {row_id}'s extra delta or unbounded flag is out of range"))
-        rows.append((row_id, label, curve, extra_delta, bool(unbounded)))
+        if label == BUDGET_CHANGE:
+            changes.append(_budget_change(path, row, curve, extra_delta, unbounded))
+        else:
+            rows.append((row_id, label, curve, extra_delta, bool(unbounded)))
         head = row[-1]
-    _check_end(path, "charge", len(rows), issued.get("charges", 0), by_charge)
+        checksums.append(head)
+    _check_end(path, "charge", len(checksums), issued.get("charges", 0), by_charge)
 
     batch_head, batches = settings["checksum"], 0
     for batches, row in enumerate(db.execute("SELECT id, created, checksum FROM answer_batches ORDER BY id"), start=1):
         _check_link(path, "answer batch", batches, row, batch_head, by_batch.pop(batches, []))
         batch_head = row[-1]
     _check_end(path, "answer batch", batches, issued.get("answer_batches", 0), by_batch)
-    return _Contents(settings, rows, answers, _Heads(head, batch_head, batches))
+    return _Contents(settings, rows, answers, _Heads(head, batch_head, batches), len(checksums), tuple(checksums),
+                     tuple(changes))
+
+
+def _budget_change(path: Path, row: tuple, curve: np.ndarray, extra_delta: float, unbounded: int) -> BudgetChange:
+    """A chain entry labelled ``BUDGET_CHANGE``: it costs nothing and names the new ε."""
+    row_id, created, details = row[0], row[8], row[6]
+    try:
+        stated = json.loads(details)
+        change = BudgetChange(row_id, float(created), float(stated["previous"]), float(stated["epsilon"]))
+    except (KeyError, TypeError, ValueError):
+        change = None
+    if change is None or np.any(curve != 0) or extra_delta != 0 or unbounded or not (
+            change.epsilon > 0 and math.isfinite(change.epsilon)):
+        raise LedgerDamaged(_damaged(path, f"entry {row_id} is a budget change that does not parse"))
+    return change
+
+
+def current_budget(declared: RenyiFilter | None, changes: tuple[BudgetChange, ...] | list[BudgetChange]
+                   ) -> RenyiFilter | None:
+    """The limit in force: the budget declared at creation, with its latest change's ε."""
+    if declared is None or not changes:
+        return declared
+    return dataclasses.replace(declared, epsilon=changes[-1].epsilon)
+
+
+def largest_budget(budget: RenyiFilter | None, changes: tuple[BudgetChange, ...]) -> RenyiFilter | None:
+    """The largest budget a ledger ever declared (``budget`` being the one now): its guarantee."""
+    if budget is None or not changes:
+        return budget
+    return dataclasses.replace(budget, epsilon=max(budget.epsilon, *(c.previous for c in changes)))
+
+
+def _read_or_none(path: Path) -> _Contents | None:
+    """A file's checked contents for comparing with its record; None when there is no file or
+    no ledger in it (deleted, emptied to 0 bytes)."""
+    try:
+        return _read(path)
+    except FileNotFoundError:
+        return None
+    except LedgerDamaged:
+        raise
+    except ValueError:  # not a ledger (an empty file has no tables)
+        return None
+
+
+def _read_checked(path: Path) -> _Contents:
+    """``_read``, and for a file with a record, checked against it first: a missing or emptied
+    file is then refused as such, not read as no ledger."""
+    record = LedgerRecords().get(path)
+    if record is None or not record.entries:
+        return _read(path)
+    contents = _read_or_none(path)
+    _check_record(path, contents, record)
+    return contents
+
+
+def _check_record(path: Path, contents: _Contents | None, record: LedgerRecord | None) -> None:
+    """Refuse (``LedgerDamaged``) a file that is missing, emptied, replaced or shorter than its
+    record says, or whose recorded entry is not the one recorded."""
+    if record is None or record.entries == 0:
+        return
+    recorded = f"its record (kept outside the file) says it held {record.entries} entries"
+    if contents is None:
+        what = "it is missing" if not path.exists() else "it is empty"
+        raise LedgerDamaged(_damaged(path, f"{what}, but {recorded}; a deleted or emptied ledger is not a fresh "
+                                           "budget: restore the file"))
+    if contents.settings["ledger_id"] != record.ledger_id:
+        raise LedgerDamaged(_damaged(path, f"it is another file than the one recorded, and {recorded}; a new ledger "
+                                           "is not a fresh budget: restore the original"))
+    if contents.entries < record.entries:
+        raise LedgerDamaged(_damaged(path, f"it holds {contents.entries} entries but {recorded}; a shortened ledger "
+                                           "is not a fresh budget: restore the full file"))
+    if contents.checksums[record.entries - 1] != record.head:
+        raise LedgerDamaged(_damaged(path, f"its entry {record.entries} is not the one its record saw (rewritten)"))
 
 
 def _check_link(path: Path, kind: str, expected: int, row: tuple, previous: str,

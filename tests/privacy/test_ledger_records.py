@@ -1,0 +1,152 @@
+"""A kept ledger cannot be reset: its length and last checksum live outside the file, so a file
+deleted, emptied to 0 bytes, shortened by deleting its last rows (with SQLite's sequence reset
+to match), emptied of every row, or byte-flipped is refused in one line, on open and on read. And
+a budget changes only as an entry of the chain, whose guarantee is the largest budget declared."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.ledger import (
+    BUDGET_CHANGE, BudgetExceeded, LedgerDamaged, PrivacyLedger, read_history, read_ledger,
+)
+from conclave.privacy.accounting.ledger_records import LedgerRecords
+from conclave.privacy.accounting.rdp import gaussian_charge
+
+DELTA = 1e-5
+CHARGE = gaussian_charge(20.0, count=4, label="gnmax")
+BUDGET = RenyiFilter(10.0, DELTA, 32.0)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """This test's own Conclave folder, where the records are kept."""
+    monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def kept_ledger(path, charges: int = 5) -> None:
+    with PrivacyLedger(path, DELTA, BUDGET, keep_record=True) as ledger:
+        for _ in range(charges):
+            ledger.charge(CHARGE)
+
+
+def sql(path, *statements: str) -> None:
+    db = sqlite3.connect(path)
+    with db:
+        for statement in statements:
+            db.execute(statement)
+    db.close()
+
+
+def roll_back(path, keep: int) -> None:
+    """Delete every charge after ``keep`` and reset SQLite's sequence to match: a valid, shorter chain."""
+    sql(path, f"DELETE FROM charges WHERE id > {keep}",
+        f"UPDATE sqlite_sequence SET seq = {keep} WHERE name = 'charges'")
+
+
+def flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.index(CHARGE.rdp.astype("<f8").tobytes()) + 7
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda p: p.unlink(), "it is missing, but its record (kept outside the file) says it held 5 entries"),
+    (lambda p: p.write_bytes(b""), "it is empty, but its record (kept outside the file) says it held 5 entries"),
+    (lambda p: roll_back(p, 2), "it holds 2 entries but its record (kept outside the file) says it held 5"),
+    (lambda p: roll_back(p, 0), "it holds 0 entries but its record (kept outside the file) says it held 5"),
+    (flip_a_byte, "checksum does not match (edited or truncated)"),
+])
+def test_a_kept_ledger_deleted_emptied_rolled_back_or_flipped_is_refused_in_one_line(tmp_path, damage, message):
+    path = tmp_path / "serve-ledger.sqlite"
+    kept_ledger(path)
+    damage(path)
+    size = path.stat().st_size if path.exists() else None
+    opening = [lambda: PrivacyLedger(path, DELTA, BUDGET, keep_record=True)]  # as a service reopening it
+    if size is not None:
+        opening.append(lambda: read_ledger(path))  # as `conclave budget` and `conclave run` read it
+    for open_it in opening:
+        with pytest.raises(LedgerDamaged) as refused:
+            open_it()
+        line = str(refused.value)
+        assert "\n" not in line and message in line and line.startswith(f"ledger {path} is damaged: "), line
+    assert (path.stat().st_size if path.exists() else None) == size  # no fresh ledger was made in its place
+
+
+def test_another_ledger_in_its_place_is_refused(tmp_path):
+    path, other = tmp_path / "ledger.sqlite", tmp_path / "other.sqlite"
+    kept_ledger(path, charges=3)
+    with PrivacyLedger(other, DELTA, BUDGET) as ledger:
+        for _ in range(4):
+            ledger.charge(CHARGE)
+    path.write_bytes(other.read_bytes())  # longer, and a valid chain
+    with pytest.raises(LedgerDamaged, match="it is another file than the one recorded"):
+        read_ledger(path)
+
+
+def test_a_tail_rewritten_to_the_recorded_length_is_refused(tmp_path, home):
+    path = tmp_path / "ledger.sqlite"
+    kept_ledger(path, charges=3)
+    (record,) = (home / "ledgers").glob("*.json")
+    saved = record.read_bytes()
+    record.unlink()  # out of the way while the last charge is replaced by a cheaper one
+    roll_back(path, 2)
+    with PrivacyLedger.open_existing(path) as ledger:
+        ledger.charge(gaussian_charge(50.0, label="cheaper"))
+    record.write_bytes(saved)
+    with pytest.raises(LedgerDamaged, match="its entry 3 is not the one its record saw"):
+        read_ledger(path)
+
+
+def test_a_ledger_without_a_record_starts_afresh_and_one_with_a_record_keeps_it(tmp_path):
+    run = tmp_path / "run-ledger.sqlite"  # a run's own ledger: started fresh by every run
+    with PrivacyLedger(run, DELTA) as ledger:
+        ledger.charge(CHARGE)
+    run.unlink()
+    with PrivacyLedger(run, DELTA) as ledger:
+        assert ledger.report().charges == 0
+    assert LedgerRecords().get(run) is None
+    kept = tmp_path / "kept.sqlite"
+    kept_ledger(kept, charges=1)
+    with PrivacyLedger.open_existing(kept) as ledger:  # opened without asking: the record is kept all the same
+        ledger.charge(CHARGE)
+    assert LedgerRecords().get(kept).entries == 2
+
+
+def test_the_budget_changes_only_as_an_entry_of_its_chain(tmp_path):
+    path = tmp_path / "owner.sqlite"
+    unit = gaussian_charge(5.0, label="gnmax")
+    with PrivacyLedger(path, DELTA, RenyiFilter(2.0, DELTA, 16.0), keep_record=True) as ledger:
+        while ledger.can_afford(unit):
+            ledger.charge(unit)
+        paid = ledger.report().charges
+        with pytest.raises(ValueError, match="labels the budget's changes"):
+            ledger.charge(gaussian_charge(5.0, label=BUDGET_CHANGE))
+        raised = ledger.change_budget(4.0)
+        assert raised.raised and (raised.previous, raised.epsilon, raised.entry) == (2.0, 4.0, paid + 1)
+        ledger.charge(unit)  # the raised budget pays again
+    with PrivacyLedger.open_existing(path) as ledger:  # reopened: the budget in force is the raised one
+        report = ledger.report()
+        assert report.budget.epsilon == 4.0 and report.charges == paid + 1 and report.guarantee.epsilon == 4.0
+        lowered = ledger.change_budget(3.0)
+        assert not lowered.raised
+        with pytest.raises(BudgetExceeded):
+            while True:
+                ledger.charge(unit)
+        report = ledger.report()
+    # lowered: the limit is 3, the guarantee stays the largest budget declared, 4
+    assert report.budget.epsilon == 3.0 and report.guarantee.epsilon == 4.0
+    assert [c.epsilon for c in report.changes] == [4.0, 3.0]
+    snapshot = read_ledger(path)
+    assert snapshot.budget.epsilon == 3.0 and snapshot.guarantee.epsilon == 4.0
+    assert snapshot.entries == snapshot.charges + 2
+    history = read_history(path)
+    assert [r.label for r in history].count(BUDGET_CHANGE) == 2 and len(history) == snapshot.entries
+    sql(path, f"UPDATE charges SET details = '{{\"epsilon\": 40.0, \"previous\": 3.0}}' WHERE label = '{BUDGET_CHANGE}'"
+              f" AND id = {lowered.entry}")
+    with pytest.raises(LedgerDamaged, match=f"charge {lowered.entry}'s checksum does not match"):
+        read_ledger(path)
