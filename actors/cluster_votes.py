@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
+from conclave.actors.knn_votes import padded
 from conclave.actors.owners import GroupInfo, OwnerDataError, describe_all, nodes_of
 from conclave.actors.placement import require_node
 from conclave.actors.vote_parties import RecordShare, VoteParties, VoteParty, party_blocks
@@ -52,7 +53,8 @@ class ClusterShard(VoteParty):
     that ``describe`` raises as ``OwnerDataError`` (one line naming the owner), as for teachers.
     """
 
-    def __init__(self, source, first: int, last: int, embed: Embedding, votes_per_record: int) -> None:
+    def __init__(self, source, first: int, last: int, embed: Embedding, votes_per_record: int,
+                 rows: int | None = None) -> None:
         self.owner, self.votes_per_record = source.owner, votes_per_record
         self.load_error: str | None = None
         try:
@@ -62,9 +64,11 @@ class ClusterShard(VoteParty):
             self.num_classes, self.input_shape = 0, ()
             return
         self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
-        self._points = np.asarray(embed(np.concatenate([part.x for part in shards])), dtype=np.float64)
+        # padded to the declared size (``actors.knn_votes.padded``): a vote takes the same time below it
+        self._points, self._labels = padded(np.asarray(embed(np.concatenate([part.x for part in shards])),
+                                                       dtype=np.float64),
+                                            np.concatenate([part.y for part in shards]), rows)
         self._norms = np.einsum("ij,ij->i", self._points, self._points)
-        self._labels = np.concatenate([part.y for part in shards])
 
     def describe(self) -> GroupInfo:
         """Classes, input shape and node, nothing about the records; raises if they could not be read."""
@@ -92,8 +96,9 @@ class ClusterShard(VoteParty):
             points = self._points[start:start + rows]
             squared = self._norms[start:start + rows, None] - 2.0 * points @ queries.T + query_norms[None, :]
             nearest = nearest_queries(squared, self.votes_per_record)
-            cells = nearest * self.num_classes + self._labels[start:start + rows, None]
-            counts += np.bincount(cells.ravel(), minlength=len(counts))
+            labels = self._labels[start:start + rows, None]
+            cells = (nearest * self.num_classes + labels)[np.broadcast_to(labels >= 0, nearest.shape)]  # pads vote for nothing
+            counts += np.bincount(cells, minlength=len(counts))
         return counts.reshape(batch, self.num_classes)
 
 

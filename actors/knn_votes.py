@@ -56,6 +56,18 @@ log = logging.getLogger(__name__)
 CHUNK_PAIRS = 4_000_000
 
 
+def padded(points: np.ndarray, labels: np.ndarray, rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The records, padded with rows of label -1 up to ``rows`` (a party's share of what its owner
+    declares), so that the work per query — distances, draws, the candidates' sort — is that of the
+    declared size whatever the owner holds below it: how long a vote takes says nothing of the
+    records (docs/privacy.md, "Timing"). Padding rows never vote."""
+    if rows is None or rows <= len(labels):
+        return points, labels
+    extra = rows - len(labels)
+    return (np.concatenate([points, np.zeros((extra, points.shape[1]))]),
+            np.concatenate([labels, np.full(extra, -1, dtype=labels.dtype)]))
+
+
 def sample_stream(round_: int, shard: int) -> str:
     """The noise stream of shard actor ``shard``'s inclusion draws in vote round ``round_`` (from 1):
     distinct per round and actor, so an insecure seed replays each sample and no two coincide."""
@@ -73,7 +85,7 @@ class KnnShard(VoteParty):
     """
 
     def __init__(self, source: TeacherSource | OwnerSource, first: int, last: int, embed: Embedding,
-                 k: int, sample_rate: float, index: int, noise: NoisePolicy = SECURE) -> None:
+                 k: int, sample_rate: float, index: int, noise: NoisePolicy = SECURE, rows: int | None = None) -> None:
         self.owner = source.owner
         self.k, self.sample_rate, self.index, self.noise = k, sample_rate, index, noise
         self.load_error: str | None = None
@@ -86,9 +98,9 @@ class KnnShard(VoteParty):
         self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
         x = np.concatenate([part.x for part in shards])
         # float64 so that the expanded squared distance below loses nothing that matters.
-        self._points = np.asarray(embed(x), dtype=np.float64)
+        self._points, self._labels = padded(np.asarray(embed(x), dtype=np.float64),
+                                            np.concatenate([part.y for part in shards]), rows)
         self._norms = np.einsum("ij,ij->i", self._points, self._points)
-        self._labels = np.concatenate([part.y for part in shards])
 
     def describe(self) -> GroupInfo:
         """Classes, input shape and node, nothing about the records; raises if they could not be read."""
@@ -133,8 +145,10 @@ class KnnShard(VoteParty):
             included = rng.random((len(chunk), n)) < self.sample_rate
             squared = np.maximum(
                 self._norms[None, :] - 2.0 * chunk @ self._points.T + np.einsum("ij,ij->i", chunk, chunk)[:, None], 0.0)
+            squared[:, self._labels < 0] = np.inf  # padding rows: sampled like records, never anyone's neighbour
             for row in range(len(chunk)):
                 nearest = self._nearest(squared[row], np.flatnonzero(included[row]))
+                nearest = nearest[np.isfinite(squared[row, nearest])]
                 distances[start + row, :len(nearest)] = squared[row, nearest]
                 labels[start + row, :len(nearest)] = self._labels[nearest]
         return distances, labels
@@ -205,7 +219,8 @@ class KnnVoteSource(VoteParties):
             for a, b in blocks:
                 k_here = self.party_k[len(spawns)] if local else k
                 spawns.append(functools.partial(KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
-                                                share.source, a, b, embed, k_here, sample_rate, len(spawns), noise))
+                                                share.source, a, b, embed, k_here, sample_rate, len(spawns), noise,
+                                                rows=share.declared_rows(a, b)))
                 owners.append(share.source.owner)
         self._track(spawns, owners)
         described = describe_all(self._actors, self._owners, self.shutdown)

@@ -79,6 +79,13 @@ class RecordShare:
             raise ValueError(f"owner {self.source.owner}: give the representation as the embedding, "
                              f"not as source features ({self.source.features!r})")
 
+    def declared_rows(self, first: int, last: int) -> int | None:
+        """The records a party holding shards ``first``..``last - 1`` is declared to hold (its share
+        of the owner's declaration, rounded up; None without one)."""
+        if self.declared is None:
+            return None
+        return max(1, -(-self.declared * (last - first) // self.source.num_teachers))
+
 
 class VoteParty(ReleaseKeys, abc.ABC):
     """One party's side (no Ray here: the actor is the subclass itself): its partial histogram of

@@ -182,3 +182,16 @@ def test_shares_of_opposite_votes_look_alike(ray_session, tmp_path):
         seen[name] = np.concatenate(values)
     assert stats.ks_2samp(seen["sevens"], seen["ones"]).pvalue > 1e-3
     assert stats.kstest(seen["sevens"], "uniform").pvalue > 1e-3
+
+
+def test_a_party_below_its_declared_size_works_on_the_declared_rows_and_votes_the_same(owners):
+    """Padding to the declared size (``actors.knn_votes.padded``): the work per query is that of the
+    declared rows whatever the owner holds below them, and the padding never votes (kNN at rate 1:
+    the same records every time, whatever the draws)."""
+    sources, queries = owners
+    embedded = Flatten()(queries).astype(np.float64)
+    for make in (lambda rows: KnnShard(sources[0], 0, 1, Flatten(), 5, 1.0, 0, NoisePolicy(insecure_seed=3), rows=rows),
+                 lambda rows: ClusterShard(sources[0], 0, 1, Flatten(), 3, rows=rows)):
+        plain, padded = make(None), make(250)
+        assert len(plain._labels) == 100 and len(padded._labels) == 250
+        np.testing.assert_array_equal(plain.partial_votes(embedded, "s"), padded.partial_votes(embedded, "s"))
