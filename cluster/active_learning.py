@@ -515,8 +515,8 @@ def learn_actively(config: Config, results: RunDirectory, ray_address: str | Non
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
     planned = planned_work(config)
-    ledger = config.privacy.with_owners(config.privacy.open_ledger(results.durable / "ledger.sqlite", planned),
-                                        planned, config.owners, config.name)
+    durable = config.privacy.open_ledger(results.durable / "ledger.sqlite", planned, durable=True)
+    ledger = config.privacy.with_owners(durable, planned, config.owners, config.name)
     # Earlier runs in this folder charged the same private data: the published guarantee covers
     # them too. Every charge this pipeline makes is fixed work (a DP-SGD schedule, DP-PCA,
     # counts), so what the ledger holds is their data-independent worst case.

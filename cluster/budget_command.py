@@ -2,11 +2,13 @@
 
 Reads ledgers without writing to them (``read_ledger``: no lock is taken, so a running job is
 not disturbed; every file's checksum chain is verified) and prints, for each, its lifetime or
-run budget, the realised spend, what the filter has left, and with ``--history`` every charge:
-when, which run, which mechanism, and what it would cost alone. ``--json`` prints the same as
-one JSON document. Without arguments it reads this machine's owner ledgers
-(``$CONCLAVE_HOME/owners``, by default ``~/.conclave/owners``: run it on each owner's node)
-and the run ledgers under ``./results``. Exit status 2 when a ledger is damaged or unreadable.
+run budget, the realised spend, what the filter has left — marking a budget **exhausted** when
+what is left pays for none of the charges it ever paid for — and with ``--history`` every entry:
+when, which run (by its run name), which mechanism, what it would cost alone, and the owner's
+raises and lowerings of its budget. ``--json`` prints the same as one JSON document. Without
+arguments it reads this machine's owner ledgers (``$CONCLAVE_HOME/owners``, by default
+``~/.conclave/owners``: run it on each owner's node) and the run ledgers under ``./results``.
+Exit status 2 when a ledger is damaged or unreadable.
 """
 from __future__ import annotations
 
@@ -41,25 +43,61 @@ class LedgerView:
     history: tuple  # privacy.accounting.ledger.ChargeRecord, in order
 
     @property
+    def charges(self) -> list:
+        """The history's charges, without the budget's changes."""
+        from conclave.privacy.accounting.ledger import BUDGET_CHANGE
+
+        return [r for r in self.history if r.label != BUDGET_CHANGE]
+
+    @property
     def runs(self) -> list[str]:
-        return sorted({str(r.details.get("run", "")) for r in self.history} - {""})
+        return sorted({str(r.details.get("run", "")) for r in self.charges} - {""})
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether what the budget has left pays for none of the charges it ever paid for (or
+        for nothing at all): a run like any before it would be refused."""
+        budget = self.snapshot.budget
+        if budget is None:
+            return False
+        from conclave.privacy.accounting.filter import order_index
+
+        left = budget.rdp_budget - _at_order(self.snapshot)
+        costs = [float(r.charge.rdp[order_index(budget.order, self.snapshot.orders)]) for r in self.charges]
+        paid = [c for c in costs if c > 0]
+        return left <= 0 or (bool(paid) and left < min(paid))
 
     def as_dict(self) -> dict[str, Any]:
         snapshot, budget = self.snapshot, self.snapshot.budget
         spent = _epsilon(snapshot.spent, snapshot.delta)
         left = None if budget is None else max(0.0, budget.rdp_budget - _at_order(snapshot))
+        guarantee = snapshot.guarantee
         return {
             "kind": self.kind, "name": self.name, "path": str(self.path), "ledger_id": snapshot.ledger_id,
             "budget": None if budget is None else {"epsilon": budget.epsilon, "delta": budget.delta,
-                                                   "order": budget.order, "rdp_budget": budget.rdp_budget},
+                                                   "order": budget.order, "rdp_budget": budget.rdp_budget,
+                                                   "guarantee_epsilon": guarantee.epsilon},
+            "exhausted": self.exhausted,
+            "budget_changes": [c.as_dict() for c in snapshot.changes],
             "neighbouring": snapshot.neighbouring,
             "spent": {"epsilon": spent, "delta": snapshot.delta, "charges": snapshot.charges,
                       "rdp_at_budget_order": None if budget is None else _at_order(snapshot), "rdp_left": left,
                       "note": "realised spend, not the guarantee: the guarantee is the budget"},
             "runs": self.runs,
-            "history": [{"charge": r.id, "when": _when(r.created), "run": r.details.get("run"), "what": r.label,
-                         "epsilon_alone": _epsilon(r.charge, snapshot.delta)} for r in self.history],
+            "history": [_entry(r, snapshot.delta) for r in self.history],
         }
+
+
+def _entry(record, delta: float) -> dict[str, Any]:
+    """One entry of a ledger's history: a charge, or a change of the budget."""
+    from conclave.privacy.accounting.ledger import BUDGET_CHANGE
+
+    entry = {"charge": record.id, "when": _when(record.created), "run": record.details.get("run"),
+             "what": record.label, "epsilon_alone": _epsilon(record.charge, delta)}
+    if record.label == BUDGET_CHANGE:
+        before, after = record.details["previous"], record.details["epsilon"]
+        entry.update(run=None, what=f"budget {'raised' if after > before else 'lowered'}: ε {before:g} → {after:g}")
+    return entry
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,10 +157,12 @@ def _print_table(views: list[LedgerView]) -> None:
     for view in views:
         d = view.as_dict()
         budget = d["budget"]
+        changed = "" if not d["budget_changes"] else f", {d['budget_changes'][-1]['change']} " \
+            f"{d['budget_changes'][-1]['when'][:10]}"
         rows.append((
-            view.kind, view.name,
+            view.kind, view.name + (" (EXHAUSTED)" if d["exhausted"] else ""),
             "none (record only)" if budget is None else
-            f"ε {budget['epsilon']:g} at δ {budget['delta']:g}, order {budget['order']:g}",
+            f"ε {budget['epsilon']:g} at δ {budget['delta']:g}, order {budget['order']:g}{changed}",
             _number(d["spent"]["epsilon"]),
             "-" if d["spent"]["rdp_left"] is None else f"{d['spent']['rdp_left']:.4g} of {budget['rdp_budget']:.4g}",
             str(d["spent"]["charges"]), ", ".join(d["runs"]) or "-", str(view.path)))
@@ -132,7 +172,7 @@ def _print_table(views: list[LedgerView]) -> None:
 
 
 def _print_history(view: LedgerView) -> None:
-    print(f"\n{view.kind} {view.name}: {len(view.history)} charges ({view.path})")
+    print(f"\n{view.kind} {view.name}: {len(view.charges)} charges ({view.path})")
     for entry in view.as_dict()["history"]:
         print(f"  #{entry['charge']:<4} {entry['when']}  run {entry['run'] or '-':<20} {entry['what']:<28} "
               f"ε alone {_number(entry['epsilon_alone'])}")

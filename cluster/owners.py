@@ -38,8 +38,9 @@ class DataOwner:
     run never checks it against the data (that would depend on one record). DP-SGD needs it:
     the sampling rate and the number of steps, which are released, come from the declared
     sizes, never from the private count; teachers keep at most their share of it.
-    ``budget``: the owner's lifetime budget for this data (``OwnerBudget``), kept in a ledger on
-    its node that every run charges before releasing anything computed from the data.
+    ``budget``: the lifetime budget the run asks for this data (``OwnerBudget``), kept in a ledger
+    on its node that every run charges before releasing anything computed from the data; where
+    the owner wrote a policy on its node, the policy decides and this may only ask for less.
     """
 
     name: str
@@ -64,12 +65,11 @@ class DataOwner:
         return Placement(self.resources, {} if embedded else self.labels)
 
     def account(self, base: str) -> OwnerAccount:
-        """The owner's lifetime account (it must declare a ``budget``); ``base``: the directory
-        relative data paths are taken from, as for its actors."""
+        """The owner's lifetime account: the ``budget`` its config asks for (None: none; the
+        owner's policy on its node decides either way); ``base``: the directory relative data
+        paths are taken from, as for its actors."""
         from conclave.actors.owner_ledger import OwnerAccount
 
-        if self.budget is None:
-            raise ValueError(f"owner {self.name} declares no budget")
         path = self.data.anchored(base).path
         return OwnerAccount(self.name, self.budget, Placement(self.resources, self.labels),
                             (path,) if path else ())

@@ -112,13 +112,13 @@ def failure(err: BaseException, run_name: str) -> tuple[str, str]:
 
     from conclave.actors.owners import OwnerDataError, OwnerDropout  # here: torch and Ray load only for a run
     from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import LedgerMissing
+    from conclave.privacy.accounting.owner_ledger import OwnerRefused
 
     if isinstance(err, KeyboardInterrupt):
         return "interrupted", f"run '{run_name}' interrupted; its results folder is as it was"
     if isinstance(err, (ConfigError, OwnerDataError, PlacementError)):
         return "config", str(err)
-    if isinstance(err, (LedgerDamaged, LedgerInUse, LedgerMissing)):
+    if isinstance(err, (LedgerDamaged, LedgerInUse, OwnerRefused)):
         return "config", f"run '{run_name}' refused: {_first_line(err)}"
     if isinstance(err, OwnerDropout):
         return "dropout", str(err)

@@ -5,25 +5,32 @@ the run's ledger and states its guarantee. ``TrustModel`` says who sees un-noise
 computed from other parties' records (docs/privacy.md, "Who sees what"). ``RunPrivacy`` is what
 a run reports (``privacy.json``): the ``Guarantee`` first, then labelled ``Estimate``s and what
 the pipeline released besides.
+
+Owners' lifetime ledgers are opened on their nodes by ``with_owners``, wherever a run opens its
+ledger; each owner's node decides its terms (its policy, else the config's budget). A pipeline
+first asks them, before anything trains, whether the run can release anything at all
+(``owners_admitted``), and names itself, its mechanisms and the run for every ledger the run
+opens meanwhile (a ``RunRequest``, which the owners' policies check on their nodes).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from conclave.cluster.config import ConfigError
 from conclave.cluster.owners import DataOwner
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.guarantee import Estimate, Guarantee, run_guarantee, worst_case_guarantee
-from conclave.privacy.accounting.guarantee import filter_guarantee
-from conclave.privacy.accounting.ledger import BudgetReport, PrivacyLedger
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.ledger import BudgetChange, BudgetExceeded, BudgetReport, PrivacyLedger
+from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms, RunRequest
 from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.noise import NoisePolicy
 
@@ -68,34 +75,65 @@ class PrivacyConfig:
         except ValueError as err:
             raise ValueError(f"privacy.budget: {err}") from None
 
-    def open_ledger(self, path: str | Path, planned: PrivacyCharge) -> PrivacyLedger:
-        """The run's ledger, its budget (if any) fixed now from ``planned``, before any data is read."""
-        return PrivacyLedger(path, self.delta, self.budget_filter(planned), neighbouring=planned.neighbouring)
+    def open_ledger(self, path: str | Path, planned: PrivacyCharge, durable: bool = False) -> PrivacyLedger:
+        """The run's ledger, its budget (if any) fixed now from ``planned``, before any data is read.
+        ``durable``: a ledger that outlives the run (a service's, a results folder's that later
+        runs keep charging): its length and last checksum are kept outside the file too, so
+        deleting, emptying or shortening it is refused (``ledger_records``)."""
+        return PrivacyLedger(path, self.delta, self.budget_filter(planned), neighbouring=planned.neighbouring,
+                             keep_record=durable)
 
     def with_owners(self, ledger: PrivacyLedger, planned: PrivacyCharge, owners: Sequence[DataOwner],
                     run: str) -> PrivacyLedger | RunLedger:
-        """``ledger`` alone, or — when owners declare lifetime budgets — in front of their
-        ledgers, opened on their nodes now (Ray must be running): every charge of ``run`` then
-        goes to each of them too (``RunLedger``). A missing or replaced owner ledger is
-        ``LedgerMissing``, before anything is released; ``ledger`` is closed on any failure."""
-        budgeted = [owner for owner in owners if owner.budget is not None]
-        if not budgeted:
+        """``ledger`` alone, or — when owners have lifetime budgets, by their policies on their
+        nodes or the config — in front of their ledgers, opened on their nodes now (Ray must be
+        running): every charge of the run then goes to each of them too (``RunLedger``). Every
+        owner's node is asked, budget in the config or not. The run is the pipeline's
+        ``RunRequest`` when one is in force (``owners_admitted``), else ``run``, unnamed. A
+        refusal by an owner's node is ``OwnerRefused`` (one line), before anything is released;
+        ``ledger`` is closed on any failure."""
+        if not owners:
             return ledger
         from conclave.actors.owner_ledger import OwnerLedgers
 
         records = DriverRecords()
         try:
-            lifetime = OwnerLedgers.start([owner.account(os.getcwd()) for owner in budgeted], planned, run,
-                                          records.load())
+            lifetime = OwnerLedgers.start([owner.account(os.getcwd()) for owner in owners], planned,
+                                          _REQUEST.get() or RunRequest(run), records.load())
         except BaseException:
             ledger.close()
             raise
+        if lifetime is None:  # no owner has a policy or a budget
+            return ledger
         try:
             return RunLedger(ledger, lifetime, records)
         except BaseException:
             lifetime.close()
             ledger.close()
             raise
+
+    @contextlib.contextmanager
+    def owners_admitted(self, owners: Sequence[DataOwner], request: RunRequest, planned: PrivacyCharge,
+                        first_release: PrivacyCharge) -> Iterator[None]:
+        """Before anything trains or reads an owner's data (Ray must be running): every owner's
+        node admits ``request`` — its policy, its ledger's state — and every budgeted owner can
+        pay for ``first_release`` (the planned work, or one release for a run that stops at its
+        budget), else ``OwnerRefused`` or ``BudgetExceeded``, one line naming the owner. Inside,
+        every ledger the run opens carries ``request`` to the owners' nodes."""
+        token = _REQUEST.set(request)
+        try:
+            if owners:
+                checked = self.with_owners(PrivacyLedger(":memory:", self.delta, neighbouring=planned.neighbouring),
+                                           planned, owners, request.run)
+                try:
+                    refused = checked.owners.refusal(first_release) if isinstance(checked, RunLedger) else None
+                finally:
+                    checked.close()
+                if refused is not None:
+                    raise BudgetExceeded(refused)
+            yield
+        finally:
+            _REQUEST.reset(token)
 
     def guarantee(self, planned: PrivacyCharge) -> Guarantee:
         """The run's guarantee: the budget or the planned worst case, whichever is smaller."""
@@ -109,12 +147,40 @@ class PrivacyConfig:
         owner's lifetime account (the pipeline adds its own releases)."""
         owners = {}
         if isinstance(ledger, RunLedger):
-            owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name])
+            owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name],
+                                                  ledger.owners.terms[name])
                       for name, report in ledger.owner_reports().items()}
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         guarantee = run_guarantee(planned, self.delta, ledger.budget, reasons)  # the filter the ledger enforces
         return RunPrivacy(guarantee, trust, worst_case_guarantee(planned, self.delta), planned.label,
                           ledger.report(), owners=owners)
+
+
+_REQUEST: contextvars.ContextVar[RunRequest | None] = contextvars.ContextVar("conclave_run_request", default=None)
+
+
+class OwnersRun(Protocol):
+    """What a pipeline's config holds that ``admitting_owners`` reads."""
+
+    owners: tuple[DataOwner, ...]
+    privacy: PrivacyConfig
+    runtime_env: dict
+    models: tuple
+
+
+@contextlib.contextmanager
+def admitting_owners(config: OwnersRun, request: RunRequest, planned: PrivacyCharge, first_release: PrivacyCharge,
+                     ray_address: str | None) -> Iterator[None]:
+    """A pipeline's run, inside: with owners, Ray is started as the run starts it and every
+    owner's node admits ``request`` before anything trains (``PrivacyConfig.owners_admitted``)."""
+    if config.owners:
+        from conclave.cluster.owners import owner_resources
+        from conclave.cluster.ray_runtime import start_ray
+
+        start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
+                  models=config.models)
+    with config.privacy.owners_admitted(config.owners, request, planned, first_release):
+        yield
 
 
 @dataclass(frozen=True)
@@ -269,25 +335,45 @@ class OwnerAccountReport:
     guarantee: Guarantee  # the lifetime budget: a Rényi filter over all the owner's releases
     spent_epsilon: float
     charges: int
-    charges_before_run: int
+    charges_before_run: int  # entries of its ledger before this run (charges and budget changes)
     rdp_left: float | None
     ledger: str  # the ledger file, on the owner's node
     node: str  # the Ray node it lives on
+    terms: OwnerTerms | None = None  # where the budget comes from (the owner's policy or the config)
+    changes: tuple[BudgetChange, ...] = ()  # the owner's raises and lowerings of its budget
 
     @classmethod
-    def of(cls, owner: str, report: BudgetReport, at_start: LedgerIdentity, node: str) -> OwnerAccountReport:
-        if report.budget is None:
+    def of(cls, owner: str, report: BudgetReport, at_start: LedgerIdentity, node: str,
+           terms: OwnerTerms | None = None) -> OwnerAccountReport:
+        if report.guarantee is None:
             raise ValueError(f"owner {owner}'s ledger declares no budget")
-        return cls(owner, filter_guarantee(report.budget, report.neighbouring), report.epsilon_spent,
-                   report.charges, at_start.charges, report.remaining_rdp, at_start.path, node)
+        return cls(owner, report.guarantee, report.epsilon_spent, report.charges, at_start.charges,
+                   report.remaining_rdp, at_start.path, node, terms, report.changes)
 
     def headline(self) -> str:
-        return (f"ε {self.guarantee.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {self.charges} charges "
-                f"({self.charges_before_run} before this run)")
+        raised = [c for c in self.changes if c.raised]
+        since = f" (raised to it on {raised[-1].as_dict()['when']})" if raised else ""
+        return (f"ε {self.guarantee.epsilon:g} lifetime{since}, {self.spent_epsilon:.3g} spent over {self.charges} "
+                f"charges ({self.charges_before_run} before this run)")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"guarantee": self.guarantee.as_dict(), "covers": LIFETIME_COVERS,
-                "ledger": {"path": self.ledger, "node": self.node},
-                "spent": {"epsilon": self.spent_epsilon, "charges": self.charges,
-                          "charges_before_run": self.charges_before_run, "rdp_left": self.rdp_left,
-                          "note": SPENT_NOTE}}
+        account: dict[str, Any] = {
+            "guarantee": self.guarantee.as_dict(), "covers": LIFETIME_COVERS,
+            "ledger": {"path": self.ledger, "node": self.node},
+            "spent": {"epsilon": self.spent_epsilon, "charges": self.charges,
+                      "charges_before_run": self.charges_before_run, "rdp_left": self.rdp_left,
+                      "note": SPENT_NOTE}}
+        if self.terms is not None:
+            account["budget_source"] = {"source": self.terms.source, "statement": self.terms.statement,
+                                        "policy": self.terms.policy}
+            if self.terms.cap is not None:
+                account["budget_source"]["this_run_within_epsilon"] = self.terms.cap
+        if self.changes:
+            account["budget_changes"] = [c.as_dict() for c in self.changes]
+            account["budget_changes_note"] = BUDGET_CHANGES_NOTE
+        return account
+
+
+BUDGET_CHANGES_NOTE = ("the owner changed its lifetime budget on its node after declaring it; the guarantee is the "
+                       "largest budget it declared, which every release charged so far fits (a raise is a new "
+                       "commitment made after releases were seen: docs/owners.md)")

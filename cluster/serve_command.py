@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     from conclave.cluster.teaching.ensemble import checked_public, resolved
     from conclave.cluster.ray_runtime import record_ray_processes
     from conclave.privacy.accounting.ledger import LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import LedgerMissing
+    from conclave.privacy.accounting.owner_ledger import OwnerRefused
 
     from conclave.cluster.tls import CertificateError, HandshakeLog, check_server_files
 
@@ -125,7 +125,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     try:
         _check_port_free(settings.host, settings.port)
         _check_writable(ledger_path)
-        ledger = config.privacy.open_ledger(ledger_path, config.planned())
+        ledger = config.privacy.open_ledger(ledger_path, config.planned(), durable=True)
     except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
         print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -143,7 +143,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     started.callback(teachers.pool.shutdown)
     try:  # the owners' lifetime ledgers, on their nodes, once Ray runs
         ledger = config.privacy.with_owners(ledger, config.planned(), config.owners, config.name)
-    except (LedgerMissing, ValueError, PlacementError) as err:
+    except (OwnerRefused, ValueError, PlacementError) as err:
         _undo(started, ours)
         print(f"conclave: {err}", file=sys.stderr)
         return 2

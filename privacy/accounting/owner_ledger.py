@@ -1,22 +1,34 @@
-"""An owner's lifetime budget, and the ledger of everything ever released from its data.
+"""An owner's lifetime budget, the policy that sets it, and the ledger of everything ever released
+from its data.
 
-The budget belongs to the data, not to a run: an owner declares (ε, δ) for its dataset once,
-and every release computed from that dataset — teacher votes, DP-SGD schedules, DP-PCA, noisy
-counts, smooth-sensitivity releases, in any run of any pipeline — is charged to the owner's
-ledger before it is released. The ledger is a ``PrivacyLedger`` file on the owner's node whose
-filter is the lifetime budget at one Rényi order, fixed when the file is created (the declared
-``order``, or the one that suits the first run's planned work best). That is a Rényi filter
-over the whole sequence of releases across runs, each chosen adaptively after the ones before
-(Feldman & Zrnic, NeurIPS 2021, Thm 3.1), so the owner's lifetime (ε, δ) holds for every pair
-of neighbouring datasets of that owner, whatever the runs did; a run that would pass it is
-refused before anything is released. A lifetime budget cannot change once spent on: a budget
-changed after the fact is no longer one declared in advance.
+The budget belongs to the data, not to a run, and the owner decides it. An owner writes its
+**policy** on its own node (``conclave owner init``: ``$CONCLAVE_HOME/owners/<owner>.policy.json``
+there): its lifetime (ε, δ) and neighbouring relation, where its ledger lives, which pipelines and
+mechanisms it admits, the most one run may plan to spend, and the paths of its data on the node.
+The owner's ledger actor reads it on that node (the driver receives only its public terms,
+``OwnerTerms``); a run's config may ask for less than the policy allows (a lower lifetime ε, which
+then caps that run), never more, and may not move the ledger; anything else is refused in one
+line naming the owner (``OwnerRefused``). An owner with no policy keeps the budget the run's
+config declares for it, as before, and the run's report says so. Only the owner changes its
+budget, on its node (``change_budget``), recorded as an entry of its ledger.
+
+Every release computed from the dataset — teacher votes, DP-SGD schedules, DP-PCA, noisy counts,
+smooth-sensitivity releases, in any run of any pipeline — is charged to the owner's ledger before
+it is released. The ledger is a ``PrivacyLedger`` file on the owner's node whose filter is the
+lifetime budget at one Rényi order, fixed when the file is created (the declared ``order``, or the
+one that suits the first run's planned work best). That is a Rényi filter over the whole sequence
+of releases across runs, each chosen adaptively after the ones before (Feldman & Zrnic, NeurIPS
+2021, Thm 3.1), so the owner's lifetime (ε, δ) holds for every pair of neighbouring datasets of
+that owner, whatever the runs did; a run that would pass it is refused before anything is
+released. A budget raised later is stated as the new total with when it was raised (the theorem
+then covers every release so far at that total; see docs/owners.md for what a raise means).
 
 A ledger that is missing is not a fresh budget. Each ledger file carries a random identity
-written at creation (``PrivacyLedger.ledger_id``); every owner's node keeps what it last saw of the other owners' ledgers
-(identity and number of charges) in ``<owner>.peers.json`` beside its own ledger, and the
-driver keeps the same record in the run's results folder. An owner whose ledger is missing,
-replaced (another identity) or shorter than a record says is refused before the run starts.
+written at creation (``PrivacyLedger.ledger_id``); every owner's node keeps what it last saw of the
+other owners' ledgers (identity and number of entries) in ``<owner>.peers.json`` beside its own
+ledger, the driver keeps the same record (``DriverRecords``), and the node keeps its own ledger's
+length and last checksum in its Conclave folder (``ledger_records``). An owner whose ledger is
+missing, replaced or shorter than a record says is refused before the run starts.
 
 The dataset is identified by the owner's name; a fingerprint of its files (an HMAC under a
 key that never leaves the owner's node, so it reveals no record) goes with each charge in the
@@ -35,22 +47,25 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
-from conclave.privacy.accounting.filter import RenyiFilter, choose_order
-from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger, read_ledger
+from conclave.privacy.accounting.filter import RenyiFilter, choose_order, order_index, rdp_budget
+from conclave.privacy.accounting.guarantee import worst_case_guarantee
+from conclave.privacy.accounting.ledger import BudgetChange, BudgetExceeded, BudgetReport, PrivacyLedger, read_ledger
+from conclave.privacy.accounting.ledger_records import conclave_home
 
 log = logging.getLogger(__name__)
 
-HOME_VARIABLE = "CONCLAVE_HOME"  # where Conclave keeps state on a machine (default ~/.conclave)
+POLICY_SUFFIX = ".policy.json"
 
 
-def conclave_home() -> Path:
-    """This machine's Conclave folder: ``$CONCLAVE_HOME``, else ``~/.conclave``."""
-    return Path(os.environ.get(HOME_VARIABLE) or "~/.conclave").expanduser()
+class OwnerRefused(RuntimeError):
+    """An owner's node refuses the run before anything is released — its policy, or its ledger's
+    state (missing, damaged, held by another run, another budget) — in one line naming the owner."""
 
 
-class LedgerMissing(RuntimeError):
+class LedgerMissing(OwnerRefused):
     """An owner's ledger is missing, replaced or shorter than a record of it says: refusing to
     start from a fresh budget."""
 
@@ -99,14 +114,128 @@ class OwnerBudget:
 
 
 @dataclass(frozen=True)
+class OwnerPolicy:
+    """What an owner allows on its data, written by the owner on its own node (``conclave owner
+    init``) and read there only: the lifetime budget (``epsilon``, ``delta``, ``neighbouring``,
+    ``order``, ``reserved_delta``, as ``OwnerBudget``), the folder of its ledger there
+    (``ledger``, absolute), the ``pipelines`` and ``mechanisms`` it admits (empty: any), the
+    most one run may plan to spend (``max_run_epsilon``, the planned worst case at the owner's
+    δ: a floor on noise that holds for every mechanism), and the paths of its ``data`` on the
+    node (a run that names them under another owner's name is refused)."""
+
+    owner: str
+    epsilon: float
+    ledger: str
+    delta: float = 1e-5
+    neighbouring: str = ADD_REMOVE
+    order: float | None = None
+    reserved_delta: float = 0.0
+    pipelines: tuple[str, ...] = ()
+    mechanisms: tuple[str, ...] = ()
+    max_run_epsilon: float | None = None
+    data: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("pipelines", "mechanisms", "data"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        self.budget()  # the budget's own checks
+        if not Path(self.ledger).is_absolute():
+            raise ValueError(f"owner {self.owner}: its policy's ledger folder must be an absolute path, got "
+                             f"{self.ledger!r}")
+        if self.max_run_epsilon is not None and not (self.max_run_epsilon > 0 and math.isfinite(self.max_run_epsilon)):
+            raise ValueError(f"owner {self.owner}: max_run_epsilon must be a finite number > 0")
+
+    def budget(self) -> OwnerBudget:
+        return OwnerBudget(self.epsilon, self.delta, self.neighbouring, self.order, self.reserved_delta, self.ledger)
+
+    @staticmethod
+    def file(owner: str) -> Path:
+        """Where ``owner``'s policy lives on this node."""
+        return conclave_home() / "owners" / f"{owner}{POLICY_SUFFIX}"
+
+    @classmethod
+    def load(cls, owner: str) -> OwnerPolicy | None:
+        """``owner``'s policy on this node, None without one; one that cannot be read is a refusal
+        (an unreadable policy is not the absence of one)."""
+        return _read_policy(cls.file(owner), owner)
+
+    @classmethod
+    def on_node(cls) -> list[OwnerPolicy]:
+        """Every policy this node holds."""
+        folder = conclave_home() / "owners"
+        files = sorted(folder.glob(f"*{POLICY_SUFFIX}")) if folder.is_dir() else []
+        return [_read_policy(f, f.name[: -len(POLICY_SUFFIX)]) for f in files]
+
+    def save(self) -> Path:
+        """Write the policy atomically (readers see the old file or the new one)."""
+        target = self.file(self.owner)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        os.replace(staged, target)
+        return target
+
+    def terms(self) -> dict[str, Any]:
+        """What the driver may see of the policy: everything but the paths of the data."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "neighbouring": self.neighbouring,
+                "order": self.order, "reserved_delta": self.reserved_delta, "ledger": self.ledger,
+                "pipelines": list(self.pipelines) or "any", "mechanisms": list(self.mechanisms) or "any",
+                "max_run_epsilon": self.max_run_epsilon}
+
+
+def _read_policy(path: Path, owner: str) -> OwnerPolicy | None:
+    if not path.exists():
+        return None
+    try:
+        policy = OwnerPolicy(**json.loads(path.read_text()))
+    except (OSError, TypeError, ValueError) as err:
+        raise OwnerRefused(f"owner {owner}: its policy {path} cannot be read ({_first_line(err)})") from None
+    if policy.owner != owner:
+        raise OwnerRefused(f"owner {owner}: its policy {path} is {policy.owner}'s")
+    return policy
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a run asks of each owner, checked against the owner's policy on its node: the run's
+    name (tagged on every charge), its pipeline and the mechanisms it releases through (None and
+    empty: not said — ``conclave serve``, ``audit`` and the library do not say)."""
+
+    run: str
+    pipeline: str | None = None
+    mechanisms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OwnerTerms:
+    """An owner's terms for one run, as its node decided them (public): the budget in force and
+    where it comes from (``source``: "policy" on the owner's node, or the run's "config" where
+    the node has none), the lower lifetime ε this run asked to stay within (``cap``, None: the
+    budget itself), and the policy's public part."""
+
+    owner: str
+    source: str
+    budget: OwnerBudget
+    cap: float | None = None
+    policy: dict[str, Any] | None = None
+
+    @property
+    def statement(self) -> str:
+        if self.source == "policy":
+            return "the owner's policy on its node decides this budget; a run's config may ask for less, never more"
+        return ("no policy on the owner's node: the run's config declares this budget, so whoever writes the config "
+                "chooses it (the owner sets one with `conclave owner init` on its node)")
+
+
+@dataclass(frozen=True)
 class LedgerIdentity:
     """Which ledger file (``path`` on the owner's node, and the identity written in it) holds an
-    owner's budget, and how many charges it held when seen."""
+    owner's budget, and how many entries it held when seen."""
 
     owner: str
     path: str
     ledger_id: str
-    charges: int
+    charges: int  # entries of its chain (charges and budget changes)
 
 
 def check_not_missing(owner: str, expected_path: str, found: LedgerIdentity | None,
@@ -129,17 +258,37 @@ def check_not_missing(owner: str, expected_path: str, found: LedgerIdentity | No
 
 
 class OwnerLedger:
-    """One owner's lifetime ledger, opened on the owner's node for one run (``run``)."""
+    """One owner's lifetime ledger, opened on the owner's node for one run. ``asked``: the budget
+    the run's config declares for the owner (None: none); the owner's policy on this node, if it
+    has one, decides (``admit``)."""
 
-    def __init__(self, owner: str, budget: OwnerBudget, data_paths: tuple[str, ...] = ()) -> None:
-        self.owner, self.budget = owner, budget
-        self.path = budget.ledger_path(owner)  # resolved here, on the owner's node
+    def __init__(self, owner: str, asked: OwnerBudget | None = None, data_paths: tuple[str, ...] = ()) -> None:
+        self.owner, self.asked = owner, asked
+        self.path = asked.ledger_path(owner) if asked is not None else None  # resolved here, on the owner's node
         self._data_paths = data_paths
+        self.terms: OwnerTerms | None = None
+        self._admitted = False
         self._ledger: PrivacyLedger | None = None
+        self._cap: float | None = None  # the lower lifetime ε this run asked to stay within
         self._run = ""
         self._fingerprint = ""
 
-    # --- before the run: identity and the records of other owners' ledgers --------------------
+    # --- before the run: the owner's terms, its ledger's identity, the records of the others' --
+
+    def admit(self, request: RunRequest, planned: PrivacyCharge) -> OwnerTerms | None:
+        """The owner's terms for ``request``, whose worst case is ``planned``, from its policy on
+        this node (else the config's budget; None: no budget at all) — or ``OwnerRefused``, one
+        line, when the policy does not admit the run as asked."""
+        policy = OwnerPolicy.load(self.owner)
+        self._check_data_is_its_own()
+        if policy is None:
+            self.terms = None if self.asked is None else OwnerTerms(self.owner, "config", self.asked)
+        else:
+            self._check_admitted(policy, request, planned)
+            self.terms = OwnerTerms(self.owner, "policy", policy.budget(), self._asked_within(policy), policy.terms())
+        self._admitted = True
+        self.path = None if self.terms is None else self.terms.budget.ledger_path(self.owner)
+        return self.terms
 
     def ledger_file(self) -> str:
         return str(self.path)
@@ -147,11 +296,11 @@ class OwnerLedger:
     def identity(self) -> LedgerIdentity | None:
         """This owner's ledger as it is on disk (None: no file), read without writing."""
         if self._ledger is not None:
-            return LedgerIdentity(self.owner, str(self.path), self._ledger_id(), self._ledger.report().charges)
-        if not self.path.exists():
+            return LedgerIdentity(self.owner, str(self.path), self._ledger_id(), self._entries())
+        if self.path is None or not self.path.exists():
             return None
         snapshot = read_ledger(self.path)
-        return LedgerIdentity(self.owner, str(self.path), snapshot.ledger_id, snapshot.charges)
+        return LedgerIdentity(self.owner, str(self.path), snapshot.ledger_id, snapshot.entries)
 
     def peer_records(self) -> list[LedgerIdentity]:
         """What this node last saw of the other owners' ledgers."""
@@ -165,7 +314,7 @@ class OwnerLedger:
         records = {(r.owner, r.path): r for r in self.peer_records()}
         records.update({(r.owner, r.path): r for r in seen if r.owner != self.owner})
         target = self._peers_path()
-        staged = target.with_suffix(".tmp")
+        staged = target.with_suffix(f".{os.getpid()}.tmp")
         staged.write_text(json.dumps([dataclasses.asdict(r) for r in records.values()], indent=1))
         os.replace(staged, target)
 
@@ -173,31 +322,38 @@ class OwnerLedger:
 
     def open(self, planned: PrivacyCharge, run: str) -> LedgerIdentity:
         """Open (or create, with the lifetime filter fixed from ``planned``) the ledger for
-        ``run``. A file whose declared budget differs from the owner's is refused: a lifetime
-        budget cannot change once spent on."""
+        ``run``. A file whose budget is not the one in force is refused: a lifetime budget
+        changes only by its owner, on its node (``change_budget``)."""
+        if not self._admitted:
+            self.admit(RunRequest(run), planned)
+        if self.terms is None:
+            raise OwnerRefused(f"owner {self.owner}: no lifetime budget (no policy on its node, none in the config)")
+        budget = self.terms.budget
+        if planned.neighbouring != budget.neighbouring:
+            raise OwnerRefused(f"owner {self.owner}: its budget is for {budget.neighbouring} neighbours, the run's "
+                               f"releases are bounded for {planned.neighbouring}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if planned.neighbouring != self.budget.neighbouring:
-            raise ValueError(f"owner {self.owner}: its budget is for {self.budget.neighbouring} neighbours, the run's "
-                             f"releases are bounded for {planned.neighbouring}")
         if self.path.exists():
-            ledger = PrivacyLedger.open_existing(self.path)
-            declared = ledger.budget
-            if declared is None or (declared.epsilon, declared.delta, declared.reserved_delta) != (
-                    self.budget.epsilon, self.budget.delta, self.budget.reserved_delta) or (
-                    self.budget.order is not None and declared.order != self.budget.order):
+            ledger = PrivacyLedger.open_existing(self.path, keep_record=True)
+            try:
+                self._cap = self._within_ledger(ledger.budget)
+            except BaseException:
                 ledger.close()
-                raise ValueError(f"owner {self.owner}: its ledger {self.path} holds the lifetime budget "
-                                 f"{_budget_text(declared)}; the config declares ε {self.budget.epsilon:g} at "
-                                 f"δ {self.budget.delta:g} (a lifetime budget cannot change once spent on)")
+                raise
         else:
-            ledger = PrivacyLedger(self.path, self.budget.delta, self.budget.filter(planned),
-                                   neighbouring=self.budget.neighbouring)
+            ledger = PrivacyLedger(self.path, budget.delta, budget.filter(planned), neighbouring=budget.neighbouring,
+                                   keep_record=True)
+            self._cap = self.terms.cap
         self._ledger, self._run = ledger, run
         self._fingerprint = self._fingerprint_data()
-        return LedgerIdentity(self.owner, str(self.path), self._ledger_id(), ledger.report().charges)
+        return LedgerIdentity(self.owner, str(self.path), self._ledger_id(), self._entries())
 
     def refusal(self, charge: PrivacyCharge) -> str | None:
-        """None when ``charge`` fits the lifetime budget now, else the refusal in one line."""
+        """None when ``charge`` fits the lifetime budget now (and the run's lower cap), else the
+        refusal in one line."""
+        capped = self._cap_refusal(charge)
+        if capped is not None:
+            return capped
         return None if self._open().can_afford(charge) else self._refusal_line()
 
     def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> str | None:
@@ -205,6 +361,9 @@ class OwnerLedger:
         the refusal in one line (naming the owner and what its lifetime budget has left) when
         spent + ``worst_case`` would pass the budget — nothing is recorded then. A value, not
         an exception, because it crosses a process boundary."""
+        capped = self._cap_refusal(worst_case if worst_case is not None else charge)
+        if capped is not None:
+            return capped
         tagged = dataclasses.replace(charge, details={**charge.details, "run": self._run,
                                                       "fingerprint": self._fingerprint})
         try:
@@ -212,14 +371,6 @@ class OwnerLedger:
         except BudgetExceeded:
             return self._refusal_line()
         return None
-
-    def _refusal_line(self) -> str:
-        """One line: whose lifetime budget refuses, and what it has left."""
-        report = self._open().report()
-        left = report.remaining_rdp
-        return (f"owner {self.owner}'s lifetime budget ε {report.epsilon_limit:g} at δ {report.delta:g} refuses it: "
-                f"{left:.4g} of {report.budget.rdp_budget:.4g} left at Rényi order {report.budget.order:g} "
-                f"(spent so far ε {report.epsilon_spent:.4g}, {report.charges} charges)")
 
     def report(self) -> BudgetReport:
         return self._open().report()
@@ -231,6 +382,103 @@ class OwnerLedger:
 
     # --- internals -------------------------------------------------------------------------
 
+    def _check_data_is_its_own(self) -> None:
+        """Refuse a run that names another owner's data (a path its policy on this node guards)
+        under this owner's name: renaming an owner is not a fresh budget."""
+        mine = [Path(p).expanduser().resolve() for p in self._data_paths]
+        for policy in OwnerPolicy.on_node():
+            if policy.owner == self.owner:
+                continue
+            for guarded in (Path(p) for p in policy.data):
+                for path in mine:
+                    if path == guarded or guarded in path.parents or path in guarded.parents:
+                        raise OwnerRefused(f"owner {self.owner}: its data {path} is {policy.owner}'s, whose policy on "
+                                           f"this node governs it; a run names that data as owner {policy.owner}")
+
+    def _check_admitted(self, policy: OwnerPolicy, request: RunRequest, planned: PrivacyCharge) -> None:
+        """The pipelines, mechanisms and per-run ceiling the policy sets."""
+        where = "(its policy on its node)"
+        if policy.pipelines and request.pipeline not in policy.pipelines:
+            asked = "does not name its pipeline" if request.pipeline is None else f"is {request.pipeline}"
+            raise OwnerRefused(f"owner {self.owner} admits the pipelines {', '.join(policy.pipelines)} {where}; "
+                               f"run '{request.run}' {asked}")
+        if policy.mechanisms:
+            outside = [m for m in request.mechanisms if m not in policy.mechanisms]
+            if outside or not request.mechanisms:
+                asked = ", ".join(outside) if outside else "mechanisms it does not name"
+                raise OwnerRefused(f"owner {self.owner} admits the mechanisms {', '.join(policy.mechanisms)} {where}; "
+                                   f"run '{request.run}' releases through {asked}")
+        if policy.max_run_epsilon is not None:
+            worst = worst_case_guarantee(planned, policy.delta).epsilon
+            if not worst <= policy.max_run_epsilon:
+                raise OwnerRefused(f"owner {self.owner} allows at most ε {policy.max_run_epsilon:g} per run {where}; "
+                                   f"run '{request.run}' plans up to ε {worst:.4g} at δ {policy.delta:g}")
+
+    def _asked_within(self, policy: OwnerPolicy) -> float | None:
+        """The config's budget for this owner must ask for no more than the policy allows, in the
+        same ledger: the lower ε it asks for (None: none lower)."""
+        asked = self.asked
+        if asked is None:
+            return None
+        kept = Path(policy.ledger).resolve()
+        if asked.directory is not None and Path(asked.directory).expanduser().resolve() != kept:
+            raise OwnerRefused(f"owner {self.owner}: the config names its ledger folder {asked.directory}, but its "
+                               f"policy on its node keeps it at {policy.ledger}; a run cannot move an owner's ledger")
+        mine = (policy.delta, policy.neighbouring, policy.reserved_delta)
+        if (asked.delta, asked.neighbouring, asked.reserved_delta) != mine or (
+                asked.order is not None and asked.order != policy.order):
+            raise OwnerRefused(f"owner {self.owner}: the config declares another budget (δ {asked.delta:g}, "
+                               f"{asked.neighbouring}, order {asked.order}) than its policy (δ {policy.delta:g}, "
+                               f"{policy.neighbouring}, order {policy.order}); a run may ask for a lower ε only")
+        if asked.epsilon > policy.epsilon:
+            raise OwnerRefused(f"owner {self.owner}: the config asks for a lifetime budget of ε {asked.epsilon:g}, "
+                               f"more than the ε {policy.epsilon:g} its policy allows; a run may ask for less, "
+                               "never more")
+        return asked.epsilon if asked.epsilon < policy.epsilon else None
+
+    def _within_ledger(self, declared: RenyiFilter | None) -> float | None:
+        """Check the terms against the budget the existing ledger holds now; the run's cap."""
+        budget, source = self.terms.budget, self.terms.source
+        if declared is None or (declared.delta, declared.reserved_delta) != (budget.delta, budget.reserved_delta) or (
+                budget.order is not None and declared.order != budget.order):
+            raise OwnerRefused(f"owner {self.owner}: its ledger {self.path} holds the lifetime budget "
+                               f"{_budget_text(declared)}; its {source} declares δ {budget.delta:g} "
+                               f"(order {budget.order}): δ and order cannot change once spent on")
+        if source == "policy":
+            if declared.epsilon != budget.epsilon:
+                raise OwnerRefused(f"owner {self.owner}: its policy says ε {budget.epsilon:g} but its ledger's budget "
+                                   f"is ε {declared.epsilon:g}; a budget changes only by `conclave owner raise` or "
+                                   "`lower` on its node, which records the change in the ledger")
+            return self.terms.cap
+        if budget.epsilon > declared.epsilon:
+            raise OwnerRefused(f"owner {self.owner}: the config declares a lifetime budget of ε {budget.epsilon:g} "
+                               f"but its ledger holds ε {declared.epsilon:g}; a lifetime budget cannot change once "
+                               "spent on, but by its owner on its node (`conclave owner init`, then `conclave owner "
+                               "raise`)")
+        return budget.epsilon if budget.epsilon < declared.epsilon else None
+
+    def _cap_refusal(self, charge: PrivacyCharge) -> str | None:
+        """The refusal of ``charge`` by the lower lifetime ε this run asked for, or None."""
+        if self._cap is None:
+            return None
+        report = self._open().report()
+        budget = report.budget
+        allowed = max(0.0, rdp_budget(self._cap, budget.curve_delta, budget.order))
+        if report.rdp_at_budget_order + charge.rdp[order_index(budget.order, charge.orders)] <= allowed * (1 + 1e-12):
+            return None
+        left = max(0.0, allowed - report.rdp_at_budget_order)
+        return (f"owner {self.owner}'s lifetime budget, kept within ε {self._cap:g} of its ε {budget.epsilon:g} as "
+                f"this run asks, refuses it: {left:.4g} of {allowed:.4g} left at Rényi order {budget.order:g} (spent "
+                f"so far ε {report.epsilon_spent:.4g}, {report.charges} charges)")
+
+    def _refusal_line(self) -> str:
+        """One line: whose lifetime budget refuses, and what it has left."""
+        report = self._open().report()
+        left = report.remaining_rdp
+        return (f"owner {self.owner}'s lifetime budget ε {report.epsilon_limit:g} at δ {report.delta:g} refuses it: "
+                f"{left:.4g} of {report.budget.rdp_budget:.4g} left at Rényi order {report.budget.order:g} "
+                f"(spent so far ε {report.epsilon_spent:.4g}, {report.charges} charges)")
+
     def _open(self) -> PrivacyLedger:
         if self._ledger is None:
             raise RuntimeError(f"owner {self.owner}: the ledger is not open")
@@ -238,6 +486,10 @@ class OwnerLedger:
 
     def _ledger_id(self) -> str:
         return self._open().ledger_id
+
+    def _entries(self) -> int:
+        report = self._open().report()
+        return report.charges + len(report.changes)
 
     def _peers_path(self) -> Path:
         return self.path.with_name(f"{self.owner}.peers.json")
@@ -266,6 +518,59 @@ def _budget_text(budget: RenyiFilter | None) -> str:
     return "none" if budget is None else f"ε {budget.epsilon:g} at δ {budget.delta:g} (order {budget.order:g})"
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# --- the owner's own actions, on its node (``conclave owner``) ------------------------------
+
+
+def write_policy(policy: OwnerPolicy) -> Path:
+    """Write ``policy`` on this node. Its budget must be the one its ledger holds, if one exists
+    (an owner adopting a ledger its runs' configs made), and a policy already there may be
+    rewritten only with the same budget: the budget changes by ``change_budget``."""
+    old = OwnerPolicy.load(policy.owner)
+    if old is not None and old.budget() != policy.budget():
+        raise OwnerRefused(f"owner {policy.owner}: its policy {OwnerPolicy.file(policy.owner)} already declares "
+                           f"ε {old.epsilon:g} at δ {old.delta:g} in {old.ledger}; change ε with `conclave owner "
+                           "raise` or `lower` (recorded in its ledger), the rest is fixed once declared")
+    path = policy.budget().ledger_path(policy.owner)
+    if path.exists():
+        snapshot = read_ledger(path)
+        held, budget = snapshot.budget, policy.budget()
+        if held is None or (held.epsilon, held.delta, held.reserved_delta) != (
+                budget.epsilon, budget.delta, budget.reserved_delta) or snapshot.neighbouring != budget.neighbouring \
+                or (budget.order is not None and held.order != budget.order):
+            raise OwnerRefused(f"owner {policy.owner}: its ledger {path} holds the lifetime budget "
+                               f"{_budget_text(held)} for {snapshot.neighbouring} neighbours; declare that budget, "
+                               "then raise or lower ε")
+    return policy.save()
+
+
+def change_budget(owner: str, epsilon: float) -> tuple[OwnerPolicy, BudgetChange | None]:
+    """The owner changes its lifetime ε on its node: the policy is rewritten and, once a ledger
+    exists, the change is an entry of its chain (when, from, to). Refused while a run holds the
+    ledger (``LedgerInUse``). Returns the new policy and the ledger's entry (None: no ledger yet,
+    nothing spent, so the new budget is simply the one declared)."""
+    policy = OwnerPolicy.load(owner)
+    if policy is None:
+        raise OwnerRefused(f"owner {owner} has no policy on this node ({OwnerPolicy.file(owner)}): write one with "
+                           "`conclave owner init` first")
+    changed = dataclasses.replace(policy, epsilon=float(epsilon))  # checks the new budget
+    path = policy.budget().ledger_path(owner)
+    change = None
+    if path.exists():
+        with PrivacyLedger.open_existing(path, keep_record=True) as ledger:
+            if ledger.budget is None or ledger.budget.epsilon != policy.epsilon:
+                raise OwnerRefused(f"owner {owner}: its policy says ε {policy.epsilon:g} but its ledger's budget is "
+                                   f"{_budget_text(ledger.budget)}; restore the policy that matches its ledger")
+            change = ledger.change_budget(epsilon)
+    changed.save()
+    log.info("owner %s: lifetime budget ε %g → %g", owner, policy.epsilon, epsilon)
+    return changed, change
+
+
 class DriverRecords:
     """What this machine, as a driver, last saw of owners' ledgers
     (``$CONCLAVE_HOME/driver-records.json``): a record the owners cannot delete."""
@@ -282,6 +587,6 @@ class DriverRecords:
         records = {(r.owner, r.path): r for r in self.load()}
         records.update({(r.owner, r.path): r for r in seen})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        staged = self.path.with_suffix(".tmp")
+        staged = self.path.with_suffix(f".{os.getpid()}.tmp")
         staged.write_text(json.dumps([dataclasses.asdict(r) for r in records.values()], indent=1))
         os.replace(staged, self.path)

@@ -18,7 +18,7 @@ import numpy as np
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ class LifetimeLedgers(Protocol):
     @property
     def nodes(self) -> dict[str, str]: ...  # owner → the node its ledger lives on
 
+    @property
+    def terms(self) -> dict[str, OwnerTerms]: ...  # owner → its terms for the run, as its node decided them
+
     def close(self) -> None: ...
 
 
@@ -47,6 +50,7 @@ class RunLedger:
         self.ledger, self.owners, self.records = ledger, owners, records
         self.at_start = {r.owner: r for r in owners.identities()}
         records.note(list(self.at_start.values()))
+        self.last_refusal: str | None = None  # the latest refusal's line: who stopped the run, if it stopped
 
     @property
     def path(self) -> Path:
@@ -70,7 +74,10 @@ class RunLedger:
 
     def refusal(self, charge: PrivacyCharge) -> str | None:
         """Why ``charge`` would be refused now (one line), or None."""
-        return self.ledger.refusal(charge) or self.owners.refusal(charge)
+        refused = self.ledger.refusal(charge) or self.owners.refusal(charge)
+        if refused is not None:
+            self.last_refusal = refused
+        return refused
 
     def can_afford(self, charge: PrivacyCharge) -> bool:
         return self.refusal(charge) is None
@@ -84,7 +91,11 @@ class RunLedger:
         refused = self.refusal(worst_case if worst_case is not None else charge)
         if refused is not None:  # checked first, so that no owner pays for what another refuses
             raise BudgetExceeded(refused)
-        self.owners.charge(charge, worst_case)
+        try:
+            self.owners.charge(charge, worst_case)
+        except BudgetExceeded as refusal:  # another run charged an owner since the check
+            self.last_refusal = str(refusal)
+            raise
         return self.ledger.charge(charge, worst_case=worst_case, answers=answers)
 
     def report(self) -> BudgetReport:

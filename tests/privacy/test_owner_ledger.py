@@ -13,7 +13,7 @@ from conclave.privacy.accounting.charge import REPLACE_ONE, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, rdp_budget
 from conclave.privacy.accounting.ledger import read_ledger
 from conclave.privacy.accounting.owner_ledger import (
-    DriverRecords, LedgerIdentity, LedgerMissing, OwnerBudget, OwnerLedger, check_not_missing,
+    DriverRecords, LedgerIdentity, LedgerMissing, OwnerBudget, OwnerLedger, OwnerRefused, check_not_missing,
 )
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 
@@ -66,14 +66,23 @@ def test_a_charge_past_the_lifetime_budget_is_refused_in_one_line_naming_the_own
     assert f"order {order:g}" in line
 
 
-def test_the_budget_cannot_change_once_spent_on(budget, tmp_path):
+def test_a_config_cannot_raise_a_budget_once_spent_on_but_may_ask_for_less(budget, tmp_path):
     run(budget, "run-1", [gaussian(10.0)]).close()
     richer = OwnerBudget(epsilon=20.0, delta=1e-5, directory=budget.directory)
-    with pytest.raises(ValueError, match="lifetime budget cannot change"):
+    with pytest.raises(OwnerRefused, match="lifetime budget cannot change once spent on, but by its owner"):
         OwnerLedger("hospital_a", richer).open(gaussian(10.0), "run-2")
     other_relation = OwnerBudget(epsilon=2.0, neighbouring=REPLACE_ONE, directory=budget.directory)
-    with pytest.raises(ValueError, match="budget is for replace-one neighbours"):
+    with pytest.raises(OwnerRefused, match="budget is for replace-one neighbours"):
         OwnerLedger("hospital_a", other_relation).open(gaussian(10.0), "run-2")
+    # ε 1 of the ledger's ε 2: this run stops where the lifetime spend would pass ε 1
+    humble = OwnerLedger("hospital_a", OwnerBudget(epsilon=1.0, delta=1e-5, directory=budget.directory))
+    humble.open(gaussian(10.0), "run-2")
+    refusals = [humble.charge(gaussian(6.0)) for _ in range(40)]
+    order = humble.report().budget.order
+    paid = humble.report().charges
+    humble.close()
+    assert paid - 1 == math.floor((rdp_budget(1.0, 1e-5, order) - order / 200) / (order / 72))
+    assert refusals[-1].startswith("owner hospital_a's lifetime budget, kept within ε 1 of its ε 2 as this run asks")
 
 
 def test_a_missing_replaced_or_shortened_ledger_with_a_record_elsewhere_is_refused(budget):
