@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from conclave.cluster.active_learning import Config, learn_actively, planned_work, validate
 from conclave.cluster.pipelines import RunContext, RunOutcome
+from conclave.cluster.run_privacy import admitting_owners
+from conclave.privacy.accounting.owner_ledger import RunRequest
 
 __all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
 
@@ -18,7 +20,11 @@ def unused_settings(config: Config) -> tuple[str, ...]:
 
 
 def run(config: Config, context: RunContext) -> RunOutcome:
-    result = learn_actively(config, context.results, context.ray_address)
+    planned = planned_work(config)  # charged whole before training: every owner must pay for all of it first
+    request = RunRequest(context.run_name, "active_learning",
+                         ("dpsgd", *(release.charge().label for release in config.selection_releases())))
+    with admitting_owners(config, request, planned, planned, context.ray_address):
+        result = learn_actively(config, context.results, context.ray_address)
     checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
     context.results.write_json("privacy", privacy.as_dict())
     metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": result.public_pool,

@@ -4,7 +4,9 @@ fine-tuning, Luo et al. 2021). It runs ``finetune_sparsely`` and writes ``metric
 from __future__ import annotations
 
 from conclave.cluster.pipelines import RunContext, RunOutcome
+from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.sparse_finetuning import Config, finetune_sparsely, planned_work, validate
+from conclave.privacy.accounting.owner_ledger import RunRequest
 
 __all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
 
@@ -16,7 +18,10 @@ def unused_settings(config: Config) -> tuple[str, ...]:
 
 
 def run(config: Config, context: RunContext) -> RunOutcome:
-    result = finetune_sparsely(config, context.results, context.ray_address)
+    planned = planned_work(config)  # every variant's schedule: every owner must pay for all of them first
+    with admitting_owners(config, RunRequest(context.run_name, "sparse_finetune", ("dpsgd",)), planned, planned,
+                          context.ray_address):
+        result = finetune_sparsely(config, context.results, context.ray_address)
     variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
     metrics = {
         "public": {"losses": result.public_losses, "accuracy": result.public_accuracy,

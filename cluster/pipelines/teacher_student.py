@@ -34,12 +34,15 @@ import math
 from typing import Any
 
 from conclave.cluster.pipelines import RunOutcome
+from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.teaching.aggregation import serve
 from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
 from conclave.cluster.teaching.student import train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.ledger import BudgetExceeded
+from conclave.privacy.accounting.owner_ledger import RunRequest
 
 __all__ = ["Config", "planned_work", "run", "teach_student", "unused_settings", "validate"]
 
@@ -63,8 +66,12 @@ def validate(config: Config) -> Config:
 
 
 def run(config: Config, context) -> RunOutcome:
-    with train_ensemble(config, context.ray_address) as ensemble:
-        return teach_student(config, ensemble, context.results)
+    mechanisms = (config.mechanism.name, *(("smooth-sensitivity",) if config.smooth_sensitivity() else ()))
+    request = RunRequest(context.run_name, "teacher_student", mechanisms)
+    # before any teacher trains, every owner can pay for one answer (the student stops at its budget)
+    with admitting_owners(config, request, config.planned(), config.planned(answers=1), context.ray_address):
+        with train_ensemble(config, context.ray_address) as ensemble:
+            return teach_student(config, ensemble, context.results)
 
 
 def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
@@ -79,6 +86,12 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
         student = train_student(config, teachers, aggregator)
         aggregator.stop()
         privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier)
+        stopped = (aggregator.ledger.last_refusal or "a privacy budget refused the next answer"
+                   ) if student.budget_exhausted else None
+    if stopped is not None and not student.asked:  # nothing asked was paid for: a refusal, not a result
+        raise BudgetExceeded(stopped)
+    if stopped is not None:
+        privacy = privacy.adding(stopped_by_budget=stopped)
     # No seconds or rates: the teachers' training, the votes (kNN: over every record) and the
     # analysis of the votes take times that grow with the owners' records (docs/privacy.md).
     metrics = {
@@ -104,6 +117,8 @@ def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
     }
     if privacy.owners:
         summary["owners (lifetime budgets)"] = privacy.owners_line()
+    if stopped is not None:
+        summary[f"stopped after {student.answered} answers by"] = stopped
     return RunOutcome(summary, metrics, privacy)
 
 
