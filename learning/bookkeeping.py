@@ -20,6 +20,10 @@ Opacus's per-example gradients); the noise and its scale are Opacus's
 
 Only models whose trainable parameters all sit in the layers of ``LAYERS`` (Linear on [n, d]
 rows), each used once per forward, are clipped this way; ``BookKeeping`` refuses the others.
+
+An example whose loss or norm is not finite gets factor 0 and every one of its rows (inputs,
+output gradients, formed per-example gradients) is set to exactly 0 before a sum over the batch,
+so 0 · inf never reaches the clipped sum (``learning.finite_clipping``).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import torch.nn.functional as F
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from conclave.learning.finite_clipping import clip_factors, rows
 
 
 class BookKeeping:
@@ -64,7 +70,8 @@ class BookKeeping:
         return ClippedLoss(self, F.cross_entropy(logits, targets, reduction="none"))
 
     def backward(self, per_example_losses: torch.Tensor) -> None:
-        """Set ``.grad`` of every trainable parameter to Σ_b clip_C(∇ loss_b)."""
+        """Set ``.grad`` of every trainable parameter to Σ_b clip_C(∇ loss_b), an example whose loss
+        or norm is not finite adding exactly 0."""
         if per_example_losses.dim() != 1:
             raise ValueError("book-keeping needs one loss per example")
         recorded, self._recorded = self._recorded, {}
@@ -84,12 +91,13 @@ class BookKeeping:
             if _trains_bias(module):
                 norms_squared += grads.bias.square().sum(1)
             layer_grads.append(grads)
-        factors = (self.max_grad_norm / (norms_squared.sqrt() + 1e-6)).clamp(max=1.0)  # Opacus's factor
+        factors = torch.where(torch.isfinite(per_example_losses.detach()),
+                              clip_factors(norms_squared.sqrt(), self.max_grad_norm), 0.0)  # Opacus's factor
         for module, grads in zip(modules, layer_grads):
             if module.weight.requires_grad:
                 module.weight.grad = grads.weight_sum(factors).reshape(module.weight.shape)
             if _trains_bias(module):
-                module.bias.grad = factors @ grads.bias
+                module.bias.grad = factors @ rows(grads.bias, factors > 0)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -129,14 +137,16 @@ class _LayerGrads:
     """One layer's per-example gradients, or what stands in for them."""
 
     weight_norms_squared: torch.Tensor  # [n]
-    weight_sum: Callable[[torch.Tensor], torch.Tensor]  # clip factors [n] → Σ_b c_b ∇W_b
+    # clip factors [n] → Σ_b c_b ∇W_b, the rows of a factor 0 zeroed before they are summed
+    weight_sum: Callable[[torch.Tensor], torch.Tensor]
     bias: torch.Tensor  # per-example bias gradients [n, out] (small: always formed)
 
 
 def _linear(module: nn.Linear, inputs: torch.Tensor, grad: torch.Tensor) -> _LayerGrads:
     # ∇W_b = g_b a_bᵀ: its norm is ‖a_b‖‖g_b‖, and the clipped sum is one matmul.
     return _LayerGrads(inputs.square().sum(1) * grad.square().sum(1),
-                       lambda factors: (grad * factors[:, None]).t() @ inputs, grad)
+                       lambda factors: rows(grad * factors[:, None], factors > 0).t() @ rows(inputs, factors > 0),
+                       grad)
 
 
 def _conv2d(module: nn.Conv2d, inputs: torch.Tensor, grad: torch.Tensor) -> _LayerGrads:
@@ -152,14 +162,16 @@ def _conv2d(module: nn.Conv2d, inputs: torch.Tensor, grad: torch.Tensor) -> _Lay
     if groups == 1 and ghost_cost < out * k * positions:
         def weight_sum(factors: torch.Tensor) -> torch.Tensor:
             # The clipped sum is the weight gradient of the output gradients scaled by the factors.
+            kept = factors > 0
             return torch.ops.aten.convolution_backward(
-                grad * factors[:, None, None, None], inputs, module.weight, None, module.stride, module.padding,
-                module.dilation, False, [0, 0], groups, (False, True, False))[1]
+                rows(grad * factors[:, None, None, None], kept), rows(inputs, kept), module.weight, None,
+                module.stride, module.padding, module.dilation, False, [0, 0], groups, (False, True, False))[1]
         return _LayerGrads(_conv_ghost_norms_squared(module, inputs, grad), weight_sum, flat.sum(2))
     patches = F.unfold(inputs, module.kernel_size, module.dilation, module.padding, module.stride)
     per_example = torch.einsum("bgot,bgkt->bgok", flat.reshape(n, groups, out // groups, positions),
                                patches.reshape(n, groups, k, positions)).reshape(n, -1)
-    return _LayerGrads(per_example.square().sum(1), lambda factors: factors @ per_example, flat.sum(2))
+    return _LayerGrads(per_example.square().sum(1), lambda factors: factors @ rows(per_example, factors > 0),
+                       flat.sum(2))
 
 
 def _conv_ghost_norms_squared(module: nn.Conv2d, inputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -188,7 +200,7 @@ def _group_norm(module: nn.GroupNorm, inputs: torch.Tensor, grad: torch.Tensor) 
     n, channels = grad.shape[:2]
     normalised = F.group_norm(inputs, module.num_groups, eps=module.eps)
     per_example = (normalised * grad).reshape(n, channels, -1).sum(2)
-    return _LayerGrads(per_example.square().sum(1), lambda factors: factors @ per_example,
+    return _LayerGrads(per_example.square().sum(1), lambda factors: factors @ rows(per_example, factors > 0),
                        grad.reshape(n, channels, -1).sum(2))
 
 

@@ -18,6 +18,16 @@ Across owners (``secure``), ranks of a gloo group sum their clipped gradients th
 aggregation with distributed Skellam noise (``learning.secure_dpsgd``): no rank sees another's
 clean sum, and the cost is the Poisson-subsampled Skellam mechanism instead of the Gaussian.
 
+Extreme records. A record can hold any finite float32 (1e38 passes every reader), and the
+model's forward pass may overflow on it. In every grad-sample mode (``grad_sample_modes.clipped``)
+an example whose loss or per-example gradient norm is not finite adds exactly 0 to the clipped
+sum (``learning.finite_clipping``), so one record moves it by at most C whatever it holds, and
+no step depends on whether one was dropped. Inputs are not clipped to a public bound here:
+the guarantee does not need it, the trainer does not know what a bound on raw values would mean
+(columns of any scale, images, features), and a bound applied in training only would train
+another function than the model serves. A model that wants bounded inputs (say standardised
+table values clamped at ±k) says so in its own first layer, in training and serving alike.
+
 Masks (sparse fine-tuning, Luo et al. 2021): a 0/1 tensor per parameter. The mask multiplies
 every per-example gradient *before* clipping, so frozen entries add nothing to the norm and
 the clipping budget goes to the entries that train; it also multiplies the noise, so frozen
@@ -26,6 +36,7 @@ but would waste clipping budget and noise on entries that never move.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -33,6 +44,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
@@ -41,9 +53,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-from conclave.learning.bookkeeping import BookKeeping, private_optimizer
 from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  # torch-free: `conclave plan` uses it
-from conclave.learning.grad_sample_modes import PROBED, fastest_mode
+from conclave.learning.finite_clipping import FiniteDPOptimizer, finite_losses
+from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode
 from conclave.learning.secure_dpsgd import (PaddedPoissonBatches, SecureAggregation, SecureGroup, SecureSumDPOptimizer,
                                             broadcast_parameters, trainable_entries)
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -74,12 +86,12 @@ class DPTrainResult:
         return self.epsilons[-1]
 
 
-class MaskedDPOptimizer(DPOptimizer):
-    """Opacus's flat-clipping DPOptimizer with a per-element 0/1 mask per parameter.
+class MaskedDPOptimizer(FiniteDPOptimizer):
+    """Flat clipping (``FiniteDPOptimizer``) with a per-element 0/1 mask per parameter.
 
     The mask is applied to ``p.grad_sample`` before the per-example norms are computed
     (so the clipped norm is the masked gradient's norm) and to the noise. Parameters
-    without a mask behave exactly as in ``DPOptimizer``.
+    without a mask behave exactly as in ``FiniteDPOptimizer``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, masks: dict[nn.Parameter, torch.Tensor], **kwargs) -> None:
@@ -99,9 +111,10 @@ class MaskedDPOptimizer(DPOptimizer):
             if mask is None or getattr(p, "grad_sample", None) is None:
                 continue
             # grad_sample is [batch, *p.shape] (a list of those when accumulating); it is
-            # outside the autograd graph, so masking in place saves a batch-sized copy.
+            # outside the autograd graph, so masking in place saves a batch-sized copy. Filled,
+            # not multiplied: a frozen entry adds nothing to the norm, even an infinite one.
             for g in p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]:
-                g.mul_(mask)
+                g.masked_fill_(mask == 0, 0.0)
         super().clip_and_accumulate()
 
     def add_noise(self) -> None:
@@ -236,7 +249,6 @@ def train_dp(
         # At the batch it will train with: which mode wins changes with it (cache sizes).
         probe_batch = min(max(1, round(sample_rate * schedule.num_examples)), 512)
         mode = fastest_mode(model, dataset.x.shape[1:], probe_batch, candidates, device)
-    ghost = mode == "ghost"
     padded = None
     if data_parallel:  # every step of this rank on a batch of one public size (module secure_dpsgd, Timing)
         padded = PaddedPoissonBatches(
@@ -252,60 +264,21 @@ def train_dp(
     # Opacus divides by its own guess from the examples held here; the sum (across owners: the
     # secure sum of every rank's) is divided by the declared expected batch, a public constant.
     expected_batch = sample_rate * schedule.num_examples
-    clipper: BookKeeping | None = None
-    if mode == "bk":  # our hooks clip in one backward pass; Opacus's optimizer adds the noise
-        clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=sigma,
-                                                  max_grad_norm=config.max_grad_norm, expected_batch_size=expected_batch,
-                                                  generator=torch_generator(noise, device))
-        dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-        private_model, criterion, private_loader = model, clipper.loss, loader
-    else:
-        criterion = nn.CrossEntropyLoss()
-        private = engine.make_private(
-            module=model,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=loader,  # already Poisson: Opacus takes its rate as 1/len(loader) = q
-            noise_multiplier=sigma,
-            max_grad_norm=config.max_grad_norm,
-            poisson_sampling=False,
-            grad_sample_mode=mode,
-            # The noise is drawn where the gradients live; batches are sampled on the CPU.
-            noise_generator=torch_generator(noise, device),
-        )
-        if ghost:  # its loss wrapper runs the two backward passes
-            private_model, dp_optimizer, criterion, private_loader = private
-        else:
-            private_model, dp_optimizer, private_loader = private
-        dp_optimizer.expected_batch_size = expected_batch
-        if data_parallel:  # the noise step becomes a round of the secure sum
-            aggregation = SecureAggregation(secure_group.owners, trainable_entries(model, masks))
-            dp_optimizer = SecureSumDPOptimizer(
-                dp_optimizer.original_optimizer,
-                group=secure_group,
-                aggregation=aggregation,
-                plan=aggregation.plan(config.max_grad_norm, sigma, schedule.num_examples, schedule.steps),
-                noise=noise,
-                session="conclave-dpsgd",
-                masks=resolved_masks,
-                noise_multiplier=sigma,
-                max_grad_norm=config.max_grad_norm,
-                expected_batch_size=expected_batch,
-                loss_reduction=dp_optimizer.loss_reduction,
-                generator=dp_optimizer.generator,
-            )
-            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-        elif resolved_masks:
-            dp_optimizer = MaskedDPOptimizer(
-                dp_optimizer.original_optimizer,
-                masks=resolved_masks,
-                noise_multiplier=sigma,
-                max_grad_norm=config.max_grad_norm,
-                expected_batch_size=dp_optimizer.expected_batch_size,
-                loss_reduction=dp_optimizer.loss_reduction,
-                generator=dp_optimizer.generator,
-            )
-            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    optimizer_class: Callable[..., DPOptimizer] = FiniteDPOptimizer
+    if data_parallel:  # the noise step becomes a round of the secure sum
+        aggregation = SecureAggregation(secure_group.owners, trainable_entries(model, masks))
+        optimizer_class = functools.partial(
+            SecureSumDPOptimizer, group=secure_group, aggregation=aggregation,
+            plan=aggregation.plan(config.max_grad_norm, sigma, schedule.num_examples, schedule.steps), noise=noise,
+            session="conclave-dpsgd", masks=resolved_masks)
+    elif resolved_masks:
+        optimizer_class = functools.partial(MaskedDPOptimizer, masks=resolved_masks)
+    # The noise is drawn where the gradients live; batches are sampled on the CPU. The loader is
+    # already Poisson: Opacus takes its rate as 1/len(loader) = q.
+    made = clipped(engine, model, optimizer, loader, mode, noise_multiplier=sigma, max_grad_norm=config.max_grad_norm,
+                   expected_batch_size=expected_batch, sample_rate=sample_rate,
+                   generator=torch_generator(noise, device), optimizer_class=optimizer_class)
+    private_model, dp_optimizer, criterion, private_loader = made.module, made.optimizer, made.loss, made.loader
     dp_optimizer.secure_mode = True  # floating-point-safe noise (see the module docstring)
     # The σ Opacus draws with: σ, except in an audit's deliberately broken build (test-only
     # ``NoisePolicy.noise_scale``, read here alone), which must still be accounted, and is charged, at σ.
@@ -334,7 +307,6 @@ def train_dp(
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     epsilons: list[float] = []
     epochs = tqdm(range(config.epochs), desc="DP-SGD", disable=not progress)
-    weighted = nn.CrossEntropyLoss(reduction="none")
 
     def step_padded(chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """One logical step on a padded batch: its chunks accumulate, the last one steps."""
@@ -343,7 +315,8 @@ def train_dp(
             if i < len(chunks) - 1:
                 dp_optimizer.signal_skip_step(True)
             # Opacus scales a mean loss's per-example gradients by the rows: each row's is weight × its own.
-            (weighted(private_model(x.to(device)), y.to(device)) * weight.to(device)).mean().backward()
+            losses = F.cross_entropy(private_model(x.to(device)), y.to(device), reduction="none")
+            (finite_losses(losses) * weight.to(device)).mean().backward()
             taken = steps
             dp_optimizer.step()
             if steps > taken:
@@ -388,10 +361,7 @@ def train_dp(
     history_steps = sum(n for _, _, n in engine.accountant.history)
     if not history_steps == steps == schedule.steps:
         raise RuntimeError(f"accountant saw {history_steps} steps, {steps} were taken, {schedule.steps} planned")
-    if clipper is not None:
-        clipper.remove()
-    else:
-        private_model.to_standard_module()  # removes Opacus's hooks from ``model``
+    made.close()  # every hook off ``model``
     for p in model.parameters():
         p.grad = None
     return DPTrainResult(

@@ -13,6 +13,10 @@ a throwaway copy of the model), and which mode wins changes rounding only: each 
 same clipped sum, to which the same noise is added. The privacy is the same whichever runs;
 a run with reproducible noise skips the probe (``learning.dpsgd``), since rounding would
 differ between runs.
+
+``clipped`` builds a mode's clipping for DP-SGD: the probe times exactly what a run then trains
+with, and every mode follows ``learning.finite_clipping`` (no value of one example makes the
+clipped sum non-finite).
 """
 from __future__ import annotations
 
@@ -20,14 +24,17 @@ import copy
 import logging
 import time
 import warnings
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from opacus import PrivacyEngine
+from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conclave.learning.bookkeeping import private_optimizer
+from conclave.learning.bookkeeping import BookKeeping, private_optimizer
+from conclave.learning.finite_clipping import FiniteDPOptimizer, GhostClipping, cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +76,68 @@ def fastest_mode(model: nn.Module, example_shape: Sequence[int], batch_size: int
     return chosen
 
 
+@dataclass
+class Clipped:
+    """A model made ready to clip per example one way: call ``module`` on a batch, then
+    ``loss(logits, targets).backward()`` and ``optimizer.step()`` for one DP-SGD step; ``close``
+    takes every hook off the model."""
+
+    module: nn.Module
+    optimizer: DPOptimizer
+    loss: Callable[[torch.Tensor, torch.Tensor], Any]
+    loader: DataLoader
+    hooks: BookKeeping | GhostClipping | None
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+        if hasattr(self.module, "to_standard_module"):
+            self.module.to_standard_module()  # Opacus's hooks
+
+
+def clipped(engine: PrivacyEngine, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, mode: str, *,
+            noise_multiplier: float, max_grad_norm: float, expected_batch_size: float, sample_rate: float,
+            generator: torch.Generator | None = None,
+            optimizer_class: Callable[..., DPOptimizer] = FiniteDPOptimizer) -> Clipped:
+    """``model`` clipped the ``mode`` way ("hooks", "functorch", "ew", "ghost" or "bk"), with an
+    optimizer that adds N(0, σ²C²) to the clipped sum, divides by ``expected_batch_size`` and
+    reports each step to ``engine``'s accountant at ``sample_rate``. ``loader`` must already be
+    Poisson (or, in a probe, anything). ``optimizer_class``: the DPOptimizer of the modes that
+    materialise per-example gradients (``FiniteDPOptimizer`` or a subclass, e.g. with masks)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus's notes on secure mode and hooks
+        if mode == "bk":  # our hooks clip in one backward pass; Opacus's optimizer adds the noise
+            clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=noise_multiplier,
+                                                      max_grad_norm=max_grad_norm,
+                                                      expected_batch_size=expected_batch_size, generator=generator)
+            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+            return Clipped(model, dp_optimizer, clipper.loss, loader, clipper)
+        made = engine.make_private(module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(),
+                                   data_loader=loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                                   poisson_sampling=False, grad_sample_mode=mode, noise_generator=generator)
+    if mode == "ghost":  # Opacus's loss wrapper is replaced by one that drops non-finite examples
+        module, dp_optimizer, _, private_loader = made
+        dp_optimizer.expected_batch_size = expected_batch_size
+        ghost = GhostClipping(module, dp_optimizer, max_grad_norm)
+        return Clipped(module, dp_optimizer, ghost.loss, private_loader, ghost)
+    module, made_optimizer, private_loader = made
+    dp_optimizer = optimizer_class(made_optimizer.original_optimizer, noise_multiplier=noise_multiplier,
+                                   max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+                                   loss_reduction=made_optimizer.loss_reduction, generator=made_optimizer.generator)
+    dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    return Clipped(module, dp_optimizer, cross_entropy, private_loader, None)
+
+
 def private_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> Callable[[], None]:
     """One DP-SGD step of ``model`` on the batch (x, y) clipped the ``mode`` way (C = 1, σ = 1)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus's notes on secure mode and hooks
-        if mode == "bk":
-            clipper, dp_optimizer = private_optimizer(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
-                                                      expected_batch_size=len(y))
-            private_model, criterion = model, clipper.loss
-        else:
-            made = PrivacyEngine().make_private(
-                module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
-                criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-                grad_sample_mode=mode)
-            private_model, dp_optimizer = made[0], made[1]
-            criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+    made = clipped(PrivacyEngine(), model, optimizer, DataLoader(TensorDataset(x, y), batch_size=len(y)), mode,
+                   noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=len(y), sample_rate=1.0)
 
     def step() -> None:
-        dp_optimizer.zero_grad()
-        criterion(private_model(x), y).backward()
-        dp_optimizer.step()
+        made.optimizer.zero_grad()
+        made.loss(made.module(x), y).backward()
+        made.optimizer.step()
     return step
 
 

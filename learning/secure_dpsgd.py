@@ -37,7 +37,9 @@ Timing. The all-reduce is a rendezvous: each rank sees when the others reach it.
 computed on its own Poisson batch would reach it after a time that grows with that batch, a
 secret draw whose mean is q·(its records). So every step of every rank computes on a batch of
 one public size (``PaddedPoissonBatches``): its sampled examples followed by padding rows of
-weight 0, whose per-example gradients are exactly 0 (so they add nothing to the clipped sum),
+weight 0, whose per-example gradients are exactly 0 (so they add nothing to the clipped sum; a
+padding row copying a record whose gradient is not finite is dropped as that record is:
+``learning.finite_clipping``),
 ``padded_batch_size`` rows in all — the size a Poisson batch of the rank's declared records
 passes with probability at most ``OVERFLOW`` per step. The inclusion draws run over the declared
 records too. The arithmetic is the same for every batch, so when a rank reaches the all-reduce
@@ -53,9 +55,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from conclave.learning.finite_clipping import FiniteDPOptimizer
 from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.noise import NoiseSource
 from conclave.privacy.secure_release import release_plan
@@ -164,8 +166,9 @@ def broadcast_parameters(model: nn.Module) -> None:
         dist.broadcast(tensor.data, src=0)
 
 
-class SecureSumDPOptimizer(DPOptimizer):
-    """Opacus's DPOptimizer whose noise step is one round of the secure sum (module docstring).
+class SecureSumDPOptimizer(FiniteDPOptimizer):
+    """Flat clipping (``FiniteDPOptimizer``: an example whose gradient is not finite adds exactly 0)
+    whose noise step is one round of the secure sum (module docstring).
 
     ``masks`` (parameter → 0/1 tensor) restrict training element by element: applied to the
     per-example gradients before clipping, and only the entries inside them are summed.
@@ -198,7 +201,7 @@ class SecureSumDPOptimizer(DPOptimizer):
             mask = self._masks.get(id(p))
             if mask is not None and getattr(p, "grad_sample", None) is not None:
                 for g in p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]:
-                    g.mul_(mask)  # before the per-example norms: frozen entries add nothing
+                    g.masked_fill_(~mask, 0.0)  # before the per-example norms: frozen entries add nothing
         super().clip_and_accumulate()
 
     def add_noise(self) -> None:
