@@ -82,6 +82,7 @@ from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, Privacy
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
 from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords
+from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ _SCHEMA = (
 )
 _TABLES = ("meta", "charges", "answer_batches", "answers")
 BUDGET_CHANGE = "budget-change"  # the label of a chain entry that changes the budget, not a charge
+GAUSSIAN_PLAN = "gaussian_plan"  # a charge's details: the Gaussian releases it is made of, for a tighter ε
 
 
 class BudgetExceeded(Exception):
@@ -196,10 +198,14 @@ class _Totals:
         self.extra_delta = 0.0
         self.unbounded = False
         self.by_label: dict[str, tuple[np.ndarray, float, bool]] = {}
+        # The Gaussian releases of every charge so far, while each was one (``PrivacyCharge.pld``).
+        self.plan: tuple[GaussianSteps, ...] | None = ()
 
-    def add(self, row_id: int, label: str, rdp: np.ndarray, extra_delta: float, unbounded: bool) -> None:
+    def add(self, row_id: int, label: str, rdp: np.ndarray, extra_delta: float, unbounded: bool,
+            plan: tuple[GaussianSteps, ...] | None = None) -> None:
         self.last_id = row_id
         self.count += 1  # charges only: the chain's budget changes move last_id alone
+        self.plan = None if self.plan is None or plan is None else self.plan + plan
         self.rdp = self.rdp + rdp
         self.extra_delta += extra_delta
         self.unbounded = self.unbounded or unbounded
@@ -264,8 +270,8 @@ class PrivacyLedger:
             if damaged is not None:
                 raise damaged from None
             raise
-        for row_id, label, rdp, extra_delta, unbounded in contents.rows:
-            self._totals.add(row_id, label, rdp, extra_delta, unbounded)
+        for row in contents.rows:
+            self._totals.add(*row)
         self._totals.last_id = contents.entries
         self._heads = contents.heads
         self.ledger_id = contents.settings["ledger_id"]  # random, fixed at creation: tells this file from a new one
@@ -306,8 +312,10 @@ class PrivacyLedger:
                 self.last_refusal = str(refused)
                 raise
             row_id = self._totals.last_id + 1
+            details = charge.details if charge.pld is None else {**charge.details, GAUSSIAN_PLAN: [
+                [step.noise_multiplier, step.count, step.sample_rate] for step in charge.pld]}
             row = (row_id, charge.label, rdp.tobytes(), float(charge.extra_delta), int(charge.unbounded),
-                   charge.reason, json.dumps(charge.details, default=str), charge.neighbouring, time.time())
+                   charge.reason, json.dumps(details, default=str), charge.neighbouring, time.time())
             with self._transaction():
                 paid = self._not_on_record(answers or {})
                 checksum = _checksum("charge", self._heads.charge, row, paid)
@@ -317,7 +325,7 @@ class PrivacyLedger:
                     "INSERT INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
                     [(key, answer, row_id) for key, answer in paid])
             # Only after COMMIT succeeded does the new row enter the running totals.
-            self._totals.add(row_id, charge.label, rdp, float(charge.extra_delta), bool(charge.unbounded))
+            self._totals.add(row_id, charge.label, rdp, float(charge.extra_delta), bool(charge.unbounded), charge.pld)
             self._heads = _Heads(checksum, self._heads.batch, self._heads.batches)
             self._note_record()
             return self._report()
@@ -403,6 +411,7 @@ class PrivacyLedger:
                 reason="an unbounded charge was recorded" if totals.unbounded else "",
                 label="spent",
                 neighbouring=self.neighbouring,
+                pld=totals.plan if totals.count else None,
             )
 
     def close(self) -> None:
@@ -617,15 +626,15 @@ def read_ledger(path: str | Path) -> LedgerSnapshot:
     for row in contents.rows:
         totals.add(*row)
 
-    def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str) -> PrivacyCharge:
+    def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str, plan=None) -> PrivacyCharge:
         return PrivacyCharge(orders, rdp, extra_delta=extra, unbounded=unbounded,
                              reason="an unbounded charge was recorded" if unbounded else "", label=label,
-                             neighbouring=neighbouring)
+                             neighbouring=neighbouring, pld=plan)
 
     return LedgerSnapshot(
         path, contents.settings["ledger_id"], delta, current_budget(budget, contents.changes), neighbouring, orders,
         totals.count, len(contents.answers),
-        composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent"),
+        composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent", totals.plan if totals.count else None),
         {label: composed(*sums, label) for label, sums in totals.by_label.items()},
         contents.entries, tuple(contents.changes),
     )
@@ -718,7 +727,8 @@ class _Contents:
     """A ledger file's contents, checked."""
 
     settings: dict[str, str]  # the meta table
-    rows: list[tuple[int, str, np.ndarray, float, bool]]  # charges: (id, label, RDP curve, extra δ, unbounded)
+    # charges: (id, label, RDP curve, extra δ, unbounded, the Gaussian releases it is made of or None)
+    rows: list[tuple[int, str, np.ndarray, float, bool, tuple[GaussianSteps, ...] | None]]
     answers: dict[bytes, int]
     heads: _Heads
     entries: int = 0  # rows of the charge chain: charges and budget changes
@@ -796,7 +806,7 @@ def _verified(path: Path, db: sqlite3.Connection) -> _Contents | None:
         if label == BUDGET_CHANGE:
             changes.append(_budget_change(path, row, curve, extra_delta, unbounded))
         else:
-            rows.append((row_id, label, curve, extra_delta, bool(unbounded)))
+            rows.append((row_id, label, curve, extra_delta, bool(unbounded), _gaussian_plan(row[6])))
         head = row[-1]
         checksums.append(head)
     _check_end(path, "charge", len(checksums), issued.get("charges", 0), by_charge)
@@ -808,6 +818,16 @@ def _verified(path: Path, db: sqlite3.Connection) -> _Contents | None:
     _check_end(path, "answer batch", batches, issued.get("answer_batches", 0), by_batch)
     return _Contents(settings, rows, answers, _Heads(head, batch_head, batches), len(checksums), tuple(checksums),
                      tuple(changes))
+
+
+def _gaussian_plan(details: str) -> tuple[GaussianSteps, ...] | None:
+    """The Gaussian releases a charge row states it is made of (None: not only Gaussian ones, or
+    an older row, or one that does not parse: its RDP curve then stands alone)."""
+    try:
+        plan = json.loads(details).get(GAUSSIAN_PLAN)
+        return None if plan is None else tuple(GaussianSteps(float(z), int(n), float(q)) for z, n, q in plan)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _budget_change(path: Path, row: tuple, curve: np.ndarray, extra_delta: float, unbounded: int) -> BudgetChange:
