@@ -26,6 +26,12 @@ checkpoint carrying its ε; the driver charges the ledger with ``DPCheckpoint.ch
 the checkpoint it releases. Noise and Poisson sampling come from the run's ``NoisePolicy``
 (OS entropy unless the run asks for reproducible, unsound noise), drawn in the process that
 uses them. No loss, count or other statistic of the private data leaves these actors.
+
+Every round of a secure sum has a deadline fixed from public figures (``KEY_TIMEOUT_S`` and the
+others below): an owner whose actor dies, or stops and never answers, ends the run in one line
+naming it (``OwnerDropout``, exit status 3) instead of holding it forever; the calls of the
+abandoned round are cancelled and their references dropped (``gathered``), since a timed-out
+Ray task's result would still arrive.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -68,6 +75,13 @@ from conclave.privacy.secure_sum import SecureSumPlan
 log = logging.getLogger(__name__)
 
 PROGRESS_POLL_S = 1.0  # how often the driver asks rank 0 how many epochs it finished
+# Deadlines of the secure sums' rounds, from public figures only, so that an owner whose actor
+# stops (or never answers) fails the run in one line instead of holding it forever, and whether a
+# round meets its deadline does not follow the records an owner holds.
+KEY_TIMEOUT_S = 30.0  # a key or a rendezvous address: no work on data, from actors that are idle
+SHARE_BASE_S = 60.0  # a NearPrivate share: this, plus the work of its owner's declared records
+SHARE_RATE = 1e8  # multiply-adds a second: a small part of one busy core, so an honest share is in time
+STEP_TIMEOUT_S = 300.0  # one DP-SGD step's all-reduce (gloo's timeout): every rank's padded batch done
 
 
 class ShardSource(Protocol):
@@ -166,7 +180,7 @@ class DataParallelGroup:
     rank: int
     owners: tuple[str, ...]
     public_keys: tuple[bytes, ...]  # every rank's secure-sum key, passed on through Ray
-    timeout_s: float = 300.0
+    timeout_s: float = STEP_TIMEOUT_S  # each collective's
     records: int | None = None  # public bound on this rank's examples, which sizes its padded batches
 
     @property
@@ -351,10 +365,51 @@ class ShardHolder(ReleaseKeys):
 ShardActor = ray.remote(ShardHolder)
 
 
-def fresh_public_keys(actors: Sequence) -> tuple[bytes, ...]:
-    """Every shard actor's new X25519 public key for the next secure sum, in rank order, collected
-    and passed on through Ray (mutually authenticated under TLS), never over the gloo link."""
-    return tuple(ray.get([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)]))
+def gathered(refs: list[ray.ObjectRef], owners: Sequence[str], timeout_s: float, asked: str, round_name: str,
+             outcome: str) -> list:
+    """Every owner's answer to one call of a secure round (``refs[i]`` from ``owners[i]``'s actor)
+    within ``timeout_s``, in order; or ``OwnerDropout`` in one line naming the first owner whose actor
+    died, or sent no ``asked`` for ``round_name`` in time (``outcome``: what that leaves). On the way
+    out the calls not done are cancelled and ``refs`` is emptied, so no reference to the round's
+    answers is kept: a timed-out Ray task's result still arrives otherwise (as ``actors.vote_parties``)."""
+    deadline = time.monotonic() + timeout_s
+    answers: list = [None] * len(refs)
+    waiting = list(range(len(refs)))
+    failure: str | None = None
+    try:
+        while waiting and failure is None:
+            ready, rest = ray.wait([refs[i] for i in waiting], num_returns=1,
+                                   timeout=max(0.0, deadline - time.monotonic()))
+            rest.clear()
+            if not ready:
+                failure = f"owner {owners[waiting[0]]} sent no {asked} for {round_name} within {timeout_s:g} s"
+                break
+            index = next(i for i in waiting if refs[i] == ready[0])
+            ready.clear()
+            try:
+                answers[index] = ray.get(refs[index])
+            except ray.exceptions.RayActorError:
+                failure = f"owner {owners[index]} dropped out of {round_name} (its actor died)"
+            else:
+                waiting.remove(index)
+    finally:
+        for index in waiting:  # (cancelling a call already done does nothing)
+            ray.cancel(refs[index])
+        refs.clear()
+        if waiting:  # a dropout, or a call that raised: nothing of the round is kept
+            answers.clear()
+    if failure is not None:
+        raise OwnerDropout(f"{failure}: {outcome}")
+    return answers
+
+
+def fresh_public_keys(actors: Sequence, owners: Sequence[str], what: str, outcome: str,
+                      timeout_s: float = KEY_TIMEOUT_S) -> tuple[bytes, ...]:
+    """Every shard actor's new X25519 public key for the next secure sum of ``what``, in rank
+    order, collected and passed on through Ray (mutually authenticated under TLS), never over the
+    gloo link; ``OwnerDropout`` naming the owner whose key is not in within ``timeout_s``."""
+    return tuple(gathered([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)], owners, timeout_s,
+                          "key", f"the secure sum of {what}", outcome))
 
 
 class ChargeGate(Protocol):
@@ -376,10 +431,20 @@ class ShardSupport:
     around through Ray, each actor returns only its masked share (its part quantized, plus its
     Skellam noise share, under pairwise masks: uniform on the ring on its own), and the driver
     adds the shares and decodes the noised total. ``records`` (public: the declared private
-    records) bounds every actor's part, to size the ring. A secure release is checked against the
-    ledger before any share is made and charged only once every share arrived: an owner that
-    drops out (``OwnerDropout``) leaves nothing released and nothing charged.
+    records) bounds every actor's part, to size the ring.
+
+    A secure release is checked against the ledger before any key is asked for, and charged once
+    every key is in, before any share is asked for: from then on the release is in the hands of
+    whoever holds this process (honest code drops an abandoned release, but a curious driver
+    could keep the shares and decode them once a late one arrives), so it is paid for first. The
+    keys have ``key_timeout_s``, the shares ``share_timeout_s`` of the work of the declared
+    records; an owner whose actor dies or does not answer in time stops the run
+    (``OwnerDropout``, one line naming it): nothing is released, calls not done are cancelled and
+    no reference to the shares is kept; charged if its shares were asked for, else not.
     """
+
+    key_timeout_s: float = KEY_TIMEOUT_S
+    share_base_s: float = SHARE_BASE_S
 
     def __init__(self, actors: Sequence, owners: Sequence[str], pca: AnalyzeGauss | SecureAnalyzeGauss,
                  counts: LaplaceCounts | SkellamCounts, ledger: ChargeGate, noise: NoisePolicy,
@@ -401,9 +466,11 @@ class ShardSupport:
         if not self.secure:
             self._ledger.charge(self._pca.charge())
             return ray.get(self._actors[0].release_projection.remote(self._pca, components, self._noise))
-        plan = self._pca.plan(ray.get(self._actors[0].embedding_dimension.remote()), self._owners, self._records)
-        shares = self._shares(self._pca.charge(), "dp-pca", lambda actor, keys: actor.covariance_share.remote(
-            self._pca, plan, self._owners, keys, "dp-pca", self._noise))
+        dimension = self._dimension("dp-pca")
+        plan = self._pca.plan(dimension, self._owners, self._records)
+        shares = self._shares(self._pca.charge(), "dp-pca", dimension * dimension,
+                              lambda actor, keys: actor.covariance_share.remote(
+                                  self._pca, plan, self._owners, keys, "dp-pca", self._noise))
         return self._pca.release(shares, components, plan)
 
     def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
@@ -412,32 +479,36 @@ class ShardSupport:
             return ray.get(self._actors[0].release_counts.remote(self._counts, projection, public_points, threshold,
                                                                  self._noise))
         plan = self._counts.plan(len(public_points), self._owners, self._records)
-        shares = self._shares(self._counts.charge(), "support-counts", lambda actor, keys: actor.counts_share.remote(
-            self._counts, plan, self._owners, keys, "support-counts", self._noise, projection, public_points,
-            threshold))
+        # each held point: its projection (d × k), then its nearest public point (at most P × k)
+        work = projection.shape[1] * (projection.shape[0] + len(public_points))
+        shares = self._shares(self._counts.charge(), "support-counts", work,
+                              lambda actor, keys: actor.counts_share.remote(
+                                  self._counts, plan, self._owners, keys, "support-counts", self._noise, projection,
+                                  public_points, threshold))
         return self._counts.release(shares, plan)
 
-    def _shares(self, cost: PrivacyCharge, what: str, share_of: Callable) -> list[np.ndarray]:
-        """Every actor's masked share of one release, charged once all of them arrived (refused,
-        before any share is made, when the ledger cannot afford it)."""
+    def share_timeout_s(self, work_per_record: float) -> float:
+        """How long the shares of a release may take: ``share_base_s``, plus the multiply-adds of
+        each declared record at ``SHARE_RATE`` (public figures only; none of them is what is held)."""
+        return self.share_base_s + self._records * work_per_record / SHARE_RATE
+
+    def _dimension(self, what: str) -> int:
+        """d of the embeddings (public: fixed by the model's architecture), asked of rank 0."""
+        return gathered([self._actors[0].embedding_dimension.remote()], self._owners[:1], self.key_timeout_s,
+                        "embedding width", f"the secure sum of {what}", "nothing was released or charged")[0]
+
+    def _shares(self, cost: PrivacyCharge, what: str, work_per_record: float, share_of: Callable) -> list[np.ndarray]:
+        """Every actor's masked share of one release (class docstring): refused before any key is
+        made when the ledger cannot afford it, charged once the keys are in."""
         if not self._ledger.can_afford(cost):
             raise BudgetExceeded(f"{what}: the run's budget cannot afford this release; nothing was computed")
-        # fresh_public_keys' round trip, owner by owner, so a dropout names its owner
-        public_keys = tuple(self._gathered([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)],
-                                           what))
-        shares = self._gathered([share_of(actor, public_keys) for actor in self._actors], what)
+        public_keys = fresh_public_keys(self._actors, self._owners, what,
+                                        "no share was asked for, so nothing was released or charged",
+                                        self.key_timeout_s)
         self._ledger.charge(cost)
-        return shares
-
-    def _gathered(self, refs: list, what: str) -> list:
-        results = []
-        for owner, ref in zip(self._owners, refs):
-            try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayActorError:
-                raise OwnerDropout(f"owner {owner} dropped out of the secure sum of {what}: nothing of it was "
-                                   "released or charged") from None
-        return results
+        return gathered([share_of(actor, public_keys) for actor in self._actors], self._owners,
+                        self.share_timeout_s(work_per_record), "share", f"the secure sum of {what}",
+                        "its shares were asked for, so it was charged; nothing of it was released")
 
 
 
@@ -457,7 +528,14 @@ class ShardPlan:
 class ShardGroup:
     """The run's shard actors: each placed where its owner's data is, checked before any
     starts (a request no node can take fails at once, one line), loaded before any trains,
-    their inputs (if ``input_shape`` is given) of the shape the model is built for."""
+    their inputs (if ``input_shape`` is given) of the shape the model is built for.
+
+    Data-parallel DP-SGD waits ``key_timeout_s`` for rank 0's address and every key, and each
+    step's all-reduce waits ``step_timeout_s`` (both public constants); an owner whose actor dies
+    or stops answering stops the run in one line naming it (``OwnerDropout``)."""
+
+    key_timeout_s: float = KEY_TIMEOUT_S
+    step_timeout_s: float = STEP_TIMEOUT_S
 
     def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec | None = None, torch_threads: int = 1,
                  num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0,
@@ -500,15 +578,18 @@ class ShardGroup:
         if len(self.actors) == 1:
             ranks = [self.actors[0].train_dp.remote(config, noise, num_examples, None, recipe)]
         else:
-            address = ray.get(self.actors[0].rendezvous.remote())
-            public_keys = fresh_public_keys(self.actors)
+            before = "nothing was trained or released"
+            [address] = gathered([self.actors[0].rendezvous.remote()], self.owners[:1], self.key_timeout_s,
+                                 "address", "the secure sum of DP-SGD", before)
+            public_keys = fresh_public_keys(self.actors, self.owners, "DP-SGD", before, self.key_timeout_s)
             log.info("data-parallel DP-SGD over %d shard actors through a secure sum (rank 0 at %s)",
                      len(self.actors), address)
             ranks = [actor.train_dp.remote(config, noise, num_examples,
                                            DataParallelGroup(address, rank, self.owners, public_keys,
-                                                             records=self._declared[rank]), recipe)
+                                                             self.step_timeout_s, self._declared[rank]), recipe)
                      for rank, actor in enumerate(self.actors)]
         pending = list(ranks)
+        asked: ray.ObjectRef | None = None  # rank 0's epochs, asked once at a time: a stopped actor never answers
         with tqdm(total=config.epochs, desc="DP-SGD", unit="epoch", disable=not progress) as bar:
             try:
                 while pending:  # the first failure raises at once instead of after the others time out
@@ -516,7 +597,11 @@ class ShardGroup:
                     if done:
                         ray.get(done)
                     if progress and pending:
-                        bar.update(ray.get(self.actors[0].epochs_done.remote()) - bar.n)
+                        if asked is not None and ray.wait([asked], timeout=0)[0]:
+                            bar.update(ray.get(asked) - bar.n)
+                            asked = None
+                        if asked is None:
+                            asked = self.actors[0].epochs_done.remote()
             except ray.exceptions.RayError:
                 if len(ranks) > 1:
                     self._raise_dropout(ranks)
@@ -524,20 +609,21 @@ class ShardGroup:
             bar.update(config.epochs - bar.n)
         return ray.get(ranks[0])
 
-    def _raise_dropout(self, ranks: list) -> None:
-        """After a failed secure sum: if a rank's actor died, say whose, in one line. A dead
-        actor's result is ready at once; the others may still wait in the collective."""
-        ready, _ = ray.wait(ranks, num_returns=len(ranks), timeout=5)
-        for owner, ref in zip(self.owners, ranks):
-            if ref not in ready:
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                raise OwnerDropout(f"owner {owner} dropped out of the secure sum: the run stops and releases "
-                                   "nothing of the unfinished round") from None
-            except ray.exceptions.RayError:
-                continue
+    def _raise_dropout(self, ranks: list[ray.ObjectRef]) -> None:
+        """After a failed secure sum: the owner whose actor died or stopped, in one line. Every
+        actor is asked how far it is (``epochs_done`` has a thread of its own, so a live actor
+        answers at once, even waiting in the collective); one that is dead, or that does not
+        answer within ``key_timeout_s`` (stopped), dropped out. Then the ranks' calls not done are
+        cancelled. If every actor answers, the failure was something else, and it is raised."""
+        try:
+            gathered([actor.epochs_done.remote() for actor in self.actors], self.owners, self.key_timeout_s,
+                     "answer", "the secure sum of DP-SGD",
+                     "the run stops and releases nothing of the unfinished round")
+        except OwnerDropout:
+            _, unfinished = ray.wait(ranks, num_returns=len(ranks), timeout=0)
+            for ref in unfinished:
+                ray.cancel(ref)
+            raise
 
     def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
                 ledger: ChargeGate, noise: NoisePolicy, records: int) -> ShardSupport:

@@ -1,18 +1,27 @@
 """Shard actors and data-parallel DP-SGD: private sums leave the actors only as DP releases or masked shares."""
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from conclave.actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
+from conclave.actors.dp_trainer import ModelSpec, OwnerShards, PrivateSource, ShardGroup, ShardPlan, ShardSupport
+from conclave.actors.owners import OwnerSource
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.data import load_digits
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.data.sources import DataSource
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
 from conclave.privacy.accounting.filter import filter_for
@@ -193,3 +202,124 @@ def test_an_owner_dropping_out_of_the_secure_sum_stops_training_in_one_line(ray_
         threading.Timer(8.0, lambda: ray_session.kill(group.actors[1])).start()
         with pytest.raises(OwnerDropout, match=r"^owner digits \(private split\) dropped out of the secure sum"):
             group.train(config, SECURE, num_examples=600)
+
+
+# ---- a stopped owner: every secure round has a deadline from public figures (issue 36, item 3) ----
+
+HOSPITALS = Path(__file__).resolve().parents[2] / "examples" / "hospitals" / "data"
+CLASSES = ("benign", "malignant")
+
+
+@pytest.fixture
+def hospitals(ray_session):
+    """Two owners with tables of their own (owner names tell their ranks apart), one actor each."""
+    public = DataSource("csv", str(HOSPITALS / "public" / "test.csv"), label="diagnosis").read(CLASSES)
+    spec = ModelSpec("logistic_regression", 2, input_shape=(30,), standardiser=Standardiser.of_public(public))
+    plans = [ShardPlan(OwnerShards(OwnerSource(name, DataSource("csv", str(HOSPITALS / name / "records.csv"),
+                                                                 label="diagnosis"), 1, CLASSES)), (0,))
+             for name in ("hospital_a", "hospital_b")]
+    with ShardGroup(plans, spec, num_cpus=0.5) as pair:
+        yield pair
+
+
+@contextmanager
+def stoppable(ray_session, actor):
+    """``stop()`` sends SIGSTOP to the actor's process (a hung owner: alive, silent); always resumed after."""
+    pid = ray_session.get(actor.__ray_call__.remote(lambda holder: os.getpid()))
+    try:
+        yield lambda: os.kill(pid, signal.SIGSTOP)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+class StoppingLedger:
+    """A real ledger whose charge stops an owner first: the keys are in, the shares not yet asked."""
+
+    def __init__(self, ledger: PrivacyLedger, stop) -> None:
+        self.ledger, self.stop = ledger, stop
+
+    def can_afford(self, charge) -> bool:
+        return self.ledger.can_afford(charge)
+
+    def charge(self, charge):
+        self.stop()
+        return self.ledger.charge(charge)
+
+
+def test_a_stopped_owner_fails_a_secure_release_in_one_line_within_its_deadline(ray_session, hospitals, monkeypatch):
+    from conclave.actors.owners import OwnerDropout
+
+    state = {k: v.numpy() for k, v in hospitals_model(hospitals).state_dict().items()}
+    ray_session.get([a.set_weights.remote(state) for a in hospitals.actors])
+    cancelled = []
+    cancel = ray_session.cancel
+    monkeypatch.setattr(ray_session, "cancel", lambda ref, **kwargs: (cancelled.append(ref), cancel(ref, **kwargs)))
+    releases = (SecureAnalyzeGauss(1.0, 1e-5), SkellamCounts(0.5, 1e-5))
+
+    # No key within the key deadline: nothing asked, nothing charged.
+    ledger = PrivacyLedger(":memory:", 1e-5)
+    with stoppable(ray_session, hospitals.actors[1]) as stop:
+        support = hospitals.support(*releases, ledger, SECURE, records=200)
+        support.key_timeout_s = 2.0
+        stop()
+        started = time.monotonic()
+        with pytest.raises(OwnerDropout) as refused:
+            support.dp_projection(4)
+        took = time.monotonic() - started
+    assert str(refused.value) == ("owner hospital_b sent no key for the secure sum of dp-pca within 2 s: no share "
+                                  "was asked for, so nothing was released or charged")
+    assert 2.0 <= took < 6 and ledger.report().charges == 0 and len(cancelled) == 1
+
+    # Keys in, then the owner stops: its share is asked for, so the release is charged, and the
+    # late call is cancelled. The deadline is the declared records' work (200 · 30² multiply-adds).
+    ledger = PrivacyLedger(":memory:", 1e-5)
+    with stoppable(ray_session, hospitals.actors[1]) as stop:
+        support = hospitals.support(*releases, StoppingLedger(ledger, stop), SECURE, records=200)
+        support.key_timeout_s, support.share_base_s = 2.0, 2.0
+        assert support.share_timeout_s(30 * 30) == pytest.approx(2.0018)
+        started = time.monotonic()
+        with pytest.raises(OwnerDropout) as refused:
+            support.dp_projection(4)
+        took = time.monotonic() - started
+    assert str(refused.value) == ("owner hospital_b sent no share for the secure sum of dp-pca within 2.0018 s: its "
+                                  "shares were asked for, so it was charged; nothing of it was released")
+    assert 2.0 <= took < 6 and ledger.report().charges == 1 and len(cancelled) == 2
+    # the owner back, the next release runs (fresh keys) and is charged
+    monkeypatch.undo()
+    support = hospitals.support(*releases, ledger, SECURE, records=200)
+    assert support.dp_projection(4).shape == (30, 4) and ledger.report().charges == 2
+
+
+def hospitals_model(group: ShardGroup):
+    from conclave.learning.models import build_model
+
+    public = DataSource("csv", str(HOSPITALS / "public" / "test.csv"), label="diagnosis").read(CLASSES)
+    return build_model("logistic_regression", 2, input_shape=group.input_shape,
+                       standardiser=Standardiser.of_public(public))
+
+
+def test_a_stopped_owner_fails_secure_dpsgd_in_one_line_within_the_deadlines(ray_session, hospitals):
+    from conclave.actors.owners import OwnerDropout
+
+    hospitals.key_timeout_s, hospitals.step_timeout_s = 2.0, 8.0
+    config = DPSGDConfig(epochs=500, batch_size=20, lr=0.1, noise_multiplier=1.0)
+    # Stopped before training: its key is not in within the key deadline; nothing starts.
+    with stoppable(ray_session, hospitals.actors[1]) as stop:
+        stop()
+        started = time.monotonic()
+        with pytest.raises(OwnerDropout) as refused:
+            hospitals.train(config, SECURE, num_examples=200)
+        assert time.monotonic() - started < 6
+    assert str(refused.value) == ("owner hospital_b sent no key for the secure sum of DP-SGD within 2 s: nothing "
+                                  "was trained or released")
+    # Stopped while training: the other rank's all-reduce times out (the step deadline), and the
+    # owner that does not answer is named.
+    with stoppable(ray_session, hospitals.actors[1]) as stop:
+        threading.Timer(4.0, stop).start()
+        started = time.monotonic()
+        with pytest.raises(OwnerDropout) as refused:
+            hospitals.train(config, SECURE, num_examples=200, progress=True)
+        took = time.monotonic() - started
+    assert str(refused.value) == ("owner hospital_b sent no answer for the secure sum of DP-SGD within 2 s: the "
+                                  "run stops and releases nothing of the unfinished round")
+    assert 4 + 8 + 2 <= took < 4 + 8 + 2 + 10
