@@ -77,6 +77,24 @@ class RenyiFilter:
         # A relative slack of 1e-12 absorbs the rounding of a sum that lands exactly on B.
         return rdp_at_order <= self.rdp_budget * (1 + 1e-12) and extra_delta <= self.reserved_delta * (1 + 1e-12)
 
+    def refusal(self, spent_rdp: float, spent_extra_delta: float, charge: PrivacyCharge) -> str | None:
+        """Why the filter refuses ``charge`` after ``spent_rdp`` (the RDP spent so far at its order)
+        and ``spent_extra_delta`` (the δ spent outside RDP curves), in one line; None when it
+        admits it. A charge with no finite bound is never admitted."""
+        if charge.unbounded:
+            return (f"charge {charge.label!r} has no finite privacy guarantee ({charge.reason}); "
+                    f"refused by a ledger with a budget of epsilon={self.epsilon:g}")
+        rdp = float(spent_rdp + charge.rdp[order_index(self.order, charge.orders)])
+        extra = spent_extra_delta + charge.extra_delta
+        if self.admits(rdp, extra):
+            return None
+        if extra > self.reserved_delta:
+            return (f"charge {charge.label!r} would spend delta {extra:.3g} outside the RDP curve, over the "
+                    f"{self.reserved_delta:.3g} reserved for it")
+        return (f"charge {charge.label!r} would bring RDP at order {self.order:g} to {rdp:.4g}, over the budget "
+                f"{self.rdp_budget:.4g} (epsilon={self.epsilon:g} at delta={self.delta:g}); spent so far "
+                f"{float(spent_rdp):.4g}")
+
     def as_dict(self) -> dict:
         return {**asdict(self), "rdp_budget": self.rdp_budget, "theorem": THEOREM}
 

@@ -26,9 +26,9 @@ from conclave.privacy.accounting.ledger import (
     LedgerDamaged,
     LedgerInUse,
     PrivacyLedger,
-    _settings_checksum,
     read_ledger,
 )
+from conclave.privacy.accounting.ledger_store import _settings_checksum
 from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
@@ -60,7 +60,7 @@ def fitting(unit_rdp_at_order: float, filter_: RenyiFilter) -> int:
 def test_durability_settings(tmp_path):
     path = tmp_path / "ledger.db"
     with PrivacyLedger(path, DELTA, budget(1.0)) as ledger:
-        assert ledger._connection().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert ledger._store._connection().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
