@@ -109,7 +109,8 @@ def test_ghost_clipping_recomputes_the_forward_with_the_first_passes_random_draw
 
 def _hospital_a() -> tuple[Dataset, Standardiser]:
     classes = ("benign", "malignant")
-    records, _ = DataSource("csv", str(HOSPITALS / "hospital_a" / "records.csv"), label="diagnosis").read_private(classes)
+    owner = DataSource("csv", str(HOSPITALS / "hospital_a" / "records.csv"), label="diagnosis")
+    records, _ = owner.read_private(classes)
     public = DataSource("csv", str(HOSPITALS / "public" / "test.csv"), label="diagnosis").read(classes)
     return records, Standardiser.of_public(public)
 
