@@ -80,7 +80,7 @@ from conclave.actors.labeller import (
 )
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.guarantee import Guarantee
-from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, PrivacyLedger
 from conclave.privacy.mechanisms.base import SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.protos import aggregator_pb2
@@ -189,7 +189,7 @@ class AggregatorServer:
         self,
         vote_source: VoteSource | SecureVoteSource,
         mechanism: VoteMechanism | SecureVoteMechanism,
-        ledger: PrivacyLedger,
+        ledger: AnsweringLedger,
         input_shape: tuple[int, ...] | InputSchema,
         settings: ServerSettings = ServerSettings(),
         noise: NoisePolicy = SECURE,

@@ -50,7 +50,7 @@ from conclave.actors.owners import OwnerDropout
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
-from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded
 from conclave.privacy.mechanisms.base import ABSTAIN, SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.privacy.secure_votes import SkellamVotes, VoteBound
@@ -277,13 +277,14 @@ class _Counters:
 
 
 class PrivateLabeller:
-    """Private labels for inputs from ``vote_source``, paid for from ``ledger``.
+    """Private labels for inputs from ``vote_source``, paid for from ``ledger`` (the run's or the
+    service's, alone or with the owners' lifetime ledgers behind it: ``RunLedger``).
 
     ``noise`` is the run's noise policy (OS entropy by default). The answers already in the
     ledger (from an earlier run of the service) are answered again, free.
     """
 
-    def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: PrivacyLedger,
+    def __init__(self, vote_source: VoteSource, mechanism: VoteMechanism, ledger: AnsweringLedger,
                  noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
         check_pairing(vote_source, mechanism)
         self.vote_source = vote_source
@@ -585,7 +586,7 @@ class SecureLabeller(PrivateLabeller):
     vote_source: SecureVoteSource
     mechanism: SecureVoteMechanism
 
-    def __init__(self, vote_source: SecureVoteSource, mechanism: SecureVoteMechanism, ledger: PrivacyLedger,
+    def __init__(self, vote_source: SecureVoteSource, mechanism: SecureVoteMechanism, ledger: AnsweringLedger,
                  noise: NoisePolicy = SECURE, group_limit: int = GROUP_LIMIT) -> None:
         super().__init__(vote_source, mechanism, ledger, noise, group_limit)
         self._batch = threading.Lock()  # held by one batch from its worst-case check to its last round
@@ -630,7 +631,7 @@ class SecureLabeller(PrivateLabeller):
 
 
 def labeller_for(vote_source: VoteSource | SecureVoteSource, mechanism: VoteMechanism | SecureVoteMechanism,
-                 ledger: PrivacyLedger, noise: NoisePolicy = SECURE) -> PrivateLabeller:
+                 ledger: AnsweringLedger, noise: NoisePolicy = SECURE) -> PrivateLabeller:
     """The labeller for ``mechanism``: on secure-sum rounds for a ``SecureVoteMechanism``, on clean
     histograms otherwise."""
     if isinstance(mechanism, SecureVoteMechanism):

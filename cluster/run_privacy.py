@@ -29,7 +29,8 @@ from conclave.cluster.owners import DataOwner
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.guarantee import Estimate, Guarantee, run_guarantee, worst_case_guarantee
-from conclave.privacy.accounting.ledger import BudgetChange, BudgetExceeded, BudgetReport, PrivacyLedger
+from conclave.privacy.accounting.ledger import (AnsweringLedger, BudgetChange, BudgetExceeded, BudgetReport,
+                                                PrivacyLedger)
 from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms, RunRequest
 from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.noise import NoisePolicy
@@ -84,7 +85,7 @@ class PrivacyConfig:
                              keep_record=durable)
 
     def with_owners(self, ledger: PrivacyLedger, planned: PrivacyCharge, owners: Sequence[DataOwner],
-                    run: str) -> PrivacyLedger | RunLedger:
+                    run: str) -> AnsweringLedger:
         """``ledger`` alone, or — when owners have lifetime budgets, by their policies on their
         nodes or the config — in front of their ledgers, opened on their nodes now (Ray must be
         running): every charge of the run then goes to each of them too (``RunLedger``). Every
@@ -140,7 +141,7 @@ class PrivacyConfig:
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         return run_guarantee(planned, self.delta, self.budget_filter(planned), reasons)
 
-    def report(self, planned: PrivacyCharge, ledger: PrivacyLedger | RunLedger, trust: TrustModel) -> RunPrivacy:
+    def report(self, planned: PrivacyCharge, ledger: AnsweringLedger, trust: TrustModel) -> RunPrivacy:
         """What every run reports about its privacy: the guarantee (the better of the budget
         ``ledger`` enforces and the worst case of ``planned``, which must cover everything the
         ledger holds), who saw what, what was planned, what the ledger holds, and each budgeted

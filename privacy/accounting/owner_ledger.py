@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, order_index, rdp_budget
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -258,7 +260,8 @@ def check_not_missing(owner: str, expected_path: str, found: LedgerIdentity | No
 
 
 class OwnerLedger:
-    """One owner's lifetime ledger, opened on the owner's node for one run. ``asked``: the budget
+    """One owner's lifetime ledger, opened on the owner's node for one run: once ``open``, a
+    ``privacy.accounting.ledger.Ledger`` whose refusals name the owner. ``asked``: the budget
     the run's config declares for the owner (None: none); the owner's policy on this node, if it
     has one, decides (``admit``)."""
 
@@ -272,6 +275,7 @@ class OwnerLedger:
         self._cap: float | None = None  # the lower lifetime ε this run asked to stay within
         self._run = ""
         self._fingerprint = ""
+        self.last_refusal: str | None = None  # the latest refusal's line
 
     # --- before the run: the owner's terms, its ledger's identity, the records of the others' --
 
@@ -348,32 +352,60 @@ class OwnerLedger:
         self._fingerprint = self._fingerprint_data()
         return LedgerIdentity(self.owner, str(self.path), self._ledger_id(), self._entries())
 
+    # --- the Ledger protocol (``privacy.accounting.ledger``), once open ---------------------
+
+    @property
+    def delta(self) -> float:
+        return self._open().delta
+
+    @property
+    def neighbouring(self) -> str:
+        return self._open().neighbouring
+
+    @property
+    def orders(self) -> np.ndarray:
+        return self._open().orders
+
+    @property
+    def budget(self) -> RenyiFilter | None:
+        return self._open().budget
+
     def refusal(self, charge: PrivacyCharge) -> str | None:
         """None when ``charge`` fits the lifetime budget now (and the run's lower cap), else the
-        refusal in one line."""
-        capped = self._cap_refusal(charge)
-        if capped is not None:
-            return capped
-        return None if self._open().can_afford(charge) else self._refusal_line()
+        refusal in one line naming the owner and what its lifetime budget has left."""
+        refused = self._cap_refusal(charge)
+        if refused is None and not self._open().can_afford(charge):
+            refused = self._refusal_line()
+        if refused is not None:
+            self.last_refusal = refused
+        return refused
 
-    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> str | None:
-        """Record ``charge`` durably, tagged with the run and the data's fingerprint: None, or
-        the refusal in one line (naming the owner and what its lifetime budget has left) when
-        spent + ``worst_case`` would pass the budget — nothing is recorded then. A value, not
-        an exception, because it crosses a process boundary."""
+    def can_afford(self, charge: PrivacyCharge) -> bool:
+        return self.refusal(charge) is None
+
+    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> BudgetReport:
+        """Record ``charge`` durably, tagged with the run and the data's fingerprint, or raise
+        ``BudgetExceeded`` with the refusal in one line (naming the owner and what its lifetime
+        budget has left) when spent + ``worst_case`` would pass the budget — nothing is
+        recorded then. (The actor on the owner's node answers the driver with the line as a
+        value, ``actors.owner_ledger``.)"""
         capped = self._cap_refusal(worst_case if worst_case is not None else charge)
         if capped is not None:
-            return capped
+            self.last_refusal = capped
+            raise BudgetExceeded(capped)
         tagged = dataclasses.replace(charge, details={**charge.details, "run": self._run,
                                                       "fingerprint": self._fingerprint})
         try:
-            self._open().charge(tagged, worst_case=worst_case)
+            return self._open().charge(tagged, worst_case=worst_case)
         except BudgetExceeded:
-            return self._refusal_line()
-        return None
+            self.last_refusal = self._refusal_line()
+            raise BudgetExceeded(self.last_refusal) from None
 
     def report(self) -> BudgetReport:
         return self._open().report()
+
+    def spent(self) -> PrivacyCharge:
+        return self._open().spent()
 
     def close(self) -> None:
         if self._ledger is not None:

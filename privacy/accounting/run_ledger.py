@@ -5,7 +5,8 @@ report. Owners that declare a lifetime budget keep their own ledgers on their no
 (``privacy.accounting.owner_ledger``); a ``RunLedger`` checks a charge against the run's
 budget and every owner's, and records it in all of them — owners first, the run's last, so a
 release the run's ledger records is always on every owner's — before the caller releases
-anything. It stands wherever a ``PrivacyLedger`` does (the aggregator, DP-SGD, NearPrivate).
+anything. It is an ``AnsweringLedger`` (``privacy.accounting.ledger``), so it stands wherever
+the run's ledger does (the aggregator, DP-SGD, NearPrivate); the answers stay in the run's.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
-from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, BudgetReport
 from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class LifetimeLedgers(Protocol):
 class RunLedger:
     """The run's ``ledger`` and the ``owners``' lifetime ledgers, charged together."""
 
-    def __init__(self, ledger: PrivacyLedger, owners: LifetimeLedgers, records: DriverRecords) -> None:
+    def __init__(self, ledger: AnsweringLedger, owners: LifetimeLedgers, records: DriverRecords) -> None:
         self.ledger, self.owners, self.records = ledger, owners, records
         self.at_start = {r.owner: r for r in owners.identities()}
         records.note(list(self.at_start.values()))
