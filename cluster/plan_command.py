@@ -14,6 +14,11 @@ configured plan's worst-case ε stands in for one. Warnings name settings that d
 declared counts (a Confident-GNMax threshold the ensemble can hardly reach, noise larger than
 the ensemble, few records per teacher, planned work past the budget).
 
+``--propose [FILE]`` proposes settings instead (``cluster.proposal``: the vote source, its size, the
+noise that fits the budget, the student's queries), from the owners' declared records, the
+classes and the public pool's size, and prints (or writes to FILE) the complete config they make,
+which ``conclave run`` takes as it is; ``--source`` names the vote source to size.
+
 ``--json`` prints one JSON object (``Plan``). A bad config is one line and exit status 2;
 so is a config whose planned work needs more than the config: a sweep (``conclave tune``;
 its ``base`` is a run config), reused checkpoints (``checkpoints_from``), or a sparse
@@ -28,9 +33,11 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.proposal import SOURCES, propose, render
 from conclave.cluster.pipelines import pipeline_module
 from conclave.cluster.teaching.config import THRESHOLD_SHARE, MechanismConfig
 from conclave.cluster.results import _jsonable
@@ -119,6 +126,11 @@ class Plan:
 def add_arguments(parser: argparse.ArgumentParser, command: str = "plan") -> None:
     parser.add_argument("config", help="a run's YAML config (see configs/); nothing it names is read")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--propose", nargs="?", const="-", default=None, metavar="FILE",
+                        help="propose settings from public figures (declared records, classes, the public pool's "
+                             "size, the budget) and print the complete config (or write it to FILE) for conclave run")
+    parser.add_argument("--source", choices=SOURCES, default=None,
+                        help="with --propose: the vote source to size (default: public clusters)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
         if "pipeline" not in raw and "base" in raw:
             raise PlanError(f"{args.config} is a sweep (conclave tune); plan takes a run config, "
                             "such as its base (whose trials compose)")
+        if args.propose is not None:
+            return _propose(args, raw)
         pipeline, config = load_run_config(raw)
         plan = make_plan(args.config, pipeline, config)
     except (ConfigError, PlanError) as err:
@@ -136,6 +150,24 @@ def main(args: argparse.Namespace) -> int:
         print(f"conclave: {args.config}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(json.dumps(_jsonable(plan)) if args.json else summary(plan))
+    return 0
+
+
+def _propose(args: argparse.Namespace, raw: dict[str, Any]) -> int:
+    """The proposal as a complete config: on stdout, or in ``args.propose`` (one line says where)."""
+    proposal = propose(raw, args.source)
+    text = render(raw, proposal, args.config)
+    if args.propose == "-":
+        print(text, end="")
+    else:
+        try:
+            Path(args.propose).write_text(text)
+        except OSError as err:
+            raise PlanError(f"--propose {args.propose}: {err.strerror or err}") from err
+        print(f"{args.propose}: {proposal.source}: {proposal.rule}; planned guarantee ε "
+              f"{proposal.guarantee.epsilon:.4g} (conclave run {args.propose})")
+    for warning in proposal.warnings:
+        print(f"conclave: warning: {warning}", file=sys.stderr)
     return 0
 
 

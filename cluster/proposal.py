@@ -1,0 +1,419 @@
+"""Settings proposed for a user's teacher/student config, from public figures alone
+(``conclave plan CONFIG --propose``).
+
+What it reads: the config, and the public pool and test tables the driver reads anyway (their
+row count, input kind and class list). What it uses: the owners' declared ``records``, the
+number of owners and classes, the pool's size, ``privacy.budget`` and δ, ``server.max_batch``.
+Never an owner's file: nothing here could depend on a record, so the proposal itself releases
+nothing. Every noise level is calibrated by the accounting a run uses — the proposed config's own
+``planned()`` work, its worst case (``worst_case_guarantee``: RDP, or PLD where tighter) at most
+the budget, and, under a budget, the run's Rényi filter admitting the whole planned work, so the
+run is never cut short by its own filter.
+
+**The vote source.** Public-cluster votes unless asked otherwise (``source``). Measured on public
+proxies (``bench/proposal_proxy.py``: make_classification tables of other seeds than the
+benchmark's, scikit-learn's breast-cancer and digits tables split among three owners), at the
+same ε the one release of public clusters labelled the whole pool at close to the noiseless kNN
+labels' accuracy, where kNN votes (every asked query charged) and teachers (few records each,
+noise on every answer) answered fewer, worse labels and gave students 15–40 points lower.
+
+**Public clusters** (count c, votes per record m, σ). A medoid expects v = N·m/c votes from the
+N declared records, against noise of standard deviation s(m) (σ calibrated for m; with
+``aggregation: secure`` and O ≥ 2 owners the total carries O/(O − 1) times σ²). Two conditions,
+fitted on the proxies: v ≥ ``VOTE_MARGIN`` · s(m), so a 30% plurality stands 3 s clear of the
+noise; and v ≤ (N / classes) / ``LOCALITY``, so a medoid's voters stay a small part of its
+class (past it the labels fell 10–50 points on digits and breast cancer). The most clusters the
+pool and one batch allow (``server.max_batch``) that meet both, with the fewest votes per record
+that meet them; failing that, fewer clusters. Every medoid answered (no threshold or purity:
+filtering gave the students fewer, biased labels and lower accuracy on every proxy).
+
+**kNN votes** (k, sample rate q, σ = σ1 = σ2, T, queries). q 0.3 up to ``KNN_FEW_RECORDS``
+declared records, else 0.1; k = N·q / 20 within [10, 300]; T = 0.7 k; the most queries (up to
+the pool) whose calibrated σ stays at most 0.4 k (hospitals-knn, chosen on a public proxy: σ 4 at k 10).
+
+**Teachers** (per owner, GNMax σ, queries). N / ``RECORDS_PER_TEACHER`` teachers within
+[owners, 250], each owner's share by its declared records; the most queries (up to the pool)
+whose σ stays at most a third of the teachers (the shipped hospitals config, 30 teachers at σ 10).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from conclave.cluster.config import ConfigError, from_dict
+from conclave.cluster.teaching.config import Config, MechanismConfig
+from conclave.privacy.accounting.filter import order_index
+from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("clusters", "knn", "teachers")
+# Public clusters: a medoid's expected votes at least this many noise deviations ...
+VOTE_MARGIN = 10.0
+# ... and at most the records per class over this (its voters a small part of one class).
+LOCALITY = 4.0
+VOTES_PER_RECORD = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50)
+COUNT_STEP = 0.9  # fewer clusters, step by step, when no count meets both
+CLUSTER_SIGMA_MAX = 1e4  # one Gaussian or Skellam release: ε 1e-5 at m 50 long before this
+TABLE_EMBEDDING = ("standardised-pca", 50)  # columns in different units: each scaled by its public spread
+IMAGE_EMBEDDING = ("hog-pca", 50)  # MNIST's purest public-cluster labels (docs/STACK figures)
+KNN_IMAGE_EMBEDDING = ("scattering-pca", 32)
+# kNN votes (the shipped configs: hospitals-knn, digits-knn at q 0.3; mnist-knn at 0.1)
+KNN_FEW_RECORDS = 10_000
+KNN_RECORDS_PER_NEIGHBOUR = 20  # k = sampled records / this
+KNN_K = (10, 300)
+KNN_THRESHOLD_SHARE = 0.7
+KNN_NOISE_SHARE = 0.4  # σ at most this share of k (hospitals-knn: σ 4 at k 10)
+# Teachers
+RECORDS_PER_TEACHER = 20  # as plan's warning: fewer, and a teacher learns too little to vote well
+MAX_TEACHERS = 250
+TEACHER_NOISE_SHARE = 1 / 3  # σ at most this share of the teachers
+MIN_QUERIES = 20
+BATCH_SIZE = 20  # the student's calls (teachers, kNN): the budget's tail is spent in small batches
+PROPOSED = "-proposed"  # the proposed config's name: the config's, with this
+SIGMA_DIGITS = 3  # σ rounded up to this many significant digits (up: ε only falls)
+
+
+class ProposalError(ConfigError):
+    """A config no proposal can be made for from public figures; the message is the one line."""
+
+
+@dataclass(frozen=True)
+class PublicFigures:
+    """Everything a proposal may depend on: declared and public, never an owner's data."""
+
+    owners: tuple[tuple[str, int], ...]  # (name, declared records)
+    classes: int
+    pool: int  # rows of the public pool
+    table: bool  # table rows (else images)
+    width: int  # values per input (a PCA keeps at most this many dimensions)
+    epsilon: float  # the budget the proposal fits
+    delta: float
+    max_batch: int
+    secure: bool  # the votes meet in the secure sum (several owners' records vote: always)
+
+    @property
+    def records(self) -> int:
+        return sum(records for _, records in self.owners)
+
+    @property
+    def noise_factor(self) -> float:
+        """The total's noise deviation over σ: secure sums of O ≥ 2 owners carry O/(O − 1)·σ²."""
+        owners = len(self.owners)
+        return math.sqrt(owners / (owners - 1)) if self.secure and owners > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The proposed settings (``sections``: the config's top-level keys they replace, as YAML
+    values) and what they plan: the guarantee ``privacy.json`` would state, and the planned work's
+    worst case, both at most the budget."""
+
+    source: str
+    figures: PublicFigures
+    sections: dict[str, Any]
+    guarantee: Guarantee
+    planned_worst_case: float
+    rule: str  # the sizes and why, in a sentence
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load_config(raw: dict[str, Any]) -> Config:
+    """The teacher/student ``Config`` of a parsed YAML mapping, read as a run reads it (its
+    ``tracking`` section says how a run is recorded, not what it does)."""
+    if raw.get("pipeline") != "teacher_student":
+        raise ProposalError(f"--propose sizes vote sources of the teacher_student pipeline, not {raw.get('pipeline')}")
+    return from_dict(Config, {key: value for key, value in raw.items() if key not in ("pipeline", "tracking")})
+
+
+def public_figures(config: Config) -> PublicFigures:
+    """The figures of ``config`` (owners with declared records), reading only its public pool and
+    test tables (their row count, kind and class list)."""
+    from conclave.cluster.owners import PublicData
+
+    if not config.owners:
+        raise ProposalError("--propose sizes a run from its owners' declared records: the config names no owners")
+    undeclared = [owner.name for owner in config.owners if owner.records is None]
+    if undeclared:
+        raise ProposalError(f"--propose sizes a run from declared records: owner(s) {', '.join(undeclared)} "
+                            "declare no records (a public upper bound of what each holds)")
+    if config.privacy.budget is None:
+        raise ProposalError("--propose fits the noise to privacy.budget: declare one (the ε the run may spend)")
+    try:
+        public = PublicData.read(config.public, config.test, config.classes)
+    except (ValueError, OSError) as err:
+        raise ProposalError(f"public/test: {err}") from err
+    several = len(config.owners) > 1
+    return PublicFigures(tuple((owner.name, int(owner.records)) for owner in config.owners), len(public.classes),
+                         len(public.splits.public), public.schema.kind == "table", math.prod(public.schema.shape),
+                         float(config.privacy.budget),
+                         config.privacy.delta, config.server.max_batch, config.secure or several)
+
+
+def propose(raw: dict[str, Any], source: str | None = None) -> Proposal:
+    """Settings for the teacher/student config ``raw`` (a parsed YAML mapping with owners), for
+    ``source`` (one of ``SOURCES``; None: public clusters, module docstring)."""
+    source = source or "clusters"
+    if source not in SOURCES:
+        raise ProposalError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    config = load_config(raw)
+    figures = public_figures(config)
+    sections, rule, warnings = {"clusters": _clusters, "knn": _knn, "teachers": _teachers}[source](raw, figures)
+    name = config.name if config.name.endswith(PROPOSED) else config.name + PROPOSED
+    sections = {"name": name, **sections}  # its own results folder beside the config's
+    proposed = load_config(proposed_config(raw, sections))  # as `conclave run` will read it
+    planned = proposed.planned()
+    worst = worst_case_guarantee(planned, figures.delta).epsilon
+    if not (worst <= figures.epsilon and _admitted(proposed)):  # the calibration's promise, checked as a run would
+        raise ProposalError(f"the proposed {source} settings plan ε {worst:.4g}, past the budget {figures.epsilon:g}")
+    log.debug("proposed %s for %s: %s", source, raw.get("name"), rule)
+    return Proposal(source, figures, sections, proposed.privacy.guarantee(planned), worst, rule, tuple(warnings))
+
+
+def proposed_config(raw: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the proposal's sections in place of its own (and no other vote source's)."""
+    merged = {key: value for key, value in raw.items() if key not in ("knn", "clusters", *sections)}
+    return {**merged, **sections}
+
+
+def render(raw: dict[str, Any], proposal: Proposal, source_path: str) -> str:
+    """The complete proposed config as YAML: the user's keys, then the proposed sections under a
+    comment saying where they came from (paste those into a config of your own, or run this)."""
+    figures = proposal.figures
+    merged = proposed_config(raw, proposal.sections)
+    kept = {key: value for key, value in merged.items() if key not in proposal.sections}
+    owners = ", ".join(f"{name} {records}" for name, records in figures.owners)
+    header = [f"# Proposed by `conclave plan {source_path} --propose` from public figures only:",
+              f"#   declared records {owners} ({figures.records} in all), {figures.classes} classes,",
+              f"#   a public pool of {figures.pool} rows, budget ε {figures.epsilon:g} at δ {figures.delta:g}.",
+              f"# {proposal.source}: {proposal.rule}",
+              f"# Planned guarantee: ε {proposal.guarantee.epsilon:.4g} ({proposal.guarantee.basis}); the planned "
+              f"work's worst case ε {proposal.planned_worst_case:.4g}.",
+              *(f"# warning: {warning}" for warning in proposal.warnings)]
+    body = yaml.safe_dump(kept, sort_keys=False, allow_unicode=True)
+    proposed = yaml.safe_dump(proposal.sections, sort_keys=False, allow_unicode=True)
+    return "\n".join(header) + "\n" + body + "# --- proposed ---\n" + proposed
+
+
+# --- calibration -------------------------------------------------------------------------
+
+
+def _admitted(config: Config) -> bool:
+    """Whether the run's own Rényi filter (if it declares a budget) admits all its planned work."""
+    planned = config.planned()
+    budget = config.privacy.budget_filter(planned)
+    if budget is None:
+        return True
+    return budget.admits(float(planned.rdp[order_index(budget.order, planned.orders)]), planned.extra_delta)
+
+
+def _fits(build: Callable[[Any], Config], value: Any, epsilon: float) -> bool:
+    """Whether ``build(value)`` plans at most ``epsilon`` and its filter admits its planned work (a
+    budget too small for any of the filter's orders refuses the config: it does not fit)."""
+    try:
+        config = build(value)
+    except ValueError:
+        return False
+    return worst_case_guarantee(config.planned(), config.privacy.delta).epsilon <= epsilon and _admitted(config)
+
+
+def smallest_sigma(build: Callable[[float], Config], epsilon: float, high: float, low: float = 1e-2) -> float:
+    """The smallest σ in [low, high] (to ``SIGMA_DIGITS`` significant digits, rounded up) whose config
+    ``build(σ)`` plans at most ``epsilon`` and whose filter admits its planned work: bisection, ε
+    falling in σ. ``high`` bounds the search (the sampled accountants' work grows with σ)."""
+    if not _fits(build, high, epsilon):
+        raise ProposalError(f"no noise up to σ {high:.3g} fits the budget ε {epsilon:g}: too little budget for "
+                            "this vote source (a larger budget, or another source)")
+    while high / low > 1 + 10 ** -(SIGMA_DIGITS + 1):
+        middle = math.sqrt(low * high)
+        low, high = (low, middle) if _fits(build, middle, epsilon) else (middle, high)
+    return _round_up(high)
+
+
+def _round_up(value: float) -> float:
+    scale = 10 ** (math.floor(math.log10(value)) - SIGMA_DIGITS + 1)
+    return float(f"{math.ceil(value / scale - 1e-9) * scale:.{SIGMA_DIGITS}g}")  # the decimal shown, exactly
+
+
+def _base(raw: dict[str, Any], sections: dict[str, Any]) -> Config:
+    try:
+        return load_config(proposed_config(raw, sections))
+    except ValueError as err:  # ConfigError included: a setting the figures cannot make valid
+        raise ProposalError(f"the proposal does not fit this config: {err}") from err
+
+
+def _with_mechanism(config: Config, name: str, params: dict[str, float]) -> Config:
+    return dataclasses.replace(config, mechanism=MechanismConfig(name, params))
+
+
+def _aggregation(raw: dict[str, Any], figures: PublicFigures) -> dict[str, Any]:
+    """Records that vote across owners meet only in the secure sum (the config refuses otherwise)."""
+    return {"aggregation": "secure"} if figures.secure else {}
+
+
+def _student(raw: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    return {"student": {**(raw.get("student") or {}), **settings}}
+
+
+# --- public clusters ---------------------------------------------------------------------
+
+
+def cluster_sizes(figures: PublicFigures, noise: Callable[[int], float]) -> tuple[int, int, bool]:
+    """(clusters, votes per record, whether both conditions hold) for ``figures``, where ``noise(m)``
+    is the total's noise deviation at m votes per record (module docstring). Failing both, the pair
+    that fails least (the smaller of its two ratios largest)."""
+    records = figures.records
+    locality = records / figures.classes / LOCALITY
+    count = min(figures.pool, figures.max_batch)
+    fewest = min(figures.pool, max(2, figures.classes))
+    best: tuple[float, int, int] | None = None
+    while count >= fewest:
+        for m in (m for m in VOTES_PER_RECORD if 2 * m <= count):
+            votes = records * m / count
+            margin, spread = votes / (VOTE_MARGIN * noise(m)), locality / votes
+            if margin >= 1 and spread >= 1:
+                return count, m, True
+            if best is None or min(margin, spread) > best[0]:
+                best = (min(margin, spread), count, m)
+        count = min(count - 1, int(count * COUNT_STEP))
+    if best is None:  # a pool of fewer than two rows
+        raise ProposalError(f"the public pool has {figures.pool} rows: too few to cluster")
+    return best[1], best[2], False
+
+
+def _clusters(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, Any], str, list[str]]:
+    embedding, dims = TABLE_EMBEDDING if figures.table else IMAGE_EMBEDDING
+    dims = max(1, min(dims, figures.pool, figures.width))
+    count = min(figures.pool, figures.max_batch)
+    aggregation = _aggregation(raw, figures)
+
+    def section(count: int, m: int) -> dict[str, Any]:
+        return {"clusters": {"count": count, "votes_per_record": m, "embedding": embedding, "dims": dims}}
+
+    sigmas: dict[int, float] = {}
+
+    def sigma_for(m: int, count: int = count) -> float:
+        if m not in sigmas:  # one release whatever the count: σ depends on m alone
+            base = _base(raw, {**section(count, m), "mechanism": {"name": "public-clusters", "params": {"sigma": 1.0}},
+                               **aggregation})
+            sigmas[m] = smallest_sigma(lambda s: _with_mechanism(base, "public-clusters", {"sigma": s}),
+                                       figures.epsilon, high=CLUSTER_SIGMA_MAX)
+        return sigmas[m]
+
+    count, m, fits = cluster_sizes(figures, lambda m: sigma_for(m) * figures.noise_factor)
+    sigma = sigma_for(m)
+    votes = figures.records * m / count
+    sections = {**section(count, m), "mechanism": {"name": "public-clusters", "params": {"sigma": sigma}},
+                **aggregation, **_student(raw, queries=count, batch_size=count, checkpoints=[]),
+                "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}
+    rule = (f"{count} clusters of the {figures.pool}-row pool asked in one batch, each record voting for its {m} "
+            f"nearest: a medoid expects {votes:.3g} votes against noise deviation "
+            f"{sigma * figures.noise_factor:.3g} (σ {sigma:g}, calibrated to the budget)")
+    warnings = [] if fits else [
+        f"the declared records are too few for this ε: a medoid expects {votes:.3g} votes, under "
+        f"{VOTE_MARGIN:g} noise deviations or over a {LOCALITY:g}th of a class's records; labels will be noisy "
+        "(more records, or a larger budget)"]
+    return sections, rule, warnings
+
+
+# --- kNN votes ---------------------------------------------------------------------------
+
+
+def _largest_queries(build: Callable[[int], Config], epsilon: float, cap: int) -> int:
+    """The most queries in [1, cap] whose config fits ``epsilon`` (0 if none): fitting holds up to
+    some number and not beyond."""
+    if not _fits(build, 1, epsilon):
+        return 0
+    if _fits(build, cap, epsilon):
+        return cap
+    good, bad = 1, cap
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if _fits(build, middle, epsilon) else (good, middle)
+    return good
+
+
+def _queries_and_sigma(raw: dict[str, Any], figures: PublicFigures, sections: Callable[[int, float], dict[str, Any]],
+                       mechanism: Callable[[float], tuple[str, dict[str, float]]], ceiling: float, most: float
+                       ) -> tuple[int, float, list[str]]:
+    """(queries, σ): the most queries up to the pool at σ = ``ceiling``, then σ lowered to the least
+    that still fits them; under ``MIN_QUERIES``, that many at up to σ = ``most`` (noise that swamps
+    every vote: past it, no proposal), with a warning."""
+    queries = _largest_queries(lambda q: _base(raw, sections(q, ceiling)), figures.epsilon, figures.pool)
+    warnings, high = [], ceiling
+    if queries < min(MIN_QUERIES, figures.pool):
+        queries, high = min(MIN_QUERIES, figures.pool), most
+        warnings.append(f"{queries} queries need noise above {ceiling:.3g} at this budget: the answers will be noisy "
+                        "(more records, or a larger budget)")
+    base = _base(raw, sections(queries, ceiling))
+    sigma = smallest_sigma(lambda s: _with_mechanism(base, *mechanism(s)), figures.epsilon, high=high)
+    return queries, sigma, warnings
+
+
+def _knn(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, Any], str, list[str]]:
+    records = figures.records
+    rate = 0.3 if records <= KNN_FEW_RECORDS else 0.1
+    k = int(min(max(round(records * rate / KNN_RECORDS_PER_NEIGHBOUR), KNN_K[0]), KNN_K[1]))
+    embedding, dims = TABLE_EMBEDDING if figures.table else KNN_IMAGE_EMBEDDING
+    dims = max(1, min(dims, figures.pool, figures.width))
+    threshold = round(KNN_THRESHOLD_SHARE * k, 1)
+    aggregation = _aggregation(raw, figures)
+
+    def mechanism(sigma: float) -> tuple[str, dict[str, float]]:
+        return "private-knn", {"sigma1": sigma, "threshold": threshold, "sigma2": sigma}
+
+    def sections(queries: int, sigma: float) -> dict[str, Any]:
+        name, params = mechanism(sigma)
+        return {"knn": {"k": k, "sample_rate": rate, "embedding": embedding, "dims": dims},
+                "mechanism": {"name": name, "params": params}, **aggregation,
+                **_student(raw, queries=queries, batch_size=min(BATCH_SIZE, queries),
+                           checkpoints=[q for q in (queries // 4, queries // 2) if q > 0]),
+                "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}
+
+    queries, sigma, warnings = _queries_and_sigma(raw, figures, sections, mechanism, KNN_NOISE_SHARE * k, k)
+    rule = (f"k {k} of a Poisson sample at rate {rate:g} ({records} declared records), screening at T {threshold:g}; "
+            f"{queries} queries at σ {sigma:g}, the most the budget pays for with σ at most {KNN_NOISE_SHARE:g} k")
+    return sections(queries, sigma), rule, warnings
+
+
+# --- teachers ----------------------------------------------------------------------------
+
+
+def teacher_counts(figures: PublicFigures) -> list[int]:
+    """Each owner's teachers: N / ``RECORDS_PER_TEACHER`` within [owners, ``MAX_TEACHERS``], shared by
+    declared records (largest remainders), at least one each and never more than its records."""
+    owners = figures.owners
+    total = min(max(figures.records // RECORDS_PER_TEACHER, len(owners)), MAX_TEACHERS)
+    shares = [total * records / figures.records for _, records in owners]
+    counts = [max(1, math.floor(share)) for share in shares]
+    for index in sorted(range(len(owners)), key=lambda i: counts[i] - shares[i])[:max(0, total - sum(counts))]:
+        counts[index] += 1
+    return [min(count, records) for count, (_, records) in zip(counts, owners)]
+
+
+def _teachers(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, Any], str, list[str]]:
+    counts = teacher_counts(figures)
+    owners = [{**owner, "teachers": count} for owner, count in zip(raw["owners"], counts)]
+    total = sum(counts)
+
+    def mechanism(sigma: float) -> tuple[str, dict[str, float]]:
+        return "gnmax", {"sigma": sigma}
+
+    def sections(queries: int, sigma: float) -> dict[str, Any]:
+        return {"owners": owners, "mechanism": {"name": "gnmax", "params": {"sigma": sigma}},
+                **_student(raw, queries=queries, batch_size=min(BATCH_SIZE, queries),
+                           checkpoints=[q for q in (queries // 4, queries // 2) if q > 0]),
+                "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}
+
+    queries, sigma, warnings = _queries_and_sigma(raw, figures, sections, mechanism, TEACHER_NOISE_SHARE * total,
+                                                  total)
+    rule = (f"{total} teachers ({', '.join(str(c) for c in counts)} by owner, about "
+            f"{figures.records // total} declared records each), GNMax on {queries} queries at σ {sigma:g}, the most "
+            "the budget pays for with σ at most a third of the teachers")
+    return sections(queries, sigma), rule, warnings
