@@ -39,7 +39,7 @@ from typing import Any
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.proposal import SOURCES, propose, render
 from conclave.cluster.pipelines import pipeline_module
-from conclave.cluster.teaching.config import THRESHOLD_SHARE, MechanismConfig
+from conclave.cluster.teaching.config import MechanismConfig
 from conclave.cluster.results import _jsonable
 from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -53,8 +53,6 @@ NOISE_FACTORS = (0.75, 1.5, 2.0)  # the neighbouring settings: the configured no
 MAX_ANSWERS = 10**8  # the table's search stops here ("at least")
 MAX_EPOCHS = 10**5
 RECORDS_PER_TEACHER = 20  # fewer, and each teacher learns from too little to vote well
-THRESHOLD_TOO_HIGH = 0.9  # Confident-GNMax: T at this share of the teachers or more abstains almost always
-THRESHOLD_TOO_LOW = 0.3  # ... below this share the threshold screens out little
 
 
 class PlanError(Exception):
@@ -249,24 +247,16 @@ def _label(parameters: dict[str, float], names: tuple[str, ...], note: str) -> s
 
 # --- teacher_student --------------------------------------------------------------------
 
-# The noise parameters varied in the table, per mechanism (others get the configured row only).
-NOISE_PARAMETERS = {"gnmax": (("sigma",),), "lnmax": (("laplace_scale",),),
-                    "confident-gnmax": (("sigma1", "sigma2"), ("sigma1",), ("sigma2",))}
-
-
 def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
-    name = config.mechanism.name
-    parameters = parameters_of(config.mechanism.build())
-    groups = NOISE_PARAMETERS.get(name, ())
-    shown = groups[0] if groups else tuple(parameters)
+    """The configured setting, then the neighbouring noise settings the mechanism names
+    (``VoteMechanism.noise_variations``; the configured row only for one that names no noise)."""
+    mechanism = config.mechanism.build()
+    parameters = parameters_of(mechanism)
+    shown = mechanism.noise or tuple(parameters)
     settings = [(_label(parameters, shown, "configured"), parameters, config)]
-    if name == "confident-gnmax":  # both σ's down and up, then each alone up: which one buys answers
-        variations = [(("sigma1", "sigma2"), 0.75), (("sigma1", "sigma2"), 2.0), (("sigma1",), 1.5), (("sigma2",), 1.5)]
-    else:
-        variations = [(names, factor) for names in groups for factor in NOISE_FACTORS]
-    for names, factor in variations:
+    for names, factor in mechanism.noise_variations(NOISE_FACTORS):
         varied = _scaled(parameters, names, factor)
-        setting = dataclasses.replace(config, mechanism=MechanismConfig(name, varied))
+        setting = dataclasses.replace(config, mechanism=MechanismConfig(config.mechanism.name, varied))
         note = f"×{factor:g}" if names == shown else f"{'/'.join(names)} ×{factor:g}"
         settings.append((_label(varied, shown, note), varied, setting))
     return settings
@@ -302,36 +292,10 @@ def _teacher_student(path: str, config: Any) -> Plan:
         return setting.planned() if answers < 0 else setting.planned(answers)
 
     table = _rows(config, _vote_settings(config), planned_of, 0, MAX_ANSWERS)
-    warnings = [*_vote_warnings(config, counts), *_record_warnings(counts, config.data.private_size),
+    warnings = [*mechanism.warnings(counts.teachers), *_record_warnings(counts, config.data.private_size),
                 *_budget_warnings(config, planned, table, "answers", student.queries)]
     return _plan(path, "teacher_student", config, counts, work, guarantee, planned, "answers", student.queries,
                  table, warnings)
-
-
-def _vote_warnings(config: Any, counts: Counts) -> list[str]:
-    n = counts.teachers
-    parameters = parameters_of(config.mechanism.build())
-    name = config.mechanism.name
-    warnings = []
-    if name == "confident-gnmax":
-        threshold, sigma1 = parameters["threshold"], parameters["sigma1"]
-        unanimous = _normal_cdf((n - threshold) / sigma1)
-        if threshold >= THRESHOLD_TOO_HIGH * n:
-            warnings.append(f"confident-gnmax threshold {threshold:g} is {threshold / n:.0%} of the {n} teachers: "
-                            f"even a unanimous vote passes only {unanimous:.0%} of the time, so most queries "
-                            f"abstain (left out, the threshold is {THRESHOLD_SHARE:g} × the teachers)")
-        elif threshold < THRESHOLD_TOO_LOW * n:
-            warnings.append(f"confident-gnmax threshold {threshold:g} is only {threshold / n:.0%} of the {n} teachers: "
-                            "weak pluralities pass too, so it screens out little")
-    for key in ("sigma", "sigma1", "sigma2", "laplace_scale"):
-        if name in NOISE_PARAMETERS and key in parameters and parameters[key] >= n:
-            warnings.append(f"{name} {key} {parameters[key]:g} is at least the {n} teachers: the noise outweighs "
-                            "even a unanimous vote's margin")
-    return warnings
-
-
-def _normal_cdf(x: float) -> float:
-    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
 def _record_warnings(counts: Counts, benchmark_records: int | None) -> list[str]:
@@ -355,9 +319,7 @@ def _budget_warnings(config: Any, planned: PrivacyCharge, table: tuple[Row, ...]
     if unit == "answers":
         return [f"the budget ε = {config.privacy.budget:g} admits {table[0].fits} of the {amount} planned answers "
                 f"in the worst case (the planned work's ε = {epsilon:.4g}): the aggregator refuses the batch that "
-                "could pass it " + ("(every asked query costs the same, answered or not)"
-                                    if config.mechanism.name == "private-knn" else
-                                    "(abstentions cost less, so the student may get further)")]
+                f"could pass it ({config.mechanism.build().budget_note})"]
     return [f"the planned work's worst case ε = {epsilon:.4g} exceeds the budget ε = {config.privacy.budget:g}, "
             f"which admits {table[0].fits} of the {amount} planned epochs: the ledger refuses the charge that would "
             "pass it"]

@@ -5,14 +5,9 @@ each input alone, so it costs no privacy: the owners' actors embed their records
 their own nodes, the aggregator embeds the (public) queries the same way. Fitting anything on
 private records would be a release of its own.
 
-Names a config can give (``fit_embedding``):
-- ``flatten``: the inputs as they are, one vector each (raw pixels, table rows);
-- ``pca``: flattened inputs projected on the public pool's top ``dims`` principal directions;
-- ``standardised-pca``: the same after scaling each value by its spread over the public pool
-  (table columns in different units: one column must not decide the distances);
-- ``scattering-pca``: ScatterNet coefficients (``learning.data.features``) of the images, then
-  PCA fitted on the public pool's coefficients — the issue's measurement: the embedding decides;
-- ``hog-pca``: the same on HOG features (Private-kNN's choice; on MNIST its neighbours are purer);
+What a config can name (``fit_embedding``):
+- a name in ``EMBEDDINGS``: a ``NamedEmbedding`` class, which says what it is (``about``) and how
+  it is fitted; adding one is its class here and one line in ``register``'s list;
 - ``"network:PATH"``: a trained network's activations before its logits, from a checkpoint a
   run wrote (``student.pt``: the student of an earlier round, trained on released labels and
   public inputs only, so using it is post-processing; that round's ε composes with this one's);
@@ -22,42 +17,52 @@ Names a config can give (``fit_embedding``):
 """
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
 Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
 
-EMBEDDINGS = ("flatten", "pca", "standardised-pca", "scattering-pca", "hog-pca")
-# The PCA embeddings: name → (the fixed features it projects, whether standardised first).
-PCA_EMBEDDINGS = {"pca": (None, False), "standardised-pca": (None, True), "scattering-pca": ("scattering", False),
-                  "hog-pca": ("hog", False)}
 NETWORK = "network:"  # prefix of a checkpoint path
 # Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
 # coefficients; in chunks only the projections (dims floats each) are kept.
 EMBED_CHUNK = 2048
 
 
-def check_embedding(name: str, where: str = "embedding") -> None:
-    """Refuse a name that is neither built in nor ``module:function`` (no import: configs load
-    without torch)."""
-    if name in EMBEDDINGS or (name.startswith(NETWORK) and len(name) > len(NETWORK)):
-        return
-    module, _, function = name.partition(":")
-    if not (module and function and all(part.isidentifier() for part in module.split("."))
-            and function.isidentifier()):
-        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)}, 'network:PATH' or 'package.module:function', "
-                         f"got {name!r}")
+class NamedEmbedding(abc.ABC):
+    """An embedding a config can name: ``name``, one line ``about`` it, and ``fit``, which makes it
+    from the public pool alone (or from nothing); an instance maps inputs to vectors."""
+
+    name: ClassVar[str]
+    about: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def fit(cls, public_inputs: np.ndarray, dims: int) -> NamedEmbedding:
+        """The embedding fitted on ``public_inputs`` (``dims``: the dimensions it keeps, where it chooses)."""
+
+    @abc.abstractmethod
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        """float [n, d] for inputs [n, *shape]."""
 
 
 @dataclass(frozen=True)
-class Flatten:
+class Flatten(NamedEmbedding):
     """Each input as one float vector: the identity embedding (raw pixels or table rows)."""
+
+    name: ClassVar[str] = "flatten"
+    about: ClassVar[str] = "the inputs as they are, one vector each (raw pixels, table rows)"
+
+    @classmethod
+    def fit(cls, public_inputs: np.ndarray, dims: int) -> Flatten:
+        return cls()
 
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
         inputs = np.asarray(inputs, dtype=np.float32)
@@ -65,33 +70,93 @@ class Flatten:
 
 
 @dataclass(frozen=True)
-class PublicPCA:
+class PublicPCA(NamedEmbedding):
     """Projection of (optionally ``features``-transformed) flattened inputs onto the top principal
-    directions of PUBLIC data (``fit`` on the public pool only), optionally standardised first."""
+    directions of PUBLIC data (``fit`` on the public pool only), optionally standardised first;
+    its subclasses below differ in what they project (``projects``, ``standardised``)."""
+
+    name: ClassVar[str] = "pca"
+    about: ClassVar[str] = "flattened inputs projected on the public pool's top dims principal directions"
+    projects: ClassVar[str | None] = None  # the fixed features projected (learning.data.features); None: the inputs
+    standardised: ClassVar[bool] = False  # each value scaled by its spread over the public pool first
 
     mean: np.ndarray  # float32 [d]
     components: np.ndarray  # float32 [dims, d], orthonormal rows
-    features: str | None = None  # a fixed transform applied first (learning.data.features)
     scale: np.ndarray | float = 1.0  # float32 [d]: each value's public spread, when standardised
 
     @classmethod
-    def fit(cls, public_inputs: np.ndarray, dims: int, features: str | None = None,
-            standardise: bool = False) -> PublicPCA:
-        flat = _represent(public_inputs, features).astype(np.float64)
+    def fit(cls, public_inputs: np.ndarray, dims: int) -> PublicPCA:
+        flat = _represent(public_inputs, cls.projects).astype(np.float64)
         if not 1 <= dims <= min(flat.shape):
             raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
                              f"{flat.shape[1]} values, got {dims}")
         mean = flat.mean(axis=0)
         spread = flat.std(axis=0)
-        scale = np.where(spread > 0, spread, 1.0).astype(np.float32) if standardise else 1.0  # constants stay put
+        scale = np.where(spread > 0, spread, 1.0).astype(np.float32) if cls.standardised else 1.0  # constants stay
         _, _, vt = np.linalg.svd((flat - mean) / scale, full_matrices=False)
-        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32), features, scale)
+        return cls(mean.astype(np.float32), vt[:dims].astype(np.float32), scale)
 
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
-        parts = [((_represent(inputs[start:start + EMBED_CHUNK], self.features) - self.mean) / self.scale)
+        parts = [((_represent(inputs[start:start + EMBED_CHUNK], self.projects) - self.mean) / self.scale)
                  @ self.components.T
                  for start in range(0, len(inputs), EMBED_CHUNK)]
         return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
+
+
+class StandardisedPCA(PublicPCA):
+    name: ClassVar[str] = "standardised-pca"
+    about: ClassVar[str] = ("PCA after scaling each value by its spread over the public pool (table columns in "
+                            "different units: one column must not decide the distances)")
+    standardised: ClassVar[bool] = True
+
+
+class ScatteringPCA(PublicPCA):
+    name: ClassVar[str] = "scattering-pca"
+    about: ClassVar[str] = ("ScatterNet coefficients of the images, then PCA fitted on the public pool's "
+                            "coefficients — the issue's measurement: the embedding decides")
+    projects: ClassVar[str | None] = "scattering"
+
+
+class HogPCA(PublicPCA):
+    name: ClassVar[str] = "hog-pca"
+    about: ClassVar[str] = ("HOG features of the images, then PCA (Private-kNN's choice; on MNIST its neighbours "
+                            "are purer)")
+    projects: ClassVar[str | None] = "hog"
+
+
+EMBEDDINGS: dict[str, type[NamedEmbedding]] = {}
+
+
+def register(cls: type[NamedEmbedding]) -> type[NamedEmbedding]:
+    """Make ``cls`` an embedding configs can name: a concrete ``NamedEmbedding`` with a new name
+    (no ':', which marks the other forms) and a line ``about`` it (TypeError naming what is
+    missing). Returns ``cls``."""
+    if not (isinstance(cls, type) and issubclass(cls, NamedEmbedding)) or inspect.isabstract(cls):
+        raise TypeError(f"embedding class {cls!r} cannot be registered: it is not a concrete NamedEmbedding")
+    name, about = getattr(cls, "name", None), getattr(cls, "about", None)
+    if not (isinstance(name, str) and name and ":" not in name) or EMBEDDINGS.get(name, cls) is not cls:
+        raise TypeError(f"embedding class {cls.__name__} cannot be registered: its name {name!r} is not a new name "
+                        "without ':'")
+    if not (isinstance(about, str) and about):
+        raise TypeError(f"embedding class {cls.__name__} cannot be registered: it says nothing about itself")
+    EMBEDDINGS[name] = cls
+    return cls
+
+
+for shipped in (Flatten, PublicPCA, StandardisedPCA, ScatteringPCA, HogPCA):
+    register(shipped)
+
+
+def check_embedding(name: str, where: str = "embedding") -> None:
+    """Refuse a name that is neither registered, a network checkpoint nor ``module:function`` (no
+    import: configs load without torch)."""
+    if name in EMBEDDINGS or (name.startswith(NETWORK) and len(name) > len(NETWORK)):
+        return
+    module, _, function = name.partition(":")
+    if not (module and function and all(part.isidentifier() for part in module.split("."))
+            and function.isidentifier()):
+        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)}, 'network:PATH' or 'package.module:function', "
+                         f"got {name!r}")
 
 
 def _represent(inputs: np.ndarray, features: str | None) -> np.ndarray:
@@ -164,11 +229,8 @@ def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
     check_embedding(name)
     if name.startswith(NETWORK):
         return NetworkEmbedding.load(name[len(NETWORK):])
-    if name == "flatten":
-        return Flatten()
-    if name in PCA_EMBEDDINGS:
-        features, standardise = PCA_EMBEDDINGS[name]
-        return PublicPCA.fit(public_inputs, dims, features, standardise=standardise)
+    if name in EMBEDDINGS:
+        return EMBEDDINGS[name].fit(public_inputs, dims)
     module, _, function = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module), function)

@@ -14,7 +14,7 @@ from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, Priva
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
-from conclave.learning.embeddings import check_embedding
+from conclave.learning.embeddings import HogPCA, ScatteringPCA, check_embedding
 from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import CLUSTERS, QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
@@ -22,7 +22,8 @@ from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
-from conclave.privacy.mechanisms import MECHANISMS, SecureVoteMechanism, VoteMechanism, build_mechanism, secure_mechanism
+from conclave.privacy.mechanisms import (MECHANISMS, ConfidentGNMax, SecureVoteMechanism, VoteMechanism,
+                                         build_mechanism, secure_mechanism)
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 
@@ -82,23 +83,17 @@ class TeachersConfig:
 
 
 DEFAULT_TEACHERS = 50  # without owners and without teachers.count
-# Confident-GNMax's threshold T when a config leaves it out, as a share of the teachers n. The
-# test passes when the top count plus N(0, σ1²) reaches T: at 0.6 n a unanimous vote passes
-# with probability Φ(0.4 n/σ1), a 60% plurality half the time. The demo's T = 30 of 50 (σ1 =
-# 20 = 0.4 n: 84% for a unanimous vote); Papernot et al. 2018 used 200 of 250 on MNIST (0.8,
-# σ1 = 150) and 300 of 250 on SVHN, where many queries abstain by design.
-THRESHOLD_SHARE = 0.6
 
 
 @dataclass(frozen=True)
 class MechanismConfig:
-    """A ``privacy.mechanisms.build_mechanism`` name and its parameters. Confident-GNMax's
-    ``threshold``, left out, is ``THRESHOLD_SHARE`` of the votes per query (teachers, or k); what a
-    mechanism is paired with in its vote source (``paired_with``: Private-kNN's ``sample_rate``,
-    public clusters' ``votes_per_record``) comes from the ``knn`` or ``clusters`` section
-    (``Config`` fills them in)."""
+    """A ``privacy.mechanisms.build_mechanism`` name and its parameters. What a mechanism lets a
+    config leave out is filled from the votes per query (teachers, or k: the class's ``defaults``,
+    e.g. Confident-GNMax's threshold), and what it is paired with in its vote source
+    (``paired_with``: Private-kNN's ``sample_rate``, public clusters' ``votes_per_record``) comes
+    from the ``knn`` or ``clusters`` section (``Config`` fills them in)."""
 
-    name: str = "confident-gnmax"
+    name: str = ConfidentGNMax.name
     params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
 
     def __post_init__(self) -> None:
@@ -107,13 +102,15 @@ class MechanismConfig:
     @property
     def paired_with(self) -> tuple[str, ...]:
         """The vote source's settings this mechanism's charge holds for (none for teachers' votes)."""
-        return tuple(getattr(MECHANISMS.get(self.name), "paired_with", ()))
+        return MECHANISMS[self.name].paired_with if self.name in MECHANISMS else ()
 
     def filled(self, votes: int, supplied: dict[str, float]) -> MechanismConfig:
         """This mechanism with what it left to the votes per query and to its vote source filled in."""
         params = dict(self.params)
-        if self.name == "confident-gnmax" and params.get("threshold") is None:
-            params["threshold"] = THRESHOLD_SHARE * votes
+        defaults = MECHANISMS[self.name].defaults(votes) if self.name in MECHANISMS else {}
+        for key, value in defaults.items():
+            if params.get(key) is None:
+                params[key] = value
         for attr in self.paired_with:
             if params.get(attr) is None and attr in supplied:
                 params[attr] = supplied[attr]
@@ -135,8 +132,8 @@ class KnnConfig:
 
     k: int = 100
     sample_rate: float = 0.1
-    embedding: str = "scattering-pca"  # learning.embeddings: flatten, pca, standardised-pca, scattering-pca,
-    # "network:PATH" (an earlier run's student.pt) or "package.module:function"
+    # a learning.embeddings.EMBEDDINGS name, "network:PATH" (an earlier run's student.pt) or "package.module:function"
+    embedding: str = ScatteringPCA.name
     dims: int = 64
     actors: int | None = None  # benchmark data: actors holding the records (None: one per CPU); owners: theirs
 
@@ -165,7 +162,7 @@ class ClustersConfig:
 
     count: int = 300
     votes_per_record: int = 3
-    embedding: str = "hog-pca"
+    embedding: str = HogPCA.name
     dims: int = 50
     actors: int | None = None  # benchmark data: actors holding the records (None: one per two CPUs); owners: theirs
 
@@ -354,8 +351,9 @@ class Config:
                 raise ValueError(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
                                  f"vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the section "
                                  "sets it)")
-        if self.clusters is not None and self.mechanism.name != "public-clusters":
-            raise ValueError(f"clusters votes are charged once per batch by mechanism public-clusters, not "
+        if self.clusters is not None and not set(self.clusters.supplies) <= set(self.mechanism.paired_with):
+            paired = [name for name, cls in MECHANISMS.items() if set(self.clusters.supplies) <= set(cls.paired_with)]
+            raise ValueError(f"clusters votes are charged once per batch by mechanism {', '.join(paired)}, not "
                              f"{self.mechanism.name}")
         if self.records_vote is None:
             return

@@ -1,13 +1,16 @@
 """Vote mechanisms: one file each, all behind ``privacy.mechanisms.base.VoteMechanism``.
 
-``MECHANISMS`` is the one registry: adding a mechanism is its file and one line here.
-``build_mechanism`` turns CLI/config parameters into a mechanism, so every entry point
-(``conclave analyze``, the aggregator, pipelines) accepts the same names; ``secure_mechanism``
-gives its variant over secure-sum vote totals (``aggregation: secure``), where it has one.
+``MECHANISMS`` is the one registry: adding a mechanism is its file and one line in ``register``'s
+list below; everything else that configs, ``conclave plan`` and ``conclave analyze`` need comes
+from the class, checked here when it is registered. ``build_mechanism`` turns CLI/config
+parameters into a mechanism, so every entry point (``conclave analyze``, the aggregator,
+pipelines) accepts the same names; ``secure_mechanism`` gives its variant over secure-sum vote
+totals (``aggregation: secure``), where it has one.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, SecureVoteMechanism,
                                               VoteMechanism, parameters_of)
@@ -20,25 +23,81 @@ from conclave.privacy.mechanisms.public_clusters import PublicClusterVotes, Secu
 from conclave.privacy.mechanisms.stability import Stability
 
 # Classes, not a lazy ``conclave.registry.Registry`` of import paths: the mechanisms are small
-# numpy-only modules, and validating any config reads their class attributes (``name``, fields,
-# ``aliases``, ``secure_variant``) anyway, so importing them late would save nothing.
-MECHANISMS: dict[str, type] = {cls.name: cls for cls in (LNMax, GNMax, ConfidentGNMax, NZC, Stability,
-                                                          PrivateKnnMechanism, PublicClusterVotes)}
-SECURE_MECHANISMS = tuple(name for name, cls in MECHANISMS.items() if cls.secure_variant is not None)
+# numpy-only modules, and validating any config reads their class attributes anyway, so
+# importing them late would save nothing.
+MECHANISMS: dict[str, type[VoteMechanism]] = {}
+SECURE_MECHANISMS: tuple[str, ...] = ()  # the names of those with a variant over secure-sum totals
 
 __all__ = [
     "ABSTAIN", "Description", "MechanismResult", "VoteMechanism", "SecureVoteMechanism", "LNMax", "GNMax",
     "ConfidentGNMax", "NZC", "Stability", "PrivateKnnMechanism", "PublicClusterVotes", "SecureGNMax",
     "SecureConfidentGNMax", "SecurePrivateKnn", "SecurePublicClusterVotes", "build_mechanism",
-    "parameter_names", "secure_mechanism", "MECHANISMS", "SECURE_MECHANISMS",
+    "parameter_names", "register", "secure_mechanism", "MECHANISMS", "SECURE_MECHANISMS",
 ]
+
+
+def register(cls: type[VoteMechanism]) -> type[VoteMechanism]:
+    """Make ``cls`` a mechanism configs can name, once it describes itself fully: a concrete
+    ``VoteMechanism`` dataclass with a new ``name``, one line of ``help`` per parameter, and
+    aliases, pairings, noise parameters, defaults and a secure variant that fit its parameters
+    (TypeError naming what does not). Returns ``cls``."""
+    global SECURE_MECHANISMS
+    problems = _problems(cls)
+    if problems:
+        raise TypeError(f"mechanism class {cls.__name__} cannot be registered: {'; '.join(problems)}")
+    MECHANISMS[cls.name] = cls
+    SECURE_MECHANISMS = tuple(name for name, known in MECHANISMS.items() if known.secure_variant is not None)
+    return cls
+
+
+def _problems(cls: type) -> list[str]:
+    """What keeps ``cls`` from being registered (nothing: it may be)."""
+    if not (isinstance(cls, type) and issubclass(cls, VoteMechanism) and dataclasses.is_dataclass(cls)):
+        return ["it is not a dataclass subclass of privacy.mechanisms.base.VoteMechanism"]
+    if inspect.isabstract(cls):
+        return [f"it does not implement {', '.join(sorted(cls.__abstractmethods__))}"]
+    name, parameters = getattr(cls, "name", None), _parameters(cls)
+    problems = []
+    if not (isinstance(name, str) and name):
+        problems.append("it has no name")
+    elif MECHANISMS.get(name, cls) is not cls:
+        problems.append(f"the name {name!r} is {MECHANISMS[name].__name__}'s")
+    if set(getattr(cls, "help", {})) != set(parameters):
+        problems.append(f"its help must explain exactly its parameters {sorted(parameters)}")
+    if any(alias in parameters or target not in parameters for alias, target in cls.aliases.items()):
+        problems.append("each alias must name a parameter by another name")
+    for attribute in ("paired_with", "noise"):
+        if not set(getattr(cls, attribute)) <= set(parameters):
+            problems.append(f"its {attribute} must be parameters of it")
+    if not set(cls.defaults(1)) <= set(parameters):
+        problems.append("its defaults must be parameters of it")
+    if not all(isinstance(getattr(cls, flag), bool) for flag in ("stateless", "smooth_sensitivity_analysis")):
+        problems.append("stateless and smooth_sensitivity_analysis must be True or False")
+    if cls.smooth_sensitivity_analysis and not callable(getattr(cls, "smooth_sensitivity_terms", None)):
+        problems.append("smooth_sensitivity_analysis needs a smooth_sensitivity_terms method")
+    secure = cls.secure_variant
+    if secure is not None and not (isinstance(secure, type) and issubclass(secure, SecureVoteMechanism)
+                                   and not inspect.isabstract(secure) and dataclasses.is_dataclass(secure)
+                                   and _parameters(secure) == parameters
+                                   and secure.paired_with == cls.paired_with):
+        problems.append("its secure_variant must be a SecureVoteMechanism dataclass with the same parameters and "
+                        "pairings")
+    return problems
+
+
+def _parameters(cls: type) -> list[str]:
+    """A dataclass mechanism's constructor arguments, in order."""
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+for shipped in (LNMax, GNMax, ConfidentGNMax, NZC, Stability, PrivateKnnMechanism, PublicClusterVotes):
+    register(shipped)
 
 
 def parameter_names(name: str) -> dict[str, str]:
     """Accepted parameter names of mechanism ``name`` → constructor argument (aliases included)."""
     cls = MECHANISMS[name]
-    own = {f.name: f.name for f in dataclasses.fields(cls) if f.init}
-    return {**own, **cls.aliases}
+    return {**{parameter: parameter for parameter in _parameters(cls)}, **cls.aliases}
 
 
 def build_mechanism(name: str, **params) -> VoteMechanism:

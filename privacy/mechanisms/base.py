@@ -8,7 +8,11 @@ decision itself free of private information.
 
 Each mechanism describes itself — its parameters, what it releases, the theorem behind its
 charge, whether any finite bound holds — and may offer data-dependent *estimates* of its
-cost. Estimates are never guarantees (``privacy.accounting.guarantee``).
+cost. Estimates are never guarantees (``privacy.accounting.guarantee``). What configs,
+``conclave plan`` and ``conclave analyze`` need to know of it (its name, its parameters' help
+and aliases, which set its noise, the defaults a config may leave out, its warnings) are class
+attributes and class methods of ``VoteMechanism``, with defaults, checked when the mechanism is
+registered (``privacy.mechanisms.register``): no other module names a mechanism.
 
 Stateful mechanisms (the stability mechanism) compute on a copy of their state; the state
 advances only when the caller calls ``MechanismResult.commit()`` after the ledger accepted
@@ -26,7 +30,7 @@ import abc
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -67,41 +71,76 @@ class Description:
         return dataclasses.asdict(self)
 
 
-class VoteMechanism(Protocol):
-    name: ClassVar[str]
-    # CLI/config parameter name → constructor argument, for names that differ (e.g. sigma → sigma2)
-    aliases: ClassVar[dict[str, str]]
+class VoteMechanism(abc.ABC):
+    """A vote mechanism over clean histograms: a frozen dataclass whose fields are its parameters.
+
+    ``name`` and ``help`` (one line per parameter) are required; the other class attributes and
+    class methods say the rest, and their defaults suit a plain mechanism: no aliases, no secure
+    variant, its worst case worked out anew for every batch, no pairing with a vote source, no
+    noise for ``conclave plan`` to vary, nothing a config may leave out, no estimates.
+    """
+
+    name: ClassVar[str]  # what configs, policies and the CLI call it
     help: ClassVar[dict[str, str]]  # constructor argument → one line for ``conclave analyze --help``
+    # CLI/config parameter name → constructor argument, for names that differ (e.g. sigma → sigma2)
+    aliases: ClassVar[dict[str, str]] = {}
     # The class that runs this mechanism on secure-sum vote totals (``aggregation: secure``), built
     # from the same arguments; None where the mechanism needs clean histograms.
-    secure_variant: ClassVar[type[SecureVoteMechanism] | None]
+    secure_variant: ClassVar[type[SecureVoteMechanism] | None] = None
+    # Whether worst_case_charge depends on the batch size alone (callers may then reuse it).
+    stateless: ClassVar[bool] = False
     # Whether PATE 2018's smooth-sensitivity analysis covers it; then it also has
     # ``smooth_sensitivity_terms(votes, answered, order) -> SmoothTerms``.
-    smooth_sensitivity_analysis: ClassVar[bool]
+    smooth_sensitivity_analysis: ClassVar[bool] = False
+    # The vote source's settings its charge holds for (a kNN sample rate, the votes per record of
+    # public clusters): the config's vote-source section supplies them (``actors.labeller.check_pairing``).
+    paired_with: ClassVar[tuple[str, ...]] = ()
+    # The parameters that set its noise: ``conclave plan`` tabulates them scaled, and warns when one
+    # outweighs the votes (none: the plan shows the configured setting only).
+    noise: ClassVar[tuple[str, ...]] = ()
+    # What ``conclave plan`` adds when the budget admits fewer answers than planned.
+    budget_note: ClassVar[str] = "abstentions cost less, so the student may get further"
 
+    @classmethod
+    def defaults(cls, votes: int) -> dict[str, float]:
+        """The parameters a config may leave out, filled from the ``votes`` per query (teachers, or k)."""
+        return {}
+
+    @classmethod
+    def noise_variations(cls, factors: tuple[float, ...]) -> list[tuple[tuple[str, ...], float]]:
+        """The neighbouring settings ``conclave plan`` tabulates, as (parameters scaled, factor):
+        every noise parameter together, at each of ``factors``."""
+        return [(cls.noise, factor) for factor in factors] if cls.noise else []
+
+    def warnings(self, teachers: int) -> list[str]:
+        """Settings that defeat the mechanism with ``teachers`` votes per query (``conclave plan``):
+        a noise at least the votes."""
+        parameters = parameters_of(self)
+        return [f"{self.name} {key} {parameters[key]:g} is at least the {teachers} teachers: the noise outweighs "
+                "even a unanimous vote's margin" for key in self.noise if key in parameters and parameters[key] >= teachers]
+
+    @abc.abstractmethod
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         """Noisy answers for a batch of histograms; ``votes`` is int [batch, k], non-negative."""
-        ...
 
+    @abc.abstractmethod
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         """The most the next batch of this size can cost, whatever the votes; the ledger checks
-        this *before* the mechanism runs, so a refusal reveals nothing. A mechanism whose worst
-        case depends on the batch size alone says so with ``stateless = True`` (callers may then
-        reuse it); one with state (e.g. an open stability run) leaves it out."""
-        ...
+        this *before* the mechanism runs, so a refusal reveals nothing."""
 
+    @abc.abstractmethod
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         """The data-independent charge of a whole run from a fresh state that asked ``asked``
         queries and answered ``answered`` of them (``run_charge(n, n)`` is its worst case)."""
-        ...
 
+    @abc.abstractmethod
     def describe(self) -> Description:
         ...
 
     def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
                   conversion: str) -> list[Estimate]:
         """Data-dependent or claimed figures for these votes (possibly none); never guarantees."""
-        ...
+        return []
 
 
 class SecureVoteMechanism(abc.ABC):
@@ -116,6 +155,7 @@ class SecureVoteMechanism(abc.ABC):
     name: ClassVar[str]
     stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
     smooth_sensitivity_analysis: ClassVar[bool] = False  # it never sees clean votes
+    paired_with: ClassVar[tuple[str, ...]] = ()  # as its clean mode's (``VoteMechanism.paired_with``)
 
     @property
     def vote_bound(self) -> VoteBound:

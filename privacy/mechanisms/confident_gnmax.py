@@ -2,6 +2,7 @@
 its variant over secure-sum vote totals (``aggregation: secure``, ``privacy.secure_votes``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,10 +14,19 @@ from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge, sum_charges
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
-                                              SecureVoteMechanism, parameters_of)
+                                              SecureVoteMechanism, VoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.gnmax import gnmax_charge
 from conclave.privacy.mechanisms.votes import check_votes
 from conclave.privacy.secure_votes import vote_release_charge
+
+# The threshold T when a config leaves it out, as a share of the votes per query n. The test
+# passes when the top count plus N(0, σ1²) reaches T: at 0.6 n a unanimous vote passes with
+# probability Φ(0.4 n/σ1), a 60% plurality half the time. The demo's T = 30 of 50 (σ1 = 20 =
+# 0.4 n: 84% for a unanimous vote); Papernot et al. 2018 used 200 of 250 on MNIST (0.8, σ1 =
+# 150) and 300 of 250 on SVHN, where many queries abstain by design.
+THRESHOLD_SHARE = 0.6
+THRESHOLD_TOO_HIGH = 0.9  # T at this share of the teachers or more: almost every query abstains
+THRESHOLD_TOO_LOW = 0.3  # ... below this share the threshold screens out little
 
 
 def _check(sigma1: float, threshold: float, sigma2: float) -> None:
@@ -84,7 +94,7 @@ def screened_argmax(votes: np.ndarray, sigma1: float, threshold: float, sigma2: 
 
 
 @dataclass(frozen=True)
-class ConfidentGNMax:
+class ConfidentGNMax(VoteMechanism):
     """If max_j n_j + N(0, σ1²) ≥ T answer GNMax(σ2), else abstain (their Algorithm 1).
 
     Charge: the threshold test on every query — max_j n_j has sensitivity 1, so it is the
@@ -97,7 +107,7 @@ class ConfidentGNMax:
     threshold: float
     sigma2: float
     name: ClassVar[str] = "confident-gnmax"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
+    stateless: ClassVar[bool] = True
     smooth_sensitivity_analysis: ClassVar[bool] = True
     # the CLI's --sigma is σ2 for confident-gnmax (the GNMax step after the threshold)
     aliases: ClassVar[dict[str, str]] = {"sigma": "sigma2"}
@@ -107,9 +117,33 @@ class ConfidentGNMax:
         "threshold": "threshold T on the top count",
         "sigma2": "GNMax noise sigma after the threshold",
     }
+    noise: ClassVar[tuple[str, ...]] = ("sigma1", "sigma2")
 
     def __post_init__(self) -> None:
         _check(self.sigma1, self.threshold, self.sigma2)
+
+    @classmethod
+    def defaults(cls, votes: int) -> dict[str, float]:
+        return {"threshold": THRESHOLD_SHARE * votes}
+
+    @classmethod
+    def noise_variations(cls, factors: tuple[float, ...]) -> list[tuple[tuple[str, ...], float]]:
+        """Both σ's down and up, then each alone up: which one buys answers (``factors`` aside)."""
+        return [(("sigma1", "sigma2"), 0.75), (("sigma1", "sigma2"), 2.0), (("sigma1",), 1.5), (("sigma2",), 1.5)]
+
+    def warnings(self, teachers: int) -> list[str]:
+        """A threshold the ensemble can hardly reach, or one that screens out little; then the noise's."""
+        unanimous = 0.5 * (1 + math.erf((teachers - self.threshold) / self.sigma1 / math.sqrt(2)))
+        share = self.threshold / teachers
+        screening = []
+        if self.threshold >= THRESHOLD_TOO_HIGH * teachers:
+            screening.append(f"{self.name} threshold {self.threshold:g} is {share:.0%} of the {teachers} teachers: "
+                             f"even a unanimous vote passes only {unanimous:.0%} of the time, so most queries "
+                             f"abstain (left out, the threshold is {THRESHOLD_SHARE:g} × the teachers)")
+        elif self.threshold < THRESHOLD_TOO_LOW * teachers:
+            screening.append(f"{self.name} threshold {self.threshold:g} is only {share:.0%} of the {teachers} "
+                             "teachers: weak pluralities pass too, so it screens out little")
+        return screening + super().warnings(teachers)
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         labels = screened_argmax(votes, self.sigma1, self.threshold, self.sigma2, rng)

@@ -14,7 +14,7 @@ from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
 from conclave.privacy.mechanisms.base import (Description, MechanismResult, NoisedVotes, SecureVoteMechanism,
-                                              parameters_of)
+                                              VoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.votes import check_votes
 from conclave.privacy.secure_votes import vote_release_charge
 
@@ -58,16 +58,16 @@ class SecureGNMax(SecureVoteMechanism):
 
 
 @dataclass(frozen=True)
-class GNMax:
+class GNMax(VoteMechanism):
     """argmax_j (n_j + N(0, σ²)); data-independent charge λ/σ² per answer."""
 
     sigma: float
     name: ClassVar[str] = "gnmax"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
-    smooth_sensitivity_analysis: ClassVar[bool] = True
-    aliases: ClassVar[dict[str, str]] = {}
     help: ClassVar[dict[str, str]] = {"sigma": "GNMax noise sigma"}
+    stateless: ClassVar[bool] = True
+    smooth_sensitivity_analysis: ClassVar[bool] = True
     secure_variant: ClassVar[type[SecureVoteMechanism] | None] = SecureGNMax
+    noise: ClassVar[tuple[str, ...]] = ("sigma",)
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:

@@ -10,12 +10,12 @@ from conclave.privacy.accounting import pate
 from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import pure_epsilon_charge
-from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import Description, MechanismResult, VoteMechanism, parameters_of
 from conclave.privacy.mechanisms.votes import check_votes
 
 
 @dataclass(frozen=True)
-class LNMax:
+class LNMax(VoteMechanism):
     """argmax_j (n_j + Lap(b)), b = ``laplace_scale`` (the paper's 1/γ).
 
     One teacher changing its vote moves two counts by 1, so each answer is report-noisy-max
@@ -25,11 +25,9 @@ class LNMax:
 
     laplace_scale: float
     name: ClassVar[str] = "lnmax"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
-    smooth_sensitivity_analysis: ClassVar[bool] = False
-    aliases: ClassVar[dict[str, str]] = {}
-    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
     help: ClassVar[dict[str, str]] = {"laplace_scale": "Laplace scale b (the papers' 1/gamma)"}
+    stateless: ClassVar[bool] = True
+    noise: ClassVar[tuple[str, ...]] = ("laplace_scale",)
 
     def __post_init__(self) -> None:
         if not self.laplace_scale > 0:

@@ -28,7 +28,7 @@ import numpy as np
 from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
-from conclave.privacy.mechanisms.base import Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import Description, MechanismResult, VoteMechanism, parameters_of
 from conclave.privacy.mechanisms.votes import check_votes
 
 UNSOUND_REASON = (
@@ -40,7 +40,7 @@ CLAIM_SOURCE = "Sun et al. 2019, Theorem 4 (the paper's claim, NOT a valid DP gu
 
 
 @dataclass(frozen=True)
-class NZC:
+class NZC(VoteMechanism):
     """argmax_j (n_j + c·[j = j*] + noise), noise Laplace(``laplace_scale``) or N(0, ``sigma``²).
 
     j* is the plurality, ties broken toward the lowest class index (numpy's argmax), which
@@ -51,10 +51,7 @@ class NZC:
     laplace_scale: float | None = None
     sigma: float | None = None
     name: ClassVar[str] = "nzc"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
-    smooth_sensitivity_analysis: ClassVar[bool] = False
-    aliases: ClassVar[dict[str, str]] = {}
-    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
+    stateless: ClassVar[bool] = True
     help: ClassVar[dict[str, str]] = {
         "constant": "the constant c added to the top count",
         "laplace_scale": "Laplace scale b (the papers' 1/gamma)",

@@ -10,10 +10,9 @@ from typing import ClassVar
 import numpy as np
 
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_sampled_gaussian_charge
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
-                                              SecureVoteMechanism, parameters_of)
+                                              SecureVoteMechanism, VoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.confident_gnmax import screened_argmax
 from conclave.privacy.secure_votes import VoteBound, knn_votes
 
@@ -83,7 +82,7 @@ class SecurePrivateKnn(SecureVoteMechanism):
 
 
 @dataclass(frozen=True)
-class PrivateKnnMechanism:
+class PrivateKnnMechanism(VoteMechanism):
     """If max_j n_j + N(0, σ1²) ≥ T answer argmax_j (n_j + N(0, σ2²)), else abstain; n is the
     histogram of the labels of the query's k nearest records among a Poisson sample at rate
     ``sample_rate`` (drawn by the vote source, fresh per query).
@@ -107,13 +106,12 @@ class PrivateKnnMechanism:
     sigma2: float
     sample_rate: float
     name: ClassVar[str] = "private-knn"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
-    smooth_sensitivity_analysis: ClassVar[bool] = False  # its charge is data-independent only
-    aliases: ClassVar[dict[str, str]] = {}
+    stateless: ClassVar[bool] = True
     # Over the owners' own kNN votes summed securely: one noised total, σ = sigma1 = sigma2.
     secure_variant: ClassVar[type[SecureVoteMechanism]] = SecurePrivateKnn
     # The vote source must sample at this rate (``actors.labeller.check_pairing``).
     paired_with: ClassVar[tuple[str, ...]] = ("sample_rate",)
+    budget_note: ClassVar[str] = "every asked query costs the same, answered or not"
     help: ClassVar[dict[str, str]] = {
         "sigma1": "noise sigma of the screening of the top kNN vote count",
         "threshold": "threshold T on the noisy top kNN vote count",
@@ -150,7 +148,3 @@ class PrivateKnnMechanism:
             "Mironov, Talwar & Zhang 2019 sampled Gaussian at z = (1/σ1² + 2/σ2²)^-1/2 per asked query (screening "
             "Δ = 1 and argmax Δ₂ = √2 on one sample), one record added or removed; Zhu et al. 2020",
             bounded=True)
-
-    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
-                  conversion: str) -> list[Estimate]:
-        return []  # no data-dependent analysis: the charge is the guarantee

@@ -21,10 +21,9 @@ from typing import ClassVar
 import numpy as np
 
 from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
-from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge
-from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, NoisedVotes, SecureVoteMechanism
-from conclave.privacy.mechanisms.base import parameters_of
+from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
+                                              SecureVoteMechanism, VoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.votes import check_votes
 from conclave.privacy.secure_votes import VoteBound, cluster_votes
 
@@ -93,7 +92,7 @@ class SecurePublicClusterVotes(SecureVoteMechanism):
 
 
 @dataclass(frozen=True)
-class PublicClusterVotes:
+class PublicClusterVotes(VoteMechanism):
     """argmax of the batch's histogram plus N(0, σ²) on every count, where confident (module
     docstring). Charge per batch: the Gaussian mechanism at ℓ2 sensitivity √m, λ·m/(2σ²)
     (Mironov 2017, Prop. 7), one record added or removed — not per query."""
@@ -103,8 +102,7 @@ class PublicClusterVotes:
     threshold: float = 0.0
     purity: float = 0.0
     name: ClassVar[str] = "public-clusters"
-    stateless: ClassVar[bool] = True  # worst_case_charge depends on the batch size only
-    smooth_sensitivity_analysis: ClassVar[bool] = False  # its charge is data-independent only
+    stateless: ClassVar[bool] = True
     aliases: ClassVar[dict[str, str]] = {"m": "votes_per_record"}
     secure_variant: ClassVar[type[SecureVoteMechanism]] = SecurePublicClusterVotes
     # The vote source must give each record exactly this many votes (``actors.labeller.check_pairing``).
@@ -141,7 +139,3 @@ class PublicClusterVotes:
                            "N(0, sigma^2) on every count; per query the argmax where confident",
                            "Gaussian mechanism at ℓ2 sensitivity √m (Mironov 2017, Prop. 7), once per batch; "
                            "Li et al. 2022 (reverse kNN)", bounded=True)
-
-    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
-                  conversion: str) -> list[Estimate]:
-        return []  # no data-dependent analysis: the charge is the guarantee

@@ -50,9 +50,8 @@ import numpy as np
 from scipy import optimize
 
 from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
-from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import approximate_dp_charge
-from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, parameters_of
+from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism, parameters_of
 from conclave.privacy.mechanisms.votes import check_votes
 
 
@@ -108,17 +107,14 @@ class _State:
 
 
 @dataclass(frozen=True)
-class Stability:
+class Stability(VoteMechanism):
     """(``epsilon``, ``delta``)-DP for the whole run, which stops after ``max_unstable`` ⊥ answers."""
 
     epsilon: float
     delta: float
     max_unstable: int
     max_queries: int | None = None  # optional cap on queries evaluated (the guarantee does not need it)
-    name: ClassVar[str] = "stability"
-    aliases: ClassVar[dict[str, str]] = {}
-    secure_variant: ClassVar[None] = None  # no variant over secure-sum totals (aggregation: secure)
-    smooth_sensitivity_analysis: ClassVar[bool] = False
+    name: ClassVar[str] = "stability"  # not stateless: once its run is open, a batch costs nothing more
     help: ClassVar[dict[str, str]] = {
         "epsilon": "the whole run's epsilon",
         "delta": "the whole run's delta (the test's failure probability)",
@@ -218,10 +214,6 @@ class Stability:
             "the exact plurality where distance to instability plus noise passes a noisy threshold, else abstain",
             "Lyu, Su & Li 2017, Alg. 1 (sparse vector, c abstentions) + propose-test-release "
             "(failure ≤ c·p₀ = δ): (ε, δ)-DP for the whole run", bounded=True)
-
-    def estimates(self, votes: np.ndarray, answered: np.ndarray, delta: float, orders: np.ndarray,
-                  conversion: str) -> list[Estimate]:
-        return []  # its guarantee is data-independent; there is nothing to estimate
 
 
 def smallest_margin(epsilon: float, delta: float, max_unstable: int) -> float:
