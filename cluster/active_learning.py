@@ -52,7 +52,7 @@ from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
-from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.ledger import Ledger, PrivacyLedger
 from conclave.privacy.accounting.rdp import sum_charges
 
 log = logging.getLogger(__name__)
@@ -555,7 +555,7 @@ class BothLedgers:
     """NearPrivate's releases go to the run's ledger and to the model's own (its guarantee): either
     may refuse, before anything is computed; the run's is charged first."""
 
-    run: PrivacyLedger
+    run: Ledger  # with the owners' lifetime ledgers behind it, where they have budgets
     model: PrivacyLedger
 
     def can_afford(self, charge: PrivacyCharge) -> bool:

@@ -1,40 +1,16 @@
-"""The ledger: what every release is charged to before it leaves, and the one that keeps a run's.
+"""The ledger: what every release is charged to before it leaves.
 
-``Ledger`` is the protocol every ledger implements — a run's or a service's (``PrivacyLedger``),
-a run's with its owners' lifetime ledgers behind it (``privacy.accounting.run_ledger.RunLedger``)
-and one owner's on its node (``privacy.accounting.owner_ledger.OwnerLedger``): ask whether a
-charge fits (``refusal``), charge it (``charge``, which refuses with ``BudgetExceeded`` and
-records nothing), read what was spent (``report``, ``spent``). ``AnsweringLedger`` adds the
-answer record a labelling service repeats answers from. As in dp_accounting's
-``PrivacyAccountant`` and Opacus's ``IAccountant``, the math lives apart from the state.
+``Ledger`` is the one protocol of a run's or a service's ledger (``PrivacyLedger``), an owner's
+lifetime ledger (``owner_ledger.OwnerLedger``) and a run's with its owners' behind it
+(``run_ledger.RunLedger``): ask (``refusal``), charge (``charge``: recorded durably before anything
+is released, or refused with ``BudgetExceeded``, recording nothing), read (``report``, ``spent``).
+``AnsweringLedger`` adds the answers a labelling service repeats, free. As in dp_accounting's
+``PrivacyAccountant`` and Opacus's ``IAccountant``, the math is kept apart from the state.
 
-A ``PrivacyLedger`` is three parts behind that protocol:
-- the filter, pure math (``privacy.accounting.filter``): with a budget it refuses any charge
-  whose worst case would take the summed RDP at the budget's fixed order past the RDP budget,
-  or the δ spent outside RDP curves past the reserved δ, or that has no finite bound at all.
-  Without a budget the ledger refuses nothing and only records (a run's guarantee then comes
-  from its planned worst case, ``privacy.accounting.guarantee``);
-- the durable store (``privacy.accounting.ledger_store``): one SQLite file per ledger, fsynced
-  on every charge, one writer at a time, every entry chained by checksums, and for a ledger that
-  must outlive its process its length kept outside the file;
-- the answer record: the answers a charge pays for are written in the same transaction, so
-  after a crash either both are on disk or neither is, and a restarted service answers a
-  repeated input with what it released before, at no new cost (``answers()``).
-
-The budget, its order, δ, the grid of orders and the neighbouring relation are written into the
-file when it is created; reopening with other settings is refused, because a budget changed
-mid-run is no longer a budget declared in advance. It changes afterwards only by an entry of the
-chain (``change_budget``): the data's owner raising or lowering its lifetime ε. The filter then
-refuses past the new limit, and the guarantee stated is the largest budget ever declared (a
-limit lowered after releases were seen stops later charges; it cannot shrink the bound on what
-came before). A charge must hold for the ledger's neighbouring relation: add/remove and
-replace-one bounds do not compose as one, so a mismatch is an error, not a refusal.
-
-The realised spend (``BudgetReport.epsilon_spent``) composes the charges at their best order
-with the tight conversion (Balle et al. 2020, Thm 21), at δ − Σ extra δ. It is a function of
-what was released, so it may be shown, but it is an odometer reading, not the guarantee: only
-the budget is. ``read_ledger`` and ``read_history`` read a file without writing or locking
-(``conclave analyze --ledger``, ``conclave budget``).
+A ``PrivacyLedger`` is three parts behind the protocol: the filter's math (``filter.RenyiFilter``:
+refuse what would pass the budget at one fixed Rényi order), the durable store (``ledger_store``:
+one SQLite file, one writer, a checksum chain, its length kept outside the file) and the answer
+record (the answers a charge pays for, written in the same transaction as the charge).
 """
 from __future__ import annotations
 
@@ -71,6 +47,10 @@ class BudgetExceeded(Exception):
 
 @dataclass(frozen=True)
 class BudgetReport:
+    """What a ledger holds now. ``epsilon_spent`` composes the charges at their best order with the
+    tight conversion (Balle et al. 2020, Thm 21) at δ − Σ extra δ: a function of what was
+    released, so it may be shown, but an odometer reading, not the guarantee (``guarantee``)."""
+
     epsilon_spent: float  # realised spend at its best order (inf once an unbounded charge was accepted)
     delta: float  # total δ: curve δ + Σ extra δ (= the configured δ)
     order: float | None  # RDP order attaining epsilon_spent; None when nothing or something unbounded was spent
@@ -195,9 +175,15 @@ class _Totals:
 class PrivacyLedger:
     """Composes every charge of a run, durably, refusing what its budget does not admit.
 
-    ``budget=None`` makes a record-only ledger: it refuses nothing, also not unbounded
-    charges (its report then has ``bounded = False``). ``delta`` is the run's δ; with a
-    budget it must equal the budget's (as declared: later changes are entries of the file).
+    ``budget=None`` makes a record-only ledger: it refuses nothing, also not unbounded charges
+    (its report then has ``bounded = False``), and a run's guarantee comes from its planned worst
+    case (``privacy.accounting.guarantee``). ``delta`` is the run's δ; with a budget it must equal
+    the budget's. The budget, δ, the orders and the neighbouring relation are written into the
+    file when it is created, and reopening it with others is refused: a budget changed mid-run is
+    no longer declared in advance (only its owner changes it, ``change_budget``). A charge for
+    another neighbouring relation is an error, not a refusal: bounds for different relations do
+    not compose as one.
+
     ``path`` ``":memory:"`` keeps nothing on disk. ``keep_record``: keep the file's length and
     last checksum outside it, for a ledger that must outlive its process. Raises ``LedgerInUse``
     while another writer holds the file and ``LedgerDamaged`` when its contents fail their

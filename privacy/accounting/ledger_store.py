@@ -1,29 +1,19 @@
 """A ledger's durable store: one SQLite file, one writer, every entry chained by checksums.
 
-One row per charge (label, RDP curve, extra δ, unbounded flag and reason, neighbouring
-relation, time). The file is in WAL mode with ``synchronous=FULL``, so a committed charge has
-been fsynced before ``append_charge`` returns — and callers release answers only after it
-returns, so a crash can never forget something that was released. The answers a charge pays
-for are written in the same transaction (``answers``); answers paid for earlier are chained in
-rows of their own (``answer_batches``).
+One row per charge, in WAL mode with ``synchronous=FULL``: a charge is fsynced before
+``append_charge`` returns, and callers release only after it returns, so a crash never forgets a
+release. The answers a charge pays for go in the same transaction. One writer: opening a store
+takes an exclusive ``flock`` on ``<ledger>.lock`` (``LedgerInUse`` for a second opener), since two
+writers would each check the budget against what they alone had charged; readers
+(``read_stored``) take no lock and read a consistent snapshot.
 
-One writer, many readers. Opening a ``LedgerStore`` takes an exclusive lock on the sidecar file
-``<ledger>.lock`` (``flock``, released at ``close`` or by the OS when the process dies); a second
-opener — another process, or the same one — fails at once with ``LedgerInUse``: two writers
-would each check the budget against what they alone had charged. Readers (``read_stored``) take
-no lock and read a consistent snapshot while the writer runs.
-
-The store defends its contents: the settings in ``meta`` carry a checksum, and every row a
-SHA-256 chained to the row before it (the first to the settings' checksum), over every stored
-field and the answers written with it. Ids run 1, 2, 3… and SQLite's ``sqlite_sequence``
-remembers the last one issued, so a deleted row leaves a gap or a short chain. Every read checks
-the chain, and anything not as written — an edited or deleted row, edited settings, a truncated
-file, a file from before the checksums — raises ``LedgerDamaged``: a budget that cannot be
-verified is not a budget. The checksums have no key: they reveal edits, corruption and
-truncation, not a forger who recomputes the whole chain. A shorter chain is still a valid one,
-so a store opened with ``keep_record`` also keeps its length and last checksum outside the file
-(``privacy.accounting.ledger_records``), and a file missing, emptied, replaced or shorter than
-that record is refused on every open and read.
+Every row carries a SHA-256 chained to the row before (the first to the settings' checksum), over
+its fields and its answers, and SQLite's ``sqlite_sequence`` remembers the last id issued: an
+edited, deleted or truncated row, edited settings or a file older than the checksums is refused
+on every read (``LedgerDamaged``). The checksums have no key, and a shorter chain is still a
+valid one, so a store opened with ``keep_record`` also keeps its length and last checksum outside
+the file (``privacy.accounting.ledger_records``): a file missing, emptied, replaced or shorter
+than that record is refused too.
 """
 from __future__ import annotations
 
