@@ -12,7 +12,7 @@ cost. Estimates are never guarantees (``privacy.accounting.guarantee``). What co
 ``conclave plan`` and ``conclave analyze`` need to know of it (its name, its parameters' help
 and aliases, which set its noise, the defaults a config may leave out, its warnings) are class
 attributes and class methods of ``VoteMechanism``, with defaults, checked when the mechanism is
-registered (``privacy.mechanisms.register``): no other module names a mechanism.
+registered (``privacy.mechanisms.register``), so nothing else switches on a mechanism's name.
 
 Stateful mechanisms (the stability mechanism) compute on a copy of their state; the state
 advances only when the caller calls ``MechanismResult.commit()`` after the ledger accepted
@@ -116,8 +116,9 @@ class VoteMechanism(abc.ABC):
         """Settings that defeat the mechanism with ``teachers`` votes per query (``conclave plan``):
         a noise at least the votes."""
         parameters = parameters_of(self)
+        loud = [key for key in self.noise if key in parameters and parameters[key] >= teachers]
         return [f"{self.name} {key} {parameters[key]:g} is at least the {teachers} teachers: the noise outweighs "
-                "even a unanimous vote's margin" for key in self.noise if key in parameters and parameters[key] >= teachers]
+                "even a unanimous vote's margin" for key in loud]
 
     @abc.abstractmethod
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:

@@ -72,7 +72,8 @@ def test_plan_reads_the_toys_default_noise_and_warnings_from_its_class(toy, tmp_
     noisy.write_text(yaml.safe_dump({**TOY, "mechanism": {"name": "toy-max", "params": {"sigma": 5.0}},
                                      "privacy": {"budget": 1.0, "delta": 1.0e-5}}))
     warnings = plan(noisy, capsys)["warnings"]
-    assert warnings[0] == "toy-max sigma 5 is at least the 4 teachers: the noise outweighs even a unanimous vote's margin"
+    assert warnings[0] == ("toy-max sigma 5 is at least the 4 teachers: the noise outweighs even a unanimous "
+                           "vote's margin")
     assert warnings[1].endswith("could pass it (an abstention costs as much as an answer)")
 
 
