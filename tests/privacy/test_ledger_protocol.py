@@ -1,0 +1,96 @@
+"""One ``Ledger`` protocol: the run's ledger, an owner's lifetime ledger and a run's with its owners
+behind it have every member of it, with its arguments, and behave alike — a charge past the budget
+raises ``BudgetExceeded``, records nothing and leaves its line in ``last_refusal``."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.filter import RenyiFilter
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, Ledger, PrivacyLedger
+from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerBudget, OwnerLedger
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
+from conclave.privacy.accounting.run_ledger import RunLedger
+
+DELTA = 1e-5
+
+
+def gaussian(sigma: float) -> PrivacyCharge:
+    return PrivacyCharge(DEFAULT_ORDERS, DEFAULT_ORDERS / (2 * sigma**2), label="gnmax")
+
+
+class NoOwnerRefuses:
+    """Owners' lifetime ledgers (``run_ledger.LifetimeLedgers``) that take every charge."""
+
+    nodes: dict[str, str] = {}
+    terms: dict = {}
+
+    def refusal(self, charge: PrivacyCharge) -> None:
+        return None
+
+    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> None:
+        return None
+
+    def reports(self) -> dict:
+        return {}
+
+    def identities(self) -> list[LedgerIdentity]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+def members(protocol: type) -> dict[str, object]:
+    """The protocol's members (its own and its base protocols'): name → what it declares."""
+    found: dict[str, object] = {}
+    for cls in reversed([c for c in protocol.__mro__ if c in (Ledger, AnsweringLedger)]):
+        found.update(dict.fromkeys(cls.__dict__.get("__annotations__", {})))
+        found.update({name: value for name, value in vars(cls).items() if not name.startswith("_")})
+    return found
+
+
+def ledgers(tmp_path):
+    run = PrivacyLedger(tmp_path / "run.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0))
+    owner = OwnerLedger("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0,
+                                                  directory=str(tmp_path / "node_a")))
+    owner.open(gaussian(10.0), "run-1")
+    both = RunLedger(PrivacyLedger(tmp_path / "both.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0)),
+                     NoOwnerRefuses(), DriverRecords(tmp_path / "driver.json"))
+    return {"run": run, "owner": owner, "run with owners": both}
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
+
+
+def test_every_ledger_has_every_member_of_the_protocol_with_its_arguments(tmp_path):
+    opened = ledgers(tmp_path)
+    try:
+        for kind, ledger in opened.items():
+            for name, declared in members(AnsweringLedger if kind != "owner" else Ledger).items():
+                assert hasattr(ledger, name), (kind, name)
+                if inspect.isfunction(declared):
+                    arguments = list(inspect.signature(declared).parameters)[1:]
+                    assert list(inspect.signature(getattr(ledger, name)).parameters)[:len(arguments)] == arguments
+    finally:
+        for ledger in opened.values():
+            ledger.close()
+
+
+def test_every_ledger_refuses_past_its_budget_alike(tmp_path):
+    opened = ledgers(tmp_path)
+    try:
+        for kind, ledger in opened.items():
+            ledger.charge(gaussian(10.0))
+            assert ledger.can_afford(gaussian(10.0)) and ledger.refusal(gaussian(0.5)) is not None
+            with pytest.raises(BudgetExceeded) as refused:
+                ledger.charge(gaussian(0.5))
+            assert ledger.last_refusal == str(refused.value) and "\n" not in ledger.last_refusal, kind
+            assert ledger.report().charges == 1 and ledger.spent().rdp.tolist() == gaussian(10.0).rdp.tolist(), kind
+    finally:
+        for ledger in opened.values():
+            ledger.close()
