@@ -193,10 +193,23 @@ def test_render_keeps_the_users_keys_and_puts_the_proposal_last(tiny, proposals)
     assert yaml.safe_load(after).keys() == proposals["clusters"].sections.keys()
 
 
+DOCUMENTED = [["plan", "configs/hospitals.yaml", "--propose"],
+              ["plan", "configs/hospitals.yaml", "--propose", "--source", "teachers"]]
+
+
+@pytest.mark.parametrize("argv", DOCUMENTED, ids=["clusters", "teachers"])
+def test_the_documented_proposals_print_configs_that_fit_the_budget(argv, monkeypatch, capsys):
+    assert f"conclave {' '.join(argv)} " in (PROJECT_ROOT / "docs" / "main-job.md").read_text()
+    monkeypatch.chdir(PROJECT_ROOT)
+    assert cli.main(argv) == 0
+    config = load_config(yaml.safe_load(capsys.readouterr().out))
+    assert planned_fits(config, load_yaml(HOSPITALS)["privacy"]["budget"]) and config.name == "hospitals-proposed"
+
+
 @pytest.mark.slow
 def test_conclave_run_takes_the_proposal_as_the_docs_show(ray_session, run_config_opening, tmp_path, monkeypatch,
                                                           capsys):
-    # docs/main-job.md: conclave plan configs/hospitals.yaml --propose FILE, then conclave run FILE
+    # docs/main-job.md: conclave plan configs/hospitals.yaml --propose hospitals-proposed.yaml, then conclave run it
     monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(PROJECT_ROOT)
     proposed = tmp_path / "hospitals-proposed.yaml"
