@@ -48,6 +48,7 @@ from conclave.privacy.accounting.skellam import at_integer_orders, poisson_subsa
 VOTE_SHIFT_L1, VOTE_SHIFT_L2 = 2.0, math.sqrt(2.0)  # v = e_a − e_b, the largest of the kNN lemma's shifts
 TIGHT_ORDER_LIMIT = 256  # above it, the unsampled bound (ε there is far past any useful conversion)
 TAIL_SLACK = 1e-12  # the window's neglected mass, times (1 − q)^(1−α), stays below this
+MAX_CELLS = 1500  # lattice points (or blocks of them) a side: the 2-D sum's memory and time stay bounded
 
 
 def sampled_skellam_vote_rdp(orders, sample_rate: float, variance: float) -> np.ndarray:
@@ -117,7 +118,12 @@ def _record_added(alphas: np.ndarray, q: float, mu: float) -> np.ndarray:
 
 
 def _record_removed(alphas: np.ndarray, q: float, mu: float) -> np.ndarray:
-    """D_α(P ‖ M): the lattice sum for v = e_a − e_b and for v = e_a, the larger, with the tail added."""
+    """D_α(P ‖ M): the lattice sum for v = e_a − e_b and for v = e_a, the larger, with the tail added.
+
+    Past ``MAX_CELLS`` lattice points a side, points are summed in blocks of consecutive k, each
+    block's mass times the summand at its smallest L: the summand falls as L grows, and L grows with
+    k (the Skellam pmf is log-concave, so r(k) = P(k − 1)/P(k) does not decrease; the block's least
+    r is taken all the same). An upper bound again, whose memory no longer grows with σ."""
     k = np.arange(-_window(mu, q, int(alphas.max())), 0)
     with np.errstate(divide="ignore"):
         log_p_neg = np.log(special.ive(-k, mu))  # Skellam pmf e^{−μ}·I_|k|(μ), in logs (k < 0)
@@ -127,6 +133,9 @@ def _record_removed(alphas: np.ndarray, q: float, mu: float) -> np.ndarray:
     log_p = np.log(special.ive(np.abs(k), mu))
     with np.errstate(divide="ignore"):  # P(k − 1) may underflow at the window's edge: L = 0 there
         log_r = np.log(special.ive(np.abs(k - 1), mu)) - log_p  # log P(k − 1)/P(k)
+    starts = np.arange(0, len(k), max(1, -(-len(k) // MAX_CELLS)))
+    log_p = np.logaddexp.reduceat(log_p, starts)  # each block's mass
+    log_r = np.minimum.reduceat(log_r, starts)  # each block's least ratio: the summand's largest value
     log_tail = _log_tail(mu, window + 1) + math.log(2)  # P(|X| > K or |Y| > K), union bound
     log_1mq, log_q = math.log1p(-q), math.log(q)
     # log(1 − q + q·L) over the 1-D and 2-D lattices, once; each order is then one weighted sum.
