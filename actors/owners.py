@@ -22,6 +22,7 @@ import numpy as np
 import ray
 
 from conclave.actors.placement import PlacementError
+from conclave.errors import ConclaveError
 from conclave.learning.data import Dataset, shard
 from conclave.learning.data.dataset import cap_shard, shard_cap
 from conclave.learning.data.sources import DataSource
@@ -71,13 +72,17 @@ class OwnerSource:
         return [cap_shard(part, cap, rng) for part in shards]
 
 
-class OwnerDataError(RuntimeError):
+class OwnerDataError(ConclaveError, RuntimeError):
     """An owner's data could not be read where its actors run (one line naming the owner)."""
 
+    exit_code = 2
 
-class OwnerDropout(RuntimeError):
+
+class OwnerDropout(ConclaveError, RuntimeError):
     """An owner's actor died in the middle of a secure sum: the round cannot complete, so the run
     stops and releases nothing of it (one line naming the owner)."""
+
+    exit_code = 3
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from conclave.errors import ConclaveError
 
-class PlacementError(RuntimeError):
+
+class PlacementError(ConclaveError, RuntimeError):
     """No node of the cluster can ever take an actor (the message names the missing resource)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,8 @@ share_cores()
 
 from conclave.cluster.active_learning import Config  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import RunContext, pipeline_module  # noqa: E402
+from conclave.cluster.api import ActiveLearning, RunContext, load_pipeline  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
-from conclave.cluster.run_command import load_run_config  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 
@@ -61,7 +60,7 @@ SEED_REFERENCE = {
 
 
 def bench_config(mnist: Path, quick: bool, secure: bool) -> Config:
-    _, config = load_run_config(load_yaml(ROOT / "configs" / "mnist-active.yaml"))
+    config = load_pipeline(load_yaml(ROOT / "configs" / "mnist-active.yaml")).config
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, root=str(mnist)))
     if quick:
         config = dataclasses.replace(
@@ -130,7 +129,7 @@ def main() -> int:
     for key, run_config in runs:
         log.info("run %s (%s)", key, run_config.name)
         started = time.perf_counter()
-        outcome = pipeline_module("active_learning").run(run_config, RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
+        outcome = ActiveLearning(run_config).run(RunContext(run_config.name, RunDirectory(runs_dir, run_config.name)))
         summary, metrics, privacy = outcome.summary, outcome.metrics, outcome.privacy.as_dict()
         report["runs"][key] = {
             "seconds": round(time.perf_counter() - started, 1), "summary": summary,

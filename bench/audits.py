@@ -32,10 +32,9 @@ from conclave.learning.threads import share_cores  # noqa: E402  (before torch l
 share_cores()
 
 from bench.soundness import soundness, timed_on  # noqa: E402
-from conclave.cluster.auditing import AuditSettings, run_audit  # noqa: E402
+from conclave.cluster.auditing import AuditSettings  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import pipeline_module  # noqa: E402
-from conclave.cluster.run_command import DEMO_CONFIG, load_run_config  # noqa: E402
+from conclave.cluster.api import DEMO_CONFIG, load_pipeline  # noqa: E402
 
 log = logging.getLogger("bench.audits")
 
@@ -50,11 +49,10 @@ CONFIGS = {
 
 def audited(name: str, settings: AuditSettings) -> dict:
     raw = DEMO_CONFIG if CONFIGS[name] is None else load_yaml(ROOT / CONFIGS[name])
-    pipeline, config = load_run_config(raw)
-    config = pipeline_module(pipeline).validate(config)
+    pipeline = load_pipeline(raw).validate()
     started = time.perf_counter()
     try:
-        result = run_audit(pipeline, config, settings)
+        result = pipeline.audit(settings)
     finally:
         import ray
 

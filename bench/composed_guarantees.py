@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.teacher_student_mnist import CONFIGS, load_config  # noqa: E402
-from conclave.cluster.pipelines import pipeline_module  # noqa: E402
+from conclave.cluster.api import TeacherStudent  # noqa: E402
 from conclave.privacy.accounting.composition import PublishedRun, composed_guarantee  # noqa: E402
 
 DELTA = 1e-5
@@ -36,7 +36,7 @@ GROUPS = {
 
 def published_run(name: str) -> PublishedRun:
     config = load_config(name, ROOT.parent / "shared" / "data" / "mnist", quick=False)
-    planned = pipeline_module("teacher_student").planned_work(config)
+    planned = TeacherStudent(config).plan()
     return PublishedRun(name, planned, config.privacy.budget_filter(planned))
 
 

@@ -35,13 +35,11 @@ share_cores()
 
 from bench.soundness import soundness, timed_on  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import pipeline_module  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
-from conclave.cluster.run_command import DEMO_CONFIG, load_run_config  # noqa: E402
+from conclave.cluster.api import DEMO_CONFIG, load_pipeline  # noqa: E402
 from conclave.cluster.teaching.ensemble import train_ensemble  # noqa: E402
 
 log = logging.getLogger("bench.knn_votes_examples")
-TEACHER_STUDENT = pipeline_module("teacher_student")
 STAND_IN = timed_on("scikit-learn's digits and the example hospitals' synthetic tables")
 
 CONFIGS = {
@@ -54,12 +52,13 @@ CONFIGS = {
 
 def run_once(name: str, seed: int, results: Path) -> dict:
     raw = DEMO_CONFIG if CONFIGS[name] is None else load_yaml(ROOT / CONFIGS[name])
-    _, config = load_run_config(raw)
-    config = TEACHER_STUDENT.validate(dataclasses.replace(config, seed=seed))
+    pipeline = load_pipeline(raw)
+    pipeline = pipeline.with_config(dataclasses.replace(pipeline.config, seed=seed)).validate()
+    config = pipeline.config
     started = time.perf_counter()
     try:
         with train_ensemble(config, progress=False) as voters:
-            outcome = TEACHER_STUDENT.teach_student(config, voters, RunDirectory(results, f"{name}-seed{seed}"))
+            outcome = pipeline.teach(voters, RunDirectory(results, f"{name}-seed{seed}"))
     finally:
         import ray
 

@@ -48,20 +48,18 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import RunOutcome, pipeline_module  # noqa: E402
+from conclave.cluster.api import RunOutcome, TeacherStudent, load_pipeline  # noqa: E402
 from conclave.cluster.teaching.config import Config  # noqa: E402
 from conclave.learning.train_config import TrainConfig  # noqa: E402
 from conclave.cluster.teaching.ensemble import (  # noqa: E402
     Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
 )
 from conclave.cluster.results import RunDirectory  # noqa: E402
-from conclave.cluster.run_command import load_run_config  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 
 log = logging.getLogger("bench.teacher_student_mnist")
 # The pipeline's second phase on already-trained teachers: one ensemble serves several mechanisms.
-TEACHER_STUDENT = pipeline_module("teacher_student")
 
 CONFIGS = ("mnist-knn", "mnist-knn-eps1", "mnist-knn-eps2", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
            "mnist-gnmax-scatternet-eps047", "mnist-gnmax", "mnist-nzc", "mnist-lnmax",
@@ -113,7 +111,7 @@ def load_config(name: str, mnist: Path, quick: bool, runs: Path = ROOT / "result
     file, overrides = VARIANTS.get(name, (name, {}))
     overrides = {section: {k: v.format(runs=runs) if isinstance(v, str) else v for k, v in values.items()}
                  for section, values in overrides.items()}
-    _, config = load_run_config(load_yaml(ROOT / "configs" / f"{file}.yaml"))
+    config = load_pipeline(load_yaml(ROOT / "configs" / f"{file}.yaml")).config
     config = dataclasses.replace(config, name=name, data=dataclasses.replace(config.data, root=str(mnist)),
                                  **{section: dataclasses.replace(getattr(config, section), **values)
                                     for section, values in overrides.items()})
@@ -336,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 results = RunDirectory(run_root, name)
                 started = time.perf_counter()
-                outcome = TEACHER_STUDENT.teach_student(configs[name], teachers, results)
+                outcome = TeacherStudent(configs[name]).teach(teachers, results)
                 out["runs"][name] = run_summary(name, configs[name], outcome, time.perf_counter() - started)
                 if first.knn is None:  # kNN votes are a fresh sample each call: no clean plurality to replay
                     diagnostics[name] = clean_votes(teachers, out["runs"][name]["queries_asked"])

@@ -26,19 +26,21 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import ConclaveError, fail
 from conclave.privacy.accounting.ledger import LedgerSnapshot, read_ledger
 from conclave.privacy.accounting.report import analysis_report, checked_votes
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from conclave.privacy.mechanisms import MECHANISMS, build_mechanism, parameter_names
 from conclave.privacy.noise import NoisePolicy
 
-EXIT_BAD_INPUT = 2
 _OWN_FLAGS = {"delta", "orders", "conversion", "budget", "ledger", "answered", "json"}
 DEFAULT_DELTA = 1e-5
 
 
-class BadInput(Exception):
+class BadInput(ConclaveError):
     """Input the command refuses; the message is printed as the one-line error."""
+
+    exit_code = 2
 
 
 def _flag_name(mechanism: str, parameter: str) -> str:
@@ -247,8 +249,7 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise BadInput(str(error)) from None
     except BadInput as error:
-        print(f"conclave analyze: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return fail(error, "conclave analyze: error")
     full = _jsonable(report.as_dict(include_private=True))  # the data holder's own view
     print(json.dumps(full) if args.json else summary(full))
     return 0

@@ -15,6 +15,11 @@
 With ``knn=KnnConfig(...)`` (and ``MechanismConfig("private-knn", ...)``) ``train_ensemble`` trains
 nothing: it starts kNN actors on the owners' nodes, and the records vote themselves.
 
+A whole pipeline is one typed object (``cluster.pipelines``): ``load_pipeline(raw)`` (or
+``TeacherStudent(config)``, ``ActiveLearning(config)``, ``SparseFinetune(config)``), then
+``.validate()``, ``.plan()`` and ``.run(RunContext(...))`` → a typed ``RunOutcome``: what
+``conclave run``, ``plan``, ``serve``, ``audit`` and ``check-data``, tuning and the benchmarks use.
+
 Each step returns a typed result; the steps live in ``cluster.teaching`` (config, ensemble,
 aggregation, student) and this module is their one import point, as it is for the other two
 pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``ActiveLearningResult``
@@ -22,9 +27,7 @@ pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``A
 ``FinetuneConfig``, ``AnnotatorConfig``) and ``finetune_sparsely(SparseConfig(...), results)`` →
 ``SparseResult``. A model may be a ``learning.models`` name, ``"module:function"``, or the factory
 itself (``TeachersConfig(model=my_factory)``): Ray sends a function of the script that runs by
-value and ships the package of any other (``cluster.ray_runtime.with_models``). ``conclave run``
-(``cluster.pipelines.teacher_student``), ``conclave serve``, the tuning trainables and the
-benchmarks are clients of these functions.
+value and ships the package of any other (``cluster.ray_runtime.with_models``).
 ``examples/hospitals/library.py`` is the runnable version of the lines above.
 """
 from __future__ import annotations
@@ -34,6 +37,10 @@ from conclave.cluster.active_learning import Config as ActiveLearningConfig
 from conclave.cluster.active_learning import DataConfig as ActiveLearningData
 from conclave.cluster.active_learning import DPSGDSection as ActiveLearningDPSGD
 from conclave.cluster.active_learning import learn_actively
+from conclave.cluster.pipelines import DEMO_CONFIG, Pipeline, RunContext, RunOutcome, load_pipeline
+from conclave.cluster.pipelines.active_learning import ActiveLearning
+from conclave.cluster.pipelines.sparse_finetune import SparseFinetune
+from conclave.cluster.pipelines.teacher_student import TeacherStudent
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
 from conclave.cluster.sparse_finetuning import Config as SparseConfig
@@ -48,6 +55,8 @@ from conclave.learning.data.sources import DataSource
 from conclave.learning.train_config import TrainConfig
 
 __all__ = [
+    "ActiveLearning", "DEMO_CONFIG", "Pipeline", "RunContext", "RunOutcome", "SparseFinetune", "TeacherStudent",
+    "load_pipeline",
     "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",
     "FinetuneConfig", "SelectionConfig", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",

@@ -14,11 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
-from conclave.cluster.auditing import AUDITS, AuditSettings, run_audit
+from conclave.cluster.auditing import AUDITS, AuditSettings
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.cluster.pipelines import pipeline_module
+from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_command import EXIT_CODES, failure, load_run_config
+from conclave.errors import fail, failure
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +50,25 @@ def settings_of(args: argparse.Namespace) -> AuditSettings:
 def main(args: argparse.Namespace) -> int:
     try:
         settings = settings_of(args)
-        pipeline, config = load_run_config(load_yaml(args.config))
-        if pipeline not in AUDITS:
-            raise ConfigError(f"config.pipeline: {pipeline!r} has no audit; audited pipelines: {', '.join(AUDITS.names)}")
-        config = pipeline_module(pipeline).validate(config)
+        pipeline = load_pipeline(load_yaml(args.config))
+        if pipeline.name not in AUDITS:
+            raise ConfigError(f"config.pipeline: {pipeline.name!r} has no audit; audited pipelines: "
+                              f"{', '.join(AUDITS.names)}")
+        pipeline = pipeline.validate()
     except ConfigError as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return EXIT_CODES["config"]
+        return fail(err)
     if args.run_name:  # the audit run's name everywhere: its folder and the owners' ledgers
-        config = dataclasses.replace(config, name=args.run_name)
-    run_name = f"{getattr(config, 'name', None) or Path(args.config).stem}-audit"
+        pipeline = pipeline.with_config(dataclasses.replace(pipeline.config, name=args.run_name))
+    run_name = f"{pipeline.config.name or Path(args.config).stem}-audit"
     try:
-        result = run_audit(pipeline, config, settings)
+        result = pipeline.audit(settings)
     except ValueError as err:  # a setting the audit cannot take (checked before anything trains)
-        print(f"conclave: audit '{run_name}': {str(err).strip().splitlines()[0]}", file=sys.stderr)
-        return EXIT_CODES["config"]
+        return fail(ConfigError(f"audit '{run_name}': {str(err).strip().splitlines()[0]}"))
     except BaseException as err:  # noqa: BLE001 - every failure becomes one line and a status
-        kind, line = failure(err, run_name)
+        status, line = failure(err, run_name)
         log.debug("audit '%s' failed", run_name, exc_info=True)
         print(f"conclave: {line}", file=sys.stderr)
-        return EXIT_CODES[kind]
+        return status
     with RunDirectory.staged(args.results_dir, run_name) as results:
         results.write_json("audit", result.as_dict())
     bound, guarantee = result.bound, result.guarantee

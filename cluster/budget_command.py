@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conclave.cluster.config import ConfigError
+from conclave.errors import fail
+
 RUN_LEDGERS = ("ledger.sqlite", "serve-ledger.sqlite")
 
 
@@ -101,14 +104,14 @@ def _entry(record, delta: float) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from conclave.privacy.accounting.ledger import LedgerDamaged
     from conclave.privacy.accounting.owner_ledger import conclave_home
 
     targets = args.ledgers or [conclave_home() / "owners", Path("results")]
     try:
         files = _ledger_files(targets, explicit=bool(args.ledgers))
     except OSError as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
+        return fail(ConfigError(str(err)))
     views, problems = [], []
     for entry in files:
         try:
@@ -125,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
         print("no ledgers found in " + ", ".join(str(t) for t in targets))
     for problem in problems:  # the others are listed; these are refused, as a run would refuse them
         print(f"conclave: {problem}", file=sys.stderr)
-    return 2 if problems else 0
+    return LedgerDamaged.exit_code if problems else 0
 
 
 def _ledger_files(targets: list[Path], explicit: bool) -> list[tuple[str, Path]]:

@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import Counter
 
 from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.owners import DataOwner
+from conclave.cluster.pipelines import OwnersData, load_pipeline
+from conclave.errors import ConclaveError, fail
 from conclave.learning.data.dataset import shard_cap
+
+
+class RowsDropped(ConclaveError):
+    """The status when a run would drop rows of the owner's file (each is shown above it)."""
+
+    exit_code = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -34,18 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from conclave.cluster.owners import owner_data
-    from conclave.cluster.run_command import load_run_config
 
     try:
-        pipeline, config = load_run_config(load_yaml(args.config))
-        owner = _owner(config, args.owner)
-        classes = _classes(config)
-        columns = _columns(config)
+        declared = load_pipeline(load_yaml(args.config)).owners_data()
+        owner = _owner(declared, args.owner)
+        classes = _classes(declared)
+        columns = _columns(declared)
         source = owner_data(owner, columns, os.getcwd())
-        dataset, check = _read(source, classes, owner.name, columns, config)
+        dataset, check = _read(source, classes, owner.name, columns, declared)
     except (ValueError, OSError) as err:  # the config, a file, its format (ConfigError, DataFormatError)
-        print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(ConfigError(str(err).splitlines()[0]))
     print(f"owner {owner.name}: {source.describes}")
     print(f"  rows read: {check.rows}; usable: {check.kept}; dropped: {len(check.problems)}")
     for line in check.summary(limit=20).split("; ") if check.problems else ():
@@ -55,9 +61,9 @@ def main(args: argparse.Namespace) -> int:
         print("  labels: " + ", ".join(f"{name} {counts.get(i, 0)}" for i, name in enumerate(classes)))
     for line in _class_warnings(dataset, classes):
         print(f"  warning: {line}")
-    for line in _against_declared(owner, check.kept):
+    for line in _against_declared(owner, declared.teachers.get(owner.name), check.kept):
         print(f"  {line}")
-    return 1 if check.problems else 0
+    return RowsDropped.exit_code if check.problems else 0
 
 
 def _class_warnings(dataset, classes: tuple[str, ...]) -> list[str]:
@@ -75,8 +81,8 @@ def _class_warnings(dataset, classes: tuple[str, ...]) -> list[str]:
     return [f"your usable rows hold {len(held)} of the run's {len(classes)} classes: none of {lacking}"]
 
 
-def _owner(config, name: str):
-    owners = getattr(config, "owners", ())
+def _owner(declared: OwnersData, name: str) -> DataOwner:
+    owners = declared.owners
     for owner in owners:
         if owner.name == name:
             return owner
@@ -84,7 +90,7 @@ def _owner(config, name: str):
     raise ConfigError(f"no owner {name!r} in the config (owners: {known})")
 
 
-def _read(source, classes: tuple[str, ...], name: str, columns: tuple[str, ...] | None, config):
+def _read(source, classes: tuple[str, ...], name: str, columns: tuple[str, ...] | None, declared: OwnersData):
     """``source.read_private``, where a column the owner's table lacks is named as the public
     pool's (its header sets the run's inputs: the pool may be the file at fault)."""
     from conclave.learning.data.sources import MissingColumns
@@ -95,16 +101,14 @@ def _read(source, classes: tuple[str, ...], name: str, columns: tuple[str, ...] 
         pooled = [c for c in err.missing if c in (columns or ())]
         if not pooled:
             raise
-        raise MissingColumns(f"{source.path}: no column(s) {pooled} of the public pool {config.public.path}, "
+        raise MissingColumns(f"{source.path}: no column(s) {pooled} of the public pool {declared.public.path}, "
                              "whose columns are the run's inputs", pooled) from None
 
 
-def _columns(config) -> tuple[str, ...] | None:
+def _columns(declared: OwnersData) -> tuple[str, ...] | None:
     """The run's input columns: the public pool's, by whose names a run reads an owner's table."""
-    from conclave.learning.data.sources import DataSource
-
-    public = getattr(config, "public", None)
-    if not isinstance(public, DataSource):  # sparse_finetune's public data is a benchmark, not a pool
+    public = declared.public
+    if public is None:  # e.g. sparse_finetune's public data is a benchmark, not a pool
         return None
     try:
         return public.anchored(os.getcwd()).input_columns()
@@ -113,13 +117,13 @@ def _columns(config) -> tuple[str, ...] | None:
                           f"be read here ({err})") from None
 
 
-def _classes(config) -> tuple[str, ...]:
+def _classes(declared: OwnersData) -> tuple[str, ...]:
     """The run's class list: the config's, or the public test data's labels, as a run takes it."""
     from conclave.learning.data.sources import class_names
 
-    if getattr(config, "classes", None):
-        return tuple(config.classes)
-    test = config.test.anchored(os.getcwd())
+    if declared.classes:
+        return tuple(declared.classes)
+    test = declared.test.anchored(os.getcwd())
     try:
         return class_names(test.read_raw().labels)
     except OSError as err:
@@ -127,13 +131,13 @@ def _classes(config) -> tuple[str, ...]:
                           "declare classes in the config") from None
 
 
-def _against_declared(owner, usable: int) -> list[str]:
-    """What a run does with the usable records, given what the owner declared."""
+def _against_declared(owner: DataOwner, teachers: int | None, usable: int) -> list[str]:
+    """What a run does with the usable records, given what the owner declared (and its
+    ``teachers``, where the pipeline trains them)."""
     declared = owner.records
     if declared is None:
         return ["records: none declared (a run uses every usable record)"]
     lines = [f"records declared: {declared} (a public upper bound); usable here: {usable}"]
-    teachers = getattr(owner, "teachers", None)
     if usable < declared:
         lines.append("fewer than declared: a run uses what there is (nothing about it leaves this node)")
     elif teachers is not None:

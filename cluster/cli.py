@@ -13,6 +13,7 @@ import sys
 from types import ModuleType
 
 from conclave import DISTRIBUTION, __version__
+from conclave.errors import Interrupted
 from conclave.learning.threads import share_cores
 from conclave.registry import Registry
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(_selected_command(argv))
     except KeyboardInterrupt:
         print("conclave: interrupted", file=sys.stderr)
-        return 130
+        return Interrupted.exit_code
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

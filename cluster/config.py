@@ -14,11 +14,16 @@ from typing import Any, TypeVar
 
 import yaml
 
+from conclave.errors import ConclaveError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A config file that cannot describe a valid run; the message names the key."""
+class ConfigError(ConclaveError, ValueError):
+    """A config (or a setting on the command line) that cannot describe a valid run; the message
+    names the key. Fix it and run again."""
+
+    exit_code = 2
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     except (OwnerRefused, LedgerDamaged, LedgerInUse, ValueError, OSError) as err:
         text = str(err).strip()
         print(f"conclave: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
-        return 2
+        return OwnerRefused.exit_code
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ From the config alone — no data file is opened, Ray is not started, torch is n
 it states the declared counts (owners, teachers, records), the planned work (the vote
 mechanism and its queries, or the DP-SGD schedule), and the guarantee a run of the config
 would state in ``privacy.json``: the budget (a Rényi filter) or the worst case of the
-planned work, whichever is smaller, from the pipeline's own ``planned_work``.
+planned work, whichever is smaller, from the pipeline's own ``plan()``.
 
 The table: for the configured noise and a few neighbouring levels (the vote mechanism's σ's,
 or DP-SGD's noise multiplier), the worst-case ε of the configured plan and how much work the
@@ -37,26 +37,27 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.pipelines import Pipeline, load_pipeline
 from conclave.cluster.proposal import SOURCES, propose, render
-from conclave.cluster.pipelines import pipeline_module
 from conclave.cluster.teaching.config import MechanismConfig
 from conclave.cluster.results import _jsonable
-from conclave.cluster.run_command import load_run_config
+from conclave.errors import ConclaveError, fail
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.composition import PublishedRun
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 from conclave.privacy.mechanisms.base import parameters_of
 
-EXIT_BAD_CONFIG = 2
 NOISE_FACTORS = (0.75, 1.5, 2.0)  # the neighbouring settings: the configured noise times these
 MAX_ANSWERS = 10**8  # the table's search stops here ("at least")
 MAX_EPOCHS = 10**5
 RECORDS_PER_TEACHER = 20  # fewer, and each teacher learns from too little to vote well
 
 
-class PlanError(Exception):
+class PlanError(ConclaveError):
     """A config ``plan`` cannot price from the config alone; the message is the one line."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,11 @@ def main(args: argparse.Namespace) -> int:
                             "such as its base (whose trials compose)")
         if args.propose is not None:
             return _propose(args, raw)
-        pipeline, config = load_run_config(raw)
-        plan = make_plan(args.config, pipeline, config)
+        plan = make_plan(args.config, load_pipeline(raw))
     except (ConfigError, PlanError) as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return fail(err)
     except ValueError as err:  # a setting the accounting refuses, e.g. a target ε no noise reaches
-        print(f"conclave: {args.config}: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return fail(PlanError(f"{args.config}: {err}"))
     print(json.dumps(_jsonable(plan)) if args.json else summary(plan))
     return 0
 
@@ -169,11 +167,11 @@ def _propose(args: argparse.Namespace, raw: dict[str, Any]) -> int:
     return 0
 
 
-def make_plan(path: str, pipeline: str, config: Any) -> Plan:
-    """The plan of ``config`` (a ``pipeline`` Config), from public settings only."""
-    if pipeline == "teacher_student":
-        return _teacher_student(path, config)
-    return _dp_sgd(path, pipeline, config)
+def make_plan(path: str, pipeline: Pipeline) -> Plan:
+    """The plan of ``pipeline``, from public settings only."""
+    if pipeline.name == "teacher_student":
+        return _teacher_student(path, pipeline)
+    return _dp_sgd(path, pipeline)
 
 
 # --- what fits --------------------------------------------------------------------------
@@ -262,9 +260,9 @@ def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
     return settings
 
 
-def _teacher_student(path: str, config: Any) -> Plan:
-    module = pipeline_module("teacher_student")
-    planned = module.planned_work(config)
+def _teacher_student(path: str, pipeline: Pipeline) -> Plan:
+    config = pipeline.config
+    planned = pipeline.plan()
     guarantee = config.privacy.guarantee(planned)
     knn, voting = config.knn, config.records_vote  # records that vote themselves: no teacher is trained
     owners = tuple(owner_counts(o, None if voting else o.teachers, config, planned) for o in config.owners)
@@ -328,20 +326,21 @@ def _budget_warnings(config: Any, planned: PrivacyCharge, table: tuple[Row, ...]
 # --- DP-SGD (active_learning, sparse_finetune) -------------------------------------------
 
 
-def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
+def _dp_sgd(path: str, pipeline: Pipeline) -> Plan:
     from conclave.learning.dp_schedule import dp_schedule
 
-    if getattr(config, "checkpoints_from", None) is not None:
+    config = pipeline.config
+    active_learning = pipeline.name == "active_learning"
+    if active_learning and config.checkpoints_from is not None:
         raise PlanError("checkpoints_from: the training cost is that of an earlier run's checkpoints, which plan "
                         "does not read (that run's privacy.json states it)")
-    if pipeline == "sparse_finetune" and not config.owners and config.private.size is None:
+    if not active_learning and not config.owners and config.private.size is None:
         raise PlanError("private.size: not declared, so the DP-SGD schedule's N would be counted from the "
                         "benchmark's files; plan reads no data: declare it")
-    module = pipeline_module(pipeline)
-    section = "dpsgd" if pipeline == "active_learning" else "finetune"
-    planned = module.planned_work(config)
+    section = "dpsgd" if active_learning else "finetune"
+    planned = pipeline.plan()
     guarantee = config.privacy.guarantee(planned)
-    dp = getattr(config, section)
+    dp = config.dpsgd if active_learning else config.finetune
     schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training)
     counts = Counts(tuple(owner_counts(o, None, config, planned) for o in config.owners), None, config.private_size)
     steps_per_epoch = round(1 / schedule.sample_rate)
@@ -350,7 +349,7 @@ def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
             f"1/{steps_per_epoch}, {steps_per_epoch} steps per epoch, {dp.epochs} epochs ({schedule.steps} steps), "
             f"noise multiplier {schedule.noise_multiplier:.4g} ({how}), "
             f"{'secure sums across shard actors (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
-    if pipeline == "sparse_finetune":
+    if not active_learning:
         work += f"; {len(config.finetune.variants)} variants, one schedule each, on the same records"
     elif config.selection_releases():
         work += (f"; NearPrivate's DP-PCA (ε {config.selection.epsilon_pca:g}) and noisy counts "
@@ -360,7 +359,7 @@ def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
         return dataclasses.replace(setting, **{section: dataclasses.replace(getattr(setting, section), **changes)})
 
     def planned_of(setting: Any, epochs: int) -> PrivacyCharge:
-        return module.planned_work(setting if epochs < 0 else with_dp(setting, epochs=epochs))
+        return pipeline.with_config(setting if epochs < 0 else with_dp(setting, epochs=epochs)).plan()
 
     # σ fixed at the schedule's (a target ε would recalibrate it for every number of epochs)
     sigma = schedule.noise_multiplier
@@ -375,7 +374,7 @@ def _dp_sgd(path: str, pipeline: str, config: Any) -> Plan:
     if schedule.sample_rate >= 1:
         warnings.append(f"the expected batch ({dp.batch_size}) is at least the {config.private_size} declared records: "
                         "every step uses them all, so sampling amplifies nothing")
-    return _plan(path, pipeline, config, counts, work, guarantee, planned, "epochs", dp.epochs, table, warnings)
+    return _plan(path, pipeline.name, config, counts, work, guarantee, planned, "epochs", dp.epochs, table, warnings)
 
 
 def _plan(path: str, pipeline: str, config: Any, counts: Counts, work: str, guarantee: Guarantee,

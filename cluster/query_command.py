@@ -25,8 +25,28 @@ import grpc
 import numpy as np
 
 from conclave.cluster.client import AggregatorClient, is_budget_refusal
+from conclave.errors import ConclaveError, fail
 
 TOKEN_ENV = "CONCLAVE_TOKEN"
+PREFIX = "conclave query"  # of every line this command ends with
+
+
+class UnreadableInputs(ConclaveError):
+    """The inputs, an argument or ``--config`` cannot be used: nothing was asked."""
+
+    exit_code = 2
+
+
+class ServerRefused(ConclaveError):
+    """The server refused a call for another reason than the budget (its status code and reason)."""
+
+    exit_code = 1
+
+
+class BudgetSpent(ConclaveError):
+    """The privacy budget refused some inputs: nothing was charged for them."""
+
+    exit_code = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -44,26 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.batch_size < 1:
-        print("conclave query: --batch-size must be at least 1", file=sys.stderr)
-        return 2
     try:
-        inputs = np.load(Path(args.inputs), allow_pickle=False)
-    except (OSError, ValueError) as err:
-        print(f"conclave query: cannot read inputs {args.inputs}: {err}", file=sys.stderr)
-        return 2
-    if inputs.ndim < 1 or len(inputs) == 0:
-        print(f"conclave query: {args.inputs} holds no inputs (shape {list(inputs.shape)})", file=sys.stderr)
-        return 2
-    if not np.issubdtype(inputs.dtype, np.floating):
-        print(f"conclave query: {args.inputs} has dtype {inputs.dtype}; expected floats scaled like the training data", file=sys.stderr)
-        return 2
-
+        inputs = _inputs(args)
+    except UnreadableInputs as err:
+        return fail(err, PREFIX)
     try:
         classes = None if args.config is None else class_names(args.config)
     except (ValueError, OSError) as err:  # ConfigError is a ValueError
-        print(f"conclave query: --config {args.config}: {str(err).strip().splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(UnreadableInputs(f"--config {args.config}: {str(err).strip().splitlines()[0]}"), PREFIX)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     batches = [inputs[start : start + args.batch_size] for start in range(0, len(inputs), args.batch_size)]
     labels = np.full(len(inputs), -1, dtype=np.int64)  # -1 until answered
@@ -72,8 +80,7 @@ def main(args: argparse.Namespace) -> int:
         client = AggregatorClient(args.address, token=token, root_cert=args.root_cert, timeout=args.timeout,
                                   client_cert=args.client_cert, client_key=args.client_key)
     except (OSError, ValueError) as err:
-        print(f"conclave query: {err}", file=sys.stderr)
-        return 2
+        return fail(UnreadableInputs(str(err)), PREFIX)
     done, stopped, status = 0, None, 0
     with client:
         try:
@@ -88,16 +95,16 @@ def main(args: argparse.Namespace) -> int:
                 refused[done : done + args.batch_size] = True
             stopped = (f"stopped at input {done} of {len(inputs)}: "
                        f"{'privacy budget spent' if spent else err.code().name}: {err.details()}")
-            status = 3 if spent else 1
+            status = BudgetSpent.exit_code if spent else ServerRefused.exit_code
         budget = None
         if done:
             try:
                 budget = client.budget()
             except grpc.RpcError as err:  # the labels got are still written
                 stopped = stopped or f"GetBudget failed after every input was asked: {err.code().name}: {err.details()}"
-                status = status or 1
+                status = status or ServerRefused.exit_code
     if stopped is not None and not done:  # nothing was answered: the reason is all there is to say
-        print(f"conclave query: {stopped}", file=sys.stderr)
+        print(f"{PREFIX}: {stopped}", file=sys.stderr)
         return status
 
     labelled = int((labels >= 0).sum())
@@ -121,10 +128,25 @@ def main(args: argparse.Namespace) -> int:
               f"{f', {int(refused.sum())} refused: privacy budget spent' if refused.any() else ''})"
               f"{'' if budget is None else '; ' + _budget_line(budget)}", file=sys.stderr)
     if stopped is not None:
-        print(f"conclave query: {stopped} (every label got is written, -1 where none; asking again for "
+        print(f"{PREFIX}: {stopped} (every label got is written, -1 where none; asking again for "
               "them costs nothing: the server keeps its answers)", file=sys.stderr)
         return status
-    return 3 if refused.any() else 0
+    return BudgetSpent.exit_code if refused.any() else 0
+
+
+def _inputs(args: argparse.Namespace) -> np.ndarray:
+    """The inputs to ask about, checked (``UnreadableInputs``, one line, before anything is asked)."""
+    if args.batch_size < 1:
+        raise UnreadableInputs("--batch-size must be at least 1")
+    try:
+        inputs = np.load(Path(args.inputs), allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UnreadableInputs(f"cannot read inputs {args.inputs}: {err}") from None
+    if inputs.ndim < 1 or len(inputs) == 0:
+        raise UnreadableInputs(f"{args.inputs} holds no inputs (shape {list(inputs.shape)})")
+    if not np.issubdtype(inputs.dtype, np.floating):
+        raise UnreadableInputs(f"{args.inputs} has dtype {inputs.dtype}; expected floats scaled like the training data")
+    return inputs
 
 
 def class_names(config_path: str) -> tuple[str, ...] | None:
@@ -133,16 +155,17 @@ def class_names(config_path: str) -> tuple[str, ...] | None:
     server reads them); None for a benchmark's data, whose class index is its name."""
     from conclave.cluster.config import ConfigError, load_yaml
     from conclave.cluster.owners import PublicData
-    from conclave.cluster.run_command import load_run_config
+    from conclave.cluster.pipelines import load_pipeline
 
-    pipeline, config = load_run_config(load_yaml(config_path))
-    if pipeline != "teacher_student":
-        raise ConfigError(f"a {pipeline} run serves no labels; conclave serve runs teacher_student configs")
-    if config.classes:
-        return tuple(config.classes)
-    if not config.owners:
+    pipeline = load_pipeline(load_yaml(config_path))
+    if pipeline.name != "teacher_student":
+        raise ConfigError(f"a {pipeline.name} run serves no labels; conclave serve runs teacher_student configs")
+    declared = pipeline.owners_data()
+    if declared.classes:
+        return tuple(declared.classes)
+    if not declared.owners:
         return None
-    return PublicData.read(config.public, config.test, None).classes
+    return PublicData.read(declared.public, declared.test, None).classes
 
 
 def _name(classes: tuple[str, ...], label: int) -> str | None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from pathlib import Path
 
-from conclave.cluster.tls import LOOPBACK_NAMES, create_authority, issue, load_authority, subject_alternative_name
+from conclave.cluster.tls import (LOOPBACK_NAMES, CertificateError, create_authority, issue, load_authority,
+                                  subject_alternative_name)
+from conclave.errors import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -28,8 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.ca is not None and not args.hosts:
-        print("conclave: --ca signs a node's certificate: give the node's --hosts", file=sys.stderr)
-        return 2
+        return fail(CertificateError("--ca signs a node's certificate: give the node's --hosts"))
     try:
         hosts = tuple(dict.fromkeys((*args.hosts, *LOOPBACK_NAMES))) if args.hosts else ()
         for host in hosts:
@@ -43,6 +43,5 @@ def main(args: argparse.Namespace) -> int:
             print("run ray start, and the driver, on that node with:")
             print("export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in node.ray_env().items()))
     except (OSError, ValueError) as err:  # CertificateError is a ValueError
-        print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(CertificateError(str(err).splitlines()[0]))
     return 0

@@ -39,10 +39,18 @@ from pathlib import Path
 from typing import Iterator
 
 from conclave.cluster.config import ConfigError, load_yaml
+from conclave.errors import ConclaveError, Interrupted, fail
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "CONCLAVE_TOKEN"
+
+
+class StartRefused(ConclaveError):
+    """A problem found while starting the service (its settings, files, port, ledger, an owner's
+    node): nothing was served, and what was started is undone."""
+
+    exit_code = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -76,98 +84,81 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print("conclave: interrupted while starting; stopping what was started (nothing was served)",
               file=sys.stderr, flush=True)
         _undo(started, ours)
-        return 130
+        return Interrupted.exit_code
 
 
 def _serve(args: argparse.Namespace, stop: threading.Event | None, started: contextlib.ExitStack, ours: bool) -> int:
-    from conclave.cluster.run_command import load_run_config
+    from conclave.cluster.pipelines import load_pipeline  # here: a Ctrl-C while the library loads is undone as any
 
     try:
-        pipeline, config = load_run_config(load_yaml(args.config))
-        if pipeline != "teacher_student":
-            raise ConfigError(f"config.pipeline: conclave serve needs a teacher_student config, got {pipeline!r}")
-        config.privacy.require_os_entropy("serving")
+        config = load_pipeline(load_yaml(args.config)).serving()
     except ConfigError as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
 
-    from conclave.actors.placement import PlacementError
     from conclave.actors.owners import OwnerDataError
-    from conclave.cluster.api import train_ensemble
-    from conclave.cluster.teaching.aggregation import server_settings, start_aggregator
-    from conclave.cluster.teaching.ensemble import checked_public, resolved
+    from conclave.actors.placement import PlacementError
+    from conclave.cluster.api import serve, train_ensemble
     from conclave.cluster.ray_runtime import record_ray_processes
+    from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
+    from conclave.cluster.teaching.ensemble import checked_public, resolved
+    from conclave.cluster.tls import HandshakeLog, check_server_files
     from conclave.privacy.accounting.ledger import LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import OwnerRefused
-
-    from conclave.cluster.tls import CertificateError, HandshakeLog, check_server_files
 
     # Out of the environment before Ray starts: an embedded Ray's processes, and every worker
     # they start, inherit this process's environment. The server runs here, in the driver.
     from_env = os.environ.pop(TOKEN_ENV, None)
     token = from_env or secrets.token_urlsafe(24)
+    overrides = {"host": args.host, "port": args.port, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+                 "tls_client_ca": args.tls_client_ca, "allow_plaintext": args.allow_plaintext}
     try:
-        settings = server_settings(config, token, host=args.host, port=args.port, tls_cert=args.tls_cert,
-                                   tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                                   allow_plaintext=args.allow_plaintext)
+        settings = server_settings(config, token, **overrides)
         if settings.tls:
             check_server_files(Path(settings.tls_cert), Path(settings.tls_key),
                                None if settings.tls_client_ca is None else Path(settings.tls_client_ca))
-    except (ValueError, CertificateError) as err:
-        print(f"conclave: server: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # CertificateError too
+        return fail(StartRefused(f"server: {err}"))
     try:
         public = checked_public(config)
     except ConfigError as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     try:
         _check_port_free(settings.host, settings.port)
         _check_writable(ledger_path)
-        ledger = config.privacy.open_ledger(ledger_path, config.planned(), durable=True)
+        ledger = aggregator_ledger(config, ledger_path, service=True)
     except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
-        print(f"conclave: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(StartRefused(str(err).splitlines()[0]))
     except sqlite3.Error as err:  # not a database, or one SQLite cannot write
-        print(f"conclave: ledger {ledger_path}: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(StartRefused(f"ledger {ledger_path}: {str(err).splitlines()[0]}"))
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
     config = resolved(config, public)
     try:
         teachers = train_ensemble(config, args.address, public=public)
     except (OwnerDataError, PlacementError) as err:
         _undo(started, ours)
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     started.callback(teachers.pool.shutdown)
-    try:  # the owners' lifetime ledgers, on their nodes, once Ray runs
-        ledger = config.privacy.with_owners(ledger, config.planned(), config.owners, config.name)
-    except (OwnerRefused, ValueError, PlacementError) as err:
-        _undo(started, ours)
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
-    record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
     # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
     # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.
     handshakes = HandshakeLog(logging.getLogger("conclave.cluster.tls")) if settings.tls else None
     if handshakes is not None:
         handshakes.start()
         started.callback(handshakes.stop)
-    try:
-        server, address = start_aggregator(config, teachers.pool, ledger, settings)
-    except OSError as err:  # the port was taken meanwhile
+    try:  # the owners' lifetime ledgers, on their nodes, then the gRPC server: the library's serve
+        aggregator = serve(config, teachers, ledger, token, **overrides)
+    except (ConclaveError, ValueError, OSError) as err:  # an owner's node refused; the port was taken meanwhile
         _undo(started, ours)
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
-    started.callback(server.stop)
-    guarantee, report = server.guarantee(), ledger.report()
+        return fail(StartRefused(str(err)))
+    ledger = aggregator.ledger
+    started.callback(aggregator.stop)
+    record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
+    guarantee, report = aggregator.server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
     voters = (f"kNN votes, k {config.knn.k} at sample rate {config.knn.sample_rate:g}" if config.knn
               else f"{teachers.pool.num_teachers} teachers")
     stop = stop or threading.Event()
     _stop_on_signals(stop)  # from here a signal stops the service as below, not the start
-    print(f"aggregator serving on {address} ({security}; {config.mechanism.name}, {voters}, "
+    print(f"aggregator serving on {aggregator.address} ({security}; {config.mechanism.name}, {voters}, "
           f"aggregation {config.aggregation})")
     print(f"token: from ${TOKEN_ENV}" if from_env else f"token: {token}  (generated; shown only now)")
     print(f"privacy ledger: {ledger_path}; guarantee ε = {guarantee.epsilon:.4g} at δ = {guarantee.delta:g} "
@@ -178,7 +169,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()  # first: no call is answered while the rest stops
+        aggregator.stop()  # first: no call is answered while the rest stops
         report = ledger.report()
         _undo(started, ours)  # the filter, the teachers, the ledger; Ray
         print(f"stopped; realised spend ε = {report.epsilon_spent:.4g} at δ = {report.delta:g} "

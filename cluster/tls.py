@@ -32,12 +32,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from conclave.errors import ConclaveError
+
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost")  # a node's own processes also dial each other on loopback
 
 
-class CertificateError(ValueError):
+class CertificateError(ConclaveError, ValueError):
     """Certificates that cannot be made from what was given (one line, naming the problem)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from conclave.cluster.config import ConfigError, from_dict
+from conclave.errors import ConclaveError
 
 INSTALL_HINT = "MLflow tracking needs mlflow-skinny: pip install 'conclave-ray[tracking]'"
 ARTEFACT_SUFFIXES = (".json", ".csv", ".png")  # what a results folder publishes (not ledgers, not checkpoints)
@@ -64,8 +65,10 @@ class TrackingConfig:
             raise ValueError("tracking.tracking_uri and tracking.experiment must be non-empty or null")
 
 
-class TrackingFailed(RuntimeError):
+class TrackingFailed(ConclaveError, RuntimeError):
     """MLflow could not be reached or refused what was logged (one line, the cause in ``__cause__``)."""
+
+    exit_code = 6
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from conclave.cluster.cli import COMMANDS, build_parser
 from conclave.cluster.config import load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -93,7 +93,7 @@ def test_each_conclave_command_parses_and_names_real_files(where, argv):
     for word in argv:
         if word.startswith("configs/"):
             raw = load_yaml(ROOT / word)
-            load_run_config(raw["base"] if argv[0] == "tune" else raw)  # a sweep's base is a run config
+            load_pipeline(raw["base"] if argv[0] == "tune" else raw)  # a sweep's base is a run config
 
 
 def test_every_script_and_make_target_named_exists():

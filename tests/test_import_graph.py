@@ -1,5 +1,6 @@
 """The layers import one way, with no cycle: privacy ← learning ← actors ← cluster's library ←
-its clients (the CLI and its commands, the YAML pipelines, tuning, the benchmarks).
+its clients (the CLI and each of its commands, tuning, the benchmarks), and no client imports
+another: what two clients share lives in the library (the pipelines, ``cluster.api``).
 
 Every ``import`` counts, at module level or inside a function: a cycle through a lazy import is
 still a cycle a reader has to untangle.
@@ -12,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("privacy", "learning", "actors", "cluster", "tuning", "protos")
 LAYERS = ("privacy", "learning", "actors", "cluster", "tuning")  # each may import only those before it
-# cluster's clients: what a user runs (the CLI and its commands) and the YAML adapters over the library.
-CLIENTS = ("conclave.cluster.cli", "conclave.cluster.pipelines")
+# cluster's clients: what a user runs (the CLI and its commands); tuning and the benchmarks are clients too.
+CLIENTS = ("conclave.cluster.cli",)
 COMMAND_SUFFIX = "_command"
 
 
@@ -71,6 +72,15 @@ def is_client(name: str) -> bool:
             or name.rpartition(".")[2].endswith(COMMAND_SUFFIX))
 
 
+def client_of(name: str) -> str:
+    """Which client ``name`` belongs to: tuning (its command included) and the benchmarks are one
+    client each, the CLI's entry points one, and every other command its own."""
+    for whole in ("conclave.tuning", "bench"):
+        if within(name, (whole,)):
+            return whole
+    return "conclave.cluster.cli" if within(name, ("conclave.__main__",)) else name
+
+
 def test_no_import_cycle():
     index, low, on_stack, stack, cycles, counter = {}, {}, set(), [], [], [0]
 
@@ -120,11 +130,26 @@ def test_the_library_never_imports_its_clients():
     assert not wrong, wrong
 
 
-def test_clients_reach_pipelines_only_through_the_registry():
-    """The CLI, tuning and the benchmarks use the library, or a pipeline as a whole through
-    ``cluster.pipelines.pipeline_module``: never one pipeline module's insides."""
-    wrong = [(name, t) for name, targets in GRAPH.items()
-             if is_client(name) and not within(name, ("conclave.cluster.pipelines",))
+def test_no_client_imports_another():
+    """e.g. tuning never imports ``run_command``, nor ``serve_command`` the run's: what both
+    need (the config loader, the exit codes, one line per failure) is the library's."""
+    wrong = [(name, t) for name, targets in GRAPH.items() if is_client(name)
+             for t in targets if is_client(t) and client_of(t) != client_of(name)]
+    assert not wrong, wrong
+
+
+def test_tuning_and_the_benchmarks_import_only_the_library():
+    """Of the project, tuning and the benchmarks import the library's modules only (and their own):
+    no client, and a pipeline only as a whole (``cluster.api``, ``cluster.pipelines``)."""
+    wrong = [(name, t) for name, targets in GRAPH.items() if client_of(name) in ("conclave.tuning", "bench")
              for t in targets
-             if t.startswith("conclave.cluster.pipelines.")]
+             if (is_client(t) and client_of(t) != client_of(name)) or t.startswith("conclave.cluster.pipelines.")]
+    assert not wrong, wrong
+
+
+def test_clients_reach_pipelines_only_as_a_whole():
+    """The CLI, tuning and the benchmarks load a pipeline (``cluster.pipelines.load_pipeline``) or
+    name one (``cluster.api``) and call its methods: never one pipeline module's insides."""
+    wrong = [(name, t) for name, targets in GRAPH.items() if is_client(name)
+             for t in targets if t.startswith("conclave.cluster.pipelines.")]
     assert not wrong, wrong

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from conclave.cluster.cli import COMMANDS
-from conclave.cluster.pipelines import PIPELINES
+from conclave.cluster.pipelines import PIPELINES, Pipeline
 from conclave.learning.data.sources import FORMATS
 from conclave.learning.models import REGISTRY
 from conclave.learning.selection import STRATEGIES
@@ -65,8 +65,8 @@ def test_every_registered_entry_of_the_project_loads():
     for kind in (REGISTRY, FORMATS, STRATEGIES):
         assert all(callable(kind.load(name)) for name in kind), kind.kind
     for name in PIPELINES:
-        module = PIPELINES.load(name)
-        assert all(hasattr(module, part) for part in ("Config", "validate", "run", "planned_work")), name
+        pipeline = PIPELINES.load(name)
+        assert issubclass(pipeline, Pipeline) and pipeline.name == name, name
     for name in COMMANDS:
         module = COMMANDS.load(name)
         assert callable(module.add_arguments) and callable(module.main) and COMMANDS.about(name), name

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from conclave.cluster.config import ConfigError
 from conclave.cluster.tracking import TrackingFailed, add_flag, with_flag
+from conclave.errors import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> None:
@@ -18,7 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "tune") -> Non
 
 
 def main(args: argparse.Namespace) -> int:
-    from conclave.cluster.run_command import EXIT_CODES
     from conclave.tuning.config import load_tune_config
     from conclave.tuning.sweep import check, run_sweep, summary_lines
 
@@ -27,13 +26,11 @@ def main(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, tracking=with_flag(config.tracking, args.mlflow))
         check(config)
     except ConfigError as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     try:
         summary = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
     except TrackingFailed as err:
-        print(f"conclave: {err}", file=sys.stderr)
-        return EXIT_CODES["tracking"]
+        return fail(err)
     print()
     for line in summary_lines(summary):
         print(line)

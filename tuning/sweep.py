@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
-from conclave.cluster.pipelines import pipeline_module
-from conclave.cluster.results import RunDirectory
+from conclave.cluster.api import Pipeline, RunDirectory
 from conclave.cluster.tracking import MlflowLog
 from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from conclave.tuning import report, spaces
@@ -49,22 +48,22 @@ log = logging.getLogger(__name__)
 _SEED_KEY = "privacy.insecure_noise_seed"
 
 
-def check(config: TuneConfig) -> Any:
-    """Validate the sweep; returns the pipeline Config of one point of its space."""
+def check(config: TuneConfig) -> Pipeline:
+    """Validate the sweep; returns the pipeline of one point of its space."""
     kind = KINDS[config.kind]
     if config.base.get("pipeline") != kind.pipeline:
         raise ConfigError(f"base.pipeline: a {config.kind} sweep runs the {kind.pipeline!r} pipeline, "
                           f"got {config.base.get('pipeline')!r}")
     try:
         _, preview = trial_config(config.kind, config.base, spaces.preview(config.space))
-        pipeline_module(kind.pipeline).validate(preview)  # its data and model, as `conclave run` checks them
+        preview.validate()  # its data and model, as `conclave run` checks them
     except ConfigError as err:
         raise ConfigError(f"base + space: {err}") from err
     swept = spaces.swept_keys(config.space)
     if _SEED_KEY in swept:
         raise ConfigError(f"space: {_SEED_KEY} cannot be swept: tuning draws noise from OS entropy only")
     try:
-        preview.privacy.require_os_entropy("tuning")
+        preview.config.privacy.require_os_entropy("tuning")
     except ConfigError as err:
         raise ConfigError(f"base.{err}") from None
     if "tracking" in config.base:
@@ -113,7 +112,7 @@ def random_repetition(config: TuneConfig) -> bool:
     return config.cost.method == "random-repetition" and not KINDS[config.kind].free
 
 
-def number_of_trials(config: TuneConfig, preview: Any) -> tuple[int, TruncatedNegativeBinomial | None, int]:
+def number_of_trials(config: TuneConfig, preview: Pipeline) -> tuple[int, TruncatedNegativeBinomial | None, int]:
     """(number of trials, K's distribution or None, the search's random state).
 
     ``num_samples`` and the config's seed, or for random repetition K drawn from the truncated
@@ -121,7 +120,7 @@ def number_of_trials(config: TuneConfig, preview: Any) -> tuple[int, TruncatedNe
     if not random_repetition(config):
         return config.num_samples, None, config.seed
     distribution = TruncatedNegativeBinomial(config.cost.eta, config.cost.gamma)
-    source = preview.privacy.noise.source("tuning-repetitions")
+    source = preview.config.privacy.noise.source("tuning-repetitions")
     return distribution.sample(source.rng), distribution, source.seed() % 2**32
 
 
@@ -133,10 +132,10 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
     config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
     kind = KINDS[config.kind]
-    delta = preview.privacy.delta
+    delta = preview.config.privacy.delta
     # before anything runs: an MLflow store that cannot be reached fails first
     tracker = MlflowLog(config.tracking, results_root, config.name) if config.tracking.mlflow else None
-    start_ray(address, runtime_env=preview.runtime_env, models=preview.models)
+    start_ray(address, runtime_env=preview.config.runtime_env, models=preview.config.models)
     results = RunDirectory(results_root, config.name)
     prepared = prepare(config.kind, preview, results)
     before_trials = time.time()
@@ -214,7 +213,7 @@ def _one_modification_time(folder: Path, when: float) -> None:
         os.utime(path, (when, when))
 
 
-def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int, search_state: int,
+def _fit(config: TuneConfig, kind, preview: Pipeline, prepared: Any, num_samples: int, search_state: int,
          storage: Path, verbose: int, callbacks: list):
     """Run the trials with Ray Tune (``callbacks``: its logger callbacks); returns its ``ResultGrid``."""
     from ray import tune
@@ -244,10 +243,10 @@ def _fit(config: TuneConfig, kind, preview: Any, prepared: Any, num_samples: int
     return tuner.fit()
 
 
-def _max_reports(preview: Any, kind: str) -> int:
+def _max_reports(preview: Pipeline, kind: str) -> int:
     """How many reports a full trial makes (ASHA's max_t)."""
     if kind == "sparsity":
-        return int(preview.finetune.epochs)
+        return int(preview.config.finetune.epochs)
     return 1
 
 

@@ -36,9 +36,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from conclave.cluster.pipelines import RunContext, pipeline_module
-from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.api import Pipeline, RunContext, RunDirectory, RunOutcome, load_pipeline
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 from conclave.tuning import spaces
@@ -74,21 +72,21 @@ KINDS: dict[str, Kind] = {
 }
 
 
-def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, Any]:
-    """(raw run config, pipeline Config) of the trial with these dotted-key values."""
+def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, Pipeline]:
+    """(raw run config, its pipeline) of the trial with these dotted-key values."""
     values = dict(values)
     if kind == "teacher_ensemble" and "mechanism.params.threshold_fraction" in values:
         # T scales with the ensemble: a fraction of the number of teachers, so T and the count can be swept
         # together; the count is the config's own (the owners' sum, teachers.count or its default).
         fraction = float(values.pop("mechanism.params.threshold_fraction"))
-        teachers = load_run_config(spaces.apply(base, values))[1].num_teachers
+        teachers = load_pipeline(spaces.apply(base, values)).config.num_teachers
         values["mechanism.params.threshold"] = fraction * teachers
     if kind == "diverse_public" and "selection.n_cluster" in values:
         # N_cluster is a tuning knob, not a config key: N_labeled = N_cluster × N_each.
         n_each = values.get("selection.n_each", base.get("selection", {}).get("n_each", 10))
         values["selection.sizes"] = [int(values.pop("selection.n_cluster")) * int(n_each)]
     raw = spaces.apply(base, values)
-    return raw, load_run_config(raw)[1]
+    return raw, load_pipeline(raw)
 
 
 # --- reporting ---------------------------------------------------------------------------
@@ -119,50 +117,48 @@ def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any
 
 
 @ray.remote(num_cpus=0)
-def _run_pipeline(raw: dict, directory: str) -> tuple[dict, dict, dict]:
-    """Run a pipeline into ``directory``/run; (metrics, privacy, charge fields of its planned work).
+def _run_pipeline(pipeline: Pipeline, directory: str) -> tuple[RunOutcome, dict]:
+    """Run ``pipeline`` into ``directory``/run; (its outcome, the charge fields of its planned work).
 
     A trial's charge is its planned worst case, fixed before it ran: the realised spend
     depends on what the trial released, and adding those up would not be a guarantee."""
-    pipeline, config = load_run_config(raw)
-    results = RunDirectory(directory, "run")
-    module = pipeline_module(pipeline)
-    outcome = module.run(config, RunContext("trial", results, None))
-    return outcome.metrics, outcome.privacy, charge_fields(module.planned_work(config))
+    outcome = pipeline.run(RunContext("trial", RunDirectory(directory, "run"), None))
+    return outcome, charge_fields(pipeline.plan())
 
 
-def _pipeline_outside_trial(raw: dict, trial_dir: Path) -> tuple[dict, dict, PrivacyCharge]:
-    metrics, privacy, fields = ray.get(
-        _run_pipeline.options(scheduling_strategy="DEFAULT").remote(raw, str(trial_dir)))
-    return metrics, privacy, charge_from_fields(fields)
+def _pipeline_outside_trial(pipeline: Pipeline, trial_dir: Path) -> tuple[RunOutcome, PrivacyCharge]:
+    outcome, fields = ray.get(
+        _run_pipeline.options(scheduling_strategy="DEFAULT").remote(pipeline, str(trial_dir)))
+    return outcome, charge_from_fields(fields)
 
 
-def _teacher_ensemble(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
-    metrics, privacy, charge = _pipeline_outside_trial(raw, trial_dir)
-    for point in metrics["curve"][:-1]:
+def _teacher_ensemble(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
+    outcome, charge = _pipeline_outside_trial(pipeline, trial_dir)
+    student = outcome.result
+    for point in student.curve[:-1]:
         _report(point["accuracy"], float(point["budget"].get("epsilon_spent", math.nan)), charge,
                 answered=point["answered"])
-    _report(metrics["student_accuracy"], privacy.epsilon, charge,
-            answered=metrics["queries_answered"], asked=metrics["queries_asked"],
-            label_accuracy=metrics["label_accuracy"])
+    _report(student.accuracy, outcome.privacy.epsilon, charge, answered=student.answered, asked=student.asked,
+            label_accuracy=student.label_accuracy)
 
 
-def _near_private(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
-    if tuple(config.selection.strategies) != ("near_private",) or len(config.selection.sizes) != 1:
+def _near_private(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
+    selection = pipeline.config.selection
+    if tuple(selection.strategies) != ("near_private",) or len(selection.sizes) != 1:
         raise ValueError("near_private sweeps need selection.strategies [near_private] and one N_labeled "
                          "(selection.sizes: [N])")
-    metrics, privacy, charge = _pipeline_outside_trial(raw, trial_dir)
-    for row in metrics["checkpoints"]:  # the DP-SGD model alone, epoch by epoch
+    outcome, charge = _pipeline_outside_trial(pipeline, trial_dir)
+    for row in outcome.result.checkpoints:  # the DP-SGD model alone, epoch by epoch
         _report(row["test_accuracy"], row["epsilon"], charge, stage="dpsgd")
-    final = metrics["results"][-1]
-    _report(final["accuracy"], privacy.per_model["near_private"].epsilon, charge, stage="near_private",
+    final = outcome.result.rows[-1]
+    _report(final["accuracy"], outcome.privacy.per_model["near_private"].epsilon, charge, stage="near_private",
             n_labeled=final["n_labeled"], start_epoch=final["start_epoch"])
 
 
 # --- trials in the trial's own process ----------------------------------------------------
 
 
-def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> None:
+def _diverse_public(pipeline: Pipeline, prepared: dict, trial_dir: Path) -> None:
     """DiversePublic on the sweep's fixed DP checkpoint, through the pipeline's own selection
     and fine-tuning phase. It gets no private source and no ledger (None): a code path that
     tried to read private data or spend budget would fail instead of costing privacy."""
@@ -170,6 +166,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
 
     from conclave.cluster.active_learning import improve, public_side
 
+    config = pipeline.config
     torch.set_num_threads(config.torch_threads)
     rng = np.random.default_rng(config.seed)
     public = public_side(config, rng)  # the private part is dropped
@@ -182,7 +179,7 @@ def _diverse_public(config: Any, raw: dict, prepared: dict, trial_dir: Path) -> 
             checkpoint_accuracy=prepared["accuracy"])
 
 
-def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
+def _sparsity(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
     """Sparse DP fine-tuning of the sweep's public model, one variant, reported every epoch."""
     import torch
 
@@ -193,6 +190,7 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
     from conclave.learning.sparse import plan_variant, replace_classifier
     from conclave.learning.training import evaluate
 
+    config = pipeline.config
     if len(config.finetune.variants) != 1:
         raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
                          "one-element lists, e.g. {choice: [[classifier], [all]]}")
@@ -217,7 +215,7 @@ def _sparsity(config: Any, raw: dict, prepared: Any, trial_dir: Path) -> None:
              on_epoch=on_epoch)
 
 
-TRIALS: dict[str, Callable[[Any, dict, Any, Path], None]] = {
+TRIALS: dict[str, Callable[[Pipeline, Any, Path], None]] = {
     "teacher_ensemble": _teacher_ensemble,
     "near_private": _near_private,
     "diverse_public": _diverse_public,
@@ -229,17 +227,17 @@ def run_trial(params: dict[str, Any], *, kind: str, base: dict, space: dict, pre
     """The function trainable: the base config with this trial's values, run by its kind."""
     from ray import tune
 
-    raw, config = trial_config(kind, base, spaces.overrides(space, params))
+    _, pipeline = trial_config(kind, base, spaces.overrides(space, params))
     trial_dir = Path(tune.get_context().get_trial_dir())
     trial_dir.mkdir(parents=True, exist_ok=True)
     try:
-        TRIALS[kind](config, raw, prepared, trial_dir)
+        TRIALS[kind](pipeline, prepared, trial_dir)
     except Exception:
-        _report_planned_before_failing(raw, trial_dir)
+        _report_planned_before_failing(pipeline, trial_dir)
         raise
 
 
-def _report_planned_before_failing(raw: dict, trial_dir: Path) -> None:
+def _report_planned_before_failing(pipeline: Pipeline, trial_dir: Path) -> None:
     """A failed trial may have released part of its work: report its planned worst case — or
     a zero charge when no ledger recorded anything, since nothing is released before its
     charge — so the sweep can account for it (without a report the sweep's ε is unbounded)."""
@@ -252,20 +250,19 @@ def _report_planned_before_failing(raw: dict, trial_dir: Path) -> None:
     if not charged:
         _report(math.nan, 0.0, PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS)), failed=True)
         return
-    pipeline, config = load_run_config(raw)
-    planned = pipeline_module(pipeline).planned_work(config)
-    _report(math.nan, worst_case_guarantee(planned, config.privacy.delta).epsilon, planned, failed=True)
+    planned = pipeline.plan()
+    _report(math.nan, worst_case_guarantee(planned, pipeline.config.privacy.delta).epsilon, planned, failed=True)
 
 
 # --- what a sweep prepares once, before its trials ------------------------------------------
 
 
-def prepare(kind: str, config: Any, results: RunDirectory) -> dict[str, Any] | Any | None:
+def prepare(kind: str, pipeline: Pipeline, results: RunDirectory) -> dict[str, Any] | Any | None:
     """Build what every trial of ``kind`` shares; returns None when trials share nothing."""
     if kind == "diverse_public":
-        return _prepare_checkpoint(config, results)
+        return _prepare_checkpoint(pipeline.config, results)
     if kind == "sparsity":
-        return _prepare_public_model(config, results)
+        return _prepare_public_model(pipeline.config, results)
     return None
 
 

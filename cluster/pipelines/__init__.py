@@ -1,47 +1,169 @@
-"""Pipelines a config can name: YAML → library adapters. Each module exposes ``Config`` (a frozen
-dataclass), ``validate(config) -> Config`` (what the driver checks before Ray starts, one-line
-``ConfigError``s; the config with its defaults resolved), ``run(config: Config, context:
-RunContext) -> RunOutcome`` (what it wrote, as values), ``planned_work(config) ->
-PrivacyCharge``: the worst case of what the run will release, from public settings only (it
-fixes the budget's order and is the run's worst-case guarantee), and ``unused_settings(config)
--> tuple[str, ...]``: the config's keys (dotted) that this run does not read, which tracking
-leaves out of its params."""
+"""Pipelines: one typed object per pipeline a config can name, which every client goes through.
+
+    pipeline = load_pipeline(load_yaml("configs/hospitals.yaml"))    # TeacherStudent(config=...)
+    pipeline = pipeline.validate()                  # its public data and models, before Ray starts
+    pipeline.plan()                                 # the worst case of what it will release
+    outcome = pipeline.run(RunContext("hospitals", RunDirectory("results", "hospitals")))
+    outcome.result, outcome.privacy                 # typed: StudentResult, RunPrivacy
+
+``conclave run``, ``plan``, ``serve``, ``audit`` and ``check-data``, tuning and the benchmarks
+all load a config this way and use the pipeline's methods, never a pipeline's insides. A config
+file names its ``pipeline`` (a key of ``PIPELINES``); the rest of it is that pipeline's config
+dataclass, read by ``cluster.config.from_dict``.
+"""
 from __future__ import annotations
 
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from conclave.cluster.auditing import AuditResult, AuditSettings, run_audit
+from conclave.cluster.config import ConfigError, from_dict
+from conclave.cluster.owners import DataOwner
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_privacy import RunPrivacy
+from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy
+from conclave.cluster.teaching.config import Config as TeacherStudentConfig
+from conclave.learning.data.sources import DataSource
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import Guarantee
 from conclave.registry import Registry
 
-PIPELINES: Registry[ModuleType] = Registry("pipeline", {
-    "teacher_student": "conclave.cluster.pipelines.teacher_student",
-    "active_learning": "conclave.cluster.pipelines.active_learning",
-    "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune",
+
+
+class PipelineConfig(Protocol):
+    """What every pipeline's config holds besides its own sections."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def privacy(self) -> PrivacyConfig: ...
+
+    @property
+    def owners(self) -> tuple[DataOwner, ...]: ...
+
+    @property
+    def runtime_env(self) -> dict: ...  # Ray's, for the run's workers
+
+    @property
+    def models(self) -> tuple: ...  # the models the run builds (names, "module:function" or factories)
+
+
+ConfigT = TypeVar("ConfigT", bound=PipelineConfig)
+ResultT = TypeVar("ResultT")
+PipelineT = TypeVar("PipelineT", bound="Pipeline")
+
+PIPELINES: Registry[type[Pipeline]] = Registry("pipeline", {
+    "teacher_student": "conclave.cluster.pipelines.teacher_student:TeacherStudent",
+    "active_learning": "conclave.cluster.pipelines.active_learning:ActiveLearning",
+    "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune:SparseFinetune",
 })
+
+# What ``conclave demo`` runs: the teacher_student pipeline's defaults, under the name "demo".
+DEMO_CONFIG: Mapping[str, Any] = {"pipeline": "teacher_student", "name": "demo"}
 
 
 @dataclass(frozen=True)
-class RunOutcome:
-    """What a run returns: the short summary the CLI prints, and the metrics and privacy
-    report it wrote to ``metrics.json`` and ``privacy.json`` (so callers need not read them back)."""
+class RunOutcome(Generic[ResultT]):
+    """What a run returns: the library's typed ``result``, the privacy report it wrote to
+    ``privacy.json``, what it wrote to ``metrics.json`` (``metrics``, the same figures as JSON)
+    and the short ``summary`` the CLI prints (so callers need not read the files back)."""
 
-    summary: dict[str, Any]
-    metrics: dict[str, Any]
+    result: ResultT
     privacy: RunPrivacy
+    metrics: dict[str, Any]
+    summary: dict[str, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunContext:
-    """What every pipeline gets besides its config."""
+    """What every run gets besides its config: its name, its results folder, the Ray cluster to join."""
 
     run_name: str
     results: RunDirectory
     ray_address: str | None = None
 
 
-def pipeline_module(name: str) -> ModuleType:
-    """The pipeline module ``name`` (``UnknownName``, a KeyError naming the known ones, if none)."""
-    return PIPELINES.load(name)
+@dataclass(frozen=True)
+class OwnersData:
+    """What ``conclave check-data`` reads of a config: the owners, the public pool whose columns
+    are the run's inputs (None: the pipeline has no pool), the test data, the class names, and
+    each owner's teachers (empty where the pipeline trains none)."""
+
+    owners: tuple[DataOwner, ...]
+    public: DataSource | None
+    test: DataSource | None
+    classes: tuple[str, ...] | None
+    teachers: Mapping[str, int]
+
+
+class Pipeline(ABC, Generic[ConfigT, ResultT]):
+    """One pipeline with its config (``config``, a frozen dataclass; subclasses are frozen
+    dataclasses too). ``plan`` and ``validate`` read no private data and start nothing;
+    ``run`` does the work and returns a typed outcome."""
+
+    name: ClassVar[str]  # what a config's ``pipeline:`` says
+    config_type: ClassVar[type]
+    config: ConfigT
+
+    def with_config(self: PipelineT, config: Any) -> PipelineT:
+        """This pipeline with another config of its type (e.g. a sweep's trial, a plan's variation)."""
+        return dataclasses.replace(self, config=config)
+
+    def validate(self: PipelineT) -> PipelineT:
+        """Everything the driver can check before Ray starts (``ConfigError``, one line): its public
+        data, the models for those inputs. Returns the pipeline with its config's defaults resolved."""
+        return self
+
+    @abstractmethod
+    def plan(self) -> PrivacyCharge:
+        """The worst case of what a run will release, from public settings only: it fixes the
+        budget's order and is the run's worst-case guarantee."""
+
+    def guarantee(self) -> Guarantee:
+        """What ``privacy.json`` will call the guarantee: the budget or the planned worst case,
+        whichever is smaller."""
+        return self.config.privacy.guarantee(self.plan())
+
+    @abstractmethod
+    def run(self, context: RunContext) -> RunOutcome[ResultT]:
+        """Run the pipeline into ``context.results`` (metrics.json, privacy.json and plots)."""
+
+    @abstractmethod
+    def unused_settings(self) -> tuple[str, ...]:
+        """The config's keys (dotted) this run does not read, which tracking leaves out of its params."""
+
+    @abstractmethod
+    def owners_data(self) -> OwnersData:
+        """What ``conclave check-data`` reads of the config."""
+
+    def serving(self) -> TeacherStudentConfig:
+        """The config ``conclave serve`` serves: only a teacher_student pipeline has one."""
+        raise ConfigError(f"config.pipeline: conclave serve needs a teacher_student config, got {self.name!r}")
+
+    def audit(self, settings: AuditSettings) -> AuditResult:
+        """An empirical lower bound on ε from one run with canaries, by the audit registered for
+        this pipeline (``cluster.auditing.AUDITS``)."""
+        return run_audit(self.name, self.config, settings)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as ``config.json`` holds it: ``pipeline`` first, then its sections."""
+        return {"pipeline": self.name, **dataclasses.asdict(self.config)}  # type: ignore[call-overload]
+
+
+def load_pipeline(raw: Mapping[str, Any]) -> Pipeline:
+    """The pipeline a parsed YAML mapping describes (``ConfigError`` naming the key). Its
+    ``tracking`` section says how the run is recorded, not what it does:
+    ``conclave.cluster.tracking.from_section`` reads it."""
+    raw = dict(raw)
+    raw.pop("tracking", None)
+    name = raw.pop("pipeline", None)
+    if name is None:
+        raise ConfigError("config: missing required key 'pipeline'")
+    try:
+        kind = PIPELINES.load(name)
+    except KeyError as err:
+        raise ConfigError(f"config.pipeline: {err.args[0]}") from err
+    return kind(from_dict(kind.config_type, raw))  # type: ignore[call-arg]

@@ -1,47 +1,66 @@
-"""``pipeline: active_learning``: the YAML adapter over ``cluster.active_learning`` (private
-active learning, Zhao et al. 2019). It runs ``learn_actively`` and writes ``metrics.json``,
+"""``pipeline: active_learning``: the pipeline over ``cluster.active_learning`` (private active
+learning, Zhao et al. 2019). It runs ``learn_actively`` and writes ``metrics.json``,
 ``privacy.json`` and ``accuracy_vs_labels.png`` (what each holds: ``cluster.active_learning``)."""
 from __future__ import annotations
 
-from conclave.cluster.active_learning import Config, learn_actively, planned_work, validate
-from conclave.cluster.pipelines import RunContext, RunOutcome
+from dataclasses import dataclass
+from typing import ClassVar
+
+from conclave.cluster.active_learning import ActiveLearningResult, Config, learn_actively, planned_work, validate
+from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
+from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import RunRequest
 
-__all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
 
+@dataclass(frozen=True)
+class ActiveLearning(Pipeline[Config, ActiveLearningResult]):
+    """``pipeline: active_learning``: DP-SGD checkpoints on the owners' data, improved with bought labels."""
 
-def unused_settings(config: Config) -> tuple[str, ...]:
-    """The keys this run does not read: beside owners, the benchmark's data keys
-    (``data.public_size`` and ``data.features`` stay); without owners, the owners' sections."""
-    if config.owners:
-        return ("data.name", "data.root", "data.private_size", "data.num_shards", "data.pollution")
-    return ("owners", "public", "test", "classes")
+    name: ClassVar[str] = "active_learning"
+    config_type: ClassVar[type] = Config
+    config: Config
 
+    def plan(self) -> PrivacyCharge:
+        return planned_work(self.config)
 
-def run(config: Config, context: RunContext) -> RunOutcome:
-    planned = planned_work(config)  # charged whole before training: every owner must pay for all of it first
-    request = RunRequest(context.run_name, "active_learning",
-                         ("dpsgd", *(release.charge().label for release in config.selection_releases())))
-    with admitting_owners(config, request, planned, planned, context.ray_address):
-        result = learn_actively(config, context.results, context.ray_address)
-    checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
-    context.results.write_json("privacy", privacy.as_dict())
-    metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": result.public_pool,
-               "out_of_domain": result.out_of_domain, "labels_bought": result.labels_bought,
-               "shards": {"nodes": result.nodes}}  # owner → the Ray nodes its shard actors ran on
-    context.results.write_json("metrics", metrics)
-    final_epsilon = checkpoint_rows[-1]["epsilon"]
-    curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
-    curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
-    context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)", "test accuracy")
-    summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4), "epsilon_dp": round(final_epsilon, 3),
-               "guarantee": privacy.headline()}
-    for name in sel.strategies:
-        last = [r for r in rows if r["strategy"] == name][-1]
-        summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
-    if privacy.owners:
-        summary["owners (lifetime budgets)"] = privacy.owners_line()
-    return RunOutcome(summary, metrics, privacy)
+    def unused_settings(self) -> tuple[str, ...]:
+        """The keys this run does not read: beside owners, the benchmark's data keys
+        (``data.public_size`` and ``data.features`` stay); without owners, the owners' sections."""
+        if self.config.owners:
+            return ("data.name", "data.root", "data.private_size", "data.num_shards", "data.pollution")
+        return ("owners", "public", "test", "classes")
 
+    def validate(self) -> ActiveLearning:
+        return self.with_config(validate(self.config))
 
+    def owners_data(self) -> OwnersData:
+        config = self.config
+        return OwnersData(config.owners, config.public, config.test, config.classes, {})
+
+    def run(self, context: RunContext) -> RunOutcome[ActiveLearningResult]:
+        config = self.config
+        planned = self.plan()  # charged whole before training: every owner must pay for all of it first
+        request = RunRequest(context.run_name, self.name,
+                             ("dpsgd", *(release.charge().label for release in config.selection_releases())))
+        with admitting_owners(config, request, planned, planned, context.ray_address):
+            result = learn_actively(config, context.results, context.ray_address)
+        checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
+        context.results.write_json("privacy", privacy.as_dict())
+        metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": result.public_pool,
+                   "out_of_domain": result.out_of_domain, "labels_bought": result.labels_bought,
+                   "shards": {"nodes": result.nodes}}  # owner → the Ray nodes its shard actors ran on
+        context.results.write_json("metrics", metrics)
+        final_epsilon = checkpoint_rows[-1]["epsilon"]
+        curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
+        curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
+        context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)",
+                             "test accuracy")
+        summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4),
+                   "epsilon_dp": round(final_epsilon, 3), "guarantee": privacy.headline()}
+        for name in sel.strategies:
+            last = [r for r in rows if r["strategy"] == name][-1]
+            summary[f"{name}@{last['n_labeled']}"] = f"{last['accuracy']:.4f} (ε={last['epsilon']:.2f})"
+        if privacy.owners:
+            summary["owners (lifetime budgets)"] = privacy.owners_line()
+        return RunOutcome(result, privacy, metrics, summary)

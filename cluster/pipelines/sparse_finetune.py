@@ -1,39 +1,60 @@
-"""``pipeline: sparse_finetune``: the YAML adapter over ``cluster.sparse_finetuning`` (sparse DP
+"""``pipeline: sparse_finetune``: the pipeline over ``cluster.sparse_finetuning`` (sparse DP
 fine-tuning, Luo et al. 2021). It runs ``finetune_sparsely`` and writes ``metrics.json`` and
 ``privacy.json``."""
 from __future__ import annotations
 
-from conclave.cluster.pipelines import RunContext, RunOutcome
+from dataclasses import dataclass
+from typing import ClassVar
+
+from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
-from conclave.cluster.sparse_finetuning import Config, finetune_sparsely, planned_work, validate
+from conclave.cluster.sparse_finetuning import Config, SparseResult, finetune_sparsely, planned_work, validate
+from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import RunRequest
 
-__all__ = ["Config", "planned_work", "run", "unused_settings", "validate"]
 
+@dataclass(frozen=True)
+class SparseFinetune(Pipeline[Config, SparseResult]):
+    """``pipeline: sparse_finetune``: a public model, DP-fine-tuned sparsely on the owners' data."""
 
-def unused_settings(config: Config) -> tuple[str, ...]:
-    """The keys this run does not read: beside owners, the benchmark's private split; without
-    owners, the owners' sections."""
-    return ("private",) if config.owners else ("owners", "test", "classes")
+    name: ClassVar[str] = "sparse_finetune"
+    config_type: ClassVar[type] = Config
+    config: Config
 
+    def plan(self) -> PrivacyCharge:
+        return planned_work(self.config)
 
-def run(config: Config, context: RunContext) -> RunOutcome:
-    planned = planned_work(config)  # every variant's schedule: every owner must pay for all of them first
-    with admitting_owners(config, RunRequest(context.run_name, "sparse_finetune", ("dpsgd",)), planned, planned,
-                          context.ray_address):
-        result = finetune_sparsely(config, context.results, context.ray_address)
-    variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
-    metrics = {
-        "public": {"losses": result.public_losses, "accuracy": result.public_accuracy,
-                   "dataset": result.public_dataset},
-        "private_test": result.private_test, "variants": result.variants,
-        "shards": {"nodes": result.nodes},  # owner → the Ray nodes its shard actors ran on
-    }
-    context.results.write_json("metrics", metrics)
-    context.results.write_json("privacy", privacy.as_dict())
-    summary = {f"accuracy[{v}]": round(r["accuracy"], 4) for v, r in variants.items()}
-    summary["public_accuracy"] = round(public_accuracy, 4)
-    summary["guarantee (all variants)"] = privacy.headline()
-    if privacy.owners:
-        summary["owners (lifetime budgets)"] = privacy.owners_line()
-    return RunOutcome(summary, metrics, privacy)
+    def unused_settings(self) -> tuple[str, ...]:
+        """The keys this run does not read: beside owners, the benchmark's private split; without
+        owners, the owners' sections."""
+        return ("private",) if self.config.owners else ("owners", "test", "classes")
+
+    def validate(self) -> SparseFinetune:
+        return self.with_config(validate(self.config))
+
+    def owners_data(self) -> OwnersData:
+        """Its owners and test data; no pool (its public data is a benchmark's), no teachers."""
+        config = self.config
+        return OwnersData(config.owners, None, config.test, config.classes, {})
+
+    def run(self, context: RunContext) -> RunOutcome[SparseResult]:
+        config = self.config
+        planned = self.plan()  # every variant's schedule: every owner must pay for all of them first
+        with admitting_owners(config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned,
+                              context.ray_address):
+            result = finetune_sparsely(config, context.results, context.ray_address)
+        variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
+        metrics = {
+            "public": {"losses": result.public_losses, "accuracy": result.public_accuracy,
+                       "dataset": result.public_dataset},
+            "private_test": result.private_test, "variants": result.variants,
+            "shards": {"nodes": result.nodes},  # owner → the Ray nodes its shard actors ran on
+        }
+        context.results.write_json("metrics", metrics)
+        context.results.write_json("privacy", privacy.as_dict())
+        summary = {f"accuracy[{v}]": round(r["accuracy"], 4) for v, r in variants.items()}
+        summary["public_accuracy"] = round(public_accuracy, 4)
+        summary["guarantee (all variants)"] = privacy.headline()
+        if privacy.owners:
+            summary["owners (lifetime budgets)"] = privacy.owners_line()
+        return RunOutcome(result, privacy, metrics, summary)

@@ -22,7 +22,7 @@ representation of the images, each computing it in its own process (teacher acto
 shards and every query, the student for its answered images and test split); the student and
 outside clients still send images, so the gRPC API and its shape checks are unchanged.
 
-This module is the YAML adapter over the library steps (``cluster.teaching``; the front door is
+``TeacherStudent`` is the pipeline over the library steps (``cluster.teaching``; the front door is
 ``cluster.api``): it checks, runs them and writes the results folder. ``Config()`` is the demo
 (``conclave demo``): digits, 50 teachers, Confident-GNMax under a budget of ε = 4, a FixMatch
 student (about a minute on 2 CPUs).
@@ -31,95 +31,110 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from conclave.cluster.pipelines import RunOutcome
+from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
+from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.teaching.aggregation import serve
 from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
-from conclave.cluster.teaching.student import train_student
+from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded
 from conclave.privacy.accounting.owner_ledger import RunRequest
 
-__all__ = ["Config", "planned_work", "run", "teach_student", "unused_settings", "validate"]
 
+@dataclass(frozen=True)
+class TeacherStudent(Pipeline[Config, StudentResult]):
+    """``pipeline: teacher_student``: teachers (or records that vote) → private aggregator → student."""
 
-def planned_work(config: Config) -> PrivacyCharge:
-    return config.planned()
+    name: ClassVar[str] = "teacher_student"
+    config_type: ClassVar[type] = Config
+    config: Config
 
+    def plan(self) -> PrivacyCharge:
+        return self.config.planned()
 
-def unused_settings(config: Config) -> tuple[str, ...]:
-    """The keys this run does not read: beside owners, the benchmark's data keys (the sources say
-    what they said; ``data.features`` stays); without owners, the owners' sections."""
-    if config.owners:
-        return ("data.name", "data.root", "data.public_size", "data.private_size")
-    return ("owners", "public", "test", "classes")
+    def unused_settings(self) -> tuple[str, ...]:
+        """The keys this run does not read: beside owners, the benchmark's data keys (the sources
+        say what they said; ``data.features`` stays); without owners, the owners' sections."""
+        if self.config.owners:
+            return ("data.name", "data.root", "data.public_size", "data.private_size")
+        return ("owners", "public", "test", "classes")
 
+    def validate(self) -> TeacherStudent:
+        """Its public data and the models for those inputs; the config with its defaults resolved."""
+        return self.with_config(resolved(self.config, checked_public(self.config)))
 
-def validate(config: Config) -> Config:
-    """Everything the driver can check before Ray starts (``ConfigError``, one line): its
-    public data, the models for those inputs. Returns the config with its defaults resolved."""
-    return resolved(config, checked_public(config))
+    def owners_data(self) -> OwnersData:
+        config = self.config
+        return OwnersData(config.owners, config.public, config.test, config.classes,
+                          {owner.name: owner.teachers for owner in config.owners})
 
+    def serving(self) -> Config:
+        """The config ``conclave serve`` serves (whose answers are always releases: its noise
+        comes from OS entropy, ``ConfigError`` otherwise)."""
+        self.config.privacy.require_os_entropy("serving")
+        return self.config
 
-def run(config: Config, context) -> RunOutcome:
-    mechanisms = (config.mechanism.name, *(("smooth-sensitivity",) if config.smooth_sensitivity() else ()))
-    request = RunRequest(context.run_name, "teacher_student", mechanisms)
-    # before any teacher trains, every owner can pay for one answer (the student stops at its budget)
-    with admitting_owners(config, request, config.planned(), config.planned(answers=1), context.ray_address):
-        with train_ensemble(config, context.ray_address) as ensemble:
-            return teach_student(config, ensemble, context.results)
+    def run(self, context: RunContext) -> RunOutcome[StudentResult]:
+        config = self.config
+        mechanisms = (config.mechanism.name, *(("smooth-sensitivity",) if config.smooth_sensitivity() else ()))
+        request = RunRequest(context.run_name, self.name, mechanisms)
+        # before any teacher trains, every owner can pay for one answer (the student stops at its budget)
+        with admitting_owners(config, request, config.planned(), config.planned(answers=1), context.ray_address):
+            with train_ensemble(config, context.ray_address) as ensemble:
+                return self.teach(ensemble, context.results)
 
+    def teach(self, teachers: Ensemble, results: RunDirectory) -> RunOutcome[StudentResult]:
+        """Serve ``teachers`` over gRPC, let a student actor learn from them, write the results.
 
-def teach_student(config: Config, teachers: Ensemble, results) -> RunOutcome:
-    """Serve ``teachers`` over gRPC, let a student actor learn from them, write the results.
-
-    Separate from ``run`` so one set of trained teachers can serve several mechanisms
-    (the benchmark does this for the three 250-teacher MNIST configs).
-    """
-    config = resolved(config, teachers.public)
-    earlier = earlier_rounds(config)  # the rounds behind a network embedding compose with this one
-    with serve(config, teachers, results.path / "ledger.sqlite") as aggregator:
-        student = train_student(config, teachers, aggregator)
-        aggregator.stop()
-        privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier)
-        stopped = (aggregator.ledger.last_refusal or "a privacy budget refused the next answer"
-                   ) if student.budget_exhausted else None
-    if stopped is not None and not student.asked:  # nothing asked was paid for: a refusal, not a result
-        raise BudgetExceeded(stopped)
-    if stopped is not None:
-        privacy = privacy.adding(stopped_by_budget=stopped)
-    # No seconds or rates: the teachers' training, the votes (kNN: over every record) and the
-    # analysis of the votes take times that grow with the owners' records (docs/privacy.md).
-    metrics = {
-        "student_accuracy": student.accuracy,
-        "label_accuracy": student.label_accuracy,  # released labels against the pool's truth (None: no labels)
-        "queries_asked": student.asked,
-        "queries_answered": student.answered,
-        "budget_exhausted": student.budget_exhausted,
-        **_vote_source(config, teachers),
-        "curve": student.curve,
-    }
-    results.write_json("metrics", metrics)
-    results.write_json("privacy", privacy.as_dict())
-    if student.network is not None:  # a later round's embedding: "network:<this file>", with every round's bound
-        with_lineage(student.network, config, earlier).save(results.path / "student.pt")
-    _plots(results, student.curve)
-    summary = {
-        "student_accuracy": round(student.accuracy, 4),
-        "label_accuracy": None if student.label_accuracy is None else round(student.label_accuracy, 4),
-        "queries_asked": student.asked,
-        "queries_answered": student.answered,
-        "epsilon": privacy.headline(),
-    }
-    if privacy.owners:
-        summary["owners (lifetime budgets)"] = privacy.owners_line()
-    if stopped is not None:
-        summary[f"stopped after {student.answered} answers by"] = stopped
-    return RunOutcome(summary, metrics, privacy)
+        Separate from ``run`` so one set of trained teachers can serve several mechanisms
+        (the benchmark does this for the three 250-teacher MNIST configs).
+        """
+        config = resolved(self.config, teachers.public)
+        earlier = earlier_rounds(config)  # the rounds behind a network embedding compose with this one
+        with serve(config, teachers, results.path / "ledger.sqlite") as aggregator:
+            student = train_student(config, teachers, aggregator)
+            aggregator.stop()
+            privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier)
+            stopped = (aggregator.ledger.last_refusal or "a privacy budget refused the next answer"
+                       ) if student.budget_exhausted else None
+        if stopped is not None and not student.asked:  # nothing asked was paid for: a refusal, not a result
+            raise BudgetExceeded(stopped)
+        if stopped is not None:
+            privacy = privacy.adding(stopped_by_budget=stopped)
+        # No seconds or rates: the teachers' training, the votes (kNN: over every record) and the
+        # analysis of the votes take times that grow with the owners' records (docs/privacy.md).
+        metrics = {
+            "student_accuracy": student.accuracy,
+            "label_accuracy": student.label_accuracy,  # released labels against the pool's truth (None: no labels)
+            "queries_asked": student.asked,
+            "queries_answered": student.answered,
+            "budget_exhausted": student.budget_exhausted,
+            **_vote_source(config, teachers),
+            "curve": student.curve,
+        }
+        results.write_json("metrics", metrics)
+        results.write_json("privacy", privacy.as_dict())
+        if student.network is not None:  # a later round's embedding: "network:<this file>", with every round's bound
+            with_lineage(student.network, config, earlier).save(results.path / "student.pt")
+        _plots(results, student.curve)
+        summary = {
+            "student_accuracy": round(student.accuracy, 4),
+            "label_accuracy": None if student.label_accuracy is None else round(student.label_accuracy, 4),
+            "queries_asked": student.asked,
+            "queries_answered": student.answered,
+            "epsilon": privacy.headline(),
+        }
+        if privacy.owners:
+            summary["owners (lifetime budgets)"] = privacy.owners_line()
+        if stopped is not None:
+            summary[f"stopped after {student.answered} answers by"] = stopped
+        return RunOutcome(student, privacy, metrics, summary)
 
 
 def _vote_source(config: Config, teachers: Ensemble) -> dict[str, Any]:
@@ -135,7 +150,7 @@ def _vote_source(config: Config, teachers: Ensemble) -> dict[str, Any]:
                          "model": model_label(config.teachers.model), "nodes": teachers.nodes}}
 
 
-def _plots(results, curve: list[dict[str, Any]]) -> None:
+def _plots(results: RunDirectory, curve: list[dict[str, Any]]) -> None:
     answered = [p["answered"] for p in curve]
     results.plot("student_accuracy", answered, {"student": [p["accuracy"] for p in curve]},
                  xlabel="answered queries", ylabel="student test accuracy")

@@ -17,6 +17,7 @@ from conclave.cluster.teaching.config import Config
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.ledger import AnsweringLedger, PrivacyLedger
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Aggregator:
 
     config: Config
     server: Any  # actors.aggregator.AggregatorServer
-    ledger: Any  # privacy.accounting.ledger.PrivacyLedger
+    ledger: AnsweringLedger  # the run's or service's, with the owners' lifetime ledgers behind it
     address: str  # host:port
     token: str  # the bearer token clients send
     _running: bool = field(default=True, repr=False)
@@ -117,26 +118,36 @@ class Aggregator:
         self.close()
 
 
-def serve(config: Config, ensemble: Ensemble, ledger_path: str | Path, token: str | None = None,
-          fresh: bool = True, **server: Any) -> Aggregator:
-    """Serve ``ensemble`` with ``config``'s mechanism, every answer charged to the ledger at
-    ``ledger_path`` (``fresh``: start it empty, as a run does; else keep what it holds, as a
-    service does). ``server``: ``ServerSettings`` fields to override (host, port, TLS...)."""
-    config = resolved(config, ensemble.public)
-    ledger_path = Path(ledger_path)
-    if fresh:
-        for stale in ledger_path.parent.glob(ledger_path.name + "*"):
+def aggregator_ledger(config: Config, path: str | Path, service: bool = False) -> PrivacyLedger:
+    """The ledger an aggregator charges, its budget fixed now from the planned work, before any
+    data is read. A run's starts empty (what an earlier run left at ``path`` is removed); a
+    ``service``'s keeps what it holds across restarts and is durable (``PrivacyConfig.open_ledger``)."""
+    path = Path(path)
+    if not service:
+        for stale in path.parent.glob(path.name + "*"):
             stale.unlink()
-    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return config.privacy.open_ledger(path, config.planned(), durable=service)
+
+
+def serve(config: Config, ensemble: Ensemble, ledger: str | Path | PrivacyLedger, token: str | None = None,
+          **server: Any) -> Aggregator:
+    """Serve ``ensemble`` with ``config``'s mechanism, every answer charged first to ``ledger`` —
+    a path (a run's ledger, started empty: ``aggregator_ledger``) or a ledger already open (a
+    service's, opened before its teachers trained) — and to the owners' lifetime ledgers, opened
+    on their nodes now. ``server``: ``ServerSettings`` fields to override (host, port, TLS...).
+    The ``Aggregator`` closes the ledger; so does a failure to start."""
+    config = resolved(config, ensemble.public)
+    if not isinstance(ledger, PrivacyLedger):
+        ledger = aggregator_ledger(config, ledger)
     planned = config.planned()
-    ledger = config.privacy.with_owners(config.privacy.open_ledger(ledger_path, planned), planned, config.owners,
-                                        config.name)
+    charged = config.privacy.with_owners(ledger, planned, config.owners, config.name)
     token = token or secrets.token_urlsafe(24)
     try:
-        reserve_estimates(config, ledger)
-        aggregator, address = start_aggregator(config, ensemble.pool, ledger, server_settings(config, token, **server))
+        reserve_estimates(config, charged)
+        aggregator, address = start_aggregator(config, ensemble.pool, charged, server_settings(config, token, **server))
     except BaseException:
-        ledger.close()
+        charged.close()
         raise
     log.info("aggregator serving on %s", address)
-    return Aggregator(config, aggregator, ledger, address, token)
+    return Aggregator(config, aggregator, charged, address, token)

@@ -66,16 +66,15 @@ def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | 
 
     from conclave.actors.placement import PlacementError
     from conclave.cluster.config import load_yaml
-    from conclave.cluster.pipelines import RunContext, pipeline_module
+    from conclave.cluster.api import RunContext, RunDirectory, load_pipeline
     from conclave.cluster.ray_runtime import keep_ray_on_loopback
-    from conclave.cluster.results import RunDirectory
-    from conclave.cluster.run_command import load_run_config
 
     keep_ray_on_loopback()
-    name, config = load_run_config(load_yaml(config_path))
-    pipeline = pipeline_module(name)
+    pipeline = load_pipeline(load_yaml(config_path))
+    config = pipeline.config
     owners = tuple(dataclasses.replace(o, labels={"owner": o.name}) for o in config.owners)
-    config = pipeline.validate(dataclasses.replace(config, owners=owners))
+    pipeline = pipeline.with_config(dataclasses.replace(config, owners=owners)).validate()
+    config = pipeline.config
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # small nodes: the student fits beside a teacher
     try:
         nodes = {o.name: cluster.add_node(num_cpus=1, resources=dict(o.resources), labels={"owner": o.name})
@@ -83,15 +82,15 @@ def run(config_path: str, results_dir: str, node_certificate: NodeCertificate | 
         cluster.wait_for_nodes()
         context = RunContext("multinode", RunDirectory(results_dir, "multinode"), cluster.address)
         started = time.perf_counter()
-        outcome = pipeline.run(config, context)
+        outcome = pipeline.run(context)
         run_seconds = time.perf_counter() - started
         summary, metrics = outcome.summary, outcome.metrics
         ledgers = {name: {"node": account.node, "path": account.ledger} for name, account in outcome.privacy.owners.items()}
         stranger = dataclasses.replace(owners[0], name="hospital_d", resources={"hospital_d": 1}, labels={}, budget=None)
         started = time.perf_counter()
         try:
-            pipeline.run(dataclasses.replace(config, owners=owners + (stranger,)),
-                         RunContext("stranger", RunDirectory(results_dir, "stranger"), cluster.address))
+            pipeline.with_config(dataclasses.replace(config, owners=owners + (stranger,))).run(
+                RunContext("stranger", RunDirectory(results_dir, "stranger"), cluster.address))
             placement_error = None
         except PlacementError as err:
             placement_error = str(err)

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from conclave.errors import ConclaveError, first_line
 from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
@@ -41,8 +42,16 @@ __all__ = [
 ]
 
 
-class BudgetExceeded(Exception):
+class BudgetExceeded(ConclaveError):
     """A charge was refused: it would pass the run's privacy budget. Nothing was recorded."""
+
+    exit_code = 4
+
+    def run_line(self, run: str) -> str:
+        line = first_line(self)
+        where = ("" if line.startswith("owner ") else
+                 " (the ledger in its results folder keeps what earlier runs on the same data spent)")
+        return f"run '{run}' refused by a privacy ledger: {line}{where}"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import IO
 
 import numpy as np
 
+from conclave.errors import RunRefused
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords
@@ -74,11 +75,11 @@ BUDGET_CHANGE = "budget-change"  # the label of a chain entry that changes the b
 GAUSSIAN_PLAN = "gaussian_plan"  # a charge's details: the Gaussian releases it is made of, for a tighter ε
 
 
-class LedgerInUse(RuntimeError):
+class LedgerInUse(RunRefused, RuntimeError):
     """Another writer holds the ledger's lock: a ledger has one writer at a time."""
 
 
-class LedgerDamaged(ValueError):
+class LedgerDamaged(RunRefused, ValueError):
     """The ledger file is not as its writer left it (edited, truncated, corrupt, or older than
     checksums), or is shorter than its record says: its budget cannot be trusted, so it is not used."""
 

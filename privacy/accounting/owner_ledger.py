@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import RunRefused
 from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, order_index, rdp_budget
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 POLICY_SUFFIX = ".policy.json"
 
 
-class OwnerRefused(RuntimeError):
+class OwnerRefused(RunRefused, RuntimeError):
     """An owner's node refuses the run before anything is released — its policy, or its ledger's
     state (missing, damaged, held by another run, another budget) — in one line naming the owner."""
 

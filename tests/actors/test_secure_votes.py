@@ -25,7 +25,7 @@ from conclave.actors.teacher import TeacherPool
 from conclave.cluster.client import AggregatorClient
 from conclave.cluster.config import load_yaml
 from conclave.cluster.teaching.ensemble import checked_public, resolved, teacher_pool
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.privacy.accounting.charge import ADD_REMOVE
 from conclave.privacy.accounting.filter import filter_for
 from conclave.privacy.accounting.ledger import PrivacyLedger
@@ -44,7 +44,7 @@ def _hospitals(teachers: int):
     """configs/hospitals.yaml with ``teachers`` per owner (three owners, one actor each)."""
     raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")
     raw.update(owners=[{**owner, "teachers": teachers} for owner in raw["owners"]], aggregation="secure")
-    return load_run_config(raw)[1]
+    return load_pipeline(raw).config
 
 
 @pytest.fixture(scope="module")

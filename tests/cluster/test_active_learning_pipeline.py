@@ -14,9 +14,9 @@ from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import RunContext
 from conclave.cluster.run_privacy import PrivacyConfig
 from conclave.cluster.active_learning import pollute
-from conclave.cluster.pipelines.active_learning import run
+from conclave.cluster.api import ActiveLearning
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.learning.data import load_digits
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
@@ -26,29 +26,30 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def test_both_configs_load():
     for name in ("digits-active.yaml", "mnist-active.yaml"):
-        pipeline, config = load_run_config(load_yaml(CONFIGS / name))
-        assert pipeline == "active_learning" and len(config.selection.strategies) == 5
+        pipeline = load_pipeline(load_yaml(CONFIGS / name))
+        config = pipeline.config
+        assert pipeline.name == "active_learning" and len(config.selection.strategies) == 5
         assert config.privacy == PrivacyConfig(budget=None, delta=1e-5)
     for name in ("tune-digits-diverse.yaml", "tune-mnist-diverse.yaml",
                  "tune-digits-nearprivate.yaml", "tune-mnist-nearprivate.yaml"):
-        pipeline, config = load_run_config(load_yaml(CONFIGS / name)["base"])
-        assert pipeline == "active_learning" and config.privacy.delta == 1e-5
+        pipeline = load_pipeline(load_yaml(CONFIGS / name)["base"])
+        assert pipeline.name == "active_learning" and pipeline.config.privacy.delta == 1e-5
     # δ and the budget live in the shared privacy section: a config from before says so
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['delta'\].*privacy"):
-        load_run_config({"pipeline": "active_learning", "delta": 1e-5})
+        load_pipeline({"pipeline": "active_learning", "delta": 1e-5})
     with pytest.raises(ConfigError, match="privacy.delta"):
-        load_run_config({"pipeline": "active_learning", "privacy": {"delta": 2.0}})
+        load_pipeline({"pipeline": "active_learning", "privacy": {"delta": 2.0}})
     with pytest.raises(ConfigError, match="strategies"):
-        load_run_config({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
+        load_pipeline({"pipeline": "active_learning", "selection": {"strategies": ["closest"]}})
     with pytest.raises(ConfigError, match="annotator.address"):
-        load_run_config({"pipeline": "active_learning", "annotator": {"kind": "aggregator"}})
+        load_pipeline({"pipeline": "active_learning", "annotator": {"kind": "aggregator"}})
 
 
 def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
-    _, config = load_run_config({
+    config = load_pipeline({
         "pipeline": "active_learning", "privacy": {"delta": 1e-6},
         "dpsgd": {"lr_overrides": [["fc.", 0.8]], "max_physical_batch_size": 32, "lr_schedule": "cosine"},
-        "finetune": {"epochs": 3, "optimizer": "sgd"}})
+        "finetune": {"epochs": 3, "optimizer": "sgd"}}).config
     dp = config.dpsgd.dp_config(config.privacy.delta)
     assert type(dp) is DPSGDConfig and dp.delta == 1e-6
     assert dp == DPSGDConfig(epochs=10, lr=0.5, noise_multiplier=1.1, delta=1e-6, lr_overrides=(("fc.", 0.8),),
@@ -56,24 +57,24 @@ def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
     assert config.finetune.train_config(7) == TrainConfig(epochs=3, batch_size=32, optimizer="sgd", seed=7)
     # δ is the privacy section's and the seed the run's: neither is a key of its own here
     with pytest.raises(ConfigError, match=r"dpsgd: unknown key\(s\) \['delta'\]"):
-        load_run_config({"pipeline": "active_learning", "dpsgd": {"delta": 1e-6}})
+        load_pipeline({"pipeline": "active_learning", "dpsgd": {"delta": 1e-6}})
     with pytest.raises(ConfigError, match=r"finetune: unknown key\(s\) \['seed'\]"):
-        load_run_config({"pipeline": "active_learning", "finetune": {"seed": 1}})
+        load_pipeline({"pipeline": "active_learning", "finetune": {"seed": 1}})
     with pytest.raises(ConfigError, match=r"dpsgd.lr_overrides\[0\]: expected a list of 2 items"):
-        load_run_config({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc."]]}})
+        load_pipeline({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc."]]}})
     with pytest.raises(ConfigError, match="dpsgd: learning rates must be > 0"):
-        load_run_config({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc.", 0]]}})
+        load_pipeline({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc.", 0]]}})
 
 
 def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_session, tmp_path):
-    _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
+    config = load_pipeline(load_yaml(CONFIGS / "digits-active.yaml")).config
     config = dataclasses.replace(
         config,
         dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.7, target_epsilon=None),
         selection=dataclasses.replace(config.selection, sizes=(20, 40), epsilon_pca=0.2, epsilon_support=0.3),
         finetune=dataclasses.replace(config.finetune, epochs=3),
     )
-    summary = run(config, RunContext("t", RunDirectory(tmp_path, "t"))).summary
+    summary = ActiveLearning(config).run(RunContext("t", RunDirectory(tmp_path, "t"))).summary
     out = tmp_path / "t"
     metrics = json.loads((out / "metrics.json").read_text())
     privacy = json.loads((out / "privacy.json").read_text())
@@ -109,7 +110,7 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
     polluted = dataclasses.replace(
         config, checkpoints_from=str(out), data=dataclasses.replace(config.data, pollution=0.3),
         selection=dataclasses.replace(config.selection, strategies=("entropy", "near_private"), sizes=(40,)))
-    run(polluted, RunContext("p", RunDirectory(tmp_path, "p")))
+    ActiveLearning(polluted).run(RunContext("p", RunDirectory(tmp_path, "p")))
     again = json.loads((tmp_path / "p" / "metrics.json").read_text())
     assert again["out_of_domain"] == math.ceil(0.3 * 397) and again["checkpoints"] == metrics["checkpoints"]
     assert [r["strategy"] for r in again["results"]] == ["entropy", "near_private"]
@@ -117,14 +118,14 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
 
 
 def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(ray_session, tmp_path):
-    _, config = load_run_config(load_yaml(CONFIGS / "digits-active.yaml"))
+    config = load_pipeline(load_yaml(CONFIGS / "digits-active.yaml")).config
     config = dataclasses.replace(
         config, model="scatternet_cnn", data=dataclasses.replace(config.data, features="scattering", pollution=0.1),
         dpsgd=dataclasses.replace(config.dpsgd, epochs=4, noise_multiplier=0.6, target_epsilon=None),
         selection=dataclasses.replace(config.selection, strategies=("diverse_public", "near_private"), sizes=(40,),
                                       epsilon_pca=0.2, epsilon_support=0.3),
         finetune=dataclasses.replace(config.finetune, epochs=2))
-    run(config, RunContext("s", RunDirectory(tmp_path, "s")))
+    ActiveLearning(config).run(RunContext("s", RunDirectory(tmp_path, "s")))
     metrics = json.loads((tmp_path / "s" / "metrics.json").read_text())
     # The DP model's first layer reads 81 scattering maps, so the shard actor trained on
     # features it computed from its own images; the driver's pool and test set match them.
@@ -134,7 +135,7 @@ def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(
     assert [r["strategy"] for r in metrics["results"]] == ["diverse_public", "near_private"]
     assert all(r["accuracy"] > 0.25 for r in metrics["results"])
     with pytest.raises(ConfigError, match="data.features"):
-        load_run_config({"pipeline": "active_learning", "data": {"features": "sift"}})
+        load_pipeline({"pipeline": "active_learning", "data": {"features": "sift"}})
 
 
 def test_pollution_adds_marked_out_of_domain_images():

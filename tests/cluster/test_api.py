@@ -16,8 +16,8 @@ from conclave.cluster import api
 SCRIPT = '''
 import json, sys
 from torch import nn
-from conclave.cluster.api import Config, StudentConfig, TeachersConfig, TrainConfig, RunDirectory, train_ensemble
-from conclave.cluster.pipelines.teacher_student import teach_student
+from conclave.cluster.api import (Config, RunDirectory, StudentConfig, TeacherStudent, TeachersConfig, TrainConfig,
+                                  train_ensemble)
 from conclave.cluster.teaching.config import DataConfig
 
 
@@ -30,7 +30,7 @@ config = Config(name="callable", data=DataConfig(public_size=60),
                 student=StudentConfig(queries=20, batch_size=10, checkpoints=(), model=tiny_net,
                                       train=TrainConfig(epochs=2, batch_size=8, lr=0.05)))
 with train_ensemble(config, progress=False) as ensemble:
-    outcome = teach_student(config, ensemble, RunDirectory(sys.argv[1], "callable"))
+    outcome = TeacherStudent(config).teach(ensemble, RunDirectory(sys.argv[1], "callable"))
 print(json.dumps({"asked": outcome.metrics["queries_asked"], "model": outcome.metrics["teachers"]["model"]}))
 '''
 

@@ -18,7 +18,7 @@ from conclave.cluster.auditing import AuditSettings, SecretInclusion, run_audit
 from conclave.cluster.auditing.dpsgd import (CanarySource, Canaries, default_guesses, guesses_from,
                                              make_canaries, membership_scores, with_canary_records)
 from conclave.cluster.config import load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.learning.data import Dataset, load_digits
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.dpsgd import train_dp
@@ -41,7 +41,7 @@ CANARIES, GUESSES = 200, 100
 
 def tiny_config(**dpsgd):
     raw = {**TINY, "dpsgd": {**TINY["dpsgd"], **dpsgd}}
-    return raw, load_run_config(raw)[1]
+    return raw, load_pipeline(raw).config
 
 
 def test_the_real_build_stays_below_its_guarantee_and_a_noiseless_one_is_caught_above_it(ray_session):
@@ -102,7 +102,7 @@ def test_what_the_audit_cannot_take_is_one_line_and_status_2(argv, message, tmp_
 
 
 def test_a_secure_sum_config_refuses_the_broken_switch_before_anything_starts():
-    _, config = load_run_config(load_yaml(CONFIGS / "hospitals-active.yaml"))
+    config = load_pipeline(load_yaml(CONFIGS / "hospitals-active.yaml")).config
     with pytest.raises(ValueError, match="secure sum"):
         run_audit("active_learning", config, AuditSettings(canaries=10, broken_noise=0.1))
     # The canaries are declared on the first owner's account: the schedule covers every one of them.
@@ -184,7 +184,7 @@ def test_an_audit_is_charged_to_every_budgeted_owners_lifetime_ledger(monkeypatc
     from conclave.privacy.accounting.ledger import read_history
 
     monkeypatch.chdir(PROJECT_ROOT)  # the config's owner data paths are relative to the project
-    _, config = load_run_config(load_yaml(CONFIGS / "hospitals-active.yaml"))
+    config = load_pipeline(load_yaml(CONFIGS / "hospitals-active.yaml")).config
 
     def history(owner) -> list[str]:
         path = owner.budget.ledger_path(owner.name)

@@ -10,7 +10,7 @@ from conclave.cluster.auditing import AuditSettings, SecretInclusion, run_audit
 from conclave.cluster.auditing.labels import (CANARY_CLASS, OUT_CLASS, Design, Patterns, ScaledDraws, ScaledNoise,
                                               Share, affordable, audit_records, choose_design,
                                               guesses_from, place_canaries)
-from conclave.cluster.run_command import DEMO_CONFIG, load_run_config
+from conclave.cluster.pipelines import DEMO_CONFIG, load_pipeline
 from conclave.learning.data import shard
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.mechanisms import build_mechanism
@@ -89,16 +89,16 @@ def test_guesses_follow_the_released_labels():
 
 
 def test_the_audit_asks_no_more_queries_than_the_budget_pays_for():
-    demo = load_run_config(DEMO_CONFIG)[1]
+    demo = load_pipeline(DEMO_CONFIG).config
     paid = affordable(demo, 300)
     assert 30 < paid < 60  # ε = 4 for Confident-GNMax at σ1 = 20, σ2 = 12, every query answered
     assert affordable(demo, 10) == 10
-    unbudgeted = load_run_config({**SMALL, "privacy": {"budget": None}})[1]
+    unbudgeted = load_pipeline({**SMALL, "privacy": {"budget": None}}).config
     assert affordable(unbudgeted, 250) == 250
 
 
 def test_the_broken_build_is_caught_above_the_claimed_epsilon(ray_session):
-    config = load_run_config(SMALL)[1]
+    config = load_pipeline(SMALL).config
     result = run_audit("teacher_student", config, AuditSettings(canaries=CANARIES, broken_noise=0.0))
     assert (result.canaries, result.guesses) == (CANARIES, CANARIES)
     assert result.bound.epsilon > result.guarantee.epsilon, result.as_dict()
@@ -109,7 +109,7 @@ def test_the_broken_build_is_caught_above_the_claimed_epsilon(ray_session):
 
 
 def test_the_real_build_stays_below_its_guarantee(ray_session):
-    config = load_run_config(SMALL)[1]
+    config = load_pipeline(SMALL).config
     result = run_audit("teacher_student", config, AuditSettings(canaries=CANARIES))
     assert result.sound and result.below_guarantee, result.as_dict()
     assert result.bound.epsilon < result.guarantee.epsilon

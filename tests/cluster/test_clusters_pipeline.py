@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conclave.cluster.config import load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.teaching.config import ClustersConfig, Config, DataConfig, KnnConfig, MechanismConfig
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import read_ledger
@@ -39,7 +39,7 @@ def test_the_clusters_section_and_its_mechanism_go_together():
 
 
 def test_a_batch_of_medoids_is_planned_as_one_release_with_its_exact_gaussian_curve():
-    _, config = load_run_config(load_yaml(DIGITS))
+    config = load_pipeline(load_yaml(DIGITS)).config
     guarantee = config.privacy.guarantee(config.planned())
     assert guarantee.basis == "worst-case" and guarantee.neighbouring == "add-remove"
     assert guarantee.epsilon == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(3), 1e-5))
@@ -52,7 +52,7 @@ def test_several_owners_vote_for_clusters_only_through_the_secure_sum():
     raw.pop("aggregation")
     with pytest.raises(ValueError, match="clusters votes over 3 owners would show the aggregator each owner's vote "
                                          "histogram: set aggregation: secure"):
-        load_run_config(raw)
+        load_pipeline(raw)
 
 
 @pytest.mark.slow

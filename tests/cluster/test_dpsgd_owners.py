@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from tests.conftest import PROJECT_ROOT
 
 ACTIVE = PROJECT_ROOT / "configs" / "hospitals-active.yaml"
@@ -19,7 +19,7 @@ DATA = PROJECT_ROOT / "examples" / "hospitals" / "data"
 
 
 def active(**changes):
-    _, config = load_run_config(load_yaml(ACTIVE))
+    config = load_pipeline(load_yaml(ACTIVE)).config
     return dataclasses.replace(config, **changes)
 
 
@@ -45,11 +45,11 @@ def test_dp_sgd_owners_must_declare_their_records():
     raw = load_yaml(ACTIVE)
     del raw["owners"][1]["records"]
     with pytest.raises(ConfigError, match=r"owners \['hospital_b'\]: declare records"):
-        load_run_config(raw)
+        load_pipeline(raw)
     raw = load_yaml(ACTIVE)
     raw["data"] = {"name": "mnist"}
     with pytest.raises(ConfigError, match="may only set public_size and features"):
-        load_run_config(raw)
+        load_pipeline(raw)
 
 
 def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
@@ -72,7 +72,7 @@ def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_
 def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_session, tmp_path, monkeypatch):
     from conclave.actors.owners import OwnerDataError
     from conclave.cluster.pipelines import RunContext
-    from conclave.cluster.pipelines.active_learning import run
+    from conclave.cluster.api import ActiveLearning
     from conclave.cluster.results import RunDirectory
     from conclave.privacy.accounting.ledger import PrivacyLedger
 
@@ -80,7 +80,7 @@ def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_sessio
     owners = list(active().owners)
     owners[2] = dataclasses.replace(owners[2], data=dataclasses.replace(owners[2].data, path=str(tmp_path / "gone.csv")))
     with pytest.raises(OwnerDataError) as err:
-        run(active(owners=tuple(owners)), RunContext("gone", RunDirectory(tmp_path, "gone")))
+        ActiveLearning(active(owners=tuple(owners))).run(RunContext("gone", RunDirectory(tmp_path, "gone")))
     assert str(err.value) == f"owner hospital_c: {tmp_path / 'gone.csv'}: no such file or folder"
     with PrivacyLedger.open_existing(tmp_path / "gone" / "ledger.sqlite") as ledger:
         assert ledger.report().charges == 0
@@ -91,7 +91,7 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     """Two owners hold digits 5–9 as .npz images; a public model pre-trained on digits 0–4 is
     fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
     from conclave.cluster.pipelines import RunContext
-    from conclave.cluster.pipelines.sparse_finetune import run
+    from conclave.cluster.api import SparseFinetune
     from conclave.cluster.sparse_finetuning import Config, DPFinetuneConfig, PretrainConfig, validate
     from conclave.cluster.owners import DataOwner
     from conclave.cluster.results import RunDirectory
@@ -110,7 +110,7 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     config = validate(Config(name="clinics", owners=owners, test=DataSource("npz", str(tmp_path / "test.npz"), label="y"),
                              pretrain=PretrainConfig(epochs=3),
                              finetune=DPFinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
-    outcome = run(config, RunContext("clinics", RunDirectory(tmp_path / "results", "clinics")))
+    outcome = SparseFinetune(config).run(RunContext("clinics", RunDirectory(tmp_path / "results", "clinics")))
     variant = outcome.metrics["variants"]["classifier"]
     assert set(outcome.metrics["shards"]["nodes"]) == set(names)
     assert variant["sample_rate"] == pytest.approx(1 / 5)  # the declared 600 at batch 128: 5 steps an epoch

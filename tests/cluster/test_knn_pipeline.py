@@ -13,7 +13,7 @@ import yaml
 
 from conclave.actors.labeller import PrivateLabeller
 from conclave.cluster.config import load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.teaching.config import Config, KnnConfig, MechanismConfig
 from conclave.learning.data import make_splits
 from conclave.learning.embeddings import NetworkEmbedding
@@ -64,7 +64,7 @@ def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_
 def test_owners_declared_records_share_k_and_cap_nothing():
     """With kNN votes an owner's ``records`` is its declared count, which shares k among the owners
     (``actors.knn_votes.party_k``); nothing is cut to it (a cap would replace records)."""
-    _, hospitals = load_run_config(load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml"))
+    hospitals = load_pipeline(load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")).config
     secure_knn = dataclasses.replace(hospitals, knn=KnnConfig(k=10, sample_rate=0.5, embedding="pca", dims=5),
                                      aggregation="secure",
                                      mechanism=MechanismConfig("private-knn", {"sigma1": 4.0, "threshold": 5.0,
@@ -150,4 +150,4 @@ def test_several_owners_never_merge_clean_distances(tmp_path):
     raw.pop("aggregation")
     with pytest.raises(ValueError, match="knn votes over 3 owners would show the aggregator their neighbours' "
                                          "distances: set aggregation: secure"):
-        load_run_config(raw)
+        load_pipeline(raw)

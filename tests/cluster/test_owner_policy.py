@@ -17,7 +17,7 @@ import yaml
 
 from conclave.cluster import cli
 from conclave.cluster.config import load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.privacy.accounting.owner_ledger import OwnerLedger, OwnerPolicy
 from tests.conftest import PROJECT_ROOT
 
@@ -78,7 +78,7 @@ def run(config: Path, tmp_path: Path, capsys, *flags: str) -> tuple[int, str, st
 def a_ledger(tmp_path, charges: int = 3) -> Path:
     """hospital_a's ledger, made on its node (here) by an earlier run that charged ``charges`` times."""
     ledger = OwnerLedger("hospital_a", None)
-    _, config = load_run_config(load_yaml(small_hospitals(tmp_path, {})))
+    config = load_pipeline(load_yaml(small_hospitals(tmp_path, {}))).config
     ledger.open(config.planned(), "earlier")
     for _ in range(charges):
         ledger.charge(config.planned(answers=1))
@@ -108,7 +108,7 @@ def test_a_config_asking_more_than_the_policy_or_another_ledger_folder_is_refuse
 def test_an_exhausted_owner_is_refused_before_teachers_train_and_a_raised_budget_is_recorded_and_stated(
         node, capsys, monkeypatch):
     config_path = small_hospitals(node, {"hospital_a": None})
-    _, config = load_run_config(load_yaml(config_path))
+    config = load_pipeline(load_yaml(config_path)).config
     one_answer = config.planned(answers=1)
     ledger = OwnerLedger("hospital_a", None)
     ledger.open(config.planned(), "earlier")
@@ -180,7 +180,7 @@ def test_a_damaged_owner_ledger_is_one_line_with_exit_2_before_anything_trains(n
 def test_a_ledger_another_run_holds_is_one_line_and_the_refused_run_charges_nothing(node, capsys):
     path = a_ledger(node, charges=2)
     holder = OwnerLedger("hospital_a", None)  # another run, in another process than the ledger actor
-    _, config = load_run_config(load_yaml(small_hospitals(node, {})))
+    config = load_pipeline(load_yaml(small_hospitals(node, {}))).config
     holder.open(config.planned(), "the-other-run")
     try:
         code, line, _ = run(small_hospitals(node, {"hospital_a": None}), node, capsys)
@@ -217,7 +217,7 @@ def test_a_services_ledger_cannot_be_reset(tmp_path, capsys, case):
 
     config_path = tmp_path / "serve.yaml"
     config_path.write_text(yaml.safe_dump(SERVE))
-    _, config = load_run_config(SERVE)
+    config = load_pipeline(SERVE).config
     path = tmp_path / "serve-ledger.sqlite"
     with config.privacy.open_ledger(path, config.planned(), durable=True) as ledger:  # what an earlier serve kept
         for _ in range(3):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
@@ -21,7 +21,7 @@ DATA = PROJECT_ROOT / "examples" / "hospitals" / "data"
 
 
 def hospitals(**changes):
-    _, config = load_run_config(load_yaml(HOSPITALS))
+    config = load_pipeline(load_yaml(HOSPITALS)).config
     return dataclasses.replace(config, **changes)
 
 
@@ -181,7 +181,7 @@ def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_ses
         written[name] = sorted(p.relative_to(results).as_posix() for p in results.rglob("*"))
     assert printed["flawed"] == printed["clean"] and written["flawed"] == written["clean"]
     privacy = json.loads((tmp_path / "flawed" / "hospitals" / "privacy.json").read_text())
-    _, config = load_run_config(load_yaml(HOSPITALS))
+    config = load_pipeline(load_yaml(HOSPITALS)).config
     assert privacy["guarantee"] == config.privacy.guarantee(config.planned()).as_dict() and privacy["sound"]
     assert privacy["aggregation"] == "trusted-aggregator"  # the aggregator sees clean votes, and says so
     published = "".join(printed["flawed"]) + "".join(
@@ -233,7 +233,7 @@ def test_check_data_warns_an_owner_whose_usable_rows_hold_one_class(tmp_path, mo
         config_file.write_text(yaml.safe_dump(raw))
         assert cli.main(["check-data", str(config_file), "--owner", "hospital_b"]) == status
         assert warning in capsys.readouterr().out
-        owner = load_run_config(raw)[1].owners[1]
+        owner = load_pipeline(raw).config.owners[1]
         shards = OwnerSource(owner.name, owner.data, 10, ("benign", "malignant")).load(range(10))
         assert {(part.num_classes, part.input_shape) for part in shards} == {(2, (30,))}
     assert cli.main(["check-data", str(HOSPITALS), "--owner", "hospital_b"]) == 0
@@ -295,8 +295,8 @@ def test_a_flawed_record_changes_nothing_an_owners_knn_or_dpsgd_actor_says(tmp_p
 
     from conclave.cluster.owners import PublicData
 
-    _, clean = load_run_config(load_yaml(config))
-    _, flawed = load_run_config(load_yaml(_flawed_config(tmp_path, config)))
+    clean = load_pipeline(load_yaml(config)).config
+    flawed = load_pipeline(load_yaml(_flawed_config(tmp_path, config))).config
     public = PublicData.read(clean.public.anchored(str(PROJECT_ROOT)), clean.test.anchored(str(PROJECT_ROOT)),
                              clean.classes)
     pd.read_csv(DATA / "hospital_b" / "records.csv").iloc[:1].assign(mean_area=1e39).to_csv(
@@ -359,19 +359,19 @@ def test_owner_names_and_placements_are_checked_when_the_config_loads():
     raw = load_yaml(HOSPITALS)
     raw["owners"][1]["name"] = raw["owners"][0]["name"]
     with pytest.raises(ConfigError, match="owner names must be distinct"):
-        load_run_config(raw)
+        load_pipeline(raw)
     raw = load_yaml(HOSPITALS)
     raw["owners"][0]["resources"] = {"CPU": 1}
     with pytest.raises(ConfigError, match="custom resources"):
-        load_run_config(raw)
+        load_pipeline(raw)
     raw = load_yaml(HOSPITALS)
     raw["owners"][0]["records"] = 4
     with pytest.raises(ConfigError, match="owner hospital_a: 10 teachers need at least as many records"):
-        load_run_config(raw)
+        load_pipeline(raw)
     raw = load_yaml(HOSPITALS)
     raw["owners"][0]["data"]["format"] = "xlsx"
     with pytest.raises(ConfigError, match="unknown data format 'xlsx'"):
-        load_run_config(raw)
+        load_pipeline(raw)
 
 
 def test_a_public_file_the_driver_cannot_read_fails_before_ray_starts(tmp_path, capsys, monkeypatch):

@@ -13,9 +13,9 @@ import yaml
 
 from conclave.cluster.cli import main as cli_main
 from conclave.cluster.config import load_yaml
-from conclave.cluster.pipelines import pipeline_module
 from conclave.cluster.plan_command import make_plan
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.api import TeacherStudent
+from conclave.cluster.pipelines import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("tune-"))
@@ -66,12 +66,12 @@ def test_plan_prices_every_shipped_run_config_without_touching_data(planned_in_i
     touched = [p for p in opened if any(p.is_relative_to(Path(place).resolve()) for place in data_places)]
     assert touched == [], "plan opened data files"
     printed = json.loads(plan["out"])
-    pipeline, loaded = load_run_config(load_yaml(config))
+    pipeline = load_pipeline(load_yaml(config))
     # What privacy.json would state: the pipeline's own planned work, through the run's own guarantee.
-    expected = loaded.privacy.guarantee(pipeline_module(pipeline).planned_work(loaded)).as_dict()
+    expected = pipeline.guarantee().as_dict()
     assert printed["guarantee"]["epsilon"] == pytest.approx(expected["epsilon"], rel=1e-12) or \
         printed["guarantee"]["epsilon"] == "inf" == str(expected["epsilon"])
-    assert printed["guarantee"]["basis"] == expected["basis"] and printed["pipeline"] == pipeline
+    assert printed["guarantee"]["basis"] == expected["basis"] and printed["pipeline"] == pipeline.name
     assert printed["table"][0]["configured"] and len(printed["table"]) >= 1
 
 
@@ -92,12 +92,11 @@ def test_a_bad_config_is_one_line_and_status_2(tmp_path, capsys):
 def _plan(raw: dict, tmp_path: Path) -> dict:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
-    pipeline, config = load_run_config(raw)
-    return dataclasses.asdict(make_plan(str(path), pipeline, config))
+    return dataclasses.asdict(make_plan(str(path), load_pipeline(raw)))
 
 
 def test_what_the_budget_admits_is_what_a_real_ledger_admits(tmp_path):
-    pipeline, config = load_run_config(load_yaml(ROOT / "configs" / "hospitals.yaml"))
+    config = load_pipeline(load_yaml(ROOT / "configs" / "hospitals.yaml")).config
     plan = _plan(load_yaml(ROOT / "configs" / "hospitals.yaml"), tmp_path)
     ledger = config.privacy.open_ledger(tmp_path / "ledger.sqlite", config.planned())  # as the run opens it
     one_answer, answered = config.planned(1), 0
@@ -116,7 +115,7 @@ def test_the_runs_an_owners_lifetime_budget_pays_for_are_what_its_real_ledger_ad
 
     raw = load_yaml(ROOT / "configs" / "hospitals.yaml")
     plan = _plan(raw, tmp_path)
-    _, config = load_run_config(raw)
+    config = load_pipeline(raw).config
     planned = config.planned()
     budget = OwnerBudget(epsilon=20.0, directory=str(tmp_path / "node"))
     ledger = OwnerLedger("hospital_a", budget)
@@ -132,16 +131,16 @@ def test_the_runs_an_owners_lifetime_budget_pays_for_are_what_its_real_ledger_ad
 
 def test_epochs_that_fit_the_budget_match_the_ledger(tmp_path):
     raw = load_yaml(ROOT / "configs" / "hospitals-active.yaml")
-    pipeline, config = load_run_config(raw)
-    module = pipeline_module(pipeline)
+    pipeline = load_pipeline(raw)
+    config = pipeline.config
     fits = _plan(raw, tmp_path)["table"][0]["fits"]
     assert fits >= config.dpsgd.epochs
 
     def affordable(epochs: int) -> bool:
         longer = dataclasses.replace(config, dpsgd=dataclasses.replace(config.dpsgd, epochs=epochs))
-        ledger = config.privacy.open_ledger(tmp_path / f"ledger-{epochs}.sqlite", module.planned_work(config))
+        ledger = config.privacy.open_ledger(tmp_path / f"ledger-{epochs}.sqlite", pipeline.plan())
         with ledger:
-            return ledger.can_afford(module.planned_work(longer))
+            return ledger.can_afford(pipeline.with_config(longer).plan())
 
     assert affordable(fits) and not affordable(fits + 1)
 
@@ -170,23 +169,22 @@ def test_a_threshold_above_the_teachers_is_warned(tmp_path):
 
 def test_defaults_are_derived_from_the_declared_counts(tmp_path):
     raw = _hospitals_with({"name": "confident-gnmax", "params": {"sigma1": 12.0, "sigma2": 8.0}})
-    _, config = load_run_config(raw)
+    config = load_pipeline(raw).config
     # The owners' 10 teachers each, not the benchmark default of 50; the threshold 0.6 × 30.
     resolved = dataclasses.asdict(config)
     assert resolved["teachers"]["count"] == 30 and resolved["mechanism"]["params"]["threshold"] == pytest.approx(18.0)
     assert not [w for w in _plan(raw, tmp_path)["warnings"] if "threshold" in w]
     # The owners decide: a count given beside them (or left from other owners) follows them.
-    _, given = load_run_config({**raw, "teachers": {**raw["teachers"], "count": 50}})
+    given = load_pipeline({**raw, "teachers": {**raw["teachers"], "count": 50}}).config
     assert given.teachers.count == 30
     fewer = dataclasses.replace(config, owners=config.owners[:2])
-    assert fewer.teachers.count == 20 and make_plan("fewer", "teacher_student", fewer).counts.teachers == 20
-    _, demo = load_run_config({"pipeline": "teacher_student"})
+    assert fewer.teachers.count == 20 and make_plan("fewer", TeacherStudent(fewer)).counts.teachers == 20
+    demo = load_pipeline({"pipeline": "teacher_student"}).config
     assert demo.teachers.count == 50 and demo.mechanism.params["threshold"] == pytest.approx(30.0)
 
 
 def test_a_knn_plan_declares_no_teachers_and_charges_every_asked_query():
     config_path = ROOT / "configs" / "mnist-knn.yaml"
-    _, config = load_run_config(load_yaml(config_path))
-    plan = make_plan(str(config_path), "teacher_student", config)
+    plan = make_plan(str(config_path), load_pipeline(load_yaml(config_path)))
     assert plan.counts.teachers is None and "kNN votes, k 300 of a Poisson sample at rate 0.1" in plan.work
     assert any("every asked query costs the same" in warning for warning in plan.warnings)

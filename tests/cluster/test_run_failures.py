@@ -2,22 +2,32 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
+from conclave.actors.owners import OwnerDataError, OwnerDropout
+from conclave.actors.placement import PlacementError
+from conclave.cluster.active_learning import planned_work
 from conclave.cluster.cli import main
 from conclave.cluster.config import ConfigError
-from conclave.cluster.active_learning import planned_work
+from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_command import EXIT_CODES, failure, load_run_config
-from conclave.privacy.accounting.ledger import BudgetExceeded
+from conclave.cluster.tracking import TrackingFailed
+from conclave.errors import ClusterLost, Interrupted, RunFailed, failure
+from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse
+from conclave.privacy.accounting.owner_ledger import OwnerRefused
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+# What can end `conclave run`: each kind's class carries its exit status.
+RUN_FAILURES = (RunFailed, ConfigError, OwnerDataError, PlacementError, LedgerDamaged, LedgerInUse, OwnerRefused,
+                OwnerDropout, BudgetExceeded, ClusterLost, TrackingFailed, Interrupted)
 
 
 def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):
@@ -43,13 +53,19 @@ def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):
 def test_each_failure_has_its_status_and_one_line():
     import ray
 
-    cases = [(ConfigError("config.x: bad"), "config"), (BudgetExceeded("would pass ε = 2"), "budget"),
-             (ray.exceptions.ActorDiedError(), "cluster"), (KeyError("boom\nsecond line"), "failed"),
-             (KeyboardInterrupt(), "interrupted")]
-    for err, kind in cases:
+    cases = [(ConfigError("config.x: bad"), 2), (BudgetExceeded("would pass ε = 2"), 4),
+             (OwnerDropout("owner a: its actor left"), 3), (LedgerInUse("held by another run"), 2),
+             (ray.exceptions.ActorDiedError(), 5), (KeyError("boom\nsecond line"), 1), (KeyboardInterrupt(), 130)]
+    for err, status in cases:
         got, line = failure(err, "r")
-        assert got == kind and "\n" not in line, (err, line)
-    assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
+        assert got == status and "\n" not in line, (err, line)
+
+
+def test_the_documented_statuses_are_those_the_failures_carry():
+    """docs/main-job.md's table of `conclave run`'s exit statuses: one per kind of failure, from its class."""
+    documented = {int(status) for status in re.findall(r"^\| (\d+) \|", (ROOT / "docs" / "main-job.md").read_text(),
+                                                        re.MULTILINE)}
+    assert documented == {0} | {kind.exit_code for kind in RUN_FAILURES}
 
 
 def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_session, tmp_path, capsys):
@@ -57,7 +73,7 @@ def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_sessi
     raw["dpsgd"].update(epochs=2, noise_multiplier=1.0, target_epsilon=None)
     raw["selection"].update(strategies=["random"], sizes=[20])
     raw["finetune"].update(epochs=1)
-    _, config = load_run_config(raw)
+    config = load_pipeline(raw).config
     planned = planned_work(config)
     once = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
     twice = epsilon_from_rdp(planned.orders, 2 * np.asarray(planned.rdp), 1e-5)[0]
@@ -72,7 +88,7 @@ def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_sessi
     assert {"config.json", "metrics.json", "privacy.json"} <= set(before)
     capsys.readouterr()
 
-    assert main(["run", str(path), "--results-dir", str(results)]) == EXIT_CODES["budget"]
+    assert main(["run", str(path), "--results-dir", str(results)]) == BudgetExceeded.exit_code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "refused by a privacy ledger" in err, err
     after = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith("ledger")}
@@ -90,7 +106,7 @@ def test_a_damaged_durable_ledger_is_refused_in_one_line_before_ray_starts(tmp_p
     raw = yaml.safe_load((CONFIGS / "digits-active.yaml").read_text())
     path = tmp_path / "digits-active.yaml"
     path.write_text(yaml.safe_dump(raw))
-    _, config = load_run_config(raw)
+    config = load_pipeline(raw).config
     ledger_file = tmp_path / "results" / "digits-active" / "ledger.sqlite"
     ledger_file.parent.mkdir(parents=True)
     with config.privacy.open_ledger(ledger_file, planned_work(config)) as ledger:
@@ -144,7 +160,7 @@ def test_a_second_run_on_the_same_durable_ledger_publishes_a_guarantee_covering_
     raw["privacy"]["budget"] = None  # the guarantee is then the worst case of what the ledger holds
     path = tmp_path / "digits-active.yaml"
     path.write_text(yaml.safe_dump(raw))
-    _, config = load_run_config(raw)
+    config = load_pipeline(raw).config
     planned = planned_work(config)
     results = tmp_path / "results"
     epsilons = []

@@ -10,7 +10,7 @@ import yaml
 
 from conclave.cluster.cli import main as cli_main
 from conclave.cluster.config import ConfigError, load_yaml
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.mechanisms import SecureGNMax
 
@@ -24,12 +24,12 @@ def hospitals(**changes) -> dict:
 
 
 def test_secure_aggregation_plans_the_skellam_charge_of_the_secure_variant():
-    _, config = load_run_config(hospitals(aggregation="secure"))
+    config = load_pipeline(hospitals(aggregation="secure")).config
     assert config.vote_mechanism() == SecureGNMax(10.0)
     planned = config.planned()
     expected = SecureGNMax(10.0).run_charge(40, 40)
     assert planned.neighbouring == "add-remove" and (planned.rdp == expected.rdp).all()
-    _, trusted = load_run_config(hospitals())
+    trusted = load_pipeline(hospitals()).config
     assert trusted.aggregation == "trusted-aggregator" and trusted.vote_mechanism().name == "gnmax"
 
 
@@ -42,7 +42,7 @@ def test_secure_aggregation_plans_the_skellam_charge_of_the_secure_variant():
 ])
 def test_what_secure_aggregation_cannot_do_is_refused_in_one_line(changes, named):
     with pytest.raises(ConfigError, match=named) as refused:
-        load_run_config(hospitals(**changes))
+        load_pipeline(hospitals(**changes))
     assert "\n" not in str(refused.value)
 
 

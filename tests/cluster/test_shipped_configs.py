@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 from conclave.cluster.config import load_yaml
-from conclave.cluster.pipelines import pipeline_module
+from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.results import _jsonable
-from conclave.cluster.run_command import load_run_config
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,10 +27,10 @@ EXPECTED = json.loads(SNAPSHOT.read_text())
 def loaded(path: Path) -> dict[str, Any]:
     """What ``path`` loads to: its pipeline, its config's values, and its planned guarantee."""
     raw = load_yaml(path)
-    name, config = load_run_config(raw.get("base", raw))  # a sweep's base is a run config
-    planned = pipeline_module(name).planned_work(config)
-    guarantee = config.privacy.guarantee(planned)
-    return {"pipeline": name, "config": _jsonable(dataclasses.asdict(config)),
+    pipeline = load_pipeline(raw.get("base", raw))  # a sweep's base is a run config
+    config, planned = pipeline.config, pipeline.plan()
+    guarantee = pipeline.guarantee()
+    return {"pipeline": pipeline.name, "config": _jsonable(dataclasses.asdict(config)),
             "guarantee": {"epsilon": guarantee.epsilon, "delta": guarantee.delta, "basis": guarantee.basis,
                           "planned_worst_case": worst_case_guarantee(planned, config.privacy.delta).epsilon}}
 

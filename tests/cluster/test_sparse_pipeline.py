@@ -8,10 +8,10 @@ import pytest
 
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.pipelines import RunContext
-from conclave.cluster.pipelines.sparse_finetune import run
+from conclave.cluster.api import SparseFinetune
 from conclave.cluster.sparse_finetuning import Config, DataSpec, DPFinetuneConfig, ModelConfig, PretrainConfig
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.rdp import epsilon_from_rdp, sampled_gaussian_rdp
@@ -30,7 +30,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
                                   target_epsilon=1.0),
     )
     results = RunDirectory(tmp_path, "run")
-    summary = run(config, RunContext("run", results)).summary
+    summary = SparseFinetune(config).run(RunContext("run", results)).summary
     metrics = json.loads((results.path / "metrics.json").read_text())
     privacy = json.loads((results.path / "privacy.json").read_text())
 
@@ -60,7 +60,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
     # A rerun resumes from the last public checkpoint instead of pre-training again.
     rerun = Config(**{**config.__dict__, "finetune": DPFinetuneConfig(variants=("classifier",), epochs=1,
                                                                      batch_size=60, target_epsilon=0.5)})
-    run(rerun, RunContext("run", results))
+    SparseFinetune(rerun).run(RunContext("run", results))
     again = json.loads((results.path / "metrics.json").read_text())
     assert again["public"]["losses"] == metrics["public"]["losses"]
     assert json.loads((results.path / "privacy.json").read_text())["spent"]["charges"] == 1
@@ -68,9 +68,9 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
 
 @pytest.mark.parametrize("name", ["mnist-sparse.yaml", "cifar-sparse.yaml"])
 def test_shipped_configs_parse(name):
-    pipeline, config = load_run_config(load_yaml(CONFIGS / name))
-    assert pipeline == "sparse_finetune"
-    assert "all" in config.finetune.variants
+    pipeline = load_pipeline(load_yaml(CONFIGS / name))
+    assert pipeline.name == "sparse_finetune"
+    assert "all" in pipeline.config.finetune.variants
 
 
 def test_bad_config_names_the_key():

@@ -15,7 +15,7 @@ from PIL import Image
 
 from conclave.cluster.config import load_yaml
 from conclave.cluster.owners import PublicData
-from conclave.cluster.run_command import load_run_config
+from conclave.cluster.pipelines import load_pipeline
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
@@ -44,7 +44,7 @@ def config_file(tmp_path, hospital_b: str, **owner_b) -> str:
 
 
 def test_the_test_table_is_read_by_the_pools_column_names(tmp_path):
-    _, config = load_run_config(load_yaml(HOSPITALS))
+    config = load_pipeline(load_yaml(HOSPITALS)).config
     public, test = config.public.anchored(str(PROJECT_ROOT)), config.test.anchored(str(PROJECT_ROOT))
     table = pd.read_csv(test.path)
     table[table.columns[::-1]].assign(note="seen at the front desk").to_csv(tmp_path / "test.csv", index=False)
@@ -94,7 +94,7 @@ def test_an_image_folder_test_split_needs_no_label(tmp_path):
            "public": {"format": "images", "path": str(tmp_path / "pool")},
            "test": {"format": "images", "path": str(tmp_path / "test")},
            "student": {"queries": 3, "batch_size": 3, "checkpoints": []}}
-    _, config = load_run_config(raw)  # no `label:` anywhere
+    config = load_pipeline(raw).config  # no `label:` anywhere
     public = PublicData.read(config.public, config.test, config.classes)
     assert public.classes == ("cat", "dog") and public.schema.columns is None
     assert public.splits.test.y.tolist() == [0, 0, 0, 1, 1, 1]
@@ -137,7 +137,7 @@ def test_an_owner_with_its_columns_shuffled_teaches_as_it_would_unshuffled(ray_s
     monkeypatch.chdir(PROJECT_ROOT)
     votes = {}
     for name, change in (("plain", lambda t: t), ("shuffled", shuffled)):
-        _, config = load_run_config(load_yaml(config_file(tmp_path, hospital_b_as(tmp_path, name, change))))
+        config = load_pipeline(load_yaml(config_file(tmp_path, hospital_b_as(tmp_path, name, change)))).config
         public = public_data(config)
         pool = teacher_pool(config, public)
         try:

@@ -16,7 +16,7 @@ from conclave.cluster.cli import main as cli_main
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.teaching.aggregation import privacy_section
 from conclave.cluster.teaching.config import Config
-from conclave.cluster.run_command import DEMO_CONFIG, load_run_config
+from conclave.cluster.pipelines import DEMO_CONFIG, load_pipeline
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.mechanisms import build_mechanism
@@ -66,7 +66,7 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
 
     # The guarantee: the smaller of the declared budget (1000) and the worst case of the
     # planned work — all 120 queries answered plus the smooth-sensitivity release.
-    config = load_run_config(TINY)[1]
+    config = load_pipeline(TINY).config
     planned = config.planned()
     worst = epsilon_from_rdp(planned.orders, planned.rdp, 1e-5)[0]
     guarantee = privacy["guarantee"]
@@ -126,21 +126,22 @@ def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tm
 
 
 def test_the_demo_config_file_is_the_default_config():
-    _, from_file = load_run_config(load_yaml(CONFIGS / "demo.yaml"))
+    from_file = load_pipeline(load_yaml(CONFIGS / "demo.yaml")).config
     assert from_file == Config()
-    _, demo = load_run_config(DEMO_CONFIG)  # what `conclave demo` runs
+    demo = load_pipeline(DEMO_CONFIG).config  # what `conclave demo` runs
     assert demo == Config()
 
 
 @pytest.mark.parametrize("name", TEACHER_STUDENT_CONFIGS)
 def test_shipped_configs_load_and_validate(name):
-    pipeline, config = load_run_config(load_yaml(CONFIGS / f"{name}.yaml"))
-    assert pipeline == "teacher_student" and config.name == name
+    pipeline = load_pipeline(load_yaml(CONFIGS / f"{name}.yaml"))
+    config = pipeline.config
+    assert pipeline.name == "teacher_student" and config.name == name
     assert config.student.queries <= config.data.public_size
 
 
 def test_mnist_configs_carry_the_papers_settings():
-    configs = {name: load_run_config(load_yaml(CONFIGS / f"{name}.yaml"))[1] for name in TEACHER_STUDENT_CONFIGS[1:]}
+    configs = {name: load_pipeline(load_yaml(CONFIGS / f"{name}.yaml")).config for name in TEACHER_STUDENT_CONFIGS[1:]}
     assert configs["mnist-gnmax"].mechanism.build() == build_mechanism("confident-gnmax", threshold=200, sigma1=150, sigma2=40)
     assert configs["mnist-lnmax"].mechanism.build() == build_mechanism("lnmax", laplace_scale=20)
     assert configs["mnist-nzc"].teachers.count == 250 and configs["mnist-nzc-5teachers"].teachers.count == 5
@@ -173,7 +174,7 @@ def test_mnist_configs_carry_the_papers_settings():
 )
 def test_a_bad_config_is_a_config_error_naming_the_problem(override, named):
     with pytest.raises(ConfigError, match=named):
-        load_run_config({"pipeline": "teacher_student", **override})
+        load_pipeline({"pipeline": "teacher_student", **override})
 
 
 def test_cli_reports_a_bad_config_key_without_running(tmp_path, capsys):

@@ -77,16 +77,15 @@ def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp
 
 
 def test_an_owners_run_logs_each_owners_lifetime_spend_and_no_data_keys_it_did_not_read(tmp_path):
-    from conclave.cluster.pipelines import pipeline_module
-    from conclave.cluster.run_command import load_run_config
+    from conclave.cluster.pipelines import load_pipeline
     from conclave.cluster.tracking import MlflowLog
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "hospitals.yaml").read_text())
     raw.pop("tracking", None)
-    pipeline, config = load_run_config(raw)
+    pipeline = load_pipeline(raw)
     folder = tmp_path / "results" / "hospitals"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"pipeline": pipeline, **dataclasses.asdict(config)}, default=str))
+    (folder / "config.json").write_text(json.dumps(pipeline.as_dict(), default=str))
     (folder / "metrics.json").write_text(json.dumps({"student_accuracy": 0.8}))
     account = {"guarantee": {"epsilon": 20.0}, "spent": {"epsilon": 4.5, "charges": 3}}
     (folder / "privacy.json").write_text(json.dumps({
@@ -94,7 +93,7 @@ def test_an_owners_run_logs_each_owners_lifetime_spend_and_no_data_keys_it_did_n
                       "neighbouring": "add-remove"},
         "owners": {"hospital_a": account, "hospital_b": {**account, "spent": {"epsilon": 1.5, "charges": 1}}}}))
     tracker = MlflowLog(TrackingConfig(mlflow=True), tmp_path / "results", "hospitals")
-    run_id = tracker.log_run(folder, "hospitals", 1_000.0, pipeline_module(pipeline).unused_settings(config))
+    run_id = tracker.log_run(folder, "hospitals", 1_000.0, pipeline.unused_settings())
     run = _client(tmp_path / "results").get_run(run_id)
     metrics, params = run.data.metrics, run.data.params
     assert metrics["owners.hospital_a.epsilon_spent"] == 4.5 and metrics["owners.hospital_b.epsilon_spent"] == 1.5

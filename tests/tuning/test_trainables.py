@@ -10,7 +10,6 @@ import pytest
 
 from conclave.cluster.config import load_yaml
 from conclave.privacy.accounting.ledger import PrivacyLedger
-from conclave.cluster.pipelines import pipeline_module
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, unbounded_charge
 from conclave.tuning import trainables
 from conclave.tuning.trainables import charge_fields, charge_from_fields, trial_config
@@ -20,8 +19,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def test_threshold_fraction_scales_with_the_number_of_teachers():
     base = load_yaml(CONFIGS / "tune-digits-teachers.yaml")["base"]
-    raw, config = trial_config("teacher_ensemble", base, {"teachers.count": 30,
-                                                           "mechanism.params.threshold_fraction": 0.6})
+    raw, pipeline = trial_config("teacher_ensemble", base, {"teachers.count": 30,
+                                                             "mechanism.params.threshold_fraction": 0.6})
+    config = pipeline.config
     assert config.teachers.count == 30
     assert config.mechanism.params["threshold"] == pytest.approx(18.0)
     assert "threshold_fraction" not in raw["mechanism"]["params"]
@@ -29,7 +29,7 @@ def test_threshold_fraction_scales_with_the_number_of_teachers():
 
 def test_n_cluster_times_n_each_is_the_label_budget():
     base = load_yaml(CONFIGS / "tune-digits-diverse.yaml")["base"]
-    _, config = trial_config("diverse_public", base, {"selection.n_cluster": 7, "selection.n_each": 4})
+    config = trial_config("diverse_public", base, {"selection.n_cluster": 7, "selection.n_each": 4})[1].config
     assert list(config.selection.sizes) == [28] and config.selection.n_each == 4
 
 
@@ -47,9 +47,9 @@ def test_a_failed_trial_reports_its_planned_worst_case_or_nothing_spent(tmp_path
     reports = []
     monkeypatch.setattr(trainables, "_report", lambda accuracy, epsilon, charge, **extra:
                         reports.append((accuracy, epsilon, charge, extra)))
-    raw, config = trial_config("sparsity", load_yaml(CONFIGS / "tune-digits-sparsity.yaml")["base"],
-                               {"finetune.variants": ["all"]})
-    trainables._report_planned_before_failing(raw, tmp_path)  # no ledger: nothing was released
+    _, pipeline = trial_config("sparsity", load_yaml(CONFIGS / "tune-digits-sparsity.yaml")["base"],
+                                 {"finetune.variants": ["all"]})
+    trainables._report_planned_before_failing(pipeline, tmp_path)  # no ledger: nothing was released
     (accuracy, epsilon, charge, extra), = reports
     assert math.isnan(accuracy) and extra == {"failed": True} and epsilon == 0 and not np.any(charge.rdp)
 
@@ -57,8 +57,8 @@ def test_a_failed_trial_reports_its_planned_worst_case_or_nothing_spent(tmp_path
     (tmp_path / "run").mkdir()
     with PrivacyLedger(tmp_path / "run" / "ledger.sqlite", 1e-5) as ledger:
         ledger.charge(gaussian_charge(2.0, count=3, label="dpsgd"))  # something was released
-    trainables._report_planned_before_failing(raw, tmp_path)
+    trainables._report_planned_before_failing(pipeline, tmp_path)
     (accuracy, epsilon, charge, extra), = reports
-    planned = pipeline_module("sparse_finetune").planned_work(config)
+    planned = pipeline.plan()
     np.testing.assert_allclose(charge.rdp, planned.rdp)  # the whole planned work, not what was recorded
     assert epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, planned.rdp, 1e-5)[0])
