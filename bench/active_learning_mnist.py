@@ -34,7 +34,7 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
-from conclave.cluster.active_learning import Config  # noqa: E402
+from conclave.cluster.active_learning import ActiveLearningConfig  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.api import ActiveLearning, RunContext, load_pipeline  # noqa: E402
 from conclave.cluster.results import RunDirectory  # noqa: E402
@@ -59,7 +59,7 @@ SEED_REFERENCE = {
 }
 
 
-def bench_config(mnist: Path, quick: bool, secure: bool) -> Config:
+def bench_config(mnist: Path, quick: bool, secure: bool) -> ActiveLearningConfig:
     config = load_pipeline(load_yaml(ROOT / "configs" / "mnist-active.yaml")).config
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, root=str(mnist)))
     if quick:

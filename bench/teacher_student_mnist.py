@@ -49,7 +49,7 @@ share_cores()
 
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.api import RunOutcome, TeacherStudent, load_pipeline  # noqa: E402
-from conclave.cluster.teaching.config import Config  # noqa: E402
+from conclave.cluster.teaching.config import TeacherStudentConfig  # noqa: E402
 from conclave.learning.train_config import TrainConfig  # noqa: E402
 from conclave.cluster.teaching.ensemble import (  # noqa: E402
     Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
@@ -106,7 +106,8 @@ PUBLISHED = {
 }
 
 
-def load_config(name: str, mnist: Path, quick: bool, runs: Path = ROOT / "results" / "bench" / RUNS) -> Config:
+def load_config(name: str, mnist: Path, quick: bool,
+                runs: Path = ROOT / "results" / "bench" / RUNS) -> TeacherStudentConfig:
     """``name``'s config; ``runs``: where this benchmark's runs write (a later round reads an earlier one's student)."""
     file, overrides = VARIANTS.get(name, (name, {}))
     overrides = {section: {k: v.format(runs=runs) if isinstance(v, str) else v for k, v in values.items()}
@@ -126,7 +127,7 @@ def load_config(name: str, mnist: Path, quick: bool, runs: Path = ROOT / "result
     return dataclasses.replace(config, teachers=teachers, student=student)
 
 
-def teacher_key(config: Config) -> tuple:
+def teacher_key(config: TeacherStudentConfig) -> tuple:
     """Configs with equal keys get identical teachers (or the same kNN actors: data.features is
     then the student's alone)."""
     if config.knn is not None:
@@ -134,7 +135,7 @@ def teacher_key(config: Config) -> tuple:
     return (config.seed, config.data, config.teachers)
 
 
-def run_summary(name: str, config: Config, outcome: RunOutcome, seconds: float) -> dict:
+def run_summary(name: str, config: TeacherStudentConfig, outcome: RunOutcome, seconds: float) -> dict:
     """One run's published figures, and ``seconds``: the benchmark's own clock around the run (the
     run publishes no time of its private work; here the private role is MNIST's, public)."""
     metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
@@ -172,7 +173,7 @@ def clean_votes(teachers: Ensemble, asked: int) -> dict:
             "mean_plurality_share": float((top / votes.sum(axis=1)).mean())}
 
 
-def individual_teachers(config: Config, splits, count: int = 10) -> dict:
+def individual_teachers(config: TeacherStudentConfig, splits, count: int = 10) -> dict:
     """NON-PRIVATE DIAGNOSTIC: the first ``count`` teachers, trained in this process as the
     actors train them, each evaluated on the public test split."""
     from conclave.actors.teacher import TeacherGroup
@@ -188,7 +189,7 @@ def individual_teachers(config: Config, splits, count: int = 10) -> dict:
     return {"teachers": count, "mean": float(np.mean(accuracies)), "min": min(accuracies), "max": max(accuracies)}
 
 
-def pool_of(config: Config, public, count: int) -> tuple[Ensemble, float, float]:
+def pool_of(config: TeacherStudentConfig, public, count: int) -> tuple[Ensemble, float, float]:
     """A Ray pool of the first ``count`` teachers, packed and trained as ``train_teachers``
     does; also the seconds it took to train them and the seconds its actors took to start and
     load their shards (so training speed can be compared warm)."""
@@ -199,7 +200,7 @@ def pool_of(config: Config, public, count: int) -> tuple[Ensemble, float, float]
     return Ensemble(public, pool), time.perf_counter() - up, up - started
 
 
-def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
+def speedup_and_throughput(config: TeacherStudentConfig, count: int) -> tuple[dict, dict]:
     """The first ``count`` teachers of ``config`` on a Ray pool and in this one process.
 
     The one-process baseline is timed with 1 thread and with as many threads as the pool
@@ -232,7 +233,7 @@ def speedup_and_throughput(config: Config, count: int) -> tuple[dict, dict]:
     return speedup, rates
 
 
-def throughput(config: Config, teachers, single) -> dict:
+def throughput(config: TeacherStudentConfig, teachers, single) -> dict:
     """labels/s: student-side gRPC client → aggregator → Ray actors, vs in-process teachers."""
     from conclave.actors.aggregator import AggregatorServer, ServerSettings
     from conclave.cluster.client import AggregatorClient

@@ -14,7 +14,7 @@
    exceed the final checkpoint's ε, so all models compared carry the same guarantee
    (as in the paper's Fig. 1b). NearPrivate's private sums are computed in the shard actors;
    with several actors they cross only as masked shares of secure sums (Skellam noise), else
-   the one actor noises them itself (``Config.selection_releases``).
+   the one actor noises them itself (``ActiveLearningConfig.selection_releases``).
 4. Labels are bought for each strategy's picks, the checkpoint is fine-tuned on them (public
    data only: no privacy cost) and evaluated on the test set.
 
@@ -61,7 +61,7 @@ STRATEGY_NAMES = ("random", "entropy", "margin", "diverse_public", "near_private
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class ActiveLearningData:
     name: str = "digits"  # digits | mnist | ... (see learning.data)
     root: str | None = None  # directory of the files (not needed for digits)
     private_size: int = 900  # seeded subset of the training set; the rest is the public pool
@@ -81,7 +81,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class DPSGDSection(DPSGDConfig):
+class ActiveLearningDPSGD(DPSGDConfig):
     """learning's ``DPSGDConfig`` with this pipeline's defaults (``batch_size`` is the expected
     Poisson batch over the union of the shards), plus how the shards are trained. δ is the
     run's ``privacy.delta``, not a key here: ``dp_config`` puts it in."""
@@ -175,11 +175,11 @@ class AnnotatorConfig:
 
 
 @dataclass(frozen=True)
-class Config:
+class ActiveLearningConfig:
     name: str = "active-digits"
     model: str | None = None  # None: by the inputs (see learning.models.default_model)
-    data: DataConfig = field(default_factory=DataConfig)
-    dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
+    data: ActiveLearningData = field(default_factory=ActiveLearningData)
+    dpsgd: ActiveLearningDPSGD = field(default_factory=ActiveLearningDPSGD)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     annotator: AnnotatorConfig = field(default_factory=AnnotatorConfig)
@@ -206,7 +206,7 @@ class Config:
         if self.secure_training and self.dpsgd.grad_sample_mode not in ("auto", "hooks"):
             raise ValueError("dpsgd: the owners' actors train data-parallel with Opacus's hooks: "
                              "set grad_sample_mode: hooks")
-        allowed = DataConfig(public_size=self.data.public_size, features=self.data.features)
+        allowed = ActiveLearningData(public_size=self.data.public_size, features=self.data.features)
         if self.data != allowed:
             raise ValueError("with owners, the data section may only set public_size and features "
                              "(the sources say the rest)")
@@ -311,7 +311,7 @@ class PublicSide:
     standardiser: Any = None
     columns: tuple[str, ...] | None = None
 
-    def model_spec(self, config: Config):
+    def model_spec(self, config: ActiveLearningConfig):
         """The network every holder builds, sized for these inputs."""
         from conclave.actors.dp_trainer import ModelSpec
         from conclave.learning.models import default_model
@@ -324,7 +324,7 @@ class PublicSide:
                          input_shape=shape, standardiser=self.standardiser)
 
 
-def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
+def public_side(config: ActiveLearningConfig, rng: np.random.Generator) -> PublicSide:
     """The public pool and test split: the ``public`` and ``test`` sources with owners, else
     those of ``config.data``'s benchmark (whose files hold the private part too: the driver
     reads them but keeps only the public rest)."""
@@ -352,7 +352,7 @@ def public_side(config: Config, rng: np.random.Generator) -> PublicSide:
                       classes, standardiser, columns)
 
 
-def validate(config: Config) -> Config:
+def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
     """What the driver can check before Ray starts (one-line ``ConfigError``): the public
     data, the label budgets against the pool, the model against the model contract for these
     inputs (``check_model``)."""
@@ -379,7 +379,7 @@ def validate(config: Config) -> Config:
     return config
 
 
-def benchmark_inputs(config: Config) -> tuple[tuple[int, ...], int]:
+def benchmark_inputs(config: ActiveLearningConfig) -> tuple[tuple[int, ...], int]:
     """(one input's shape, number of classes) of the ``data`` section's benchmark, as the model
     sees them (after ``data.features``)."""
     from conclave.learning.data import load_dataset
@@ -405,7 +405,7 @@ def check_model(name: str, input_shape: tuple[int, ...], num_classes: int, stand
         raise ConfigError(f"model: {err}") from None
 
 
-def planned_work(config: Config) -> PrivacyCharge:
+def planned_work(config: ActiveLearningConfig) -> PrivacyCharge:
     """The DP-SGD schedule of the declared private size (or the reused checkpoints' cost)
     plus NearPrivate's releases."""
     from conclave.learning.dp_schedule import dp_schedule
@@ -416,7 +416,7 @@ def planned_work(config: Config) -> PrivacyCharge:
     return config.planned(training)
 
 
-def shard_plans(config: Config, classes: tuple[str, ...], embedded: bool,
+def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded: bool,
                 columns: tuple[str, ...] | None = None) -> list:
     """Where the private shards are held: each owner's on its ``actors`` actors, on its node
     (a table read by the public pool's ``columns``); the benchmark's on one actor per shard
@@ -437,7 +437,7 @@ class PrivateShards:
     """The run's shard actors, started the first time they are needed (to train, or for
     NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
 
-    def __init__(self, config: Config, spec, classes: tuple[str, ...], embedded: bool,
+    def __init__(self, config: ActiveLearningConfig, spec, classes: tuple[str, ...], embedded: bool,
                  columns: tuple[str, ...] | None = None) -> None:
         self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
         self._columns = columns
@@ -478,7 +478,8 @@ class ActiveLearningResult:
     nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
 
 
-def learn_actively(config: Config, results: RunDirectory, ray_address: str | None = None) -> ActiveLearningResult:
+def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
+                   ray_address: str | None = None) -> ActiveLearningResult:
     """DP-SGD checkpoints on the private shards, then every strategy's labels bought and
     fine-tuned on (steps 1–4 of the module's docstring). Checkpoints are kept under
     ``results.path``; the ledger, durable, under ``results.durable``."""
@@ -571,7 +572,7 @@ def _epsilon(charges: list, delta: float) -> float:
     return float(worst_case_guarantee(sum_charges(charges), delta).epsilon)
 
 
-def _reused_checkpoints(config: Config) -> list:
+def _reused_checkpoints(config: ActiveLearningConfig) -> list:
     """The DP checkpoints of an earlier run (``checkpoints_from``: public DP outputs), or none."""
     if config.checkpoints_from is None:
         return []  # before the import: planning a fresh schedule needs neither torch nor Ray
@@ -583,7 +584,8 @@ def _reused_checkpoints(config: Config) -> list:
     return [DPCheckpoint.load(f) for f in files]
 
 
-def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, reused: list) -> tuple[list, dict]:
+def _dp_checkpoints(config: ActiveLearningConfig, shards: PrivateShards, ledger, out: Path,
+                    reused: list) -> tuple[list, dict]:
     """Train (or reuse) the DP-SGD checkpoints, one per epoch. The whole schedule is charged
     to ``ledger`` first."""
     from conclave.learning.dp_schedule import dp_schedule
@@ -614,7 +616,7 @@ def _dp_checkpoints(config: Config, shards: PrivateShards, ledger, out: Path, re
                          "shard_actors": len(group.actors)}
 
 
-def _near_private_start(config: Config, checkpoints: list, extra: list):
+def _near_private_start(config: ActiveLearningConfig, checkpoints: list, extra: list):
     """NearPrivate's checkpoint: the configured epoch, else the latest whose ε_dp ⊕ ε_dpPCA ⊕
     ε_support does not exceed the final checkpoint's ε (the first one if none does)."""
     sel = config.selection
@@ -627,7 +629,8 @@ def _near_private_start(config: Config, checkpoints: list, extra: list):
     return matching[-1] if matching else checkpoints[0]
 
 
-def improve(config: Config, checkpoints: list, shards: PrivateShards, spec, ledger, pool_inputs: np.ndarray, annotator,
+def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShards, spec, ledger,
+            pool_inputs: np.ndarray, annotator,
             out_of_domain: np.ndarray, test, rng: np.random.Generator,
             out: Path) -> tuple[list[dict], dict[str, Guarantee], dict[str, Any]]:
     """Every strategy from its starting checkpoint; one report-only ledger per published model.

@@ -1,8 +1,8 @@
 """The library API: owners' data → a teacher ensemble → a private aggregator → a student.
 
-    from conclave.cluster.api import Config, DataSource, OwnerConfig, serve, train_ensemble, train_student
+    from conclave.cluster.api import DataSource, OwnerConfig, TeacherStudentConfig, serve, train_ensemble, train_student
 
-    config = Config(
+    config = TeacherStudentConfig(
         name="hospitals",
         owners=(OwnerConfig("hospital_a", DataSource("csv", "/data/a.csv", label="diagnosis"),
                             teachers=10, resources={"hospital_a": 1}), ...),
@@ -32,22 +32,20 @@ value and ships the package of any other (``cluster.ray_runtime.with_models``).
 """
 from __future__ import annotations
 
-from conclave.cluster.active_learning import ActiveLearningResult, AnnotatorConfig, FinetuneConfig, SelectionConfig
-from conclave.cluster.active_learning import Config as ActiveLearningConfig
-from conclave.cluster.active_learning import DataConfig as ActiveLearningData
-from conclave.cluster.active_learning import DPSGDSection as ActiveLearningDPSGD
-from conclave.cluster.active_learning import learn_actively
+from conclave.cluster.active_learning import (
+    ActiveLearningConfig, ActiveLearningData, ActiveLearningDPSGD, ActiveLearningResult, AnnotatorConfig,
+    FinetuneConfig, SelectionConfig, learn_actively,
+)
 from conclave.cluster.pipelines import DEMO_CONFIG, Pipeline, RunContext, RunOutcome, load_pipeline
 from conclave.cluster.pipelines.active_learning import ActiveLearning
 from conclave.cluster.pipelines.sparse_finetune import SparseFinetune
 from conclave.cluster.pipelines.teacher_student import TeacherStudent
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
-from conclave.cluster.sparse_finetuning import Config as SparseConfig
-from conclave.cluster.sparse_finetuning import SparseResult, finetune_sparsely
+from conclave.cluster.sparse_finetuning import SparseConfig, SparseResult, finetune_sparsely
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
-    Config, KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig,
+    KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TeacherStudentConfig, TeacherStudentData,
 )
 from conclave.cluster.teaching.ensemble import Ensemble, PublicData, train_ensemble
 from conclave.cluster.teaching.student import StudentResult, train_student
@@ -60,7 +58,7 @@ __all__ = [
     "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",
     "FinetuneConfig", "SelectionConfig", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
-    "Aggregator", "Config", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
-    "PublicData", "StudentConfig", "StudentResult", "TeachersConfig", "TrainConfig", "serve", "train_ensemble",
-    "train_student",
+    "Aggregator", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
+    "PublicData", "StudentConfig", "StudentResult", "TeacherStudentConfig", "TeacherStudentData", "TeachersConfig",
+    "TrainConfig", "serve", "train_ensemble", "train_student",
 ]

@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 
 from conclave.cluster.config import ConfigError, from_dict
-from conclave.cluster.teaching.config import Config, MechanismConfig
+from conclave.cluster.teaching.config import TeacherStudentConfig, MechanismConfig
 from conclave.privacy.accounting.filter import order_index
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 
@@ -126,15 +126,16 @@ class Proposal:
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
-def load_config(raw: dict[str, Any]) -> Config:
-    """The teacher/student ``Config`` of a parsed YAML mapping, read as a run reads it (its
+def load_config(raw: dict[str, Any]) -> TeacherStudentConfig:
+    """The teacher/student ``TeacherStudentConfig`` of a parsed YAML mapping, read as a run reads it (its
     ``tracking`` section says how a run is recorded, not what it does)."""
     if raw.get("pipeline") != "teacher_student":
         raise ProposalError(f"--propose sizes vote sources of the teacher_student pipeline, not {raw.get('pipeline')}")
-    return from_dict(Config, {key: value for key, value in raw.items() if key not in ("pipeline", "tracking")})
+    return from_dict(TeacherStudentConfig,
+                     {key: value for key, value in raw.items() if key not in ("pipeline", "tracking")})
 
 
-def public_figures(config: Config) -> PublicFigures:
+def public_figures(config: TeacherStudentConfig) -> PublicFigures:
     """The figures of ``config`` (owners with declared records), reading only its public pool and
     test tables (their row count, kind and class list)."""
     from conclave.cluster.owners import PublicData
@@ -206,7 +207,7 @@ def render(raw: dict[str, Any], proposal: Proposal, source_path: str) -> str:
 # --- calibration -------------------------------------------------------------------------
 
 
-def _admitted(config: Config) -> bool:
+def _admitted(config: TeacherStudentConfig) -> bool:
     """Whether the run's own Rényi filter (if it declares a budget) admits all its planned work."""
     planned = config.planned()
     budget = config.privacy.budget_filter(planned)
@@ -215,7 +216,7 @@ def _admitted(config: Config) -> bool:
     return budget.admits(float(planned.rdp[order_index(budget.order, planned.orders)]), planned.extra_delta)
 
 
-def _fits(build: Callable[[Any], Config], value: Any, epsilon: float) -> bool:
+def _fits(build: Callable[[Any], TeacherStudentConfig], value: Any, epsilon: float) -> bool:
     """Whether ``build(value)`` plans at most ``epsilon`` and its filter admits its planned work (a
     budget too small for any of the filter's orders refuses the config: it does not fit)."""
     try:
@@ -225,7 +226,8 @@ def _fits(build: Callable[[Any], Config], value: Any, epsilon: float) -> bool:
     return worst_case_guarantee(config.planned(), config.privacy.delta).epsilon <= epsilon and _admitted(config)
 
 
-def smallest_sigma(build: Callable[[float], Config], epsilon: float, high: float, low: float = 1e-2) -> float:
+def smallest_sigma(build: Callable[[float], TeacherStudentConfig], epsilon: float, high: float,
+                   low: float = 1e-2) -> float:
     """The smallest σ in [low, high] (to ``SIGMA_DIGITS`` significant digits, rounded up) whose config
     ``build(σ)`` plans at most ``epsilon`` and whose filter admits its planned work: bisection, ε
     falling in σ. ``high`` bounds the search (the sampled accountants' work grows with σ)."""
@@ -243,14 +245,14 @@ def _round_up(value: float) -> float:
     return float(f"{math.ceil(value / scale - 1e-9) * scale:.{SIGMA_DIGITS}g}")  # the decimal shown, exactly
 
 
-def _base(raw: dict[str, Any], sections: dict[str, Any]) -> Config:
+def _base(raw: dict[str, Any], sections: dict[str, Any]) -> TeacherStudentConfig:
     try:
         return load_config(proposed_config(raw, sections))
     except ValueError as err:  # ConfigError included: a setting the figures cannot make valid
         raise ProposalError(f"the proposal does not fit this config: {err}") from err
 
 
-def _with_mechanism(config: Config, name: str, params: dict[str, float]) -> Config:
+def _with_mechanism(config: TeacherStudentConfig, name: str, params: dict[str, float]) -> TeacherStudentConfig:
     return dataclasses.replace(config, mechanism=MechanismConfig(name, params))
 
 
@@ -327,7 +329,7 @@ def _clusters(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, An
 # --- kNN votes ---------------------------------------------------------------------------
 
 
-def _largest_queries(build: Callable[[int], Config], epsilon: float, cap: int) -> int:
+def _largest_queries(build: Callable[[int], TeacherStudentConfig], epsilon: float, cap: int) -> int:
     """The most queries in [1, cap] whose config fits ``epsilon`` (0 if none): fitting holds up to
     some number and not beyond."""
     if not _fits(build, 1, epsilon):

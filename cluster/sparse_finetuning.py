@@ -15,7 +15,7 @@
    if declared, is a Rényi filter over them; each variant's own ε is reported beside it.
 
 ``finetune_sparsely`` returns a typed ``SparseResult``; ``conclave run`` reaches it through
-``cluster.pipelines.sparse_finetune``, which writes the results folder. ``Config()`` is a
+``cluster.pipelines.sparse_finetune``, which writes the results folder. ``SparseConfig()`` is a
 seconds-scale demo on the bundled digits (0–4 public, 5–9 private).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ModelConfig:
 class DataSpec:
     """A training split restricted to ``classes`` (relabelled 0..k-1; all when empty),
     optionally a seeded subsample of ``size``; the test split gets the same classes. For the
-    private split ``size`` is also the declared N of the DP-SGD schedule (``Config.private_size``)."""
+    private split ``size`` is also the declared N of the DP-SGD schedule (``SparseConfig.private_size``)."""
 
     dataset: str = "digits"
     root: str | None = None
@@ -122,7 +122,7 @@ DEFAULT_PRIVATE = DataSpec("digits", classes=(5, 6, 7, 8, 9))
 
 
 @dataclass(frozen=True)
-class Config:
+class SparseConfig:
     name: str = "sparse-demo"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -217,7 +217,7 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     return losses
 
 
-def planned_work(config: Config):
+def planned_work(config: SparseConfig):
     """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
     owners, or the size of a split of a public benchmark's files)."""
     from conclave.learning.dp_schedule import dp_schedule
@@ -229,7 +229,7 @@ def planned_work(config: Config):
                         for v in config.finetune.variants], label="planned")
 
 
-def private_test(config: Config):
+def private_test(config: SparseConfig):
     """The private task's test split and class names: the ``test`` source with owners, else
     the benchmark's (public data, read by the driver)."""
     if config.owners:
@@ -241,7 +241,7 @@ def private_test(config: Config):
     return test, tuple(str(c) for c in range(test.num_classes))
 
 
-def validate(config: Config) -> Config:
+def validate(config: SparseConfig) -> SparseConfig:
     """Before Ray starts: with owners, the test source is read (and its classes found); the
     model is checked against the model contract on the public split's inputs, with the
     ``.classifier`` the variants replace and layers DP-SGD can train."""
@@ -281,7 +281,7 @@ class SparseResult:
     nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
 
 
-def finetune_sparsely(config: Config, results: RunDirectory, ray_address: str | None = None) -> SparseResult:
+def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: str | None = None) -> SparseResult:
     """Steps 1–4 of the module's docstring; pre-training checkpoints go under ``results.path``."""
     from conclave.actors.dp_trainer import ShardGroup, ShardPlan
     from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource

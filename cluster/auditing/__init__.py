@@ -95,5 +95,5 @@ class AuditResult:
 
 
 def run_audit(pipeline: str, config: Any, settings: AuditSettings) -> AuditResult:
-    """The audit of ``config`` (its pipeline's Config) by the module registered for ``pipeline``."""
+    """The audit of ``config`` (its pipeline's config) by the module registered for ``pipeline``."""
     return AUDITS.load(pipeline).audit(config, settings)

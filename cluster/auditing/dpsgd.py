@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conclave.cluster.active_learning import Config, public_side, shard_plans
+from conclave.cluster.active_learning import ActiveLearningConfig, public_side, shard_plans
 from conclave.cluster.auditing import AuditResult, AuditSettings, SecretInclusion
 from conclave.cluster.run_privacy import dp_sgd_trust
 from conclave.learning.data import Dataset
@@ -134,7 +134,7 @@ def guesses_from(scores: np.ndarray, count: int) -> np.ndarray:
     return guesses
 
 
-def with_canary_records(config: Config, canaries: int) -> tuple[Config, int]:
+def with_canary_records(config: ActiveLearningConfig, canaries: int) -> tuple[ActiveLearningConfig, int]:
     """(the config whose declared records cover the canaries, that declared size): the first
     owner declares ``canaries`` more records; a benchmark's private split is unchanged and the
     schedule is that of its size plus ``canaries``."""
@@ -146,7 +146,7 @@ def with_canary_records(config: Config, canaries: int) -> tuple[Config, int]:
     return audited, audited.private_size
 
 
-def audit(config: Config, settings: AuditSettings) -> AuditResult:
+def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
     """The one-run audit of ``config``'s DP-SGD (module docstring)."""
     from conclave.actors.dp_trainer import ShardGroup, ShardPlan
     from conclave.cluster.owners import owner_resources

@@ -77,7 +77,7 @@ import numpy as np
 from conclave.cluster.auditing import AuditResult, AuditSettings, SecretInclusion
 from conclave.cluster.owners import PublicData
 from conclave.cluster.run_privacy import RunPrivacy
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.learning.data import Dataset, shard
 from conclave.learning.data.dataset import record_hashes
 from conclave.learning.data.schema import InputSchema, Standardiser
@@ -278,7 +278,7 @@ class Share:
         return np.where(local < self.used, self.offset + local, -1)
 
 
-def layout(config: Config) -> list[Share]:
+def layout(config: TeacherStudentConfig) -> list[Share]:
     """The owners' shares as ``cluster.teaching.ensemble.owner_shares`` cuts them: each owner's
     teachers keyed with the run's seed, or the benchmark's ``teachers.count``."""
     counts = [owner.teachers for owner in config.owners] or [config.teachers.count]
@@ -398,13 +398,13 @@ def guesses_from(released: np.ndarray, count: int, rng: np.random.Generator) -> 
     return guesses
 
 
-def with_queries(config: Config, queries: int) -> Config:
+def with_queries(config: TeacherStudentConfig, queries: int) -> TeacherStudentConfig:
     """``config`` as the run "<name>-audit", planning ``queries`` queries (the audit's)."""
     return dataclasses.replace(config, name=f"{config.name}-audit",
                                student=dataclasses.replace(config.student, queries=queries))
 
 
-def affordable(config: Config, wanted: int) -> int:
+def affordable(config: TeacherStudentConfig, wanted: int) -> int:
     """The most canary queries, up to ``wanted``, whose worst case (every one answered) the
     budget pays for: a function of public settings only."""
     if config.privacy.budget is None:
@@ -425,7 +425,7 @@ def affordable(config: Config, wanted: int) -> int:
     return paid
 
 
-def audit(config: Config, settings: AuditSettings) -> AuditResult:
+def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
     """The one-run audit of ``config``'s label aggregator (module docstring)."""
     from conclave.cluster.owners import owner_resources
     from conclave.cluster.ray_runtime import start_ray
@@ -477,7 +477,7 @@ def audit(config: Config, settings: AuditSettings) -> AuditResult:
     return AuditResult(PIPELINE, audited.name, bound, guarantee, m, r, correct, method, unsound)
 
 
-def ask_canaries(config: Config, public: PublicData, embedded: bool, shares: Sequence[Share],
+def ask_canaries(config: TeacherStudentConfig, public: PublicData, embedded: bool, shares: Sequence[Share],
                  records: Sequence[Dataset], mechanism: VoteMechanism | SecureVoteMechanism | ScaledNoise,
                  policy: NoisePolicy, queries: np.ndarray) -> tuple[np.ndarray, RunPrivacy]:
     """Train the teachers on the owners' data plus ``records``, serve them through the real

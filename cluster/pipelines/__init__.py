@@ -24,7 +24,7 @@ from conclave.cluster.config import ConfigError, from_dict
 from conclave.cluster.owners import DataOwner
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy
-from conclave.cluster.teaching.config import Config as TeacherStudentConfig
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.learning.data.sources import DataSource
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from conclave.cluster.active_learning import ActiveLearningResult, Config, learn_actively, planned_work, validate
+from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearningResult, learn_actively, planned_work,
+                                              validate)
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -14,12 +15,12 @@ from conclave.privacy.accounting.owner_ledger import RunRequest
 
 
 @dataclass(frozen=True)
-class ActiveLearning(Pipeline[Config, ActiveLearningResult]):
+class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
     """``pipeline: active_learning``: DP-SGD checkpoints on the owners' data, improved with bought labels."""
 
     name: ClassVar[str] = "active_learning"
-    config_type: ClassVar[type] = Config
-    config: Config
+    config_type: ClassVar[type] = ActiveLearningConfig
+    config: ActiveLearningConfig
 
     def plan(self) -> PrivacyCharge:
         return planned_work(self.config)

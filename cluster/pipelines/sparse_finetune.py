@@ -8,18 +8,18 @@ from typing import ClassVar
 
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
-from conclave.cluster.sparse_finetuning import Config, SparseResult, finetune_sparsely, planned_work, validate
+from conclave.cluster.sparse_finetuning import SparseConfig, SparseResult, finetune_sparsely, planned_work, validate
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import RunRequest
 
 
 @dataclass(frozen=True)
-class SparseFinetune(Pipeline[Config, SparseResult]):
+class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
     """``pipeline: sparse_finetune``: a public model, DP-fine-tuned sparsely on the owners' data."""
 
     name: ClassVar[str] = "sparse_finetune"
-    config_type: ClassVar[type] = Config
-    config: Config
+    config_type: ClassVar[type] = SparseConfig
+    config: SparseConfig
 
     def plan(self) -> PrivacyCharge:
         return planned_work(self.config)

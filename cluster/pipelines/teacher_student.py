@@ -23,7 +23,7 @@ shards and every query, the student for its answered images and test split); the
 outside clients still send images, so the gRPC API and its shape checks are unchanged.
 
 ``TeacherStudent`` is the pipeline over the library steps (``cluster.teaching``; the front door is
-``cluster.api``): it checks, runs them and writes the results folder. ``Config()`` is the demo
+``cluster.api``): it checks, runs them and writes the results folder. ``TeacherStudentConfig()`` is the demo
 (``conclave demo``): digits, 50 teachers, Confident-GNMax under a budget of ε = 4, a FixMatch
 student (about a minute on 2 CPUs).
 """
@@ -38,7 +38,7 @@ from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutc
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.teaching.aggregation import serve
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
 from conclave.cluster.teaching.student import StudentResult, train_student
@@ -48,12 +48,12 @@ from conclave.privacy.accounting.owner_ledger import RunRequest
 
 
 @dataclass(frozen=True)
-class TeacherStudent(Pipeline[Config, StudentResult]):
+class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
     """``pipeline: teacher_student``: teachers (or records that vote) → private aggregator → student."""
 
     name: ClassVar[str] = "teacher_student"
-    config_type: ClassVar[type] = Config
-    config: Config
+    config_type: ClassVar[type] = TeacherStudentConfig
+    config: TeacherStudentConfig
 
     def plan(self) -> PrivacyCharge:
         return self.config.planned()
@@ -74,7 +74,7 @@ class TeacherStudent(Pipeline[Config, StudentResult]):
         return OwnersData(config.owners, config.public, config.test, config.classes,
                           {owner.name: owner.teachers for owner in config.owners})
 
-    def serving(self) -> Config:
+    def serving(self) -> TeacherStudentConfig:
         """The config ``conclave serve`` serves (whose answers are always releases: its noise
         comes from OS entropy, ``ConfigError`` otherwise)."""
         self.config.privacy.require_os_entropy("serving")
@@ -137,7 +137,7 @@ class TeacherStudent(Pipeline[Config, StudentResult]):
         return RunOutcome(student, privacy, metrics, summary)
 
 
-def _vote_source(config: Config, teachers: Ensemble) -> dict[str, Any]:
+def _vote_source(config: TeacherStudentConfig, teachers: Ensemble) -> dict[str, Any]:
     """What voted, where (owner → the Ray node ids its actors ran on); a model given as a factory
     by its import path."""
     from conclave.learning.models import model_label

@@ -13,7 +13,7 @@ import numpy as np
 
 from conclave.cluster.run_privacy import (CLUSTER_AGGREGATOR, KNN_AGGREGATOR, SECURE_VOTES, TRUSTED_AGGREGATOR,
                                          RunPrivacy)
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.privacy.accounting.charge import ADD_REMOVE
@@ -25,7 +25,7 @@ SECURE_NO_ESTIMATES = ("no data-dependent estimate: they are computed from the c
                        "never shows anyone; the guarantee is the data-independent one")
 
 
-def server_settings(config: Config, token: str, **overrides: Any):
+def server_settings(config: TeacherStudentConfig, token: str, **overrides: Any):
     """The aggregator's ``ServerSettings`` from ``config.server`` (``overrides`` that are not
     None replace its fields; ``ValueError`` names a bad one, e.g. plaintext on a public host)."""
     from conclave.actors.aggregator import ServerSettings
@@ -34,7 +34,7 @@ def server_settings(config: Config, token: str, **overrides: Any):
     return ServerSettings(token=token, **fields)
 
 
-def start_aggregator(config: Config, pool, ledger, settings):
+def start_aggregator(config: TeacherStudentConfig, pool, ledger, settings):
     """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
     from conclave.actors.aggregator import AggregatorServer
 
@@ -43,7 +43,8 @@ def start_aggregator(config: Config, pool, ledger, settings):
     return server, server.start()
 
 
-def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: np.ndarray | None) -> RunPrivacy:
+def privacy_section(config: TeacherStudentConfig, ledger, votes: np.ndarray | None,
+                    answered: np.ndarray | None) -> RunPrivacy:
     """What a run may publish about its privacy (``privacy.json``).
 
     The guarantee and what was spent (``PrivacyConfig.report``), the mechanism, and the
@@ -70,7 +71,7 @@ def privacy_section(config: Config, ledger, votes: np.ndarray | None, answered: 
                          queries=votes_report.queries, answered=votes_report.answered)
 
 
-def reserve_estimates(config: Config, ledger) -> None:
+def reserve_estimates(config: TeacherStudentConfig, ledger) -> None:
     """Charge the smooth-sensitivity release before the first query: its cost is fixed by
     public parameters, and paying first keeps a student that spends the budget from leaving
     no room for it."""
@@ -83,7 +84,7 @@ def reserve_estimates(config: Config, ledger) -> None:
 class Aggregator:
     """A running gRPC aggregator over an ensemble, and the ledger every answer is charged to."""
 
-    config: Config
+    config: TeacherStudentConfig
     server: Any  # actors.aggregator.AggregatorServer
     ledger: AnsweringLedger  # the run's or service's, with the owners' lifetime ledgers behind it
     address: str  # host:port
@@ -118,7 +119,7 @@ class Aggregator:
         self.close()
 
 
-def aggregator_ledger(config: Config, path: str | Path, service: bool = False) -> PrivacyLedger:
+def aggregator_ledger(config: TeacherStudentConfig, path: str | Path, service: bool = False) -> PrivacyLedger:
     """The ledger an aggregator charges, its budget fixed now from the planned work, before any
     data is read. A run's starts empty (what an earlier run left at ``path`` is removed); a
     ``service``'s keeps what it holds across restarts and is durable (``PrivacyConfig.open_ledger``)."""
@@ -130,8 +131,8 @@ def aggregator_ledger(config: Config, path: str | Path, service: bool = False) -
     return config.privacy.open_ledger(path, config.planned(), durable=service)
 
 
-def serve(config: Config, ensemble: Ensemble, ledger: str | Path | PrivacyLedger, token: str | None = None,
-          **server: Any) -> Aggregator:
+def serve(config: TeacherStudentConfig, ensemble: Ensemble, ledger: str | Path | PrivacyLedger,
+          token: str | None = None, **server: Any) -> Aggregator:
     """Serve ``ensemble`` with ``config``'s mechanism, every answer charged first to ``ledger`` —
     a path (a run's ledger, started empty: ``aggregator_ledger``) or a ledger already open (a
     service's, opened before its teachers trained) — and to the owners' lifetime ledgers, opened

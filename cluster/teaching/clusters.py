@@ -7,14 +7,14 @@ import os
 from typing import TYPE_CHECKING
 
 from conclave.cluster.owners import PublicData, owner_data
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.knn import check_clean_votes_stay_home
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
     from conclave.actors.cluster_votes import ClusterVoteSource
 
 
-def cluster_vote_source(config: Config, public: PublicData, embedded: bool = True) -> ClusterVoteSource:
+def cluster_vote_source(config: TeacherStudentConfig, public: PublicData, embedded: bool = True) -> ClusterVoteSource:
     """The owners' cluster-vote actors, each holding its owner's records embedded on its node (Ray
     must be running). The embedding is fitted here on the public pool only (free); the records are
     read and embedded by the actors."""

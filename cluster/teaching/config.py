@@ -1,5 +1,5 @@
 """The teacher/student configuration: typed sections, checked when built, with the defaults
-that follow from the declared counts filled in (``Config.__post_init__``). Loading one needs
+that follow from the declared counts filled in (``TeacherStudentConfig.__post_init__``). Loading one needs
 neither torch nor Ray."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class TeacherStudentData:
     name: str = "digits"  # digits | mnist | cifar10 | cifar100 | svhn
     root: str | None = None  # directory of the files (not needed for digits)
     public_size: int = 300  # the student's pool: the first public_size of the shuffled test set
@@ -67,12 +67,12 @@ class OwnerConfig(DataOwner):
 
 @dataclass(frozen=True)
 class TeachersConfig:
-    count: int | None = None  # Config fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
+    count: int | None = None  # TeacherStudentConfig fills it in: the owners' teachers summed, else DEFAULT_TEACHERS
     per_actor: int | None = None  # teachers packed per Ray actor (None: one actor per CPU)
     # A learning.models name, "module:function", or (through the library) the factory itself;
     # None: by the inputs (learning.models.default_model)
     model: str | Callable[..., Any] | None = None
-    # learning's TrainConfig; its seed is replaced by the run's (``Config.seed``) where a model trains
+    # learning's TrainConfig; its seed is replaced by the run's (``TeacherStudentConfig.seed``) where a model trains
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=60, batch_size=32, lr=3e-3))
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class MechanismConfig:
     config leave out is filled from the votes per query (teachers, or k: the class's ``defaults``,
     e.g. Confident-GNMax's threshold), and what it is paired with in its vote source
     (``paired_with``: Private-kNN's ``sample_rate``, public clusters' ``votes_per_record``) comes
-    from the ``knn`` or ``clusters`` section (``Config`` fills them in)."""
+    from the ``knn`` or ``clusters`` section (``TeacherStudentConfig`` fills them in)."""
 
     name: str = ConfidentGNMax.name
     params: dict = field(default_factory=lambda: {"sigma1": 20.0, "sigma2": 12.0})
@@ -276,10 +276,10 @@ AGGREGATIONS = (TRUSTED_AGGREGATOR.aggregation, SECURE_VOTES.aggregation)
 
 
 @dataclass(frozen=True)
-class Config:
+class TeacherStudentConfig:
     name: str = "demo"
     seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
+    data: TeacherStudentData = field(default_factory=TeacherStudentData)
     teachers: TeachersConfig = field(default_factory=TeachersConfig)
     mechanism: MechanismConfig = field(default_factory=MechanismConfig)
     privacy: PrivacyConfig = field(default_factory=lambda: PrivacyConfig(budget=4.0))
@@ -392,7 +392,7 @@ class Config:
 
     def _check_owners(self) -> None:
         check_owners(self.owners, self.test, self.classes, self.public)
-        if dataclasses.replace(self.data, features=None) != DataConfig():
+        if dataclasses.replace(self.data, features=None) != TeacherStudentData():
             raise ValueError("with owners, the data section may only set features (the sources say the rest)")
         if self.teachers.count not in (None, self.num_teachers):
             # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from conclave.cluster.owners import PublicData, check_owner_columns, owner_data, owner_resources
-from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, Config
+from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, TeacherStudentConfig
 from conclave.learning.data.dataset import StudentSplits
 from conclave.progress import waiting
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
 log = logging.getLogger(__name__)
 
 
-def train_ensemble(config: Config, ray_address: str | None = None, progress: bool = True,
+def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None, progress: bool = True,
                    public: PublicData | None = None) -> Ensemble:
     """Check what the driver can (``ConfigError``), start or join Ray, and train every owner's
     teachers on its own node. Use as a context manager (or call ``shutdown``). ``public``: the
@@ -70,7 +70,7 @@ class Ensemble:
         self.shutdown()
 
 
-def train_teachers(config: Config, progress: bool = True, public: PublicData | None = None,
+def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: PublicData | None = None,
                    embedded: bool = True) -> Ensemble:
     """Train the teachers on Ray actors, which read their own data, or start the kNN shard
     actors with ``knn`` (Ray must be running);
@@ -99,7 +99,7 @@ def train_teachers(config: Config, progress: bool = True, public: PublicData | N
     return Ensemble(public, pool)
 
 
-def student_splits(config: Config) -> StudentSplits:
+def student_splits(config: TeacherStudentConfig) -> StudentSplits:
     """The public pool and the test split of the ``data`` section's benchmark, all of the data
     the driver keeps. Reading the files loads the training set too, but the private split is
     dropped here, unsharded."""
@@ -109,7 +109,7 @@ def student_splits(config: Config) -> StudentSplits:
                        seed=config.seed, private_size=config.data.private_size).student_side()
 
 
-def public_data(config: Config) -> PublicData:
+def public_data(config: TeacherStudentConfig) -> PublicData:
     """The driver's data: the benchmark's public side, or the config's ``public`` and ``test``
     sources (never an owner's: those are read by the owners' actors only)."""
     if not config.owners:
@@ -122,7 +122,7 @@ def public_data(config: Config) -> PublicData:
     return public
 
 
-def checked_public(config: Config) -> PublicData:
+def checked_public(config: TeacherStudentConfig) -> PublicData:
     """The driver's data, loaded before Ray starts: a missing file, a bad format, a size the
     data cannot satisfy or a model that does not fit the inputs (``check_models``) is a
     one-line ``ConfigError`` now, not a traceback after start-up."""
@@ -139,7 +139,7 @@ def checked_public(config: Config) -> PublicData:
     return public
 
 
-def check_models(config: Config, public: PublicData) -> None:
+def check_models(config: TeacherStudentConfig, public: PublicData) -> None:
     """The teachers' and the student's models against the model contract
     (``learning.models.contract``) on the inputs they learn on (``public``'s shape, or its
     ``data.features``), before Ray starts: ``ConfigError``, one line, naming the key."""
@@ -164,7 +164,7 @@ def check_models(config: Config, public: PublicData) -> None:
             raise ConfigError(f"{key}: {err}") from None
 
 
-def resolved(config: Config, public: PublicData) -> Config:
+def resolved(config: TeacherStudentConfig, public: PublicData) -> TeacherStudentConfig:
     """``config`` with what it left to the inputs filled in: the models, and for table inputs
     a student without FixMatch (its augmentations are for images). Idempotent: each library step
     resolves the config it is given at its door, because a user may call the steps one by one."""
@@ -184,7 +184,7 @@ def resolved(config: Config, public: PublicData) -> Config:
                                student=dataclasses.replace(student, model=student_model))
 
 
-def teacher_source(config: Config) -> TeacherSource:
+def teacher_source(config: TeacherStudentConfig) -> TeacherSource:
     """The spec of the teachers' private shards of the ``data`` section's benchmark, which only
     the teacher actors load."""
     from conclave.actors.teacher import TeacherSource
@@ -194,7 +194,7 @@ def teacher_source(config: Config) -> TeacherSource:
                          private_size=config.data.private_size, features=config.data.features)
 
 
-def owner_shares(config: Config, public: PublicData, embedded: bool, num_actors: int,
+def owner_shares(config: TeacherStudentConfig, public: PublicData, embedded: bool, num_actors: int,
                  count: int) -> list[OwnerShare]:
     """Each owner's source (a table read by the public schema's column names), teachers, actors
     and placement (the benchmark: one share of its first ``count`` teachers on ``num_actors``
@@ -212,7 +212,7 @@ def owner_shares(config: Config, public: PublicData, embedded: bool, num_actors:
             for owner in config.owners]
 
 
-def teacher_pool(config: Config, public: PublicData, num_teachers: int | None = None,
+def teacher_pool(config: TeacherStudentConfig, public: PublicData, num_teachers: int | None = None,
                  embedded: bool = True,
                  with_records: Callable[[list[OwnerShare]], list[OwnerShare]] | None = None) -> TeacherPool:
     """Untrained teacher actors: the owners' on their nodes, or the benchmark's packed as

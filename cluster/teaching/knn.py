@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from conclave.cluster.owners import PublicData, owner_data
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
     from conclave.actors.knn_votes import KnnVoteSource
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
 log = logging.getLogger(__name__)
 
 
-def knn_vote_source(config: Config, public: PublicData, embedded: bool = True) -> KnnVoteSource:
+def knn_vote_source(config: TeacherStudentConfig, public: PublicData, embedded: bool = True) -> KnnVoteSource:
     """The owners' kNN shard actors, each holding its owner's records embedded on its node (Ray
     must be running). The embedding is fitted here on the public pool only (free); the records
     are read and embedded by the actors."""

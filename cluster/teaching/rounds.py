@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.privacy.accounting.composition import PublishedRun, composed_guarantee
 
 if TYPE_CHECKING:
@@ -17,13 +17,13 @@ if TYPE_CHECKING:
 NETWORK = "network:"
 
 
-def this_round(config: Config) -> PublishedRun:
+def this_round(config: TeacherStudentConfig) -> PublishedRun:
     """This run's bound: its planned worst case under its declared budget."""
     planned = config.planned()
     return PublishedRun(config.name, planned, config.privacy.budget_filter(planned))
 
 
-def earlier_rounds(config: Config) -> tuple[PublishedRun, ...]:
+def earlier_rounds(config: TeacherStudentConfig) -> tuple[PublishedRun, ...]:
     """The runs behind this run's embedding, oldest first (none unless it embeds with a network)."""
     from conclave.learning.embeddings import NetworkEmbedding
 
@@ -34,7 +34,8 @@ def earlier_rounds(config: Config) -> tuple[PublishedRun, ...]:
     return tuple(PublishedRun.from_record(record) for record in network.lineage)
 
 
-def with_earlier_rounds(privacy: RunPrivacy, config: Config, earlier: tuple[PublishedRun, ...]) -> RunPrivacy:
+def with_earlier_rounds(privacy: RunPrivacy, config: TeacherStudentConfig,
+                        earlier: tuple[PublishedRun, ...]) -> RunPrivacy:
     """``privacy`` with the composition of this run and ``earlier`` as its guarantee (its own
     beside it); unchanged without earlier rounds."""
     if not earlier:
@@ -45,6 +46,7 @@ def with_earlier_rounds(privacy: RunPrivacy, config: Config, earlier: tuple[Publ
         rounds={"composed_with": [run.name for run in earlier], "this_run": own.as_dict()})
 
 
-def with_lineage(network: NetworkEmbedding, config: Config, earlier: tuple[PublishedRun, ...]) -> NetworkEmbedding:
+def with_lineage(network: NetworkEmbedding, config: TeacherStudentConfig,
+                 earlier: tuple[PublishedRun, ...]) -> NetworkEmbedding:
     """The student network carrying the bounds of every round behind it, this one's last."""
     return dataclasses.replace(network, lineage=tuple(run.as_record() for run in (*earlier, this_round(config))))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.teaching.aggregation import Aggregator
-from conclave.cluster.teaching.config import Config, StudentConfig
+from conclave.cluster.teaching.config import TeacherStudentConfig, StudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ class StudentResult:
     network: NetworkEmbedding | None = None  # the final model, a free embedding for a later round (image inputs)
 
 
-def train_student(config: Config, ensemble: Ensemble, aggregator: Aggregator, progress: bool = True) -> StudentResult:
+def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: Aggregator,
+                  progress: bool = True) -> StudentResult:
     """A student actor asks ``aggregator`` over gRPC, like any outside client, about the public
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray

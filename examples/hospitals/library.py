@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 from conclave.cluster.api import (
-    Config, DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TrainConfig,
-    serve, train_ensemble, train_student,
+    DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TeacherStudentConfig,
+    TrainConfig, serve, train_ensemble, train_student,
 )
 
 DATA = ROOT / "examples" / "hospitals" / "data"
@@ -27,7 +27,7 @@ def main() -> None:
         OwnerConfig(name, DataSource("csv", str(DATA / name / "records.csv"), label="diagnosis"), teachers=10,
                     resources={name: 1})
         for name in ("hospital_a", "hospital_b", "hospital_c"))
-    config = Config(
+    config = TeacherStudentConfig(
         name="hospitals-library", owners=owners,
         public=DataSource("csv", str(DATA / "public" / "unlabeled.csv")),
         test=DataSource("csv", str(DATA / "public" / "test.csv"), label="diagnosis"),

@@ -16,19 +16,19 @@ from conclave.cluster import api
 SCRIPT = '''
 import json, sys
 from torch import nn
-from conclave.cluster.api import (Config, RunDirectory, StudentConfig, TeacherStudent, TeachersConfig, TrainConfig,
-                                  train_ensemble)
-from conclave.cluster.teaching.config import DataConfig
+from conclave.cluster.api import (RunDirectory, StudentConfig, TeacherStudent, TeacherStudentConfig, TeacherStudentData,
+                                  TeachersConfig, TrainConfig, train_ensemble)
 
 
 def tiny_net(num_classes, input_shape):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(input_shape[-1] * input_shape[-2]), num_classes))
 
 
-config = Config(name="callable", data=DataConfig(public_size=60),
-                teachers=TeachersConfig(count=4, model=tiny_net, train=TrainConfig(epochs=2, batch_size=32, lr=0.05)),
-                student=StudentConfig(queries=20, batch_size=10, checkpoints=(), model=tiny_net,
-                                      train=TrainConfig(epochs=2, batch_size=8, lr=0.05)))
+config = TeacherStudentConfig(
+    name="callable", data=TeacherStudentData(public_size=60),
+    teachers=TeachersConfig(count=4, model=tiny_net, train=TrainConfig(epochs=2, batch_size=32, lr=0.05)),
+    student=StudentConfig(queries=20, batch_size=10, checkpoints=(), model=tiny_net,
+                          train=TrainConfig(epochs=2, batch_size=8, lr=0.05)))
 with train_ensemble(config, progress=False) as ensemble:
     outcome = TeacherStudent(config).teach(ensemble, RunDirectory(sys.argv[1], "callable"))
 print(json.dumps({"asked": outcome.metrics["queries_asked"], "model": outcome.metrics["teachers"]["model"]}))

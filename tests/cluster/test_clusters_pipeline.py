@@ -12,7 +12,8 @@ import yaml
 
 from conclave.cluster.config import load_yaml
 from conclave.cluster.pipelines import load_pipeline
-from conclave.cluster.teaching.config import ClustersConfig, Config, DataConfig, KnnConfig, MechanismConfig
+from conclave.cluster.teaching.config import (ClustersConfig, KnnConfig, MechanismConfig, TeacherStudentConfig,
+                                             TeacherStudentData)
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import read_ledger
 from conclave.privacy.accounting.pld import analytic_gaussian_epsilon
@@ -26,14 +27,15 @@ CLUSTERS = MechanismConfig("public-clusters", {"sigma": 6.5})
 
 def test_the_clusters_section_and_its_mechanism_go_together():
     with pytest.raises(ValueError, match="public-clusters is charged for votes with its votes_per_record: add a clusters"):
-        Config(mechanism=CLUSTERS)
+        TeacherStudentConfig(mechanism=CLUSTERS)
     with pytest.raises(ValueError, match="charged once per batch by mechanism public-clusters, not gnmax"):
-        Config(clusters=ClustersConfig(), mechanism=MechanismConfig("gnmax", {"sigma": 5.0}))
+        TeacherStudentConfig(clusters=ClustersConfig(), mechanism=MechanismConfig("gnmax", {"sigma": 5.0}))
     with pytest.raises(ValueError, match="choose one vote source"):
-        Config(clusters=ClustersConfig(), knn=KnnConfig(), mechanism=CLUSTERS)
+        TeacherStudentConfig(clusters=ClustersConfig(), knn=KnnConfig(), mechanism=CLUSTERS)
     with pytest.raises(ValueError, match=r"clusters.count \(2000\) exceeds server.max_batch"):
-        Config(clusters=ClustersConfig(count=2000), mechanism=CLUSTERS, data=DataConfig(public_size=300))
-    config = Config(clusters=ClustersConfig(count=60, votes_per_record=4), mechanism=CLUSTERS)
+        TeacherStudentConfig(clusters=ClustersConfig(count=2000), mechanism=CLUSTERS,
+                             data=TeacherStudentData(public_size=300))
+    config = TeacherStudentConfig(clusters=ClustersConfig(count=60, votes_per_record=4), mechanism=CLUSTERS)
     assert config.mechanism.params["votes_per_record"] == 4  # filled from the section
     assert (config.student.queries, config.student.batch_size, config.student.selection.strategy) == (60, 60, "clusters")
 

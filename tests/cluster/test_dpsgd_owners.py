@@ -92,7 +92,7 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     fine-tuned on both with data-parallel DP-SGD; its test set is a third .npz file."""
     from conclave.cluster.pipelines import RunContext
     from conclave.cluster.api import SparseFinetune
-    from conclave.cluster.sparse_finetuning import Config, DPFinetuneConfig, PretrainConfig, validate
+    from conclave.cluster.sparse_finetuning import DPFinetuneConfig, PretrainConfig, SparseConfig, validate
     from conclave.cluster.owners import DataOwner
     from conclave.cluster.results import RunDirectory
     from conclave.learning.data import load_digits
@@ -107,9 +107,10 @@ def test_sparse_fine_tuning_on_two_owners_image_files(ray_session, tmp_path):
     np.savez(tmp_path / "test.npz", x=test.x[wanted], y=test.y[wanted])
     owners = tuple(DataOwner(name, DataSource("npz", str(tmp_path / f"{name}.npz"), label="y"), records=300,
                              resources={"hospital_a" if i == 0 else "hospital_b": 1}) for i, name in enumerate(names))
-    config = validate(Config(name="clinics", owners=owners, test=DataSource("npz", str(tmp_path / "test.npz"), label="y"),
-                             pretrain=PretrainConfig(epochs=3),
-                             finetune=DPFinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
+    config = validate(SparseConfig(name="clinics", owners=owners,
+                                   test=DataSource("npz", str(tmp_path / "test.npz"), label="y"),
+                                   pretrain=PretrainConfig(epochs=3),
+                                   finetune=DPFinetuneConfig(variants=("classifier",), epochs=3, target_epsilon=2.0)))
     outcome = SparseFinetune(config).run(RunContext("clinics", RunDirectory(tmp_path / "results", "clinics")))
     variant = outcome.metrics["variants"]["classifier"]
     assert set(outcome.metrics["shards"]["nodes"]) == set(names)

@@ -14,7 +14,7 @@ import yaml
 from conclave.actors.labeller import PrivateLabeller
 from conclave.cluster.config import load_yaml
 from conclave.cluster.pipelines import load_pipeline
-from conclave.cluster.teaching.config import Config, KnnConfig, MechanismConfig
+from conclave.cluster.teaching.config import TeacherStudentConfig, KnnConfig, MechanismConfig
 from conclave.learning.data import make_splits
 from conclave.learning.embeddings import NetworkEmbedding
 from conclave.privacy.accounting.charge import ADD_REMOVE
@@ -30,18 +30,18 @@ PRIVATE_KNN = MechanismConfig("private-knn", {"sigma1": 15.0, "threshold": 20.0,
 
 def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
     with pytest.raises(ValueError, match="add a knn section"):
-        Config(mechanism=PRIVATE_KNN)
-    config = Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
+        TeacherStudentConfig(mechanism=PRIVATE_KNN)
+    config = TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
     assert config.vote_mechanism() == PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
     mismatched = MechanismConfig("private-knn", {**PRIVATE_KNN.params, "sample_rate": 0.5})
     with pytest.raises(ValueError, match="sample_rate 0.5 but the vote source's is 0.3"):
-        Config(mechanism=mismatched, knn=KnnConfig(k=30, sample_rate=0.3))
+        TeacherStudentConfig(mechanism=mismatched, knn=KnnConfig(k=30, sample_rate=0.3))
     # owner-local kNN votes summed securely: one noised total, so one σ
     with pytest.raises(ValueError, match="set sigma1 = sigma2"):
-        Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
+        TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
     secure = MechanismConfig("private-knn", {"sigma1": 8.0, "threshold": 20.0, "sigma2": 8.0})
-    assert Config(mechanism=secure, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure").vote_mechanism().name \
-        == "secure-private-knn"
+    secure_knn = TeacherStudentConfig(mechanism=secure, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
+    assert secure_knn.vote_mechanism().name == "secure-private-knn"
     with pytest.raises(ValueError, match="knn.embedding must be one of"):
         KnnConfig(embedding="sift")
     KnnConfig(embedding="network:results/mnist-knn/student.pt")  # an earlier round's student
@@ -49,16 +49,16 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
 
 
 def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_lemma_for_gnmax():
-    config = Config(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
+    config = TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
     planned = config.planned()
     direct = config.vote_mechanism().run_charge(config.student.queries, config.student.queries)
     assert planned.neighbouring == ADD_REMOVE
     np.testing.assert_allclose(planned.rdp, direct.rdp, rtol=1e-12)
     # GNMax over kNN votes: one record moves one vote (the kNN lemma), no amplification claimed.
-    gnmax = Config(mechanism=MechanismConfig("gnmax", {"sigma": 40.0}), knn=KnnConfig(k=30))
+    gnmax = TeacherStudentConfig(mechanism=MechanismConfig("gnmax", {"sigma": 40.0}), knn=KnnConfig(k=30))
     assert gnmax.planned().details["neighbouring_lemma"] == KNN_LEMMA
     # Confident-GNMax's default threshold is a share of the k votes, not of teachers.
-    assert Config(knn=KnnConfig(k=30)).vote_mechanism().threshold == pytest.approx(0.6 * 30)
+    assert TeacherStudentConfig(knn=KnnConfig(k=30)).vote_mechanism().threshold == pytest.approx(0.6 * 30)
 
 
 def test_owners_declared_records_share_k_and_cap_nothing():

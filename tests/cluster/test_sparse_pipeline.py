@@ -9,7 +9,7 @@ import pytest
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.pipelines import RunContext
 from conclave.cluster.api import SparseFinetune
-from conclave.cluster.sparse_finetuning import Config, DataSpec, DPFinetuneConfig, ModelConfig, PretrainConfig
+from conclave.cluster.sparse_finetuning import SparseConfig, DataSpec, DPFinetuneConfig, ModelConfig, PretrainConfig
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.pipelines import load_pipeline
 from conclave.learning.dp_schedule import DPSGDConfig
@@ -20,7 +20,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
-    config = Config(
+    config = SparseConfig(
         name="sparse-test",
         model=ModelConfig("gn_cnn", 1, {"channels": 4}),
         public=DataSpec("digits", classes=(0, 1, 2, 3, 4), size=300),
@@ -58,7 +58,7 @@ def test_pipeline_runs_charges_ledger_and_resumes(ray_session, tmp_path):
     assert metrics["variants"]["all"]["trained_fraction"] > metrics["variants"]["classifier"]["trained_fraction"]
 
     # A rerun resumes from the last public checkpoint instead of pre-training again.
-    rerun = Config(**{**config.__dict__, "finetune": DPFinetuneConfig(variants=("classifier",), epochs=1,
+    rerun = SparseConfig(**{**config.__dict__, "finetune": DPFinetuneConfig(variants=("classifier",), epochs=1,
                                                                      batch_size=60, target_epsilon=0.5)})
     SparseFinetune(rerun).run(RunContext("run", results))
     again = json.loads((results.path / "metrics.json").read_text())
@@ -75,13 +75,13 @@ def test_shipped_configs_parse(name):
 
 def test_bad_config_names_the_key():
     with pytest.raises(ConfigError, match="variants"):
-        from_dict(Config, {"finetune": {"variants": ["everything"]}})
+        from_dict(SparseConfig, {"finetune": {"variants": ["everything"]}})
     with pytest.raises(ConfigError, match="exactly one"):
-        from_dict(Config, {"finetune": {"noise_multiplier": 1.0}})
+        from_dict(SparseConfig, {"finetune": {"noise_multiplier": 1.0}})
 
 
 def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
-    config = from_dict(Config, {"privacy": {"delta": 1e-6},
+    config = from_dict(SparseConfig, {"privacy": {"delta": 1e-6},
                                 "pretrain": {"epochs": 2, "optimizer": "sgd", "momentum": 0.9},
                                 "finetune": {"lr_overrides": [["features.", 0.01]], "grad_sample_mode": "hooks",
                                              "max_physical_batch_size": 16}})
@@ -90,10 +90,10 @@ def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
         lr_overrides=(("classifier.", 0.5), ("features.", 0.01)), max_physical_batch_size=16)
     assert isinstance(config.pretrain, TrainConfig) and config.pretrain.lr == 3e-3
     with pytest.raises(ConfigError, match=r"pretrain: unknown key\(s\) \['seed'\]"):
-        from_dict(Config, {"pretrain": {"seed": 1}})
+        from_dict(SparseConfig, {"pretrain": {"seed": 1}})
     with pytest.raises(ConfigError, match=r"finetune: unknown key\(s\) \['delta'\]"):
-        from_dict(Config, {"finetune": {"delta": 1e-6}})
+        from_dict(SparseConfig, {"finetune": {"delta": 1e-6}})
     with pytest.raises(ConfigError, match="classifier_lr sets the classifier's rate"):
-        from_dict(Config, {"finetune": {"lr_overrides": [["classifier.weight", 0.1]]}})
+        from_dict(SparseConfig, {"finetune": {"lr_overrides": [["classifier.weight", 0.1]]}})
     with pytest.raises(ConfigError, match="masks act on per-example gradients"):
-        from_dict(Config, {"finetune": {"grad_sample_mode": "ghost"}})
+        from_dict(SparseConfig, {"finetune": {"grad_sample_mode": "ghost"}})

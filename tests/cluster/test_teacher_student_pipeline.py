@@ -15,7 +15,7 @@ import yaml
 from conclave.cluster.cli import main as cli_main
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.teaching.aggregation import privacy_section
-from conclave.cluster.teaching.config import Config
+from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.pipelines import DEMO_CONFIG, load_pipeline
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
@@ -107,8 +107,9 @@ def test_teachers_and_student_learn_on_scattering_features_of_images(ray_session
 
 
 def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tmp_path):
-    config = from_dict(Config, {"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}},
-                                "privacy": {"budget": None}})
+    config = from_dict(TeacherStudentConfig,
+                       {"mechanism": {"name": "nzc", "params": {"constant": 1e100, "laplace_scale": 1e10}},
+                        "privacy": {"budget": None}})
     mechanism = config.mechanism.build()
     votes = np.array([[200, 50, 0], [120, 118, 12]])
     ledger = config.privacy.open_ledger(tmp_path / "ledger.sqlite", config.planned())
@@ -127,9 +128,9 @@ def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tm
 
 def test_the_demo_config_file_is_the_default_config():
     from_file = load_pipeline(load_yaml(CONFIGS / "demo.yaml")).config
-    assert from_file == Config()
+    assert from_file == TeacherStudentConfig()
     demo = load_pipeline(DEMO_CONFIG).config  # what `conclave demo` runs
-    assert demo == Config()
+    assert demo == TeacherStudentConfig()
 
 
 @pytest.mark.parametrize("name", TEACHER_STUDENT_CONFIGS)
