@@ -25,7 +25,7 @@ from conclave.actors.owners import GroupInfo, OwnerDataError, describe_all, node
 from conclave.actors.placement import require_node
 from conclave.actors.vote_parties import RecordShare, VoteParties, VoteParty, party_blocks
 from conclave.learning.embeddings import Embedding
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class ClusterVoteSource(VoteParties):
         num_cpus_per_actor: CPUs each actor reserves.
     """
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, CLUSTER_LEMMA
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, CLUSTER_LEMMA
     actor_kind, restart_note = "cluster-vote actor", " (it reloads its owner's records)"
 
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, votes_per_record: int,

@@ -45,7 +45,7 @@ from conclave.actors.teacher import TeacherSource
 from conclave.actors.vote_parties import (INLINE_INPUT_BYTES, RecordShare, VoteParties, VoteParty, declared_share,
                                           party_blocks)
 from conclave.learning.embeddings import Embedding
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.noise import SECURE, NoisePolicy
 
@@ -195,7 +195,7 @@ class KnnVoteSource(VoteParties):
         local: owner-local votes (secure rounds) rather than the clean merge.
     """
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, KNN_LEMMA
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, KNN_LEMMA
     actor_kind, restart_note = "kNN actor", " (it reloads its owner's records)"
 
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, k: int, sample_rate: float,

@@ -48,7 +48,7 @@ import numpy as np
 from conclave.actors.group_commit import GroupCommit
 from conclave.actors.owners import OwnerDropout
 from conclave.learning.data.schema import InputSchema
-from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded
 from conclave.privacy.mechanisms.base import ABSTAIN, SecureVoteMechanism, VoteMechanism
@@ -73,7 +73,7 @@ class VoteSource(Protocol):
     Optional: ``num_teachers`` (every histogram row must count that many votes).
     """
 
-    neighbouring: str  # the record-level relation under which one record moves at most one vote
+    neighbouring: Neighbouring  # the record-level relation under which one record moves at most one vote
     neighbouring_lemma: str  # why
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
@@ -89,7 +89,7 @@ class SecureVoteSource(Protocol):
     """What the aggregator needs from the teachers with ``aggregation: secure``
     (``actors.teacher.TeacherPool``): rounds of noised totals, never a clean histogram."""
 
-    neighbouring: str
+    neighbouring: Neighbouring
     neighbouring_lemma: str
 
     def ready(self, timeout: float = 2.0) -> bool:
@@ -495,7 +495,7 @@ class PrivateLabeller:
         relation = getattr(self.vote_source, "neighbouring", None)
         if relation != self.ledger.neighbouring:
             raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
-                               f"{self.ledger.neighbouring!r} neighbours")
+                               f"'{self.ledger.neighbouring}' neighbours")
         return charge.for_records(relation, self.vote_source.neighbouring_lemma)
 
     def guarantee(self) -> Guarantee:

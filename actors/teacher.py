@@ -60,7 +60,7 @@ from conclave.learning.models import build_model
 from conclave.learning.models.ensemble import StackedEnsemble
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import fit, predict
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class TeacherGroup(VoteParty):
     folder on this node (``run_folder.claim``), which ``forget`` releases.
     """
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
 
     def __init__(
         self,
@@ -325,7 +325,7 @@ class TeacherPool(VoteParties):
         standardiser: public column statistics for table models.
     """
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, SHARD_LEMMA
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA
     # Deadlines (``VoteParties``): a vote call 15 s, three times the largest batch's vote (250 MNIST
     # teachers label about 220 inputs/s: 1,024 inputs in about 5 s); a secure round 12 s, about one
     # vote of the batch plus the masks. Both below the client's 30 s deadline.

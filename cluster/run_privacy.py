@@ -21,6 +21,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -184,20 +185,27 @@ def admitting_owners(config: OwnersRun, request: RunRequest, planned: PrivacyCha
         yield
 
 
+class Aggregation(StrEnum):
+    """How values computed from several parties' records are added up (docs/privacy.md, "Who
+    sees what"); the value is how configs and ``privacy.json`` name it."""
+
+    # The aggregator sees every teacher's clean vote (PATE's classic trust).
+    TRUSTED_AGGREGATOR = "trusted-aggregator"
+    # Every sum across shard actors is a secure sum with distributed noise, so whoever sums (and every
+    # owner) sees only noised totals (teacher votes too, with ``aggregation: secure`` in teacher_student).
+    SECURE = "secure"
+    # One actor holds all the private data, so nothing private crosses between processes but DP releases.
+    SINGLE_HOLDER = "single-holder"
+
+
 @dataclass(frozen=True)
 class TrustModel:
     """Who sees un-noised values computed from other parties' records in a run (docs/privacy.md,
-    "Who sees what"); written to ``privacy.json``. The guarantee holds against everyone else, and
-    against these parties only as far as ``statement`` says.
+    "Who sees what"), and how they are added up (``aggregation``); written to ``privacy.json``.
+    The guarantee holds against everyone else, and against these parties only as far as
+    ``statement`` says."""
 
-    ``aggregation``: "secure" — every sum across shard actors is a secure sum with distributed
-    noise, so whoever sums (and every owner) sees only noised totals (teacher votes too, with
-    ``aggregation: secure`` in teacher_student: ``SECURE_VOTES``); "trusted-aggregator" — the
-    aggregator sees every teacher's clean vote (PATE's classic trust); "single-holder" — one actor
-    holds all the private data, so nothing private crosses between processes but DP releases.
-    """
-
-    aggregation: str
+    aggregation: Aggregation
     trusted: tuple[str, ...]  # parties that see clean values of data not their own
     statement: str
 
@@ -206,33 +214,33 @@ class TrustModel:
 
 
 TRUSTED_AGGREGATOR = TrustModel(
-    "trusted-aggregator", ("the aggregator",),
+    Aggregation.TRUSTED_AGGREGATOR, ("the aggregator",),
     "the aggregator (in the driver's process) sees every teacher's clean vote on each query; each owner's "
     "actors see only that owner's records and teachers; students and outsiders see released labels only")
 KNN_AGGREGATOR = TrustModel(
-    "trusted-aggregator", ("the aggregator",),
+    Aggregation.TRUSTED_AGGREGATOR, ("the aggregator",),
     "one owner, whose node also runs the aggregator: the aggregator (in the driver's process) sees, for each "
     "query, the squared distances and labels of the k nearest sampled records (in the public embedding) and the "
     "clean vote histogram they make — enough to locate records, so it never runs across owners; students and "
     "outsiders see released labels only")
 CLUSTER_AGGREGATOR = TrustModel(
-    "trusted-aggregator", ("the aggregator",),
+    Aggregation.TRUSTED_AGGREGATOR, ("the aggregator",),
     "one owner, whose node also runs the aggregator: the aggregator (in the driver's process) sees the clean "
     "histogram of the records' votes for the medoids; students and outsiders see released labels only")
 SECURE_SUMS = TrustModel(
-    "secure", (),
+    Aggregation.SECURE, (),
     "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "
     "sends a masked share with its noise share in it, so whoever sums, and every owner, sees only noised "
     "totals; the driver sees DP releases only")
 SECURE_VOTES = TrustModel(
-    "secure", (),
+    Aggregation.SECURE, (),
     "each owner's vote actors (teachers, kNN or public-cluster shards) count their votes on the owner's node "
     "and send only a masked share of their vote histograms with their Skellam noise share in it, so the "
     "aggregator (in the driver's process) sees only noised vote totals — no distance, neighbour or per-owner "
     "histogram — and each owner's actors see only the public inputs; students and outsiders see released "
     "labels only")
 SINGLE_HOLDER = TrustModel(
-    "single-holder", (),
+    Aggregation.SINGLE_HOLDER, (),
     "one actor holds all the private data and adds the noise itself; nothing computed from the records "
     "leaves it but DP releases")
 

@@ -9,7 +9,7 @@ its Skellam noise share drawn in its own process from OS entropy, plus pairwise 
 pairs made for this round alone. The aggregator adds the shares mod the ring and decodes the
 noised histograms; a share on its own is uniform on the ring, whatever the votes in it.
 
-**Sensitivity (one-vote neighbours, ``ONE_VOTE``).** Votes are integers: no scaling, no rounding
+**Sensitivity (one-vote neighbours, ``Neighbouring.ONE_VOTE``).** Votes are integers: no scaling, no rounding
 (``SecureSumPlan.integer_inputs``). When one teacher's vote moves from class a to class b, one
 query's histogram changes by +1 and −1: Δ₁ = 2, Δ₂ = √2 per query. The teacher votes on every
 query of the batch, so the round's vector moves by Δ₁ = 2B, Δ₂ = √(2B), and the Skellam bound
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.sampled_skellam import VOTE_SHIFT_L1, VOTE_SHIFT_L2, sampled_skellam_vote_charge
 from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.noise import NoiseSource
@@ -71,7 +71,7 @@ class VoteBound:
 
     l1: float
     l2: float
-    neighbouring: str
+    neighbouring: Neighbouring
     per_query: bool = True
     sample_rate: float = 1.0
 
@@ -103,17 +103,17 @@ class VoteBound:
 
 
 # One teacher's vote moves from class a to class b on every query (one-vote neighbours).
-TEACHER_VOTES = VoteBound(VOTE_L1, VOTE_L2, ONE_VOTE)
+TEACHER_VOTES = VoteBound(VOTE_L1, VOTE_L2, Neighbouring.ONE_VOTE)
 
 
 def knn_votes(sample_rate: float) -> VoteBound:
     """kNN votes on a fresh Poisson sample per query: one record moves one vote of each query's sample."""
-    return VoteBound(VOTE_SHIFT_L1, VOTE_SHIFT_L2, ADD_REMOVE, sample_rate=sample_rate)
+    return VoteBound(VOTE_SHIFT_L1, VOTE_SHIFT_L2, Neighbouring.ADD_REMOVE, sample_rate=sample_rate)
 
 
 def cluster_votes(votes_per_record: int) -> VoteBound:
     """Public-cluster votes: one record adds 1 to m cells of the whole round (its m nearest queries, its label)."""
-    return VoteBound(float(votes_per_record), math.sqrt(votes_per_record), ADD_REMOVE, per_query=False)
+    return VoteBound(float(votes_per_record), math.sqrt(votes_per_record), Neighbouring.ADD_REMOVE, per_query=False)
 
 
 def vote_release_charge(sigma: float, count: int, label: str, orders=None) -> PrivacyCharge:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from conclave.actors.aggregator import AggregatorServer, ServerSettings
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import build_mechanism
@@ -17,7 +17,7 @@ INPUT_SHAPE = (1, 8, 8)  # scikit-learn's digits
 
 def budget_for(mechanism, epsilon: float, queries: int = 1) -> RenyiFilter:
     """The budget a run declares for ``queries`` answers of ``mechanism`` at ε (before any vote)."""
-    planned = mechanism.worst_case_charge(queries).for_records(ADD_REMOVE, "one teacher per record")
+    planned = mechanism.worst_case_charge(queries).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")
     return filter_for(planned, epsilon, DELTA)
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism, parameters_of
 from conclave.privacy.mechanisms.votes import check_votes
@@ -45,7 +45,8 @@ class ToyMax(VoteMechanism):
         return self.run_charge(batch_size, batch_size)
 
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
-        return gaussian_charge(self.sigma / math.sqrt(2), count=asked, label=self.name, neighbouring=ONE_VOTE)
+        return gaussian_charge(self.sigma / math.sqrt(2), count=asked, label=self.name,
+                               neighbouring=Neighbouring.ONE_VOTE)
 
     def describe(self) -> Description:
         return Description(self.name, parameters_of(self),

@@ -16,7 +16,7 @@ from conclave.cluster.run_privacy import (CLUSTER_AGGREGATOR, KNN_AGGREGATOR, SE
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import AnsweringLedger, PrivacyLedger
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def reserve_estimates(config: TeacherStudentConfig, ledger) -> None:
     no room for it."""
     smooth = config.smooth_sensitivity()
     if smooth is not None:
-        ledger.charge(smooth.charge(ledger.orders).for_records(ADD_REMOVE, SHARD_LEMMA))
+        ledger.charge(smooth.charge(ledger.orders).for_records(Neighbouring.ADD_REMOVE, SHARD_LEMMA))
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conclave.cluster.owners import DataOwner, check_owners
-from conclave.cluster.run_privacy import SECURE_VOTES, TRUSTED_AGGREGATOR, PrivacyConfig
+from conclave.cluster.run_privacy import Aggregation, PrivacyConfig
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
@@ -19,7 +19,7 @@ from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import CLUSTERS, QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from conclave.privacy.mechanisms import (MECHANISMS, ConfidentGNMax, SecureVoteMechanism, VoteMechanism,
@@ -272,7 +272,7 @@ DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=Non
                                             label_propagation=None)
 
 
-AGGREGATIONS = (TRUSTED_AGGREGATOR.aggregation, SECURE_VOTES.aggregation)
+AGGREGATIONS = (Aggregation.TRUSTED_AGGREGATOR, Aggregation.SECURE)  # who may add up the votes
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ class TeacherStudentConfig:
     # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
     # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
     # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
-    aggregation: str = TRUSTED_AGGREGATOR.aggregation
+    aggregation: Aggregation = Aggregation.TRUSTED_AGGREGATOR
 
     def __post_init__(self) -> None:
         if self.owners:
@@ -331,6 +331,7 @@ class TeacherStudentConfig:
     def _check_aggregation(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))  # as read from YAML
         if self.secure:
             self.vote_mechanism()  # a mechanism without a secure variant is refused now, in one line
             if self.estimates.smooth_sensitivity:
@@ -411,7 +412,7 @@ class TeacherStudentConfig:
 
     @property
     def secure(self) -> bool:
-        return self.aggregation == SECURE_VOTES.aggregation
+        return self.aggregation == Aggregation.SECURE
 
     def vote_mechanism(self) -> VoteMechanism | SecureVoteMechanism:
         """What the aggregator runs: the configured mechanism, or with ``aggregation: secure`` its
@@ -430,4 +431,6 @@ class TeacherStudentConfig:
         planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity(),
                                  batch_size=self.student.batch_size)
         # Records that vote themselves are charged at record level already; teachers' mechanisms per vote.
-        return planned if planned.neighbouring == ADD_REMOVE else planned.for_records(ADD_REMOVE, self.vote_lemma)
+        if planned.neighbouring == Neighbouring.ADD_REMOVE:
+            return planned
+        return planned.for_records(Neighbouring.ADD_REMOVE, self.vote_lemma)

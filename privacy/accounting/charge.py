@@ -16,20 +16,37 @@ add/remove, see ``for_records``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import numpy as np
 
 from conclave.privacy.accounting.pld import GaussianSteps
 
-# Neighbouring relations a bound can hold for (identifier → what changes between neighbours).
-ADD_REMOVE = "add-remove"
-REPLACE_ONE = "replace-one"
-ONE_VOTE = "one-vote"
-NEIGHBOURING = {
-    ADD_REMOVE: "one record added or removed",
-    REPLACE_ONE: "one record replaced by another",
-    ONE_VOTE: "one teacher's vote moves to another class (the vote histogram's neighbours)",
-}
+
+class Neighbouring(StrEnum):
+    """The neighbouring relations a bound can hold for; the value is how reports and ledgers name it."""
+
+    ADD_REMOVE = "add-remove"
+    REPLACE_ONE = "replace-one"
+    ONE_VOTE = "one-vote"
+
+    @property
+    def meaning(self) -> str:
+        """What changes between two neighbouring datasets."""
+        return {
+            Neighbouring.ADD_REMOVE: "one record added or removed",
+            Neighbouring.REPLACE_ONE: "one record replaced by another",
+            Neighbouring.ONE_VOTE: "one teacher's vote moves to another class (the vote histogram's neighbours)",
+        }[self]
+
+    @classmethod
+    def of(cls, value: str) -> Neighbouring:
+        """The relation named ``value`` (``ValueError``, one line naming them all, if none is)."""
+        try:
+            return cls(value)
+        except ValueError:
+            known = sorted(n.value for n in cls)
+            raise ValueError(f"unknown neighbouring relation {value!r}; one of {known}") from None
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,7 @@ class PrivacyCharge:
         unbounded: True when no finite DP guarantee holds (e.g. NZC); ``rdp`` is then +inf.
         reason: one line saying why a charge is unbounded (empty otherwise).
         label: what was charged, e.g. "gnmax", "threshold", "dpsgd-epoch-3".
-        neighbouring: the relation the bound holds for (a key of ``NEIGHBOURING``).
+        neighbouring: the relation the bound holds for.
         pld: the Gaussian releases the charge is made of, when it is nothing else
             (``privacy.accounting.pld``: a tighter (ε, δ) for work fixed in advance); None otherwise.
     """
@@ -55,12 +72,11 @@ class PrivacyCharge:
     reason: str = ""
     label: str = ""
     details: dict = field(default_factory=dict, compare=False)
-    neighbouring: str = ADD_REMOVE
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
     pld: tuple[GaussianSteps, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.neighbouring not in NEIGHBOURING:
-            raise ValueError(f"unknown neighbouring relation {self.neighbouring!r}; one of {sorted(NEIGHBOURING)}")
+        object.__setattr__(self, "neighbouring", Neighbouring.of(self.neighbouring))
         orders = np.asarray(self.orders, dtype=float)
         rdp = np.asarray(self.rdp, dtype=float)
         if orders.ndim != 1 or rdp.shape != orders.shape:
@@ -89,14 +105,14 @@ class PrivacyCharge:
         pld = None if self.pld is None else tuple(step.times(count) for step in self.pld)
         return replace(self, rdp=count * self.rdp, extra_delta=count * self.extra_delta, pld=pld)
 
-    def for_records(self, relation: str, why: str) -> PrivacyCharge:
+    def for_records(self, relation: Neighbouring, why: str) -> PrivacyCharge:
         """This one-vote charge restated for record-level neighbours ``relation``.
 
         Valid when changing one record under ``relation`` changes at most one teacher's vote;
         ``why`` states the lemma (e.g. shards assigned by a keyed hash of each record).
         """
-        if self.neighbouring != ONE_VOTE:
-            raise ValueError(f"charge {self.label!r} holds for {self.neighbouring!r}, not for one vote")
+        if self.neighbouring != Neighbouring.ONE_VOTE:
+            raise ValueError(f"charge {self.label!r} holds for '{self.neighbouring}', not for one vote")
         if not why:
             raise ValueError("restating a vote-level charge for records must say why it holds")
         return replace(self, neighbouring=relation, details={**self.details, "neighbouring_lemma": why})

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from conclave.privacy.accounting.charge import NEIGHBOURING, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import THEOREM as FILTER_THEOREM
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.pld import THEOREM as PLD_THEOREM
@@ -43,10 +43,13 @@ class Guarantee:
     epsilon: float
     delta: float
     basis: str  # "renyi-filter" | "worst-case" | "unbounded"
-    neighbouring: str
+    neighbouring: Neighbouring
     theorem: str
     order: float | None = None  # the RDP order the figure comes from
     unsound_reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "neighbouring", Neighbouring.of(self.neighbouring))
 
     @property
     def sound(self) -> bool:
@@ -60,7 +63,7 @@ class Guarantee:
 
     def as_dict(self) -> dict[str, Any]:
         return {"epsilon": self.epsilon, "delta": self.delta, "basis": self.basis,
-                "neighbouring": self.neighbouring, "neighbouring_means": NEIGHBOURING.get(self.neighbouring, ""),
+                "neighbouring": self.neighbouring, "neighbouring_means": self.neighbouring.meaning,
                 "theorem": self.theorem, "order": self.order, "sound": self.sound,
                 "unsound_reasons": list(self.unsound_reasons)}
 
@@ -85,7 +88,7 @@ class Estimate:
                 "source": self.source, "private": self.private, **self.details}
 
 
-def filter_guarantee(budget: RenyiFilter, neighbouring: str) -> Guarantee:
+def filter_guarantee(budget: RenyiFilter, neighbouring: Neighbouring) -> Guarantee:
     return Guarantee(budget.epsilon, budget.delta, "renyi-filter", neighbouring, FILTER_THEOREM, budget.order)
 
 
@@ -106,7 +109,7 @@ def worst_case_guarantee(planned: PrivacyCharge, delta: float) -> Guarantee:
     return Guarantee(tighter, delta, "worst-case", planned.neighbouring, PLD_THEOREM) if tighter < epsilon else rdp
 
 
-def unbounded_guarantee(delta: float, neighbouring: str, reason: str) -> Guarantee:
+def unbounded_guarantee(delta: float, neighbouring: Neighbouring, reason: str) -> Guarantee:
     return Guarantee(math.inf, delta, "unbounded", neighbouring, "none: " + reason, None, (reason,))
 
 

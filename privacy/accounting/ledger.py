@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from conclave.errors import ConclaveError, first_line
-from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
 from conclave.privacy.accounting.ledger_store import (
@@ -66,7 +66,7 @@ class BudgetReport:
     charges: int
     bounded: bool  # False once an unbounded charge (e.g. NZC) has been recorded
     by_label: dict[str, float]  # ε each label would cost alone, at the same δ split
-    neighbouring: str
+    neighbouring: Neighbouring
     budget: RenyiFilter | None  # None: a record-only ledger
     rdp_at_budget_order: float | None  # the filter's running sum (None without a budget)
     extra_delta: float  # δ spent outside RDP curves so far
@@ -106,7 +106,7 @@ class Ledger(Protocol):
     def delta(self) -> float: ...
 
     @property
-    def neighbouring(self) -> str: ...
+    def neighbouring(self) -> Neighbouring: ...
 
     @property
     def orders(self) -> np.ndarray: ...
@@ -200,16 +200,15 @@ class PrivacyLedger:
     """
 
     def __init__(self, path: str | Path, delta: float, budget: RenyiFilter | None = None,
-                 neighbouring: str = ADD_REMOVE, orders=DEFAULT_ORDERS, keep_record: bool = False) -> None:
+                 neighbouring: Neighbouring = Neighbouring.ADD_REMOVE, orders=DEFAULT_ORDERS,
+                 keep_record: bool = False) -> None:
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
         if budget is not None and budget.delta != delta:
             raise ValueError(f"the budget's delta {budget.delta:g} differs from the ledger's {delta:g}")
-        if neighbouring not in NEIGHBOURING:
-            raise ValueError(f"unknown neighbouring relation {neighbouring!r}; one of {sorted(NEIGHBOURING)}")
         self.path = Path(path)
         self.delta = float(delta)
-        self.neighbouring = neighbouring
+        self.neighbouring = Neighbouring.of(neighbouring)
         self.orders = np.asarray(orders, dtype=float)
         if self.orders.ndim != 1 or self.orders.size == 0 or np.any(self.orders <= 1):
             raise ValueError("orders must be a non-empty 1-D list of numbers > 1")
@@ -338,8 +337,8 @@ class PrivacyLedger:
             raise ValueError(f"charge {charge.label!r} is not on this ledger's RDP orders")
         if charge.neighbouring != self.neighbouring:
             raise ValueError(
-                f"charge {charge.label!r} holds for {charge.neighbouring!r} neighbours, this ledger composes "
-                f"{self.neighbouring!r}: bounds for different relations do not compose as one"
+                f"charge {charge.label!r} holds for '{charge.neighbouring}' neighbours, this ledger composes "
+                f"'{self.neighbouring}': bounds for different relations do not compose as one"
             )
 
     def _refusal(self, charge: PrivacyCharge) -> str | None:
@@ -413,7 +412,7 @@ class LedgerSnapshot:
     ledger_id: str  # random, written when the file was created
     delta: float
     budget: RenyiFilter | None  # None: a record-only ledger, no filter was in force; else the limit now
-    neighbouring: str
+    neighbouring: Neighbouring
     orders: np.ndarray
     charges: int
     answers: int  # released answers on record (a labelling service records one per distinct input)

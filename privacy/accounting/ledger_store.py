@@ -35,7 +35,7 @@ from typing import IO
 import numpy as np
 
 from conclave.errors import RunRefused
-from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords
 from conclave.privacy.accounting.pld import GaussianSteps
@@ -111,7 +111,7 @@ class LedgerSettings:
 
     delta: float
     budget: RenyiFilter | None
-    neighbouring: str
+    neighbouring: Neighbouring
     orders: np.ndarray
 
     def meta(self) -> dict[str, str]:
@@ -131,7 +131,7 @@ class LedgerSettings:
         try:
             budget = json.loads(meta["budget"])
             settings = cls(float(json.loads(meta["delta"])), None if budget is None else RenyiFilter(**budget),
-                           meta["neighbouring"], np.asarray(json.loads(meta["orders"]), dtype=float))
+                           Neighbouring.of(meta["neighbouring"]), np.asarray(json.loads(meta["orders"]), dtype=float))
         except (KeyError, TypeError, ValueError) as error:
             raise LedgerDamaged(_damaged(path, f"its settings (meta) do not parse ({type(error).__name__}: {error})"))
         if settings.orders.ndim != 1 or settings.orders.size == 0:

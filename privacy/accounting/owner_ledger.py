@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from conclave.errors import RunRefused
-from conclave.privacy.accounting.charge import ADD_REMOVE, NEIGHBOURING, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, order_index, rdp_budget
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import BudgetChange, BudgetExceeded, BudgetReport, PrivacyLedger, read_ledger
@@ -84,7 +84,7 @@ class OwnerBudget:
 
     epsilon: float
     delta: float = 1e-5
-    neighbouring: str = ADD_REMOVE
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
     order: float | None = None
     reserved_delta: float = 0.0
     directory: str | None = None
@@ -96,8 +96,10 @@ class OwnerBudget:
             raise ValueError(f"budget.delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.reserved_delta < self.delta:
             raise ValueError(f"budget.reserved_delta must be in [0, delta), got {self.reserved_delta}")
-        if self.neighbouring not in NEIGHBOURING:
-            raise ValueError(f"budget.neighbouring must be one of {sorted(NEIGHBOURING)}, got {self.neighbouring!r}")
+        if self.neighbouring not in set(Neighbouring):
+            raise ValueError(f"budget.neighbouring must be one of {sorted(n.value for n in Neighbouring)}, got "
+                             f"{self.neighbouring!r}")
+        object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))  # as read from YAML or JSON
         if self.order is not None:
             RenyiFilter(self.epsilon, self.delta, self.order, self.reserved_delta)  # a bad order: an error now
 
@@ -130,7 +132,7 @@ class OwnerPolicy:
     epsilon: float
     ledger: str
     delta: float = 1e-5
-    neighbouring: str = ADD_REMOVE
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
     order: float | None = None
     reserved_delta: float = 0.0
     pipelines: tuple[str, ...] = ()
@@ -141,7 +143,7 @@ class OwnerPolicy:
     def __post_init__(self) -> None:
         for name in ("pipelines", "mechanisms", "data"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        self.budget()  # the budget's own checks
+        object.__setattr__(self, "neighbouring", self.budget().neighbouring)  # the budget's own checks, then typed
         if not Path(self.ledger).is_absolute():
             raise ValueError(f"owner {self.owner}: its policy's ledger folder must be an absolute path, got "
                              f"{self.ledger!r}")
@@ -360,7 +362,7 @@ class OwnerLedger:
         return self._open().delta
 
     @property
-    def neighbouring(self) -> str:
+    def neighbouring(self) -> Neighbouring:
         return self._open().neighbouring
 
     @property

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from scipy import special
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 
 # Opacus's default alphas (1.1 … 10.9 by 0.1, then 12 … 63) so DP-SGD figures match Opacus
@@ -193,7 +193,7 @@ def _sampled_gaussian_step(grid: bytes, sample_rate: float, noise_multiplier: fl
 
 
 def pure_epsilon_charge(epsilon: float, label: str = "", orders=None, count: int = 1,
-                        neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
+                        neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """``count`` releases, each ε-DP (e.g. LNMax with ε₀ = 2/b, Laplace noisy counts)."""
     lam = _orders(orders)
     return PrivacyCharge(
@@ -203,7 +203,7 @@ def pure_epsilon_charge(epsilon: float, label: str = "", orders=None, count: int
 
 
 def gaussian_charge(noise_multiplier: float, count: int = 1, label: str = "", orders=None,
-                    neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
+                    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """``count`` Gaussian releases with noise multiplier z = σ/Δ₂: count·λ/(2z²)."""
     lam = _orders(orders)
     return PrivacyCharge(
@@ -231,7 +231,8 @@ def sampled_gaussian_charge(
 
 
 def approximate_dp_charge(
-    epsilon: float, delta: float, label: str = "", orders=None, count: int = 1, neighbouring: str = ADD_REMOVE
+    epsilon: float, delta: float, label: str = "", orders=None, count: int = 1,
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
 ) -> PrivacyCharge:
     """``count`` releases each ε-indistinguishable except with probability ``delta`` in total.
 
@@ -253,7 +254,8 @@ def approximate_dp_charge(
     )
 
 
-def unbounded_charge(reason: str, label: str = "", orders=None, neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
+def unbounded_charge(reason: str, label: str = "", orders=None,
+                     neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """A release with no finite DP guarantee (e.g. NZC); a ledger with a budget refuses it."""
     if not reason:
         raise ValueError("an unbounded charge must say why")
@@ -271,8 +273,8 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
         if not np.array_equal(charge.orders, lam):
             raise ValueError("charges are on different orders")
         if charge.neighbouring != charges[0].neighbouring:
-            raise ValueError(f"charges hold for different neighbouring relations ({charges[0].neighbouring!r}, "
-                             f"{charge.neighbouring!r}); they do not compose as one")
+            raise ValueError(f"charges hold for different neighbouring relations ('{charges[0].neighbouring}', "
+                             f"'{charge.neighbouring}'); they do not compose as one")
     reasons = "; ".join(c.reason for c in charges if c.unbounded)
     plans = [c.pld for c in charges]
     return PrivacyCharge(

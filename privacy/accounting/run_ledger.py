@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, BudgetReport
 from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms
@@ -66,7 +66,7 @@ class RunLedger:
         return self.ledger.budget
 
     @property
-    def neighbouring(self) -> str:
+    def neighbouring(self) -> Neighbouring:
         return self.ledger.neighbouring
 
     @property

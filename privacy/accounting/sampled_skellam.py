@@ -41,7 +41,7 @@ import math
 import numpy as np
 from scipy import special
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import _orders
 from conclave.privacy.accounting.skellam import at_integer_orders, poisson_subsampled_rdp, skellam_integer_rdp
 
@@ -83,7 +83,7 @@ def sampled_skellam_vote_charge(sample_rate: float, variance: float, count: int 
     lam = _orders(orders)
     return PrivacyCharge(lam, count * sampled_skellam_vote_rdp(lam, sample_rate, variance), label=label,
                          details={"sample_rate": sample_rate, "variance": variance, "count": count},
-                         neighbouring=ADD_REMOVE)
+                         neighbouring=Neighbouring.ADD_REMOVE)
 
 
 @functools.lru_cache(maxsize=32)

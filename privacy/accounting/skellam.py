@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import _orders
 
 # Integer orders → RDP bound at those orders (each ≥ 2).
@@ -96,7 +96,7 @@ def subsampled_skellam_rdp(
 
 
 def skellam_charge(l1_sensitivity: float, l2_sensitivity: float, variance: float, count: int = 1, label: str = "",
-                   orders=None, neighbouring: str = ADD_REMOVE) -> PrivacyCharge:
+                   orders=None, neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """``count`` full-batch secure sums with Skellam noise (DP-PCA covariances, counts)."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
@@ -123,7 +123,7 @@ def subsampled_skellam_charge(
         label=label,
         details={"sample_rate": sample_rate, "l1_sensitivity": l1_sensitivity, "l2_sensitivity": l2_sensitivity,
                  "variance": variance, "steps": steps},
-        neighbouring=ADD_REMOVE,  # Poisson-sampling amplification is an add/remove statement
+        neighbouring=Neighbouring.ADD_REMOVE,  # Poisson-sampling amplification is an add/remove statement
     )
 
 

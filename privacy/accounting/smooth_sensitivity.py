@@ -45,7 +45,7 @@ import numpy as np
 from scipy import optimize, special
 
 from conclave.privacy.accounting import pate
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import NoiseSource
@@ -386,7 +386,7 @@ class SmoothSensitivityParameters:
         """The release's own cost on a grid (PATE 2018, Thm 23 at every order below 1/(2β); none above)."""
         rdp = np.array([gnss_rdp(self.beta, self.sigma_ss, lam) if lam < 1 / (2 * self.beta) else math.inf
                         for lam in orders])
-        return PrivacyCharge(orders, rdp, label="smooth-sensitivity-release", neighbouring=ONE_VOTE,
+        return PrivacyCharge(orders, rdp, label="smooth-sensitivity-release", neighbouring=Neighbouring.ONE_VOTE,
                              details={"order": self.order, "beta": self.beta, "sigma_ss": self.sigma_ss})
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, sampled_gaussian_rdp
 
@@ -65,6 +65,6 @@ def poisson_sampled_gaussian_charge(sample_rate: float, releases: Sequence[Gauss
     return PrivacyCharge(
         lam, sampled_gaussian_rdp(lam, sample_rate, multiplier, count), label=label,
         details={"sample_rate": sample_rate, "noise_multiplier": multiplier, "count": count},
-        neighbouring=ADD_REMOVE,
+        neighbouring=Neighbouring.ADD_REMOVE,
         pld=(GaussianSteps(multiplier, count, sample_rate),),
     )

@@ -9,7 +9,7 @@ from typing import ClassVar
 import numpy as np
 
 from conclave.privacy.accounting import pate
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge, sum_charges
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms, threshold_terms
@@ -155,7 +155,7 @@ class ConfidentGNMax(VoteMechanism):
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         return sum_charges(
             [
-                gaussian_charge(self.sigma1, count=asked, label="threshold", neighbouring=ONE_VOTE),
+                gaussian_charge(self.sigma1, count=asked, label="threshold", neighbouring=Neighbouring.ONE_VOTE),
                 gnmax_charge(self.sigma2, answered, label="gnmax"),
             ],
             label=self.name,

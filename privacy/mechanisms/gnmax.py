@@ -9,7 +9,7 @@ from typing import ClassVar
 import numpy as np
 
 from conclave.privacy.accounting import pate
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothTerms, gnmax_terms
@@ -25,7 +25,7 @@ def gnmax_charge(sigma: float, count: int, label: str = "gnmax") -> PrivacyCharg
     The histogram moves by 1 in two coordinates, ℓ2 sensitivity √2, so it is the Gaussian
     mechanism with noise multiplier σ/√2: λ/(2·σ²/2) = λ/σ².
     """
-    return gaussian_charge(sigma / math.sqrt(2), count=count, label=label, neighbouring=ONE_VOTE)
+    return gaussian_charge(sigma / math.sqrt(2), count=count, label=label, neighbouring=Neighbouring.ONE_VOTE)
 
 
 @dataclass(frozen=True)

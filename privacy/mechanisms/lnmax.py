@@ -7,7 +7,7 @@ from typing import ClassVar
 import numpy as np
 
 from conclave.privacy.accounting import pate
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import pure_epsilon_charge
 from conclave.privacy.mechanisms.base import Description, MechanismResult, VoteMechanism, parameters_of
@@ -47,7 +47,8 @@ class LNMax(VoteMechanism):
         return self.run_charge(batch_size, batch_size)
 
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
-        return pure_epsilon_charge(self.epsilon_per_query, label=self.name, count=answered, neighbouring=ONE_VOTE)
+        return pure_epsilon_charge(self.epsilon_per_query, label=self.name, count=answered,
+                                   neighbouring=Neighbouring.ONE_VOTE)
 
     def describe(self) -> Description:
         return Description(self.name, parameters_of(self), "argmax of the votes plus Laplace(b) noise",

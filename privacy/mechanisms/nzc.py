@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
 from conclave.privacy.mechanisms.base import Description, MechanismResult, VoteMechanism, parameters_of
@@ -79,7 +79,7 @@ class NZC(VoteMechanism):
         return MechanismResult(labels, self.worst_case_charge(len(labels)))
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
-        return unbounded_charge(UNSOUND_REASON, label=self.name, neighbouring=ONE_VOTE)
+        return unbounded_charge(UNSOUND_REASON, label=self.name, neighbouring=Neighbouring.ONE_VOTE)
 
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         return self.worst_case_charge(asked)

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
                                               SecureVoteMechanism, VoteMechanism, parameters_of)
@@ -124,7 +124,8 @@ class PublicClusterVotes(VoteMechanism):
                                self.worst_case_charge(len(counts)))
 
     def _release(self) -> PrivacyCharge:
-        return gaussian_charge(self.sigma / math.sqrt(self.votes_per_record), label=self.name, neighbouring=ADD_REMOVE)
+        return gaussian_charge(self.sigma / math.sqrt(self.votes_per_record), label=self.name,
+                               neighbouring=Neighbouring.ADD_REMOVE)
 
     def worst_case_charge(self, batch_size: int) -> PrivacyCharge:
         return self._release() if batch_size > 0 else self._release().scaled(0)

@@ -49,7 +49,7 @@ from typing import ClassVar
 import numpy as np
 from scipy import optimize
 
-from conclave.privacy.accounting.charge import ONE_VOTE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import approximate_dp_charge
 from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism, parameters_of
 from conclave.privacy.mechanisms.votes import check_votes
@@ -203,10 +203,10 @@ class Stability(VoteMechanism):
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         if asked == 0:
             return self._free()
-        return approximate_dp_charge(self.epsilon, self.delta, label=self.name, neighbouring=ONE_VOTE)
+        return approximate_dp_charge(self.epsilon, self.delta, label=self.name, neighbouring=Neighbouring.ONE_VOTE)
 
     def _free(self) -> PrivacyCharge:
-        return approximate_dp_charge(0.0, 0.0, label=self.name, neighbouring=ONE_VOTE)
+        return approximate_dp_charge(0.0, 0.0, label=self.name, neighbouring=Neighbouring.ONE_VOTE)
 
     def describe(self) -> Description:
         return Description(

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from conclave.actors.aggregator import STORAGE_FULL, _peer_address, _StreamSlots, storage_full
 from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 from tests.aggregators import INPUT_SHAPE, serving, wait_for
 
@@ -44,7 +44,7 @@ CHECK = health_pb2.HealthCheckRequest()
 class InstantTeachers:
     """Three teachers that vote at once."""
 
-    neighbouring, neighbouring_lemma, num_teachers = ADD_REMOVE, "one teacher per record", 3
+    neighbouring, neighbouring_lemma, num_teachers = Neighbouring.ADD_REMOVE, "one teacher per record", 3
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)

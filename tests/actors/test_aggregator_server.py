@@ -23,7 +23,7 @@ from conclave.actors.aggregator import SERVICE_NAME, AggregatorActor, Aggregator
 from conclave.actors.labeller import input_keys
 from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_digits
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
@@ -276,7 +276,7 @@ def test_stream_answers_batches_in_order(teachers, public, tmp_path):
 class BrokenTeachers:
     """A vote source whose actors died: the failure path of a real deployment."""
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, "one teacher per record"
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         raise ConnectionError("teacher actor 3 died")

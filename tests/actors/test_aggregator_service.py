@@ -25,7 +25,7 @@ from conclave.actors.aggregator import ServerSettings
 from conclave.actors.teacher import TeacherPool, TeacherSource
 from conclave.cluster.client import AggregatorClient, is_budget_refusal
 from conclave.learning.train_config import TrainConfig
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.mechanisms import build_mechanism
@@ -168,7 +168,7 @@ def test_answers_survive_a_restart_free_and_identical(teachers, public, tmp_path
 class SlowTeachers:
     """Votes after a pause: keeps label threads busy so admission control shows."""
 
-    neighbouring, neighbouring_lemma, num_teachers = ADD_REMOVE, "one teacher per record", 3
+    neighbouring, neighbouring_lemma, num_teachers = Neighbouring.ADD_REMOVE, "one teacher per record", 3
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         time.sleep(1.0)

@@ -13,7 +13,7 @@ from conclave.learning.embeddings import Flatten, PublicPCA
 from conclave.actors.owners import OwnerSource
 from conclave.learning.data import load_digits
 from conclave.learning.data.sources import DataSource
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.noise import NoisePolicy
 
 CLASSES = tuple(str(c) for c in range(10))
@@ -65,7 +65,7 @@ def test_two_owners_vote_as_one_machine_knn_over_the_same_sample(ray_session, ow
     knn = knn_source(sources, k, rate)
     try:
         assert (knn.num_actors, knn.num_classes, knn.k, knn.sample_rate) == (2, 10, k, rate)
-        assert knn.neighbouring == ADD_REMOVE
+        assert knn.neighbouring == Neighbouring.ADD_REMOVE
         for round_ in (1, 2):  # a fresh sample every round
             votes = knn.votes(queries)
             expected, included = single_machine_votes(sources, queries, k, rate, round_)

@@ -15,7 +15,7 @@ import pytest
 
 from conclave.cluster import query_command
 from conclave.cluster.client import AggregatorClient, is_budget_refusal
-from conclave.privacy.accounting.charge import ADD_REMOVE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
@@ -125,7 +125,8 @@ def test_the_secure_path_answers_up_to_what_the_budget_pays(teachers, public, tm
     """``aggregation: secure``: the batch is sized before its first round, so only the rounds
     of the paid prefix run, and the ledger holds exactly their charge."""
     mechanism = SecureGNMax(SIGMA)
-    two, three = (at_order(mechanism.worst_case_charge(n).for_records(ADD_REMOVE, "one teacher per record"))
+    two, three = (at_order(mechanism.worst_case_charge(n).for_records(Neighbouring.ADD_REMOVE,
+                                                                      "one teacher per record"))
                   for n in (2, 3))
     room = (two + three) / 2  # two answers and half of a third
     budget = RenyiFilter(epsilon_from_rdp([ORDER], [room], DELTA)[0], DELTA, ORDER)

@@ -26,7 +26,7 @@ from conclave.cluster.client import AggregatorClient
 from conclave.cluster.config import load_yaml
 from conclave.cluster.teaching.ensemble import checked_public, resolved, teacher_pool
 from conclave.cluster.pipelines import load_pipeline
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import filter_for
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import SecureGNMax
@@ -80,7 +80,7 @@ def test_a_round_is_the_clean_histogram_plus_skellam_noise_of_the_planned_varian
 def test_the_aggregator_charges_the_skellam_curve_of_what_it_answered_and_keeps_no_votes(hospitals, tmp_path):
     pool, inputs = hospitals
     mechanism = SecureGNMax(3.0)
-    planned = mechanism.worst_case_charge(30).for_records(ADD_REMOVE, "one teacher per record")
+    planned = mechanism.worst_case_charge(30).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, filter_for(planned, 50.0, DELTA))
     server = AggregatorServer(pool, mechanism, ledger, pool.input_shape, ServerSettings(token="t"))
     try:
@@ -93,7 +93,7 @@ def test_the_aggregator_charges_the_skellam_curve_of_what_it_answered_and_keeps_
         assert report.charges == 2 and set(report.by_label) == {"secure-gnmax"}
         # 20 then 10 new answers: the ledger holds exactly the curve of 30 answers at σ = 3.
         reference = PrivacyLedger(tmp_path / "reference.sqlite", DELTA, None)
-        reference.charge(mechanism.run_charge(30, 30).for_records(ADD_REMOVE, "one teacher per record"))
+        reference.charge(mechanism.run_charge(30, 30).for_records(Neighbouring.ADD_REMOVE, "one teacher per record"))
         assert report.epsilon_spent == pytest.approx(reference.report().epsilon_spent, rel=1e-9)
         reference.close()
         with pytest.raises(RuntimeError, match="never sees clean votes"):
@@ -144,7 +144,7 @@ def test_a_stalled_owner_fails_the_call_unavailable_before_the_clients_deadline_
     answered."""
     pool, inputs = hospitals
     mechanism = SecureGNMax(3.0)
-    planned = mechanism.worst_case_charge(40).for_records(ADD_REMOVE, "one teacher per record")
+    planned = mechanism.worst_case_charge(40).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, filter_for(planned, 50.0, DELTA))
     monkeypatch.setattr(pool, "share_timeout_s", 2.0)
     cancelled = []
@@ -174,7 +174,8 @@ def test_a_stalled_owner_fails_the_call_unavailable_before_the_clients_deadline_
                                           "round is aborted; its shares were asked")
                 # Charged as one round of the 5 inputs at σ = 3, beside the 2 answered before.
                 with PrivacyLedger(tmp_path / "reference.sqlite", DELTA, None) as reference:
-                    reference.charge(mechanism.run_charge(7, 7).for_records(ADD_REMOVE, "one teacher per record"))
+                    reference.charge(mechanism.run_charge(7, 7).for_records(Neighbouring.ADD_REMOVE,
+                                                                            "one teacher per record"))
                     expected = reference.report().epsilon_spent
                 assert after.charges == before.charges + 1 and after.epsilon_spent == pytest.approx(expected, rel=1e-9)
                 assert len(cancelled) == 1  # hospital_c's share; the others had come in
@@ -205,7 +206,7 @@ def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_cha
     pool at a time on the test node, so the module's pool is the one to break)."""
     pool, inputs = hospitals
     mechanism = SecureGNMax(3.0)
-    planned = mechanism.worst_case_charge(40).for_records(ADD_REMOVE, "one teacher per record")
+    planned = mechanism.worst_case_charge(40).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, filter_for(planned, 50.0, DELTA))
     server = AggregatorServer(pool, mechanism, ledger, pool.input_shape, ServerSettings(token="t"))
     try:

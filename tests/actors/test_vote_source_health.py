@@ -21,7 +21,7 @@ from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_digits
 from conclave.learning.data.sources import DataSource
 from conclave.learning.embeddings import Flatten
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import build_mechanism
 from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
@@ -96,7 +96,7 @@ def test_a_killed_knn_actor_turns_health_not_serving_then_serving_and_labels_are
 class _Silent:
     """A vote source that cannot say whether its voters are up."""
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, "one teacher per record"
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 10), dtype=np.int64)

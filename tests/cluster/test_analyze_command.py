@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conclave.cluster import analyze_command
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import filter_for
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
 from conclave.privacy.accounting.pld import analytic_gaussian_epsilon
@@ -129,20 +129,20 @@ def answered_by_a_run(folder: Path, votes: np.ndarray, epsilon: float | None,
     the first query, or record-only), charged before each batch is released with the answers,
     as ``actors.labeller`` does; and the votes it answered with the mask of released answers."""
     mechanism = mechanism or build_mechanism("confident-gnmax", sigma1=150.0, threshold=200.0, sigma=40.0)
-    planned = planned_charge(mechanism, len(votes)).for_records(ADD_REMOVE, LEMMA)
+    planned = planned_charge(mechanism, len(votes)).for_records(Neighbouring.ADD_REMOVE, LEMMA)
     budget = None if epsilon is None else filter_for(planned, epsilon, 1e-5)
     rng = np.random.default_rng(2)  # a test's stand-in: a service draws from OS entropy
     released = []
     with PrivacyLedger(folder / "ledger.sqlite", 1e-5, budget) as ledger:
         # another release of the run (the smooth-sensitivity reservation): its own label
-        ledger.charge(gaussian_charge(200.0, label="smooth-sensitivity", neighbouring=ADD_REMOVE))
+        ledger.charge(gaussian_charge(200.0, label="smooth-sensitivity", neighbouring=Neighbouring.ADD_REMOVE))
         for start in range(0, len(votes), 16):
             result = mechanism(votes[start:start + 16], rng)
             answers = {f"input-{start + row}".encode(): label for row, label in enumerate(result.labels.tolist())}
             if result.charge.is_free:  # inside an open stability run, paid for when it opened
                 ledger.record_answers(answers)
             else:
-                ledger.charge(result.charge.for_records(ADD_REMOVE, LEMMA), answers=answers)
+                ledger.charge(result.charge.for_records(Neighbouring.ADD_REMOVE, LEMMA), answers=answers)
             result.commit()
             released.append(result.labels != ABSTAIN)
     np.save(folder / "votes.npy", votes)
@@ -164,7 +164,7 @@ def test_a_filtered_runs_ledger_states_its_declared_budget_as_the_guarantee(filt
     report = strict_json(out)
     declared = read_ledger(ledger_path).budget
     guarantee = report["guarantee"]
-    assert guarantee["basis"] == "renyi-filter" and guarantee["neighbouring"] == ADD_REMOVE
+    assert guarantee["basis"] == "renyi-filter" and guarantee["neighbouring"] == Neighbouring.ADD_REMOVE
     assert (guarantee["epsilon"], guarantee["delta"], guarantee["order"]) == (6.0, 1e-5, declared.order)
     assert report["sound"] is True and "budget_check" not in report
     ledger = report["ledger"]

@@ -17,7 +17,7 @@ from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.teaching.config import TeacherStudentConfig, KnnConfig, MechanismConfig
 from conclave.learning.data import make_splits
 from conclave.learning.embeddings import NetworkEmbedding
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import PrivateKnnMechanism
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
@@ -52,7 +52,7 @@ def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_
     config = TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
     planned = config.planned()
     direct = config.vote_mechanism().run_charge(config.student.queries, config.student.queries)
-    assert planned.neighbouring == ADD_REMOVE
+    assert planned.neighbouring == Neighbouring.ADD_REMOVE
     np.testing.assert_allclose(planned.rdp, direct.rdp, rtol=1e-12)
     # GNMax over kNN votes: one record moves one vote (the kNN lemma), no amplification claimed.
     gnmax = TeacherStudentConfig(mechanism=MechanismConfig("gnmax", {"sigma": 40.0}), knn=KnnConfig(k=30))
@@ -76,7 +76,7 @@ def test_owners_declared_records_share_k_and_cap_nothing():
 class _TeacherVotes:
     """A vote source that does not sample (as teachers' histograms)."""
 
-    neighbouring, neighbouring_lemma = ADD_REMOVE, "disjoint shards"
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "disjoint shards"
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 3), dtype=np.int64)

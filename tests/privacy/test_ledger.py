@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conclave.privacy.accounting.charge import ONE_VOTE, REPLACE_ONE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, filter_for, rdp_budget
 from conclave.privacy.accounting.ledger import (
     BudgetExceeded,
@@ -172,7 +172,7 @@ def test_refuses_a_file_written_with_other_settings(tmp_path):
     with pytest.raises(ValueError, match="created with budget"):
         PrivacyLedger(path, DELTA, orders=grid)  # dropping the budget is changing it too
     with pytest.raises(ValueError, match="created with neighbouring"):
-        PrivacyLedger(path, DELTA, budget(4.0, order=16.0), neighbouring=REPLACE_ONE, orders=grid)
+        PrivacyLedger(path, DELTA, budget(4.0, order=16.0), neighbouring=Neighbouring.REPLACE_ONE, orders=grid)
     with PrivacyLedger(path, DELTA, budget(4.0, order=16.0), orders=grid) as ledger:
         with pytest.raises(ValueError, match="not on this ledger's RDP orders"):
             ledger.charge(gaussian_charge(5.0))
@@ -184,8 +184,8 @@ def test_refuses_a_file_written_with_other_settings(tmp_path):
 def test_a_charge_for_another_neighbouring_relation_is_refused(tmp_path):
     with PrivacyLedger(tmp_path / "ledger.db", DELTA, budget(5.0)) as ledger:
         with pytest.raises(ValueError, match="'replace-one' neighbours, this ledger composes 'add-remove'"):
-            ledger.charge(gaussian_charge(5.0, label="pca", neighbouring=REPLACE_ONE))
-        vote = gaussian_charge(40.0, label="gnmax", neighbouring=ONE_VOTE)
+            ledger.charge(gaussian_charge(5.0, label="pca", neighbouring=Neighbouring.REPLACE_ONE))
+        vote = gaussian_charge(40.0, label="gnmax", neighbouring=Neighbouring.ONE_VOTE)
         with pytest.raises(ValueError, match="'one-vote' neighbours"):
             ledger.charge(vote)
         assert ledger.report().charges == 0
@@ -407,16 +407,17 @@ def test_answers_are_stored_with_their_charge_and_survive_a_reopening(tmp_path):
 def test_read_ledger_reads_the_declared_budget_and_the_charges_without_writing(tmp_path):
     path = tmp_path / "ledger.db"
     declared = budget(2.0, reserved=1e-7)
-    with PrivacyLedger(path, DELTA, declared, neighbouring=ONE_VOTE) as ledger:
-        ledger.charge(gaussian_charge(20.0, count=3, label="gnmax", neighbouring=ONE_VOTE), answers={b"a": 1, b"b": 0})
-        ledger.charge(approximate_dp_charge(0.1, 1e-8, label="stability", neighbouring=ONE_VOTE))
+    with PrivacyLedger(path, DELTA, declared, neighbouring=Neighbouring.ONE_VOTE) as ledger:
+        ledger.charge(gaussian_charge(20.0, count=3, label="gnmax", neighbouring=Neighbouring.ONE_VOTE),
+                      answers={b"a": 1, b"b": 0})
+        ledger.charge(approximate_dp_charge(0.1, 1e-8, label="stability", neighbouring=Neighbouring.ONE_VOTE))
         ledger.record_answers({b"c": 2})
         snapshot = read_ledger(path)  # while the run still holds it open
         report, spent = ledger.report(), ledger.spent()
     before = path.read_bytes()
     again = read_ledger(path)  # after the run closed it: the same, and the file unchanged
     assert (again.charges, again.answers) == (snapshot.charges, snapshot.answers) and path.read_bytes() == before
-    assert (snapshot.delta, snapshot.budget, snapshot.neighbouring) == (DELTA, declared, ONE_VOTE)
+    assert (snapshot.delta, snapshot.budget, snapshot.neighbouring) == (DELTA, declared, Neighbouring.ONE_VOTE)
     assert snapshot.charges == report.charges == 2 and snapshot.answers == 3
     assert np.array_equal(snapshot.spent.rdp, spent.rdp) and snapshot.spent.extra_delta == spent.extra_delta
     assert np.array_equal(snapshot.by_label["gnmax"].rdp, gaussian_charge(20.0, count=3).rdp)

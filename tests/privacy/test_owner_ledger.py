@@ -9,7 +9,7 @@ import stat
 import numpy as np
 import pytest
 
-from conclave.privacy.accounting.charge import REPLACE_ONE, PrivacyCharge
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, rdp_budget
 from conclave.privacy.accounting.ledger import BudgetExceeded, read_ledger
 from conclave.privacy.accounting.owner_ledger import (
@@ -80,7 +80,7 @@ def test_a_config_cannot_raise_a_budget_once_spent_on_but_may_ask_for_less(budge
     richer = OwnerBudget(epsilon=20.0, delta=1e-5, directory=budget.directory)
     with pytest.raises(OwnerRefused, match="lifetime budget cannot change once spent on, but by its owner"):
         OwnerLedger("hospital_a", richer).open(gaussian(10.0), "run-2")
-    other_relation = OwnerBudget(epsilon=2.0, neighbouring=REPLACE_ONE, directory=budget.directory)
+    other_relation = OwnerBudget(epsilon=2.0, neighbouring=Neighbouring.REPLACE_ONE, directory=budget.directory)
     with pytest.raises(OwnerRefused, match="budget is for replace-one neighbours"):
         OwnerLedger("hospital_a", other_relation).open(gaussian(10.0), "run-2")
     # ε 1 of the ledger's ε 2: this run stops where the lifetime spend would pass ε 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from conclave.privacy.mechanisms import ABSTAIN, MECHANISMS
 from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
@@ -29,7 +29,7 @@ def _per_query_by_dp_accounting(q: float, sigma1: float, sigma2: float) -> np.nd
 def test_charge_per_query_is_the_sampled_gaussian_of_dp_accounting(q):
     mechanism = PrivateKnnMechanism(sigma1=75.0, threshold=180.0, sigma2=25.0, sample_rate=q)
     charge = mechanism.worst_case_charge(1000)
-    assert charge.neighbouring == ADD_REMOVE  # records vote directly: no teacher-level restatement
+    assert charge.neighbouring == Neighbouring.ADD_REMOVE  # records vote directly: no teacher-level restatement
     np.testing.assert_allclose(charge.rdp[INTEGER], 1000 * _per_query_by_dp_accounting(q, 75.0, 25.0)[INTEGER],
                                rtol=1e-6)
     # The paper's MNIST settings at 1,000 queries stay under ε = 0.5 at δ = 1e-5 with q = 0.05.

@@ -12,7 +12,7 @@ import pytest
 from scipy import special, stats
 
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge
-from conclave.privacy.accounting.charge import ONE_VOTE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.skellam import skellam_rdp
 from conclave.privacy.mechanisms import (ABSTAIN, SECURE_MECHANISMS, SecureConfidentGNMax, SecureGNMax,
                                          build_mechanism, secure_mechanism)
@@ -105,7 +105,7 @@ def corollary_3_6(alpha: int, l1: float, l2: float, mu: float) -> float:
 @pytest.mark.parametrize("sigma, batch", [(1.0, 1), (3.0, 17), (40.0, 250)])
 def test_secure_gnmax_charges_b_times_the_skellam_curve_of_one_moved_vote(sigma, batch):
     charge = SecureGNMax(sigma).worst_case_charge(batch)
-    assert charge.neighbouring == ONE_VOTE
+    assert charge.neighbouring == Neighbouring.ONE_VOTE
     np.testing.assert_allclose(charge.rdp, batch * skellam_rdp(DEFAULT_ORDERS, 2.0, math.sqrt(2), sigma**2),
                                rtol=1e-12)
     integer = DEFAULT_ORDERS == np.round(DEFAULT_ORDERS)
@@ -172,7 +172,7 @@ def test_the_threshold_step_costs_about_twice_the_clean_modes():
     def epsilon(charge) -> float:
         return epsilon_from_rdp(charge.orders, charge.rdp, 1e-5)[0]
 
-    clean = epsilon(gaussian_charge(20.0, count=300, label="threshold", neighbouring=ONE_VOTE))
+    clean = epsilon(gaussian_charge(20.0, count=300, label="threshold", neighbouring=Neighbouring.ONE_VOTE))
     secure = epsilon(vote_release_charge(20.0, 300, "threshold"))
     assert (round(clean, 2), round(secure, 2)) == (4.01, 6.02)
     assert round(epsilon(vote_release_charge(20.0 * math.sqrt(2), 300, "threshold")), 2) == 4.02

@@ -17,7 +17,7 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 from scipy import special
 
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, sampled_gaussian_rdp
 from conclave.privacy.accounting.skellam import (
     poisson_subsampled_rdp,
@@ -250,14 +250,14 @@ def test_dpsgd_over_secure_aggregation_is_close_to_the_gaussian(q, sigma, steps,
 
 def test_charge_builders():
     charge = subsampled_skellam_charge(0.05, 40.0, 10.0, 400.0, 20, label="dpsgd")
-    assert charge.neighbouring == ADD_REMOVE and charge.label == "dpsgd"
+    assert charge.neighbouring == Neighbouring.ADD_REMOVE and charge.label == "dpsgd"
     np.testing.assert_array_equal(charge.orders, DEFAULT_ORDERS)
     np.testing.assert_allclose(charge.rdp, subsampled_skellam_rdp(DEFAULT_ORDERS, 0.05, 40.0, 10.0, 400.0, 20))
     assert charge.details == {"sample_rate": 0.05, "l1_sensitivity": 40.0, "l2_sensitivity": 10.0,
                               "variance": 400.0, "steps": 20}
     full = skellam_charge(40.0, 10.0, 400.0, count=3, label="pca", orders=ORDERS)
     np.testing.assert_allclose(full.rdp, 3 * skellam_rdp(ORDERS, 40.0, 10.0, 400.0))
-    assert full.neighbouring == ADD_REMOVE and full.details["count"] == 3
+    assert full.neighbouring == Neighbouring.ADD_REMOVE and full.details["count"] == 3
 
 
 @pytest.mark.parametrize("call, match", [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp
 from conclave.privacy.mechanisms import ABSTAIN, Stability
@@ -207,10 +207,11 @@ def test_a_ledger_pays_for_a_run_once_however_many_batches(tmp_path):
     rng = np.random.default_rng(8)
     with PrivacyLedger(tmp_path / "ledger.db", 1e-5) as ledger:
         for _ in range(1000):  # one-query batches, as a streaming client sends them
-            worst = mechanism.worst_case_charge(1).for_records(ADD_REMOVE, "one teacher per record")
+            worst = mechanism.worst_case_charge(1).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")
             result = mechanism(np.array([STABLE]), rng)
             if not result.charge.is_free:
-                ledger.charge(result.charge.for_records(ADD_REMOVE, "one teacher per record"), worst_case=worst)
+                ledger.charge(result.charge.for_records(Neighbouring.ADD_REMOVE, "one teacher per record"),
+                              worst_case=worst)
             result.commit()
         spent = ledger.spent()
         assert ledger.report().charges == 1

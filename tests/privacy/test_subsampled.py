@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-from conclave.privacy.accounting.charge import ADD_REMOVE
+from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, gaussian_rdp, sampled_gaussian_rdp
 from conclave.privacy.accounting.subsampled import (GaussianRelease, poisson_sampled_gaussian_charge,
                                                     shared_sample_noise_multiplier)
@@ -66,7 +66,7 @@ def test_q_one_is_the_gaussian_and_the_curve_grows_with_q():
 
 def test_one_release_per_sample_is_the_sampled_gaussian():
     charge = poisson_sampled_gaussian_charge(0.05, [GaussianRelease(25.0, math.sqrt(2))], count=1000, label="knn")
-    assert charge.neighbouring == ADD_REMOVE and charge.label == "knn"
+    assert charge.neighbouring == Neighbouring.ADD_REMOVE and charge.label == "knn"
     np.testing.assert_allclose(charge.rdp[INTEGER],
                                1000 * _dp_accounting_curve([_sampled(0.05, 25 / math.sqrt(2))])[INTEGER], rtol=1e-6)
     assert poisson_sampled_gaussian_charge(0.05, [GaussianRelease(1.0, 1.0)], count=0).is_free
