@@ -253,7 +253,7 @@ class BudgetStatus:
             "queries_answered": self.queries_answered, "queries_abstained": self.queries_abstained,
             "cache_hits": self.cache_hits, "affordable_queries": self.affordable_queries,
             "guarantee": {"epsilon": float(guarantee.epsilon), "delta": float(guarantee.delta),
-                          "basis": guarantee.basis, "neighbouring": guarantee.neighbouring,
+                          "basis": guarantee.basis, "neighbouring": guarantee.neighbouring.value,
                           "theorem": guarantee.theorem, "order": guarantee.order or 0.0,
                           "unsound_reasons": list(guarantee.unsound_reasons)},
         }

@@ -303,9 +303,11 @@ class Student:
             if self.pseudo_label_threshold is not None:
                 pool = self._pool()
                 others = np.setdiff1d(np.arange(len(pool)), keep)
-                probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
-                sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
-                confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
+                confident, guessed = others, np.zeros(0, dtype=labels.dtype)  # every image labelled: none to guess
+                if len(others):
+                    probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
+                    sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
+                    confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
                 training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels, guessed]),
                                    self.public.num_classes, "student/self-trained", self.features)
                 result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds

@@ -38,6 +38,7 @@ import ray
 
 from conclave.cluster.api import Pipeline, RunContext, RunDirectory, RunOutcome, load_pipeline
 from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 from conclave.tuning import spaces
 
@@ -93,8 +94,10 @@ def trial_config(kind: str, base: dict, values: dict[str, Any]) -> tuple[dict, P
 
 
 def charge_fields(charge: PrivacyCharge) -> dict[str, Any]:
+    """A charge as plain report fields; its Gaussian plan travels too (the sweep's PLD needs it)."""
+    plan = None if charge.pld is None else [[s.noise_multiplier, s.count, s.sample_rate] for s in charge.pld]
     return {"rdp": [float(v) for v in charge.rdp], "extra_delta": float(charge.extra_delta),
-            "unbounded": bool(charge.unbounded)}
+            "unbounded": bool(charge.unbounded), "gaussian_plan": plan}
 
 
 def charge_from_fields(metrics: dict[str, Any]) -> PrivacyCharge:
@@ -102,9 +105,12 @@ def charge_from_fields(metrics: dict[str, Any]) -> PrivacyCharge:
     rdp = np.asarray(metrics["rdp"], dtype=float)
     if rdp.shape != DEFAULT_ORDERS.shape:
         raise ValueError("a trial reported its charge on a different grid of orders")
+    plan = metrics.get("gaussian_plan")
     return PrivacyCharge(DEFAULT_ORDERS, rdp, extra_delta=float(metrics["extra_delta"]),
                          unbounded=bool(metrics["unbounded"]), reason="a trial had no finite guarantee"
-                         if metrics["unbounded"] else "")
+                         if metrics["unbounded"] else "",
+                         pld=None if plan is None else tuple(GaussianSteps(float(z), int(n), float(q))
+                                                             for z, n, q in plan))
 
 
 def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any) -> None:

@@ -30,6 +30,7 @@ student (about a minute on 2 CPUs).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,6 +46,8 @@ from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded
 from conclave.privacy.accounting.owner_ledger import RunRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,15 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
 
     def serving(self) -> TeacherStudentConfig:
         """The config ``conclave serve`` serves (whose answers are always releases: its noise
-        comes from OS entropy, ``ConfigError`` otherwise)."""
-        self.config.privacy.require_os_entropy("serving")
-        return self.config
+        comes from OS entropy, ``ConfigError`` otherwise). A service publishes no run report, so it
+        releases no smooth-sensitivity estimate and reserves nothing for one."""
+        config = self.config
+        config.privacy.require_os_entropy("serving")
+        if config.estimates.smooth_sensitivity:
+            log.info("serve publishes no run report: estimates.smooth_sensitivity is not released or charged")
+            config = dataclasses.replace(config, estimates=dataclasses.replace(config.estimates,
+                                                                              smooth_sensitivity=False))
+        return config
 
     def run(self, context: RunContext) -> RunOutcome[StudentResult]:
         config = self.config

@@ -55,7 +55,7 @@ class PublishedRun:
                                                       self.planned.pld]
         return {"run": self.name, "orders": bound.orders.tolist(), "rdp": bound.rdp.tolist(),
                 "extra_delta": bound.extra_delta, "unbounded": bound.unbounded, "reason": bound.reason,
-                "neighbouring": bound.neighbouring, "gaussian_plan": plan}
+                "neighbouring": bound.neighbouring.value, "gaussian_plan": plan}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> PublishedRun:

@@ -63,7 +63,7 @@ class Guarantee:
 
     def as_dict(self) -> dict[str, Any]:
         return {"epsilon": self.epsilon, "delta": self.delta, "basis": self.basis,
-                "neighbouring": self.neighbouring, "neighbouring_means": self.neighbouring.meaning,
+                "neighbouring": self.neighbouring.value, "neighbouring_means": self.neighbouring.meaning,
                 "theorem": self.theorem, "order": self.order, "sound": self.sound,
                 "unsound_reasons": list(self.unsound_reasons)}
 

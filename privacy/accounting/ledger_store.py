@@ -119,7 +119,7 @@ class LedgerSettings:
         return {
             "orders": json.dumps(self.orders.tolist()),
             "delta": json.dumps(self.delta),
-            "neighbouring": self.neighbouring,
+            "neighbouring": str(self.neighbouring),
             "budget": json.dumps(None if self.budget is None else {
                 "epsilon": self.budget.epsilon, "delta": self.budget.delta, "order": self.budget.order,
                 "reserved_delta": self.budget.reserved_delta}),

@@ -203,7 +203,7 @@ def analysis_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.nd
         declared = filter_guarantee(ledger.budget, ledger.neighbouring)
         guarantee = best(declared, worst) if ledger.neighbouring == worst.neighbouring else declared
         details["ledger"] = {"path": str(ledger.path), "declared": ledger.budget.as_dict(),
-                             "neighbouring": ledger.neighbouring, "charges": ledger.charges,
+                             "neighbouring": ledger.neighbouring.value, "charges": ledger.charges,
                              "answers": ledger.answers, "checked": checked, "not_checked": NOT_CHECKED}
     if budget_check is not None:
         details["budget_check"] = _would_have_fitted(mechanism, mask, planned, budget_check, delta, smooth)

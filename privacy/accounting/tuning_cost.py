@@ -4,6 +4,9 @@ A sweep runs trials and publishes what it learned from comparing them (the winne
 whole table). That comparison is itself a release of private information (Papernot &
 Steinke, ICLR 2022, §2), so a winner's own ε understates the truth. We use three bounds:
 
+Each bound is a charge; its ε is the run's worst case (``guarantee.worst_case_guarantee``: the
+RDP conversion, or the PLD of the Gaussian plan when every part carries one and that is smaller).
+
 1. **Free sweep** — every trial is post-processing of one fixed DP release (e.g.
    DiversePublic on one DP-SGD checkpoint: selection and fine-tuning see only public data
    and the DP model). The sweep costs that release once (post-processing, Dwork & Roth
@@ -36,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.rdp import epsilon_from_rdp, sum_charges
+from conclave.privacy.accounting.guarantee import PLD_THEOREM, worst_case_guarantee
+from conclave.privacy.accounting.rdp import sum_charges
 
 METHODS = ("free", "composition", "random-repetition")
 STATEMENTS = {
@@ -154,16 +158,13 @@ class SweepCost:
         return self.method == "free"
 
 
-def _to_epsilon(charge: PrivacyCharge, delta: float) -> tuple[float, float | None]:
-    """(ε, order) of a charge at total δ; as the ledger does, the δ spent outside the curve
-    comes out of the target, and the curve is converted at the rest (tight conversion)."""
-    if charge.unbounded:
-        return math.inf, None
-    curve_delta = delta - charge.extra_delta
-    if curve_delta <= 0:
-        return math.inf, None
-    epsilon, order = epsilon_from_rdp(charge.orders, charge.rdp, curve_delta)
-    return epsilon, (None if math.isnan(order) else order)
+def _to_epsilon(charge: PrivacyCharge, delta: float) -> tuple[float, float | None, str]:
+    """(ε, order, theorem) of a charge at total δ, as a run's worst case is: the RDP curve converted at
+    what δ is left, or the PLD of its Gaussian plan where every trial carried one and it is
+    smaller (order None). The trials' privacy settings come from a data-independent search
+    (grid or seeded random), so their plans compose as fixed work."""
+    guarantee = worst_case_guarantee(charge, delta)
+    return guarantee.epsilon, guarantee.order, guarantee.theorem
 
 
 def sweep_cost(
@@ -193,5 +194,6 @@ def sweep_cost(
         charge = random_repetition_charge(trial_charges, distribution)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    epsilon, order = _to_epsilon(charge, delta)
-    return SweepCost(method, epsilon, delta, order, len(trial_charges), STATEMENTS[method])
+    epsilon, order, theorem = _to_epsilon(charge, delta)
+    statement = STATEMENTS[method] if theorem != PLD_THEOREM else f"{STATEMENTS[method]}; ε by the {theorem}"
+    return SweepCost(method, epsilon, delta, order, len(trial_charges), statement)

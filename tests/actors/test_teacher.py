@@ -202,7 +202,7 @@ def test_packing_does_not_change_the_teachers(pool, digits):
 
 def test_votes_reject_inputs_of_the_wrong_shape(pool):
     teachers = pool
-    with pytest.raises(ValueError, match="teachers expect"):
+    with pytest.raises(ValueError, match="inputs of shape"):
         teachers.votes(np.zeros((3, 1, 28, 28), dtype=np.float32))
 
 

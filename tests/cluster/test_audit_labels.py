@@ -105,7 +105,8 @@ def test_the_broken_build_is_caught_above_the_claimed_epsilon(ray_session):
     assert not result.below_guarantee and not result.sound
     assert result.unsound_reasons and "deliberately scaled by 0" in result.unsound_reasons[0]
     assert result.guarantee.unsound_reasons == result.unsound_reasons  # the run's report says so too
-    assert result.guarantee.epsilon == pytest.approx(1.90, abs=0.01) and result.run_name == "audit-small-audit"
+    # the PLD of its planned Gaussian releases (RDP alone would say 1.90)
+    assert result.guarantee.epsilon == pytest.approx(1.75, abs=0.01) and result.run_name == "audit-small-audit"
 
 
 def test_the_real_build_stays_below_its_guarantee(ray_session):

@@ -10,6 +10,7 @@ import pytest
 
 from conclave.cluster.config import load_yaml
 from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.accounting.pld import pld_epsilon
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, unbounded_charge
 from conclave.tuning import trainables
 from conclave.tuning.trainables import charge_fields, charge_from_fields, trial_config
@@ -38,6 +39,7 @@ def test_reported_charges_round_trip():
     back = charge_from_fields(charge_fields(charge))
     np.testing.assert_array_equal(back.rdp, charge.rdp)
     assert not back.unbounded and back.extra_delta == 0
+    assert back.pld == charge.pld is not None  # the Gaussian plan travels: the sweep's PLD needs it
     assert charge_from_fields(charge_fields(unbounded_charge("nzc"))).unbounded
     with pytest.raises(ValueError, match="grid of orders"):
         charge_from_fields({"rdp": [1.0, 2.0], "extra_delta": 0.0, "unbounded": False})
@@ -61,4 +63,6 @@ def test_a_failed_trial_reports_its_planned_worst_case_or_nothing_spent(tmp_path
     (accuracy, epsilon, charge, extra), = reports
     planned = pipeline.plan()
     np.testing.assert_allclose(charge.rdp, planned.rdp)  # the whole planned work, not what was recorded
-    assert epsilon == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, planned.rdp, 1e-5)[0])
+    # the plan's worst case: the smaller of its RDP conversion and its Gaussian plan's PLD
+    by_pld = pld_epsilon(planned.pld, 1e-5) if planned.pld is not None else math.inf
+    assert epsilon == pytest.approx(min(epsilon_from_rdp(DEFAULT_ORDERS, planned.rdp, 1e-5)[0], by_pld))
