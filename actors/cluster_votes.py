@@ -142,7 +142,7 @@ class ClusterVoteSource(VoteParties):
                 # A cell counts at most this party's records: its share of what its owner declares.
                 declared = share.declared or 1
                 self._bounds.append(max(1, -(-declared * (b - a) // share.source.num_teachers)))
-        self._track(spawns, owners)
+        self._track(spawns, owners, num_cpus_per_actor)
         described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         self.placement = nodes_of(self._owners, described)

@@ -51,7 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
-from conclave.actors.placement import Placement, cpu_share, require_node
+from conclave.actors.placement import Placement, cpu_share, release, require_node
 from conclave.learning.annotation import split_private_public
 from conclave.learning.data import Dataset, load_dataset, shard
 from conclave.learning.data.features import apply_features
@@ -552,6 +552,7 @@ class ShardGroup:
         self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, **option).remote(
                            plan.source, list(plan.shard_ids), model, torch_threads)
                        for plan, option in zip(plans, options)]
+        self._cpus_each = num_cpus
         owners = [plan.source.owner for plan in plans]
         self.owners = tuple(owners)  # each rank's owner
         self._declared = tuple(plan.declared_records for plan in plans)
@@ -632,8 +633,7 @@ class ShardGroup:
         return ShardSupport(self.actors, self.owners, pca, counts, ledger, noise, records)
 
     def shutdown(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
+        release(self.actors, self._cpus_each)
 
     def __enter__(self) -> ShardGroup:
         return self

@@ -222,7 +222,7 @@ class KnnVoteSource(VoteParties):
                                                 share.source, a, b, embed, k_here, sample_rate, len(spawns), noise,
                                                 rows=share.declared_rows(a, b)))
                 owners.append(share.source.owner)
-        self._track(spawns, owners)
+        self._track(spawns, owners, num_cpus_per_actor)
         described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         self.placement = nodes_of(self._owners, described)

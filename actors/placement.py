@@ -10,10 +10,17 @@ cluster's nodes first, so a request no node can satisfy is one line naming what 
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from conclave.errors import ConclaveError
+
+log = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 20.0  # how long stopping a run's actors waits for Ray to hand their CPUs back
 
 
 class PlacementError(ConclaveError, RuntimeError):
@@ -91,3 +98,26 @@ def _offer(node: dict) -> str:
     have = {k: v for k, v in node.get("Resources", {}).items()
             if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
     return ", ".join(f"{k}={v:g}" for k, v in sorted(have.items())) or "nothing"
+
+
+def release(actors: Sequence, cpus_each: float, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    """Kill ``actors`` and wait until the CPUs they held are free again (at most ``timeout_s``).
+
+    ``ray.kill`` returns at once and Ray hands the CPUs back when the worker is gone: on a
+    loaded machine a run that started right after another found them still held for over a
+    minute, and failed to place its student. Waiting here makes the next run start clean.
+    """
+    import ray
+
+    if not actors:
+        return
+    free_before = ray.available_resources().get("CPU", 0.0)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    expected = min(free_before + cpus_each * len(actors), ray.cluster_resources().get("CPU", 0.0)) - 1e-6
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < expected:
+        if time.monotonic() > deadline:
+            log.warning("%d stopped actors' CPUs were not all back after %.0f s", len(actors), timeout_s)
+            return
+        time.sleep(0.05)

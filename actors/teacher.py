@@ -375,7 +375,7 @@ class TeacherPool(VoteParties):
                 self._blocks.append((a, b))
                 owners.append(share.source.owner)
             offset += share.num_teachers
-        self._track(spawns, owners)
+        self._track(spawns, owners, num_cpus_per_actor)
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
         described = describe_all(self._actors, self._owners, self.shutdown)

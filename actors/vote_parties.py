@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from conclave.actors.owners import OwnerDropout
-from conclave.actors.placement import Placement
+from conclave.actors.placement import Placement, release
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
@@ -128,9 +128,10 @@ class VoteParties(abc.ABC):
     num_classes: int
     input_shape: tuple[int, ...]
 
-    def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str]) -> None:
-        """Start one party per spawn, owned by ``owners[i]``, and keep how to start it again."""
-        self._spawns, self._owners = spawns, owners
+    def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
+        """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and
+        keep how to start it again."""
+        self._spawns, self._owners, self._cpus_each = spawns, owners, cpus_each
         self._actors = [spawn() for spawn in spawns]
         self._replaced = [0] * len(spawns)
         self._rounds = 0  # rounds so far: each names its key session and its parties' random streams
@@ -288,10 +289,9 @@ class VoteParties(abc.ABC):
                 self._late.add(actor.describe.remote())  # runs once the abandoned call has ended
 
     def stop(self) -> None:
-        """Stop the actors (what they hold goes with them)."""
-        for actor in self._actors:
-            ray.kill(actor)
-        self._actors = []
+        """Stop the actors (what they hold goes with them) and wait for their CPUs to be free."""
+        actors, self._actors = self._actors, []
+        release(actors, self._cpus_each)
 
 
 def party_blocks(count: int, parties: int) -> list[tuple[int, int]]:

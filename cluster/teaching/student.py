@@ -15,7 +15,7 @@ from conclave.cluster.teaching.ensemble import Ensemble, resolved
 if TYPE_CHECKING:
     from conclave.learning.embeddings import NetworkEmbedding
 
-STUDENT_START_TIMEOUT = 60.0  # seconds a student actor may wait for a CPU before the run fails
+STUDENT_START_TIMEOUT = 180.0  # seconds a student may wait for a CPU (a loaded machine frees them slowly) before the run fails
 MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
 
 
@@ -39,7 +39,7 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray
 
-    from conclave.actors.placement import PlacementError, cpu_share, largest_free_cpu, require_node
+    from conclave.actors.placement import PlacementError, cpu_share, largest_free_cpu, release, require_node
     from conclave.actors.student import StudentActor
     from conclave.cluster.client import AggregatorClient
 
@@ -74,7 +74,7 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
         curve = ray.get(student.learning_curve.remote())
         network = ray.get(student.network.remote())
     finally:
-        ray.kill(student)  # frees its CPU now, not whenever the handle is collected
+        release([student], student_cpus)  # its CPU is free before the next run asks, not whenever Ray gets to it
     label_accuracy = queried["label_accuracy"]
     return StudentResult(
         accuracy=curve[-1]["accuracy"], asked=queried["asked"], answered=queried["answered"],

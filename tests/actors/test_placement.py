@@ -1,4 +1,5 @@
-"""CPU shares of actors: never more than the CPUs split, and short enough to read in a message."""
+"""CPU shares of actors: never more than the CPUs split, short enough to read in a message, and
+handed back before a stopped run returns."""
 from __future__ import annotations
 
 import pytest
@@ -12,3 +13,21 @@ def test_a_cpu_share_is_rounded_down_to_hundredths_and_never_exceeds_the_cpus(cp
     assert cpu_share(cpus, parts) == share
     assert str(share) == repr(cpu_share(cpus, parts))  # what a message prints: 0.33, not 0.3333333333333333
     assert parts * cpu_share(cpus, parts) <= max(cpus, 0.0001) + 1e-12
+
+
+def test_released_actors_hand_their_cpus_back_before_it_returns(ray_session):
+    """A run's stop waits for its actors' CPUs: the next run's placement sees them free at once."""
+    import ray
+
+    from conclave.actors.placement import release
+
+    @ray.remote(num_cpus=0.5)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    free_before = ray.available_resources().get("CPU", 0.0)
+    holders = [Holder.remote() for _ in range(2)]
+    ray.get([holder.ping.remote() for holder in holders])
+    release(holders, cpus_each=0.5)
+    assert ray.available_resources().get("CPU", 0.0) >= free_before - 1e-6
