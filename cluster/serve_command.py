@@ -99,10 +99,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     from conclave.actors.placement import PlacementError
     from conclave.cluster.api import serve, train_ensemble
     from conclave.cluster.ray_runtime import record_ray_processes
+    from conclave.cluster.run_privacy import admitting_owners
     from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
     from conclave.cluster.teaching.ensemble import checked_public, resolved
     from conclave.cluster.tls import HandshakeLog, check_server_files
     from conclave.privacy.accounting.ledger import LedgerInUse
+    from conclave.privacy.accounting.owner_ledger import RunRequest
 
     # Out of the environment before Ray starts: an embedded Ray's processes, and every worker
     # they start, inherit this process's environment. The server runs here, in the driver.
@@ -132,9 +134,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         return fail(StartRefused(f"ledger {ledger_path}: {str(err).splitlines()[0]}"))
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
     config = resolved(config, public)
-    try:
+    request = RunRequest(config.name, "teacher_student", (config.mechanism.name,))
+    try:  # every owner's node admits the service, and can pay one answer, before any teacher trains
+        started.enter_context(admitting_owners(config, request, config.planned(), config.planned(answers=1),
+                                               args.address))
         teachers = train_ensemble(config, args.address, public=public)
-    except (OwnerDataError, PlacementError) as err:
+    except (OwnerDataError, PlacementError, ConclaveError) as err:  # an owner refused; no node can take them
         _undo(started, ours)
         return fail(err)
     started.callback(teachers.pool.shutdown)

@@ -204,7 +204,7 @@ def _read_policy(path: Path, owner: str) -> OwnerPolicy | None:
 class RunRequest:
     """What a run asks of each owner, checked against the owner's policy on its node: the run's
     name (tagged on every charge), its pipeline and the mechanisms it releases through (None and
-    empty: not said — ``conclave serve``, ``audit`` and the library do not say)."""
+    empty: not said — ``audit`` and the library do not say)."""
 
     run: str
     pipeline: str | None = None

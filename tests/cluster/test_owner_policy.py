@@ -105,6 +105,18 @@ def test_a_config_asking_more_than_the_policy_or_another_ledger_folder_is_refuse
     assert not (node / "results" / "hospitals").exists() and not fresh.exists()
 
 
+def test_serve_is_refused_by_an_owners_policy_before_any_teacher_trains(node, capsys):
+    from conclave.cluster import serve_command
+    from conclave.cluster.cli import build_parser
+
+    config = small_hospitals(node, {"hospital_a": {"epsilon": 20.0}})
+    args = build_parser("serve").parse_args(["serve", str(config), "--ledger", str(node / "serve-ledger.sqlite")])
+    assert serve_command.main(args, threading.Event()) == 2
+    err = capsys.readouterr().err
+    assert "owner hospital_a: the config asks for a lifetime budget of ε 20, more than the ε 1 its policy" in err
+    assert "Traceback" not in err
+
+
 def test_an_exhausted_owner_is_refused_before_teachers_train_and_a_raised_budget_is_recorded_and_stated(
         node, capsys, monkeypatch):
     config_path = small_hospitals(node, {"hospital_a": None})
