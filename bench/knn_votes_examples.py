@@ -1,19 +1,20 @@
-"""Benchmark: teachers against kNN votes on the two small examples, each run end to end.
+"""Benchmark: the small examples' vote sources — teachers, kNN votes, public-cluster votes — each run end to end.
 
 Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with its ledger, the
-student actor), the demo (50 digits teachers, Confident-GNMax, ε = 4) beside
-configs/digits-knn.yaml (the same digits as Private-kNN votes, ε = 4), and configs/hospitals.yaml
-(30 teachers across three owners, GNMax, ε = 5) beside configs/hospitals-knn.yaml (the
-hospitals' records voting, Private-kNN, ε = 5). Writes results/bench/knn_votes_examples.json:
-per run and repetition the answers, label accuracy (digits only: the hospitals' pool has no
-labels), student accuracy and the guarantee, and ``sound``. MNIST's rows are in
+student actor), the demo (50 digits teachers, Confident-GNMax) beside configs/digits-knn.yaml
+(the same digits as Private-kNN votes) and configs/digits-clusters.yaml (the digits voting for
+60 public clusters), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
+configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting on
+their own nodes, summed securely). Writes results/bench/knn_votes_examples.json: per run and
+repetition the answers, label accuracy (digits only: the hospitals' pool has no labels),
+student accuracy and the guarantee, and ``sound``. MNIST's rows are in
 bench/teacher_student_mnist.py.
 
 The hospitals' runs charge the example hospitals' lifetime budgets as any run does; the
 benchmark keeps those ledgers in a temporary ``$CONCLAVE_HOME`` unless it is set.
 
-    python bench/knn_votes_examples.py               # two repetitions of each
-    python bench/knn_votes_examples.py --repeats 1 --only demo digits-knn
+    python bench/knn_votes_examples.py --repeats 3
+    python bench/knn_votes_examples.py --repeats 1 --only demo digits-clusters
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ STAND_IN = timed_on("scikit-learn's digits and the example hospitals' synthetic 
 CONFIGS = {
     "demo": None,  # the embedded demo (configs/demo.yaml)
     "digits-knn": "configs/digits-knn.yaml",
+    "digits-clusters": "configs/digits-clusters.yaml",
     "hospitals": "configs/hospitals.yaml",
     "hospitals-knn": "configs/hospitals-knn.yaml",
+    "hospitals-clusters": "configs/hospitals-clusters.yaml",
 }
 
 
@@ -74,7 +77,7 @@ def run_once(name: str, seed: int, results: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None, help="run only these configs")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each config, seeds 0, 1, ... (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each config, seeds 0, 1, ... (default 3)")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
