@@ -41,7 +41,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 import ray
@@ -94,6 +94,7 @@ class TeacherSource:
     seed: int = 0
     private_size: int | None = None
     features: str | None = None
+    records: ClassVar[None] = None  # no cap: a benchmark's private split is used whole
 
     def __post_init__(self) -> None:
         if self.num_teachers < 1:

@@ -50,6 +50,7 @@ class RecordSource(Protocol):
     owner: str
     num_teachers: int  # shards the records are cut into (by a keyed hash of each record)
     features: str | None
+    records: int | None  # a cap on the records each shard keeps (None: none)
 
     def load(self, shard_ids: Sequence[int]) -> list: ...
 
@@ -72,7 +73,7 @@ class RecordShare:
             raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
         if self.declared is not None and self.declared < 1:
             raise ValueError(f"owner {self.source.owner}: declared records must be >= 1, got {self.declared}")
-        if getattr(self.source, "records", None) is not None:
+        if self.source.records is not None:
             raise ValueError(f"owner {self.source.owner}: leave records unset when records vote (a cap replaces "
                              "records; Poisson sampling covers any number held)")
         if self.source.features is not None:

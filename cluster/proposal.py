@@ -52,6 +52,10 @@ from conclave.cluster.config import ConfigError, from_dict
 from conclave.cluster.teaching.config import TeacherStudentConfig, MechanismConfig
 from conclave.privacy.accounting.filter import order_index
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
+from conclave.learning.embeddings import HogPCA, ScatteringPCA, StandardisedPCA
+from conclave.privacy.mechanisms.gnmax import GNMax
+from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
+from conclave.privacy.mechanisms.public_clusters import PublicClusterVotes
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,9 @@ LOCALITY = 4.0
 VOTES_PER_RECORD = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50)
 COUNT_STEP = 0.9  # fewer clusters, step by step, when no count meets both
 CLUSTER_SIGMA_MAX = 1e4  # one Gaussian or Skellam release: ε 1e-5 at m 50 long before this
-TABLE_EMBEDDING = ("standardised-pca", 50)  # columns in different units: each scaled by its public spread
-IMAGE_EMBEDDING = ("hog-pca", 50)  # MNIST's purest public-cluster labels (docs/STACK figures)
-KNN_IMAGE_EMBEDDING = ("scattering-pca", 32)
+TABLE_EMBEDDING = (StandardisedPCA.name, 50)  # columns in different units: each scaled by its public spread
+IMAGE_EMBEDDING = (HogPCA.name, 50)  # MNIST's purest public-cluster labels (docs/STACK figures)
+KNN_IMAGE_EMBEDDING = (ScatteringPCA.name, 32)
 # kNN votes (the shipped configs: hospitals-knn, digits-knn at q 0.3; mnist-knn at 0.1)
 KNN_FEW_RECORDS = 10_000
 KNN_RECORDS_PER_NEIGHBOUR = 20  # k = sampled records / this
@@ -304,16 +308,16 @@ def _clusters(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, An
 
     def sigma_for(m: int, count: int = count) -> float:
         if m not in sigmas:  # one release whatever the count: σ depends on m alone
-            base = _base(raw, {**section(count, m), "mechanism": {"name": "public-clusters", "params": {"sigma": 1.0}},
+            base = _base(raw, {**section(count, m), "mechanism": {"name": PublicClusterVotes.name, "params": {"sigma": 1.0}},
                                **aggregation})
-            sigmas[m] = smallest_sigma(lambda s: _with_mechanism(base, "public-clusters", {"sigma": s}),
+            sigmas[m] = smallest_sigma(lambda s: _with_mechanism(base, PublicClusterVotes.name, {"sigma": s}),
                                        figures.epsilon, high=CLUSTER_SIGMA_MAX)
         return sigmas[m]
 
     count, m, fits = cluster_sizes(figures, lambda m: sigma_for(m) * figures.noise_factor)
     sigma = sigma_for(m)
     votes = figures.records * m / count
-    sections = {**section(count, m), "mechanism": {"name": "public-clusters", "params": {"sigma": sigma}},
+    sections = {**section(count, m), "mechanism": {"name": PublicClusterVotes.name, "params": {"sigma": sigma}},
                 **aggregation, **_student(raw, queries=count, batch_size=count, checkpoints=[]),
                 "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}
     rule = (f"{count} clusters of the {figures.pool}-row pool asked in one batch, each record voting for its {m} "
@@ -370,7 +374,7 @@ def _knn(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, Any], s
     aggregation = _aggregation(figures)
 
     def mechanism(sigma: float) -> tuple[str, dict[str, float]]:
-        return "private-knn", {"sigma1": sigma, "threshold": threshold, "sigma2": sigma}
+        return PrivateKnnMechanism.name, {"sigma1": sigma, "threshold": threshold, "sigma2": sigma}
 
     def sections(queries: int, sigma: float) -> dict[str, Any]:
         name, params = mechanism(sigma)
@@ -407,10 +411,10 @@ def _teachers(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, An
     total = sum(counts)
 
     def mechanism(sigma: float) -> tuple[str, dict[str, float]]:
-        return "gnmax", {"sigma": sigma}
+        return GNMax.name, {"sigma": sigma}
 
     def sections(queries: int, sigma: float) -> dict[str, Any]:
-        return {"owners": owners, "mechanism": {"name": "gnmax", "params": {"sigma": sigma}},
+        return {"owners": owners, "mechanism": {"name": GNMax.name, "params": {"sigma": sigma}},
                 **_student(raw, queries=queries, batch_size=min(BATCH_SIZE, queries),
                            checkpoints=[q for q in (queries // 4, queries // 2) if q > 0]),
                 "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}

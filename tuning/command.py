@@ -28,10 +28,10 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return fail(err)
     try:
-        summary = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
+        result = run_sweep(config, args.results_dir, args.address, verbose=0 if args.quiet else 1)
     except TrackingFailed as err:
         return fail(err)
     print()
-    for line in summary_lines(summary):
+    for line in summary_lines(result):
         print(line)
     return 0

@@ -98,30 +98,61 @@ def _label(values: dict[str, Any]) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v, 3)}" for k, v in values.items())
 
 
+@dataclass(frozen=True)
+class SweepResult:
+    """A finished sweep, as ``run_sweep`` returns it; ``path/sweep.json`` holds the same.
+
+    ``hidden``: random repetition — ``rows`` is the published winner only and the number of
+    trials stays secret (``trials`` and ``failed`` are None)."""
+
+    name: str
+    kind: str
+    path: Path
+    rows: list[TrialRow]
+    best: TrialRow | None
+    cost: SweepCost
+    details: dict[str, Any]
+    hidden: bool = False
+
+    @property
+    def trials(self) -> int | None:
+        return None if self.hidden else len(self.rows)
+
+    @property
+    def failed(self) -> int | None:
+        return None if self.hidden else sum(r.status == "error" for r in self.rows)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``sweep.json`` holds, less the rows."""
+        cost = self.cost
+        summary: dict[str, Any] = {
+            "name": self.name,
+            "kind": self.kind,
+            "trials": self.trials,
+            "failed": self.failed,
+            "tuning_cost": {"method": cost.method, "free": cost.free, "epsilon": cost.epsilon, "delta": cost.delta,
+                            "order": cost.order, "statement": cost.statement},
+            **self.details,
+        }
+        if self.best is not None:
+            best = self.best
+            summary["best"] = {"trial_id": best.trial_id, "values": best.values, "accuracy": best.accuracy,
+                               "epsilon_trial": best.epsilon, "epsilon_with_tuning": cost.epsilon,
+                               "delta": cost.delta}
+        return summary
+
+
 def write(results: RunDirectory, name: str, kind: str, rows: list[TrialRow], cost: SweepCost,
-          details: dict[str, Any], hidden: bool = False) -> dict[str, Any]:
-    """Write trials.csv, sweep.json and the plot; return the summary (best trial and cost).
+          details: dict[str, Any], hidden: bool = False) -> SweepResult:
+    """Write trials.csv, sweep.json and the plot; return the sweep's result.
 
     ``hidden``: the rows are the published winner only (``published_winner``) and the number
     of trials stays secret (random repetition), so no count is written."""
-    best = best_row(rows)
-    summary: dict[str, Any] = {
-        "name": name,
-        "kind": kind,
-        "trials": None if hidden else len(rows),
-        "failed": None if hidden else sum(r.status == "error" for r in rows),
-        "tuning_cost": {"method": cost.method, "free": cost.free, "epsilon": cost.epsilon, "delta": cost.delta,
-                        "order": cost.order, "statement": cost.statement},
-        **details,
-    }
-    if best is not None:
-        summary["best"] = {"trial_id": best.trial_id, "values": best.values, "accuracy": best.accuracy,
-                           "epsilon_trial": best.epsilon, "epsilon_with_tuning": cost.epsilon,
-                           "delta": cost.delta}
-    results.write_json("sweep", {**summary, "rows": [_row_json(r) for r in rows]})
+    result = SweepResult(name, kind, results.path, rows, best_row(rows), cost, details, hidden)
+    results.write_json("sweep", {**result.as_dict(), "rows": [_row_json(r) for r in rows]})
     _write_csv(results.path / "trials.csv", rows)
-    _plot(results.path / "accuracy_vs_epsilon.png", name, rows, best, cost, details.get("release"))
-    return summary
+    _plot(results.path / "accuracy_vs_epsilon.png", name, rows, result.best, cost, details.get("release"))
+    return result
 
 
 def _row_json(row: TrialRow) -> dict[str, Any]:

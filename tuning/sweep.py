@@ -125,7 +125,7 @@ def number_of_trials(config: TuneConfig, preview: Pipeline) -> tuple[int, Trunca
 
 
 def run_sweep(config: TuneConfig, results_root: str | Path = "results", address: str | None = None,
-              verbose: int = 1) -> dict[str, Any]:
+              verbose: int = 1) -> report.SweepResult:
     """Run the sweep on Ray (joined at ``address`` or started locally) and report it."""
     from conclave.cluster.ray_runtime import start_ray
 
@@ -176,7 +176,7 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
             cost = sweep_cost("random-repetition", delta, charges, distribution=distribution)
         else:
             cost = sweep_cost("composition", delta, charges)
-    summary = report.write(results, config.name, config.kind, rows, cost, details, hidden=hidden)
+    result = report.write(results, config.name, config.kind, rows, cost, details, hidden=hidden)
     if hidden:
         _one_modification_time(results.path, before_trials)
     if tracker is not None:
@@ -184,8 +184,7 @@ def run_sweep(config: TuneConfig, results_root: str | Path = "results", address:
         unused = {"tracking", *(("num_samples", "seed") if hidden else ())}
         settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unused}
         tracker.finish_sweep(results.path, config.name, settings, parent, at=before_trials if hidden else None)
-    summary["path"] = str(results.path)
-    return summary
+    return result
 
 
 @contextlib.contextmanager
@@ -250,20 +249,19 @@ def _max_reports(preview: Pipeline, kind: str) -> int:
     return 1
 
 
-def summary_lines(summary: dict[str, Any]) -> list[str]:
+def summary_lines(result: report.SweepResult) -> list[str]:
     """A short human summary of a finished sweep."""
-    cost = summary["tuning_cost"]
-    count = ("only the winner published" if summary.get("trials") is None
-             else f"{summary['trials']} trials, {summary['failed']} failed")
-    lines = [f"sweep '{summary['name']}' ({summary['kind']}): {count}; results in {summary['path']}/"]
-    best = summary.get("best")
-    if best:
-        values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best["values"].items())
-        lines.append(f"  best: {best['trial_id']} ({values}) accuracy {best['accuracy']:.4f}")
-        lines.append(f"        ε of this trial alone {best['epsilon_trial']:.3g}; "
-                     f"ε including the tuning {_eps(cost['epsilon'])} at δ = {cost['delta']:g}")
-    tag = "FREE — " if cost["free"] else ""
-    lines.append(f"  tuning cost: {tag}{cost['method']}: {cost['statement']}")
+    cost = result.cost
+    count = "only the winner published" if result.hidden else f"{result.trials} trials, {result.failed} failed"
+    lines = [f"sweep '{result.name}' ({result.kind}): {count}; results in {result.path}/"]
+    best = result.best
+    if best is not None:
+        values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.values.items())
+        lines.append(f"  best: {best.trial_id} ({values}) accuracy {best.accuracy:.4f}")
+        lines.append(f"        ε of this trial alone {best.epsilon:.3g}; "
+                     f"ε including the tuning {_eps(cost.epsilon)} at δ = {cost.delta:g}")
+    tag = "FREE — " if cost.free else ""
+    lines.append(f"  tuning cost: {tag}{cost.method}: {cost.statement}")
     return lines
 
 

@@ -43,7 +43,7 @@ def _runs(client) -> list:
 def test_a_grid_sweep_logs_each_trial_under_one_summary_run(ray_session, tmp_path, client):
     config = _config(tmp_path / "mlruns", space={"finetune.variants": {"grid": [["classifier"], ["all"]]}})
     summary = run_sweep(config, tmp_path, verbose=0)
-    sweep = json.loads((Path(summary["path"]) / "sweep.json").read_text())
+    sweep = json.loads((summary.path / "sweep.json").read_text())
     runs = _runs(client)
     (parent,) = [r for r in runs if r.data.tags.get("conclave.kind") == "sweep"]
     trials = [r for r in runs if r.data.tags.get("conclave.kind") == "trial"]
@@ -60,7 +60,7 @@ def test_a_grid_sweep_logs_each_trial_under_one_summary_run(ray_session, tmp_pat
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {
         "sweep.json", "trials.csv", "accuracy_vs_epsilon.png"}
     # TensorBoard for free: Tune writes each trial's event file under ray/ (tensorboardX)
-    assert len(list((Path(summary["path"]) / "ray").rglob("events.out.tfevents.*"))) == 2
+    assert len(list((summary.path / "ray").rglob("events.out.tfevents.*"))) == 2
 
 
 def test_a_random_repetition_sweep_logs_the_winner_alone(ray_session, tmp_path, client, monkeypatch):
@@ -82,7 +82,7 @@ def test_a_random_repetition_sweep_logs_the_winner_alone(ray_session, tmp_path, 
     monkeypatch.setattr(report, "collect", spy)
     summary = run_sweep(config, tmp_path, verbose=0)
     assert len(ray_ids) == 2
-    folder = Path(summary["path"])
+    folder = summary.path
     sweep = json.loads((folder / "sweep.json").read_text())
     (run,) = _runs(client)  # no run per trial
     data = run.data

@@ -41,8 +41,8 @@ def _config(name: str, **changes) -> TuneConfig:
     return from_dict(TuneConfig, _raw(name, **changes))
 
 
-def _read(summary: dict) -> tuple[dict, list[dict]]:
-    path = Path(summary["path"])
+def _read(summary: report.SweepResult) -> tuple[dict, list[dict]]:
+    path = summary.path
     assert (path / "accuracy_vs_epsilon.png").stat().st_size > 10_000
     with (path / "trials.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -82,7 +82,7 @@ def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
     assert {r["finetune.variants"] for r in rows} == {"classifier", "all"}
     # composition covers publishing every trial: Tune's own ids and folders stay
     assert sweep["trials"] == 2 and sweep["best"]["trial_id"] in {r["trial_id"] for r in rows}
-    assert report.WINNER not in {r["trial_id"] for r in rows} and (Path(summary["path"]) / "ray").is_dir()
+    assert report.WINNER not in {r["trial_id"] for r in rows} and (summary.path / "ray").is_dir()
     best = sweep["best"]
     assert best["accuracy"] == pytest.approx(max(float(r["accuracy"]) for r in rows), abs=1e-4)
     assert best["accuracy"] > 0.3  # 5 classes: chance is 0.2
@@ -135,7 +135,7 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_sessio
     (winner,) = sweep["rows"]
     assert set(winner["extra"]) == {"epoch", "trained_fraction", "noise_multiplier"}  # what the trial reported
     assert winner["reports"] == len(winner["history"]) == 1  # its own epochs (fifo: every trial runs to the end)
-    path = Path(summary["path"])
+    path = summary.path
     assert not (path / "ray").exists()
     files = [p for p in path.rglob("*") if p.is_file()]
     assert len({p.stat().st_mtime for p in [path, *path.rglob("*")]}) == 1
