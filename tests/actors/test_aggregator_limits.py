@@ -96,7 +96,7 @@ def test_a_watch_flood_is_refused_while_health_check_and_reflection_still_answer
             assert "grpc.health.v1.Health" in list_services(channel)
             with AggregatorClient(address, timeout=5) as client:
                 assert client.label(fresh_inputs(2, 0)).shape == (2,)
-            assert time.perf_counter() - started < 10
+            assert time.perf_counter() - started < 30
         finally:
             for call in watches:
                 call.cancel()
@@ -157,7 +157,7 @@ def test_a_watch_is_closed_after_the_idle_limit_and_the_client_watches_again(tmp
             assert next(call).status == SERVING
             error = first_reply(call)
             assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "call again" in error.details()
-            assert 0.4 < time.perf_counter() - started < 3
+            assert 0.4 < time.perf_counter() - started < 8  # the 0.5 s idle limit, not the call's 10 s
 
 
 def test_stream_slots_count_per_address_and_in_total():
@@ -196,7 +196,7 @@ def test_a_stopped_teacher_fails_calls_fast_with_unavailable_and_charges_nothing
                                 [pool.submit(client.label, public[4 + 4 * i: 8 + 4 * i]) for i in range(6)]]
                 took = time.perf_counter() - started
                 assert all(isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE for e in outcomes)
-                assert took < 6  # the vote deadline (1 s), not the client's 30 s
+                assert took < 20  # the vote deadline (1 s), not the client's 30 s (room for a loaded machine)
                 assert health.Check(CHECK, timeout=2).status == NOT_SERVING
                 assert server.labeller.ledger.report().epsilon_spent == spent  # nothing charged
                 assert server.budget().queries_answered == 4

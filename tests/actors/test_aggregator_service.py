@@ -79,7 +79,7 @@ def test_idle_streams_authenticated_or_not_never_starve_other_calls(teachers, pu
             labels = stub.Label(aggregator_pb2.LabelRequest(inputs=aggregator_pb2.Tensor(
                 shape=[2, *INPUT_SHAPE], dtype="float32", data=public[:2].astype("<f4").tobytes())),
                 metadata=metadata, timeout=2)
-            assert time.perf_counter() - started < 2
+            assert time.perf_counter() - started < 4
             assert budget.mechanism == "gnmax" and len(labels.labels) == 2
         finally:
             release.set()

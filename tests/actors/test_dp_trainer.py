@@ -268,7 +268,7 @@ def test_a_stopped_owner_fails_a_secure_release_in_one_line_within_its_deadline(
         took = time.monotonic() - started
     assert str(refused.value) == ("owner hospital_b sent no key for the secure sum of dp-pca within 2 s: no share "
                                   "was asked for, so nothing was released or charged")
-    assert 2.0 <= took < 6 and ledger.report().charges == 0 and len(cancelled) == 1
+    assert 2.0 <= took < 20 and ledger.report().charges == 0 and len(cancelled) == 1  # 2 s, not the default 30 s
 
     # Keys in, then the owner stops: its share is asked for, so the release is charged, and the
     # late call is cancelled. The deadline is the declared records' work (200 · 30² multiply-adds).
@@ -283,7 +283,7 @@ def test_a_stopped_owner_fails_a_secure_release_in_one_line_within_its_deadline(
         took = time.monotonic() - started
     assert str(refused.value) == ("owner hospital_b sent no share for the secure sum of dp-pca within 2.0018 s: its "
                                   "shares were asked for, so it was charged; nothing of it was released")
-    assert 2.0 <= took < 6 and ledger.report().charges == 1 and len(cancelled) == 2
+    assert 2.0 <= took < 20 and ledger.report().charges == 1 and len(cancelled) == 2
     # the owner back, the next release runs (fresh keys) and is charged
     monkeypatch.undo()
     support = hospitals.support(*releases, ledger, SECURE, records=200)
@@ -309,7 +309,7 @@ def test_a_stopped_owner_fails_secure_dpsgd_in_one_line_within_the_deadlines(ray
         started = time.monotonic()
         with pytest.raises(OwnerDropout) as refused:
             hospitals.train(config, SECURE, num_examples=200)
-        assert time.monotonic() - started < 6
+        assert time.monotonic() - started < 20  # the 2 s key deadline, not the default 30 s (room for a loaded machine)
     assert str(refused.value) == ("owner hospital_b sent no key for the secure sum of DP-SGD within 2 s: nothing "
                                   "was trained or released")
     # Stopped while training: the other rank's all-reduce times out (the step deadline), and the
@@ -322,4 +322,4 @@ def test_a_stopped_owner_fails_secure_dpsgd_in_one_line_within_the_deadlines(ray
         took = time.monotonic() - started
     assert str(refused.value) == ("owner hospital_b sent no answer for the secure sum of DP-SGD within 2 s: the "
                                   "run stops and releases nothing of the unfinished round")
-    assert 4 + 8 + 2 <= took < 4 + 8 + 2 + 10
+    assert 4 + 8 + 2 <= took < 4 + 8 + 2 + 40  # far below the default step deadline (300 s)

@@ -77,7 +77,7 @@ def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path
     # An owner whose resource no node declares: one line naming it, within seconds.
     assert f"owner hospital_d's {actors}: no node of the cluster has" in result["placement_error"]
     assert "hospital_d=1" in result["placement_error"] and "\n" not in result["placement_error"]
-    assert result["placement_error_seconds"] < 10
+    assert result["placement_error_seconds"] < 30
     # Ray's links are TLS, probed on every port the cluster's processes listen on (all loopback):
     # no gRPC server answers in plaintext or a peer without a certificate from the cluster's CA,
     # and the GCS and every node's raylet answer one with it.
