@@ -33,6 +33,7 @@ def digits():
 def pool(ray_session, digits):
     _, source = digits
     pool = TeacherPool.of_source(source, 5, "digits_cnn", TRAIN, num_actors=2, seed=3, num_cpus_per_actor=0.5)
+    pool.vote_timeout_s = 120.0  # these tests are about the votes, not the service's deadline: room for a loaded machine
     pool.train(progress=False)
     yield pool
     pool.shutdown()
