@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -97,9 +96,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "active_learning_mnist.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # Ray runs its workers at niceness 15 by default: the DP-SGD actor would yield to anything
-    # else on the machine and the timings would measure the neighbours.
-    os.environ.setdefault("RAY_worker_niceness", "0")
 
     config = bench_config(args.mnist, args.quick, args.secure)
     runs_dir = args.out.parent / "active_learning_mnist"

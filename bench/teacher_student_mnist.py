@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import sys
 import tempfile
@@ -332,9 +331,6 @@ def main(argv: list[str] | None = None) -> int:
 
     wanted = [] if args.speedup_only else (args.only or [n for n in CONFIGS if not (args.no_five and n == "mnist-nzc-5teachers")])
     configs = {name: load_config(name, args.mnist, args.quick, run_root) for name in wanted}
-    # Ray lowers its workers' priority (niceness 15) by default; on a busy machine that alone
-    # would slow the actor path against the in-process baseline, so keep them level here.
-    os.environ.setdefault("RAY_worker_niceness", "0")
     start_ray(None)
     bench_started = time.perf_counter()
 

@@ -80,6 +80,10 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     if runtime_env:
         kwargs["runtime_env"] = dict(runtime_env)
     reclaim_orphaned_ray()
+    # Ray runs its workers at niceness 15 by default: beside any ordinary process on the machine a
+    # run's actors then starve (the suite beside one CPU-bound process ran several times slower and
+    # its deadlines failed). An embedded Ray serves this run alone: its workers keep our priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     log.info("starting embedded Ray on %s", LOOPBACK)
     ray.init(address="local", **kwargs)
     _started_here = True
