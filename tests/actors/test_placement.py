@@ -31,3 +31,16 @@ def test_released_actors_hand_their_cpus_back_before_it_returns(ray_session):
     ray.get([holder.ping.remote() for holder in holders])
     release(holders, cpus_each=0.5)
     assert ray.available_resources().get("CPU", 0.0) >= free_before - 1e-6
+
+
+def test_embedded_ray_workers_run_at_the_drivers_priority(ray_session):
+    """Ray's default (niceness 15) starves a run's actors beside any ordinary process."""
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0)
