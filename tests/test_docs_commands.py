@@ -141,9 +141,9 @@ def test_the_documented_head_starts_as_written(tmp_path):
     for port in ports:
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
-                pytest.skip(f"port {port} is taken: a head of the docs' may be running here")
+                pytest.fail(f"port {port} is taken: stop the docs' head (`ray stop`) and run again")
     if temp_dir.exists():
-        pytest.skip(f"{temp_dir} exists: a head of the docs' may be running here")
+        pytest.fail(f"{temp_dir} exists: stop the docs' head and remove it, then run again")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # the venv, as the docs say
     log = tmp_path / "head.log"

@@ -233,7 +233,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def aggregator_on_a_small_disk(size: str) -> Iterator[tuple[str, Path, subprocess.Popen]]:
     """(address, the tmpfs folder as this process reaches it, the server process)."""
     if sys.platform != "linux" or shutil.which("unshare") is None:
-        pytest.skip("needs Linux and unshare for a private tmpfs")
+        pytest.fail("the full-disk test needs Linux and unshare for a private tmpfs")
     flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
     folder = "/mnt"  # inside the namespace only
     server = subprocess.Popen(
@@ -245,7 +245,7 @@ def aggregator_on_a_small_disk(size: str) -> Iterator[tuple[str, Path, subproces
         address = server.stdout.readline().strip()
         if not address:
             server.kill()
-            pytest.skip(f"no private tmpfs here: {server.stderr.read().strip()[-300:]}")
+            pytest.fail(f"no private tmpfs here: {server.stderr.read().strip()[-300:]}")
         # Through the server's root (unshare execs: the PID is the server's). Not for SQLite, which
         # would resolve the link to this process's own /mnt.
         yield address, Path(f"/proc/{server.pid}/root{folder}"), server
