@@ -35,6 +35,8 @@ def test_every_teacher_student_run_publishes_its_guarantee_and_keeps_estimates_a
         assert isinstance(run["estimates"], dict), name  # data-dependent figures, under their own names
         if guarantee["basis"] == "renyi-filter":
             assert float(run["epsilon_spent"]) <= epsilon + 1e-9, name  # the filter held
+    for name, ceiling in result.get("ceiling", {}).items():  # true pool labels: said so, and no ε beside it
+        assert "non-private" in ceiling["note"] and not {"guarantee", "epsilon", "sound"} & set(ceiling), name
     if "mnist-nzc" in runs:
         assert runs["mnist-nzc"]["estimates"]["paper-claim"] < 1e-6  # the claim, beside an unbounded guarantee
 

@@ -43,6 +43,6 @@ def scatternet_cnn(num_classes: int = 10, in_channels: int = SCATTERING_COEFFICI
 
 def scatternet_cnn_wide(num_classes: int = 10, in_channels: int = SCATTERING_COEFFICIENTS,
                         input_size: int = 7) -> FeatureClassifier:
-    """``scatternet_cnn`` at width 128: the student's model where labels are plenty (all 9,000 MNIST
-    pool labels: 99.3% against 98.7% at width 32); too many parameters for DP-SGD's noise."""
+    """``scatternet_cnn`` at width 128: the student's model where labels are plenty (its ceiling on
+    all 9,000 MNIST pool labels is in docs/results.md); too many parameters for DP-SGD's noise."""
     return scatternet_cnn(num_classes, in_channels, input_size, width=128)
