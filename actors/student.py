@@ -294,30 +294,38 @@ class Student:
                 result["cluster_label_accuracy"] = float((labels == self.public.y[keep]).mean())
         if self.label_propagation is not None:
             keep, labels, result["propagated"] = self._fit_propagated_labels(keep, labels)
-        if self.semi_supervised is not None:
-            model = self._fit_fixmatch(keep, labels, progress)
-        else:
-            # Without self-training only the answered images are transformed: the pool is large.
-            answers = Dataset(self.public.x[keep], labels, self.public.num_classes, "student/answered")
-            model = self._fit_fresh(apply_features(answers, self.features), progress)
-            if self.pseudo_label_threshold is not None:
-                pool = self._pool()
-                others = np.setdiff1d(np.arange(len(pool)), keep)
-                confident, guessed = others, np.zeros(0, dtype=labels.dtype)  # every image labelled: none to guess
-                if len(others):
-                    probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
-                    sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
-                    confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
-                training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels, guessed]),
-                                   self.public.num_classes, "student/self-trained", self.features)
-                result["supervised_accuracy"] = evaluate(model, self.test)  # what self-training adds
-                model = self._fit_fresh(training, progress)
-                result["pseudo_labelled"] = int(len(confident))
+        model, added = self.train_on(keep, labels, progress)
+        result.update(added)
         # Post-processing of released labels and public inputs: its time says nothing more of the records.
         result["train_seconds"] = time.perf_counter() - started
         result["accuracy"] = evaluate(model, self.test)
         self._last_model = model
         return result
+
+    def train_on(self, keep: np.ndarray, labels: np.ndarray, progress: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """A fresh model trained as this student trains (FixMatch over the pool, or supervised with
+        self-training if configured), on pool indices ``keep`` labelled ``labels``. Returns it and
+        what self-training added. Public, so that a non-private reference (the ceiling: every pool
+        input with its true label) trains exactly as the private runs do."""
+        if self.semi_supervised is not None:
+            return self._fit_fixmatch(keep, labels, progress), {}
+        # Without self-training only the labelled images are transformed: the pool is large.
+        answers = Dataset(self.public.x[keep], labels, self.public.num_classes, "student/answered")
+        model = self._fit_fresh(apply_features(answers, self.features), progress)
+        if self.pseudo_label_threshold is None:
+            return model, {}
+        pool = self._pool()
+        others = np.setdiff1d(np.arange(len(pool)), keep)
+        confident, guessed = others, np.zeros(0, dtype=labels.dtype)  # every image labelled: none to guess
+        if len(others):
+            probabilities = torch.softmax(torch.from_numpy(predict_logits(model, pool[others])), dim=1).numpy()
+            sure = probabilities.max(axis=1) >= self.pseudo_label_threshold
+            confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
+        training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels, guessed]),
+                           self.public.num_classes, "student/self-trained", self.features)
+        added = {"supervised_accuracy": evaluate(model, self.test),  # what self-training adds
+                 "pseudo_labelled": int(len(confident))}
+        return self._fit_fresh(training, progress), added
 
     def network(self) -> NetworkEmbedding | None:
         """The last model trained, as a checkpoint and an embedding (``learning.embeddings``): trained

@@ -58,6 +58,7 @@ from conclave.cluster.teaching.ensemble import (  # noqa: E402
     Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
 )
 from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.teaching.student import non_private_ceiling  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 
@@ -221,30 +222,6 @@ def individual_teachers(config: TeacherStudentConfig, splits, count: int = 10) -
     return {"teachers": count, "mean": float(np.mean(accuracies)), "min": min(accuracies), "max": max(accuracies)}
 
 
-def ceiling(config: TeacherStudentConfig) -> dict:
-    """NON-PRIVATE REFERENCE: ``config``'s student trained as its runs train it, but on all the
-    pool's true labels — what a private student could at best reach with this model and pool.
-
-    Uses the public pool's labels only (no private record, no mechanism), so it is no private
-    release; it is no private result either, and is published as the ceiling, without an ε."""
-    from conclave.learning.data.features import apply_features, batch_transform
-    from conclave.learning.models import build_model
-    from conclave.learning.semi_supervised import fixmatch
-    from conclave.learning.training import evaluate, fit
-
-    splits = public_data(config).splits
-    pool, test = splits.public, apply_features(splits.test, config.data.features)
-    model = build_model(config.student.model, pool.num_classes, input_shape=test.input_shape, seed=config.seed)
-    if config.student.semi_supervised is not None:  # as the runs: FixMatch, here with every pool image labelled
-        fixmatch(model, pool.x, pool.y, pool.x, config.student.semi_supervised,
-                 represent=batch_transform(config.data.features, pool.x.shape[-2:]), progress=True)
-    else:
-        fit(model, apply_features(pool, config.data.features), dataclasses.replace(config.student.train, seed=config.seed),
-            progress=True)
-    return {"model": str(config.student.model), "labelled": len(pool), "student_accuracy": evaluate(model, test),
-            "note": "non-private: trained on the pool's true labels, no ε"}
-
-
 def pool_of(config: TeacherStudentConfig, public, count: int) -> tuple[Ensemble, float, float]:
     """A Ray pool of the first ``count`` teachers, packed and trained as ``train_teachers``
     does; also the seconds it took to train them and the seconds its actors took to start and
@@ -399,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             teachers.pool.shutdown()
 
     for name in args.ceiling:
-        out.setdefault("ceiling", {})[name] = ceiling(load_config(name, args.mnist, args.quick, run_root))
+        found = non_private_ceiling(load_config(name, args.mnist, args.quick, run_root))
+        out.setdefault("ceiling", {})[name] = {"model": found.model, "labelled": found.labelled,
+                                               "student_accuracy": found.accuracy, "note": found.note}
         save()
 
     if (configs or args.speedup_only) and not args.no_speedup:

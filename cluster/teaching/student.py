@@ -5,15 +5,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from conclave.cluster.owners import PublicData
 from conclave.cluster.teaching.aggregation import Aggregator
 from conclave.cluster.teaching.config import TeacherStudentConfig, StudentConfig
-from conclave.cluster.teaching.ensemble import Ensemble, resolved
+from conclave.cluster.teaching.ensemble import Ensemble, public_data, resolved
+from conclave.learning.selection import QuerySelection
 
 if TYPE_CHECKING:
-    from conclave.learning.embeddings import NetworkEmbedding
+    from conclave.learning.embeddings import Embedding, NetworkEmbedding
 
 STUDENT_START_TIMEOUT = 180.0  # seconds a student may wait for a CPU (a loaded machine frees them slowly) before the run fails
 MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
@@ -52,17 +57,12 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
         raise PlacementError(f"the student: no node has {MIN_STUDENT_CPUS:g} CPU free (the most on one node: "
                              f"{free:g}); give the cluster a node with a free CPU")
     require_node("the student", cpus=student_cpus)
-    student = StudentActor.options(num_cpus=student_cpus).remote(
-        ensemble.splits.public, ensemble.splits.test, config.student.model,
-        dataclasses.replace(config.student.train, seed=config.seed),
+    student = _new_student(
+        StudentActor.options(num_cpus=student_cpus).remote, config, ensemble.public,
         # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
         functools.partial(AggregatorClient, aggregator.address, aggregator.token, retry_unavailable=300.0),
-        num_threads=max(1, int(student_cpus)), features=config.data.features,
-        pseudo_label_threshold=config.student.pseudo_label_threshold,
-        semi_supervised=config.student.semi_supervised, selection=config.student.selection,
-        standardiser=ensemble.public.standardiser, label_propagation=config.student.label_propagation,
-        cluster_embedding=ensemble.pool.embed if config.clusters is not None else None,
-    )
+        num_threads=max(1, int(student_cpus)),
+        cluster_embedding=ensemble.pool.embed if config.clusters is not None else None)
     try:
         try:  # a CPU some node has but none has free (the teachers hold them) would wait forever
             ray.get(student.__ray_ready__.remote(), timeout=STUDENT_START_TIMEOUT)
@@ -80,6 +80,55 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
         accuracy=curve[-1]["accuracy"], asked=queried["asked"], answered=queried["answered"],
         label_accuracy=None if label_accuracy is None or math.isnan(label_accuracy) else label_accuracy,
         budget_exhausted=queried["budget_exhausted"], curve=curve, network=network)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """NON-PRIVATE REFERENCE: a config's student trained on every pool input's true label."""
+
+    model: str
+    labelled: int
+    accuracy: float
+    note: str = "non-private: trained on the pool's true labels, no ε"
+
+
+def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> Ceiling:
+    """What a private student could at best reach with this model and pool: ``config``'s student,
+    trained exactly as its runs train it (``Student.train_on``), on all the pool's true labels.
+
+    Reads the public pool's labels only (no private record, no mechanism): it is no private
+    release, and no private result either; publish it as a ceiling, without an ε."""
+    from conclave.actors.student import Student
+    from conclave.learning.models import model_label
+    from conclave.learning.training import evaluate
+
+    public = public_data(config)
+    pool = public.splits.public
+    if pool.unlabeled:
+        raise ValueError("the non-private ceiling needs a pool with labels")
+    # It asks nothing, so it needs neither an aggregator nor the vote source's clusters.
+    student = _new_student(Student, resolved(config, public), public, _asks_no_one, selection=QuerySelection())
+    model, _ = student.train_on(np.arange(len(pool)), pool.y, progress)
+    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=evaluate(model, student.test))
+
+
+def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, public: PublicData,
+                 client_factory: Callable[[], Any], num_threads: int | None = None,
+                 cluster_embedding: Embedding | None = None, selection: QuerySelection | None = None) -> Any:
+    """``construct`` (the ``Student`` class, or a Ray actor's ``remote``) with ``config``'s student
+    settings (``selection``: other than the config's, for a student that asks nothing)."""
+    return construct(
+        public.splits.public, public.splits.test, config.student.model,
+        dataclasses.replace(config.student.train, seed=config.seed), client_factory,
+        num_threads=num_threads, features=config.data.features,
+        pseudo_label_threshold=config.student.pseudo_label_threshold,
+        semi_supervised=config.student.semi_supervised, selection=selection or config.student.selection,
+        standardiser=public.standardiser, label_propagation=config.student.label_propagation,
+        cluster_embedding=cluster_embedding)
+
+
+def _asks_no_one() -> Any:
+    raise RuntimeError("this student asks no aggregator")
 
 
 def _query(student, settings: StudentConfig, progress: bool, batches_per_call: int = 4) -> dict[str, Any]:

@@ -270,3 +270,15 @@ def _wait_for_address(capsys, thread: threading.Thread, timeout: float = 300.0) 
                 return line.split()[3]
         time.sleep(0.2)
     raise AssertionError(f"conclave serve printed no address: {printed!r}")
+
+
+def test_the_non_private_ceiling_trains_the_configs_student_on_every_true_pool_label():
+    """The ceiling beside the MNIST rows, here on the digits clusters config: no Ray, no
+    aggregator, no private record; its student is the config's, trained by the runs' own path."""
+    from conclave.cluster.teaching.student import non_private_ceiling
+
+    config = load_pipeline(load_yaml(CONFIGS / "digits-clusters.yaml")).config  # its FixMatch: ~10 s
+    ceiling = non_private_ceiling(config, progress=False)
+    assert ceiling.labelled == config.data.public_size and ceiling.model == "digits_cnn"
+    assert 0.8 < ceiling.accuracy <= 1  # chance is 0.1
+    assert "non-private" in ceiling.note and not hasattr(ceiling, "epsilon")
