@@ -275,7 +275,7 @@ def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
         if charge.neighbouring != charges[0].neighbouring:
             raise ValueError(f"charges hold for different neighbouring relations ('{charges[0].neighbouring}', "
                              f"'{charge.neighbouring}'); they do not compose as one")
-    reasons = "; ".join(c.reason for c in charges if c.unbounded)
+    reasons = "; ".join(dict.fromkeys(c.reason for c in charges if c.unbounded))  # one reason once, however often
     plans = [c.pld for c in charges]
     return PrivacyCharge(
         lam,

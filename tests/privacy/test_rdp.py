@@ -161,6 +161,9 @@ def test_charge_builders():
     assert np.allclose(total.rdp, stab.rdp + gaussian_rdp(DEFAULT_ORDERS, 3.0))
     assert total.extra_delta == 1e-7 and not total.unbounded
     assert sum_charges([total, nzc]).unbounded
+    # the same reason, composed many times (one per batch of a run), is stated once
+    other = unbounded_charge("another reason")
+    assert sum_charges([nzc, total, nzc, other, nzc]).reason == "no sensitivity bound; another reason"
     with pytest.raises(ValueError, match="orders"):
         sum_charges([stab, gaussian_charge(3.0, orders=[2.0, 3.0])])
     with pytest.raises(ValueError):
