@@ -626,6 +626,13 @@ class ShardGroup:
                 ray.cancel(ref)
             raise
 
+    def load_weights(self, state: dict[str, np.ndarray]) -> None:
+        """Every shard actor loads the public checkpoint ``state`` before NearPrivate asks for its
+        sums; ``OwnerDropout`` in one line naming an owner whose actor died or did not answer
+        within ``key_timeout_s`` (nothing is charged before that)."""
+        gathered([actor.set_weights.remote(state) for actor in self.actors], self.owners, self.key_timeout_s,
+                 "acknowledgement of the checkpoint's weights", "NearPrivate's selection", "nothing was charged")
+
     def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
                 ledger: ChargeGate, noise: NoisePolicy, records: int) -> ShardSupport:
         """NearPrivate's private side over these actors: secure sums when there are several

@@ -635,7 +635,6 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
             out: Path) -> tuple[list[dict], dict[str, Guarantee], dict[str, Any]]:
     """Every strategy from its starting checkpoint; one report-only ledger per published model.
     Returns the rows, each model's own guarantee, and NearPrivate's public figures (if it ran)."""
-    import ray
     from tqdm.auto import tqdm
 
     from conclave.learning.data import Dataset
@@ -666,7 +665,7 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
             group = shards.group
             if group.secure != config.secure_training:
                 raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
-            ray.get([actor.set_weights.remote(start.state) for actor in group.actors])
+            group.load_weights(start.state)
 
             support = group.support(*releases, BothLedgers(ledger, model_ledger), noise, config.private_size)
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}

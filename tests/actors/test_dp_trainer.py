@@ -133,7 +133,7 @@ def test_an_owner_dropping_out_of_a_release_leaves_nothing_released_or_charged(r
 
     with ShardGroup([ShardPlan(SOURCE, (0,)), ShardPlan(SOURCE, (1,))], MODEL, num_cpus=0.5) as pair:
         state = {k: v.numpy() for k, v in MODEL.build().state_dict().items()}
-        ray_session.get([a.set_weights.remote(state) for a in pair.actors])
+        pair.load_weights(state)
         ledger = PrivacyLedger(":memory:", 1e-5)
         support = pair.support(SecureAnalyzeGauss(1.0, 1e-5), SkellamCounts(0.5, 1e-5), ledger, SECURE, records=600)
         ray.kill(pair.actors[1], no_restart=True)
@@ -141,6 +141,9 @@ def test_an_owner_dropping_out_of_a_release_leaves_nothing_released_or_charged(r
         with pytest.raises(OwnerDropout, match=re.escape(expected)):
             support.dp_projection(4)
         assert ledger.report().charges == 0
+        with pytest.raises(OwnerDropout, match=re.escape(f"owner {pair.owners[1]} dropped out of NearPrivate's "
+                                                         "selection (its actor died): nothing was charged")):
+            pair.load_weights(state)
 
 
 def _epsilon_of(charge) -> float:
@@ -250,7 +253,17 @@ def test_a_stopped_owner_fails_a_secure_release_in_one_line_within_its_deadline(
     from conclave.actors.owners import OwnerDropout
 
     state = {k: v.numpy() for k, v in hospitals_model(hospitals).state_dict().items()}
-    ray_session.get([a.set_weights.remote(state) for a in hospitals.actors])
+    # A stopped owner cannot hold NearPrivate up while it loads the checkpoint: one line, at the deadline.
+    with stoppable(ray_session, hospitals.actors[1]) as stop:
+        monkeypatch.setattr(hospitals, "key_timeout_s", 2.0)
+        stop()
+        started = time.monotonic()
+        with pytest.raises(OwnerDropout, match="^owner hospital_b sent no acknowledgement of the checkpoint's "
+                                               "weights for NearPrivate's selection within 2 s: nothing was charged$"):
+            hospitals.load_weights(state)
+        assert 2.0 <= time.monotonic() - started < 20
+    monkeypatch.undo()
+    hospitals.load_weights(state)
     cancelled = []
     cancel = ray_session.cancel
     monkeypatch.setattr(ray_session, "cancel", lambda ref, **kwargs: (cancelled.append(ref), cancel(ref, **kwargs)))
