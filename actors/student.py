@@ -338,8 +338,9 @@ class Student:
                                 state)
 
     def _cluster_labels(self, keep: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every pool input of a cluster whose medoid was answered, with the medoid's label."""
-        spread = self.clusters.spread(dict(zip(keep.tolist(), labels.tolist())))
+        """The pool inputs the answered medoids label, and their labels (``QuerySelection.spread_medoids``)."""
+        spread = self.clusters.spread(dict(zip(keep.tolist(), labels.tolist())), self.selection.spread_medoids,
+                                      self.selection.spread_decay, self.selection.spread_margin)
         members = np.fromiter(spread, dtype=np.int64, count=len(spread))
         return members, np.fromiter(spread.values(), dtype=np.int64, count=len(spread))
 

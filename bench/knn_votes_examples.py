@@ -3,7 +3,7 @@
 Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with its ledger, the
 student actor), the demo (50 digits teachers, Confident-GNMax) beside configs/digits-knn.yaml
 (the same digits as Private-kNN votes) and configs/digits-clusters.yaml (the digits voting for
-60 public clusters), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
+100 public clusters), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
 configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting on
 their own nodes, summed securely). Writes results/bench/knn_votes_examples.json: per run and
 repetition the answers, label accuracy (digits only: the hospitals' pool has no labels),
@@ -15,11 +15,13 @@ benchmark keeps those ledgers in a temporary ``$CONCLAVE_HOME`` unless it is set
 
     python bench/knn_votes_examples.py --repeats 3
     python bench/knn_votes_examples.py --repeats 1 --only demo digits-clusters
+    python bench/knn_votes_examples.py --only digits-clusters --merge
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None, help="run only these configs")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each config, seeds 0, 1, ... (default 3)")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    parser.add_argument("--merge", action="store_true", help="update the existing results file instead of replacing it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if "CONCLAVE_HOME" not in os.environ:  # the example hospitals' lifetime ledgers, not the user's
@@ -87,12 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_dir = RunDirectory(args.results_dir, "bench")
     runs_dir = bench_dir.path / "knn_votes_examples"
     out: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
-    reasons: list[str] = []
+    previous = bench_dir.path / "knn_votes_examples.json"
+    if args.merge and previous.is_file():  # keep what an earlier run measured, replace what this one does
+        out["runs"] = json.loads(previous.read_text())["runs"]
     for name in args.only or list(CONFIGS):
         repetitions = [run_once(name, seed, runs_dir) for seed in range(args.repeats)]
-        reasons += [f"{name}: {r}" for run in repetitions for r in run["unsound_reasons"]]
         out["runs"][name] = {"repetitions": repetitions,
                              "student_accuracy_median": statistics.median(r["student_accuracy"] for r in repetitions)}
+        reasons = [f"{run}: {r}" for run, result in out["runs"].items()
+                   for repetition in result["repetitions"] for r in repetition["unsound_reasons"]]
         bench_dir.write_json("knn_votes_examples", {**out, **soundness(reasons), **STAND_IN})
         log.info("%s: students %s, answered %s, guarantee ε %s", name,
                  [round(r["student_accuracy"], 3) for r in repetitions], [r["queries_answered"] for r in repetitions],

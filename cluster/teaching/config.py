@@ -157,8 +157,9 @@ class ClustersConfig:
     2022; ``actors.cluster_votes``): the student asks the medoids of ``count`` k-means clusters of
     the public pool in a fixed public ``embedding`` (``learning.embeddings``, fitted on the pool
     only) in ONE batch; each record votes, with its label, for its ``votes_per_record`` nearest
-    medoids, and the batch is one release whatever ``count``. A medoid's label then labels its
-    whole cluster (post-processing)."""
+    medoids, and the batch is one release whatever ``count``. The medoids' labels then label the
+    pool (post-processing): each its own cluster, or each pool input by its nearest answered
+    medoids (``student.selection.spread_medoids``)."""
 
     count: int = 300
     votes_per_record: int = 3
@@ -316,6 +317,9 @@ class TeacherStudentConfig:
         self._check_votes()
         if self.clusters is not None:  # the student asks the medoids, all in one batch
             self._ask_cluster_medoids()
+        elif self.student.selection.spread_medoids > 1 or self.student.selection.spread_margin > 0:
+            raise ValueError("student.selection.spread_medoids spreads public-cluster votes' labels: it needs a "
+                             "clusters section")
         if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")

@@ -20,6 +20,7 @@ REGISTRY: Registry[Callable[..., Any]] = Registry("model", {
     "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
     "scatternet_cnn_wide": "conclave.learning.models.scatternet:scatternet_cnn_wide",  # the same, width 128
     "digits_cnn": "conclave.learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
+    "digits_cnn_wide": "conclave.learning.models.cnn:digits_cnn_wide",  # the same, width 32
     "gn_resnet18": "conclave.learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`
     "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
     "mlp": "conclave.learning.models.table:mlp",                   # table rows [n, d]

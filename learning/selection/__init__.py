@@ -76,12 +76,20 @@ class QuerySelection:
     model on): "random" inputs (the pool's first inputs, for "pool"), or "kmeans", the inputs
     nearest ``round_size`` k-means centres of the pool inputs not asked yet, in a PCA embedding
     fitted on the pool (``cold_start.kmeans_cold_start``: typical inputs, one per region), then
-    the strategy (for "pool", the rest in pool order)."""
+    the strategy (for "pool", the rest in pool order).
+
+    ``spread_medoids`` / ``spread_decay`` / ``spread_margin`` ("clusters" only): how answered
+    medoids label the pool (``clusters.PoolClusters.spread``): 1, each its own cluster; more, each
+    pool input the weighted vote of that many nearest answered medoids, the j-th nearest weighing
+    ``spread_decay``^j, where the winner leads by ``spread_margin`` of the weight."""
 
     strategy: str = POOL_ORDER
     round_size: int = 100
     seed: int = 0  # the random first round, k-means and the strategies' own choices (public data only)
     cold_start: str = "random"
+    spread_medoids: int = 1
+    spread_decay: float = 1.0
+    spread_margin: float = 0.0
 
     def __post_init__(self) -> None:
         usable = sorted(set(STRATEGIES) - {"near_private"})
@@ -92,6 +100,11 @@ class QuerySelection:
             raise ValueError(f"round_size must be >= 1, got {self.round_size}")
         if self.cold_start not in COLD_STARTS:
             raise ValueError(f"cold_start must be one of {list(COLD_STARTS)}, got {self.cold_start!r}")
+        if self.spread_medoids < 1 or not 0 < self.spread_decay <= 1 or not 0 <= self.spread_margin < 1:
+            raise ValueError(f"spread_medoids must be >= 1, spread_decay in (0, 1] and spread_margin in [0, 1), got "
+                             f"{self.spread_medoids}, {self.spread_decay}, {self.spread_margin}")
+        if self.spread_margin > 0 and self.spread_medoids == 1:
+            raise ValueError("spread_margin weighs the votes of several medoids: set spread_medoids above 1")
 
 
 def build_strategy(name: str, **params: Any) -> SelectionStrategy:

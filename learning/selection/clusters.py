@@ -2,9 +2,10 @@
 
 k-means (scikit-learn, seeded: public data only) splits the pool into ``count`` clusters; each
 cluster's medoid — the pool input nearest its centre — is the query the owners' records vote for,
-and a label released for a medoid is then given to every member of its cluster (post-processing of
-released labels and public inputs: free). Largest clusters first, so a budget that ends early
-labels the most inputs.
+and a label released for a medoid is then given to every member of its cluster, or each pool input
+takes the weighted vote of its few nearest answered medoids' labels, which corrects a medoid whose
+noised label is wrong (post-processing of released labels and public inputs: free). Largest
+clusters first, so a budget that ends early labels the most inputs.
 """
 from __future__ import annotations
 
@@ -12,22 +13,43 @@ from dataclasses import dataclass
 
 import numpy as np
 from sklearn.cluster import KMeans
-from sklearn.metrics import pairwise_distances_argmin
+from sklearn.metrics import pairwise_distances, pairwise_distances_argmin
 
 
 @dataclass(frozen=True, eq=False)
 class PoolClusters:
     """``medoids``: a pool index per cluster, largest cluster first; ``members``: each pool input's
-    cluster, as an index into ``medoids``."""
+    cluster, as an index into ``medoids``; ``embedded``: the pool in the clusters' embedding."""
 
     medoids: np.ndarray  # int64 [clusters]
     members: np.ndarray  # int64 [pool]
+    embedded: np.ndarray  # float64 [pool, d]
 
-    def spread(self, labels_of_medoids: dict[int, int]) -> dict[int, int]:
-        """Each pool index → the label released for its cluster's medoid (clusters without one: none)."""
-        by_cluster = {cluster: labels_of_medoids[int(medoid)] for cluster, medoid in enumerate(self.medoids)
-                      if int(medoid) in labels_of_medoids}
-        return {int(i): by_cluster[int(c)] for i, c in enumerate(self.members) if int(c) in by_cluster}
+    def spread(self, labels_of_medoids: dict[int, int], nearest: int = 1, decay: float = 1.0,
+               margin: float = 0.0) -> dict[int, int]:
+        """Each pool index → a label from the answered medoids (``labels_of_medoids``: pool index →
+        label). ``nearest`` 1: its own cluster's medoid's label (clusters without one: none). More:
+        the label with the most weight among its ``nearest`` nearest answered medoids, the j-th
+        nearest weighing ``decay``^j (ties: the nearer medoid's label), for every pool input whose
+        winning label leads the runner-up by at least ``margin`` of the weight (the others are
+        left to a semi-supervised student: that is where the wrong labels are)."""
+        if nearest == 1:
+            by_cluster = {cluster: labels_of_medoids[int(medoid)] for cluster, medoid in enumerate(self.medoids)
+                          if int(medoid) in labels_of_medoids}
+            return {int(i): by_cluster[int(c)] for i, c in enumerate(self.members) if int(c) in by_cluster}
+        answered = np.asarray([int(m) for m in self.medoids if int(m) in labels_of_medoids], dtype=np.int64)
+        if not len(answered):
+            return {}
+        labels = np.asarray([labels_of_medoids[int(m)] for m in answered], dtype=np.int64)
+        ranked = np.argsort(pairwise_distances(self.embedded, self.embedded[answered]), axis=1,
+                            kind="stable")[:, :nearest]
+        weights = decay ** np.arange(ranked.shape[1], dtype=np.float64)
+        scores = np.zeros((len(self.embedded), int(labels.max()) + 1))
+        np.add.at(scores, (np.arange(len(self.embedded))[:, None], labels[ranked]), weights)
+        scores[np.arange(len(self.embedded)), labels[ranked[:, 0]]] += 1e-9  # a tie goes to the nearest
+        top_two = np.sort(scores, axis=1)[:, -2:] if scores.shape[1] > 1 else np.pad(scores, ((0, 0), (1, 0)))
+        sure = top_two[:, 1] - top_two[:, 0] >= margin * weights.sum() - 1e-12
+        return {i: int(label) for i, label in enumerate(scores.argmax(axis=1)) if sure[i]}
 
 
 def cluster_pool(embedded: np.ndarray, count: int, seed: int) -> PoolClusters:
@@ -49,4 +71,4 @@ def cluster_pool(embedded: np.ndarray, count: int, seed: int) -> PoolClusters:
         pick = int(candidates[pairwise_distances_argmin(centre[None], embedded[candidates])[0]])
         taken[pick] = True
         medoids.append(pick)
-    return PoolClusters(np.asarray(medoids, dtype=np.int64), members.astype(np.int64))
+    return PoolClusters(np.asarray(medoids, dtype=np.int64), members.astype(np.int64), embedded)

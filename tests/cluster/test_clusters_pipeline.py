@@ -65,12 +65,13 @@ def test_digits_vote_for_the_medoids_once_and_the_clusters_are_labelled(ray_sess
     metrics = json.loads((results / "metrics.json").read_text())
     assert privacy["guarantee"]["epsilon"] == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(3), 1e-5))
     assert privacy["aggregation"] == "trusted-aggregator" and "one owner" in privacy["trust_model"]["statement"]
-    assert metrics["clusters"]["count"] == 60 and metrics["queries_asked"] == 60
+    assert metrics["clusters"]["count"] == 100 and metrics["queries_asked"] == 100
     (final,) = metrics["curve"]
-    assert final["cluster_labelled"] > metrics["queries_answered"]  # every answered medoid labels its cluster
+    # the answered medoids label the pool images whose 7 nearest agree enough: more than they are, not all
+    assert metrics["queries_answered"] < final["cluster_labelled"] < 300
     assert metrics["student_accuracy"] > 0.6
     snapshot = read_ledger(results / "ledger.sqlite")
-    assert snapshot.charges == 1 and snapshot.answers == 60  # one release, sixty labels on record
+    assert snapshot.charges == 1 and snapshot.answers == 100  # one release, a hundred labels on record
 
     # Round 2 clusters the pool in round 1's student network: new medoids, and the two releases compose.
     raw = load_yaml(DIGITS)

@@ -18,6 +18,7 @@ CASES = [
     ("scatternet_cnn", 81, 7, {}),
     ("scatternet_cnn_wide", 81, 7, {}),
     ("digits_cnn", 1, 8, {}),
+    ("digits_cnn_wide", 1, 8, {}),
     ("gn_cnn", 3, 32, {}),
     ("gn_resnet18", 3, 32, {"width": 0.25}),
 ]
@@ -70,6 +71,8 @@ def test_scatternet_cnn_size_and_input_size_reaching_only_the_factories_that_tak
 def test_digits_cnn_size():
     expected = conv_params(1, 16, 3) + conv_params(16, 32, 3) + linear_params(32 * 4 * 4, 64) + linear_params(64, 10)
     assert count(build_model("digits_cnn", num_classes=10)) == expected == 38282
+    wide = conv_params(1, 32, 3) + conv_params(32, 64, 3) + linear_params(64 * 4 * 4, 128) + linear_params(128, 10)
+    assert count(build_model("digits_cnn_wide", num_classes=10)) == wide == 151306
 
 
 @pytest.mark.parametrize("name, channels, size, kwargs", CASES)

@@ -94,3 +94,49 @@ def test_private_and_public_splits_are_disjoint_and_cover_the_training_set():
     assert len(private) == 1000 and len(public) == len(train) - 1000
     rows = {row.tobytes() for row in private.x}
     assert sum(row.tobytes() in rows for row in public.x) <= 5  # digits holds a few duplicate images
+
+
+def test_medoids_label_the_pool_by_their_own_cluster_or_by_a_weighted_vote_of_the_nearest():
+    """Public-cluster votes' post-processing: one wrong medoid label among three or more in a blob
+    is outvoted by its neighbours; with one medoid, each cluster takes its medoid's label."""
+    from conclave.learning.selection.clusters import cluster_pool
+
+    embedded, blob = blobs([60, 60, 60], np.random.default_rng(0))
+    clusters = cluster_pool(embedded, 9, seed=0)
+    truth = {int(m): int(blob[m]) for m in clusters.medoids}
+    per_blob = np.bincount(blob[clusters.medoids], minlength=3)
+    assert per_blob.min() >= 2 and per_blob.max() >= 3  # every blob has medoids, one has three or more
+    crowded = int(per_blob.argmax())
+    wrong = int(clusters.medoids[blob[clusters.medoids] == crowded][0])
+    released = {**truth, wrong: (crowded + 1) % 3}
+    own = clusters.spread(released)
+    assert all(own[i] == released[int(clusters.medoids[c])] for i, c in enumerate(clusters.members))
+    voted = clusters.spread(released, nearest=3, decay=0.8)  # 0.8 + 0.64 > 1: two right outvote one wrong
+    assert voted == dict(enumerate(blob.tolist()))
+    # an abstained medoid labels nothing, and its cluster is labelled by the answered ones
+    assert clusters.spread({k: v for k, v in truth.items() if k != wrong}, nearest=2, decay=0.8) == \
+        dict(enumerate(blob.tolist()))
+    # equal weights, one each: the nearer medoid's label wins the tie
+    nearest_only = clusters.spread(released, nearest=1)
+    tied = clusters.spread(released, nearest=2, decay=1.0)
+    assert tied[wrong] == (crowded + 1) % 3 and len(tied) == len(blob) and len(nearest_only) == len(blob)
+    assert clusters.spread({}, nearest=3, decay=0.8) == {}
+    # a margin leaves out the inputs whose vote is close: 1 against 0.8 + 0.64 leads by 0.44 / 2.44
+    weights = 1 + 0.8 + 0.64
+    assert voted[wrong] == blob[wrong] != tied[wrong]  # where the wrong medoid is nearest, the right label wins narrowly
+    kept = clusters.spread(released, nearest=3, decay=0.8, margin=0.5 / weights)
+    assert wrong not in kept and set(kept) < set(voted) and all(kept[i] == blob[i] for i in kept)
+    assert clusters.spread(released, nearest=3, decay=0.8, margin=0.4 / weights)[wrong] == blob[wrong]
+
+
+def test_spreading_over_nearest_medoids_is_checked_and_needs_public_cluster_votes():
+    from conclave.cluster.teaching.config import StudentConfig, TeacherStudentConfig
+    from conclave.learning.selection import QuerySelection
+
+    for bad in ({"spread_medoids": 0}, {"spread_decay": 0.0}, {"spread_decay": 1.5}, {"spread_margin": 1.0}):
+        with pytest.raises(ValueError, match=r"spread_medoids must be >= 1, spread_decay in \(0, 1\] and spread_margin"):
+            QuerySelection(**bad)
+    with pytest.raises(ValueError, match="spread_margin weighs the votes of several medoids"):
+        QuerySelection(spread_margin=0.3)
+    with pytest.raises(ValueError, match="spread_medoids spreads public-cluster votes' labels: it needs a clusters"):
+        TeacherStudentConfig(student=StudentConfig(selection=QuerySelection(spread_medoids=5)))
