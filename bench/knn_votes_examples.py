@@ -69,7 +69,11 @@ def run_once(name: str, seed: int, results: Path) -> dict:
 
         ray.shutdown()  # the next config starts Ray with its own owners' resources
     metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
+    # public-cluster votes: how many pool inputs the released medoid labels label, and how many right
+    spread = {key: metrics["curve"][-1][key] for key in ("cluster_labelled", "cluster_label_accuracy")
+              if metrics["curve"] and key in metrics["curve"][-1]}
     return {"seed": seed, "student_accuracy": metrics["student_accuracy"], "label_accuracy": metrics["label_accuracy"],
+            **spread,
             "queries_asked": metrics["queries_asked"], "queries_answered": metrics["queries_answered"],
             "guarantee": privacy["guarantee"]["epsilon"], "epsilon_spent": privacy["spent"]["epsilon"],
             "sound": privacy["sound"], "unsound_reasons": privacy["unsound_reasons"],
