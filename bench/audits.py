@@ -11,8 +11,8 @@ The audits charge the example hospitals' lifetime budgets as any run does; the b
 those ledgers in a temporary ``$CONCLAVE_HOME`` (the hospitals' data are the examples') unless
 ``$CONCLAVE_HOME`` is set.
 
-    python bench/audits.py              # demo, hospitals, digits-active, hospitals-active, mnist-active
-    python bench/audits.py --only demo  # some of them
+    python bench/audits.py                         # digits-teachers, hospitals, digits-active, hospitals-active, mnist-active
+    python bench/audits.py --only digits-teachers  # some of them
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ share_cores()
 from bench.soundness import soundness, timed_on  # noqa: E402
 from conclave.cluster.auditing import AuditSettings  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import DEMO_CONFIG, load_pipeline  # noqa: E402
+from conclave.cluster.api import load_pipeline  # noqa: E402
 
 log = logging.getLogger("bench.audits")
 
 CONFIGS = {
-    "demo": None,  # the embedded demo (configs/demo.yaml)
+    "digits-teachers": "configs/digits-teachers.yaml",  # the label audit needs teachers (the demo has none)
     "hospitals": "configs/hospitals.yaml",
     "digits-active": "configs/digits-active.yaml",
     "hospitals-active": "configs/hospitals-active.yaml",
@@ -48,8 +48,7 @@ CONFIGS = {
 
 
 def audited(name: str, settings: AuditSettings) -> dict:
-    raw = DEMO_CONFIG if CONFIGS[name] is None else load_yaml(ROOT / CONFIGS[name])
-    pipeline = load_pipeline(raw).validate()
+    pipeline = load_pipeline(load_yaml(ROOT / CONFIGS[name])).validate()
     started = time.perf_counter()
     try:
         result = pipeline.audit(settings)
@@ -61,7 +60,7 @@ def audited(name: str, settings: AuditSettings) -> dict:
     bound = result.bound
     log.info("%s: ε ≥ %.3f (m=%d, r=%d, v=%d) under ε = %.3f; %.0f s", name, bound.epsilon, bound.m, bound.r,
              bound.v, result.guarantee.epsilon, seconds)
-    return {"config": CONFIGS[name] or "configs/demo.yaml", **result.as_dict(), "seconds": seconds}
+    return {"config": CONFIGS[name], **result.as_dict(), "seconds": seconds}
 
 
 def main() -> int:

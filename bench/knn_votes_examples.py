@@ -1,9 +1,9 @@
 """Benchmark: the small examples' vote sources — teachers, kNN votes, public-cluster votes — each run end to end.
 
 Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with its ledger, the
-student actor), the demo (50 digits teachers, Confident-GNMax) beside configs/digits-knn.yaml
-(the same digits as Private-kNN votes) and configs/digits-clusters.yaml (the digits voting for
-100 public clusters), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
+student actor), the demo (the digits voting for 100 public clusters) beside
+configs/digits-teachers.yaml (50 digits teachers, Confident-GNMax) and configs/digits-knn.yaml
+(the same digits as Private-kNN votes), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
 configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting on
 their own nodes, summed securely). Writes results/bench/knn_votes_examples.json: per run and
 repetition the answers, label accuracy (digits only: the hospitals' pool has no labels),
@@ -14,8 +14,8 @@ The hospitals' runs charge the example hospitals' lifetime budgets as any run do
 benchmark keeps those ledgers in a temporary ``$CONCLAVE_HOME`` unless it is set.
 
     python bench/knn_votes_examples.py --repeats 3
-    python bench/knn_votes_examples.py --repeats 1 --only demo digits-clusters
-    python bench/knn_votes_examples.py --only digits-clusters --merge
+    python bench/knn_votes_examples.py --repeats 1 --only demo digits-teachers
+    python bench/knn_votes_examples.py --only demo --merge
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ log = logging.getLogger("bench.knn_votes_examples")
 STAND_IN = timed_on("scikit-learn's digits and the example hospitals' synthetic tables")
 
 CONFIGS = {
-    "demo": None,  # the embedded demo (configs/demo.yaml)
+    "demo": None,  # the embedded demo (configs/demo.yaml): public-cluster votes
+    "digits-teachers": "configs/digits-teachers.yaml",
     "digits-knn": "configs/digits-knn.yaml",
-    "digits-clusters": "configs/digits-clusters.yaml",
     "hospitals": "configs/hospitals.yaml",
     "hospitals-knn": "configs/hospitals-knn.yaml",
     "hospitals-clusters": "configs/hospitals-clusters.yaml",
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
     previous = bench_dir.path / "knn_votes_examples.json"
     if args.merge and previous.is_file():  # keep what an earlier run measured, replace what this one does
-        out["runs"] = json.loads(previous.read_text())["runs"]
+        out["runs"] = {name: run for name, run in json.loads(previous.read_text())["runs"].items() if name in CONFIGS}
     for name in args.only or list(CONFIGS):
         repetitions = [run_once(name, seed, runs_dir) for seed in range(args.repeats)]
         out["runs"][name] = {"repetitions": repetitions,

@@ -23,8 +23,8 @@ shared, absolute times drift) and reports min and median. Writes results/bench/p
   teacher_pool           training teachers on a Ray pool of 2 one-CPU actors against one
                          process at its best thread count (``speedup``)
   end_to_end             what a user waits for: Label calls from outside against a real
-                         ``conclave serve`` process with its teacher actors (the digits demo's
-                         50 teachers; MNIST's 250 without --quick): a fresh single input, a
+                         ``conclave serve`` process with its teacher actors (the digits'
+                         50 teachers, digits-teachers.yaml; MNIST's 250 without --quick): a fresh single input, a
                          repeated one and a bare gRPC health check in turn; one input through
                          one actor's stacked teachers alone; 16 concurrent clients (calls per
                          ledger transaction: concurrent calls answered together); batches of 1,024
@@ -384,17 +384,17 @@ def marked(images: np.ndarray, count: int) -> np.ndarray:
 
 
 def end_to_end_configs(quick: bool) -> dict[str, tuple[dict, np.ndarray]]:
-    """The ensembles measured through ``serve``: the digits demo's 50 teachers (its config as
+    """The ensembles measured through ``serve``: the digits' 50 teachers (digits-teachers.yaml as
     shipped) and MNIST's 250 tutorial CNNs (mnist-gnmax.yaml, trained one epoch: inference
     time does not depend on how well they learned). A declared budget no run here can spend."""
     import yaml
 
     from conclave.learning.data import load_digits
 
-    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    digits = yaml.safe_load((ROOT / "configs" / "digits-teachers.yaml").read_text())
     mnist = yaml.safe_load((ROOT / "configs" / "mnist-gnmax.yaml").read_text())
     mnist["teachers"]["train"]["epochs"] = 1
-    configs = {"demo_50_teachers": (demo, load_digits()[1].x)}
+    configs = {"digits_50_teachers": (digits, load_digits()[1].x)}
     if not quick:
         configs["mnist_250_teachers"] = (mnist, mnist_or_random(1000))
     for config, _ in configs.values():
@@ -600,8 +600,8 @@ def main() -> int:
     summary = [f"{k}: {v}" for k, v in {
         "teacher_inference.flop_fraction": results.get("teacher_inference", {}).get("flop_fraction"),
         "aggregator.p99_ms": results.get("aggregator", {}).get("p99_ms"),
-        "end_to_end.demo_50_teachers.single_fresh_ms": results.get("end_to_end", {}).get(
-            "demo_50_teachers", {}).get("single_fresh_ms"),
+        "end_to_end.digits_50_teachers.single_fresh_ms": results.get("end_to_end", {}).get(
+            "digits_50_teachers", {}).get("single_fresh_ms"),
         "teacher_pool.speedup": results.get("teacher_pool", {}).get("speedup"),
     }.items()]
     print("perf: " + "; ".join(summary))

@@ -61,8 +61,21 @@ PIPELINES: Registry[type[Pipeline]] = Registry("pipeline", {
     "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune:SparseFinetune",
 })
 
-# What ``conclave demo`` runs: the teacher_student pipeline's defaults, under the name "demo".
-DEMO_CONFIG: Mapping[str, Any] = {"pipeline": "teacher_student", "name": "demo"}
+# What ``conclave demo`` runs, embedded so that it needs no file (configs/demo.yaml says why each
+# setting; a test checks the two agree): public-cluster votes on scikit-learn's digits, one release.
+DEMO_CONFIG: Mapping[str, Any] = {
+    "pipeline": "teacher_student", "name": "demo", "seed": 0,
+    "data": {"name": "digits", "public_size": 300},
+    "clusters": {"count": 100, "votes_per_record": 3, "embedding": "pca", "dims": 20},
+    "mechanism": {"name": "public-clusters", "params": {"sigma": 6.5}},
+    "privacy": {"budget": None, "delta": 1.0e-5},
+    "student": {
+        "model": "digits_cnn_wide",
+        "train": {"epochs": 40, "batch_size": 32, "lr": 0.003, "weight_decay": 0.0},
+        "semi_supervised": {"epochs": 120, "batch_size": 32, "threshold": 0.9},
+        "selection": {"spread_medoids": 7, "spread_decay": 0.8, "spread_margin": 0.3},
+    },
+}
 
 
 @dataclass(frozen=True)

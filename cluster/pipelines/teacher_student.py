@@ -23,9 +23,10 @@ shards and every query, the student for its answered images and test split); the
 outside clients still send images, so the gRPC API and its shape checks are unchanged.
 
 ``TeacherStudent`` is the pipeline over the library steps (``cluster.teaching``; the front door is
-``cluster.api``): it checks, runs them and writes the results folder. ``TeacherStudentConfig()`` is the demo
-(``conclave demo``): digits, 50 teachers, Confident-GNMax under a budget of ε = 4, a FixMatch
-student (about a minute on 2 CPUs).
+``cluster.api``): it checks, runs them and writes the results folder. ``TeacherStudentConfig()`` is
+configs/digits-teachers.yaml: digits, 50 teachers, Confident-GNMax under a budget of ε = 4, a
+FixMatch student (about a minute on 2 CPUs); ``conclave demo`` runs public-cluster votes on the
+same digits (``DEMO_CONFIG``).
 """
 from __future__ import annotations
 

@@ -278,7 +278,7 @@ AGGREGATIONS = (Aggregation.TRUSTED_AGGREGATOR, Aggregation.SECURE)  # who may a
 
 @dataclass(frozen=True)
 class TeacherStudentConfig:
-    name: str = "demo"
+    name: str = "teacher-student"
     seed: int = 0
     data: TeacherStudentData = field(default_factory=TeacherStudentData)
     teachers: TeachersConfig = field(default_factory=TeachersConfig)

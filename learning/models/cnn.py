@@ -82,5 +82,5 @@ def digits_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8,
 def digits_cnn_wide(num_classes: int = 10, in_channels: int = 1, input_size: int = 8) -> FeatureClassifier:
     """``digits_cnn`` at width 32 (151,306 parameters): a student with a whole pool labelled, some
     labels wrong (public-cluster votes), where FixMatch's long training needs the capacity
-    (chosen on a public proxy: configs/digits-clusters.yaml)."""
+    (chosen on a public proxy: configs/demo.yaml)."""
     return digits_cnn(num_classes, in_channels, input_size, width=32)

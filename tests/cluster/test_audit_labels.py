@@ -3,6 +3,8 @@ whole audit on real Ray teacher actors and the real gRPC aggregator — the deli
 build (noise off) must be caught above the claimed ε, the real build must stay below it."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -10,10 +12,13 @@ from conclave.cluster.auditing import AuditSettings, SecretInclusion, run_audit
 from conclave.cluster.auditing.labels import (CANARY_CLASS, OUT_CLASS, Design, Patterns, ScaledDraws, ScaledNoise,
                                               Share, affordable, audit_records, choose_design,
                                               guesses_from, place_canaries)
-from conclave.cluster.pipelines import DEMO_CONFIG, load_pipeline
+from conclave.cluster.config import load_yaml
+from conclave.cluster.pipelines import load_pipeline
 from conclave.learning.data import shard
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.mechanisms import build_mechanism
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # Digits, 5 teachers, GNMax at σ = 45 under a budget of ε = 2: the guarantee is the worst case of
 # the 200 canary queries, ε ≈ 1.90. Noise off, 200 right guesses of 200 certify ε ≥ 4.19 at 95%;
@@ -89,7 +94,7 @@ def test_guesses_follow_the_released_labels():
 
 
 def test_the_audit_asks_no_more_queries_than_the_budget_pays_for():
-    demo = load_pipeline(DEMO_CONFIG).config
+    demo = load_pipeline(load_yaml(CONFIGS / "digits-teachers.yaml")).config
     paid = affordable(demo, 300)
     assert 30 < paid < 60  # ε = 4 for Confident-GNMax at σ1 = 20, σ2 = 12, every query answered
     assert affordable(demo, 10) == 10

@@ -20,7 +20,7 @@ from conclave.privacy.accounting.pld import analytic_gaussian_epsilon
 from conclave.privacy.accounting.report import planned_charge
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DIGITS = PROJECT_ROOT / "configs" / "digits-clusters.yaml"
+DIGITS = PROJECT_ROOT / "configs" / "demo.yaml"  # the demo: public-cluster votes on the digits
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals-clusters.yaml"
 CLUSTERS = MechanismConfig("public-clusters", {"sigma": 6.5})
 
@@ -60,7 +60,7 @@ def test_several_owners_vote_for_clusters_only_through_the_secure_sum():
 @pytest.mark.slow
 def test_digits_vote_for_the_medoids_once_and_the_clusters_are_labelled(ray_session, run_config_opening, tmp_path):
     run_config_opening(DIGITS)
-    results = tmp_path / "digits-clusters"
+    results = tmp_path / "demo"
     privacy = json.loads((results / "privacy.json").read_text())
     metrics = json.loads((results / "metrics.json").read_text())
     assert privacy["guarantee"]["epsilon"] == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(3), 1e-5))
@@ -75,12 +75,12 @@ def test_digits_vote_for_the_medoids_once_and_the_clusters_are_labelled(ray_sess
 
     # Round 2 clusters the pool in round 1's student network: new medoids, and the two releases compose.
     raw = load_yaml(DIGITS)
-    raw.update(name="digits-clusters-round2", clusters={**raw["clusters"], "embedding": f"network:{results / 'student.pt'}"})
+    raw.update(name="demo-round2", clusters={**raw["clusters"], "embedding": f"network:{results / 'student.pt'}"})
     second = tmp_path / "round2.yaml"
     second.write_text(yaml.safe_dump(raw))
     run_config_opening(second)
-    privacy = json.loads((tmp_path / "digits-clusters-round2" / "privacy.json").read_text())
-    assert privacy["rounds"]["composed_with"] == ["digits-clusters"] and privacy["guarantee"]["basis"] == "composed"
+    privacy = json.loads((tmp_path / "demo-round2" / "privacy.json").read_text())
+    assert privacy["rounds"]["composed_with"] == ["demo"] and privacy["guarantee"]["basis"] == "composed"
     # two fixed Gaussian releases compose exactly: one at σ/√2
     assert privacy["guarantee"]["epsilon"] == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(6), 1e-5))
 

@@ -139,7 +139,7 @@ def test_only_public_figures_and_a_budget_make_a_proposal(tiny, tmp_path):
     with pytest.raises(ProposalError, match="privacy.budget"):
         propose({**tiny, "privacy": {"budget": None}})
     with pytest.raises(ProposalError, match="names no owners"):
-        propose(load_yaml(PROJECT_ROOT / "configs" / "demo.yaml"))
+        propose(load_yaml(PROJECT_ROOT / "configs" / "digits-teachers.yaml"))
     with pytest.raises(ProposalError, match="teacher_student"):
         propose(load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml"))
 

@@ -141,12 +141,12 @@ def test_serve_on_a_port_another_server_holds_or_a_ledger_another_serve_holds_fa
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        code = main(["serve", str(CONFIGS / "demo.yaml"), "--port", str(port), "--ledger", str(tmp_path / "l.sqlite")])
+        code = main(["serve", str(CONFIGS / "digits-teachers.yaml"), "--port", str(port), "--ledger", str(tmp_path / "l.sqlite")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"conclave: could not bind the aggregator to 127.0.0.1:{port}: the address is in use " \
                                  "or not on this host"
     with PrivacyLedger(tmp_path / "held.sqlite", 1e-5):  # another serve's ledger, open
-        code = main(["serve", str(CONFIGS / "demo.yaml"), "--port", "0", "--ledger", str(tmp_path / "held.sqlite")])
+        code = main(["serve", str(CONFIGS / "digits-teachers.yaml"), "--port", "0", "--ledger", str(tmp_path / "held.sqlite")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "is in use" in err, err
     assert ray.is_initialized() == was_running  # refused before Ray started

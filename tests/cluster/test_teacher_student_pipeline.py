@@ -22,8 +22,8 @@ from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.mechanisms import build_mechanism
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TEACHER_STUDENT_CONFIGS = ["demo", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers",
-                           "mnist-gnmax-scatternet"]
+TEACHER_STUDENT_CONFIGS = ["digits-teachers", "mnist-gnmax", "mnist-lnmax", "mnist-nzc", "mnist-nzc-5teachers",
+                           "mnist-gnmax-scatternet", "demo"]
 
 # A smaller demo: 10 teachers on digits, Confident-GNMax, 120 queries (so little noise
 # that ε is large: this checks the plumbing and the bookkeeping, not a privacy level).
@@ -126,11 +126,12 @@ def test_nzc_report_gives_the_sound_unbounded_epsilon_beside_the_papers_claim(tm
     assert claim["epsilon"] < 1e-6 and claim["label"] == "estimate: not a DP guarantee"
 
 
-def test_the_demo_config_file_is_the_default_config():
+def test_the_demo_config_file_is_what_conclave_demo_runs_and_the_digits_teachers_are_the_defaults():
     from_file = load_pipeline(load_yaml(CONFIGS / "demo.yaml")).config
-    assert from_file == TeacherStudentConfig()
-    demo = load_pipeline(DEMO_CONFIG).config  # what `conclave demo` runs
-    assert demo == TeacherStudentConfig()
+    assert from_file == load_pipeline(DEMO_CONFIG).config  # what `conclave demo` runs
+    assert from_file.clusters is not None and from_file.mechanism.name == "public-clusters"
+    teachers = load_pipeline(load_yaml(CONFIGS / "digits-teachers.yaml")).config
+    assert teachers == TeacherStudentConfig(name="digits-teachers")
 
 
 @pytest.mark.parametrize("name", TEACHER_STUDENT_CONFIGS)
@@ -142,7 +143,8 @@ def test_shipped_configs_load_and_validate(name):
 
 
 def test_mnist_configs_carry_the_papers_settings():
-    configs = {name: load_pipeline(load_yaml(CONFIGS / f"{name}.yaml")).config for name in TEACHER_STUDENT_CONFIGS[1:]}
+    configs = {name: load_pipeline(load_yaml(CONFIGS / f"{name}.yaml")).config for name in TEACHER_STUDENT_CONFIGS
+               if name.startswith("mnist-")}
     assert configs["mnist-gnmax"].mechanism.build() == build_mechanism("confident-gnmax", threshold=200, sigma1=150, sigma2=40)
     assert configs["mnist-lnmax"].mechanism.build() == build_mechanism("lnmax", laplace_scale=20)
     assert configs["mnist-nzc"].teachers.count == 250 and configs["mnist-nzc-5teachers"].teachers.count == 5
@@ -277,7 +279,7 @@ def test_the_non_private_ceiling_trains_the_configs_student_on_every_true_pool_l
     aggregator, no private record; its student is the config's, trained by the runs' own path."""
     from conclave.cluster.teaching.student import non_private_ceiling
 
-    config = load_pipeline(load_yaml(CONFIGS / "digits-clusters.yaml")).config  # its FixMatch: ~30 s
+    config = load_pipeline(load_yaml(CONFIGS / "demo.yaml")).config  # public-cluster votes; its FixMatch: ~30 s
     ceiling = non_private_ceiling(config, progress=False)
     assert ceiling.labelled == config.data.public_size and ceiling.model == "digits_cnn_wide"
     assert 0.8 < ceiling.accuracy <= 1  # chance is 0.1
