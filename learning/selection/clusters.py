@@ -44,10 +44,10 @@ class PoolClusters:
         ranked = np.argsort(pairwise_distances(self.embedded, self.embedded[answered]), axis=1,
                             kind="stable")[:, :nearest]
         weights = decay ** np.arange(ranked.shape[1], dtype=np.float64)
-        scores = np.zeros((len(self.embedded), int(labels.max()) + 1))
+        scores = np.zeros((len(self.embedded), max(2, int(labels.max()) + 1)))  # a runner-up column, even if empty
         np.add.at(scores, (np.arange(len(self.embedded))[:, None], labels[ranked]), weights)
         scores[np.arange(len(self.embedded)), labels[ranked[:, 0]]] += 1e-9  # a tie goes to the nearest
-        top_two = np.sort(scores, axis=1)[:, -2:] if scores.shape[1] > 1 else np.pad(scores, ((0, 0), (1, 0)))
+        top_two = np.sort(scores, axis=1)[:, -2:]
         sure = top_two[:, 1] - top_two[:, 0] >= margin * weights.sum() - 1e-12
         return {i: int(label) for i, label in enumerate(scores.argmax(axis=1)) if sure[i]}
 
