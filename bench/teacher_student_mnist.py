@@ -187,7 +187,8 @@ def run_summary(name: str, config: TeacherStudentConfig, outcome: RunOutcome, se
         "estimates": {e["name"]: e["epsilon"] for e in privacy["estimates"]},  # not guarantees
         "epsilon_spent": privacy["spent"]["epsilon"],  # realised: a function of the answers, not a bound
         # with self-training, also the supervised model's accuracy and how many pseudo-labels
-        "curve": [{k: p[k] for k in ("asked", "answered", "accuracy", "supervised_accuracy", "pseudo_labelled") if k in p}
+        "curve": [{k: p[k] for k in ("asked", "answered", "accuracy", "supervised_accuracy", "pseudo_labelled",
+                                     "cluster_labelled", "cluster_label_accuracy") if k in p}
                   | {"epsilon_spent": p["budget"]["epsilon_spent"]} for p in metrics["curve"]],
         "seconds": seconds,
         "published": PUBLISHED[name],
