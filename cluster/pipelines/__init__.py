@@ -17,10 +17,11 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from conclave.cluster.auditing import AuditResult, AuditSettings, run_audit
-from conclave.cluster.config import ConfigError, from_dict
+from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.owners import DataOwner
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy
@@ -61,21 +62,9 @@ PIPELINES: Registry[type[Pipeline]] = Registry("pipeline", {
     "sparse_finetune": "conclave.cluster.pipelines.sparse_finetune:SparseFinetune",
 })
 
-# What ``conclave demo`` runs, embedded so that it needs no file (configs/demo.yaml says why each
-# setting; a test checks the two agree): public-cluster votes on scikit-learn's digits, one release.
-DEMO_CONFIG: Mapping[str, Any] = {
-    "pipeline": "teacher_student", "name": "demo", "seed": 0,
-    "data": {"name": "digits", "public_size": 300},
-    "clusters": {"count": 100, "votes_per_record": 3, "embedding": "pca", "dims": 20},
-    "mechanism": {"name": "public-clusters", "params": {"sigma": 6.5}},
-    "privacy": {"budget": None, "delta": 1.0e-5},
-    "student": {
-        "model": "digits_cnn_wide",
-        "train": {"epochs": 40, "batch_size": 32, "lr": 0.003, "weight_decay": 0.0},
-        "semi_supervised": {"epochs": 120, "batch_size": 32, "threshold": 0.9},
-        "selection": {"spread_medoids": 7, "spread_decay": 0.8, "spread_margin": 0.3},
-    },
-}
+# What ``conclave demo`` runs: public-cluster votes on scikit-learn's digits, one release. The file
+# ships inside the package, so the demo needs no checkout; configs/demo.yaml links to it.
+DEMO_CONFIG: Mapping[str, Any] = load_yaml(Path(__file__).with_name("demo.yaml"))
 
 
 @dataclass(frozen=True)
