@@ -280,13 +280,13 @@ class ShardHolder(ReleaseKeys):
                 snapshots.append(_state_of(model))
             self._epochs_done = epoch + 1
 
+        secure = None
         if group is not None:
+            secure = SecureGroup(group.owners, self._take_mask_keys(group.public_keys), group.public_keys)
             self._join(group)
         try:
             result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
-                              on_epoch=on_epoch, num_examples=num_examples,
-                              secure_group=None if group is None else SecureGroup(group.owners, self._mask_keys,
-                                                                                  group.public_keys),
+                              on_epoch=on_epoch, num_examples=num_examples, secure_group=secure,
                               records_held=None if group is None else group.records)
         finally:
             if group is not None:
@@ -343,7 +343,7 @@ class ShardHolder(ReleaseKeys):
                          public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy) -> np.ndarray:
         """This actor's masked share of the secure covariance sum (keys from ``mask_key`` just before)."""
         self._require_weights()
-        keys = self._take_mask_keys()
+        keys = self._take_mask_keys(public_keys)
         return mechanism.share(covariance_sum(self._embeddings), plan, owners,
                                keys.pairwise_masks(public_keys, session), noise.source(f"{session}-{keys.rank}"))
 
@@ -352,7 +352,7 @@ class ShardHolder(ReleaseKeys):
                      public_points: np.ndarray, threshold: float) -> np.ndarray:
         """This actor's masked share of the secure sum of support counts."""
         self._require_weights()
-        keys = self._take_mask_keys()
+        keys = self._take_mask_keys(public_keys)
         counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
         return mechanism.share(counts, plan, owners, keys.pairwise_masks(public_keys, session),
                                noise.source(f"{session}-{keys.rank}"))

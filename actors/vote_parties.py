@@ -102,7 +102,7 @@ class VoteParty(ReleaseKeys, abc.ABC):
         """This party's masked share of one secure round (its key pair from ``mask_key`` just before):
         its partial histogram, plus its Skellam noise share drawn here, under pairwise masks. The
         histogram itself never leaves."""
-        keys = self._take_mask_keys()
+        keys = self._take_mask_keys(public_keys)
         votes = self.partial_votes(queries, f"{session}/votes/{keys.rank}")
         return release.share(votes, plan, owners, keys.pairwise_masks(public_keys, session),
                              noise.source(f"{session}/{keys.rank}"))

@@ -22,6 +22,7 @@ the key pairs.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,22 +109,34 @@ def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str]
 
 
 class ReleaseKeys:
-    """A party's key pair for its next release, made on request and handed out once, so that no
-    two releases share masks (for the actors that take part: shard actors, teacher groups)."""
+    """A party's key pairs for its next release, made on request and handed out once, so that no
+    two releases share masks (for the actors that take part: shard actors, teacher groups).
 
-    _mask_keys: MaskKeys | None = None
+    A release takes the pair whose public half its parties hold. A threaded actor may run a key
+    request left over from an abandoned release (an owner that hung, then came back) after the
+    next release's own request: that pair is dropped, never used in place of the fresh one."""
+
+    _mask_keys: dict[bytes, MaskKeys] | None = None
 
     def mask_key(self, rank: int) -> bytes:
         """A fresh X25519 key pair for the next secure sum, as rank ``rank``; its public half."""
-        self._mask_keys = MaskKeys(rank)
-        return self._mask_keys.public_bytes
+        keys = MaskKeys(rank)
+        with _KEYS_LOCK:
+            self._mask_keys = {**(self._mask_keys or {}), keys.public_bytes: keys}
+        return keys.public_bytes
 
-    def _take_mask_keys(self) -> MaskKeys:
-        """The key pair of this one release; it is forgotten so that no later sum reuses it."""
-        if self._mask_keys is None:
-            raise RuntimeError("no fresh mask key: call mask_key(rank) before each secure sum")
-        keys, self._mask_keys = self._mask_keys, None
-        return keys
+    def _take_mask_keys(self, public_keys: Sequence[bytes]) -> MaskKeys:
+        """The key pair of this release (its public half is in ``public_keys``); every pair made so
+        far is forgotten, so that no later sum reuses one."""
+        with _KEYS_LOCK:
+            made, self._mask_keys = self._mask_keys or {}, None
+        for public in public_keys:
+            if public in made:
+                return made[public]
+        raise RuntimeError("no fresh mask key for this release: call mask_key(rank) before each secure sum")
+
+
+_KEYS_LOCK = threading.Lock()  # an actor's calls may run on two threads
 
 
 def party_share(vector: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], masks: PairwiseMasks,

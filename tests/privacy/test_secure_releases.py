@@ -197,3 +197,17 @@ def test_bad_inputs_are_refused():
         counts.release([share], plan)  # a missing share: the total would be noise, so nothing is released
     with pytest.raises(ValueError, match="upper triangle"):
         symmetric_from_upper(np.zeros(4))
+
+
+def test_a_key_request_left_over_from_an_abandoned_release_never_replaces_the_fresh_key():
+    """A hung owner that comes back runs the old release's key request late, on another thread,
+    after the new release's: the new release still takes the pair its parties hold, once."""
+    from conclave.privacy.secure_release import ReleaseKeys
+
+    party = ReleaseKeys()
+    fresh = party.mask_key(1)
+    party.mask_key(1)  # the late request of the abandoned release
+    others = MaskKeys(0).public_bytes
+    assert party._take_mask_keys((others, fresh)).public_bytes == fresh
+    with pytest.raises(RuntimeError, match="no fresh mask key"):
+        party._take_mask_keys((others, fresh))  # handed out once; the stale pair is gone too
