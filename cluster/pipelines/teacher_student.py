@@ -126,7 +126,7 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
             "queries_answered": student.answered,
             "budget_exhausted": student.budget_exhausted,
             **_vote_source(config, teachers),
-            "curve": student.curve,
+            "curve": _run_curve(student.curve),
         }
         results.write_json("metrics", metrics)
         results.write_json("privacy", privacy.as_dict())
@@ -158,6 +158,14 @@ def _vote_source(config: TeacherStudentConfig, teachers: Ensemble) -> dict[str, 
                           "nodes": teachers.nodes}}
     return {"teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
                          "model": model_label(config.teachers.model), "nodes": teachers.nodes}}
+
+
+def _run_curve(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The student's curve with the service's spend and counters at each point, not the service's
+    guarantee: the run's own service declares no budget of its own, so it would read "unbounded"
+    beside a run whose guarantee (privacy.json) is its budget or its planned worst case."""
+    return [{**point, "budget": {k: v for k, v in point["budget"].items() if k not in ("guarantee", "sound")}}
+            for point in curve]
 
 
 def _plots(results: RunDirectory, curve: list[dict[str, Any]]) -> None:

@@ -75,6 +75,8 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
     assert privacy["queries"] == 120 and privacy["answered"] == metrics["queries_answered"]
     # The realised spend is shown as such; the estimate's release was paid for before the first query.
     assert metrics["curve"][-1]["budget"]["epsilon_spent"] == pytest.approx(privacy["spent"]["epsilon"])
+    # the run's guarantee is privacy.json's alone: the curve carries no other (its service's would differ)
+    assert not {"guarantee", "sound"} & set(metrics["curve"][-1]["budget"])
     assert privacy["spent"]["epsilon"] <= worst
     assert set(privacy["spent"]["by_label"]) == {"confident-gnmax", "smooth-sensitivity-release"}
     # Only the smooth-sensitivity release of the data-dependent analysis is published, as an estimate.
