@@ -44,6 +44,9 @@ class FixMatchConfig:
     # Draw labelled images class-balanced (each class equally often) rather than uniformly: answers
     # a screening mechanism let through can be mostly easy classes (kNN votes on MNIST: 89 ones, 1 five).
     balance_classes: bool = False
+    # Keep an exponential moving average of the weights (decay per step) and end with it: the
+    # average of the last few hundred steps is steadier than the last step's weights.
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.unlabelled_ratio < 1:
@@ -54,6 +57,8 @@ class FixMatchConfig:
             raise ValueError("lr must be > 0, unlabelled_weight and weight_decay >= 0, momentum in [0, 1)")
         if self.views is not None and self.views < 1:
             raise ValueError(f"views must be >= 1 or None, got {self.views}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 
 
 Represent = Callable[[Any], Any]  # torch batch of images → the batch the model reads
@@ -99,6 +104,9 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
     cross_entropy = nn.CrossEntropyLoss()
     # Balanced: each labelled image is drawn with weight 1/(its class's count), so classes alike.
     balanced = 1.0 / torch.bincount(y_labelled)[y_labelled].double() if config.balance_classes else None
+    average = (torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(config.ema_decay), use_buffers=True)
+        if config.ema_decay is not None else None)
     model.train()
     used = seen = 0
     for epoch in tqdm(range(config.epochs), desc="FixMatch", unit="epoch", disable=not progress):
@@ -121,8 +129,12 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
             loss.backward()
             optimizer.step()
             scheduler.step()
+            if average is not None:
+                average.update_parameters(model)
             used += int(mask.sum())
             seen += len(batch_u)
+    if average is not None:
+        model.load_state_dict(average.module.state_dict())
     model.eval()
     share = used / seen if seen else 0.0
     log.debug("FixMatch: %d steps, %.2f of the unlabelled views used in the last epoch", total_steps, share)
