@@ -1,7 +1,6 @@
 """FixMatch with ``ema_decay``: the model ends with the moving average of its weights over the steps."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
