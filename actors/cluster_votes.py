@@ -4,7 +4,7 @@ every record votes, with its label, for its m nearest queries of the batch.
 Each ``ClusterShard`` actor holds one block of one owner's records, embedded on the owner's node
 in the run's fixed public embedding, and counts its partial histogram ``int64[batch, classes]``:
 for each of its records, +1 at (each of its m nearest queries, its label). Exactly min(m, B)
-distinct queries per record, ties by query order (``nearest_queries``): adding or removing a
+distinct queries per record, ties by query order (``privacy.cluster_histogram``): adding or removing a
 record moves m cells of the batch's histograms by one (``CLUSTER_LEMMA``), whatever the other
 records — the whole batch is one release.
 
@@ -26,23 +26,10 @@ from conclave.actors.placement import require_node
 from conclave.actors.vote_parties import RecordShare, VoteParties, VoteParty, party_blocks
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
+from conclave.privacy.cluster_histogram import cluster_histogram
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 
 log = logging.getLogger(__name__)
-
-CHUNK_PAIRS = 4_000_000  # (record, query) distances at once: about 32 MiB whatever the sizes
-
-
-def nearest_queries(squared: np.ndarray, m: int) -> np.ndarray:
-    """For squared distances ``[records, B]``: each record's min(m, B) nearest queries, ties broken
-    by query order (so the choice is a function of the record and the queries alone)."""
-    m = min(m, squared.shape[1])
-    chosen = np.argpartition(squared, m - 1, axis=1)[:, :m]
-    kth = np.take_along_axis(squared, chosen, axis=1).max(axis=1, keepdims=True)
-    tied = (squared <= kth).sum(axis=1) > m
-    if tied.any():  # more candidates than m at the m-th distance: the first in query order win
-        chosen[tied] = np.argsort(squared[tied], axis=1, kind="stable")[:, :m]
-    return chosen
 
 
 class ClusterShard(VoteParty):
@@ -87,19 +74,8 @@ class ClusterShard(VoteParty):
         random: ``stream`` is unused)."""
         if self.load_error is not None:
             raise OwnerDataError(self.load_error)
-        queries = np.asarray(queries, dtype=np.float64)
-        batch = len(queries)
-        counts = np.zeros(batch * self.num_classes, dtype=np.int64)
-        query_norms = np.einsum("ij,ij->i", queries, queries)
-        rows = max(1, CHUNK_PAIRS // max(batch, 1))
-        for start in range(0, len(self._labels), rows):
-            points = self._points[start:start + rows]
-            squared = self._norms[start:start + rows, None] - 2.0 * points @ queries.T + query_norms[None, :]
-            nearest = nearest_queries(squared, self.votes_per_record)
-            labels = self._labels[start:start + rows, None]
-            cells = (nearest * self.num_classes + labels)[np.broadcast_to(labels >= 0, nearest.shape)]  # pads vote for nothing
-            counts += np.bincount(cells, minlength=len(counts))
-        return counts.reshape(batch, self.num_classes)
+        return cluster_histogram(self._points, self._labels, queries, self.votes_per_record, self.num_classes,
+                                 self._norms)
 
 
 # Restarted like a kNN shard (its constructor reloads the owner's records); a call is not retried.

@@ -151,9 +151,9 @@ def _outcome(table: Table, student: Student, keep: np.ndarray, labels: np.ndarra
 def replay_clusters(table: Table, student: Student, count: int, m: int, sigma: float, secure: bool,
                     threshold: float = 0.0, purity: float = 0.0, embedding: str = "standardised-pca",
                     dims: int | None = None) -> dict:
-    from conclave.actors.cluster_votes import nearest_queries
     from conclave.learning.embeddings import fit_embedding
     from conclave.learning.selection.clusters import cluster_pool
+    from conclave.privacy.cluster_histogram import nearest_queries
     from conclave.privacy.mechanisms.public_clusters import cluster_answers
 
     pool = table.pool[0]

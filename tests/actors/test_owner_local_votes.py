@@ -1,8 +1,8 @@
 """Votes that never leave the owner: public-cluster votes and owner-local kNN votes of three owners,
 summed through real secure rounds on real Ray actors.
 
-- ``nearest_queries`` gives each record exactly m queries, ties by query order: one record moves
-  at most m cells of a batch's histograms, even on the boundary of two clusters.
+- One record moves at most m cells of a batch's histograms, even on the boundary of two clusters
+  (the counting itself: tests/privacy/test_cluster_histogram.py).
 - A secure round decodes to the clean sum of the owners' partial histograms plus noise (the masks
   cancel), and nothing else reaches the driver: every remote call the driver makes during the
   round is a key or a share, and every share is uniform on the ring (a spy on the driver's calls
@@ -18,7 +18,7 @@ import pytest
 import ray
 from scipy import stats
 
-from conclave.actors.cluster_votes import ClusterShard, ClusterVoteSource, nearest_queries
+from conclave.actors.cluster_votes import ClusterShard, ClusterVoteSource
 from conclave.actors.knn_votes import KnnShard, KnnVoteSource, party_k
 from conclave.actors.owners import OwnerSource
 from conclave.actors.vote_parties import RecordShare, party_blocks
@@ -45,13 +45,6 @@ def owners(tmp_path_factory) -> tuple[list[OwnerSource], np.ndarray]:
         np.savez(path, x=train.x[rows], y=train.y[rows].astype(str))
         sources.append(OwnerSource(name, DataSource("npz", str(path), label="y"), 1, CLASSES))
     return sources, test.x[:12]
-
-
-def test_each_record_votes_for_exactly_m_queries_and_ties_go_to_the_first():
-    squared = np.array([[1.0, 1.0, 5.0], [3.0, 2.0, 1.0], [4.0, 4.0, 4.0]])
-    assert nearest_queries(squared, 1).tolist() == [[0], [2], [0]]  # boundary records: the first query
-    assert sorted(map(sorted, nearest_queries(squared, 2).tolist())) == [[0, 1], [0, 1], [1, 2]]
-    assert nearest_queries(squared, 5).shape == (3, 3)  # never more than the batch
 
 
 def test_adding_one_record_moves_at_most_m_cells(tmp_path):
