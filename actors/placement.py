@@ -84,12 +84,12 @@ def require_node(what: str, cpus: float = 0.0, gpus: float = 0.0, resources: dic
     raise PlacementError(f"{what}: no node of the cluster has {need} (nodes: {offered})")
 
 
-def largest_free_cpu() -> float | None:
-    """The most CPU free on any one node now (None if Ray cannot say): an actor that asks for
-    no more than this starts at once instead of queueing behind the teachers."""
+def largest_free(resource: str = "CPU") -> float | None:
+    """The most of ``resource`` (CPU, GPU) free on any one node now (None if Ray cannot say):
+    an actor that asks for no more than this starts at once instead of queueing behind the teachers."""
     try:
         from ray._private.state import available_resources_per_node  # no public per-node view in 2.60
-        return max((float(free.get("CPU", 0.0)) for free in available_resources_per_node().values()), default=0.0)
+        return max((float(free.get(resource, 0.0)) for free in available_resources_per_node().values()), default=0.0)
     except Exception:  # a private API: if it moves, fall back to waiting with a timeout
         return None
 

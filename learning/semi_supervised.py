@@ -76,6 +76,7 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
     from tqdm.auto import tqdm
 
     from conclave.learning.augment import STRONG, WEAK
+    from conclave.learning.training import default_device
 
     weak, strong = weak or WEAK, strong or STRONG
     if len(images) == 0:
@@ -94,6 +95,10 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
         weak_labelled = _Fresh(x_labelled, weak, represent, generator)
         weak_unlabelled = _Fresh(x_unlabelled, weak, represent, generator)
         strong_unlabelled = _Fresh(x_unlabelled, strong, represent, generator)
+    # The views stay in host memory (the batch order and augmentations are drawn there, from the
+    # config's seed); each step's batch moves to the model's device, the GPU when one is visible.
+    device = default_device()
+    model.to(device)
     step_unlabelled = config.batch_size * config.unlabelled_ratio
     steps_per_epoch = max(1, math.ceil(len(x_unlabelled) / step_unlabelled))
     total_steps = config.epochs * steps_per_epoch
@@ -117,13 +122,13 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
             picked = (torch.multinomial(balanced, config.batch_size, replacement=True, generator=generator)
                       if balanced is not None else
                       torch.randint(0, len(x_labelled), (config.batch_size,), generator=generator))
-            loss = cross_entropy(model(weak_labelled(picked)), y_labelled[picked])
+            loss = cross_entropy(model(weak_labelled(picked).to(device)), y_labelled[picked].to(device))
             with torch.no_grad():
-                probabilities = torch.softmax(model(weak_unlabelled(batch_u)), dim=1)
+                probabilities = torch.softmax(model(weak_unlabelled(batch_u).to(device)), dim=1)
                 confidence, guess = probabilities.max(dim=1)
                 mask = (confidence >= config.threshold).float()
             if mask.any():
-                per_example = nn.functional.cross_entropy(model(strong_unlabelled(batch_u)), guess, reduction="none")
+                per_example = nn.functional.cross_entropy(model(strong_unlabelled(batch_u).to(device)), guess, reduction="none")
                 loss = loss + config.unlabelled_weight * (per_example * mask).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

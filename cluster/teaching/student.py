@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from conclave.learning.selection import QuerySelection
 
 if TYPE_CHECKING:
     from conclave.learning.embeddings import Embedding, NetworkEmbedding
+
+log = logging.getLogger(__name__)
 
 STUDENT_START_TIMEOUT = 180.0  # seconds a student may wait for a CPU (a loaded machine frees them slowly) before the run fails
 MIN_STUDENT_CPUS = 0.1  # less than this free on every node: fail now rather than crawl
@@ -44,21 +47,26 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
     pool, then trains on the answers (and the pool, as configured) and is tested."""
     import ray
 
-    from conclave.actors.placement import PlacementError, cpu_share, largest_free_cpu, release, require_node
+    from conclave.actors.placement import PlacementError, cpu_share, largest_free, release, require_node
     from conclave.actors.student import StudentActor
     from conclave.cluster.client import AggregatorClient
+    from conclave.cluster.ray_runtime import gpus_available
 
     config = resolved(config, ensemble.public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    free = largest_free_cpu()
+    free = largest_free()
     # On small nodes the student takes what one node has free (it trains a small model).
     student_cpus = cpu_share(min(1.0, cpus / 2) if free is None else min(1.0, cpus / 2, free), 1)
     if free is not None and student_cpus < MIN_STUDENT_CPUS:
         raise PlacementError(f"the student: no node has {MIN_STUDENT_CPUS:g} CPU free (the most on one node: "
                              f"{free:g}); give the cluster a node with a free CPU")
-    require_node("the student", cpus=student_cpus)
+    # A GPU share where one is free (teachers may hold every GPU): its FixMatch and its features run there.
+    student_gpus = min(1.0, largest_free("GPU") or 0.0) if gpus_available() > 0 else 0.0
+    if gpus_available() > 0 and not student_gpus:
+        log.info("the student trains on CPUs: no GPU is free (the teachers hold them)")
+    require_node("the student", cpus=student_cpus, gpus=student_gpus)
     student = _new_student(
-        StudentActor.options(num_cpus=student_cpus).remote, config, ensemble.public,
+        StudentActor.options(num_cpus=student_cpus, num_gpus=student_gpus).remote, config, ensemble.public,
         # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
         functools.partial(AggregatorClient, aggregator.address, aggregator.token, retry_unavailable=300.0),
         num_threads=max(1, int(student_cpus)),

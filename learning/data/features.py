@@ -38,13 +38,21 @@ FEATURES = ("scattering", "hog")
 HOG_CELL, HOG_BINS, HOG_BLOCK, HOG_CLIP = 4, 9, 2, 0.2
 
 
+def _device():
+    """Where the transforms compute: the GPU when this process sees one (each image is mapped
+    alone, so the result does not depend on the batch or the device beyond float rounding)."""
+    from conclave.learning.training import default_device
+
+    return default_device()
+
+
 @functools.lru_cache(maxsize=8)
 def _scattering_transform(scales: int, shape: tuple[int, int], orientations: int):
-    """The kymatio transform for one input shape, built once per process: building its
-    filter bank costs about as much as transforming a batch of queries."""
+    """The kymatio transform for one input shape, on ``_device()``, built once per process:
+    building its filter bank costs about as much as transforming a batch of queries."""
     from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 
-    return ScatteringTorch2D(J=scales, shape=shape, L=orientations)
+    return ScatteringTorch2D(J=scales, shape=shape, L=orientations).to(_device())
 
 
 def scatter(images: np.ndarray, scales: int = 2, orientations: int = 8, batch_size: int = 1000,
@@ -64,8 +72,8 @@ def scatter(images: np.ndarray, scales: int = 2, orientations: int = 8, batch_si
     with torch.no_grad():
         for start in tqdm(range(0, n, batch_size), desc=f"scattering {label}", disable=not progress):
             chunk = torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32))
-            coefficients = transform(chunk)  # [b, C, K, H', W']
-            parts.append(coefficients.reshape(len(chunk), -1, *coefficients.shape[-2:]).numpy())
+            coefficients = transform(chunk.to(_device()))  # [b, C, K, H', W']
+            parts.append(coefficients.reshape(len(chunk), -1, *coefficients.shape[-2:]).cpu().numpy())
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
@@ -94,7 +102,7 @@ def hog_batch(batch):
     position = torch.remainder(torch.atan2(gy, gx), math.pi) / (math.pi / HOG_BINS) - 0.5  # between bin centres
     lower = torch.floor(position)
     upper_weight = position - lower
-    histogram = torch.zeros(gray.shape[0], HOG_BINS, *gray.shape[1:], dtype=gray.dtype)
+    histogram = torch.zeros(gray.shape[0], HOG_BINS, *gray.shape[1:], dtype=gray.dtype, device=gray.device)
     for offset, weight in ((0, 1 - upper_weight), (1, upper_weight)):
         index = torch.remainder(lower + offset, HOG_BINS).long().unsqueeze(1)
         histogram.scatter_add_(1, index, (magnitude * weight).unsqueeze(1))
@@ -112,8 +120,8 @@ def hog(images: np.ndarray, batch_size: int = 4096) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        parts = [hog_batch(torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32)))
-                 .numpy() for start in range(0, len(images), batch_size)]
+        parts = [hog_batch(torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32))
+                           .to(_device())).cpu().numpy() for start in range(0, len(images), batch_size)]
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
@@ -143,13 +151,11 @@ def batch_transform(name: str | None, image_shape: tuple[int, int]):
     check_features(name)
     if name is None:
         return lambda batch: batch
-    if name == "hog":
-        return hog_batch
-    transform = _scattering_transform(2, tuple(image_shape), 8)
+    transform = hog_batch if name == "hog" else _scattering_transform(2, tuple(image_shape), 8)
 
-    def represent(batch):
-        coefficients = transform(batch)  # [n, C, K, H', W']
-        return coefficients.reshape(len(batch), -1, *coefficients.shape[-2:])
+    def represent(batch):  # computed on _device(), returned where the batch came from
+        coefficients = transform(batch.to(_device()))  # scattering: [n, C, K, H', W']
+        return coefficients.reshape(len(batch), -1, *coefficients.shape[-2:]).to(batch.device)
 
     return represent
 

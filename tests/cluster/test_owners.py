@@ -446,11 +446,12 @@ def test_a_users_own_model_by_import_path_reaches_the_workers_through_the_runtim
     assert metrics["teachers"]["model"] == "clinicmodels:build" and metrics["queries_answered"] > 0
 
 
-def test_the_largest_free_cpu_of_a_node_is_known_so_the_student_can_fit_small_nodes(ray_session):
-    from conclave.actors.placement import largest_free_cpu
+def test_what_one_node_has_free_is_known_so_the_student_can_fit_small_nodes(ray_session):
+    from conclave.actors.placement import largest_free
 
-    free = largest_free_cpu()
+    free = largest_free()
     assert free is not None and 0 <= free <= 2  # the session's one node has 2 CPUs
+    assert largest_free("GPU") == 0.0  # and no GPU: the student asks for none
 
 
 def test_ray_certs_writes_a_ca_and_node_certificates_it_signs_for_the_nodes_addresses(tmp_path, capsys):
