@@ -29,6 +29,7 @@ client does, but its model learns on and is evaluated on their features, compute
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -46,6 +47,7 @@ from conclave.learning.data.schema import Standardiser
 from conclave.learning.embeddings import Embedding, NetworkEmbedding
 from conclave.learning.label_propagation import LabelPropagationConfig, propagate
 from conclave.learning.models import build_model, model_label
+from conclave.learning.models.averaged import AveragedStudents
 from conclave.learning.selection import CLUSTERS, POOL_ORDER, PublicPool, QuerySelection, build_strategy
 from conclave.learning.selection.clusters import PoolClusters, cluster_pool
 from conclave.learning.selection.cold_start import kmeans_cold_start
@@ -77,6 +79,7 @@ class Student:
         standardiser: public column statistics for a table model.
         cluster_embedding: the vote source's public embedding, where "clusters" selection cuts the
             pool (public-cluster votes: each answered medoid labels its cluster).
+        members: students trained alike from consecutive seeds and averaged (free post-processing).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class Student:
         standardiser: Standardiser | None = None,
         label_propagation: LabelPropagationConfig | None = None,
         cluster_embedding: Embedding | None = None,
+        members: int = 1,
     ) -> None:
         if semi_supervised is not None and not public.is_image:
             raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
@@ -104,6 +108,8 @@ class Student:
             raise ValueError("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
         if pseudo_label_threshold is not None and label_propagation is not None:
             raise ValueError("choose self-training (pseudo_label_threshold) or label_propagation, not both")
+        if members < 1:
+            raise ValueError(f"members must be >= 1, got {members}")
         if selection.strategy == CLUSTERS and cluster_embedding is None:
             raise ValueError("clusters selection needs the vote source's public embedding (cluster_embedding)")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
@@ -116,6 +122,7 @@ class Student:
         self.semi_supervised = semi_supervised
         self.label_propagation = label_propagation
         self.selection = selection
+        self.members = members
         self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
         self.model_name = model_name
@@ -304,14 +311,25 @@ class Student:
 
     def train_on(self, keep: np.ndarray, labels: np.ndarray, progress: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A fresh model trained as this student trains (FixMatch over the pool, or supervised with
-        self-training if configured), on pool indices ``keep`` labelled ``labels``. Returns it and
-        what self-training added. Public, so that a non-private reference (the ceiling: every pool
-        input with its true label) trains exactly as the private runs do."""
+        self-training if configured), on pool indices ``keep`` labelled ``labels``; with ``members``
+        above 1, that many trained alike from consecutive seeds, averaged (``AveragedStudents``).
+        Returns it and what self-training added (the first member's). Public, so that a non-private
+        reference (the ceiling: every pool input with its true label) trains exactly as the private
+        runs do."""
+        trained = [self._train_member(keep, labels, member, progress) for member in range(self.members)]
+        if self.members == 1:
+            return trained[0]
+        return AveragedStudents([model for model, _ in trained]), trained[0][1]
+
+    def _train_member(self, keep: np.ndarray, labels: np.ndarray, member: int,
+                      progress: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """One model as ``train_on`` describes; member m's seeds (weights, batch order, augmentations)
+        are the configured ones plus m, so member 0 is the single student's."""
         if self.semi_supervised is not None:
-            return self._fit_fixmatch(keep, labels, progress), {}
+            return self._fit_fixmatch(keep, labels, progress, member), {}
         # Without self-training only the labelled images are transformed: the pool is large.
         answers = Dataset(self.public.x[keep], labels, self.public.num_classes, "student/answered")
-        model = self._fit_fresh(apply_features(answers, self.features), progress)
+        model = self._fit_fresh(apply_features(answers, self.features), progress, member)
         if self.pseudo_label_threshold is None:
             return model, {}
         pool = self._pool()
@@ -325,15 +343,17 @@ class Student:
                            self.public.num_classes, "student/self-trained", self.features)
         added = {"supervised_accuracy": evaluate(model, self.test),  # what self-training adds
                  "pseudo_labelled": int(len(confident))}
-        return self._fit_fresh(training, progress), added
+        return self._fit_fresh(training, progress, member), added
 
     def network(self) -> NetworkEmbedding | None:
-        """The last model trained, as a checkpoint and an embedding (``learning.embeddings``): trained
-        on released labels and public inputs only, so it can embed a later round's kNN votes at no
-        cost. None before any training, or for a table model (its standardiser is not a tensor)."""
+        """The last model trained (of several members, the first), as a checkpoint and an embedding
+        (``learning.embeddings``): trained on released labels and public inputs only, so it can embed
+        a later round's votes at no cost. None before any training, or for a table model (its
+        standardiser is not a tensor)."""
         if self._last_model is None or self.standardiser is not None:
             return None
-        state = {k: v.detach().cpu().numpy() for k, v in self._last_model.state_dict().items()}
+        model = self._last_model.first if isinstance(self._last_model, AveragedStudents) else self._last_model
+        state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
         return NetworkEmbedding(model_label(self.model_name), self.public.num_classes, tuple(self.test.input_shape), self.features,
                                 state)
 
@@ -359,19 +379,21 @@ class Student:
             self._pool_inputs = apply_features(self.public, self.features).x
         return self._pool_inputs
 
-    def _new_model(self, input_shape: tuple[int, ...]) -> torch.nn.Module:
+    def _new_model(self, input_shape: tuple[int, ...], member: int) -> torch.nn.Module:
         return build_model(self.model_name, self.public.num_classes, input_shape=input_shape,
-                           standardiser=self.standardiser, seed=self.train_config.seed)
+                           standardiser=self.standardiser, seed=self.train_config.seed + member)
 
-    def _fit_fresh(self, training: Dataset, progress: bool) -> torch.nn.Module:
-        model = self._new_model(training.input_shape)
-        fit(model, training, self.train_config, progress=progress)
+    def _fit_fresh(self, training: Dataset, progress: bool, member: int) -> torch.nn.Module:
+        model = self._new_model(training.input_shape, member)
+        fit(model, training, dataclasses.replace(self.train_config, seed=self.train_config.seed + member),
+            progress=progress)
         return model
 
-    def _fit_fixmatch(self, keep: np.ndarray, labels: np.ndarray, progress: bool) -> torch.nn.Module:
+    def _fit_fixmatch(self, keep: np.ndarray, labels: np.ndarray, progress: bool, member: int) -> torch.nn.Module:
         """FixMatch on the answered images and the whole pool; the model reads ``features``."""
-        model = self._new_model(self.test.input_shape)
-        fixmatch(model, self.public.x[keep], labels, self.public.x, self.semi_supervised,
+        model = self._new_model(self.test.input_shape, member)
+        settings = dataclasses.replace(self.semi_supervised, seed=self.semi_supervised.seed + member)
+        fixmatch(model, self.public.x[keep], labels, self.public.x, settings,
                  represent=batch_transform(self.features, self.public.x.shape[-2:]), progress=progress)
         return model
 

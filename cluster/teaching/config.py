@@ -228,6 +228,9 @@ class StudentConfig:
     label_propagation: LabelPropagationConfig | None = None
     # Which pool inputs to ask about: the pool in order, or rounds of an active-learning strategy.
     selection: QuerySelection = field(default_factory=QuerySelection)
+    # Students trained alike from consecutive seeds, answering with their averaged probabilities
+    # (learning.models.averaged; free post-processing, each member costs one student's training).
+    members: int = 1
 
     def __post_init__(self) -> None:
         if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
@@ -240,6 +243,8 @@ class StudentConfig:
         if self.queries < 1 or self.batch_size < 1:
             raise ValueError(f"student.queries and student.batch_size must be >= 1, got "
                              f"{self.queries}, {self.batch_size}")
+        if self.members < 1:
+            raise ValueError(f"student.members must be >= 1, got {self.members}")
         if any(c < 1 for c in self.checkpoints):
             raise ValueError(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
 

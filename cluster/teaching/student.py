@@ -132,7 +132,7 @@ def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, pu
         pseudo_label_threshold=config.student.pseudo_label_threshold,
         semi_supervised=config.student.semi_supervised, selection=selection or config.student.selection,
         standardiser=public.standardiser, label_propagation=config.student.label_propagation,
-        cluster_embedding=cluster_embedding)
+        cluster_embedding=cluster_embedding, members=config.student.members)
 
 
 def _asks_no_one() -> Any:

@@ -310,3 +310,34 @@ def test_label_propagation_spreads_the_answers_over_the_pool_at_no_privacy_cost(
     with pytest.raises(ValueError, match="pseudo_label_threshold.*label_propagation"):
         Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9,
                 label_propagation=LabelPropagationConfig())
+
+
+@pytest.mark.parametrize("semi_supervised", [None, FixMatchConfig(epochs=2, batch_size=16, views=1)])
+def test_members_are_trained_from_consecutive_seeds_and_answer_with_their_mean_probabilities(world, semi_supervised):
+    """``members``: member 0 is the single student (same seeds, same weights), the others differ,
+    the averaged model's argmax is that of the members' mean softmax, and a later round embeds
+    with the first member."""
+    import torch
+
+    from conclave.learning.models.averaged import AveragedStudents
+    from conclave.learning.training import predict_logits
+
+    splits, _ = world
+    keep, labels = np.arange(60), splits.public.y[:60]
+    train = dataclasses.replace(STUDENT_TRAIN, epochs=2)
+    single = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised)
+    averaged = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised,
+                       members=3)
+    alone, _ = single.train_on(keep, labels)
+    model, _ = averaged.train_on(keep, labels)
+    assert isinstance(model, AveragedStudents) and len(model.members) == 3
+    weights = [torch.cat([p.flatten() for p in member.parameters()]) for member in model.members]
+    assert torch.equal(weights[0], torch.cat([p.flatten() for p in alone.parameters()]))
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
+    x = splits.test.x
+    mean = np.mean([torch.softmax(torch.from_numpy(predict_logits(m, x)), 1).numpy() for m in model.members], axis=0)
+    assert (predict_logits(model, x).argmax(1) == mean.argmax(1)).all()
+    averaged._last_model = model
+    assert averaged.network().state.keys() == {k for k in model.first.state_dict()}
+    with pytest.raises(ValueError, match="members must be >= 1"):
+        Student(splits.public, splits.test, "digits_cnn", train, None, members=0)
