@@ -241,7 +241,7 @@ class Student:
             return self._rng.choice(unasked, size=size, replace=False)
         pool = self._pool()
         model = self._fit_fresh(Dataset(pool[answered], self.labels[answered], self.public.num_classes,
-                                        "student/answered", self.features), progress=False)
+                                        "student/answered", self.features), progress=False, member=0)
         candidates = PublicPool(predict_logits(model, pool[unasked]), embed(model, pool[unasked]))
         picked = build_strategy(self.selection.strategy).select(candidates, [size], self._rng)[size]
         return unasked[picked]
