@@ -26,6 +26,7 @@ serving, they stop the service cleanly (status 0).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -214,10 +215,14 @@ def _undo(started: contextlib.ExitStack, ours: bool) -> None:
         started.close()
     except Exception as err:  # e.g. the actors' node went down meanwhile
         log.warning("stopping the service: %s: %s", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-    if ours:
+    # Not imported: nothing of Ray ran. A Ctrl-C inside Ray's own import drops it from sys.modules
+    # but leaves its submodules, and importing it again then fails half-way (seen in CI).
+    if ours and "ray" in sys.modules:
         from conclave.cluster.ray_runtime import stop_ray
 
         stop_ray()
+    elif hook := getattr(sys.modules.get("ray._private.worker"), "shutdown", None):
+        atexit.unregister(hook)  # registered by the cut-short import; at exit it would fail on the half-made module
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
