@@ -379,18 +379,22 @@ class Student:
             self._pool_inputs = apply_features(self.public, self.features).x
         return self._pool_inputs
 
+    def _member_train_config(self, member: int) -> TrainConfig:
+        """Member m's training settings: the configured seed (initial weights, batch order) plus m."""
+        return dataclasses.replace(self.train_config, seed=self.train_config.seed + member)
+
     def _new_model(self, input_shape: tuple[int, ...], member: int) -> torch.nn.Module:
         return build_model(self.model_name, self.public.num_classes, input_shape=input_shape,
-                           standardiser=self.standardiser, seed=self.train_config.seed + member)
+                           standardiser=self.standardiser, seed=self._member_train_config(member).seed)
 
     def _fit_fresh(self, training: Dataset, progress: bool, member: int) -> torch.nn.Module:
         model = self._new_model(training.input_shape, member)
-        fit(model, training, dataclasses.replace(self.train_config, seed=self.train_config.seed + member),
-            progress=progress)
+        fit(model, training, self._member_train_config(member), progress=progress)
         return model
 
     def _fit_fixmatch(self, keep: np.ndarray, labels: np.ndarray, progress: bool, member: int) -> torch.nn.Module:
-        """FixMatch on the answered images and the whole pool; the model reads ``features``."""
+        """FixMatch on the answered images and the whole pool; the model reads ``features``;
+        member m's augmentations and batch order are drawn from the configured seed plus m."""
         model = self._new_model(self.test.input_shape, member)
         settings = dataclasses.replace(self.semi_supervised, seed=self.semi_supervised.seed + member)
         fixmatch(model, self.public.x[keep], labels, self.public.x, settings,

@@ -216,7 +216,7 @@ def _undo(started: contextlib.ExitStack, ours: bool) -> None:
     except Exception as err:  # e.g. the actors' node went down meanwhile
         log.warning("stopping the service: %s: %s", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     # Not imported: nothing of Ray ran. A Ctrl-C inside Ray's own import drops it from sys.modules
-    # but leaves its submodules, and importing it again then fails half-way (seen in CI).
+    # but leaves its submodules, and importing it again then fails half-way (seen in a fresh-clone rehearsal).
     if ours and "ray" in sys.modules:
         from conclave.cluster.ray_runtime import stop_ray
 
