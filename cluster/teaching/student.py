@@ -97,6 +97,9 @@ class Ceiling:
     model: str
     labelled: int
     accuracy: float
+    # Each member's own accuracy, where the student averages several (``student.members``): the
+    # spread over seeds that one private run's single draw sits in.
+    member_accuracies: tuple[float, ...] = ()
     note: str = "non-private: trained on the pool's true labels, no ε"
 
 
@@ -108,6 +111,7 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     release, and no private result either; publish it as a ceiling, without an ε."""
     from conclave.actors.student import Student
     from conclave.learning.models import model_label
+    from conclave.learning.models.averaged import AveragedStudents
     from conclave.learning.training import evaluate
 
     public = public_data(config)
@@ -117,7 +121,10 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     # It asks nothing, so it needs neither an aggregator nor the vote source's clusters.
     student = _new_student(Student, resolved(config, public), public, _asks_no_one, selection=QuerySelection())
     model, _ = student.train_on(np.arange(len(pool)), pool.y, progress)
-    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=evaluate(model, student.test))
+    members = tuple(evaluate(member, student.test) for member in model.members) \
+        if isinstance(model, AveragedStudents) else ()
+    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=evaluate(model, student.test),
+                   member_accuracies=members)
 
 
 def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, public: PublicData,

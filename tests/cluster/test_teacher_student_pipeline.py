@@ -285,4 +285,7 @@ def test_the_non_private_ceiling_trains_the_configs_student_on_every_true_pool_l
     ceiling = non_private_ceiling(config, progress=False)
     assert ceiling.labelled == config.data.public_size and ceiling.model == "digits_cnn_wide"
     assert 0.8 < ceiling.accuracy <= 1  # chance is 0.1
+    # The demo averages three students: each one's own accuracy is reported beside the average's.
+    assert len(ceiling.member_accuracies) == config.student.members == 3
+    assert all(0.8 < accuracy <= 1 for accuracy in ceiling.member_accuracies)
     assert "non-private" in ceiling.note and not hasattr(ceiling, "epsilon")
