@@ -368,8 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         teachers = train_teachers(first)
         seconds = time.perf_counter() - started
         voters = _voters(first)
-        out.setdefault("teacher_training", {})[names[0]] = {
-            **voters, "actors": teachers.pool.num_actors, "ray_pool_seconds": seconds, "shared_by": names}
+        training = out.setdefault("teacher_training", {})
+        for name in names[1:]:  # an earlier merge's record of these configs' voters is superseded
+            training.pop(name, None)
+        training[names[0]] = {**voters, "actors": teachers.pool.num_actors, "ray_pool_seconds": seconds,
+                              "shared_by": names}
         if first.knn is None and first.clusters is None:
             diagnostics.setdefault("individual_teachers", {})[names[0]] = individual_teachers(first, teachers.splits)
         save()
