@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.soundness import soundness  # noqa: E402
+from bench.soundness import soundness, timed_on  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mnist-clusters.yaml"
 HELD_OUT = 2_000
@@ -110,7 +110,7 @@ def main() -> None:
                       f"better_than_{args.arms[0]}": sum(a > b for a, b in zip(accuracies, base)),
                       "mean_difference": statistics.fmean(a - b for a, b in zip(accuracies, base))})}
             for arm, accuracies in by_arm.items()}
-    result = {"benchmark": "student_proxy", **soundness([]),
+    result = {"benchmark": "student_proxy", **soundness([]), **timed_on("MNIST's public pool"),
               "releases": "none: the public pool's own labels, made as noisy as a run's, stand in for released ones",
               "config": str(CONFIG.relative_to(ROOT)), "quick": args.quick, "seeds": len(seeds),
               "labelled_share": args.labelled, "wrong_share": args.wrong, "arms": arms, "runs": runs}
