@@ -121,8 +121,8 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     # It asks nothing, so it needs neither an aggregator nor the vote source's clusters.
     student = _new_student(Student, resolved(config, public), public, _asks_no_one, selection=QuerySelection())
     model, _ = student.train_on(np.arange(len(pool)), pool.y, progress)
-    members = tuple(evaluate(member, student.test) for member in model.members) \
-        if isinstance(model, AveragedStudents) else ()
+    averaged = isinstance(model, AveragedStudents)
+    members = tuple(evaluate(member, student.test) for member in model.members) if averaged else ()
     return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=evaluate(model, student.test),
                    member_accuracies=members)
 
