@@ -204,7 +204,8 @@ def main() -> None:
                       f"better_than_{args.arms[0]}": sum(a > b for a, b in zip(accuracies, base)),
                       "mean_difference": statistics.fmean(a - b for a, b in zip(accuracies, base))})}
             for arm, accuracies in by_arm.items()}
-    result = {"benchmark": "student_proxy", **soundness([SIMULATED if any(ARMS[arm].labels != "random" for arm in args.arms) else None]),
+    simulated = any(ARMS[arm].labels != "random" for arm in args.arms)
+    result = {"benchmark": "student_proxy", **soundness([SIMULATED if simulated else None]),
               **timed_on("MNIST's public pool"),
               "releases": "none: the public pool's own labels, made as noisy as a run's or put through a simulated "
                           "public-cluster release, stand in for released ones",

@@ -67,7 +67,8 @@ log = logging.getLogger("bench.teacher_student_mnist")
 # The pipeline's second phase on already-trained teachers: one ensemble serves several mechanisms.
 
 CONFIGS = ("mnist-clusters", "mnist-clusters-r2", "mnist-clusters-r3", "mnist-clusters-eps01",
-           "mnist-clusters-eps01-r1", "mnist-clusters-eps01-r2", "mnist-clusters-eps03-r3", "mnist-knn", "mnist-knn-eps01", "mnist-knn-eps1",
+           "mnist-clusters-eps01-r1", "mnist-clusters-eps01-r2", "mnist-clusters-eps03-r3",
+           "mnist-knn", "mnist-knn-eps01", "mnist-knn-eps1",
            "mnist-knn-eps2", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
            "mnist-gnmax-scatternet-eps047", "mnist-gnmax-scatternet-eps03", "mnist-gnmax-scatternet-eps01",
            "mnist-gnmax", "mnist-nzc", "mnist-lnmax", "mnist-nzc-5teachers")  # most wanted first
@@ -84,13 +85,13 @@ VARIANTS = {# Public-cluster votes at σ 55 (ε 0.097, one Gaussian release); an
                 "embedding": "network:{runs}/mnist-clusters-r2/student.pt"}, "student": {"members": 3}}),
             # ε 0.1 in two rounds alike at σ 78 each (ε 0.066, then 0.096 composed), against σ 55's one.
             "mnist-clusters-eps01-r1": ("mnist-clusters", {"mechanism": {"params": {"sigma": 78.0}}}),
-            "mnist-clusters-eps01-r2": ("mnist-clusters", {"clusters": {
-                "embedding": "network:{runs}/mnist-clusters-eps01-r1/student.pt"}, "mechanism": {"params": {"sigma": 78.0}},
-                "student": {"members": 3}}),
+            "mnist-clusters-eps01-r2": ("mnist-clusters", {
+                "clusters": {"embedding": "network:{runs}/mnist-clusters-eps01-r1/student.pt"},
+                "mechanism": {"params": {"sigma": 78.0}}, "student": {"members": 3}}),
             # Their third round, at σ 21, in the second's student network: ε 0.297 composed.
-            "mnist-clusters-eps03-r3": ("mnist-clusters", {"clusters": {
-                "embedding": "network:{runs}/mnist-clusters-eps01-r2/student.pt"}, "mechanism": {"params": {"sigma": 21.0}},
-                "student": {"members": 3}}),
+            "mnist-clusters-eps03-r3": ("mnist-clusters", {
+                "clusters": {"embedding": "network:{runs}/mnist-clusters-eps01-r2/student.pt"},
+                "mechanism": {"params": {"sigma": 21.0}}, "student": {"members": 3}}),
             "mnist-gnmax-scatternet-eps1": ("mnist-gnmax-scatternet", {"privacy": {"budget": 1.0}}),
             "mnist-gnmax-scatternet-eps047": ("mnist-gnmax-scatternet", {"privacy": {"budget": 0.47}}),
             # PATE teachers and kNN votes at the public-cluster rows' guarantees, ε 0.1 and 0.3.
