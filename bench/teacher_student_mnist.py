@@ -68,6 +68,8 @@ log = logging.getLogger("bench.teacher_student_mnist")
 
 CONFIGS = ("mnist-clusters", "mnist-clusters-r2", "mnist-clusters-r3", "mnist-clusters-eps01",
            "mnist-clusters-eps01-r1", "mnist-clusters-eps01-r2", "mnist-clusters-eps03-r3",
+           "mnist-clusters-eps01-r2@2", "mnist-clusters-eps01-r2@3",  # their last rounds drawn again
+           "mnist-clusters-eps03-r3@2", "mnist-clusters-eps03-r3@3",
            "mnist-knn", "mnist-knn-eps01", "mnist-knn-eps1",
            "mnist-knn-eps2", "mnist-knn-r1", "mnist-knn-r2", "mnist-gnmax-scatternet", "mnist-gnmax-scatternet-eps1",
            "mnist-gnmax-scatternet-eps047", "mnist-gnmax-scatternet-eps03", "mnist-gnmax-scatternet-eps01",
@@ -151,8 +153,10 @@ PUBLISHED = {
 
 def load_config(name: str, mnist: Path, quick: bool,
                 runs: Path = ROOT / "results" / "bench" / RUNS) -> TeacherStudentConfig:
-    """``name``'s config; ``runs``: where this benchmark's runs write (a later round reads an earlier one's student)."""
-    file, overrides = VARIANTS.get(name, (name, {}))
+    """``name``'s config; ``runs``: where this benchmark's runs write (a later round reads an earlier one's student).
+    ``NAME@k`` (k ≥ 2) is NAME's k-th draw: the same settings, with its own noise, run folder and row
+    (its earlier rounds are NAME's: a repeat of this round alone)."""
+    file, overrides = VARIANTS.get(base_name(name), (base_name(name), {}))
     overrides = {section: {k: v.format(runs=runs) if isinstance(v, str) else v for k, v in values.items()}
                  for section, values in overrides.items()}
     config = load_pipeline(load_yaml(ROOT / "configs" / f"{file}.yaml")).config
@@ -168,6 +172,14 @@ def load_config(name: str, mnist: Path, quick: bool,
         train=TrainConfig(epochs=10, batch_size=64, lr=1e-3),
     )
     return dataclasses.replace(config, teachers=teachers, student=student)
+
+
+def base_name(name: str) -> str:
+    """The config a run name repeats: ``NAME@k`` → ``NAME`` (``load_config``)."""
+    base, _, draw = name.partition("@")
+    if draw and not (draw.isdigit() and int(draw) >= 2):
+        raise ValueError(f"a repeated run is NAME@k with k ≥ 2, got {name!r}")
+    return base
 
 
 def teacher_key(config: TeacherStudentConfig) -> tuple:
@@ -212,7 +224,7 @@ def run_summary(name: str, config: TeacherStudentConfig, outcome: RunOutcome, se
                                      "cluster_labelled", "cluster_label_accuracy") if k in p}
                   | {"epsilon_spent": p["budget"]["epsilon_spent"]} for p in metrics["curve"]],
         "seconds": seconds,
-        "published": PUBLISHED[name],
+        "published": PUBLISHED[base_name(name)],
     }
 
 

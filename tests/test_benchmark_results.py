@@ -1,9 +1,14 @@
 """The committed benchmark results say what each ε is: a guarantee, with estimates apart."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+
+import pytest
+
+from bench.teacher_student_mnist import load_config
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
@@ -90,3 +95,15 @@ def test_every_benchmark_that_publishes_timings_says_they_were_measured_on_publi
         result = json.loads((RESULTS / f"{name}.json").read_text())
         assert _timing_keys(result), name
         assert result["timings"].startswith("measured on public stand-in data ("), name
+
+
+def test_a_repeated_mnist_run_is_its_round_again_under_its_own_name():
+    """``NAME@k``: the k-th draw of NAME's settings (its own noise and row); nothing else changes."""
+    mnist = Path("../shared/data/mnist")
+    first = load_config("mnist-clusters-eps03-r3", mnist, quick=False)
+    again = load_config("mnist-clusters-eps03-r3@2", mnist, quick=False)
+    assert again.name == "mnist-clusters-eps03-r3@2"
+    assert dataclasses.replace(again, name=first.name) == first
+    for wrong in ("mnist-clusters-eps03-r3@1", "mnist-clusters-eps03-r3@b"):
+        with pytest.raises(ValueError, match="NAME@k"):
+            load_config(wrong, mnist, quick=False)
