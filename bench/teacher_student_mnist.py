@@ -13,7 +13,9 @@ or one set of kNN actors. It also measures
     against the same teachers answering in-process (no gRPC, no Ray), batch 256;
   * teacher-training speed-up of the Ray actor pool over one process;
   * with --ceiling, the non-private ceiling: a config's student trained on all the pool's labels
-    (where it averages several students, each one's accuracy beside the average's).
+    (where it averages several students, each one's accuracy beside the average's; with
+    --ceiling-members N, N students from consecutive seeds: how far one seed's ceiling may sit
+    from another's).
 
 
 Writes results/bench/teacher_student_mnist.json (after every stage, so an interrupted run
@@ -30,6 +32,7 @@ operator.
     python bench/teacher_student_mnist.py --only mnist-gnmax-scatternet --merge --no-speedup
     python bench/teacher_student_mnist.py --only mnist-knn mnist-knn-eps1 mnist-knn-eps2 --merge --no-speedup
     python bench/teacher_student_mnist.py --only --ceiling mnist-clusters mnist-knn --merge --no-speedup
+    python bench/teacher_student_mnist.py --only --ceiling mnist-clusters-r2 --ceiling-members 8 --merge --no-speedup
 """
 from __future__ import annotations
 
@@ -354,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup-only", action="store_true", help="only the speed-up and labels/s comparison")
     parser.add_argument("--ceiling", nargs="*", default=[], metavar="CONFIG",
                         help="also train these configs' students on all the pool's true labels (non-private ceiling)")
+    parser.add_argument("--ceiling-members", type=int, default=None, metavar="N",
+                        help="the ceiling with N students averaged, not the config's (a row of its own)")
     parser.add_argument("--merge", action="store_true", help="update the existing results file instead of replacing it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -416,7 +421,12 @@ def main(argv: list[str] | None = None) -> int:
             teachers.pool.shutdown()
 
     for name in args.ceiling:
-        found = non_private_ceiling(load_config(name, args.mnist, args.quick, run_root))
+        config = load_config(name, args.mnist, args.quick, run_root)
+        if args.ceiling_members is not None:
+            config = dataclasses.replace(config, student=dataclasses.replace(config.student,
+                                                                            members=args.ceiling_members))
+            name = f"{name}, {args.ceiling_members} members"
+        found = non_private_ceiling(config)
         out.setdefault("ceiling", {})[name] = {"model": found.model, "labelled": found.labelled,
                                                "student_accuracy": found.accuracy, "note": found.note,
                                                **({"member_accuracies": list(found.member_accuracies)}
