@@ -159,7 +159,8 @@ def load_config(name: str, mnist: Path, quick: bool,
     """``name``'s config; ``runs``: where this benchmark's runs write (a later round reads an earlier one's student).
     ``NAME@k`` (k ≥ 2) is NAME's k-th draw: the same settings, with its own noise, run folder and row
     (its earlier rounds are NAME's: a repeat of this round alone)."""
-    file, overrides = VARIANTS.get(base_name(name), (base_name(name), {}))
+    base = base_name(name)
+    file, overrides = VARIANTS.get(base, (base, {}))
     overrides = {section: {k: v.format(runs=runs) if isinstance(v, str) else v for k, v in values.items()}
                  for section, values in overrides.items()}
     config = load_pipeline(load_yaml(ROOT / "configs" / f"{file}.yaml")).config
