@@ -204,6 +204,7 @@ class AggregatorServer:
         self.settings = settings
         self._operator_ready = ready  # set_ready: e.g. False while teachers train
         self._teachers_alive = True  # the watcher's view: every teacher can vote
+        self._failures = 0  # vote failures reported so far; a check begun before the last one vouches for nothing
         self._wake_watcher = threading.Event()
         self._stopped = threading.Event()
         self._service: _Service | None = None
@@ -245,6 +246,7 @@ class AggregatorServer:
         self._publish_health()
 
     def _teachers_failed(self) -> None:
+        self._failures += 1
         if self._teachers_alive:
             log.warning("teachers failed to vote: health NOT_SERVING until every teacher answers again")
         self._teachers_alive = False
@@ -266,11 +268,16 @@ class AggregatorServer:
                 return
             if woken and not self._teachers_alive:
                 time.sleep(min(interval, 0.5))  # a failure was just reported; let the actor restart
+            failures = self._failures
             try:
                 alive = bool(check(timeout=interval))
             except Exception as err:  # a broken check means we cannot vouch for the teachers
                 log.warning("teacher health check failed: %s", type(err).__name__)
                 alive = False
+            if alive and self._failures != failures:
+                # A vote failed while this check ran (e.g. a probe answered by an actor just
+                # resumed, its abandoned vote still running): the next check decides.
+                continue
             if alive != self._teachers_alive:
                 log.warning("teachers %s", "recovered: health SERVING" if alive else "lost: health NOT_SERVING")
                 self._teachers_alive = alive

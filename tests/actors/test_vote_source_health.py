@@ -1,10 +1,12 @@
 """Every vote source reports health: the real gRPC aggregator over real kNN shard actors loses
 one (killed: Ray restarts it; killed for good: the source starts it again), turns NOT_SERVING,
-comes back to SERVING and answers fresh inputs again; a source that cannot say is refused."""
+comes back to SERVING and answers fresh inputs again; a check begun before a failed vote cannot
+bring health back; a source that cannot say is refused."""
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -91,6 +93,57 @@ def test_a_killed_knn_actor_turns_health_not_serving_then_serving_and_labels_are
         assert labels.shape == (8,) and client.budget()["queries_answered"] + client.budget()["queries_abstained"] == 12
     assert (source._actors[0] is not victim) == past_restarts  # replaced only when Ray had given up
     assert source.ready(timeout=30)
+
+
+class _Stale:
+    """A user's vote source whose health checks can be held while they run, each answering with
+    what held when it began (as a probe answered by an actor that was stopped)."""
+
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
+
+    def __init__(self) -> None:
+        self.up = True
+        self.hold = threading.Event()  # set: each check waits for one ``gate.release()``
+        self.gate = threading.Semaphore(0)
+        self.checking = threading.Event()  # a held check has begun
+
+    def votes(self, inputs: np.ndarray) -> np.ndarray:
+        if not self.up:
+            raise TimeoutError("the voters gave no votes within 1 s")
+        return np.tile(np.array([5, 0, 0, 0, 0, 0, 0, 0, 0, 0]), (len(inputs), 1))
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        answer = self.up
+        if self.hold.is_set():
+            self.checking.set()
+            self.gate.acquire(timeout=30)
+        return answer
+
+
+def test_a_check_begun_before_a_failed_vote_does_not_bring_health_back(tmp_path):
+    # Before: a probe sent while an actor was stopped, answered once it resumed, turned health
+    # SERVING although a vote had failed meanwhile (its abandoned call still running).
+    source = _Stale()
+    public = np.random.default_rng(0).random((8, *INPUT_SHAPE), dtype=np.float32)
+    with serving(source, tmp_path / "ledger.sqlite", health_interval=0.1) as (_, address), \
+            AggregatorClient(address, timeout=10) as client, grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert client.label(public[:2]).shape == (2,)
+        source.hold.set()
+        assert source.checking.wait(10)  # a check is under way, and will say "up"
+        source.up = False
+        with pytest.raises(grpc.RpcError) as failed:
+            client.label(public[2:4])
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        source.checking.clear()
+        source.gate.release()  # the stale check answers "up"
+        assert source.checking.wait(10)  # the next check is held: health stays as the stale one left it
+        assert health.Check(CHECK, timeout=5).status == NOT_SERVING
+        source.up = True
+        source.hold.clear()
+        source.gate.release()
+        assert _statuses_until(health, SERVING, 10)[-1] == SERVING
+        assert client.label(public[4:8]).shape == (4,)
 
 
 class _Silent:
