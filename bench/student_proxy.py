@@ -27,6 +27,7 @@ from a seed, so a file with cluster arms says ``sound: false``.
 
     python bench/student_proxy.py                          # shipped vs 60 epochs, three seeds (about 13 minutes)
     python bench/student_proxy.py --arms shipped "three members" --seeds 4
+    python bench/student_proxy.py --arms shipped ReLU --out results/bench/student_proxy_relu.json
     python bench/student_proxy.py --arms "round 2" "round 2, threshold 3σ"
     python bench/student_proxy.py --quick                  # a smoke run: 2 epochs, one seed, small pool
 """
@@ -62,8 +63,8 @@ SIMULATED = ("simulated public-cluster releases: numpy Gaussian noise from a see
 
 @dataclass(frozen=True)
 class Arm:
-    """The config's student with ``fixmatch`` settings changed and ``members`` students averaged
-    (None: the config's), learning on ``labels`` (``LABELS``) released at ``sigma`` (None: the
+    """The config's student (or ``model``) with ``fixmatch`` settings changed and ``members``
+    students averaged (None: the config's), learning on ``labels`` (``LABELS``) released at ``sigma`` (None: the
     config's), answered at ``threshold`` σ and spread at ``margin`` (None: the config's).
     ``oracle``, a diagnosis and no setting: ``"gaps"`` gives the images the release left unlabelled
     their true labels, ``"errors"`` corrects its wrong labels (what each part of its gaps and errors costs)."""
@@ -75,6 +76,7 @@ class Arm:
     threshold: float = 0.0
     margin: float | None = None
     oracle: str | None = None
+    model: str | None = None
 
 
 LABELS = {"random": None, "round 1": "hog-pca", "round 2": "network:{runs}/mnist-clusters/student.pt"}
@@ -82,6 +84,7 @@ ARMS = {"shipped": Arm(),
         "60 epochs": Arm({"epochs": 60}),
         "no weights' average": Arm({"ema_decay": None}),
         "three members": Arm(members=3),
+        "ReLU": Arm(model="scatternet_cnn_wide_relu"),
         "round 1": Arm(labels="round 1"),
         "round 2": Arm(labels="round 2"),
         "round 2, threshold 3σ": Arm(labels="round 2", threshold=3.0),
@@ -165,7 +168,7 @@ def run_arm(name: str, seed: int, mnist: str, runs: str, labelled_share: float, 
                                    **({"epochs": 2} if quick else {}))
     student = Student(Dataset(pool.x[train], pool.y[train], pool.num_classes, "proxy/learns"),
                       Dataset(pool.x[test], pool.y[test], pool.num_classes, "proxy/held-out"),
-                      config.student.model, dataclasses.replace(config.student.train, seed=seed),
+                      arm.model or config.student.model, dataclasses.replace(config.student.train, seed=seed),
                       client_factory=lambda: None, num_threads=1, features=config.data.features,
                       semi_supervised=settings, members=arm.members or config.student.members)
     started = time.perf_counter()

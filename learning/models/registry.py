@@ -19,6 +19,7 @@ REGISTRY: Registry[Callable[..., Any]] = Registry("model", {
     "tutorial_cnn_tanh": "conclave.learning.models.cnn:tutorial_cnn_tanh",  # the same with tanh, for DP-SGD
     "scatternet_cnn": "conclave.learning.models.scatternet:scatternet_cnn",  # on ScatterNet features
     "scatternet_cnn_wide": "conclave.learning.models.scatternet:scatternet_cnn_wide",  # the same, width 128
+    "scatternet_cnn_wide_relu": "conclave.learning.models.scatternet:scatternet_cnn_wide_relu",  # and ReLU
     "digits_cnn": "conclave.learning.models.cnn:digits_cnn",       # 8×8 sklearn digits
     "digits_cnn_wide": "conclave.learning.models.cnn:digits_cnn_wide",  # the same, width 32
     "gn_resnet18": "conclave.learning.models.resnet:gn_resnet18",  # GroupNorm ResNet-18, kwarg `width`

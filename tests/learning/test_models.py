@@ -17,6 +17,7 @@ CASES = [
     ("tutorial_cnn_tanh", 1, 28, {}),
     ("scatternet_cnn", 81, 7, {}),
     ("scatternet_cnn_wide", 81, 7, {}),
+    ("scatternet_cnn_wide_relu", 81, 7, {}),
     ("digits_cnn", 1, 8, {}),
     ("digits_cnn_wide", 1, 8, {}),
     ("gn_cnn", 3, 32, {}),
@@ -66,6 +67,15 @@ def test_scatternet_cnn_size_and_input_size_reaching_only_the_factories_that_tak
     cifar = build_model("scatternet_cnn", 10, in_channels=243, input_size=8)  # 3×32×32 images
     assert cifar(torch.zeros(2, 243, 8, 8)).shape == (2, 10)
     assert build_model("gn_cnn", 10, in_channels=3, input_size=32)(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_scatternet_cnn_wide_relu_differs_from_the_wide_one_only_in_its_activations():
+    tanh, relu = build_model("scatternet_cnn_wide", 10, seed=3), build_model("scatternet_cnn_wide_relu", 10, seed=3)
+    assert [type(m) for m in relu.modules() if isinstance(m, (nn.ReLU, nn.Tanh))] == [nn.ReLU] * 3
+    for (name, a), (_, b) in zip(tanh.state_dict().items(), relu.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="activation"):
+        build_model("scatternet_cnn", 10, activation="gelu")
 
 
 def test_digits_cnn_size():
