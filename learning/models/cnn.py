@@ -35,15 +35,20 @@ def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
 
+def activation_named(name: str) -> type[nn.Module]:
+    """The activation a factory's ``activation`` argument names (one line when it names none)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
 def tutorial_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 28,
                  activation: str = "relu") -> FeatureClassifier:
     """The CNN of the TensorFlow Privacy MNIST DP-SGD tutorial (used by Abadi-style baselines
     and Zhao et al. 2019): conv 16 8×8 stride 2 ('same' padding, 3 here) → act → max-pool 2
     stride 1 → conv 32 4×4 stride 2 → act → max-pool 2 stride 1 → fc 32 → act → fc k.
     For 28×28×1 and 10 classes: 26,010 parameters."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    act = ACTIVATIONS[activation]
+    act = activation_named(activation)
     size = _conv_out(_conv_out(input_size, 8, 2, 3), 2)          # 28 → 14 → 13
     size = _conv_out(_conv_out(size, 4, 2), 2)                   # 13 → 5 → 4
     if size < 1:

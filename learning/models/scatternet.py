@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from conclave.learning.models.cnn import ACTIVATIONS, FeatureClassifier
+from conclave.learning.models.cnn import FeatureClassifier, activation_named
 from conclave.learning.models.pooling import MaxPool2d
 
 SCATTERING_COEFFICIENTS = 81  # per image channel, J = 2, L = 8
@@ -29,9 +29,7 @@ def scatternet_cnn(num_classes: int = 10, in_channels: int = SCATTERING_COEFFICI
     fc ``width`` → act → fc k. Tanh by default: bounded activations lose less to clipping under
     DP-SGD (Papernot et al. 2021). For 81×7×7 inputs (28×28 images) and 10 classes: 42,186
     parameters; its ``width``-dimensional embedding is what NearPrivate's DP-PCA sees."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    act = ACTIVATIONS[activation]
+    act = activation_named(activation)
     pooled = input_size // 2
     if pooled < 1:
         raise ValueError(f"scatternet_cnn needs feature maps of at least 2×2, got {input_size}×{input_size}")
