@@ -66,6 +66,7 @@ class Arm:
     """The config's student (or ``model``) with ``fixmatch`` settings changed and ``members``
     students averaged (None: the config's), learning on ``labels`` (``LABELS``) released at ``sigma`` (None: the
     config's), answered at ``threshold`` σ and spread at ``margin`` (None: the config's).
+    ``votes_per_record``: each record's votes m (None: the config's; ``sigma`` is then the run's σ at that m).
     ``oracle``, a diagnosis and no setting: ``"gaps"`` gives the images the release left unlabelled
     their true labels, ``"errors"`` corrects its wrong labels (what each part of its gaps and errors costs)."""
 
@@ -77,9 +78,12 @@ class Arm:
     margin: float | None = None
     oracle: str | None = None
     model: str | None = None
+    votes_per_record: int | None = None
 
 
-LABELS = {"random": None, "round 1": "hog-pca", "round 2": "network:{runs}/mnist-clusters/student.pt"}
+LABELS = {"random": None, "round 1": "hog-pca", "round 2": "network:{runs}/mnist-clusters/student.pt",
+          "ReLU round 2": "network:{runs}/mnist-clusters-relu-eps01-r1/student.pt"}
+RELU = "scatternet_cnn_wide_relu"
 ARMS = {"shipped": Arm(),
         "60 epochs": Arm({"epochs": 60}),
         "no weights' average": Arm({"ema_decay": None}),
@@ -91,7 +95,13 @@ ARMS = {"shipped": Arm(),
         "round 2, margin 0.3": Arm(labels="round 2", margin=0.3),
         "round 2, σ 23": Arm(labels="round 2", sigma=23.0),
         "round 2, gaps given true labels (oracle)": Arm(labels="round 2", oracle="gaps"),
-        "round 2, wrong labels corrected (oracle)": Arm(labels="round 2", oracle="errors")}
+        "round 2, wrong labels corrected (oracle)": Arm(labels="round 2", oracle="errors"),
+        # the ε 0.1 cell's second round (σ 78, in the ReLU round 1's network), and two spreads of it
+        # that the labels alone favoured (fewer gaps for a few more errors); m 12 at σ 156 costs as m 3 at σ 78
+        "ReLU round 2, σ 78": Arm(labels="ReLU round 2", sigma=78.0, model=RELU),
+        "ReLU round 2, σ 78, margin 0.3": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.3),
+        "ReLU round 2, m 12 at σ 156, margin 0.3": Arm(labels="ReLU round 2", sigma=156.0, model=RELU, margin=0.3,
+                                                        votes_per_record=12)}
 
 
 def random_labels(truth: np.ndarray, labelled_share: float, wrong_share: float, num_classes: int,
@@ -123,7 +133,7 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
                + np.einsum("ij,ij->i", medoids, medoids)[None, :])
     squared[pool.medoids, np.arange(count)] = np.inf  # a medoid never votes for itself
     votes = np.zeros((count, int(truth.max()) + 1))
-    np.add.at(votes, (nearest_queries(squared, clusters.votes_per_record), truth[:, None]), 1)
+    np.add.at(votes, (nearest_queries(squared, arm.votes_per_record or clusters.votes_per_record), truth[:, None]), 1)
     # the same votes per medoid against the noise as a run's records have against its σ
     sigma = (arm.sigma or config.mechanism.params["sigma"]) * (len(x) / count) / (PRIVATE_RECORDS / clusters.count)
     answers = cluster_answers(votes + rng.normal(0.0, sigma, votes.shape), arm.threshold * sigma, 0.0)
