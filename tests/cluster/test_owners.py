@@ -159,7 +159,9 @@ def _as_printed(text: str) -> str:
     import re
 
     lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
-    lines = [re.sub(r"\d+", "#", re.sub(r"\s*\[[^\]]*\]$", "", line) if "%|" in line else line) for line in lines]
+    # a number is one mark whatever its form ("8" or "7.7": what earlier runs spent shows through)
+    lines = [re.sub(r"\d+(?:\.\d+)?", "#", re.sub(r"\s*\[[^\]]*\]$", "", line) if "%|" in line else line)
+             for line in lines]
     return "\n".join(line for line, _ in itertools.groupby(lines))
 
 
