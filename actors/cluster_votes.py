@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from conclave.actors.knn_votes import padded
-from conclave.actors.owners import GroupInfo, OwnerDataError, describe_all, nodes_of
-from conclave.actors.placement import require_node
-from conclave.actors.vote_parties import RecordShare, VoteParties, VoteParty, party_blocks
+from conclave.actors.owner_records import EmbeddedRecords
+from conclave.actors.owners import OwnerSource, describe_all, nodes_of
+from conclave.actors.teacher import TeacherSource
+from conclave.actors.vote_parties import RecordShare, VoteParties, plan_parties
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.cluster_histogram import cluster_histogram
@@ -32,48 +32,20 @@ from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 log = logging.getLogger(__name__)
 
 
-class ClusterShard(VoteParty):
+class ClusterShard(EmbeddedRecords):
     """The records of shards ``first``..``last - 1`` of one owner's source, embedded and held in
-    this process; counts its records' votes for their ``votes_per_record`` nearest queries.
+    this process (``EmbeddedRecords``); counts its records' votes for their ``votes_per_record``
+    nearest queries."""
 
-    No Ray here (the actor is the same class). A source that cannot be read is kept as an error
-    that ``describe`` raises as ``OwnerDataError`` (one line naming the owner), as for teachers.
-    """
-
-    def __init__(self, source, first: int, last: int, embed: Embedding, votes_per_record: int,
-                 rows: int | None = None) -> None:
-        self.owner, self.votes_per_record = source.owner, votes_per_record
-        self.load_error: str | None = None
-        try:
-            shards = source.load(range(first, last))
-        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
-            self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
-            self.num_classes, self.input_shape = 0, ()
-            return
-        self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
-        # padded to the declared size (``actors.knn_votes.padded``): a vote takes the same time below it
-        self._points, self._labels = padded(np.asarray(embed(np.concatenate([part.x for part in shards])),
-                                                       dtype=np.float64),
-                                            np.concatenate([part.y for part in shards]), rows)
-        self._norms = np.einsum("ij,ij->i", self._points, self._points)
-
-    def describe(self) -> GroupInfo:
-        """Classes, input shape and node, nothing about the records; raises if they could not be read."""
-        if self.load_error is not None:
-            raise OwnerDataError(self.load_error)
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        return GroupInfo(self.num_classes, self.input_shape, node)
-
-    @ray.method(concurrency_group="probe")
-    def is_loaded(self) -> bool:
-        """Whether this actor holds its records (its own thread in the actor: the health probe)."""
-        return self.load_error is None
+    def __init__(self, source: TeacherSource | OwnerSource, first: int, last: int, embed: Embedding,
+                 votes_per_record: int, rows: int | None = None) -> None:
+        super().__init__(source, first, last, embed, rows)
+        self.votes_per_record = votes_per_record
 
     def partial_votes(self, queries: np.ndarray, stream: str) -> np.ndarray:
         """``int64[batch, classes]``: this party's records' votes for their nearest queries (nothing
         random: ``stream`` is unused)."""
-        if self.load_error is not None:
-            raise OwnerDataError(self.load_error)
+        self._require_loaded()
         return cluster_histogram(self._points, self._labels, queries, self.votes_per_record, self.num_classes,
                                  self._norms)
 
@@ -103,21 +75,15 @@ class ClusterVoteSource(VoteParties):
         if votes_per_record < 1:
             raise ValueError(f"votes_per_record must be >= 1, got {votes_per_record}")
         self.embed, self.votes_per_record = embed, votes_per_record
-        plans = []
-        for share in shares:  # every placement checked before any actor starts
-            options = share.placement.actor_options(min(share.num_actors, share.source.num_teachers))
-            require_node(f"owner {share.source.owner}'s cluster-vote shards", num_cpus_per_actor, 0.0,
-                         options.get("resources"), options.get("label_selector"))
-            plans.append((share, party_blocks(share.source.num_teachers, share.num_actors), options))
         spawns, owners, self._bounds = [], [], []
-        for share, blocks, options in plans:
-            for a, b in blocks:
-                spawns.append(functools.partial(ClusterShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
-                                                share.source, a, b, embed, votes_per_record))
+        for plan in plan_parties(shares, num_cpus_per_actor, "cluster-vote shards"):
+            share = plan.share
+            for a, b in plan.blocks:
+                rows = share.declared_rows(a, b)  # padded to it: a vote's time says nothing of the records
+                actor = ClusterShardActor.options(num_cpus=num_cpus_per_actor, **plan.options)
+                spawns.append(functools.partial(actor.remote, share.source, a, b, embed, votes_per_record, rows=rows))
                 owners.append(share.source.owner)
-                # A cell counts at most this party's records: its share of what its owner declares.
-                declared = share.declared or 1
-                self._bounds.append(max(1, -(-declared * (b - a) // share.source.num_teachers)))
+                self._bounds.append(rows or 1)  # a cell counts at most this party's declared records
         self._track(spawns, owners, num_cpus_per_actor)
         described = describe_all(self._actors, self._owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape

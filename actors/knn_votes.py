@@ -33,17 +33,15 @@ from __future__ import annotations
 import logging
 import functools
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import ray
 
-from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
-from conclave.actors.placement import Placement, require_node
+from conclave.actors.owner_records import EmbeddedRecords
+from conclave.actors.owners import OwnerSource, describe_all, nodes_of
 from conclave.actors.teacher import TeacherSource
-from conclave.actors.vote_parties import (INLINE_INPUT_BYTES, RecordShare, VoteParties, VoteParty, declared_share,
-                                          party_blocks)
+from conclave.actors.vote_parties import INLINE_INPUT_BYTES, RecordShare, VoteParties, declared_share, plan_parties
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
@@ -56,64 +54,23 @@ log = logging.getLogger(__name__)
 CHUNK_PAIRS = 4_000_000
 
 
-def padded(points: np.ndarray, labels: np.ndarray, rows: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """The records, padded with rows of label -1 up to ``rows`` (a party's share of what its owner
-    declares), so that the work per query — distances, draws, the candidates' sort — is that of the
-    declared size whatever the owner holds below it: how long a vote takes says nothing of the
-    records (docs/privacy.md, "Timing"). Padding rows never vote."""
-    if rows is None or rows <= len(labels):
-        return points, labels
-    extra = rows - len(labels)
-    return (np.concatenate([points, np.zeros((extra, points.shape[1]))]),
-            np.concatenate([labels, np.full(extra, -1, dtype=labels.dtype)]))
-
-
 def sample_stream(round_: int, shard: int) -> str:
     """The noise stream of shard actor ``shard``'s inclusion draws in vote round ``round_`` (from 1):
     distinct per round and actor, so an insecure seed replays each sample and no two coincide."""
     return f"knn-votes/{round_}/{shard}"
 
 
-class KnnShard(VoteParty):
+class KnnShard(EmbeddedRecords):
     """The records of shards ``first``..``last - 1`` of one owner's source, embedded and held in
-    this process; answers each query with its k nearest records of a fresh Poisson sample — as
-    distances and labels for the clean merge (``neighbours``), or counted here into this party's
-    own histogram (``partial_votes``: its k nearest, the owner-local vote a secure round sums).
-
-    No Ray here (the actor is the same class). A source that cannot be read is kept as an error
-    that ``describe`` raises as ``OwnerDataError`` (one line naming the owner), as for teachers.
-    """
+    this process (``EmbeddedRecords``); answers each query with its k nearest records of a fresh
+    Poisson sample — as distances and labels for the clean merge (``neighbours``), or counted here
+    into this party's own histogram (``partial_votes``: its k nearest, the owner-local vote a
+    secure round sums)."""
 
     def __init__(self, source: TeacherSource | OwnerSource, first: int, last: int, embed: Embedding,
                  k: int, sample_rate: float, index: int, noise: NoisePolicy = SECURE, rows: int | None = None) -> None:
-        self.owner = source.owner
+        super().__init__(source, first, last, embed, rows)
         self.k, self.sample_rate, self.index, self.noise = k, sample_rate, index, noise
-        self.load_error: str | None = None
-        try:
-            shards = source.load(range(first, last))
-        except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format
-            self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
-            self.num_classes, self.input_shape = 0, ()
-            return
-        self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
-        x = np.concatenate([part.x for part in shards])
-        # float64 so that the expanded squared distance below loses nothing that matters.
-        self._points, self._labels = padded(np.asarray(embed(x), dtype=np.float64),
-                                            np.concatenate([part.y for part in shards]), rows)
-        self._norms = np.einsum("ij,ij->i", self._points, self._points)
-
-    def describe(self) -> GroupInfo:
-        """Classes, input shape and node, nothing about the records; raises if they could not be read."""
-        if self.load_error is not None:
-            raise OwnerDataError(self.load_error)
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        return GroupInfo(self.num_classes, self.input_shape, node)
-
-    @ray.method(concurrency_group="probe")
-    def is_loaded(self) -> bool:
-        """Whether this actor holds its records and can answer. In the actor it runs in its own
-        thread, so the aggregator's health probe is answered while a long query is under way."""
-        return self.load_error is None
 
     def neighbours(self, queries: np.ndarray, round_: int) -> tuple[np.ndarray, np.ndarray]:
         """For embedded ``queries`` ``[batch, d]``: squared distances ``float64[batch, k]`` and labels
@@ -131,8 +88,7 @@ class KnnShard(VoteParty):
         return np.bincount(cells, minlength=batch * self.num_classes).reshape(batch, self.num_classes)
 
     def _sampled_nearest(self, queries: np.ndarray, stream: str) -> tuple[np.ndarray, np.ndarray]:
-        if self.load_error is not None:
-            raise OwnerDataError(self.load_error)
+        self._require_loaded()
         queries = np.asarray(queries, dtype=np.float64)
         batch, n = len(queries), len(self._labels)
         distances = np.full((batch, self.k), np.inf)
@@ -207,20 +163,16 @@ class KnnVoteSource(VoteParties):
         if not 0.0 < sample_rate <= 1.0 or not math.isfinite(sample_rate):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         self.embed, self.k, self.sample_rate, self.local = embed, k, sample_rate, local
-        plans = []
-        for share in shares:  # every placement checked before any actor starts
-            options = share.placement.actor_options(min(share.num_actors, share.source.num_teachers))
-            require_node(f"owner {share.source.owner}'s kNN shards", num_cpus_per_actor, 0.0,
-                         options.get("resources"), options.get("label_selector"))
-            plans.append((share, party_blocks(share.source.num_teachers, share.num_actors), options))
-        self.party_k = party_k([(share, blocks) for share, blocks, _ in plans], k) if local else None
+        plans = plan_parties(shares, num_cpus_per_actor, "kNN shards")
+        self.party_k = party_k([(plan.share, plan.blocks) for plan in plans], k) if local else None
         spawns, owners = [], []
-        for share, blocks, options in plans:
-            for a, b in blocks:
+        for plan in plans:
+            share = plan.share
+            for a, b in plan.blocks:
                 k_here = self.party_k[len(spawns)] if local else k
-                spawns.append(functools.partial(KnnShardActor.options(num_cpus=num_cpus_per_actor, **options).remote,
-                                                share.source, a, b, embed, k_here, sample_rate, len(spawns), noise,
-                                                rows=share.declared_rows(a, b)))
+                actor = KnnShardActor.options(num_cpus=num_cpus_per_actor, **plan.options)
+                spawns.append(functools.partial(actor.remote, share.source, a, b, embed, k_here, sample_rate,
+                                                len(spawns), noise, rows=share.declared_rows(a, b)))
                 owners.append(share.source.owner)
         self._track(spawns, owners, num_cpus_per_actor)
         described = describe_all(self._actors, self._owners, self.shutdown)

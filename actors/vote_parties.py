@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from conclave.actors.owners import OwnerDropout
-from conclave.actors.placement import Placement, release
+from conclave.actors.placement import Placement, release, require_node
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
@@ -293,6 +293,27 @@ class VoteParties(abc.ABC):
         """Stop the actors (what they hold goes with them) and wait for their CPUs to be free."""
         actors, self._actors = self._actors, []
         release(actors, self._cpus_each)
+
+
+@dataclass(frozen=True)
+class PartyPlan:
+    """One owner's share, its parties' blocks of shards and the Ray options of its actors."""
+
+    share: RecordShare
+    blocks: list[tuple[int, int]]
+    options: dict
+
+
+def plan_parties(shares: Sequence[RecordShare], num_cpus_per_actor: float, what: str) -> list[PartyPlan]:
+    """Every owner's parties, each placement checked before any actor starts: one line naming the
+    owner (``what``: its actors, as in "owner a's kNN shards") whose node cannot take them."""
+    plans = []
+    for share in shares:
+        options = share.placement.actor_options(min(share.num_actors, share.source.num_teachers))
+        require_node(f"owner {share.source.owner}'s {what}", num_cpus_per_actor, 0.0,
+                     options.get("resources"), options.get("label_selector"))
+        plans.append(PartyPlan(share, party_blocks(share.source.num_teachers, share.num_actors), options))
+    return plans
 
 
 def party_blocks(count: int, parties: int) -> list[tuple[int, int]]:

@@ -178,7 +178,7 @@ def test_shares_of_opposite_votes_look_alike(ray_session, tmp_path):
 
 
 def test_a_party_below_its_declared_size_works_on_the_declared_rows_and_votes_the_same(owners):
-    """Padding to the declared size (``actors.knn_votes.padded``): the work per query is that of the
+    """Padding to the declared size (``actors.owner_records.padded``): the work per query is that of the
     declared rows whatever the owner holds below them, and the padding never votes (kNN at rate 1:
     the same records every time, whatever the draws)."""
     sources, queries = owners
@@ -188,3 +188,17 @@ def test_a_party_below_its_declared_size_works_on_the_declared_rows_and_votes_th
         plain, padded = make(None), make(250)
         assert len(plain._labels) == 100 and len(padded._labels) == 250
         np.testing.assert_array_equal(plain.partial_votes(embedded, "s"), padded.partial_votes(embedded, "s"))
+
+
+def test_the_vote_sources_start_each_party_on_its_declared_rows(ray_session, owners):
+    """Each source hands its actors their share of the owner's declaration, so the padding above is
+    what a run does (the public-cluster source once left its actors unpadded)."""
+    sources, _ = owners
+    shares = [RecordShare(sources[0], declared=250), RecordShare(sources[1])]
+    for source in (ClusterVoteSource(shares, Flatten(), votes_per_record=3, num_cpus_per_actor=0.25),
+                   KnnVoteSource(shares, Flatten(), 5, 1.0, num_cpus_per_actor=0.25, local=True)):
+        try:
+            rows = ray.get([actor.__ray_call__.remote(lambda party: len(party._labels)) for actor in source._actors])
+            assert rows == [250, 100]
+        finally:
+            source.shutdown()

@@ -1,0 +1,73 @@
+"""What the vote sources in which records vote themselves (the ``knn`` and ``clusters`` sections)
+share: the public embedding, the owners' records cut into actor shares, and the rule that clean
+votes never leave the aggregator's node."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from conclave.cluster.owners import PublicData, owner_data
+from conclave.cluster.teaching.config import ClustersConfig, KnnConfig, TeacherStudentConfig
+
+if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
+    from conclave.actors.cluster_votes import ClusterVoteSource
+    from conclave.actors.knn_votes import KnnVoteSource
+    from conclave.actors.vote_parties import RecordShare
+    from conclave.learning.embeddings import Embedding
+
+
+@dataclass(frozen=True)
+class VotingRecords:
+    """The embedding (fitted on the public pool only: free), each owner's share of the vote actors
+    (its records are read and embedded by them, on its node), and the CPUs each actor reserves."""
+
+    embed: Embedding
+    shares: list[RecordShare]
+    cpus_per_actor: float
+
+
+def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersConfig, public: PublicData,
+                   embedded: bool = True) -> VotingRecords:
+    """``config``'s owners (or, without owners, the benchmark's private split cut into one part per
+    actor, each record in exactly one) as record shares for ``section``'s vote actors; half the
+    cluster's CPUs go to them (Ray must be running)."""
+    import ray
+
+    from conclave.actors.owners import OwnerSource
+    from conclave.actors.placement import cpu_share
+    from conclave.actors.teacher import TeacherSource
+    from conclave.actors.vote_parties import RecordShare
+    from conclave.learning.embeddings import fit_embedding
+
+    embed = fit_embedding(section.embedding, public.splits.public.x, section.dims)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    if config.owners:
+        here = os.getcwd()  # a relative path is the launching directory's, as for teachers
+        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
+                                          public.classes, config.seed), owner.actors, owner.placement(embedded),
+                              declared=owner.records)
+                  for owner in config.owners]
+    else:
+        actors = section.actors or max(1, int(cpus / 2))
+        source = TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
+                               num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
+        shares = [RecordShare(source, actors, declared=config.data.private_size)]
+    total_actors = sum(min(share.num_actors, share.source.num_teachers) for share in shares)
+    return VotingRecords(embed, shares, cpu_share(cpus / 2, total_actors))
+
+
+def check_clean_votes_stay_home(source: KnnVoteSource | ClusterVoteSource, what: str) -> None:
+    """Clean votes (kNN distances, public clusters' histograms) go to the aggregator: refuse them
+    (one line, the actors stopped) unless every record belongs to one owner whose actors run on
+    this node, the aggregator's."""
+    import ray
+
+    from conclave.cluster.config import ConfigError
+
+    here = ray.get_runtime_context().get_node_id()
+    away = sorted(owner for owner, nodes in source.placement.items() if set(nodes) != {here})
+    if len(source.placement) > 1 or away:
+        source.shutdown()
+        raise ConfigError(f"the votes of owner(s) {away or sorted(source.placement)} would send {what} off their "
+                          "node to the aggregator: set aggregation: secure")
