@@ -200,22 +200,27 @@ def stop_ray(wait: float = 5.0) -> list[int]:
     except Exception as err:  # a half-started Ray: what it started is stopped below all the same
         log.warning("Ray did not shut down cleanly (%s); stopping its processes", type(err).__name__)
     left = [process for process in {*before, *_descendants()} if _running(process)]
-    for process in left:
+    _stop(left, wait)
+    if left:
+        log.info("stopped %d Ray processes that outlived its shutdown: PIDs %s", len(left), sorted(p.pid for p in left))
+    _forget_record()
+    return [process.pid for process in left]
+
+
+def _stop(processes: list[psutil.Process], wait: float) -> None:
+    """Terminate ``processes``, kill those still there after ``wait`` seconds, and wait for them."""
+    for process in processes:
         try:
             process.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, stubborn = psutil.wait_procs(left, timeout=wait)
+    _, stubborn = psutil.wait_procs(processes, timeout=wait)
     for process in stubborn:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(stubborn, timeout=wait)
-    if left:
-        log.info("stopped %d Ray processes that outlived its shutdown: PIDs %s", len(left), sorted(p.pid for p in left))
-    _forget_record()
-    return [process.pid for process in left]
 
 
 def _descendants() -> list[psutil.Process]:
@@ -249,18 +254,7 @@ def reclaim_orphaned_ray(wait: float = 5.0) -> list[int]:
         if _same_process(record["driver"]) is not None:
             continue  # its driver still runs: those processes are in use
         alive = [p for p in map(_same_process, record["processes"]) if p is not None]
-        for process in alive:
-            try:
-                process.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, left = psutil.wait_procs(alive, timeout=wait)
-        for process in left:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=wait)  # gone, ports released, before a new Ray starts
+        _stop(alive, wait)  # gone, ports released, before a new Ray starts
         if alive:
             log.warning("stopped %d Ray processes left running by an earlier embedded run (driver PID %d was "
                         "killed): PIDs %s", len(alive), record["driver"]["pid"], [p.pid for p in alive])
