@@ -66,7 +66,8 @@ class Arm:
     """The config's student (or ``model``) with ``fixmatch`` settings changed and ``members``
     students averaged (None: the config's), learning on ``labels`` (``LABELS``) released at ``sigma`` (None: the
     config's), answered at ``threshold`` σ and spread at ``margin`` (None: the config's).
-    ``votes_per_record``: each record's votes m (None: the config's; ``sigma`` is then the run's σ at that m).
+    ``votes_per_record``: each record's votes m (None: the config's; ``sigma`` is then the run's σ at that m);
+    ``clusters``: a run's count of clusters (None: the config's).
     ``oracle``, a diagnosis and no setting: ``"gaps"`` gives the images the release left unlabelled
     their true labels, ``"errors"`` corrects its wrong labels (what each part of its gaps and errors costs)."""
 
@@ -79,6 +80,7 @@ class Arm:
     oracle: str | None = None
     model: str | None = None
     votes_per_record: int | None = None
+    clusters: int | None = None
 
 
 LABELS = {"random": None, "round 1": "hog-pca", "round 2": "network:{runs}/mnist-clusters/student.pt",
@@ -96,12 +98,15 @@ ARMS = {"shipped": Arm(),
         "round 2, σ 23": Arm(labels="round 2", sigma=23.0),
         "round 2, gaps given true labels (oracle)": Arm(labels="round 2", oracle="gaps"),
         "round 2, wrong labels corrected (oracle)": Arm(labels="round 2", oracle="errors"),
-        # the ε 0.1 cell's second round (σ 78, in the ReLU round 1's network), and two spreads of it
-        # that the labels alone favoured (fewer gaps for a few more errors); m 12 at σ 156 costs as m 3 at σ 78
+        # the ε 0.1 cell's second round (σ 78, in the ReLU round 1's network), and other spreads of it:
+        # fewer gaps for more errors, or the reverse; m 12 at σ 156 costs as m 3 at σ 78
         "ReLU round 2, σ 78": Arm(labels="ReLU round 2", sigma=78.0, model=RELU),
         "ReLU round 2, σ 78, margin 0.3": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.3),
         "ReLU round 2, m 12 at σ 156, margin 0.3": Arm(labels="ReLU round 2", sigma=156.0, model=RELU, margin=0.3,
-                                                        votes_per_record=12)}
+                                                        votes_per_record=12),
+        "ReLU round 2, σ 78, 300 clusters": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, clusters=300),
+        "ReLU round 2, σ 78, margin 0.6": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.6),
+        "ReLU round 2, σ 78, margin 0.7": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.7)}
 
 
 def random_labels(truth: np.ndarray, labelled_share: float, wrong_share: float, num_classes: int,
@@ -126,7 +131,8 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
 
     clusters, selection = config.clusters, config.student.selection
     embedded = np.asarray(fit_embedding(embedding, x, clusters.dims)(x), dtype=np.float64)
-    count = round(clusters.count * len(x) / config.data.public_size)
+    run_count = arm.clusters or clusters.count
+    count = round(run_count * len(x) / config.data.public_size)
     pool = cluster_pool(embedded, count, seed)
     medoids = embedded[pool.medoids]
     squared = (np.einsum("ij,ij->i", embedded, embedded)[:, None] - 2.0 * embedded @ medoids.T
@@ -135,7 +141,7 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
     votes = np.zeros((count, int(truth.max()) + 1))
     np.add.at(votes, (nearest_queries(squared, arm.votes_per_record or clusters.votes_per_record), truth[:, None]), 1)
     # the same votes per medoid against the noise as a run's records have against its σ
-    sigma = (arm.sigma or config.mechanism.params["sigma"]) * (len(x) / count) / (PRIVATE_RECORDS / clusters.count)
+    sigma = (arm.sigma or config.mechanism.params["sigma"]) * (len(x) / count) / (PRIVATE_RECORDS / run_count)
     answers = cluster_answers(votes + rng.normal(0.0, sigma, votes.shape), arm.threshold * sigma, 0.0)
     margin = selection.spread_margin if arm.margin is None else arm.margin
     spread = pool.spread({int(m): int(a) for m, a in zip(pool.medoids, answers) if a >= 0},
