@@ -92,9 +92,7 @@ def test_every_benchmark_that_publishes_timings_says_they_were_measured_on_publi
     # (bench/service_soak.py) times the serving path alone and is left to its own file.
     for name in ("active_learning_mnist", "audits", "knn_votes_examples", "perf", "sparse_finetune",
                  "stability_ensemble_size", "student_proxy", "student_proxy_eps01", "student_proxy_eps01_spread",
-                 "student_proxy_labels",
-                 "student_proxy_relu",
-                 "teacher_student_mnist"):
+                 "student_proxy_labels", "student_proxy_relu", "teacher_student_mnist"):
         result = json.loads((RESULTS / f"{name}.json").read_text())
         assert _timing_keys(result), name
         assert result["timings"].startswith("measured on public stand-in data ("), name
