@@ -34,7 +34,7 @@ def padded(points: np.ndarray, labels: np.ndarray, rows: int | None) -> tuple[np
 
 
 class EmbeddedRecords(VoteParty):
-    """Shards ``first``..``last`` of ``source`` (one owner's), embedded by ``embed`` and padded to
+    """Shards ``first``..``last - 1`` of ``source`` (one owner's), embedded by ``embed`` and padded to
     ``rows``. A source that cannot be read is kept as an error that ``describe`` (and any vote)
     raises as ``OwnerDataError``: one line naming the owner, as for teachers."""
 

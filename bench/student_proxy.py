@@ -139,7 +139,8 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
                + np.einsum("ij,ij->i", medoids, medoids)[None, :])
     squared[pool.medoids, np.arange(count)] = np.inf  # a medoid never votes for itself
     votes = np.zeros((count, int(truth.max()) + 1))
-    np.add.at(votes, (nearest_queries(squared, arm.votes_per_record or clusters.votes_per_record), truth[:, None]), 1)
+    m = arm.votes_per_record or clusters.votes_per_record
+    np.add.at(votes, (nearest_queries(squared, m), truth[:, None]), 1)
     # the same votes per medoid against the noise as a run's records have against its σ
     sigma = (arm.sigma or config.mechanism.params["sigma"]) * (len(x) / count) / (PRIVATE_RECORDS / run_count)
     answers = cluster_answers(votes + rng.normal(0.0, sigma, votes.shape), arm.threshold * sigma, 0.0)

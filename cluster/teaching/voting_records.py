@@ -31,7 +31,8 @@ def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersCo
                    embedded: bool = True) -> VotingRecords:
     """``config``'s owners (or, without owners, the benchmark's private split cut into one part per
     actor, each record in exactly one) as record shares for ``section``'s vote actors; half the
-    cluster's CPUs go to them (Ray must be running)."""
+    cluster's CPUs go to them (Ray must be running). ``embedded``: whether this is the embedded
+    one-node Ray (owners' node labels are then not used)."""
     import ray
 
     from conclave.actors.owners import OwnerSource
