@@ -21,18 +21,18 @@ time so a reused PID is never touched — and says so. A driver that stops on it
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
 import signal
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 import ray
 
+from conclave.cluster.signal_hold import signals_held
 from conclave.learning.allocator import SETTINGS
 
 log = logging.getLogger(__name__)
@@ -87,29 +87,14 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     # its deadlines failed). An embedded Ray serves this run alone: its workers keep our priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
     log.info("starting embedded Ray on %s", LOOPBACK)
-    with _ctrl_c_held():
+    # Ctrl-C waits until Ray has started and its processes are recorded, so the caller stops all
+    # of them; SIGTERM is not held: Ray's processes inherit the mask, and stop on SIGTERM.
+    with signals_held({signal.SIGINT}):
         ray.init(address="local", **kwargs)
         _started_here = True
         record_ray_processes()
         atexit.register(_forget_record)
     return True
-
-
-@contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
-    """Hold SIGINT back from this thread while Ray forks its processes, then deliver it.
-
-    Ray blocks SIGINT in each process it starts, but in ``preexec_fn``: after the fork, once
-    Python's at-fork hooks have run in the child. A Ctrl-C sent to the process group in that
-    window raised KeyboardInterrupt inside a hook and the child printed a traceback over the
-    operator's terminal. A child forked with SIGINT already blocked has no such window, and its
-    mask after ``exec`` is the one Ray gives it anyway. A Ctrl-C meanwhile waits until Ray has
-    started and its processes are recorded, so the caller stops all of them."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def with_models(runtime_env: dict, models: Iterable[str | None]) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import DEMO_CONFIG, RunContext, load_pipeline
 from conclave.cluster.results import RunDirectory
+from conclave.cluster.signal_hold import signals_held
 from conclave.cluster.tracking import MlflowLog, TrackingFailed, add_flag, from_section, with_flag
 from conclave.errors import fail, failure, first_line
 from conclave.privacy.accounting.ledger import LedgerDamaged, read_ledger
@@ -48,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
         tracker = MlflowLog(tracking, args.results_dir, run_name) if tracking.mlflow else None
     except TrackingFailed as err:
         return fail(err)
+    with signals_held({signal.SIGINT}):  # a Ctrl-C that cut Ray's import short could be swallowed (cluster.signal_hold)
+        import ray  # noqa: F401
     started = time.time()  # the only time the run publishes: taken before anything private is read
     try:
         with RunDirectory.staged(args.results_dir, run_name) as results:

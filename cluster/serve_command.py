@@ -26,7 +26,6 @@ serving, they stop the service cleanly (status 0).
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import logging
 import os
@@ -40,11 +39,13 @@ from pathlib import Path
 from typing import Iterator
 
 from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.signal_hold import signals_held
 from conclave.errors import ConclaveError, Interrupted, fail
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "CONCLAVE_TOKEN"
+STOPS = (signal.SIGTERM, signal.SIGINT)  # a service manager's stop, and Ctrl-C
 
 
 class StartRefused(ConclaveError):
@@ -78,8 +79,8 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     # A Ray that runs already is an in-process caller's (tests): theirs to stop, not ours.
     ours = not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     try:
-        with _interrupting_on_sigterm():
-            return _serve(args, stop, started, ours)
+        with _interrupting_on_sigterm() as interrupts:
+            return _serve(args, stop, started, ours, interrupts)
     except KeyboardInterrupt:
         _ignore_signals()
         print("conclave: interrupted while starting; stopping what was started (nothing was served)",
@@ -88,24 +89,28 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         return Interrupted.exit_code
 
 
-def _serve(args: argparse.Namespace, stop: threading.Event | None, started: contextlib.ExitStack, ours: bool) -> int:
-    from conclave.cluster.pipelines import load_pipeline  # here: a Ctrl-C while the library loads is undone as any
+def _serve(args: argparse.Namespace, stop: threading.Event | None, started: contextlib.ExitStack, ours: bool,
+           interrupts: _StartInterrupts) -> int:
+    # The libraries load whole: a Ctrl-C meanwhile acts once they have (``cluster.signal_hold``).
+    with signals_held(STOPS):
+        import torch  # noqa: F401 - loaded here rather than by the first model built, later in the start
+
+        from conclave.actors.owners import OwnerDataError
+        from conclave.actors.placement import PlacementError
+        from conclave.cluster.api import serve, train_ensemble
+        from conclave.cluster.pipelines import load_pipeline
+        from conclave.cluster.ray_runtime import record_ray_processes
+        from conclave.cluster.run_privacy import admitting_owners
+        from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
+        from conclave.cluster.teaching.ensemble import checked_public, resolved
+        from conclave.cluster.tls import HandshakeLog, check_server_files
+        from conclave.privacy.accounting.ledger import LedgerInUse
+        from conclave.privacy.accounting.owner_ledger import RunRequest
 
     try:
         config = load_pipeline(load_yaml(args.config)).serving()
     except ConfigError as err:
         return fail(err)
-
-    from conclave.actors.owners import OwnerDataError
-    from conclave.actors.placement import PlacementError
-    from conclave.cluster.api import serve, train_ensemble
-    from conclave.cluster.ray_runtime import record_ray_processes
-    from conclave.cluster.run_privacy import admitting_owners
-    from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
-    from conclave.cluster.teaching.ensemble import checked_public, resolved
-    from conclave.cluster.tls import HandshakeLog, check_server_files
-    from conclave.privacy.accounting.ledger import LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import RunRequest
 
     # Out of the environment before Ray starts: an embedded Ray's processes, and every worker
     # they start, inherit this process's environment. The server runs here, in the driver.
@@ -144,6 +149,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         _undo(started, ours)
         return fail(err)
     started.callback(teachers.pool.shutdown)
+    interrupts.raise_if_any()  # one a library swallowed on the way: the start stops before anything is served
     # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
     # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.
     handshakes = HandshakeLog(logging.getLogger("conclave.cluster.tls")) if settings.tls else None
@@ -183,27 +189,44 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     return 0
 
 
+class _StartInterrupts:
+    """The start's handler of Ctrl-C and SIGTERM: ``KeyboardInterrupt`` where the start is, and
+    a record of it, so that one a library swallowed (``cluster.signal_hold``) still stops it."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def raise_if_any(self) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def _interrupting_on_sigterm() -> Iterator[None]:
+def _interrupting_on_sigterm() -> Iterator[_StartInterrupts]:
     """While starting, SIGTERM (a service manager's stop) interrupts as Ctrl-C does: both raise
     ``KeyboardInterrupt`` wherever the start is, and ``main`` undoes it. Main thread only."""
+    interrupts = _StartInterrupts()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield interrupts
         return
     # SIGINT too where it came ignored (a background job of a script): a stop is a stop.
-    previous = {signum: signal.signal(signum, signal.default_int_handler) for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = {signum: signal.signal(signum, interrupts) for signum in STOPS}
     try:
-        yield
+        yield interrupts
     finally:
         for signum, handler in previous.items():
-            if signal.getsignal(signum) is signal.default_int_handler:  # not replaced since: the start failed
+            if signal.getsignal(signum) is interrupts:  # not replaced since: the start failed
                 signal.signal(signum, handler)
 
 
 def _ignore_signals() -> None:
     """Let nothing interrupt the clean-up (it is bounded: actors, ledger, Ray's processes)."""
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOPS:
             signal.signal(signum, signal.SIG_IGN)
 
 
@@ -215,14 +238,10 @@ def _undo(started: contextlib.ExitStack, ours: bool) -> None:
         started.close()
     except Exception as err:  # e.g. the actors' node went down meanwhile
         log.warning("stopping the service: %s: %s", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-    # Not imported: nothing of Ray ran. A Ctrl-C inside Ray's own import drops it from sys.modules
-    # but leaves its submodules, and importing it again then fails half-way (seen in a fresh-clone rehearsal).
-    if ours and "ray" in sys.modules:
+    if ours and "ray" in sys.modules:  # not imported: nothing of Ray ran (its import is never cut short)
         from conclave.cluster.ray_runtime import stop_ray
 
         stop_ray()
-    elif hook := getattr(sys.modules.get("ray._private.worker"), "shutdown", None):
-        atexit.unregister(hook)  # registered by the cut-short import; at exit it would fail on the half-made module
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -230,7 +249,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
     removed, ledger closed — even where SIGINT came ignored (a background job of a script)."""
     if threading.current_thread() is not threading.main_thread():
         return  # in-process callers (tests) stop it through ``stop``
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOPS:
         signal.signal(signum, lambda *_: stop.set())
 
 

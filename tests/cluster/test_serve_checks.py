@@ -190,11 +190,11 @@ class _Serve:
     foreground group: Ray's processes too), its output collected as it comes and every process
     under it recorded every 50 ms."""
 
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, program: tuple[str, ...] = ("-m", "conclave.cluster.cli")) -> None:
         config = tmp_path / "serve.yaml"
         config.write_text(yaml.safe_dump(SMALL))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "conclave.cluster.cli", "serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
+            [sys.executable, *program, "serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
              "--port", "0", *flags],
             cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -270,6 +270,41 @@ def test_ctrl_c_at_any_moment_of_the_start_stops_everything_without_a_traceback(
     assert "aggregator serving on" not in serve.text
     assert not serve.left_running(), (serve.seen, serve.text)
     assert moment == "loading" or serve.seen  # Ray had started processes, and they are gone
+
+
+# ``conclave serve`` whose start meets a Ctrl-C that a library swallows, as Ray's compiled module
+# did with one raised while it imported ("Exception ignored"): before, the start went on and served.
+SWALLOWING = """
+import os, signal, sys, time
+from conclave.cluster import cli
+from conclave.cluster.teaching import ensemble
+
+checked_public = ensemble.checked_public
+
+def swallowing(config):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+    except KeyboardInterrupt:
+        print("swallowed", flush=True)
+    return checked_public(config)
+
+ensemble.checked_public = swallowing
+sys.exit(cli.main())
+"""
+
+
+def test_a_ctrl_c_a_library_swallows_still_stops_the_start(tmp_path):
+    serve = _Serve(tmp_path, program=("-c", SWALLOWING))
+    try:
+        status = serve.process.wait(timeout=240)
+    finally:
+        if serve.process.poll() is None:
+            os.killpg(serve.process.pid, signal.SIGKILL)
+    assert status == 130 and "swallowed" in serve.text, serve.text
+    assert "Traceback" not in serve.text and "interrupted while starting" in serve.text, serve.text
+    assert "aggregator serving on" not in serve.text
+    assert not serve.left_running(), (serve.seen, serve.text)
 
 
 def test_a_tls_port_logs_failed_handshakes_a_few_lines_at_most_and_ctrl_c_stops_it_cleanly(tmp_path, certs):
