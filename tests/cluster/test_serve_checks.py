@@ -253,7 +253,7 @@ def test_ctrl_c_at_any_moment_of_the_start_stops_everything_without_a_traceback(
     serve = _Serve(tmp_path)
     try:
         if moment == "loading":
-            time.sleep(1.0)  # the interpreter is up; the config, torch and the data load
+            time.sleep(1.0)  # the libraries load, Ctrl-C held until they have (Ray's import swallowed it)
         elif moment == "Ray starting":  # its first process is up, the rest are coming
             serve.wait_for("starting embedded Ray")
             deadline = time.monotonic() + 60
