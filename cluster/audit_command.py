@@ -18,7 +18,8 @@ from conclave.cluster.auditing import AUDITS, AuditSettings
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.results import RunDirectory
-from conclave.errors import fail, failure
+from conclave.cluster.signal_hold import import_libraries
+from conclave.errors import Interrupted, fail, failure
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,12 @@ def main(args: argparse.Namespace) -> int:
         if pipeline.name not in AUDITS:
             raise ConfigError(f"config.pipeline: {pipeline.name!r} has no audit; audited pipelines: "
                               f"{', '.join(AUDITS.names)}")
+        import_libraries()
         pipeline = pipeline.validate()
     except ConfigError as err:
         return fail(err)
+    except KeyboardInterrupt:  # while loading: nothing ran, nothing to undo
+        return fail(Interrupted("interrupted while loading; nothing ran"))
     if args.run_name:  # the audit run's name everywhere: its folder and the owners' ledgers
         pipeline = pipeline.with_config(dataclasses.replace(pipeline.config, name=args.run_name))
     run_name = f"{pipeline.config.name or Path(args.config).stem}-audit"

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from types import ModuleType
 
 from conclave import DISTRIBUTION, __version__
+from conclave.cluster.signal_hold import signals_held
 from conclave.errors import Interrupted
 from conclave.learning.threads import share_cores
 from conclave.registry import Registry
@@ -70,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     share_cores()  # before any command imports torch
     _import_from_working_directory()
-    try:  # loading the command's module: a Ctrl-C here has nothing to undo, and no traceback to show
-        parser = build_parser(_selected_command(argv))
+    try:  # loading the command's module: a Ctrl-C acts once it has loaded (cluster.signal_hold), with nothing to undo
+        with signals_held({signal.SIGINT}):
+            parser = build_parser(_selected_command(argv))
     except KeyboardInterrupt:
         print("conclave: interrupted", file=sys.stderr)
         return Interrupted.exit_code

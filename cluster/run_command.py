@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -16,9 +15,9 @@ from pathlib import Path
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import DEMO_CONFIG, RunContext, load_pipeline
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.signal_hold import signals_held
+from conclave.cluster.signal_hold import import_libraries
 from conclave.cluster.tracking import MlflowLog, TrackingFailed, add_flag, from_section, with_flag
-from conclave.errors import fail, failure, first_line
+from conclave.errors import Interrupted, fail, failure, first_line
 from conclave.privacy.accounting.ledger import LedgerDamaged, read_ledger
 
 log = logging.getLogger(__name__)
@@ -38,9 +37,12 @@ def main(args: argparse.Namespace) -> int:
         raw = DEMO_CONFIG if args.command == "demo" else load_yaml(args.config)
         tracking = with_flag(from_section(raw.get("tracking")), args.mlflow)
         pipeline = load_pipeline(raw)
+        import_libraries()
         pipeline = pipeline.validate()  # what the driver can check without Ray (its data, models)
     except ConfigError as err:
         return fail(err)
+    except KeyboardInterrupt:  # while loading: nothing ran, nothing to undo
+        return fail(Interrupted("interrupted while loading; nothing ran"))
     run_name = args.run_name or pipeline.config.name or Path(args.config).stem  # (the demo is named)
     damaged = _damaged_ledger(Path(args.results_dir) / run_name)
     if damaged is not None:  # a durable ledger the run would charge: refused before Ray starts
@@ -50,8 +52,6 @@ def main(args: argparse.Namespace) -> int:
         tracker = MlflowLog(tracking, args.results_dir, run_name) if tracking.mlflow else None
     except TrackingFailed as err:
         return fail(err)
-    with signals_held({signal.SIGINT}):  # a Ctrl-C that cut Ray's import short could be swallowed (cluster.signal_hold)
-        import ray  # noqa: F401
     started = time.time()  # the only time the run publishes: taken before anything private is read
     try:
         with RunDirectory.staged(args.results_dir, run_name) as results:

@@ -1,13 +1,14 @@
 """Signals held back while this process does what a ``KeyboardInterrupt`` must not cut in half.
 
-Python raises ``KeyboardInterrupt`` at whatever bytecode runs when Ctrl-C lands, and some code
-cannot take it there. Ray's compiled module runs Python code while it imports (Cython's
-patching of ``collections.abc``) and reports a ``KeyboardInterrupt`` raised in it as "Exception
-ignored", then goes on: a ``serve`` stopped then trained its teachers and served until killed
-(1 start in about 150 in a sweep of the moment). A Ray import cut short also leaves an exit hook
-that fails on the half-made module. And a child Ray forks runs Python's at-fork hooks before it
-blocks SIGINT itself. A blocked signal stays pending and is delivered, once, when the block
-ends: at a line of ours.
+Python raises ``KeyboardInterrupt`` at whatever bytecode runs when Ctrl-C lands, and an import
+cannot always take it there. Measured by Ctrl-C at random moments of a start: Ray's compiled
+module runs Python code while it imports (Cython's patching of ``collections.abc``), reports a
+``KeyboardInterrupt`` raised in it as "Exception ignored" and goes on — a stopped ``serve``
+trained its teachers and served until killed — and leaves Python's "unhandled interrupt" flag
+set, so the process ended by SIGINT, not 130; a compiled module of scipy turned one into
+"ImportError: initialization failed"; a Ray import cut short left an exit hook that failed on
+the half-made module; and a child Ray forks runs Python's at-fork hooks before it blocks SIGINT.
+A blocked signal stays pending and is delivered, once, when the block ends: at a line of ours.
 """
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def signals_held(signals: Iterable[signal.Signals]) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def import_libraries() -> None:
+    """Import Ray and torch whole, Ctrl-C held (see above): a command calls it before the first
+    step that needs them, in the ``try`` that turns a ``KeyboardInterrupt`` into its one line."""
+    with signals_held({signal.SIGINT}):
+        import ray  # noqa: F401
+        import torch  # noqa: F401

@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +192,22 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
             raise RuntimeError("after a charge")
     assert [p.name for p in kept.iterdir()] == ["run"] and [p.name for p in (kept / "run").iterdir()] == [
         "ledger.sqlite"]
+
+
+@pytest.mark.parametrize("after", [0.5, 1.5, 3.0])
+def test_ctrl_c_while_the_demo_loads_is_one_line_and_status_130(tmp_path, after):
+    """Ctrl-C while the command, torch, Ray and the data load: before, a traceback (torch's import,
+    or scipy's "ImportError: initialization failed") or an exit by SIGINT; now the one line."""
+    process = subprocess.Popen([sys.executable, "-m", "conclave.cluster.cli", "demo", "--results-dir", str(tmp_path)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(after)
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = output.decode(errors="replace")
+    assert process.returncode == 130 and "Traceback" not in text, text
+    assert text.strip().splitlines()[-1].startswith("conclave: ") and "interrupted" in text, text
+    assert not (tmp_path / "demo").exists()  # nothing ran to the end
