@@ -67,6 +67,19 @@ class _ResolvedPaths:
         return {str(Path(p).resolve()) for p in list(self._raw)}
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_restored():
+    """SIGINT and SIGTERM as they were before each test. An in-process ``conclave serve`` ignores
+    them while it undoes its start (on purpose), and a later test's child processes would inherit
+    that: a Ctrl-C test then runs its child to the end."""
+    import signal
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in before.items():
+        signal.signal(number, handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Ray workers already get one thread per CPU they hold; a driver that also trains with

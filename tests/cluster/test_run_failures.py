@@ -198,14 +198,9 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
 def test_ctrl_c_while_the_demo_loads_is_one_line_and_status_130(tmp_path, after):
     """Ctrl-C while the command, torch, Ray and the data load: before, a traceback (torch's import,
     or scipy's "ImportError: initialization failed") or an exit by SIGINT; now the one line."""
-    # A child inherits an ignored SIGINT, and an in-process serve earlier in the session leaves it so.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "conclave.cluster.cli", "demo", "--results-dir", str(tmp_path)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conclave.cluster.cli", "demo", "--results-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         time.sleep(after)
         os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
