@@ -52,6 +52,8 @@ def main(args: argparse.Namespace) -> int:
         tracker = MlflowLog(tracking, args.results_dir, run_name) if tracking.mlflow else None
     except TrackingFailed as err:
         return fail(err)
+    except KeyboardInterrupt:  # while MLflow loads or reaches its store: still before the run
+        return fail(Interrupted("interrupted while opening the tracking store; nothing ran"))
     started = time.time()  # the only time the run publishes: taken before anything private is read
     try:
         with RunDirectory.staged(args.results_dir, run_name) as results:

@@ -137,3 +137,16 @@ def test_an_unreachable_tracking_server_fails_before_the_run(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("conclave: MLflow at http://127.0.0.1:9: ")
     assert not any(tmp_path.iterdir())  # nothing ran, nothing recorded
+
+
+def test_ctrl_c_while_the_tracking_store_opens_is_one_line_and_nothing_runs(tmp_path, capsys, monkeypatch):
+    """Opening the store imports MLflow and may wait on a server: a Ctrl-C then was a traceback."""
+    from conclave.cluster import run_command
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_command, "MlflowLog", interrupted)
+    assert cli_main(["demo", "--results-dir", str(tmp_path), "--mlflow"]) == 130
+    assert capsys.readouterr().err == "conclave: interrupted while opening the tracking store; nothing ran\n"
+    assert not any(tmp_path.iterdir())
