@@ -52,6 +52,7 @@ from conclave.learning.selection import CLUSTERS, POOL_ORDER, PublicPool, QueryS
 from conclave.learning.selection.clusters import PoolClusters, cluster_pool
 from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
+from conclave.learning.test_views import predict_with_views
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import embed, evaluate, fit, predict_logits
 
@@ -80,6 +81,8 @@ class Student:
         cluster_embedding: the vote source's public embedding, where "clusters" selection cuts the
             pool (public-cluster votes: each answered medoid labels its cluster).
         members: students trained alike from consecutive seeds and averaged (free post-processing).
+        test_views: each test prediction averages the image and this many weak views of it
+            (``learning.test_views``; free post-processing; images only).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Student:
         label_propagation: LabelPropagationConfig | None = None,
         cluster_embedding: Embedding | None = None,
         members: int = 1,
+        test_views: int = 0,
     ) -> None:
         if semi_supervised is not None and not public.is_image:
             raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
@@ -110,6 +114,9 @@ class Student:
             raise ValueError("choose self-training (pseudo_label_threshold) or label_propagation, not both")
         if members < 1:
             raise ValueError(f"members must be >= 1, got {members}")
+        if test_views < 0 or (test_views and not test.is_image):
+            raise ValueError(f"test_views averages augmented images: it must be 0 for table inputs and >= 0, "
+                             f"got {test_views}")
         if selection.strategy == CLUSTERS and cluster_embedding is None:
             raise ValueError("clusters selection needs the vote source's public embedding (cluster_embedding)")
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
@@ -125,6 +132,8 @@ class Student:
         self.members = members
         self._pool_inputs: np.ndarray | None = None  # the whole pool as the model sees it, on first use
         self.test = apply_features(test, features)
+        self._test_images = test  # as they are: test views augment them before the features
+        self.test_views = test_views
         self.model_name = model_name
         self.standardiser = standardiser
         self.train_config = train
@@ -305,7 +314,7 @@ class Student:
         result.update(added)
         # Post-processing of released labels and public inputs: its time says nothing more of the records.
         result["train_seconds"] = time.perf_counter() - started
-        result["accuracy"] = evaluate(model, self.test)
+        result["accuracy"] = self.accuracy(model)
         self._last_model = model
         return result
 
@@ -341,9 +350,17 @@ class Student:
             confident, guessed = others[sure], probabilities[sure].argmax(axis=1)
         training = Dataset(np.concatenate([pool[keep], pool[confident]]), np.concatenate([labels, guessed]),
                            self.public.num_classes, "student/self-trained", self.features)
-        added = {"supervised_accuracy": evaluate(model, self.test),  # what self-training adds
+        added = {"supervised_accuracy": self.accuracy(model),  # what self-training adds
                  "pseudo_labelled": int(len(confident))}
         return self._fit_fresh(training, progress, member), added
+
+    def accuracy(self, model: torch.nn.Module) -> float:
+        """``model``'s accuracy on the test split, predicting as this student does (with its test views)."""
+        if not self.test_views:
+            return evaluate(model, self.test)
+        represent = batch_transform(self.features, self._test_images.x.shape[-2:])
+        predicted = predict_with_views(model, self._test_images.x, represent, self.test_views, self.train_config.seed)
+        return float(np.mean(predicted == self._test_images.y))
 
     def network(self) -> NetworkEmbedding | None:
         """The last model trained (of several members, the first), as a checkpoint and an embedding

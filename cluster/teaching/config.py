@@ -231,6 +231,9 @@ class StudentConfig:
     # Students trained alike from consecutive seeds, answering with their averaged probabilities
     # (learning.models.averaged; free post-processing, each member costs one student's training).
     members: int = 1
+    # Each test prediction averages the image and this many weakly shifted views of it
+    # (learning.test_views; free post-processing of the trained student, images only). 0: off.
+    test_views: int = 0
 
     def __post_init__(self) -> None:
         if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
@@ -245,6 +248,8 @@ class StudentConfig:
                              f"{self.queries}, {self.batch_size}")
         if self.members < 1:
             raise ValueError(f"student.members must be >= 1, got {self.members}")
+        if self.test_views < 0:
+            raise ValueError(f"student.test_views must be >= 0, got {self.test_views}")
         if any(c < 1 for c in self.checkpoints):
             raise ValueError(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
 

@@ -112,7 +112,6 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     from conclave.actors.student import Student
     from conclave.learning.models import model_label
     from conclave.learning.models.averaged import AveragedStudents
-    from conclave.learning.training import evaluate
 
     public = public_data(config)
     pool = public.splits.public
@@ -122,8 +121,8 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     student = _new_student(Student, resolved(config, public), public, _asks_no_one, selection=QuerySelection())
     model, _ = student.train_on(np.arange(len(pool)), pool.y, progress)
     averaged = isinstance(model, AveragedStudents)
-    members = tuple(evaluate(member, student.test) for member in model.members) if averaged else ()
-    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=evaluate(model, student.test),
+    members = tuple(student.accuracy(member) for member in model.members) if averaged else ()
+    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=student.accuracy(model),
                    member_accuracies=members)
 
 
@@ -139,7 +138,7 @@ def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, pu
         pseudo_label_threshold=config.student.pseudo_label_threshold,
         semi_supervised=config.student.semi_supervised, selection=selection or config.student.selection,
         standardiser=public.standardiser, label_propagation=config.student.label_propagation,
-        cluster_embedding=cluster_embedding, members=config.student.members)
+        cluster_embedding=cluster_embedding, members=config.student.members, test_views=config.student.test_views)
 
 
 def _asks_no_one() -> Any:

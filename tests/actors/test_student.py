@@ -126,6 +126,32 @@ def test_a_student_on_features_asks_about_images_and_learns_on_their_features(wo
     assert student.fit_and_evaluate()["accuracy"] > 0.6  # chance is 0.1
 
 
+def test_a_student_with_test_views_reports_the_accuracy_of_its_view_averaged_predictions(world, serve):
+    """Its reported accuracy is that of ``predict_with_views`` on the images (their features made
+    after the shift), from the same trained model."""
+    from conclave.learning.data.features import batch_transform
+    from conclave.learning.test_views import predict_with_views
+
+    splits, _ = world
+    _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
+    student = Student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering",
+                      test_views=4)
+    student.query(150, 50, progress=False)
+    student.close()
+    result = student.fit_and_evaluate()
+    model = student._last_model
+    predicted = predict_with_views(model, splits.test.x, batch_transform("scattering", (8, 8)), 4, STUDENT_TRAIN.seed)
+    assert result["accuracy"] == pytest.approx(float(np.mean(predicted == splits.test.y)))
+    assert result["accuracy"] > 0.6  # chance is 0.1
+
+
+def test_test_views_are_refused_for_table_inputs(world):
+    splits, _ = world
+    table = Dataset(splits.test.x.reshape(len(splits.test), -1), splits.test.y, 10, "table")
+    with pytest.raises(ValueError, match="test_views"):
+        Student(table, table, "logistic_regression", STUDENT_TRAIN, lambda: None, test_views=2)
+
+
 def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses(world, serve):
     splits, _ = world
     _, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0))
