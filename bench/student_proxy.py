@@ -67,7 +67,8 @@ class Arm:
     students averaged (None: the config's), learning on ``labels`` (``LABELS``) released at ``sigma`` (None: the
     config's), answered at ``threshold`` σ and spread at ``margin`` (None: the config's).
     ``votes_per_record``: each record's votes m (None: the config's; ``sigma`` is then the run's σ at that m);
-    ``clusters``: a run's count of clusters (None: the config's).
+    ``clusters``: a run's count of clusters (None: the config's); ``test_views``: the student's
+    test predictions averaged over that many weak views too (``learning.test_views``).
     ``oracle``, a diagnosis and no setting: ``"gaps"`` gives the images the release left unlabelled
     their true labels, ``"errors"`` corrects its wrong labels (what each part of its gaps and errors costs)."""
 
@@ -81,6 +82,7 @@ class Arm:
     model: str | None = None
     votes_per_record: int | None = None
     clusters: int | None = None
+    test_views: int = 0
 
 
 LABELS = {"random": None, "round 1": "hog-pca", "round 2": "network:{runs}/mnist-clusters/student.pt",
@@ -106,7 +108,11 @@ ARMS = {"shipped": Arm(),
                                                         votes_per_record=12),
         "ReLU round 2, σ 78, 300 clusters": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, clusters=300),
         "ReLU round 2, σ 78, margin 0.6": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.6),
-        "ReLU round 2, σ 78, margin 0.7": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.7)}
+        "ReLU round 2, σ 78, margin 0.7": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, margin=0.7),
+        # more augmented copies of each image to learn from (the shipped 4 are computed once each)
+        "ReLU round 2, σ 78, 8 views": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, fixmatch={"views": 8}),
+        "ReLU round 2, σ 78, 16 views": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, fixmatch={"views": 16}),
+        "ReLU round 2, σ 78, 8 test views": Arm(labels="ReLU round 2", sigma=78.0, model=RELU, test_views=8)}
 
 
 def random_labels(truth: np.ndarray, labelled_share: float, wrong_share: float, num_classes: int,
@@ -163,7 +169,6 @@ def run_arm(name: str, seed: int, mnist: str, runs: str, labelled_share: float, 
 
     from conclave.actors.student import Student
     from conclave.learning.data import Dataset, make_splits
-    from conclave.learning.training import evaluate
 
     torch.set_num_threads(1)  # --workers students share the machine's cores
     arm = ARMS[name]
@@ -187,10 +192,11 @@ def run_arm(name: str, seed: int, mnist: str, runs: str, labelled_share: float, 
                       Dataset(pool.x[test], pool.y[test], pool.num_classes, "proxy/held-out"),
                       arm.model or config.student.model, dataclasses.replace(config.student.train, seed=seed),
                       client_factory=lambda: None, num_threads=1, features=config.data.features,
-                      semi_supervised=settings, members=arm.members or config.student.members)
+                      semi_supervised=settings, members=arm.members or config.student.members,
+                      test_views=arm.test_views)
     started = time.perf_counter()
     model, _ = student.train_on(keep, labels)
-    return {"arm": name, "seed": seed, "accuracy": evaluate(model, student.test), "labelled": int(len(keep)),
+    return {"arm": name, "seed": seed, "accuracy": student.accuracy(model), "labelled": int(len(keep)),
             "wrong": int((labels != pool.y[train][keep]).sum()), "held_out": int(held),
             "seconds": round(time.perf_counter() - started, 1)}
 
