@@ -32,8 +32,7 @@ def predict_with_views(model: nn.Module, images: np.ndarray, represent: Callable
         total = 0.0
         for view in range(views + 1):
             shown = batch if view == 0 else WEAK(batch, generator)
-            with torch.no_grad():
-                logits = predict_logits(model, represent(shown).numpy(), batch_size)
+            logits = predict_logits(model, represent(shown).numpy(), batch_size)  # eval mode, no gradients
             total = total + torch.softmax(torch.from_numpy(logits), dim=1).numpy()
         classes.append(np.argmax(total, axis=1))
     return np.concatenate(classes).astype(np.int64) if classes else np.zeros(0, dtype=np.int64)
