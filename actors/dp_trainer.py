@@ -315,8 +315,10 @@ class ShardHolder(ReleaseKeys):
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
         model = self._spec.build()
         model.load_state_dict(_tensors(state))
-        self._embeddings = embed(model, self._data.x)
-        self._entropy = logit_entropy(predict_logits(model, self._data.x))
+        # one record at a time: each record's embedding and entropy its own, bit for bit (a batch's
+        # kernels round a row by its neighbours), so its vote is a function of it alone
+        self._embeddings = embed(model, self._data.x, batch_size=1)
+        self._entropy = logit_entropy(predict_logits(model, self._data.x, batch_size=1))
 
     # NearPrivate's sums. The clean aggregates (Σ x xᵀ of the unit-normalised embeddings of the
     # held points; per projected public point, the held points with entropy ≥ the threshold

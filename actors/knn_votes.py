@@ -44,6 +44,7 @@ from conclave.actors.teacher import TeacherSource
 from conclave.actors.vote_parties import INLINE_INPUT_BYTES, RecordShare, VoteParties, declared_share, plan_parties
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
+from conclave.privacy.exact_distances import nearest_records
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.noise import SECURE, NoisePolicy
 
@@ -94,27 +95,20 @@ class KnnShard(EmbeddedRecords):
         distances = np.full((batch, self.k), np.inf)
         labels = np.full((batch, self.k), -1, dtype=np.int64)
         rng = self.noise.source(stream).rng
+        voters = self._labels >= 0  # padding rows: sampled like records, never anyone's neighbour
         rows = max(1, CHUNK_PAIRS // max(n, 1))
         for start in range(0, batch, rows):
             chunk = queries[start:start + rows]
             # Consecutive draws from one generator equal one [batch, n] draw: chunking keeps the sample.
-            included = rng.random((len(chunk), n)) < self.sample_rate
-            squared = np.maximum(
-                self._norms[None, :] - 2.0 * chunk @ self._points.T + np.einsum("ij,ij->i", chunk, chunk)[:, None], 0.0)
-            squared[:, self._labels < 0] = np.inf  # padding rows: sampled like records, never anyone's neighbour
+            included = (rng.random((len(chunk), n)) < self.sample_rate) & voters
+            # The matrix product only prunes; exact per-record distances choose (privacy.exact_distances).
+            approximate = self._norms[None, :] - 2.0 * (chunk @ self._points.T) + np.einsum("ij,ij->i", chunk, chunk)[:, None]
             for row in range(len(chunk)):
-                nearest = self._nearest(squared[row], np.flatnonzero(included[row]))
-                nearest = nearest[np.isfinite(squared[row, nearest])]
-                distances[start + row, :len(nearest)] = squared[row, nearest]
+                nearest, exact = nearest_records(self._points, self._norms, chunk[row], approximate[row],
+                                                 np.flatnonzero(included[row]), self.k)
+                distances[start + row, :len(nearest)] = exact
                 labels[start + row, :len(nearest)] = self._labels[nearest]
         return distances, labels
-
-    def _nearest(self, squared: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The (up to) k positions of ``positions`` (ascending) nearest first, ties by position."""
-        if len(positions) > self.k:  # everything not beyond the k-th distance; lexsort settles ties
-            candidates = squared[positions]
-            positions = positions[candidates <= np.partition(candidates, self.k - 1)[self.k - 1]]
-        return positions[np.lexsort((positions, squared[positions]))][:self.k]
 
 
 # Restarted like a teacher group (its constructor reloads the owner's records); a call is not

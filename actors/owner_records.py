@@ -2,8 +2,9 @@
 vote themselves (kNN votes, public-cluster votes) holds in its actors.
 
 The records are read where the actor runs (``OwnerSource.load``, the owner's node), embedded there
-in the run's fixed public embedding, kept as float64 with their squared norms (the expanded
-squared distance then loses nothing that matters), and padded to the owner's declared size so
+in the run's fixed public embedding one record at a time (``Embedding.records``: each vector a
+function of its record alone, bit for bit), kept as float64 with their squared norms (which only
+prune: exact per-record distances choose, ``privacy.exact_distances``), and padded to the owner's declared size so
 that the work per query says nothing of how many records there are. Nothing here leaves the actor;
 each subclass says what it counts from them (``VoteParty.partial_votes``).
 
@@ -49,7 +50,7 @@ class EmbeddedRecords(VoteParty):
             self.num_classes, self.input_shape = 0, ()
             return
         self.num_classes, self.input_shape = shards[0].num_classes, shards[0].input_shape
-        self._points, self._labels = padded(np.asarray(embed(np.concatenate([part.x for part in shards])),
+        self._points, self._labels = padded(np.asarray(embed.records(np.concatenate([part.x for part in shards])),
                                                        dtype=np.float64),
                                             np.concatenate([part.y for part in shards]), rows)
         self._norms = np.einsum("ij,ij->i", self._points, self._points)

@@ -153,7 +153,7 @@ def replay_clusters(table: Table, student: Student, count: int, m: int, sigma: f
                     dims: int | None = None) -> dict:
     from conclave.learning.embeddings import fit_embedding
     from conclave.learning.selection.clusters import cluster_pool
-    from conclave.privacy.cluster_histogram import nearest_queries
+    from conclave.privacy.exact_distances import nearest_queries
     from conclave.privacy.mechanisms.public_clusters import cluster_answers
 
     pool = table.pool[0]
@@ -163,9 +163,7 @@ def replay_clusters(table: Table, student: Student, count: int, m: int, sigma: f
     queries = embedded[clusters.medoids]
     votes = np.zeros((count, student.classes), dtype=np.int64)
     for x, y in table.owners.values():
-        records = embed(x)
-        squared = ((records[:, None, :] - queries[None]) ** 2).sum(axis=-1)
-        for column in nearest_queries(squared, m).T:
+        for column in nearest_queries(embed(x), queries, m).T:
             np.add.at(votes, (column, y), 1)
     noised = votes + np.random.default_rng().normal(0, _noise_sd(sigma, len(table.owners), secure), votes.shape)
     answers = cluster_answers(noised, threshold, purity)

@@ -132,7 +132,7 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
     docstring), ``x``'s own images voting with ``truth``, as ``arm`` sets it."""
     from conclave.learning.embeddings import fit_embedding
     from conclave.learning.selection.clusters import cluster_pool
-    from conclave.privacy.cluster_histogram import nearest_queries
+    from conclave.privacy.exact_distances import nearest_queries
     from conclave.privacy.mechanisms.public_clusters import cluster_answers
 
     clusters, selection = config.clusters, config.student.selection
@@ -141,12 +141,14 @@ def cluster_labels(x: np.ndarray, truth: np.ndarray, config: TeacherStudentConfi
     count = round(run_count * len(x) / config.data.public_size)
     pool = cluster_pool(embedded, count, seed)
     medoids = embedded[pool.medoids]
-    squared = (np.einsum("ij,ij->i", embedded, embedded)[:, None] - 2.0 * embedded @ medoids.T
-               + np.einsum("ij,ij->i", medoids, medoids)[None, :])
-    squared[pool.medoids, np.arange(count)] = np.inf  # a medoid never votes for itself
     votes = np.zeros((count, int(truth.max()) + 1))
     m = arm.votes_per_record or clusters.votes_per_record
-    np.add.at(votes, (nearest_queries(squared, m), truth[:, None]), 1)
+    nearest = nearest_queries(embedded, medoids, m + 1)
+    own = np.full(len(x), -1)
+    own[pool.medoids] = np.arange(count)
+    # a medoid never votes for itself: its own column moves last, then the first m are kept
+    order = np.argsort(nearest == own[:, None], axis=1, kind="stable")[:, :m]
+    np.add.at(votes, (np.take_along_axis(nearest, order, axis=1), truth[:, None]), 1)
     # the same votes per medoid against the noise as a run's records have against its σ
     sigma = (arm.sigma or config.mechanism.params["sigma"]) * (len(x) / count) / (PRIVATE_RECORDS / run_count)
     answers = cluster_answers(votes + rng.normal(0.0, sigma, votes.shape), arm.threshold * sigma, 0.0)

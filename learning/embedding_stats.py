@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from sklearn.neighbors import NearestNeighbors
 
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.counts import LaplaceCounts
+from conclave.privacy.exact_distances import exact_projection, nearest_queries
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.pca import AnalyzeGauss, covariance_sum, normalise_rows
 
@@ -29,15 +29,17 @@ def support_counts(embeddings: np.ndarray, entropy: np.ndarray, projection: np.n
                    public_points: np.ndarray, threshold: float) -> np.ndarray:
     """How many private points with entropy ≥ ``threshold`` have each public point as their
     nearest neighbour in the projected space (int64 [len(public_points)]); each private point
-    counts at most once, which gives the counts L1 sensitivity 1."""
+    counts at most once, for a public point chosen from its own row alone (ties by index), which
+    gives the counts L1 sensitivity 1."""
     if len(embeddings) != len(entropy):
         raise ValueError(f"{len(embeddings)} embeddings but {len(entropy)} entropies")
     counts = np.zeros(len(public_points), dtype=np.int64)
     voters = np.asarray(entropy) >= threshold
     if not voters.any():
         return counts
-    private_points = normalise_rows(embeddings[voters]) @ projection
-    nearest = NearestNeighbors(n_neighbors=1).fit(public_points).kneighbors(private_points, return_distance=False)
+    # each point's projection and nearest public point on its own row alone (privacy.exact_distances)
+    private_points = exact_projection(normalise_rows(embeddings[voters]), np.asarray(projection).T)
+    nearest = nearest_queries(private_points, public_points, 1)
     return np.bincount(nearest[:, 0], minlength=len(public_points)).astype(np.int64)
 
 

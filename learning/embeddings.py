@@ -24,11 +24,24 @@ import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 
-Embedding = Callable[[np.ndarray], np.ndarray]  # inputs [n, *shape] → float [n, d]; fixed and public
+from conclave.privacy.exact_distances import exact_projection
+
+
+
+class Embedding(Protocol):
+    """A fixed public map of inputs to vectors. ``__call__`` embeds public inputs (queries, the pool)
+    in whatever batches are fastest; ``records`` embeds an owner's records so that each record's
+    vector is a function of that record alone, bit for bit, whatever records sit beside it (the
+    one-record lemmas of kNN and cluster votes rest on it; docs/privacy.md)."""
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray: ...
+
+    def records(self, inputs: np.ndarray) -> np.ndarray: ...
+
 
 NETWORK = "network:"  # prefix of a checkpoint path
 # Inputs embedded at a time: scattering 60,000 MNIST images at once would hold ~1 GB of
@@ -52,6 +65,10 @@ class NamedEmbedding(abc.ABC):
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
         """float [n, d] for inputs [n, *shape]."""
 
+    def records(self, inputs: np.ndarray) -> np.ndarray:
+        """float [n, d], each record embedded alone (``Embedding``); subclasses may do it faster."""
+        return one_at_a_time(self, inputs)
+
 
 @dataclass(frozen=True)
 class Flatten(NamedEmbedding):
@@ -67,6 +84,9 @@ class Flatten(NamedEmbedding):
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
         inputs = np.asarray(inputs, dtype=np.float32)
         return inputs.reshape(len(inputs), math.prod(inputs.shape[1:]))  # also for no inputs at all
+
+    def records(self, inputs: np.ndarray) -> np.ndarray:
+        return self(inputs)  # a cast and a reshape: elementwise
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,23 @@ class PublicPCA(NamedEmbedding):
                  @ self.components.T
                  for start in range(0, len(inputs), EMBED_CHUNK)]
         return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
+
+    def records(self, inputs: np.ndarray) -> np.ndarray:
+        """The projection summed in a fixed order, one elementwise operation at a time, so each
+        record's vector has the same bits wherever it sits (a matrix product's need not); the
+        features are the shipped per-image transforms (``learning.data.features``)."""
+        components = self.components.astype(np.float64)
+        parts = [exact_projection((_represent(inputs[start:start + EMBED_CHUNK], self.projects) - self.mean) / self.scale,
+                              components)
+                 for start in range(0, len(inputs), EMBED_CHUNK)]
+        return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
+
+
+def one_at_a_time(embed: Callable[[np.ndarray], np.ndarray], inputs: np.ndarray) -> np.ndarray:
+    """``embed`` applied to each input alone, in a fresh copy: the same call on the same bits, so
+    each vector is a function of its own input whatever the batch (slower than a batch)."""
+    parts = [np.asarray(embed(np.array(inputs[i:i + 1])), dtype=np.float32) for i in range(len(inputs))]
+    return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
 
 
 class StandardisedPCA(PublicPCA):
@@ -222,6 +259,31 @@ class NetworkEmbedding:
                  for start in range(0, len(inputs), EMBED_CHUNK)]
         return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
 
+    def records(self, inputs: np.ndarray) -> np.ndarray:
+        """The network run on one record at a time (a batch's kernels round a row by its
+        neighbours; a batch of one always takes the same path); features per image as above."""
+        from conclave.learning.data.features import features_of
+        from conclave.learning.training import embed
+
+        parts = [embed(self._network, features_of(np.asarray(inputs[start:start + EMBED_CHUNK], dtype=np.float32),
+                                                  self.features), batch_size=1)
+                 for start in range(0, len(inputs), EMBED_CHUNK)]
+        return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class UserEmbedding:
+    """A user's ``module:function`` embedding: public inputs as the function batches them, records
+    one at a time (``one_at_a_time``: nothing is known of how the function rounds a batch)."""
+
+    function: Callable[[np.ndarray], np.ndarray]
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        return self.function(inputs)
+
+    def records(self, inputs: np.ndarray) -> np.ndarray:
+        return one_at_a_time(self.function, inputs)
+
 
 def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
     """The embedding ``name`` (module docstring), fitted on ``public_inputs`` where it fits anything
@@ -236,4 +298,4 @@ def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
         factory = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"embedding {name!r}: {err}") from err
-    return factory(public_inputs, dims)
+    return UserEmbedding(factory(public_inputs, dims))

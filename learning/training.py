@@ -76,7 +76,7 @@ def _batched(model: nn.Module, x: np.ndarray, batch_size: int,
     outputs = []
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
-            batch = torch.from_numpy(np.ascontiguousarray(x[start:start + batch_size], dtype=np.float32))
+            batch = torch.tensor(np.asarray(x[start:start + batch_size], dtype=np.float32))  # own, aligned memory
             outputs.append(fn(model, batch.to(device)).flatten(1).float().cpu().numpy())
     if not outputs:
         raise ValueError("inputs are empty")

@@ -37,6 +37,7 @@ import numpy as np
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
 from conclave.privacy.accounting.skellam import skellam_charge
+from conclave.privacy.exact_distances import exact_squared
 from conclave.privacy.noise import NoiseSource
 from conclave.privacy.secure_release import CalibratedRelease, party_share, release_plan, summed_shares
 from conclave.privacy.secure_sum import DOMINATING_SENSITIVITY, PairwiseMasks, SecureSumPlan, decode
@@ -47,7 +48,7 @@ def normalise_rows(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"expected a 2-D array [n, d], got shape {x.shape}")
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    norms = np.sqrt(exact_squared(x, np.zeros_like(x)))[:, None]  # each row's own, bit for bit
     return x / np.where(norms > 0, norms, 1.0)
 
 
