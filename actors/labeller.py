@@ -538,10 +538,13 @@ class _Rounds:
     it runs with) when its shares are asked for, before any could arrive: from then on whoever
     holds this process could decode it, even from a share that comes after the round was given
     up. So a round that fails after that point stays charged; one that fails before (an owner
-    sent no key) is not."""
+    sent no key) is not. Each is paid with its worst case beside it, the round over every row of
+    the batch (a round on the confident rows only is the same release with the rest withheld),
+    which the run's guarantee composes where the run charged more than it planned."""
 
     def __init__(self, source: SecureVoteSource, inputs: np.ndarray, noise: NoisePolicy, label: str,
-                 pay: Callable[[PrivacyCharge], None], failures: RateLimitedLog, bound: VoteBound) -> None:
+                 pay: Callable[[PrivacyCharge, PrivacyCharge], None], failures: RateLimitedLog,
+                 bound: VoteBound) -> None:
         self._source, self._inputs, self._noise, self._label, self._bound = source, inputs, noise, label, bound
         self._pay, self._failures = pay, failures
         self.charged = 0  # rounds charged: their shares were asked for
@@ -555,7 +558,7 @@ class _Rounds:
             if paid:  # once per round, whatever the source does
                 return
             try:
-                self._pay(release.charge(len(rows), self._label))
+                self._pay(release.charge(len(rows), self._label), release.charge(len(self._inputs), self._label))
             except BaseException as err:
                 unpaid = err
                 raise
@@ -606,7 +609,9 @@ class SecureLabeller(PrivateLabeller):
                 return set()
             keys = keys[: self._affordable(len(keys))]
             rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
-                             lambda charge: self.ledger.charge(self._for_ledger(charge)), self._failures,
+                             lambda charge, worst: self.ledger.charge(self._for_ledger(charge),
+                                                                      worst_case=self._for_ledger(worst)),
+                             self._failures,
                              self.mechanism.vote_bound)
             try:
                 labels = np.asarray(self.mechanism.answer(rounds.noised, len(keys)), dtype=np.int64)

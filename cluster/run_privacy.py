@@ -29,7 +29,7 @@ from conclave.cluster.config import ConfigError
 from conclave.cluster.owners import DataOwner
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
-from conclave.privacy.accounting.guarantee import Estimate, Guarantee, run_guarantee, worst_case_guarantee
+from conclave.privacy.accounting.guarantee import Estimate, Guarantee, covers, run_guarantee, worst_case_guarantee
 from conclave.privacy.accounting.ledger import (AnsweringLedger, BudgetChange, BudgetExceeded, BudgetReport,
                                                 PrivacyLedger)
 from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms, RunRequest
@@ -144,18 +144,25 @@ class PrivacyConfig:
 
     def report(self, planned: PrivacyCharge, ledger: AnsweringLedger, trust: TrustModel) -> RunPrivacy:
         """What every run reports about its privacy: the guarantee (the better of the budget
-        ``ledger`` enforces and the worst case of ``planned``, which must cover everything the
-        ledger holds), who saw what, what was planned, what the ledger holds, and each budgeted
-        owner's lifetime account (the pipeline adds its own releases)."""
+        ``ledger`` enforces and the worst case of ``planned`` — or, where the ledger's charges at
+        their worst cases went past it, e.g. a round charged, given up and asked again, of those
+        charges: ``run_guarantee``), who saw what, what was planned, what the ledger holds, and
+        each budgeted owner's lifetime account (the pipeline adds its own releases)."""
         owners = {}
         if isinstance(ledger, RunLedger):
             owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name],
                                                   ledger.owners.terms[name])
                       for name, report in ledger.owner_reports().items()}
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
-        guarantee = run_guarantee(planned, self.delta, ledger.budget, reasons)  # the filter the ledger enforces
-        return RunPrivacy(guarantee, trust, worst_case_guarantee(planned, self.delta), planned.label,
-                          ledger.report(), owners=owners)
+        charged = ledger.worst_case_spent()
+        # the filter the ledger enforces; the plan's worst case or, past it, what was charged
+        guarantee = run_guarantee(planned, self.delta, ledger.budget, reasons, charged)
+        plan, spent = worst_case_guarantee(planned, self.delta), ledger.report()
+        beyond = None if covers(planned, charged) else (
+            f"the run charged more than its plan ({spent.charges} charges at worst case ε "
+            f"{worst_case_guarantee(charged, self.delta).epsilon:.4g} against the plan's ε {plan.epsilon:.4g}, e.g. a "
+            "round given up at its deadline and asked again): the guarantee composes every charge at its worst case")
+        return RunPrivacy(guarantee, trust, plan, planned.label, spent, owners=owners, beyond_plan=beyond)
 
 
 _REQUEST: contextvars.ContextVar[RunRequest | None] = contextvars.ContextVar("conclave_run_request", default=None)
@@ -258,7 +265,8 @@ class RunPrivacy:
     """A run's privacy report: the guarantee a theorem backs (``guarantee``), who saw what
     (``trust``), the worst case of the planned work, what the ledger holds (``spent``, an
     odometer reading, not the guarantee), labelled ``estimates`` that are not guarantees, the
-    guarantee of each model the run publishes on its own (``per_model``), and the pipeline's
+    guarantee of each model the run publishes on its own (``per_model``), why the planned
+    worst case does not cover the run where it does not (``beyond_plan``), and the pipeline's
     own public figures (``releases``: its mechanism, DP-SGD schedule, NearPrivate's releases...).
     Only public values go in: ``as_dict`` is ``privacy.json``."""
 
@@ -271,6 +279,7 @@ class RunPrivacy:
     per_model: Mapping[str, Guarantee] = field(default_factory=dict)
     releases: Mapping[str, Any] = field(default_factory=dict)
     owners: Mapping[str, OwnerAccountReport] = field(default_factory=dict)  # owners with lifetime budgets
+    beyond_plan: str | None = None  # why the plan's worst case is not the guarantee: the run charged more
 
     @property
     def epsilon(self) -> float:
@@ -298,6 +307,8 @@ class RunPrivacy:
                 else "guarantee ε = inf: no finite guarantee")
         if g.unsound_reasons:
             line += "; NOT SOUND: " + "; ".join(g.unsound_reasons)
+        if self.beyond_plan is not None:
+            line += "; the run charged more than its plan"
         for estimate in self.estimates:
             if estimate.epsilon is not None:
                 line += f"; {estimate.name} estimate ε = {estimate.epsilon:.3g} (not a DP guarantee)"
@@ -317,7 +328,9 @@ class RunPrivacy:
             "aggregation": self.trust.aggregation,
             "trust_model": self.trust.as_dict(),
             "budget": None if spent.budget is None else spent.budget.as_dict(),
-            "planned_worst_case": {"epsilon": self.planned.epsilon, "charge": self.planned_label},
+            "planned_worst_case": {"epsilon": self.planned.epsilon, "charge": self.planned_label,
+                                   "covers_the_run": self.beyond_plan is None,
+                                   **({} if self.beyond_plan is None else {"note": self.beyond_plan})},
             "spent": {"epsilon": spent.epsilon_spent, "order": spent.order, "charges": spent.charges,
                       "by_label": spent.by_label, "rdp_at_budget_order": spent.rdp_at_budget_order,
                       "note": SPENT_NOTE},

@@ -110,7 +110,8 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         with serve(config, teachers, results.path / "ledger.sqlite") as aggregator:
             student = train_student(config, teachers, aggregator)
             aggregator.stop()
-            privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier)
+            charged = aggregator.ledger.worst_case_spent()  # the plan's worst case no longer covers a run past it
+            privacy = with_earlier_rounds(aggregator.privacy_report(), config, earlier, charged)
             stopped = (aggregator.ledger.last_refusal or "a privacy budget refused the next answer"
                        ) if student.budget_exhausted else None
         if stopped is not None and not student.asked:  # nothing asked was paid for: a refusal, not a result
@@ -131,7 +132,7 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         results.write_json("metrics", metrics)
         results.write_json("privacy", privacy.as_dict())
         if student.network is not None:  # a later round's embedding: "network:<this file>", with every round's bound
-            with_lineage(student.network, config, earlier).save(results.path / "student.pt")
+            with_lineage(student.network, config, earlier, charged).save(results.path / "student.pt")
         _plots(results, student.curve)
         summary = {
             "student_accuracy": round(student.accuracy, 4),

@@ -12,6 +12,10 @@ A guarantee has one of three bases:
   order (Balle et al. 2020, Thm 21). Stopping early is post-processing, so it still holds.
   Where the work is Gaussian releases alone, their privacy-loss distribution is a second
   theorem for it (``privacy.accounting.pld``), and the smaller ε is the one given.
+  A run that charged more than it planned (a round charged, given up at its deadline and asked
+  again) is no longer covered by its plan: its worst case is then that of every charge its
+  ledger holds, each at the worst case it was checked against (``run_worst_case``), by RDP alone,
+  since the sequence was not fixed in advance.
 * ``unbounded`` — no finite ε holds (NZC as published, or a run with neither).
 
 Where a run has both a budget and fixed planned work, both are theorems for the same run,
@@ -20,9 +24,12 @@ so the smaller ε at the same δ holds (``best``). A run whose noise was reprodu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import THEOREM as FILTER_THEOREM
@@ -33,6 +40,9 @@ from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
 WORST_CASE_THEOREM = ("data-independent worst case of the planned work: RDP composition (Mironov 2017, Prop. 1), "
                       "converted at its best order (Balle et al. 2020, Thm 21)")
+CHARGED_THEOREM = ("data-independent worst case of every charge the run's ledger holds, which its plan does not "
+                   "cover: RDP composition (Mironov 2017, Prop. 1), converted at its best order (Balle et al. 2020, "
+                   "Thm 21)")
 NOT_A_GUARANTEE = "estimate: not a DP guarantee"
 
 
@@ -109,6 +119,34 @@ def worst_case_guarantee(planned: PrivacyCharge, delta: float) -> Guarantee:
     return Guarantee(tighter, delta, "worst-case", planned.neighbouring, PLD_THEOREM) if tighter < epsilon else rdp
 
 
+def covers(planned: PrivacyCharge, charged: PrivacyCharge) -> bool:
+    """Whether the worst case of ``planned`` covers ``charged`` (what a run's ledger holds, each
+    charge at its worst case): at every order, in δ outside the curves, and in boundedness."""
+    if not np.array_equal(planned.orders, charged.orders) or planned.neighbouring != charged.neighbouring:
+        raise ValueError("a run's plan and its charges must share RDP orders and the neighbouring relation")
+    if planned.unbounded:
+        return True
+    if charged.unbounded:
+        return False
+    slack = 1e-9  # the same releases summed in another order
+    return bool(charged.extra_delta <= planned.extra_delta * (1 + slack) + 1e-15
+                and np.all(charged.rdp <= planned.rdp * (1 + slack) + 1e-12))
+
+
+def run_worst_case(planned: PrivacyCharge, charged: PrivacyCharge | None) -> PrivacyCharge:
+    """The worst case of the work a run did: ``planned`` where it covers ``charged`` (the run's
+    ledger, every charge at its worst case), else the larger of the two at each order — never
+    less than the plan — without the plan's Gaussian releases: the sequence charged was not
+    fixed in advance, so their privacy-loss distribution does not apply."""
+    if charged is None or covers(planned, charged):
+        return planned
+    unbounded = planned.unbounded or charged.unbounded
+    return PrivacyCharge(planned.orders, np.maximum(planned.rdp, charged.rdp),
+                         extra_delta=max(planned.extra_delta, charged.extra_delta), unbounded=unbounded,
+                         reason=(planned.reason or charged.reason) if unbounded else "",
+                         label="charged beyond the plan", neighbouring=planned.neighbouring)
+
+
 def unbounded_guarantee(delta: float, neighbouring: Neighbouring, reason: str) -> Guarantee:
     return Guarantee(math.inf, delta, "unbounded", neighbouring, "none: " + reason, None, (reason,))
 
@@ -130,9 +168,14 @@ def best(*guarantees: Guarantee | None) -> Guarantee:
 
 
 def run_guarantee(planned: PrivacyCharge, delta: float, budget: RenyiFilter | None = None,
-                  unsound_reasons: tuple[str, ...] = ()) -> Guarantee:
-    """A run's guarantee: the better of its filter's budget (if it declared one) and the worst
-    case of the work it planned (fixed in advance), marked unsound for ``unsound_reasons``."""
-    worst = worst_case_guarantee(planned, delta)
+                  unsound_reasons: tuple[str, ...] = (), charged: PrivacyCharge | None = None) -> Guarantee:
+    """A run's guarantee: the better of its filter's budget (if it declared one; the filter holds
+    whatever was charged) and the worst case of the work it did (``run_worst_case``: the plan's,
+    unless ``charged``, the run's ledger at worst case, went past it), marked unsound for
+    ``unsound_reasons``."""
+    work = run_worst_case(planned, charged)
+    worst = worst_case_guarantee(work, delta)
+    if work is not planned and worst.basis == "worst-case":
+        worst = dataclasses.replace(worst, theorem=CHARGED_THEOREM)
     declared = None if budget is None else filter_guarantee(budget, planned.neighbouring)
     return best(declared, worst).marked(unsound_reasons)

@@ -28,8 +28,8 @@ from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
 from conclave.privacy.accounting.ledger_store import (
-    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, StoredCharge, read_entries,
-    read_stored,
+    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, StoredCharge, WorstCase,
+    read_entries, read_stored,
 )
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
@@ -157,6 +157,10 @@ class AnsweringLedger(Ledger, Protocol):
         """Every answer on record."""
         ...
 
+    def worst_case_spent(self) -> PrivacyCharge:
+        """Every charge recorded so far at the worst case it was checked against, composed."""
+        ...
+
 
 class _Totals:
     """Running sums of the charges read so far, always added in row-id order so that a
@@ -170,9 +174,16 @@ class _Totals:
         self.by_label: dict[str, tuple[np.ndarray, float, bool]] = {}
         # The Gaussian releases of every charge so far, while each was one (``PrivacyCharge.pld``).
         self.plan: tuple[GaussianSteps, ...] | None = ()
+        # Every charge at the worst case it was checked against (its own where none was given).
+        self.worst = WorstCase(np.zeros(size), 0.0, False)
 
     def add(self, charge: StoredCharge) -> None:
         self.count += 1
+        worst = charge.worst
+        if worst is None:  # the charge is its own worst case
+            worst = WorstCase(charge.rdp, charge.extra_delta, charge.unbounded)
+        self.worst = WorstCase(self.worst.rdp + worst.rdp, self.worst.extra_delta + worst.extra_delta,
+                               self.worst.unbounded or worst.unbounded)
         self.plan = None if self.plan is None or charge.plan is None else self.plan + charge.plan
         self.rdp = self.rdp + charge.rdp
         self.extra_delta += charge.extra_delta
@@ -255,10 +266,11 @@ class PrivacyLedger:
             if refused is not None:
                 self.last_refusal = refused
                 raise BudgetExceeded(refused)
-            self._store.append_charge(charge, answers or {})
+            worst = WorstCase.beyond(charge, worst_case)
+            self._store.append_charge(charge, answers or {}, worst)
             # Only after COMMIT succeeded does the new row enter the running totals.
             self._totals.add(StoredCharge(charge.label, np.asarray(charge.rdp, dtype="<f8"), float(charge.extra_delta),
-                                          bool(charge.unbounded), charge.pld))
+                                          bool(charge.unbounded), charge.pld, worst))
             return self._report()
 
     def change_budget(self, epsilon: float) -> BudgetChange:
@@ -319,6 +331,18 @@ class PrivacyLedger:
                 neighbouring=self.neighbouring,
                 pld=totals.plan if totals.count else None,
             )
+
+    def worst_case_spent(self) -> PrivacyCharge:
+        """Every charge recorded so far at the worst case it was checked against (its own where
+        none was given), composed: what the run's guarantee composes where its plan no longer
+        covers what it charged (``guarantee.run_worst_case``)."""
+        with self._lock:
+            self._store.check_open()
+            worst = self._totals.worst
+            return PrivacyCharge(self.orders, worst.rdp.copy(), extra_delta=worst.extra_delta,
+                                 unbounded=worst.unbounded,
+                                 reason="an unbounded charge was recorded" if worst.unbounded else "",
+                                 label="charged at worst case", neighbouring=self.neighbouring)
 
     def close(self) -> None:
         with self._lock:

@@ -73,6 +73,7 @@ _INSERT_ENTRY = ("charges (id, label, rdp, extra_delta, unbounded, reason, detai
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 BUDGET_CHANGE = "budget-change"  # the label of a chain entry that changes the budget, not a charge
 GAUSSIAN_PLAN = "gaussian_plan"  # a charge's details: the Gaussian releases it is made of, for a tighter ε
+WORST_CASE = "worst_case"  # a charge's details: the worst case it was checked against, where it is more
 
 
 class LedgerInUse(RunRefused, RuntimeError):
@@ -142,13 +143,36 @@ class LedgerSettings:
 @dataclass(frozen=True)
 class StoredCharge:
     """A charge as its row holds it, with the Gaussian releases it states it is made of (None:
-    not only Gaussian ones, or an older row)."""
+    not only Gaussian ones, or an older row) and the worst case it was checked against (None:
+    the charge is its own worst case)."""
 
     label: str
     rdp: np.ndarray
     extra_delta: float
     unbounded: bool
     plan: tuple[GaussianSteps, ...] | None
+    worst: WorstCase | None = None
+
+
+@dataclass(frozen=True)
+class WorstCase:
+    """The data-independent worst case a charge was checked against, where it exceeds the
+    charge (e.g. every query of a batch answered, where some abstained)."""
+
+    rdp: np.ndarray
+    extra_delta: float
+    unbounded: bool
+
+    @classmethod
+    def beyond(cls, charge: PrivacyCharge, worst_case: PrivacyCharge | None) -> WorstCase | None:
+        """``worst_case`` where it differs from ``charge`` (None where it does not, or there is none)."""
+        if worst_case is None or (np.array_equal(worst_case.rdp, charge.rdp) and worst_case.extra_delta ==
+                                  charge.extra_delta and worst_case.unbounded == charge.unbounded):
+            return None
+        return cls(np.asarray(worst_case.rdp, dtype="<f8"), float(worst_case.extra_delta), bool(worst_case.unbounded))
+
+    def as_details(self) -> dict:
+        return {"rdp": self.rdp.tolist(), "extra_delta": self.extra_delta, "unbounded": self.unbounded}
 
 
 @dataclass(frozen=True)
@@ -234,12 +258,14 @@ class LedgerStore:
         self._keep_record = keep_record or record is not None
         self._note_record()
 
-    def append_charge(self, charge: PrivacyCharge, answers: dict[bytes, int]) -> None:
-        """Write ``charge`` and the ``answers`` it pays for (those not on record yet) in one
-        fsynced transaction."""
+    def append_charge(self, charge: PrivacyCharge, answers: dict[bytes, int], worst: WorstCase | None = None) -> None:
+        """Write ``charge``, the ``worst`` case it was checked against (where it exceeds the
+        charge) and the ``answers`` it pays for (those not on record yet) in one fsynced transaction."""
         row_id = self.entries + 1
         details = charge.details if charge.pld is None else {**charge.details, GAUSSIAN_PLAN: [
             [step.noise_multiplier, step.count, step.sample_rate] for step in charge.pld]}
+        if worst is not None:
+            details = {**details, WORST_CASE: worst.as_details()}
         row = (row_id, charge.label, np.asarray(charge.rdp, dtype="<f8").tobytes(), float(charge.extra_delta),
                int(charge.unbounded), charge.reason, json.dumps(details, default=str), charge.neighbouring, time.time())
         with self._transaction():
@@ -500,7 +526,8 @@ def _verified(path: Path, db: sqlite3.Connection) -> StoredLedger | None:
         if label == BUDGET_CHANGE:
             changes.append(_budget_change(path, row, curve, extra_delta, unbounded))
         else:
-            charges.append(StoredCharge(label, curve, extra_delta, bool(unbounded), _gaussian_plan(row[6])))
+            charges.append(StoredCharge(label, curve, extra_delta, bool(unbounded), _gaussian_plan(row[6]),
+                                        _worst_case(path, row_id, row[6], size)))
         head = row[-1]
         checksums.append(head)
     _check_end(path, "charge", len(checksums), issued.get("charges", 0), by_charge)
@@ -522,6 +549,24 @@ def _gaussian_plan(details: str) -> tuple[GaussianSteps, ...] | None:
         return None if plan is None else tuple(GaussianSteps(float(z), int(n), float(q)) for z, n, q in plan)
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def _worst_case(path: Path, row_id: int, details: str, size: int) -> WorstCase | None:
+    """The worst case a charge row was checked against (None: the charge is its own). Under the
+    row's checksum like the rest of it, so one that does not parse is damage, not an older row."""
+    try:
+        stated = json.loads(details)
+        worst = stated.get(WORST_CASE) if isinstance(stated, dict) else None
+        if worst is None:
+            return None
+        curve = np.asarray(worst["rdp"], dtype="<f8")
+        extra_delta, unbounded = float(worst["extra_delta"]), worst["unbounded"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise LedgerDamaged(_damaged(path, f"charge {row_id}'s worst case does not parse ({err})")) from None
+    if curve.shape != (size,) or np.any(np.isnan(curve)) or np.any(curve < 0) or not 0 <= extra_delta < 1 or \
+            not isinstance(unbounded, bool):
+        raise LedgerDamaged(_damaged(path, f"charge {row_id}'s worst case is out of range"))
+    return WorstCase(curve, extra_delta, unbounded)
 
 
 def _budget_change(path: Path, row: tuple, curve: np.ndarray, extra_delta: float, unbounded: int) -> BudgetChange:

@@ -114,6 +114,9 @@ class RunLedger:
     def spent(self) -> PrivacyCharge:
         return self.ledger.spent()
 
+    def worst_case_spent(self) -> PrivacyCharge:
+        return self.ledger.worst_case_spent()
+
     def close(self) -> None:
         """Close the run's ledger and the owners' (the driver keeps a record of theirs)."""
         try:
