@@ -67,6 +67,9 @@ class ClusterVoteSource(VoteParties):
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, CLUSTER_LEMMA
     actor_kind, restart_note = "cluster-vote actor", " (it reloads its owner's records)"
+    # Each record votes for its m nearest queries OF THE BATCH: a query's votes depend on the
+    # batch's other queries, and only the batch's total is fixed (records × m), not a query's.
+    votes_per_query, batch_coupled = None, True
 
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, votes_per_record: int,
                  num_cpus_per_actor: float = 1.0) -> None:

@@ -6,6 +6,9 @@ when the leader is done the first of them leads the next batch. A lone caller ru
 nothing waits for a window to fill — and under load each batch holds what arrived while the
 one before it ran. The aggregator's labeller uses it so that concurrent ``Label`` calls share
 one vote call to the teachers, one mechanism call and one ledger transaction (one fsync).
+With ``merge=False`` each batch is one caller's item alone, still one batch at a time in arrival
+order: for work whose result for one item depends on the others of its batch (public-cluster
+votes), so that no caller's result depends on another's item.
 """
 from __future__ import annotations
 
@@ -35,13 +38,13 @@ class GroupCommit(Generic[Item, Result]):
     raised by ``work`` itself is raised to every caller of the batch and to every caller queued
     behind it: they would otherwise wait in turn on the same failure (a hung vote source would
     hold the last of them for several of its deadlines). ``size(item)`` counts an item against
-    ``limit`` (a batch always takes at least one item)."""
+    ``limit`` (a batch always takes at least one item); ``merge=False``: every batch is one item."""
 
     def __init__(self, work: Callable[[list[Item]], Sequence[Result | BaseException]], limit: int,
-                 size: Callable[[Item], int] = lambda item: 1) -> None:
+                 size: Callable[[Item], int] = lambda item: 1, merge: bool = True) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
-        self._work, self._limit, self._size = work, limit, size
+        self._work, self._limit, self._size, self._merge = work, limit, size, merge
         self._lock = threading.Lock()
         self._queue: deque[_Waiting[Item, Result]] = deque()
         self._running = False  # invariant: not running ⇒ nothing queued
@@ -64,7 +67,7 @@ class GroupCommit(Generic[Item, Result]):
         with self._lock:
             batch = [self._queue.popleft()]
             total = batch[0].size
-            while self._queue and total + self._queue[0].size <= self._limit:
+            while self._merge and self._queue and total + self._queue[0].size <= self._limit:
                 total += self._queue[0].size
                 batch.append(self._queue.popleft())
         try:

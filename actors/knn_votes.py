@@ -147,6 +147,8 @@ class KnnVoteSource(VoteParties):
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, KNN_LEMMA
     actor_kind, restart_note = "kNN actor", " (it reloads its owner's records)"
+    # Up to k votes per query, fewer where the sample holds fewer records; each query's its own.
+    votes_per_query, batch_coupled = None, False
 
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, k: int, sample_rate: float,
                  noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0, local: bool = False) -> None:

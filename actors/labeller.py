@@ -6,7 +6,9 @@ average away — and for the rest (2) asks the vote source (the teachers) for vo
 refusing any that does not count every teacher (no answer from a partial ensemble),
 (3) runs the configured vote mechanism, (4) charges the privacy ledger, writing the answers
 in the same transaction, and only then (5) commits the mechanism's state and releases the
-labels. A refused charge releases, records, charges and advances nothing.
+labels. A refused charge releases, records, charges and advances nothing. Concurrent calls
+are answered as one batch (``actors.group_commit``), except over a ``batch_coupled`` vote
+source (public clusters), where each call's new inputs are a batch and a release of their own.
 
 Answers live in the ledger file, so a restarted service repeats them, free and identical
 (and the answered/abstained counters start from them). A batch whose new inputs the budget
@@ -70,11 +72,17 @@ class VoteSource(Protocol):
 
     ``ready`` is required: the aggregator's health follows it, and after a failed vote it is
     the only way back to SERVING (a source without it would stay NOT_SERVING for good).
-    Optional: ``num_teachers`` (every histogram row must count that many votes).
     """
 
     neighbouring: Neighbouring  # the record-level relation under which one record moves at most one vote
     neighbouring_lemma: str  # why
+    # Every histogram row counts exactly this many votes (teachers: one each), so a row short of
+    # it is a partial ensemble, never answered; None where the count varies (kNN's sampled
+    # neighbours; public clusters, whose records vote for m queries of the batch: a batch total).
+    votes_per_query: int | None
+    # Whether a query's votes depend on the batch's other queries (public clusters): then each
+    # call is its own release, never merged with another client's (``PrivateLabeller.label``).
+    batch_coupled: bool
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
@@ -91,6 +99,7 @@ class SecureVoteSource(Protocol):
 
     neighbouring: Neighbouring
     neighbouring_lemma: str
+    batch_coupled: bool  # as ``VoteSource.batch_coupled``
 
     def ready(self, timeout: float = 2.0) -> bool:
         """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
@@ -298,8 +307,11 @@ class PrivateLabeller:
         self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
         self._guarantee: Guarantee | None = None
         self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
+        # Votes coupled across the batch (public clusters): each call its own batch and release,
+        # so that a call's labels depend on its own inputs alone, never on another client's.
         self._groups: GroupCommit[_Asked, int] = GroupCommit(self._label_group, limit=group_limit,
-                                                             size=lambda asked: len(asked.fresh))
+                                                             size=lambda asked: len(asked.fresh),
+                                                             merge=not vote_source.batch_coupled)
         # Counters of distinct inputs survive a restart: they are counted from the answers on record.
         on_record = np.fromiter(self._answers.values(), dtype=np.int64, count=len(self._answers))
         abstained = int((on_record == ABSTAIN).sum())
@@ -313,7 +325,9 @@ class PrivateLabeller:
         them and none of the batch is on record, ``TeachersUnavailable`` when the teachers cannot vote.
 
         Concurrent calls share one vote call, mechanism call and ledger transaction
-        (``GroupCommit``): a batch's new inputs are paid for in the order the calls arrived."""
+        (``GroupCommit``): a batch's new inputs are paid for in the order the calls arrived.
+        Not where the vote source is ``batch_coupled``: there each call's new inputs are one batch,
+        one release, of their own."""
         keys = input_keys(inputs)
         newly_answered = 0
         while True:
@@ -438,11 +452,11 @@ class PrivateLabeller:
             self._failures("malformed", "vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count,
                            level=logging.ERROR)
             raise TeachersUnavailable("teachers returned malformed vote histograms")
-        teachers = getattr(self.vote_source, "num_teachers", None)
-        if teachers is not None and (votes.sum(axis=1) != teachers).any():
+        whole = self.vote_source.votes_per_query
+        if whole is not None and (votes.sum(axis=1) != whole).any():
             # The charges assume the whole ensemble voted; a partial one must never answer.
             self._failures("partial", "vote histograms count %s votes, not %d",
-                           np.unique(votes.sum(axis=1)).tolist(), teachers, level=logging.ERROR)
+                           np.unique(votes.sum(axis=1)).tolist(), whole, level=logging.ERROR)
             raise TeachersUnavailable("not every teacher voted; retry later")
         return votes.astype(np.int64)
 

@@ -132,6 +132,7 @@ class TeacherGroup(VoteParty):
     """
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
+    batch_coupled = False  # as a vote source in-process (``ready``): each teacher votes on each query alone
 
     def __init__(
         self,
@@ -236,6 +237,11 @@ class TeacherGroup(VoteParty):
         """Health when the group itself is the vote source (in-process, e.g. a benchmark): trained."""
         return self.is_trained()
 
+    @property
+    def votes_per_query(self) -> int:
+        """As a vote source in-process: every teacher of the group votes once on every query."""
+        return len(self.models)
+
     def forget(self) -> None:
         """Delete this group's checkpoints (the pool is shutting down), and the run's private
         folder once no other group holds it."""
@@ -331,6 +337,7 @@ class TeacherPool(VoteParties):
     # teachers label about 220 inputs/s: 1,024 inputs in about 5 s); a secure round 12 s, about one
     # vote of the batch plus the masks. Both below the client's 30 s deadline.
     actor_kind, restart_note = "teacher actor", " from its saved teachers"
+    batch_coupled = False  # each teacher votes on each query alone
 
     def __init__(
         self,
@@ -412,6 +419,11 @@ class TeacherPool(VoteParties):
                     continue
                 bar.update(1)
         log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
+
+    @property
+    def votes_per_query(self) -> int:
+        """Every teacher votes once on every query."""
+        return self.num_teachers
 
     def _probe(self, actor: ray.actor.ActorHandle) -> ray.ObjectRef:
         return actor.is_trained.remote()

@@ -128,6 +128,8 @@ class VoteParties(abc.ABC):
     vote_timeout_s: float = 15.0  # a clean vote call, also below the client's deadline
     num_classes: int
     input_shape: tuple[int, ...]
+    votes_per_query: int | None  # ``actors.labeller.VoteSource``: each subclass declares both
+    batch_coupled: bool
 
     def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
         """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and

@@ -309,7 +309,7 @@ class FixedVotes:
 
     neighbouring = "add-remove"
     neighbouring_lemma = "benchmark: no data"
-    num_teachers = 250
+    votes_per_query, batch_coupled = 250, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)

@@ -44,7 +44,8 @@ CHECK = health_pb2.HealthCheckRequest()
 class InstantTeachers:
     """Three teachers that vote at once."""
 
-    neighbouring, neighbouring_lemma, num_teachers = Neighbouring.ADD_REMOVE, "one teacher per record", 3
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
+    votes_per_query, batch_coupled = 3, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)

@@ -168,7 +168,8 @@ def test_answers_survive_a_restart_free_and_identical(teachers, public, tmp_path
 class SlowTeachers:
     """Votes after a pause: keeps label threads busy so admission control shows."""
 
-    neighbouring, neighbouring_lemma, num_teachers = Neighbouring.ADD_REMOVE, "one teacher per record", 3
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
+    votes_per_query, batch_coupled = 3, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         time.sleep(1.0)

@@ -47,6 +47,29 @@ def test_a_lone_call_runs_at_once_and_calls_arriving_meanwhile_share_the_next_ba
     assert sorted(sum(batches[1:], [])) == list(range(1, 9))
 
 
+
+def test_without_merging_each_caller_is_a_batch_of_its_own_in_arrival_order():
+    """For work coupled across a batch (public-cluster votes): no caller's result may depend on another's item."""
+    batches: list[list[int]] = []
+    started = threading.Event()
+
+    def work(items: list[int]) -> list[int]:
+        batches.append(items)
+        started.set()
+        time.sleep(0.2)
+        return [item * 10 for item in items]
+
+    group: GroupCommit[int, int] = GroupCommit(work, limit=5, merge=False)
+    with futures.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(group.run, 0)
+        started.wait(5)
+        later = []
+        for item in (1, 2, 3):
+            later.append(pool.submit(group.run, item))
+            time.sleep(0.02)  # a known arrival order
+        assert [call.result() for call in [first, *later]] == [0, 10, 20, 30]
+    assert batches == [[0], [1], [2], [3]]
+
 def test_a_failure_of_the_work_reaches_its_batch_and_every_caller_queued_behind_it():
     calls = 0
 
@@ -75,7 +98,7 @@ class _Counting:
 
     def __init__(self, pool) -> None:
         self.pool, self.calls = pool, []
-        self.num_classes, self.num_teachers = pool.num_classes, pool.num_teachers
+        self.num_classes, self.votes_per_query, self.batch_coupled = pool.num_classes, pool.votes_per_query, False
         self.neighbouring, self.neighbouring_lemma = pool.neighbouring, pool.neighbouring_lemma
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
