@@ -80,6 +80,9 @@ class ActiveLearningData:
             raise ValueError(f"data.pollution must be in [0, 1], got {self.pollution}")
 
 
+DEFAULT_NOISE_MULTIPLIER = 1.1  # σ where a config gives neither σ nor a target ε
+
+
 @dataclass(frozen=True)
 class ActiveLearningDPSGD(DPSGDConfig):
     """learning's ``DPSGDConfig`` with this pipeline's defaults (``batch_size`` is the expected
@@ -88,7 +91,7 @@ class ActiveLearningDPSGD(DPSGDConfig):
 
     epochs: int = 10
     lr: float = 0.5
-    noise_multiplier: float | None = 1.1
+    noise_multiplier: float | None = None  # DEFAULT_NOISE_MULTIPLIER unless target_epsilon is given
     # A placeholder that passes DPSGDConfig's checks: train and price with ``dp_config(delta)``.
     delta: float = field(default=1e-5, init=False)
     # Data-parallel over one actor per shard (else one actor holds and trains them all).
@@ -97,6 +100,8 @@ class ActiveLearningDPSGD(DPSGDConfig):
     cpus_per_worker: float = 1.0  # per shard actor (capped so that all fit in the cluster at once)
 
     def __post_init__(self) -> None:
+        if self.noise_multiplier is None and self.target_epsilon is None:  # a target alone sets σ
+            object.__setattr__(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER)
         super().__post_init__()
         if self.distributed and self.grad_sample_mode not in ("auto", "hooks"):
             raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")

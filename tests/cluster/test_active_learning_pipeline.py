@@ -60,6 +60,11 @@ def test_sections_are_learnings_configs_with_the_runs_delta_and_seed():
         load_pipeline({"pipeline": "active_learning", "dpsgd": {"delta": 1e-6}})
     with pytest.raises(ConfigError, match=r"finetune: unknown key\(s\) \['seed'\]"):
         load_pipeline({"pipeline": "active_learning", "finetune": {"seed": 1}})
+    # a target ε alone sets σ (the default σ stands only where neither is given); both: refused
+    alone = load_pipeline({"pipeline": "active_learning", "dpsgd": {"target_epsilon": 3.5}}).config.dpsgd
+    assert (alone.target_epsilon, alone.noise_multiplier) == (3.5, None)
+    with pytest.raises(ConfigError, match="dpsgd: give exactly one of noise_multiplier and target_epsilon"):
+        load_pipeline({"pipeline": "active_learning", "dpsgd": {"target_epsilon": 3.5, "noise_multiplier": 1.0}})
     with pytest.raises(ConfigError, match=r"dpsgd.lr_overrides\[0\]: expected a list of 2 items"):
         load_pipeline({"pipeline": "active_learning", "dpsgd": {"lr_overrides": [["fc."]]}})
     with pytest.raises(ConfigError, match="dpsgd: learning rates must be > 0"):
