@@ -466,12 +466,13 @@ class PrivateLabeller:
         charge = self._for_ledger(result.charge)
         if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
             self.ledger.record_answers(answers)
-        else:  # raises BudgetExceeded: nothing released, recorded or advanced
+        else:  # raises only with nothing recorded (BudgetExceeded, a ledger it cannot write): nothing released
             self.ledger.charge(charge, worst_case=worst, answers=answers)
-        result.commit()
+        # Recorded: kept at once, so that whatever follows, a retry gets these labels again, free.
         self._answers.update(answers)
         self._counters.votes.append(votes)
         self._count(labels)
+        result.commit()
         return set(answers)
 
     def _count(self, labels: np.ndarray) -> None:
