@@ -491,30 +491,32 @@ def _read(path: Path) -> StoredLedger:
         damaged = _unreadable(path, error)
         if damaged is not None:
             raise damaged from None
-        raise ValueError(f"{path} is not a privacy ledger ({error})") from None
+        raise _NotALedger(path, str(error)) from None
     if contents is None:
-        raise ValueError(f"{path} is not a privacy ledger (it declares no settings)")
+        raise _NotALedger(path, "it declares no settings")
     return contents
 
 
 def _read_or_none(path: Path) -> StoredLedger | None:
     """A file's checked contents for comparing with its record; None when there is no file or
-    no ledger in it (deleted, emptied to 0 bytes)."""
+    nothing in it (deleted, emptied to 0 bytes). A file with bytes in it that is no ledger, where
+    a record says one was, is damaged (a byte flipped in its schema), not empty."""
     try:
         return _read(path)
     except FileNotFoundError:
         return None
-    except LedgerDamaged:
-        raise
-    except ValueError:  # not a ledger (an empty file has no tables)
-        return None
+    except _NotALedger as error:
+        if path.stat().st_size == 0:  # SQLite reads 0 bytes as a database without tables
+            return None
+        raise LedgerDamaged(_damaged(path, f"it does not read as a privacy ledger ({error.why}), yet a record of "
+                                           "it is kept outside the file: restore the file")) from None
 
 
 def _verified(path: Path, db: sqlite3.Connection) -> StoredLedger | None:
     """Everything in the ledger, each row checked against its chain; None for a file with the
     tables but nothing in them yet. Raises LedgerDamaged naming the first thing not as written."""
     if not _table_exists(db, "charges"):
-        raise ValueError(f"{path} is not a privacy ledger (it has no charges table)")
+        raise _NotALedger(path, "it has no charges table")
     if "checksum" not in _columns(db, "charges"):
         raise LedgerDamaged(_predates(path))
     for table in _TABLES:
@@ -730,6 +732,14 @@ def _unreadable(path: Path, error: BaseException) -> LedgerDamaged | None:
         return LedgerDamaged(f"ledger {path} is damaged or is not a privacy ledger: SQLite cannot read it "
                              f"({error}); refusing to use it")
     return None
+
+
+class _NotALedger(ValueError):
+    """A file that is not a privacy ledger (``why``: what it lacks); ``read_stored``'s ValueError."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path} is not a privacy ledger ({why})")
+        self.why = why
 
 
 def _damaged(path: Path, what: str) -> str:

@@ -1,7 +1,9 @@
 """A kept ledger cannot be reset: its length and last checksum live outside the file, so a file
 deleted, emptied to 0 bytes, shortened by deleting its last rows (with SQLite's sequence reset
-to match), emptied of every row, or byte-flipped is refused in one line, on open and on read. And
-a budget changes only as an entry of the chain, whose guarantee is the largest budget declared."""
+to match), emptied of every row, or byte-flipped (in a row or in its schema) is refused in one
+line, on open and on read, saying which. A budget changes only as an entry of the chain, whose
+guarantee is the largest budget declared. A charge whose record cannot be written is refused
+with nothing charged, and nothing fails a charge after its commit."""
 from __future__ import annotations
 
 import sqlite3
@@ -54,12 +56,21 @@ def flip_a_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_the_schema(path) -> None:
+    """Flip a byte of a column's name where SQLite keeps the tables' schema: a file, but no ledger."""
+    data = bytearray(path.read_bytes())
+    data[data.index(b"charge_id INTEGER")] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda p: p.unlink(), "it is missing, but its record (kept outside the file) says it held 5 entries"),
     (lambda p: p.write_bytes(b""), "it is empty, but its record (kept outside the file) says it held 5 entries"),
     (lambda p: roll_back(p, 2), "it holds 2 entries but its record (kept outside the file) says it held 5"),
     (lambda p: roll_back(p, 0), "it holds 0 entries but its record (kept outside the file) says it held 5"),
     (flip_a_byte, "checksum does not match (edited or truncated)"),
+    # Before: "it is empty", for a file of 45 kB.
+    (flip_the_schema, "it does not read as a privacy ledger (no such column: charge_id), yet a record of it is kept"),
 ])
 def test_a_kept_ledger_deleted_emptied_rolled_back_or_flipped_is_refused_in_one_line(tmp_path, damage, message):
     path = tmp_path / "serve-ledger.sqlite"
