@@ -79,9 +79,13 @@ class LedgerRecords:
         wrongly."""
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self._file(Path(record.path))
-        staged = target.with_suffix(f".{os.getpid()}.tmp")
-        staged.write_text(json.dumps(dataclasses.asdict(record)))
-        return StagedRecord(staged, target)
+        staged = StagedRecord(target.with_suffix(f".{os.getpid()}.tmp"), target)
+        try:
+            staged.staged.write_text(json.dumps(dataclasses.asdict(record)))
+        except OSError:  # e.g. a full disk, part way
+            staged.discard()
+            raise
+        return staged
 
     def _file(self, ledger: Path) -> Path:
         digest = hashlib.sha256(str(resolved(ledger)).encode()).hexdigest()[:32]
