@@ -23,11 +23,12 @@ rate-limited log line, not a traceback; so is every per-call failure (``RateLimi
 full disk fails every call alike, and only the first line carries a traceback). On the
 Aggregator service RESOURCE_EXHAUSTED means the privacy budget and nothing else; its trailing
 metadata says so (``conclave-reason: privacy-budget``), which is what
-``cluster.client.is_budget_refusal`` checks. A full disk under the ledger is UNAVAILABLE, not
-RESOURCE_EXHAUSTED: nothing was charged and the same call succeeds once the operator frees
-space, where a client reading RESOURCE_EXHAUSTED would take the budget as spent for good. (A message over the port's size limit gets
-gRPC's own RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest batch the
-server accepts, so a well-formed client never meets it.)
+``cluster.client.is_budget_refusal`` checks. A full disk under the ledger, or a ledger record
+that cannot be written, is UNAVAILABLE, not RESOURCE_EXHAUSTED: nothing was charged and the same
+call succeeds once the operator frees space, where a client reading RESOURCE_EXHAUSTED would take
+the budget as spent for good. (A message over the port's size limit gets gRPC's own
+RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest batch the server accepts,
+so a well-formed client never meets it.)
 
 Health is SERVING while the operator has marked the teachers ready and every teacher can
 vote: a failed vote — a teacher's error, or no votes within the vote source's deadline
@@ -80,7 +81,7 @@ from conclave.actors.labeller import (
 )
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.guarantee import Guarantee
-from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, PrivacyLedger
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, LedgerUnwritable, PrivacyLedger
 from conclave.privacy.mechanisms.base import SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.protos import aggregator_pb2
@@ -92,6 +93,8 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # trailing metadata of a budget refusal
 STORAGE_FULL = ("the aggregator cannot write its privacy ledger (disk full): nothing was released or charged; "
                 "retry later")
+RECORD_UNWRITABLE = ("the aggregator cannot write its privacy ledger's record (see its log): nothing was released or "
+                     "charged; retry later")
 
 
 @dataclass(frozen=True)
@@ -467,10 +470,13 @@ class _Service:
         except TeachersUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except Exception as err:  # a bug must not look like a client error, nor leak internals
-            if storage_full(err):  # the operator frees space and the same call succeeds: UNAVAILABLE
+            # The ledger refuses a charge it cannot write before committing it (``ledger_store``): the
+            # operator frees space or mends the folder and the same call succeeds: UNAVAILABLE.
+            if storage_full(err) or isinstance(err, LedgerUnwritable):
                 self._rejections("storage", "%s failed: the privacy ledger cannot be written (%s)", method, err,
                                  level=logging.ERROR)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, STORAGE_FULL)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, STORAGE_FULL if storage_full(err) else
+                                    RECORD_UNWRITABLE)
             self._rejections("internal", "%s failed: %s", method, type(err).__name__, level=logging.ERROR,
                              exc_info=err)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the aggregator (see its log)")

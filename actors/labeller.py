@@ -480,12 +480,13 @@ class PrivateLabeller:
         charge = self._for_ledger(result.charge)
         if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
             self.ledger.record_answers(answers)
-        else:  # raises BudgetExceeded: nothing released, recorded or advanced
+        else:  # raises only with nothing recorded (BudgetExceeded, a ledger it cannot write): nothing released
             self.ledger.charge(charge, worst_case=worst, answers=answers)
-        result.commit()
+        # Recorded: kept at once, so that whatever follows, a retry gets these labels again, free.
         self._answers.update(answers)
         self._counters.votes.append(votes)
         self._count(labels)
+        result.commit()
         return set(answers)
 
     def _count(self, labels: np.ndarray) -> None:
@@ -639,10 +640,15 @@ class SecureLabeller(PrivateLabeller):
                 raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for "
                                    f"{len(keys)} inputs")
             answers = dict(zip(keys, labels.tolist()))
-            self.ledger.record_answers(answers)  # paid for round by round, as each was asked
-            with self._lock:
+            with self._lock:  # paid for round by round, as each was asked: kept at once, for repeats
                 self._answers.update(answers)
                 self._count(labels)
+            try:
+                self.ledger.record_answers(answers)
+            except Exception as err:  # noqa: BLE001 - charged already: released all the same, never "nothing charged"
+                # Repeated from memory; a restart that cannot repeat them pays for them again (more, never less).
+                self._failures("record", "the answers of a charged batch were not recorded, only kept in memory: %s",
+                               err, level=logging.ERROR)
             return set(answers)
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:

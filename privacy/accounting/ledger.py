@@ -28,8 +28,8 @@ from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
 from conclave.privacy.accounting.ledger_store import (
-    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, StoredCharge, WorstCase,
-    read_entries, read_stored,
+    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, LedgerUnwritable,
+    StoredCharge, WorstCase, read_entries, read_stored,
 )
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
@@ -37,8 +37,8 @@ from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 # The store's entry label and errors belong to the ledger's contract: callers catch them here.
 __all__ = [
     "BUDGET_CHANGE", "AnsweringLedger", "BudgetChange", "BudgetExceeded", "BudgetReport", "ChargeRecord", "Ledger",
-    "LedgerDamaged", "LedgerInUse", "LedgerSnapshot", "PrivacyLedger", "current_budget", "largest_budget",
-    "read_history", "read_ledger",
+    "LedgerDamaged", "LedgerInUse", "LedgerSnapshot", "LedgerUnwritable", "PrivacyLedger", "current_budget",
+    "largest_budget", "read_history", "read_ledger",
 ]
 
 

@@ -5,7 +5,7 @@ shorter chain is still a valid chain: deleting the file, truncating it to 0 byte
 last rows and resetting SQLite's sequence leaves a ledger that checks out with less spent — a
 budget reset. So a ledger that must outlive its process (a service's, a run folder's durable one,
 an owner's lifetime ledger) keeps a record beside nothing it could be deleted with: a small file
-in this machine's Conclave folder (``$CONCLAVE_HOME/ledgers/``), rewritten after every commit,
+in this machine's Conclave folder (``$CONCLAVE_HOME/ledgers/``), rewritten with every commit,
 naming the file, its identity, how many rows its chain holds and the checksum of the last one.
 A file that is missing, empty, shorter than its record, another file (another identity), or whose
 row N is not the row the record saw is refused (``LedgerDamaged``), before anything is charged.
@@ -17,6 +17,7 @@ keep of them (``privacy.accounting.owner_ledger``), which a forger would have to
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -65,19 +66,50 @@ class LedgerRecords:
         return record
 
     def note(self, record: LedgerRecord) -> None:
-        """Keep ``record``, whole or not at all (written beside, then renamed into place). Not
-        fsynced — it would double the cost of a charge, whose ledger commit is fsynced already:
-        after a machine crash the record may be older than the file, which only ever accepts a
-        file, never refuses one wrongly."""
+        """Keep ``record``, whole or not at all (``stage``, then ``StagedRecord.place``)."""
+        self.stage(record).place()
+
+    def stage(self, record: LedgerRecord) -> StagedRecord:
+        """Write ``record`` beside its place, not in it yet: a ledger stages the record of an entry
+        before committing the entry, so that a folder that cannot be written refuses the entry
+        before anything is charged, and places it after the commit (a rename, which needs no
+        room), so that a record is never ahead of its file. Not fsynced — it would double the
+        cost of a charge, whose ledger commit is fsynced already: after a machine crash the
+        record may be older than the file, which only ever accepts a file, never refuses one
+        wrongly."""
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self._file(Path(record.path))
-        staged = target.with_suffix(f".{os.getpid()}.tmp")
-        staged.write_text(json.dumps(dataclasses.asdict(record)))
-        os.replace(staged, target)
+        staged = StagedRecord(target.with_suffix(f".{os.getpid()}.tmp"), target)
+        try:
+            staged.staged.write_text(json.dumps(dataclasses.asdict(record)))
+        except OSError:  # e.g. a full disk, part way
+            staged.discard()
+            raise
+        return staged
 
     def _file(self, ledger: Path) -> Path:
         digest = hashlib.sha256(str(resolved(ledger)).encode()).hexdigest()[:32]
         return self.folder / f"{digest}.json"
+
+
+@dataclass(frozen=True)
+class StagedRecord:
+    """A record written beside its place (``LedgerRecords.stage``): placed, or discarded."""
+
+    staged: Path
+    target: Path
+
+    def place(self) -> None:
+        try:
+            os.replace(self.staged, self.target)
+        except OSError:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Remove the staged file, if it can be (one left behind is rewritten by the next ``stage``)."""
+        with contextlib.suppress(OSError):
+            self.staged.unlink(missing_ok=True)
 
 
 def resolved(ledger: Path) -> Path:

@@ -13,13 +13,16 @@ edited, deleted or truncated row, edited settings or a file older than the check
 on every read (``LedgerDamaged``). The checksums have no key, and a shorter chain is still a
 valid one, so a store opened with ``keep_record`` also keeps its length and last checksum outside
 the file (``privacy.accounting.ledger_records``): a file missing, emptied, replaced or shorter
-than that record is refused too.
+than that record is refused too. An entry's record is written before its commit and put in place
+after it, so a record that cannot be written refuses the entry with nothing charged
+(``LedgerUnwritable``), and nothing after a commit fails the charge it recorded.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -37,8 +40,10 @@ import numpy as np
 from conclave.errors import RunRefused
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
-from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords
+from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords, StagedRecord
 from conclave.privacy.accounting.pld import GaussianSteps
+
+log = logging.getLogger(__name__)
 
 # One statement each: they run inside the transaction that writes the new file's settings.
 _SCHEMA = (
@@ -78,6 +83,11 @@ WORST_CASE = "worst_case"  # a charge's details: the worst case it was checked a
 
 class LedgerInUse(RunRefused, RuntimeError):
     """Another writer holds the ledger's lock: a ledger has one writer at a time."""
+
+
+class LedgerUnwritable(RunRefused, OSError):
+    """The record a ledger keeps outside its file (``ledger_records``) cannot be written (a full
+    disk, a file where its folder should be): the entry was refused, nothing was charged."""
 
 
 class LedgerDamaged(RunRefused, ValueError):
@@ -256,11 +266,19 @@ class LedgerStore:
         self.entries = contents.entries
         self._heads = contents.heads
         self._keep_record = keep_record or record is not None
-        self._note_record()
+        self._record_behind = False  # a committed entry's record could not be placed (``_appended``)
+        try:
+            self._note_record()
+        except OSError as error:
+            self.close()
+            raise self._unwritable(error) from error
 
     def append_charge(self, charge: PrivacyCharge, answers: dict[bytes, int], worst: WorstCase | None = None) -> None:
         """Write ``charge``, the ``worst`` case it was checked against (where it exceeds the
-        charge) and the ``answers`` it pays for (those not on record yet) in one fsynced transaction."""
+        charge) and the ``answers`` it pays for (those not on record yet) in one fsynced
+        transaction. Raises only with nothing written: its record outside the file is written
+        before the commit (``LedgerUnwritable`` when it cannot be), and nothing after the commit
+        can fail it."""
         row_id = self.entries + 1
         details = charge.details if charge.pld is None else {**charge.details, GAUSSIAN_PLAN: [
             [step.noise_multiplier, step.count, step.sample_rate] for step in charge.pld]}
@@ -268,14 +286,7 @@ class LedgerStore:
             details = {**details, WORST_CASE: worst.as_details()}
         row = (row_id, charge.label, np.asarray(charge.rdp, dtype="<f8").tobytes(), float(charge.extra_delta),
                int(charge.unbounded), charge.reason, json.dumps(details, default=str), charge.neighbouring, time.time())
-        with self._transaction():
-            paid = self._not_on_record(answers)
-            checksum = _checksum("charge", self._heads.charge, row, paid)
-            self._insert(_INSERT_ENTRY, (*row, checksum), row_id)
-            self._connection().executemany(
-                "INSERT INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
-                [(key, answer, row_id) for key, answer in paid])
-        self._appended(checksum)
+        self._append_entry(row, answers)
 
     def append_budget_change(self, previous: float, epsilon: float) -> BudgetChange:
         """Write an entry that changes the budget's ε from ``previous`` to ``epsilon``; it costs nothing."""
@@ -284,10 +295,7 @@ class LedgerStore:
         row = (row_id, BUDGET_CHANGE, np.zeros(self.settings.orders.size, dtype="<f8").tobytes(), 0.0, 0, "",
                json.dumps({"epsilon": change.epsilon, "previous": change.previous}), self.settings.neighbouring,
                change.created)
-        with self._transaction():
-            checksum = _checksum("charge", self._heads.charge, row, [])
-            self._insert(_INSERT_ENTRY, (*row, checksum), row_id)
-        self._appended(checksum)
+        self._append_entry(row, {})
         return change
 
     def add_answers(self, answers: dict[bytes, int]) -> None:
@@ -331,17 +339,67 @@ class LedgerStore:
             raise RuntimeError(f"privacy ledger {self.path} is closed")
         return self._db
 
-    def _appended(self, checksum: str) -> None:
-        """An entry was committed: the chain moves on, and so does its record outside the file."""
+    def _append_entry(self, row: tuple, answers: dict[bytes, int]) -> None:
+        """Commit chain entry ``row`` (its id first) with the ``answers`` it pays for, its record
+        staged before the commit and placed after it: a record that cannot be written refuses
+        the entry with nothing written, and what follows the commit cannot fail."""
+        row_id, staged = row[0], None
+        try:
+            if self._record_behind:  # the last entry's record was not placed: in place first, or no entry
+                self._note_record()
+            with self._transaction():
+                paid = self._not_on_record(answers)
+                checksum = _checksum("charge", self._heads.charge, row, paid)
+                self._insert(_INSERT_ENTRY, (*row, checksum), row_id)
+                self._connection().executemany(
+                    "INSERT INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
+                    [(key, answer, row_id) for key, answer in paid])
+                staged = self._stage_record(row_id, checksum)
+        except BaseException as error:
+            if staged is not None:  # staged, then the commit failed
+                staged.discard()
+            if isinstance(error, OSError):
+                raise self._unwritable(error) from error
+            raise
+        self._appended(checksum, staged)
+
+    def _appended(self, checksum: str, staged: StagedRecord | None) -> None:
+        """An entry was committed: the chain moves on, and so does its record outside the file.
+        Placing the record is a rename in a folder just written; should it fail all the same, the
+        entry stands (it is committed) and the record stays one entry behind — which accepts the
+        file, never refuses it — until the next entry puts it in place first, or is refused."""
         self.entries += 1
         self._heads = _Heads(checksum, self._heads.batch, self._heads.batches)
-        self._note_record()
+        if staged is None:
+            return
+        try:
+            staged.place()
+        except OSError as error:
+            self._record_behind = True
+            log.error("ledger %s: entry %d is committed, but its record %s could not be put in place (%s); the "
+                      "next entry puts it in place first, or is refused", self.path, self.entries, staged.target,
+                      error)
+            return
+        self._record_behind = False
+
+    def _stage_record(self, entries: int, head: str) -> StagedRecord | None:
+        """The record of the chain at ``entries`` rows ending in ``head``, staged (None: none kept)."""
+        if not (self._keep_record and self._records is not None):
+            return None
+        return self._records.stage(LedgerRecord(str(self.path), self.ledger_id, entries, head))
 
     def _note_record(self) -> None:
         """Keep the chain's length and last checksum outside the file (after a commit, so a
         record is never ahead of the file it describes)."""
-        if self._keep_record and self._records is not None:
-            self._records.note(LedgerRecord(str(self.path), self.ledger_id, self.entries, self._heads.charge))
+        staged = self._stage_record(self.entries, self._heads.charge)
+        if staged is not None:
+            staged.place()
+            self._record_behind = False
+
+    def _unwritable(self, error: OSError) -> LedgerUnwritable:
+        folder = self._records.folder if self._records is not None else self.path.parent
+        return LedgerUnwritable(f"ledger {self.path}: its record in {folder} cannot be written "
+                                f"({error.strerror or error}); nothing was charged")
 
     def _transaction(self, write: bool = True) -> _Transaction:
         return _Transaction(self._connection(), write)
@@ -460,30 +518,32 @@ def _read(path: Path) -> StoredLedger:
         damaged = _unreadable(path, error)
         if damaged is not None:
             raise damaged from None
-        raise ValueError(f"{path} is not a privacy ledger ({error})") from None
+        raise _NotALedger(path, str(error)) from None
     if contents is None:
-        raise ValueError(f"{path} is not a privacy ledger (it declares no settings)")
+        raise _NotALedger(path, "it declares no settings")
     return contents
 
 
 def _read_or_none(path: Path) -> StoredLedger | None:
     """A file's checked contents for comparing with its record; None when there is no file or
-    no ledger in it (deleted, emptied to 0 bytes)."""
+    nothing in it (deleted, emptied to 0 bytes). A file with bytes in it that is no ledger, where
+    a record says one was, is damaged (a byte flipped in its schema), not empty."""
     try:
         return _read(path)
     except FileNotFoundError:
         return None
-    except LedgerDamaged:
-        raise
-    except ValueError:  # not a ledger (an empty file has no tables)
-        return None
+    except _NotALedger as error:
+        if path.stat().st_size == 0:  # SQLite reads 0 bytes as a database without tables
+            return None
+        raise LedgerDamaged(_damaged(path, f"it does not read as a privacy ledger ({error.why}), yet a record of "
+                                           "it is kept outside the file: restore the file")) from None
 
 
 def _verified(path: Path, db: sqlite3.Connection) -> StoredLedger | None:
     """Everything in the ledger, each row checked against its chain; None for a file with the
     tables but nothing in them yet. Raises LedgerDamaged naming the first thing not as written."""
     if not _table_exists(db, "charges"):
-        raise ValueError(f"{path} is not a privacy ledger (it has no charges table)")
+        raise _NotALedger(path, "it has no charges table")
     if "checksum" not in _columns(db, "charges"):
         raise LedgerDamaged(_predates(path))
     for table in _TABLES:
@@ -718,6 +778,14 @@ def _unreadable(path: Path, error: BaseException) -> LedgerDamaged | None:
         return LedgerDamaged(f"ledger {path} is damaged or is not a privacy ledger: SQLite cannot read it "
                              f"({error}); refusing to use it")
     return None
+
+
+class _NotALedger(ValueError):
+    """A file that is not a privacy ledger (``why``: what it lacks); ``read_stored``'s ValueError."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path} is not a privacy ledger ({why})")
+        self.why = why
 
 
 def _damaged(path: Path, what: str) -> str:

@@ -1,6 +1,6 @@
 """What no client can take from the others: health and reflection answer through any number of
-open streams, a hung teacher fails the call fast with nothing charged, and a failing disk
-does not flood the log.
+open streams, a hung teacher fails the call fast with nothing charged, a failing disk
+does not flood the log, and a ledger record that cannot be written charges nothing unanswered.
 
 Real servers on 127.0.0.1 (and ::1, a second client address), real gRPC clients, real teacher
 actors stopped with SIGSTOP, a real ledger on a real file system that runs out of room;
@@ -30,12 +30,16 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conclave.actors.aggregator import STORAGE_FULL, _peer_address, _StreamSlots, storage_full
+from conclave.actors.aggregator import (
+    RECORD_UNWRITABLE, STORAGE_FULL, AggregatorServer, ServerSettings, _peer_address, _StreamSlots, storage_full,
+)
 from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import Neighbouring
+from conclave.privacy.accounting.ledger import PrivacyLedger
+from conclave.privacy.mechanisms import build_mechanism
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
-from tests.aggregators import INPUT_SHAPE, serving, wait_for
+from tests.aggregators import DELTA, INPUT_SHAPE, budget_for, serving, wait_for
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 CHECK = health_pb2.HealthCheckRequest()
@@ -298,6 +302,71 @@ def test_a_full_disk_under_the_ledger_fails_each_call_unavailable_with_a_bounded
     lines = [line for line in log.splitlines() if line.startswith("conclave.actors.aggregator: Label failed")]
     assert 1 <= len(lines) <= 5 and "database or disk is full" in lines[0]
     assert "Traceback" not in log  # a full disk is no bug: no traceback
+
+
+@contextlib.contextmanager
+def serving_a_kept_ledger(path: Path) -> Iterator[tuple[AggregatorServer, str]]:
+    """A server over a ledger that keeps its record outside the file, as ``conclave serve``'s does."""
+    mechanism = build_mechanism("gnmax", sigma=2.0)
+    ledger = PrivacyLedger(path, DELTA, budget_for(mechanism, 50.0), keep_record=True)
+    server = AggregatorServer(InstantTeachers(), mechanism, ledger, INPUT_SHAPE, ServerSettings())
+    try:
+        yield server, server.start()
+    finally:
+        server.stop()
+        ledger.close()
+
+
+def test_a_ledger_record_that_cannot_be_written_refuses_calls_with_nothing_charged(tmp_path, monkeypatch):
+    # Before: each call was charged, then told UNAVAILABLE "nothing was released or charged", and its
+    # answers were dropped: asked again, it was charged again, with fresh noise (another label).
+    monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
+    records, inputs = tmp_path / "home" / "ledgers", fresh_inputs(6, 3)
+    with serving_a_kept_ledger(tmp_path / "ledger.sqlite") as (server, address), \
+            AggregatorClient(address, timeout=10) as client:
+        labels = client.label(inputs[:1])
+        charges = server.labeller.ledger.report().charges
+        saved = {record.name: record.read_bytes() for record in records.iterdir()}
+        for record in records.iterdir():
+            record.unlink()
+        records.rmdir()
+        records.write_text("a file where the records' folder should be")
+        for i in range(1, 6):
+            with pytest.raises(grpc.RpcError) as refused:
+                client.label(inputs[i:i + 1])
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused.value.details() == RECORD_UNWRITABLE
+        assert server.labeller.ledger.report().charges == charges  # nothing was charged, as the clients were told
+        assert (client.label(inputs[:1]) == labels).all()  # on record: answered from it, free
+        records.unlink()
+        records.mkdir()
+        for name, data in saved.items():
+            (records / name).write_bytes(data)
+        answered = [client.label(inputs[i:i + 1]) for i in range(1, 6)]
+        assert server.labeller.ledger.report().charges == charges + 5  # once each
+        assert all((client.label(inputs[i:i + 1]) == answered[i - 1]).all() for i in range(1, 6))  # repeats: free
+        assert server.labeller.ledger.report().charges == charges + 5
+
+
+def test_a_charge_whose_record_is_not_put_in_place_answers_and_the_next_is_refused(tmp_path, monkeypatch):
+    # The record's rename after the commit fails (a folder in its place): the call was charged, so it is
+    # answered, and its answers are kept; the next new input is refused, nothing charged, until the record is mended.
+    monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
+    inputs = fresh_inputs(3, 4)
+    with serving_a_kept_ledger(tmp_path / "ledger.sqlite") as (server, address), \
+            AggregatorClient(address, timeout=10) as client:
+        (record,) = (tmp_path / "home" / "ledgers").glob("*.json")
+        record.unlink()
+        record.mkdir()
+        labels = client.label(inputs[:2])
+        charges = server.labeller.ledger.report().charges
+        assert (client.label(inputs[:2]) == labels).all() and server.labeller.ledger.report().charges == charges
+        with pytest.raises(grpc.RpcError) as refused:
+            client.label(inputs[2:])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused.value.details() == RECORD_UNWRITABLE
+        assert server.labeller.ledger.report().charges == charges
+        record.rmdir()
+        client.label(inputs[2:])
+        assert server.labeller.ledger.report().charges == charges + 1
 
 
 def test_a_full_disk_is_recognised_through_the_errors_that_carry_it():

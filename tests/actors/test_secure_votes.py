@@ -1,9 +1,11 @@
 """Teacher votes through the secure sum on real Ray actors (three hospitals' CSV owners, one
 teacher actor each) behind the real gRPC aggregator on 127.0.0.1: noised totals with the planned
 noise, the ledger charged for the rounds that ran, and an owner whose actor dies refusing the
-batch with nothing released or charged."""
+batch with nothing released or charged; and (in this process) a charged batch whose answers
+cannot be recorded answered all the same."""
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import math
@@ -19,7 +21,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conclave.actors.aggregator import AggregatorServer, ServerSettings
-from conclave.actors.labeller import input_keys
+from conclave.actors.labeller import input_keys, labeller_for
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.teacher import TeacherPool
 from conclave.cluster.client import AggregatorClient
@@ -229,3 +231,35 @@ def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_cha
     finally:
         server.stop()
         ledger.close()
+
+
+class EchoRounds:
+    """A secure vote source in this process: every round charges, then returns three votes for class 0."""
+
+    neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        return True
+
+    def noised_votes(self, inputs, release, noise, charge) -> np.ndarray:
+        charge()
+        histogram = np.zeros((len(inputs), 4), dtype=np.int64)
+        histogram[:, 0] = 3
+        return histogram
+
+
+def test_a_charged_batch_whose_answers_cannot_be_recorded_is_answered_and_repeated_free(tmp_path, monkeypatch):
+    # Before: the rounds were charged, then recording the answers failed (a full disk), and the client
+    # was told nothing was released or charged; asked again, it was charged again.
+    with PrivacyLedger(tmp_path / "ledger.sqlite", DELTA) as ledger:
+        labeller = labeller_for(EchoRounds(), SecureGNMax(3.0), ledger, NoisePolicy())
+
+        def full_disk(answers):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(ledger, "record_answers", full_disk)
+        inputs = np.random.default_rng(5).random((3, 4), dtype=np.float32)
+        labels = labeller.label(inputs).labels
+        charges = ledger.report().charges
+        assert charges >= 1 and len(labels) == 3
+        assert (labeller.label(inputs).labels == labels).all() and ledger.report().charges == charges

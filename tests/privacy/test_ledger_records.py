@@ -1,7 +1,9 @@
 """A kept ledger cannot be reset: its length and last checksum live outside the file, so a file
 deleted, emptied to 0 bytes, shortened by deleting its last rows (with SQLite's sequence reset
-to match), emptied of every row, or byte-flipped is refused in one line, on open and on read. And
-a budget changes only as an entry of the chain, whose guarantee is the largest budget declared."""
+to match), emptied of every row, or byte-flipped (in a row or in its schema) is refused in one
+line, on open and on read, saying which. A budget changes only as an entry of the chain, whose
+guarantee is the largest budget declared. A charge whose record cannot be written is refused
+with nothing charged, and nothing fails a charge after its commit."""
 from __future__ import annotations
 
 import sqlite3
@@ -10,7 +12,7 @@ import pytest
 
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import (
-    BUDGET_CHANGE, BudgetExceeded, LedgerDamaged, PrivacyLedger, read_history, read_ledger,
+    BUDGET_CHANGE, BudgetExceeded, LedgerDamaged, LedgerUnwritable, PrivacyLedger, read_history, read_ledger,
 )
 from conclave.privacy.accounting.ledger_records import LedgerRecords
 from conclave.privacy.accounting.rdp import gaussian_charge
@@ -54,12 +56,21 @@ def flip_a_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_the_schema(path) -> None:
+    """Flip a byte of a column's name where SQLite keeps the tables' schema: a file, but no ledger."""
+    data = bytearray(path.read_bytes())
+    data[data.index(b"charge_id INTEGER")] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda p: p.unlink(), "it is missing, but its record (kept outside the file) says it held 5 entries"),
     (lambda p: p.write_bytes(b""), "it is empty, but its record (kept outside the file) says it held 5 entries"),
     (lambda p: roll_back(p, 2), "it holds 2 entries but its record (kept outside the file) says it held 5"),
     (lambda p: roll_back(p, 0), "it holds 0 entries but its record (kept outside the file) says it held 5"),
     (flip_a_byte, "checksum does not match (edited or truncated)"),
+    # Before: "it is empty", for a file of 45 kB.
+    (flip_the_schema, "it does not read as a privacy ledger (no such column: charge_id), yet a record of it is kept"),
 ])
 def test_a_kept_ledger_deleted_emptied_rolled_back_or_flipped_is_refused_in_one_line(tmp_path, damage, message):
     path = tmp_path / "serve-ledger.sqlite"
@@ -150,3 +161,55 @@ def test_the_budget_changes_only_as_an_entry_of_its_chain(tmp_path):
               f" AND id = {lowered.entry}")
     with pytest.raises(LedgerDamaged, match=f"charge {lowered.entry}'s checksum does not match"):
         read_ledger(path)
+
+
+# ---- one truth per charge: a record that cannot be written refuses the charge, and nothing fails after it ----
+
+
+def block(folder) -> None:
+    """A file where the records' folder should be: nothing can be written in it (root or not)."""
+    for record in folder.iterdir():
+        record.unlink()
+    folder.rmdir()
+    folder.write_text("not a folder")
+
+
+def test_a_record_that_cannot_be_written_refuses_the_charge_with_nothing_charged(tmp_path, home):
+    # Before: the charge committed, then writing its record raised, and the caller was told nothing was charged.
+    path = tmp_path / "serve-ledger.sqlite"
+    kept_ledger(path, charges=5)
+    with PrivacyLedger(path, DELTA, BUDGET, keep_record=True) as ledger:
+        saved = {record.name: record.read_bytes() for record in (home / "ledgers").iterdir()}
+        block(home / "ledgers")
+        for _ in range(5):
+            with pytest.raises(LedgerUnwritable) as refused:
+                ledger.charge(CHARGE, answers={b"input": 8})
+            line = str(refused.value)
+            assert "\n" not in line and line.endswith("nothing was charged") and "cannot be written" in line, line
+        assert ledger.report().charges == 5 and ledger.answers() == {}
+        home.joinpath("ledgers").unlink()  # the operator mends the folder: the same charge is taken, once
+        home.joinpath("ledgers").mkdir()
+        for name, data in saved.items():
+            home.joinpath("ledgers", name).write_bytes(data)
+        ledger.charge(CHARGE, answers={b"input": 8})
+        assert ledger.report().charges == 6 and ledger.answers() == {b"input": 8}
+    assert read_ledger(path).charges == 6 and LedgerRecords().get(path).entries == 6
+    assert not list((home / "ledgers").glob("*.tmp"))  # no staged record left behind
+
+
+def test_a_record_not_put_in_place_after_the_commit_keeps_the_charge_and_stops_the_next(tmp_path, home):
+    path = tmp_path / "serve-ledger.sqlite"
+    kept_ledger(path, charges=2)
+    (record,) = (home / "ledgers").glob("*.json")
+    with PrivacyLedger(path, DELTA, BUDGET, keep_record=True) as ledger:
+        record.unlink()
+        record.mkdir()  # a folder in the record's place: staging works, the rename after the commit fails
+        ledger.charge(CHARGE, answers={b"input": 8})  # committed: the charge stands, no error after it
+        assert ledger.report().charges == 3 and ledger.answers() == {b"input": 8}
+        with pytest.raises(LedgerUnwritable, match="nothing was charged"):  # the record first, or no charge
+            ledger.charge(CHARGE, answers={b"other": 1})
+        assert ledger.report().charges == 3 and ledger.answers() == {b"input": 8}
+        record.rmdir()
+        ledger.charge(CHARGE, answers={b"other": 1})
+        assert ledger.report().charges == 4
+    assert LedgerRecords().get(path).entries == 4 and read_ledger(path).charges == 4
