@@ -21,6 +21,7 @@ class StallsOnce:
 
     neighbouring = Neighbouring.ADD_REMOVE
     neighbouring_lemma = LEMMA
+    batch_coupled = False
 
     def __init__(self) -> None:
         self.rounds = 0
