@@ -45,7 +45,6 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from opacus.utils.batch_memory_manager import wrap_data_loader
@@ -55,7 +54,7 @@ from tqdm import tqdm
 
 from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  # torch-free: `conclave plan` uses it
 from conclave.learning.finite_clipping import FiniteDPOptimizer, finite_losses
-from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode
+from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode, privacy_engine
 from conclave.learning.secure_dpsgd import (PaddedPoissonBatches, SecureAggregation, SecureGroup, SecureSumDPOptimizer,
                                             broadcast_parameters, trainable_entries)
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -260,7 +259,7 @@ def train_dp(
     optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
     if data_parallel:
         broadcast_parameters(model)  # every rank starts from rank 0's weights
-    engine = PrivacyEngine(accountant="rdp")
+    engine = privacy_engine()
     # Opacus divides by its own guess from the examples held here; the sum (across owners: the
     # secure sum of every rank's) is divided by the declared expected batch, a public constant.
     expected_batch = sample_rate * schedule.num_examples

@@ -95,6 +95,15 @@ class Clipped:
             self.module.to_standard_module()  # Opacus's hooks
 
 
+def privacy_engine(accountant: str = "rdp") -> PrivacyEngine:
+    """Opacus's engine without its "Secure RNG turned off" warning, which is not true here: the
+    noise generators are seeded from the OS CSPRNG (``privacy.noise``); only Opacus's own
+    ``secure_mode`` (torchcsprng, no build for this torch) is off (docs/privacy.md)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        return PrivacyEngine(accountant=accountant)
+
+
 def clipped(engine: PrivacyEngine, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, mode: str, *,
             noise_multiplier: float, max_grad_norm: float, expected_batch_size: float, sample_rate: float,
             generator: torch.Generator | None = None,
@@ -131,7 +140,7 @@ def clipped(engine: PrivacyEngine, model: nn.Module, optimizer: torch.optim.Opti
 def private_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> Callable[[], None]:
     """One DP-SGD step of ``model`` on the batch (x, y) clipped the ``mode`` way (C = 1, σ = 1)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    made = clipped(PrivacyEngine(), model, optimizer, DataLoader(TensorDataset(x, y), batch_size=len(y)), mode,
+    made = clipped(privacy_engine(), model, optimizer, DataLoader(TensorDataset(x, y), batch_size=len(y)), mode,
                    noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=len(y), sample_rate=1.0)
 
     def step() -> None:
