@@ -156,7 +156,8 @@ def _view(entry: tuple[str, Path]) -> LedgerView:
 
 
 def _print_table(views: list[LedgerView]) -> None:
-    rows = [("", "name", "budget (guarantee)", "spent ε", "RDP left", "charges", "runs", "ledger")]
+    rows = [("", "name", "budget (the guarantee)", "spent ε (realised, RDP)", "RDP left at the budget's order",
+             "charges", "runs", "ledger")]
     for view in views:
         d = view.as_dict()
         budget = d["budget"]
@@ -172,6 +173,12 @@ def _print_table(views: list[LedgerView]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print(LEGEND)
+
+
+LEGEND = ("spent ε: what the charges so far compose to in RDP, at its best order — the figure a run reports as "
+          "spent, not the guarantee (that is the budget). RDP left: at the budget's fixed order, where the filter "
+          "decides; a refusal quotes RDP at that order, not ε.")
 
 
 def _print_history(view: LedgerView) -> None:
@@ -188,11 +195,15 @@ def _at_order(snapshot) -> float:
 
 
 def _epsilon(charge, delta: float) -> float:
-    from conclave.privacy.accounting.guarantee import worst_case_guarantee
+    """Realised spend as a run reports it (``BudgetReport.epsilon_spent``): the RDP composition
+    converted at its best order — not a PLD figure, which holds only for work fixed in advance."""
+    from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
     if charge.is_free:
         return 0.0
-    return float(worst_case_guarantee(charge, delta).epsilon)
+    if charge.unbounded or charge.extra_delta >= delta:
+        return math.inf
+    return float(epsilon_from_rdp(charge.orders, charge.rdp, delta - charge.extra_delta, conversion="tight")[0])
 
 
 def _number(value: float) -> str:

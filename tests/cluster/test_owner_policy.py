@@ -132,7 +132,8 @@ def test_an_exhausted_owner_is_refused_before_teachers_train_and_a_raised_budget
     assert code == 4 and line.startswith("conclave: run 'hospitals' refused by a privacy ledger: owner hospital_a's "
                                          "lifetime budget ε 1 at δ 1e-05 refuses it: ")
     assert cli.main(["budget", str(node / "node_a")]) == 0
-    assert "hospital_a (EXHAUSTED)" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "hospital_a (EXHAUSTED)" in table and "spent ε (realised, RDP)" in table and "not the guarantee" in table
 
     assert cli.main(["owner", "raise", "hospital_a", "--epsilon", "30"]) == 0
     assert "lifetime budget raised from ε 1 to ε 30 (recorded as entry" in capsys.readouterr().out
@@ -151,6 +152,7 @@ def test_an_exhausted_owner_is_refused_before_teachers_train_and_a_raised_budget
     assert cli.main(["budget", str(node / "node_a"), "--history", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["runs"] == ["after-raise", "earlier"] and not listed["exhausted"]
+    assert listed["spent"]["epsilon"] == pytest.approx(a["spent"]["epsilon"])  # the figure the run reported
     assert [h["what"] for h in listed["history"] if h["run"] is None] == ["budget raised: ε 1 → 30"]
 
 
