@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
+
+from conclave.errors import RunRefused
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,41 @@ def _jsonable(value: Any) -> Any:
 
 
 DURABLE_PREFIX = "ledger.sqlite"  # the durable ledger and its WAL files: kept when a run replaces a folder
+RUN_LOCK = ".run.lock"  # held by the run writing into the folder: one run per results folder at a time
+
+
+class ResultsFolderInUse(RunRefused):
+    """Another run is writing into the same results folder (it holds ``RUN_LOCK``)."""
+
+
+def _hold_folder(folder: Path) -> IO[str]:
+    """The results folder's run lock, held (``ResultsFolderInUse`` in one line if another run has
+    it); ``_release_folder`` removes it. A lock whose file was removed meanwhile is taken again."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RUN_LOCK
+    while True:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            lock.close()
+            raise ResultsFolderInUse(f"results folder {folder} is in use by another run (pid {holder}); wait for "
+                                     "it to finish or choose another --run-name") from None
+        if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+            break
+        lock.close()  # its holder removed it as we opened it: take the new one
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def _release_folder(folder: Path, lock: IO[str]) -> None:
+    (folder / RUN_LOCK).unlink(missing_ok=True)  # while still held: a later run makes a fresh one
+    lock.close()
 
 
 class RunDirectory:
@@ -68,20 +107,25 @@ class RunDirectory:
         (its durable ledger keeps what the failed run was charged); one this run made and left
         empty is removed, so a refused run leaves no folder behind."""
         made = [folder for folder in (Path(root) / run_name, *(Path(root) / run_name).parents) if not folder.exists()]
-        directory = cls(root, run_name, staging=True)
+        lock = _hold_folder(Path(root) / run_name)  # before the staging folder, which another run may be filling
         try:
-            yield directory
-        except BaseException:
-            shutil.rmtree(directory.path, ignore_errors=True)
-            for folder in made:  # deepest first; only while empty
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
-        directory._publish()
+            directory = cls(root, run_name, staging=True)
+            try:
+                yield directory
+            except BaseException:
+                shutil.rmtree(directory.path, ignore_errors=True)
+                _release_folder(Path(root) / run_name, lock)
+                for folder in made:  # deepest first; only while empty
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
+            directory._publish()
+        finally:
+            _release_folder(Path(root) / run_name, lock)
 
     def _publish(self) -> None:
         for old in self.durable.iterdir():
-            if not old.name.startswith(DURABLE_PREFIX):
+            if not old.name.startswith(DURABLE_PREFIX) and old.name != RUN_LOCK:
                 shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
         for new in self.path.iterdir():
             new.rename(self.durable / new.name)

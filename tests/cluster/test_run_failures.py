@@ -20,7 +20,7 @@ from conclave.cluster.active_learning import planned_work
 from conclave.cluster.cli import main
 from conclave.cluster.config import ConfigError
 from conclave.cluster.pipelines import load_pipeline
-from conclave.cluster.results import RunDirectory
+from conclave.cluster.results import ResultsFolderInUse, RunDirectory
 from conclave.cluster.tracking import TrackingFailed
 from conclave.errors import ClusterLost, Interrupted, RunFailed, failure
 from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 # What can end `conclave run`: each kind's class carries its exit status.
 RUN_FAILURES = (RunFailed, ConfigError, OwnerDataError, PlacementError, LedgerDamaged, LedgerInUse, OwnerRefused,
-                OwnerDropout, BudgetExceeded, ClusterLost, TrackingFailed, Interrupted)
+                OwnerDropout, BudgetExceeded, ClusterLost, TrackingFailed, Interrupted, ResultsFolderInUse)
 
 
 def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):
@@ -53,6 +53,20 @@ def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):
     # the earlier run's metrics are gone with it; the durable ledger stays
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "ledger.sqlite"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
+    with RunDirectory.staged(tmp_path, "run") as first:
+        with pytest.raises(ResultsFolderInUse) as refused:
+            with RunDirectory.staged(tmp_path, "run"):
+                pass
+        first.write_json("metrics", {"run": 1})  # the first run's staging folder is untouched
+    assert failure(refused.value, "run") == (2, f"run 'run' refused: results folder {tmp_path / 'run'} is in use by "
+                                                f"another run (pid {os.getpid()}); wait for it to finish or choose "
+                                                "another --run-name")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.json"]  # the lock left with the run
+    with RunDirectory.staged(tmp_path, "run"):  # and the folder is free again
+        pass
 
 
 def test_each_failure_has_its_status_and_one_line():
