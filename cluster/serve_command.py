@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         from conclave.cluster.pipelines import load_pipeline
         from conclave.cluster.ray_runtime import record_ray_processes
         from conclave.cluster.run_privacy import admitting_owners
-        from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
+        from conclave.cluster.teaching.aggregation import aggregator_ledger, check_port_free, server_settings
         from conclave.cluster.teaching.ensemble import checked_public, resolved
         from conclave.cluster.tls import HandshakeLog, check_server_files
         from conclave.privacy.accounting.ledger import LedgerInUse
@@ -131,7 +131,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         return fail(err)
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     try:
-        _check_port_free(settings.host, settings.port)
+        check_port_free(settings.host, settings.port)
         _check_writable(ledger_path)
         ledger = aggregator_ledger(config, ledger_path, service=True)
     except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
@@ -266,20 +266,3 @@ def _check_writable(ledger: Path) -> None:
         raise OSError(f"ledger {ledger}: its folder {ledger.parent} is not writable ({err.strerror})") from None
     if ledger.exists() and not os.access(ledger, os.R_OK | os.W_OK):
         raise OSError(f"ledger {ledger}: the file is not readable and writable by this user")
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """``OSError`` (one line) when another process listens on ``host:port``: checked before
-    the teachers train, as the gRPC server would refuse the port only after."""
-    import socket
-
-    if not port:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
-        try:
-            probe.bind((host, port))
-        except OSError:
-            raise OSError(f"could not bind the aggregator to {host}:{port}: the address is in use or not on this "
-                          "host") from None

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
-from conclave.cluster.teaching.aggregation import serve
+from conclave.cluster.teaching.aggregation import check_port_free, serve
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
@@ -94,6 +94,7 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         config = self.config
         mechanisms = (config.mechanism.name, *(("smooth-sensitivity",) if config.smooth_sensitivity() else ()))
         request = RunRequest(context.run_name, self.name, mechanisms)
+        check_port_free(config.server.host, config.server.port)  # a fixed port taken: found before training
         # before any teacher trains, every owner can pay for one answer (the student stops at its budget)
         with admitting_owners(config, request, config.planned(), config.planned(answers=1), context.ray_address):
             with train_ensemble(config, context.ray_address) as ensemble:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from conclave.errors import RunRefused
 from conclave.cluster.run_privacy import (CLUSTER_AGGREGATOR, KNN_AGGREGATOR, SECURE_VOTES, TRUSTED_AGGREGATOR,
                                          RunPrivacy)
 from conclave.cluster.teaching.config import TeacherStudentConfig
@@ -23,6 +25,25 @@ log = logging.getLogger(__name__)
 
 SECURE_NO_ESTIMATES = ("no data-dependent estimate: they are computed from the clean votes, which aggregation: secure "
                        "never shows anyone; the guarantee is the data-independent one")
+
+
+class PortTaken(RunRefused, OSError):
+    """The aggregator's fixed port is taken: found before any teacher trains."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """``PortTaken`` (one line) when another process listens on ``host:port``: checked before the
+    teachers train, as the gRPC server would refuse the port only after (0: any free port)."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
+        try:
+            probe.bind((host, port))
+        except OSError:
+            raise PortTaken(f"could not bind the aggregator to {host}:{port}: the address is in use or not on this "
+                            "host") from None
 
 
 def server_settings(config: TeacherStudentConfig, token: str, **overrides: Any):

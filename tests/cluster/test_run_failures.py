@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,23 @@ def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.json"]  # the lock left with the run
     with RunDirectory.staged(tmp_path, "run"):  # and the folder is free again
         pass
+
+
+def test_a_taken_server_port_is_refused_in_one_line_before_any_teacher_trains(tmp_path, capsys, monkeypatch):
+    config = yaml.safe_load((CONFIGS / "digits-teachers.yaml").read_text())
+    import conclave.cluster.pipelines.teacher_student as pipeline
+
+    monkeypatch.setattr(pipeline, "train_ensemble", lambda *a: pytest.fail("teachers trained past a taken port"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        config["server"] = {"port": holder.getsockname()[1]}
+        (tmp_path / "taken.yaml").write_text(yaml.safe_dump(config))
+        status = main(["run", str(tmp_path / "taken.yaml"), "--results-dir", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == [f"conclave: run 'digits-teachers' refused: could not bind the aggregator to "
+                                   f"127.0.0.1:{config['server']['port']}: the address is in use or not on this host"]
+    assert not (tmp_path / "results").exists()  # a refused run leaves no folder
 
 
 def test_each_failure_has_its_status_and_one_line():
