@@ -365,9 +365,9 @@ class Student:
     def network(self) -> NetworkEmbedding | None:
         """The last model trained (of several members, the first), as a checkpoint and an embedding
         (``learning.embeddings``): trained on released labels and public inputs only, so it can embed
-        a later round's votes at no cost. None before any training, or for a table model (its
-        standardiser is not a tensor)."""
-        if self._last_model is None or self.standardiser is not None:
+        a later round's votes at no cost (a table model's public standardiser is in its buffers).
+        None before any training."""
+        if self._last_model is None:
             return None
         model = self._last_model.first if isinstance(self._last_model, AveragedStudents) else self._last_model
         state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

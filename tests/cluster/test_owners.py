@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import load_pipeline
+from conclave.learning.embeddings import NetworkEmbedding
 from tests.conftest import PROJECT_ROOT
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
@@ -49,6 +52,11 @@ def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_rea
     assert metrics["queries_answered"] > 0 and metrics["student_accuracy"] > 0.7
     config = json.loads((tmp_path / "hospitals" / "config.json").read_text())
     assert config["teachers"]["model"] == config["student"]["model"] == "logistic_regression"
+    # the table student is saved as any student is, its public standardiser with it
+    student = NetworkEmbedding.load(tmp_path / "hospitals" / "student.pt")
+    public = pd.read_csv(DATA / "public" / "unlabeled.csv").to_numpy(dtype=np.float32)
+    assert student.model == "logistic_regression" and student(public[:5]).shape[0] == 5
+    assert not np.allclose(student.state["features.mean"], 0)  # the pool's column means, not a fresh model's
 
 
 @pytest.mark.slow
