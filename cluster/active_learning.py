@@ -646,6 +646,7 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     from conclave.learning.data import Dataset
     from conclave.learning.selection import PublicPool, build_strategy
     from conclave.learning.training import embed, evaluate, fit, predict_logits
+    from conclave.progress import COUNTS
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
@@ -655,7 +656,7 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
     rows: list[dict] = []
-    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="model")
+    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="models", bar_format=COUNTS)
     for name in sel.strategies:
         start = near_start if name == "near_private" else checkpoints[-1]
         # What this one model costs on its own: an in-memory view (the run's ledger is the durable one).
