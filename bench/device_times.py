@@ -16,9 +16,9 @@ fresh process, CPU-only (CUDA hidden) and GPU alternately, ``--repeats`` times:
               non-private ceiling), and two larger students beside it (``--variants``)
 
 Writes results/bench/device_times.json, ``sound: false``: it times work on the records (the
-embedding and the search), a figure of them without a mechanism. Nothing else is released: no record's vote leaves a process
-and no ε is stated (the ceiling reads the public pool's labels). Runs without Ray, so that a
-GPU machine with torch alone can run it:
+embedding and the search), a figure of them without a mechanism. Nothing else is released: no
+record's vote leaves a process and no ε is stated (the ceiling reads the public pool's labels).
+Runs without Ray, so that a GPU machine with torch alone can run it:
 
     python bench/device_times.py --mnist ../shared/data/mnist             # every stage
     python bench/device_times.py --mnist ../shared/data/mnist --quick     # one repeat, no variants

@@ -425,8 +425,8 @@ def planned_work(config: ActiveLearningConfig) -> PrivacyCharge:
 def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded: bool,
                 columns: tuple[str, ...] | None = None, size: tuple[int, int] | None = None) -> list:
     """Where the private shards are held: each owner's on its ``actors`` actors, on its node
-    (a table read by the public pool's ``columns``, an image folder at its image ``size``); the benchmark's on one actor per shard
-    (``dpsgd.distributed``) or all on one."""
+    (a table read by the public pool's ``columns``, an image folder at its image ``size``); the
+    benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
     from conclave.actors.dp_trainer import PrivateSource, ShardPlan
     from conclave.cluster.owners import owner_shard_plans
 
@@ -656,7 +656,8 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
     rows: list[dict] = []
-    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="models", bar_format=COUNTS)
+    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="models",
+                    bar_format=COUNTS)
     for name in sel.strategies:
         start = near_start if name == "near_private" else checkpoints[-1]
         # What this one model costs on its own: an in-memory view (the run's ledger is the durable one).

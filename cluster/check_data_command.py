@@ -8,9 +8,10 @@ down when it holds more (``actors.owners.OwnerSource``). This command shows the 
 run would do with its file.
 
 It reads that owner's file in this process, by the public pool's column names and at its
-image size as a run does (the pool's header, or one of its images, is read too), and prints to this terminal only: run it on the owner's
-machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
-every row is usable, 1 when rows would be dropped, 2 when the file or the config cannot be read.
+image size as a run does (the pool's header, or one of its images, is read too), and prints to
+this terminal only: run it on the owner's machine, outside any DP run. It starts no Ray and
+writes nothing. Exit status: 0 when every row is usable, 1 when rows would be dropped, 2 when
+the file or the config cannot be read.
 
 It also warns when the usable rows hold none at all, or fewer of the run's classes than there
 are (one class only, say): a run trains on them all the same, and its teachers or records can

@@ -206,8 +206,8 @@ def owner_shares(config: TeacherStudentConfig, public: PublicData, embedded: boo
         return [OwnerShare(teacher_source(config), count, num_actors)]
     # A relative path is the launching directory's (on a cluster, give owners absolute paths).
     here, schema = os.getcwd(), public.schema
-    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, schema.columns, here, schema.image_size), owner.teachers,
-                                   public.classes, config.seed, config.data.features, owner.records),
+    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, schema.columns, here, schema.image_size),
+                                   owner.teachers, public.classes, config.seed, config.data.features, owner.records),
                        owner.teachers, owner.actors, owner.placement(embedded))
             for owner in config.owners]
 

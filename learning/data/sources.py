@@ -17,11 +17,12 @@ Two ways to read, because the two kinds of data answer to different rules:
 - ``read``: public data (the pool, the test split). Any unusable row is an error naming it:
   the driver's own files, nothing private.
 - ``read_private``: an owner's data, on its node. A row with a missing, non-numeric or
-  out-of-range value, a line that is no record, an image of another size than the run's, or
-  a label outside the run's classes, is dropped there and the run goes on: an error would make the run's course depend on one record,
-  outside any mechanism. What was dropped is returned as a ``RowCheck`` that only the owner sees
-  (``conclave check-data``). Problems of the declared schema (no such file or column, an
-  unreadable format) do not depend on any record and stay errors.
+  out-of-range value, a line that is no record, an image of another size than the run's, or a
+  label outside the run's classes, is dropped there and the run goes on: an error would make the
+  run's course depend on one record, outside any mechanism. What was dropped is returned as a
+  ``RowCheck`` that only the owner sees (``conclave check-data``). Problems of the declared
+  schema (no such file or column, an unreadable format, an owner's image folder read without a
+  size) do not depend on any record and stay errors.
 
 Whatever a reader lets through, a row is checked as the model will see it, after the cast to
 float32 (``unfit_rows``: finite values, pixels in [0, 1]), so no value of one record can make

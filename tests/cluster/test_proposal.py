@@ -210,7 +210,8 @@ def test_the_documented_proposals_print_configs_that_fit_the_budget(argv, monkey
     assert cli.main(argv) == 0
     config = load_config(yaml.safe_load(capsys.readouterr().out))
     source = argv[-1] if "--source" in argv else "clusters"
-    assert planned_fits(config, load_yaml(HOSPITALS)["privacy"]["budget"]) and config.name == f"hospitals-{source}-proposed"
+    assert planned_fits(config, load_yaml(HOSPITALS)["privacy"]["budget"])
+    assert config.name == f"hospitals-{source}-proposed"
 
 
 @pytest.mark.slow
