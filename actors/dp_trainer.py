@@ -60,7 +60,7 @@ from conclave.learning.dp_schedule import DPSGDConfig, dp_step_charge
 from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.secure_dpsgd import SecureGroup
-from conclave.progress import waiting
+from conclave.progress import COUNTS, waiting
 from conclave.learning.models import build_model
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
@@ -593,7 +593,7 @@ class ShardGroup:
                      for rank, actor in enumerate(self.actors)]
         pending = list(ranks)
         asked: ray.ObjectRef | None = None  # rank 0's epochs, asked once at a time: a stopped actor never answers
-        with tqdm(total=config.epochs, desc="DP-SGD", unit="epoch", disable=not progress) as bar:
+        with tqdm(total=config.epochs, desc="DP-SGD", unit="epochs", bar_format=COUNTS, disable=not progress) as bar:
             try:
                 while pending:  # the first failure raises at once instead of after the others time out
                     done, pending = ray.wait(pending, num_returns=1, timeout=PROGRESS_POLL_S)

@@ -55,6 +55,7 @@ from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
 from conclave.learning.test_views import predict_with_views
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import embed, evaluate, fit, predict_logits
+from conclave.progress import COUNTS
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,8 @@ class Student:
             self._client = self.client_factory()
         calls = 0
         budget: dict[str, Any] | None = None  # read before the first call, then each reply's (the budget after it)
-        with tqdm(total=num_queries, initial=self.asked, desc="student queries", unit="query",
-                  disable=not progress) as bar:
+        with tqdm(total=num_queries, initial=self.asked, desc="student queries", unit="queries",
+                  bar_format=COUNTS, disable=not progress) as bar:
             for stop in (s for s in stops if s > self._last_snapshot()):
                 while self.asked < stop and not self.exhausted and (max_batches is None or calls < max_batches):
                     if budget is None:

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import shutil
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Sequence
@@ -61,6 +60,7 @@ from conclave.learning.models.ensemble import StackedEnsemble
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import fit, predict
 from conclave.privacy.accounting.charge import Neighbouring
+from conclave.progress import COUNTS
 
 log = logging.getLogger(__name__)
 
@@ -402,10 +402,10 @@ class TeacherPool(VoteParties):
     def train(self, progress: bool = True, retries: int = 2) -> None:
         """Train every teacher (actors in parallel). A teacher whose actor died is asked
         again of the restarted actor (which keeps what it saved) up to ``retries`` times."""
-        started = time.perf_counter()
         tasks = {actor.train_teacher.remote(local): (actor, local, 0)
                  for actor, (first, last) in zip(self._actors, self._blocks) for local in range(last - first)}
-        with tqdm(total=self.num_teachers, desc="training teachers", unit="teacher", disable=not progress) as bar:
+        with tqdm(total=self.num_teachers, desc="training teachers", unit="teachers", bar_format=COUNTS,
+                  disable=not progress) as bar:
             while tasks:
                 [done], _ = ray.wait(list(tasks), num_returns=1)
                 actor, local, attempt = tasks.pop(done)
@@ -418,7 +418,6 @@ class TeacherPool(VoteParties):
                     tasks[actor.train_teacher.remote(local)] = (actor, local, attempt + 1)
                     continue
                 bar.update(1)
-        log.info("trained %d teachers in %.1f s", self.num_teachers, time.perf_counter() - started)
 
     @property
     def votes_per_query(self) -> int:

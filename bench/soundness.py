@@ -25,6 +25,14 @@ def run_reasons(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
             for reason in run.get("unsound_reasons") or ["its report says sound: false"]]
 
 
+def timed_private_work(data: str) -> str:
+    """The reason a file that times work on data in the private role is not sound: how long that
+    work took is a figure computed from the data, without a mechanism (stand-in data or not; a run
+    on an owner's records publishes none). Such timings go to a file of their own, or make the
+    file's ``sound`` false."""
+    return f"times work on the data in the private role ({data}) without a mechanism"
+
+
 def timed_on(data: str) -> dict[str, str]:
     """``{"timings": ...}``: the statement a benchmark file carries when it publishes seconds or
     rates. Runs on an owner's records publish none (how long private work takes grows with the

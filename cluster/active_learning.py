@@ -316,6 +316,12 @@ class PublicSide:
     standardiser: Any = None
     columns: tuple[str, ...] | None = None
 
+    @property
+    def image_size(self) -> tuple[int, int] | None:
+        """The pool's images' (height, width), at which owners' image folders are read; None
+        for a table."""
+        return (self.pool_images.shape[-2], self.pool_images.shape[-1]) if self.pool_images.ndim == 4 else None
+
     def model_spec(self, config: ActiveLearningConfig):
         """The network every holder builds, sized for these inputs."""
         from conclave.actors.dp_trainer import ModelSpec
@@ -376,7 +382,7 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
     except (ValueError, OSError) as err:
         raise ConfigError(f"{'public/test' if config.owners else 'data'}: {err}") from err
     if config.owners:
-        check_owner_columns(config.owners, public.columns)
+        check_owner_columns(config.owners, public.columns, public.image_size)
         spec = public.model_spec(config)
         check_model(spec.name, spec.input_shape, spec.num_classes, spec.standardiser)
     else:
@@ -422,16 +428,16 @@ def planned_work(config: ActiveLearningConfig) -> PrivacyCharge:
 
 
 def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded: bool,
-                columns: tuple[str, ...] | None = None) -> list:
+                columns: tuple[str, ...] | None = None, size: tuple[int, int] | None = None) -> list:
     """Where the private shards are held: each owner's on its ``actors`` actors, on its node
-    (a table read by the public pool's ``columns``); the benchmark's on one actor per shard
-    (``dpsgd.distributed``) or all on one."""
+    (a table read by the public pool's ``columns``, an image folder at its image ``size``); the
+    benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
     from conclave.actors.dp_trainer import PrivateSource, ShardPlan
     from conclave.cluster.owners import owner_shard_plans
 
     data = config.data
     if config.owners:
-        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, columns)
+        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, columns, size)
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     if config.dpsgd.distributed:
         return [ShardPlan(source, (i,)) for i in range(data.num_shards)]
@@ -443,9 +449,9 @@ class PrivateShards:
     NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
 
     def __init__(self, config: ActiveLearningConfig, spec, classes: tuple[str, ...], embedded: bool,
-                 columns: tuple[str, ...] | None = None) -> None:
+                 columns: tuple[str, ...] | None = None, size: tuple[int, int] | None = None) -> None:
         self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
-        self._columns = columns
+        self._columns, self._size = columns, size
         self._group = None
 
     @property
@@ -453,7 +459,7 @@ class PrivateShards:
         from conclave.actors.dp_trainer import ShardGroup
 
         if self._group is None:
-            plans = shard_plans(self._config, self._classes, self._embedded, self._columns)
+            plans = shard_plans(self._config, self._classes, self._embedded, self._columns, self._size)
             self._group = ShardGroup(plans, self._spec, self._config.torch_threads,
                                      num_cpus=self._config.dpsgd.cpus_per_worker,
                                      input_shape=self._spec.input_shape)
@@ -515,7 +521,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
-    shards = PrivateShards(config, spec, public.classes, embedded, public.columns)
+    shards = PrivateShards(config, spec, public.classes, embedded, public.columns, public.image_size)
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
@@ -645,6 +651,7 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     from conclave.learning.data import Dataset
     from conclave.learning.selection import PublicPool, build_strategy
     from conclave.learning.training import embed, evaluate, fit, predict_logits
+    from conclave.progress import COUNTS
 
     sel, delta = config.selection, config.privacy.delta
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
@@ -654,7 +661,8 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     model_ledgers: dict[str, PrivacyLedger] = {}
     pools: dict[int, PublicPool] = {}
     rows: list[dict] = []
-    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="model")
+    progress = tqdm(total=len(sel.strategies) * len(sel.sizes), desc="active learning", unit="models",
+                    bar_format=COUNTS)
     for name in sel.strategies:
         start = near_start if name == "near_private" else checkpoints[-1]
         # What this one model costs on its own: an in-memory view (the run's ledger is the durable one).

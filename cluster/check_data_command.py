@@ -7,10 +7,11 @@ classes) without a word, runs with fewer records than declared, and cuts its tea
 down when it holds more (``actors.owners.OwnerSource``). This command shows the owner what a
 run would do with its file.
 
-It reads that owner's file in this process, by the public pool's column names as a run does
-(the pool's header is read too), and prints to this terminal only: run it on the owner's
-machine, outside any DP run. It starts no Ray and writes nothing. Exit status: 0 when
-every row is usable, 1 when rows would be dropped, 2 when the file or the config cannot be read.
+It reads that owner's file in this process, by the public pool's column names and at its
+image size as a run does (the pool's header, or one of its images, is read too), and prints to
+this terminal only: run it on the owner's machine, outside any DP run. It starts no Ray and
+writes nothing. Exit status: 0 when every row is usable, 1 when rows would be dropped, 2 when
+the file or the config cannot be read.
 
 It also warns when the usable rows hold none at all, or fewer of the run's classes than there
 are (one class only, say): a run trains on them all the same, and its teachers or records can
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
         owner = _owner(declared, args.owner)
         classes = _classes(declared)
         columns = _columns(declared)
-        source = owner_data(owner, columns, os.getcwd())
+        source = owner_data(owner, columns, os.getcwd(), _image_size(declared))
         dataset, check = _read(source, classes, owner.name, columns, declared)
     except (ValueError, OSError) as err:  # the config, a file, its format (ConfigError, DataFormatError)
         return fail(ConfigError(str(err).splitlines()[0]))
@@ -115,6 +116,17 @@ def _columns(declared: OwnersData) -> tuple[str, ...] | None:
     except OSError as err:
         raise ConfigError(f"an owner's table is read by the public pool's column names, and the pool cannot "
                           f"be read here ({err})") from None
+
+
+def _image_size(declared: OwnersData) -> tuple[int, int] | None:
+    """The run's image size: the public pool's (or, with no pool, the test data's), at which a
+    run reads an owner's image folder."""
+    public = declared.public or declared.test
+    try:
+        return public.anchored(os.getcwd()).image_size() if public is not None else None
+    except OSError as err:
+        raise ConfigError(f"an owner's images are read at the public images' size, and {public.path} cannot be "
+                          f"read here ({err})") from None
 
 
 def _classes(declared: OwnersData) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import signal
 import sys
 from types import ModuleType
 
-from conclave import DISTRIBUTION, __version__
+import conclave
 from conclave.cluster.signal_hold import signals_held
 from conclave.errors import Interrupted
 from conclave.learning.threads import share_cores
@@ -39,7 +39,8 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``selected``'s module is imported (the others just list their help)."""
     parser = argparse.ArgumentParser(prog="conclave", description="Private teacher/student learning on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} ({DISTRIBUTION})")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {conclave.__version__} ({conclave.DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         help_text = COMMANDS.about(name)
@@ -70,10 +71,10 @@ def _import_from_working_directory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    share_cores()  # before any command imports torch
-    _import_from_working_directory()
     try:  # loading the command's module: a Ctrl-C acts once it has loaded (cluster.signal_hold), with nothing to undo
         with signals_held({signal.SIGINT}):
+            share_cores()  # before any command imports torch
+            _import_from_working_directory()
             parser = build_parser(_selected_command(argv))
     except KeyboardInterrupt:
         print("conclave: interrupted", file=sys.stderr)

@@ -10,7 +10,8 @@ Tables are read by column name: the public pool's input columns are the run's sc
 (``PublicData.schema.columns``), and the test table and every owner's file are read by those
 names, in that order (``owner_data``): an owner's column order and extra columns do not matter,
 and a column it lacks is one line naming the owner and the column, from its own node. The
-names are public (the pool's header), so they travel to the owners' actors in their config.
+names are public (the pool's header), so they travel to the owners' actors in their config,
+as does the pool's image size, at which an owner's image folder is read.
 """
 from __future__ import annotations
 
@@ -111,24 +112,27 @@ def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
     return granted
 
 
-def owner_data(owner: DataOwner, columns: tuple[str, ...] | None, base: str) -> DataSource:
+def owner_data(owner: DataOwner, columns: tuple[str, ...] | None, base: str,
+               size: tuple[int, int] | None = None) -> DataSource:
     """What ``owner``'s actors read: its source with relative paths taken from ``base`` and, for
-    a table, the public schema's ``columns`` by name (no file is touched: the driver never
-    opens an owner's path). An explicit ``columns`` that names others is a ``ValueError``."""
+    a table, the public schema's ``columns`` by name, for an image folder the public pool's image
+    ``size`` (no file is touched: the driver never opens an owner's path). An explicit
+    ``columns`` or ``size`` other than the public ones is a ``ValueError``."""
     try:
-        return owner.data.anchored(base).by_name(columns)
+        return owner.data.anchored(base).by_name(columns).sized(size)
     except ValueError as err:
         raise ValueError(f"owner {owner.name}: {err}") from None
 
 
-def check_owner_columns(owners: Sequence[DataOwner], columns: tuple[str, ...] | None) -> None:
-    """Owners' explicit ``columns`` must be the public schema's: a one-line ``ConfigError``
-    from the driver before Ray starts (the config alone: no owner's file is opened)."""
+def check_owner_columns(owners: Sequence[DataOwner], columns: tuple[str, ...] | None,
+                        size: tuple[int, int] | None = None) -> None:
+    """Owners' explicit ``columns`` (and image ``size``) must be the public schema's: a one-line
+    ``ConfigError`` from the driver before Ray starts (the config alone: no owner's file is opened)."""
     from conclave.cluster.config import ConfigError
 
     for owner in owners:
         try:
-            owner_data(owner, columns, os.curdir)
+            owner_data(owner, columns, os.curdir, size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -183,16 +187,17 @@ class PublicData:
 
 
 def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], seed: int,
-                      features: str | None, embedded: bool, columns: tuple[str, ...] | None = None) -> list:
+                      features: str | None, embedded: bool, columns: tuple[str, ...] | None = None,
+                      size: tuple[int, int] | None = None) -> list:
     """DP-SGD shard actors for the owners: each owner's data cut into one shard per actor,
-    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``columns``:
-    the public schema's, by which an owner's table is read."""
+    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``columns``
+    and ``size``: the public schema's, by which an owner's table or image folder is read."""
     from conclave.actors.dp_trainer import OwnerShards, ShardPlan
     from conclave.actors.owners import OwnerSource
 
     here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
     # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
-    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, columns, here), owner.actors, classes,
+    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, columns, here, size), owner.actors, classes,
                                               seed, features)),
                       (i,), owner.placement(embedded), owner.actors, owner.records)
             for owner in owners for i in range(owner.actors)]

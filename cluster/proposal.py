@@ -82,7 +82,7 @@ MAX_TEACHERS = 250
 TEACHER_NOISE_SHARE = 1 / 3  # σ at most this share of the teachers
 MIN_QUERIES = 20
 BATCH_SIZE = 20  # the student's calls (teachers, kNN): the budget's tail is spent in small batches
-PROPOSED = "-proposed"  # the proposed config's name: the config's, with this
+PROPOSED = "-proposed"  # the proposed config's name: the config's, with "-<source>" and this
 SIGMA_DIGITS = 3  # σ rounded up to this many significant digits (up: ε only falls)
 
 
@@ -172,8 +172,7 @@ def propose(raw: dict[str, Any], source: str | None = None) -> Proposal:
     config = load_config(raw)
     figures = public_figures(config)
     sections, rule, warnings = {"clusters": _clusters, "knn": _knn, "teachers": _teachers}[source](raw, figures)
-    name = config.name if config.name.endswith(PROPOSED) else config.name + PROPOSED
-    sections = {"name": name, **sections}  # its own results folder beside the config's
+    sections = {"name": proposed_name(config.name, source), **sections}  # its own results folder beside the config's
     proposed = load_config(proposed_config(raw, sections))  # as `conclave run` will read it
     planned = proposed.planned()
     worst = worst_case_guarantee(planned, figures.delta).epsilon
@@ -181,6 +180,16 @@ def propose(raw: dict[str, Any], source: str | None = None) -> Proposal:
         raise ProposalError(f"the proposed {source} settings plan ε {worst:.4g}, past the budget {figures.epsilon:g}")
     log.debug("proposed %s for %s: %s", source, raw.get("name"), rule)
     return Proposal(source, figures, sections, proposed.privacy.guarantee(planned), worst, rule, tuple(warnings))
+
+
+def proposed_name(name: str, source: str) -> str:
+    """The proposed run's name: ``<name>-<source>-proposed``, so that each source's proposal has
+    its own results folder; proposing again for a proposed config replaces its source."""
+    for known in SOURCES:
+        if name.endswith(f"-{known}{PROPOSED}"):
+            name = name[:-len(f"-{known}{PROPOSED}")]
+            break
+    return f"{name}-{source}{PROPOSED}"
 
 
 def proposed_config(raw: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:

@@ -311,7 +311,8 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
     dp_config = config.finetune.dp_config(config.privacy.delta)
     planned = planned_work(config)
     if config.owners:
-        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded)
+        size = (test.input_shape[-2], test.input_shape[-1]) if test.is_image else None  # owners' images: the test's
+        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, size=size)
     else:
         source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
                                 config.private.size, config.seed)

@@ -150,7 +150,10 @@ def _query(student, settings: StudentConfig, progress: bool, batches_per_call: i
     import ray
     from tqdm import tqdm
 
-    with tqdm(total=settings.queries, desc="student queries", unit="query", disable=not progress) as bar:
+    from conclave.progress import COUNTS
+
+    with tqdm(total=settings.queries, desc="student queries", unit="queries", bar_format=COUNTS,
+              disable=not progress) as bar:
         while True:
             state = ray.get(student.query.remote(settings.queries, settings.batch_size, settings.checkpoints,
                                                  progress=False, max_batches=batches_per_call))

@@ -45,9 +45,10 @@ def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersCo
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     if config.owners:
         here = os.getcwd()  # a relative path is the launching directory's, as for teachers
-        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.schema.columns, here), owner.teachers,
-                                          public.classes, config.seed), owner.actors, owner.placement(embedded),
-                              declared=owner.records)
+        schema = public.schema
+        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, schema.columns, here, schema.image_size),
+                                          owner.teachers, public.classes, config.seed), owner.actors,
+                              owner.placement(embedded), declared=owner.records)
                   for owner in config.owners]
     else:
         actors = section.actors or max(1, int(cpus / 2))

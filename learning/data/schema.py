@@ -52,6 +52,12 @@ class InputSchema:
         shape = tuple(int(d) for d in shape)
         return cls(shape, "table", None, None) if len(shape) == 1 else cls(shape, "image", 0.0, 1.0)
 
+    @property
+    def image_size(self) -> tuple[int, int] | None:
+        """The images' (height, width), at which an owner's image folder is read; None for
+        inputs that are not images."""
+        return (self.shape[-2], self.shape[-1]) if self.kind == "image" and len(self.shape) == 3 else None
+
     def describe(self) -> str:
         bounds = "" if self.low is None else f", values in [{self.low:g}, {self.high:g}]"
         names = "" if self.columns is None else f", columns {', '.join(self.columns)}"

@@ -17,11 +17,12 @@ Two ways to read, because the two kinds of data answer to different rules:
 - ``read``: public data (the pool, the test split). Any unusable row is an error naming it:
   the driver's own files, nothing private.
 - ``read_private``: an owner's data, on its node. A row with a missing, non-numeric or
-  out-of-range value, a line that is no record, or a label outside the run's classes, is
-  dropped there and the run goes on: an error would make the run's course depend on one record,
-  outside any mechanism. What was dropped is returned as a ``RowCheck`` that only the owner sees
-  (``conclave check-data``). Problems of the declared schema (no such file or column, an
-  unreadable format) do not depend on any record and stay errors.
+  out-of-range value, a line that is no record, an image of another size than the run's, or a
+  label outside the run's classes, is dropped there and the run goes on: an error would make the
+  run's course depend on one record, outside any mechanism. What was dropped is returned as a
+  ``RowCheck`` that only the owner sees (``conclave check-data``). Problems of the declared
+  schema (no such file or column, an unreadable format, an owner's image folder read without a
+  size) do not depend on any record and stay errors.
 
 Whatever a reader lets through, a row is checked as the model will see it, after the cast to
 float32 (``unfit_rows``: finite values, pixels in [0, 1]), so no value of one record can make
@@ -30,7 +31,8 @@ float32 (``unfit_rows``: finite values, pixels in [0, 1]), so no value of one re
 Tables are read by column name, never by position: the public pool's input columns name the
 run's inputs (``input_columns``), and every other table of the run — the test table, each
 owner's file — selects exactly those, in that order (``by_name``). A file's own column order
-and any extra columns do not matter; a missing column is an error naming it.
+and any extra columns do not matter; a missing column is an error naming it. Likewise an
+owner's image folder is read at the public pool's image size (``sized``), public data too.
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ FORMATS: Registry[Callable[[DataSource], RawData]] = Registry("data format", {
 TABLE_FORMATS = ("csv", "parquet")
 # How a table's input columns are read from its header alone (imported by path, as the readers).
 TABLE_HEADER = "conclave.learning.data.tables:table_input_columns"
+# An image folder's size from its first image (imported by path, as the readers).
+IMAGE_SIZE = "conclave.learning.data.image_folder:folder_image_size"
 # Formats whose labels come with the data itself (an image folder's class folders, a benchmark's
 # files), so they need no ``label``.
 LABELLED_BY_LAYOUT = ("images", "digits", "mnist", "cifar10", "cifar100", "svhn")
@@ -127,7 +131,9 @@ class DataSource:
     of a table, read by name in this order (default: every column but the label, in file order;
     a run sets them to the public pool's, ``by_name``). ``inputs``: the npz key of
     the inputs. ``channels``: 1 (grayscale) or 3 (RGB) for an image folder. ``split``: which
-    part of a benchmark (train or test).
+    part of a benchmark (train or test). ``size``: an image folder's (height, width); an image
+    of another size is an unusable row. An owner's folder is read at the public pool's
+    (``sized``), so it is usually left out.
     """
 
     format: str
@@ -137,6 +143,7 @@ class DataSource:
     inputs: str = "x"
     channels: int = 1
     split: str = "train"
+    size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         FORMATS.path(self.format)  # an unknown format: ``UnknownName``, a ValueError naming the known ones
@@ -146,6 +153,8 @@ class DataSource:
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
         if self.split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {self.split!r}")
+        if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
+            raise ValueError(f"size is an image's [height, width], got {list(self.size)}")
 
     def anchored(self, base: str) -> DataSource:
         """The same source with relative paths taken from ``base`` (a string operation: no
@@ -166,6 +175,32 @@ class DataSource:
             raise ValueError(f"columns {list(self.columns)} are not the public pool's {list(columns)}: "
                              "leave columns out (inputs are read by name) or list the same ones")
         return replace(self, columns=tuple(columns))
+
+    def sized(self, size: tuple[int, int] | None) -> DataSource:
+        """This image folder read at ``size`` (the public pool's; None, or a source that is not an
+        image folder: the source as it is). A declared ``size`` must be the same. A string
+        operation: no file is touched."""
+        if size is None or self.format != "images":
+            return self
+        size = (int(size[0]), int(size[1]))
+        if self.size is not None and tuple(self.size) != size:
+            raise ValueError(f"size {list(self.size)} is not the public pool's {list(size)}: leave size out "
+                             "(an owner's images are read at the pool's) or give the same one")
+        return replace(self, size=size)
+
+    def image_size(self) -> tuple[int, int] | None:
+        """The size (height, width) of public images: an image folder's declared ``size`` or its
+        first image's (public images must all be of one size), an array's or a benchmark's
+        images' as read; None for tables."""
+        if self.format in TABLE_FORMATS:
+            return None
+        if self.size is not None:
+            return (int(self.size[0]), int(self.size[1]))
+        self._check_exists()
+        if self.format == "images":
+            return imported(IMAGE_SIZE)(self)
+        x = self.read_raw().x
+        return (x.shape[-2], x.shape[-1]) if x.ndim == 4 else None
 
     def input_columns(self) -> tuple[str, ...] | None:
         """A table's input columns as read (``columns``, or every column but the label in file
@@ -212,7 +247,12 @@ class DataSource:
 
     def read_private(self, classes: tuple[str, ...], name: str | None = None) -> tuple[Dataset, RowCheck]:
         """An owner's data on its node: the usable rows as a ``Dataset``, and what was dropped
-        (see the module docstring: never an error, never shown outside the owner's node)."""
+        (see the module docstring: never an error, never shown outside the owner's node). An
+        image folder needs its ``size``: taken from its own images, one image could decide
+        which others are dropped."""
+        if self.format == "images" and self.size is None:
+            raise DataFormatError(f"{self.describes}: an owner's image folder is read at a given size "
+                                  "(the public pool's, or its own size: [height, width])")
         return self._read(classes, name)
 
     def _read(self, classes: tuple[str, ...], name: str | None) -> tuple[Dataset, RowCheck]:

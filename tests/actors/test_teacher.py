@@ -3,6 +3,7 @@ the only thing out."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import grpc
 import numpy as np
@@ -75,10 +76,11 @@ def _private_data_in(value) -> list[str]:
     return [found for item in items for found in _private_data_in(item)]
 
 
-def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch):
+def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch, capsys, caplog):
     """A real pool built from the spec trains and votes while every way of reading a dataset
     is a tripwire in this (the driver's) process; the actors run in their own processes,
-    unpatched, and load their shards there. The pool keeps no data either."""
+    unpatched, and load their shards there. The pool keeps no data either, and its progress bar
+    and log lines say how many teachers trained, never how long they took."""
     splits, source = digits
 
     def tripwire(*args, **kwargs):
@@ -90,7 +92,10 @@ def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch)
                        num_cpus_per_actor=0.5)
     try:
         assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
-        assert pool.train(progress=False) is None  # nothing about the training comes back
+        caplog.set_level("INFO", logger="conclave")
+        assert pool.train() is None  # nothing about the training comes back
+        bar = capsys.readouterr().err
+        assert "3/3 teachers" in bar and not re.search(r"/s|\d:\d\d|\d s\b", bar + caplog.text), bar + caplog.text
         votes = pool.votes(splits.public.x[:50])
         assert (votes.sum(axis=1) == 3).all()
         assert _private_data_in(vars(pool)) == []

@@ -14,7 +14,7 @@ from conclave.cluster import cli
 from conclave.cluster.config import load_yaml
 from conclave.cluster.proposal import (
     LOCALITY, SOURCES, VOTE_MARGIN, ProposalError, PublicFigures, cluster_sizes, load_config, propose, proposed_config,
-    render, smallest_sigma, teacher_counts,
+    proposed_name, render, smallest_sigma, teacher_counts,
 )
 from conclave.privacy.accounting.filter import order_index
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -71,7 +71,7 @@ def test_each_proposal_is_a_valid_config_whose_planned_guarantee_fits_the_budget
     config = load_config(proposed_config(tiny, proposal.sections))  # as `conclave run` reads it
     assert planned_fits(config, 4.0)
     assert proposal.guarantee.epsilon <= 4.0 and proposal.planned_worst_case <= 4.0 and proposal.guarantee.sound
-    assert config.name == "tiny-proposed" and config.privacy.budget == 4.0
+    assert config.name == f"tiny-{source}-proposed" and config.privacy.budget == 4.0
     section = {"clusters": config.clusters, "knn": config.knn, "teachers": None}[source]
     assert (config.records_vote is None) if source == "teachers" else config.records_vote == section
     if source != "teachers":  # several owners' records vote only through the secure sum
@@ -165,7 +165,7 @@ def test_plan_propose_prints_a_complete_config_and_writes_one(tiny, tmp_path, ca
     printed = capsys.readouterr().out
     assert printed.startswith("# Proposed by `conclave plan") and "# --- proposed ---\n" in printed
     from_stdout = load_config(yaml.safe_load(printed))
-    assert from_stdout.clusters is not None and from_stdout.name == "tiny-proposed"
+    assert from_stdout.clusters is not None and from_stdout.name == "tiny-clusters-proposed"
     written = tmp_path / "proposed.yaml"
     assert cli.main(["plan", str(config), "--propose", str(written), "--source", "teachers"]) == 0
     assert "planned guarantee ε" in capsys.readouterr().out
@@ -185,6 +185,13 @@ def test_plan_propose_refuses_in_one_line(tiny, tmp_path, capsys):
     assert err.startswith("conclave: --propose fits the noise to privacy.budget") and err.count("\n") == 1
 
 
+def test_each_sources_proposal_has_a_name_of_its_own(tiny, proposals):
+    """Before: every proposal was ``<name>-proposed``, and their runs wrote one results folder."""
+    assert {proposals[source].sections["name"] for source in SOURCES} == {f"tiny-{s}-proposed" for s in SOURCES}
+    assert proposed_name("tiny-clusters-proposed", "knn") == "tiny-knn-proposed"  # a proposal's proposal
+    assert proposed_name("tiny-proposed", "knn") == "tiny-proposed-knn-proposed"  # the user's own name, kept
+
+
 def test_render_keeps_the_users_keys_and_puts_the_proposal_last(tiny, proposals):
     text = render(tiny, proposals["clusters"], "tiny.yaml")
     before, after = text.split("# --- proposed ---\n")
@@ -202,7 +209,9 @@ def test_the_documented_proposals_print_configs_that_fit_the_budget(argv, monkey
     monkeypatch.chdir(PROJECT_ROOT)
     assert cli.main(argv) == 0
     config = load_config(yaml.safe_load(capsys.readouterr().out))
-    assert planned_fits(config, load_yaml(HOSPITALS)["privacy"]["budget"]) and config.name == "hospitals-proposed"
+    source = argv[-1] if "--source" in argv else "clusters"
+    assert planned_fits(config, load_yaml(HOSPITALS)["privacy"]["budget"])
+    assert config.name == f"hospitals-{source}-proposed"
 
 
 @pytest.mark.slow
@@ -216,8 +225,8 @@ def test_conclave_run_takes_the_proposal_as_the_docs_show(ray_session, run_confi
     opened = run_config_opening(proposed)
     raw = load_yaml(HOSPITALS)
     assert not opened & {str((PROJECT_ROOT / owner["data"]["path"]).resolve()) for owner in raw["owners"]}
-    privacy = json.loads((tmp_path / "hospitals-proposed" / "privacy.json").read_text())
-    metrics = json.loads((tmp_path / "hospitals-proposed" / "metrics.json").read_text())
+    privacy = json.loads((tmp_path / "hospitals-clusters-proposed" / "privacy.json").read_text())
+    metrics = json.loads((tmp_path / "hospitals-clusters-proposed" / "metrics.json").read_text())
     assert privacy["sound"] and privacy["guarantee"]["epsilon"] <= raw["privacy"]["budget"]
     assert privacy["mechanism"]["name"] == "secure-public-clusters"
     assert metrics["queries_answered"] > 0 and 0 < metrics["student_accuracy"] <= 1

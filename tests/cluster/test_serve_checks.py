@@ -272,6 +272,25 @@ def test_ctrl_c_at_any_moment_of_the_start_stops_everything_without_a_traceback(
     assert moment == "loading" or serve.seen  # Ray had started processes, and they are gone
 
 
+@pytest.mark.parametrize("marker", ["conclave.cluster", "argparse", "conclave.cluster.config"])
+def test_ctrl_c_in_the_first_instants_is_one_line(tmp_path, marker):
+    """Before: a 20-30 line traceback from an import (importlib.metadata, argparse) in the first
+    0.15-0.5 s. ``-X importtime`` says when each import has ended: the signal lands right after
+    ``marker``'s: the CLI package's first import, the CLI's own, the command's (under the hold)."""
+    serve = _Serve(tmp_path, program=("-X", "importtime", "-m", "conclave"))
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search(rf"\|\s+{re.escape(marker)}\n", serve.text):
+            assert serve.process.poll() is None and time.monotonic() < deadline, serve.text
+            time.sleep(0.001)
+        status = serve.ctrl_c()
+    finally:
+        if serve.process.poll() is None:
+            os.killpg(serve.process.pid, signal.SIGKILL)
+    said = [line for line in serve.text.splitlines() if not line.startswith("import time:")]
+    assert status == 130 and said == ["conclave: interrupted"], serve.text
+
+
 # ``conclave serve`` whose start meets a Ctrl-C that a library swallows, as Ray's compiled module
 # did with one raised while it imported ("Exception ignored"): before, the start went on and served.
 SWALLOWING = """

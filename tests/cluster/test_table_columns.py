@@ -82,7 +82,10 @@ def test_a_pool_with_an_extra_column_is_reported_against_the_pool(tmp_path, caps
                    f"public pool {pool}, whose columns are the run's inputs")
 
 
-def test_an_image_folder_test_split_needs_no_label(tmp_path):
+def test_an_image_folder_test_split_needs_no_label_and_owners_are_read_at_the_pools_size(tmp_path, capsys):
+    from conclave.cluster import cli
+    from conclave.cluster.owners import owner_data
+
     rng = np.random.default_rng(0)
     for folder in ("owner/cat", "owner/dog", "pool", "test/cat", "test/dog"):
         (tmp_path / folder).mkdir(parents=True)
@@ -98,6 +101,14 @@ def test_an_image_folder_test_split_needs_no_label(tmp_path):
     public = PublicData.read(config.public, config.test, config.classes)
     assert public.classes == ("cat", "dog") and public.schema.columns is None
     assert public.splits.test.y.tolist() == [0, 0, 0, 1, 1, 1]
+    # an owner's image of another size is one dropped row, at the pool's size, in a run and check-data
+    Image.fromarray(rng.integers(0, 256, (9, 9), dtype=np.uint8)).save(tmp_path / "owner" / "cat" / "0.png")
+    source = owner_data(config.owners[0], public.schema.columns, str(tmp_path), public.schema.image_size)
+    dataset, check = source.read_private(public.classes)
+    assert source.size == (8, 8) and len(dataset) == 5 and list(check.problems) == [0]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main(["check-data", str(tmp_path / "run.yaml"), "--owner", "clinic"]) == 1
+    assert "0.png: a 9×9 image, not the run's 8×8 (row 0)" in capsys.readouterr().out
 
 
 def test_an_owners_explicit_columns_that_are_not_the_pools_fail_before_ray_starts(tmp_path, capsys, monkeypatch):

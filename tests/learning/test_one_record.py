@@ -282,11 +282,23 @@ def _another_class(root) -> None:
     shutil.move(root / "dog" / "1.png", root / "fox" / "1.png")
 
 
+def _resized(height: int, width: int) -> Callable:
+    def edit(root) -> None:
+        Image.new("L", (width, height), 128).save(root / "dog" / "1.png")
+    return edit
+
+
+def _added(height: int, width: int) -> Callable:
+    def edit(root) -> None:
+        Image.new("L", (width, height), 128).save(root / "cat" / "9.png")
+    return edit
+
+
 def test_one_edited_image_changes_only_itself(tmp_path):
-    """A file that is no image (text, truncated, empty) or an image in a class folder outside
-    the run's classes is one dropped row; a duplicate or a removal changes that record alone.
-    (An image of another size than the others is still an error: which size is right would come
-    from the public pool's, which an owner's read is not given.)"""
+    """A file that is no image (text, truncated, empty), an image of another size than the run's
+    or in a class folder outside the run's classes is one dropped row; a duplicate or a removal
+    changes that record alone. The size is the run's (the public pool's), never the folder's:
+    an odd image among the others, or one added, cannot decide which of them are kept."""
     rng = np.random.default_rng(4)
     base_dir = tmp_path / "base"
     for i in range(ROWS):
@@ -306,10 +318,25 @@ def test_one_edited_image_changes_only_itself(tmp_path):
         "duplicated": (lambda root: shutil.copy(root / "dog" / "1.png", root / "dog" / "9.png"), base + [edited], 0),
         "as RGBA": (lambda root: Image.open(root / "dog" / "1.png").convert("RGBA").save(root / "dog" / "1.png"),
                     base, 0),
+        **{f"{h}x{w}": (_resized(h, w), rest, 1) for h, w in ((6, 6), (5, 5), (1, 1), (5, 6), (4000, 4000))},
+        **{f"an added {h}x{w}": (_added(h, w), base, 1) for h, w in ((7, 5), (1, 1))},
     }
     for name, (edit, usable, dropped) in edits.items():
         root = tmp_path / name
         shutil.copytree(base_dir, root)
         edit(root)
-        dataset, found = DataSource("images", str(root)).read_private(CLASSES)
+        source = DataSource("images", str(root)).sized((6, 5))
+        dataset, found = source.read_private(CLASSES)
         assert sorted(records(dataset)) == sorted(usable) and len(found.problems) == dropped, (name, found.problems)
+        assert dataset.input_shape == (1, 6, 5), name
+
+
+def test_an_owners_image_folder_is_read_at_a_given_size_only(tmp_path):
+    """Without the run's size an owner's folder is not read: the size would come from its images."""
+    (tmp_path / "cat").mkdir()
+    Image.new("L", (5, 6)).save(tmp_path / "cat" / "0.png")
+    with pytest.raises(DataFormatError, match="an owner's image folder is read at a given size"):
+        DataSource("images", str(tmp_path)).read_private(CLASSES)
+    (tmp_path / "cat" / "0.png").write_text("not an image")  # none readable: still one dropped row
+    dataset, found = DataSource("images", str(tmp_path), size=(6, 5)).read_private(CLASSES)
+    assert len(dataset) == 0 and dataset.input_shape == (1, 6, 5) and list(found.problems) == [0]

@@ -93,6 +93,12 @@ def test_an_image_folder_reads_one_class_per_subfolder(tmp_path):
     Image.fromarray(rng.integers(0, 256, (9, 9), dtype=np.uint8)).save(tmp_path / "pool" / "b.png")
     with pytest.raises(DataFormatError, match="images of different sizes"):
         DataSource("images", str(tmp_path / "pool")).read(("cat", "dog"))
+    with pytest.raises(DataFormatError, match=r"b.png: a 9×9 image, not the run's 7×5 \(row 1\)"):
+        DataSource("images", str(tmp_path / "pool"), size=(7, 5)).read(("cat", "dog"))
+    assert DataSource("images", str(tmp_path / "pool")).image_size() == (7, 5)  # the first image's
+    assert DataSource("images", str(tmp_path / "pool")).sized((9, 9)).size == (9, 9)
+    with pytest.raises(ValueError, match=r"size \[7, 5\] is not the public pool's \[9, 9\]"):
+        DataSource("images", str(tmp_path / "pool"), size=(7, 5)).sized((9, 9))
     (tmp_path / "pool" / "b.png").unlink()
     (tmp_path / "pool" / "c.png").write_text("not an image")
     with pytest.raises(DataFormatError, match="c.png: not a readable image"):
