@@ -47,7 +47,7 @@ from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, 
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.features import check_features
-from conclave.learning.data.sources import DataSource
+from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -317,10 +317,12 @@ class PublicSide:
     columns: tuple[str, ...] | None = None
 
     @property
-    def image_size(self) -> tuple[int, int] | None:
-        """The pool's images' (height, width), at which owners' image folders are read; None
-        for a table."""
-        return (self.pool_images.shape[-2], self.pool_images.shape[-1]) if self.pool_images.ndim == 4 else None
+    def reading(self) -> PublicReading:
+        """How owners' data is read: a table by the pool's columns with its column means in an
+        unusable cell, an image folder at the pool's images' (height, width)."""
+        size = (self.pool_images.shape[-2], self.pool_images.shape[-1]) if self.pool_images.ndim == 4 else None
+        fill = None if self.standardiser is None else tuple(self.standardiser.mean.tolist())
+        return PublicReading(self.columns, size, fill)
 
     def model_spec(self, config: ActiveLearningConfig):
         """The network every holder builds, sized for these inputs."""
@@ -382,7 +384,7 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
     except (ValueError, OSError) as err:
         raise ConfigError(f"{'public/test' if config.owners else 'data'}: {err}") from err
     if config.owners:
-        check_owner_columns(config.owners, public.columns, public.image_size)
+        check_owner_columns(config.owners, public.reading)
         spec = public.model_spec(config)
         check_model(spec.name, spec.input_shape, spec.num_classes, spec.standardiser)
     else:
@@ -428,16 +430,16 @@ def planned_work(config: ActiveLearningConfig) -> PrivacyCharge:
 
 
 def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded: bool,
-                columns: tuple[str, ...] | None = None, size: tuple[int, int] | None = None) -> list:
+                reading: PublicReading = PublicReading()) -> list:
     """Where the private shards are held: each owner's on its ``actors`` actors, on its node
-    (a table read by the public pool's ``columns``, an image folder at its image ``size``); the
-    benchmark's on one actor per shard (``dpsgd.distributed``) or all on one."""
+    (read as the public data says, ``reading``); the benchmark's on one actor per shard
+    (``dpsgd.distributed``) or all on one."""
     from conclave.actors.dp_trainer import PrivateSource, ShardPlan
     from conclave.cluster.owners import owner_shard_plans
 
     data = config.data
     if config.owners:
-        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, columns, size)
+        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, reading)
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     if config.dpsgd.distributed:
         return [ShardPlan(source, (i,)) for i in range(data.num_shards)]
@@ -449,9 +451,9 @@ class PrivateShards:
     NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
 
     def __init__(self, config: ActiveLearningConfig, spec, classes: tuple[str, ...], embedded: bool,
-                 columns: tuple[str, ...] | None = None, size: tuple[int, int] | None = None) -> None:
+                 reading: PublicReading = PublicReading()) -> None:
         self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
-        self._columns, self._size = columns, size
+        self._reading = reading
         self._group = None
 
     @property
@@ -459,7 +461,7 @@ class PrivateShards:
         from conclave.actors.dp_trainer import ShardGroup
 
         if self._group is None:
-            plans = shard_plans(self._config, self._classes, self._embedded, self._columns, self._size)
+            plans = shard_plans(self._config, self._classes, self._embedded, self._reading)
             self._group = ShardGroup(plans, self._spec, self._config.torch_threads,
                                      num_cpus=self._config.dpsgd.cpus_per_worker,
                                      input_shape=self._spec.input_shape)
@@ -521,7 +523,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
-    shards = PrivateShards(config, spec, public.classes, embedded, public.columns, public.image_size)
+    shards = PrivateShards(config, spec, public.classes, embedded, public.reading)
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.

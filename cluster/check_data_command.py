@@ -28,6 +28,7 @@ from conclave.cluster.owners import DataOwner
 from conclave.cluster.pipelines import OwnersData, load_pipeline
 from conclave.errors import ConclaveError, fail
 from conclave.learning.data.dataset import shard_cap
+from conclave.learning.data.sources import PublicReading
 
 
 class RowsDropped(ConclaveError):
@@ -48,15 +49,19 @@ def main(args: argparse.Namespace) -> int:
         declared = load_pipeline(load_yaml(args.config)).owners_data()
         owner = _owner(declared, args.owner)
         classes = _classes(declared)
-        columns = _columns(declared)
-        source = owner_data(owner, columns, os.getcwd(), _image_size(declared))
-        dataset, check = _read(source, classes, owner.name, columns, declared)
+        reading = _reading(declared, classes)
+        source = owner_data(owner, reading, os.getcwd())
+        dataset, check = _read(source, classes, owner.name, reading.columns, declared)
     except (ValueError, OSError) as err:  # the config, a file, its format (ConfigError, DataFormatError)
         return fail(ConfigError(str(err).splitlines()[0]))
     print(f"owner {owner.name}: {source.describes}")
     print(f"  rows read: {check.rows}; usable: {check.kept}; dropped: {len(check.problems)}")
     for line in check.summary(limit=20).split("; ") if check.problems else ():
         print(f"    {line}")
+    if check.filled:
+        print(f"  rows kept with cells filled by the public pool's column means: {len(check.filled)}")
+        for row, why in sorted(check.filled.items())[:5]:
+            print(f"    row {row}: {why}")
     if not dataset.unlabeled and len(dataset):
         counts = Counter(dataset.y.tolist())
         print("  labels: " + ", ".join(f"{name} {counts.get(i, 0)}" for i, name in enumerate(classes)))
@@ -106,27 +111,27 @@ def _read(source, classes: tuple[str, ...], name: str, columns: tuple[str, ...] 
                              "whose columns are the run's inputs", pooled) from None
 
 
-def _columns(declared: OwnersData) -> tuple[str, ...] | None:
-    """The run's input columns: the public pool's, by whose names a run reads an owner's table."""
+def _reading(declared: OwnersData, classes: tuple[str, ...]) -> PublicReading:
+    """How a run reads an owner's data, from the public pool alone as the run reads it: a table by
+    the pool's columns with the pool's column means in unusable cells, images at the pool's size
+    (or, with no pool, the test data's)."""
+    from conclave.learning.data.schema import Standardiser
+
+    here = os.getcwd()
     public = declared.public
-    if public is None:  # e.g. sparse_finetune's public data is a benchmark, not a pool
-        return None
     try:
-        return public.anchored(os.getcwd()).input_columns()
+        if public is None:  # e.g. sparse_finetune's public data is a benchmark: images at the test data's size
+            test = declared.test
+            return PublicReading(size=None if test is None else test.anchored(here).image_size())
+        public = public.anchored(here)
+        columns = public.input_columns()
+        if columns is None:
+            return PublicReading(size=public.image_size())
+        pool = public.by_name(columns).read(classes, "public")
+        return PublicReading(columns, fill=tuple(Standardiser.of_public(pool).mean.tolist()))
     except OSError as err:
-        raise ConfigError(f"an owner's table is read by the public pool's column names, and the pool cannot "
-                          f"be read here ({err})") from None
-
-
-def _image_size(declared: OwnersData) -> tuple[int, int] | None:
-    """The run's image size: the public pool's (or, with no pool, the test data's), at which a
-    run reads an owner's image folder."""
-    public = declared.public or declared.test
-    try:
-        return public.anchored(os.getcwd()).image_size() if public is not None else None
-    except OSError as err:
-        raise ConfigError(f"an owner's images are read at the public images' size, and {public.path} cannot be "
-                          f"read here ({err})") from None
+        raise ConfigError(f"an owner's data is read as the public pool says, and the pool cannot be read here "
+                          f"({err})") from None
 
 
 def _classes(declared: OwnersData) -> tuple[str, ...]:

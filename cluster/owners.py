@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 from conclave.actors.placement import Placement
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
-from conclave.learning.data.sources import DataSource
+from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.privacy.accounting.owner_ledger import OwnerBudget
 
 if TYPE_CHECKING:
@@ -112,27 +112,26 @@ def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
     return granted
 
 
-def owner_data(owner: DataOwner, columns: tuple[str, ...] | None, base: str,
-               size: tuple[int, int] | None = None) -> DataSource:
-    """What ``owner``'s actors read: its source with relative paths taken from ``base`` and, for
-    a table, the public schema's ``columns`` by name, for an image folder the public pool's image
-    ``size`` (no file is touched: the driver never opens an owner's path). An explicit
-    ``columns`` or ``size`` other than the public ones is a ``ValueError``."""
+def owner_data(owner: DataOwner, reading: PublicReading, base: str) -> DataSource:
+    """What ``owner``'s actors read: its source with relative paths taken from ``base``, read as
+    the public data says (``PublicReading``: a table by the pool's columns, its unusable cells
+    filled with the pool's means; an image folder at the pool's size). No file is touched: the
+    driver never opens an owner's path. An explicit ``columns`` or ``size`` other than the public
+    ones is a ``ValueError``."""
     try:
-        return owner.data.anchored(base).by_name(columns).sized(size)
+        return owner.data.anchored(base).read_as(reading)
     except ValueError as err:
         raise ValueError(f"owner {owner.name}: {err}") from None
 
 
-def check_owner_columns(owners: Sequence[DataOwner], columns: tuple[str, ...] | None,
-                        size: tuple[int, int] | None = None) -> None:
+def check_owner_columns(owners: Sequence[DataOwner], reading: PublicReading) -> None:
     """Owners' explicit ``columns`` (and image ``size``) must be the public schema's: a one-line
     ``ConfigError`` from the driver before Ray starts (the config alone: no owner's file is opened)."""
     from conclave.cluster.config import ConfigError
 
     for owner in owners:
         try:
-            owner_data(owner, columns, os.curdir, size)
+            owner_data(owner, reading, os.curdir)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -153,6 +152,13 @@ class PublicData:
         schema = InputSchema.of(splits.public, columns)
         standardiser = Standardiser.of_public(splits.public) if schema.kind == "table" else None
         return cls(splits, classes, schema, standardiser)
+
+    @property
+    def reading(self) -> PublicReading:
+        """How every owner's data is read in this run: by the pool's columns, with the pool's
+        column means in an unusable cell, or at the pool's image size (public figures only)."""
+        fill = None if self.standardiser is None else tuple(self.standardiser.mean.tolist())
+        return PublicReading(self.schema.columns, self.schema.image_size, fill)
 
     @classmethod
     def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
@@ -187,17 +193,16 @@ class PublicData:
 
 
 def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], seed: int,
-                      features: str | None, embedded: bool, columns: tuple[str, ...] | None = None,
-                      size: tuple[int, int] | None = None) -> list:
+                      features: str | None, embedded: bool, reading: PublicReading = PublicReading()) -> list:
     """DP-SGD shard actors for the owners: each owner's data cut into one shard per actor,
-    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``columns``
-    and ``size``: the public schema's, by which an owner's table or image folder is read."""
+    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``reading``:
+    how the public data says an owner's table or image folder is read."""
     from conclave.actors.dp_trainer import OwnerShards, ShardPlan
     from conclave.actors.owners import OwnerSource
 
     here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
     # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
-    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, columns, here, size), owner.actors, classes,
+    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, reading, here), owner.actors, classes,
                                               seed, features)),
                       (i,), owner.placement(embedded), owner.actors, owner.records)
             for owner in owners for i in range(owner.actors)]

@@ -29,7 +29,7 @@ from conclave.cluster.config import as_base
 from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
-from conclave.learning.data.sources import DataSource
+from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.sparse_variants import VARIANTS
 from conclave.learning.train_config import TrainConfig
@@ -312,7 +312,7 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
     planned = planned_work(config)
     if config.owners:
         size = (test.input_shape[-2], test.input_shape[-1]) if test.is_image else None  # owners' images: the test's
-        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, size=size)
+        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, PublicReading(size=size))
     else:
         source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
                                 config.private.size, config.seed)

@@ -175,7 +175,7 @@ def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
     spec = public.model_spec(config)
     canaries = make_canaries(public.test, m, SECURE.source("audit-canaries").rng)
     inclusion = SecretInclusion(m)
-    plans = shard_plans(config, public.classes, embedded, public.columns, public.image_size)
+    plans = shard_plans(config, public.classes, embedded, public.reading)
     holder = plans[0]
     plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids,
                          holder.placement, holder.num_actors_sharing)

@@ -134,7 +134,7 @@ def checked_public(config: TeacherStudentConfig) -> PublicData:
     except (ValueError, OSError) as err:
         where = "data" if not config.owners else "public/test"
         raise ConfigError(f"{where}: {err}") from err
-    check_owner_columns(config.owners, public.schema.columns, public.schema.image_size)
+    check_owner_columns(config.owners, public.reading)
     check_models(config, public)
     return public
 
@@ -205,8 +205,8 @@ def owner_shares(config: TeacherStudentConfig, public: PublicData, embedded: boo
     if not config.owners:
         return [OwnerShare(teacher_source(config), count, num_actors)]
     # A relative path is the launching directory's (on a cluster, give owners absolute paths).
-    here, schema = os.getcwd(), public.schema
-    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, schema.columns, here, schema.image_size),
+    here = os.getcwd()
+    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, public.reading, here),
                                    owner.teachers, public.classes, config.seed, config.data.features, owner.records),
                        owner.teachers, owner.actors, owner.placement(embedded))
             for owner in config.owners]

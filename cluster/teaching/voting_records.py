@@ -45,8 +45,7 @@ def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersCo
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     if config.owners:
         here = os.getcwd()  # a relative path is the launching directory's, as for teachers
-        schema = public.schema
-        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, schema.columns, here, schema.image_size),
+        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.reading, here),
                                           owner.teachers, public.classes, config.seed), owner.actors,
                               owner.placement(embedded), declared=owner.records)
                   for owner in config.owners]

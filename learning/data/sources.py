@@ -92,6 +92,7 @@ class RawData:
     x: np.ndarray
     labels: np.ndarray | None
     unusable: dict[int, str] = field(default_factory=dict)
+    filled: dict[int, str] = field(default_factory=dict)  # rows kept with cells filled (``DataSource.fill``) → which
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class RowCheck:
     source: str
     rows: int  # rows read
     problems: dict[int, str]  # row → why it was dropped
+    filled: dict[int, str] = field(default_factory=dict)  # row → the cells filled from public values (kept)
 
     @property
     def kept(self) -> int:
@@ -121,6 +123,17 @@ class RowCheck:
 
 
 @dataclass(frozen=True)
+class PublicReading:
+    """How a run reads every owner's data, set by its public data alone (never by an owner's):
+    a table by the pool's input ``columns``, with the pool's column means ``fill``\ing a cell
+    that cannot be used; an image folder at the pool's image ``size``."""
+
+    columns: tuple[str, ...] | None = None
+    size: tuple[int, int] | None = None
+    fill: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
 class DataSource:
     """Where one data set lives and how to read it.
 
@@ -133,7 +146,10 @@ class DataSource:
     the inputs. ``channels``: 1 (grayscale) or 3 (RGB) for an image folder. ``split``: which
     part of a benchmark (train or test). ``size``: an image folder's (height, width); an image
     of another size is an unusable row. An owner's folder is read at the public pool's
-    (``sized``), so it is usually left out.
+    (``sized``), so it is usually left out. ``fill``: for a table, one public value per input
+    column that takes the place of a cell that is missing, not a number or not finite (a run
+    gives an owner's table the public pool's column means, ``read_as``); a row is then unusable
+    only when none of its cells is.
     """
 
     format: str
@@ -144,6 +160,7 @@ class DataSource:
     channels: int = 1
     split: str = "train"
     size: tuple[int, int] | None = None
+    fill: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         FORMATS.path(self.format)  # an unknown format: ``UnknownName``, a ValueError naming the known ones
@@ -155,6 +172,8 @@ class DataSource:
             raise ValueError(f"split must be 'train' or 'test', got {self.split!r}")
         if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
             raise ValueError(f"size is an image's [height, width], got {list(self.size)}")
+        if self.fill is not None and (self.format not in TABLE_FORMATS or not all(map(math.isfinite, self.fill))):
+            raise ValueError("fill is a table's finite public value per input column")
 
     def anchored(self, base: str) -> DataSource:
         """The same source with relative paths taken from ``base`` (a string operation: no
@@ -175,6 +194,15 @@ class DataSource:
             raise ValueError(f"columns {list(self.columns)} are not the public pool's {list(columns)}: "
                              "leave columns out (inputs are read by name) or list the same ones")
         return replace(self, columns=tuple(columns))
+
+    def read_as(self, reading: PublicReading) -> DataSource:
+        """This source read as the run's public data says (``PublicReading``): a table by the
+        pool's columns with the pool's means in unusable cells, an image folder at the pool's size.
+        A string operation: no file is touched."""
+        source = self.by_name(reading.columns).sized(reading.size)
+        if reading.fill is None or source.format not in TABLE_FORMATS:
+            return source
+        return replace(source, fill=tuple(float(value) for value in reading.fill))
 
     def sized(self, size: tuple[int, int] | None) -> DataSource:
         """This image folder read at ``size`` (the public pool's; None, or a source that is not an
@@ -266,7 +294,8 @@ class DataSource:
         keep = np.ones(len(raw.x), dtype=bool)
         keep[list(problems)] = False
         dataset = Dataset(raw.x[keep], y[keep], len(classes), name or self.describes)
-        return dataset, RowCheck(self.describes, len(raw.x), problems)
+        filled = {row: why for row, why in raw.filled.items() if row not in problems}
+        return dataset, RowCheck(self.describes, len(raw.x), problems, filled)
 
 
 def unfit_rows(x: np.ndarray) -> dict[int, str]:

@@ -6,7 +6,9 @@ a file's own column order and its extra columns do not matter. A missing or non-
 value, or one that is not finite as float32 (where the model sees it: ``1e39`` is finite in
 float64 and infinite after the cast), makes its row unusable (``RawData.unusable``, naming the
 column), never a silent NaN the model would train on; whether that is an error or a dropped row
-is the caller's rule (``DataSource.read``).
+is the caller's rule (``DataSource.read``). Where the source has public ``fill`` values (an
+owner's table in a run: the pool's column means), such a cell takes its column's value instead
+and the row is kept (``RawData.filled``), unless no cell of it is usable.
 
 A CSV holds one record per line, whatever the other lines hold: a line with more fields than the
 header, or with a quote that does not close on it, is one unusable row, and a line with fewer
@@ -56,6 +58,8 @@ def table_data(frame: pd.DataFrame, source: DataSource, malformed: dict[int, str
     names = [str(c) for c in frame.columns]
     frame.columns = names
     columns = _input_columns(names, source)
+    if source.fill is not None and len(source.fill) != len(columns):
+        raise DataFormatError(f"{source.path}: {len(source.fill)} fill values for {len(columns)} input columns")
     inputs = frame[columns]
     # A value that is not a number becomes NaN here and makes its row unusable: a column's
     # dtype must not depend on one record's value.
@@ -65,16 +69,26 @@ def table_data(frame: pd.DataFrame, source: DataSource, malformed: dict[int, str
     bad = ~np.isfinite(x)
     absent = inputs.isna().to_numpy()
     unusable = dict(malformed or {})
-    for row in np.flatnonzero(bad.any(axis=1)):
-        if int(row) in unusable:
-            continue
-        col = int(np.argmax(bad[row]))
+    filled: dict[int, str] = {}
+
+    def what(row: int, col: int) -> str:
         value = wide[row, col]
-        what = ("missing" if absent[row, col] else "non-numeric" if np.isnan(value) else
+        kind = ("missing" if absent[row, col] else "non-numeric" if np.isnan(value) else
                 "infinite or too large" if np.isinf(value) else "out-of-range (past float32's)")
-        unusable[int(row)] = f"{what} value in column {columns[col]!r}"
+        return f"{kind} value in column {columns[col]!r}"
+
+    for row in np.flatnonzero(bad.any(axis=1)):
+        row = int(row)
+        if row in unusable:
+            continue
+        cols = np.flatnonzero(bad[row])
+        if source.fill is None or len(cols) == len(columns):  # nothing to fill from, or nothing usable left
+            unusable[row] = what(row, int(cols[0])) if source.fill is None else "no usable value in the row"
+            continue
+        x[row, cols] = np.asarray(source.fill, dtype=np.float32)[cols]  # public values: the row's own cells alone
+        filled[row] = what(row, int(cols[0])) + (f" and {len(cols) - 1} more" if len(cols) > 1 else "")
     labels = frame[source.label].to_numpy() if source.label else None
-    return RawData(x, labels, unusable)
+    return RawData(x, labels, unusable, filled)
 
 
 def _numbers(column: pd.Series) -> np.ndarray:

@@ -210,10 +210,12 @@ def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, mo
     assert "rows read: 100; usable: 98; dropped: 2" in out
     assert "label 'unsure' not among the classes ['benign', 'malignant'] (row 3)" in out
     assert "32 fields where the header has 31 (row 0)" in out
-    assert cli.main(["check-data", str(config_file), "--owner", "hospital_c"]) == 1
+    # a missing or unusable cell is filled with the public pool's column mean: the row is kept, and said so
+    assert cli.main(["check-data", str(config_file), "--owner", "hospital_c"]) == 0
     out = capsys.readouterr().out
-    assert "missing value in column 'mean_radius' (row 7)" in out
-    assert "out-of-range (past float32's) value in column 'worst_area' (row 20)" in out
+    assert "dropped: 0" in out and "rows kept with cells filled by the public pool's column means: 2" in out
+    assert "row 7: missing value in column 'mean_radius'" in out
+    assert "row 20: out-of-range (past float32's) value in column 'worst_area'" in out
     assert cli.main(["check-data", str(config_file), "--owner", "hospital_a"]) == 0
     out = capsys.readouterr().out
     assert "usable here: 99" in out and "fewer than declared: a run uses what there is" in out
@@ -261,7 +263,7 @@ def _knn_actor_says(owner, config, public):
     from conclave.learning.embeddings import fit_embedding
 
     embed = fit_embedding(config.knn.embedding, public.splits.public.x, config.knn.dims)
-    source = OwnerSource(owner.name, owner_data(owner, public.schema.columns, str(PROJECT_ROOT)), 2, public.classes,
+    source = OwnerSource(owner.name, owner_data(owner, public.reading, str(PROJECT_ROOT)), 2, public.classes,
                          config.seed)
     shard = KnnShard(source, 0, 2, embed, config.knn.k, config.knn.sample_rate, index=0)
     distances, labels = shard.neighbours(embed(public.splits.test.x[:5]), 1)
@@ -280,7 +282,7 @@ def _dpsgd_actor_says(owner, config, public):
     from conclave.learning.dp_schedule import DPSGDConfig
     from conclave.privacy.noise import SECURE
 
-    source = OwnerSource(owner.name, owner_data(owner, public.schema.columns, str(PROJECT_ROOT)), 1, public.classes,
+    source = OwnerSource(owner.name, owner_data(owner, public.reading, str(PROJECT_ROOT)), 1, public.classes,
                          config.seed)
     spec = ModelSpec(config.model, len(public.classes), input_shape=public.schema.shape,
                      standardiser=public.standardiser)

@@ -103,7 +103,7 @@ def test_an_image_folder_test_split_needs_no_label_and_owners_are_read_at_the_po
     assert public.splits.test.y.tolist() == [0, 0, 0, 1, 1, 1]
     # an owner's image of another size is one dropped row, at the pool's size, in a run and check-data
     Image.fromarray(rng.integers(0, 256, (9, 9), dtype=np.uint8)).save(tmp_path / "owner" / "cat" / "0.png")
-    source = owner_data(config.owners[0], public.schema.columns, str(tmp_path), public.schema.image_size)
+    source = owner_data(config.owners[0], public.reading, str(tmp_path))
     dataset, check = source.read_private(public.classes)
     assert source.size == (8, 8) and len(dataset) == 5 and list(check.problems) == [0]
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
