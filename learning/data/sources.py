@@ -125,7 +125,7 @@ class RowCheck:
 @dataclass(frozen=True)
 class PublicReading:
     """How a run reads every owner's data, set by its public data alone (never by an owner's):
-    a table by the pool's input ``columns``, with the pool's column means ``fill``\ing a cell
+    a table by the pool's input ``columns``, with the pool's column means (``fill``) in a cell
     that cannot be used; an image folder at the pool's image ``size``."""
 
     columns: tuple[str, ...] | None = None

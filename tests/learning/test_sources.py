@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from conclave.learning.data.dataset import UNLABELED, DataFormatError
-from conclave.learning.data.sources import DataSource, class_names
+from conclave.learning.data.sources import DataSource, PublicReading, class_names
 
 CLASSES = ("cat", "dog", "eel")
 
@@ -146,3 +146,29 @@ def test_an_owners_unusable_rows_are_dropped_and_told_only_to_the_caller(tmp_pat
     np.save(tmp_path / "x.npy", images)
     kept, check = DataSource("npy", str(tmp_path / "x.npy")).read_private(("0",))
     assert len(kept) == 2 and check.problems == {1: "NaN or infinite value"}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_an_owners_unusable_cells_take_the_public_fill_and_only_an_empty_row_is_dropped(tmp_path, fmt):
+    """Imputation reads no statistic of the owner's: each unusable cell takes the public value given
+    for its column (a run's: the pool's mean), so a row is its own function; adding a flawed row
+    changes no other row."""
+    frame = table().astype({"age": object})
+    frame.loc[1, "age"] = None  # missing
+    frame.loc[2, "age"] = "old"  # not a number
+    frame.loc[3, ["age", "weight"]] = [None, None]  # nothing usable: dropped
+    path = tmp_path / f"t.{fmt}"
+    frame.to_csv(path, index=False) if fmt == "csv" else frame.astype({"age": str}).to_parquet(path, index=False)
+    reading = PublicReading(("weight", "age"), fill=(-7.0, 1000.0))  # far from anything the owner holds
+    source = DataSource(fmt, str(path), label="kind").read_as(reading)
+    dataset, check = source.read_private(CLASSES)
+    assert check.problems == {3: "no usable value in the row"} and sorted(check.filled) == [1, 2]
+    assert check.filled[2] == "non-numeric value in column 'age'"
+    assert dataset.x[:, 1].tolist()[1:3] == [1000.0, 1000.0]  # the public fill, not the owner's mean
+    kept = frame.drop(index=[1, 2, 3])
+    np.testing.assert_allclose(np.delete(dataset.x, [1, 2], axis=0), kept[["weight", "age"]].astype(float), rtol=1e-6)
+    # without a fill (public data, or a source read as declared) the same rows are unusable, as before
+    _, as_declared = DataSource(fmt, str(path), label="kind").read_private(CLASSES)
+    assert sorted(as_declared.problems) == [1, 2, 3] and not as_declared.filled
+    with pytest.raises(ValueError, match="fill is a table's finite public value"):
+        DataSource("images", str(tmp_path), fill=(0.0,))
