@@ -17,27 +17,53 @@ the processes it started (PID and start time, in a per-user directory), and the 
 stops those whose driver is gone — only those, by PID, checked against the recorded start
 time so a reused PID is never touched — and says so. A driver that stops on its own terms
 (``stop_ray``) also stops what outlives Ray's shutdown, as an interrupted start leaves.
+
+Joining is bounded: Ray's own join retries for many minutes (an unreachable head, a refused
+token), so we first reach the head's GCS ourselves within ``JOIN_TIMEOUT_S`` and fail in one line
+(``RayJoinFailed``). The driver then matches the head as ``ray start`` set it up on the same
+machine: token auth when a token exists (``ray start --head`` turns it on then, a driver given an
+address does not), and loopback listeners when the head's nodes are on 127.0.0.1. An embedded
+start waits ``START_WAIT_S`` for its node (Ray's fixed 30 s fails on a loaded machine), and both
+say every ``PROGRESS_EVERY_S`` how long they have waited.
 """
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import tempfile
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import ray
 
 from conclave.cluster.signal_hold import signals_held
+from conclave.errors import ConclaveError, first_line
 from conclave.learning.allocator import SETTINGS
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+JOIN_TIMEOUT_S = 30.0  # to reach a head's GCS and read its nodes: a command fails within a minute
+START_WAIT_S = 180.0  # for an embedded node to register with its GCS (Ray's own wait: a fixed 30 s)
+PROGRESS_EVERY_S = 10.0
+
+
+class RayJoinFailed(ConclaveError):
+    """The cluster at ``--address`` (or ``RAY_ADDRESS``) could not be joined."""
+
+    exit_code = 5
+
+    def run_line(self, run: str) -> str:
+        return f"run '{run}' {self}"
 _started_here = False  # whether this process started the Ray it uses (and so records its processes)
 
 
@@ -64,8 +90,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     runtime_env = with_models(runtime_env or {}, models)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_with_allocator(runtime_env or {}))
+        with _progress(f"joining Ray cluster at {address}"):
+            _match_head(address)
+            ray.init(address=address, logging_level=logging.WARNING, runtime_env=_with_allocator(runtime_env or {}))
         return False
     keep_ray_on_loopback()
     kwargs: dict = {
@@ -86,15 +113,128 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     # run's actors then starve (the suite beside one CPU-bound process ran several times slower and
     # its deadlines failed). An embedded Ray serves this run alone: its workers keep our priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    log.info("starting embedded Ray on %s", LOOPBACK)
     # Ctrl-C waits until Ray has started and its processes are recorded, so the caller stops all
     # of them; SIGTERM is not held: Ray's processes inherit the mask, and stop on SIGTERM.
-    with signals_held({signal.SIGINT}):
+    with signals_held({signal.SIGINT}), _progress(f"starting embedded Ray on {LOOPBACK}"), \
+            _patient_node_registration(START_WAIT_S):
         ray.init(address="local", **kwargs)
         _started_here = True
         record_ray_processes()
         atexit.register(_forget_record)
     return True
+
+
+@contextmanager
+def _progress(what: str, every: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """Log ``what`` now, how long it has taken every ``every`` seconds, and when it is done."""
+    log.info("%s", what)
+    started = time.monotonic()
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(every):
+            log.info("%s: waited %.0f s so far", what, time.monotonic() - started)
+
+    reporter = threading.Thread(target=report, name="ray-start-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+    log.info("%s: done in %.1f s", what, time.monotonic() - started)
+
+
+@contextmanager
+def _patient_node_registration(wait_s: float) -> Iterator[None]:
+    """While Ray starts a node, its wait for the node to register with the GCS lasts ``wait_s``
+    seconds instead of Ray's fixed 30 ("The current node timed out during startup", under load).
+    Ray polls ``services.get_node`` until then and has no setting for it, so for the duration of
+    the start each poll retries, until ``wait_s`` has passed, before it reports the node missing."""
+    from ray._private import services
+
+    original: Callable = services.get_node
+    deadline = time.monotonic() + wait_s
+
+    def get_node(gcs_address: str, node_id: str) -> dict:
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:  # not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
+def _match_head(address: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Reach the GCS at ``address`` ("host:port"; others, such as "auto", are left to Ray) within
+    ``timeout_s`` and set this driver up as the head's nodes are: raises ``RayJoinFailed``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    _enable_token_auth_if_token_exists()
+    result: dict = {}
+
+    def reach() -> None:
+        try:
+            result["nodes"] = _head_node_addresses(host, int(port), time.monotonic() + timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported by the caller, in one line
+            result["error"] = err
+
+    reacher = threading.Thread(target=reach, name="ray-join", daemon=True)  # Ray's client may block past it
+    reacher.start()
+    reacher.join(timeout_s)
+    if "nodes" not in result:
+        reason = first_line(result["error"]) if "error" in result else "no answer from its GCS"
+        raise RayJoinFailed(f"could not join the Ray cluster at {address} within {timeout_s:.0f} s: {reason}")
+    if (_is_loopback(host) and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+            and any(_is_loopback(node) for node in result["nodes"])):
+        keep_ray_on_loopback()  # else Ray dials the machine's external address, where nothing listens
+
+
+def _head_node_addresses(host: str, port: int, deadline: float) -> list[str]:
+    """The addresses of the live nodes of the cluster whose GCS is at ``host:port``, once it
+    accepts connections (retried until ``deadline``)."""
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
+                break
+        except OSError as err:
+            if time.monotonic() + 1 > deadline:
+                raise ConnectionError(f"nothing accepts connections there ({err.strerror or err})") from err
+            time.sleep(1)
+    client = GcsClient(address=f"{host}:{port}")
+    nodes = client.get_all_node_info(timeout=max(1.0, deadline - time.monotonic()),
+                                     state_filter=GcsNodeInfo.GcsNodeState.ALIVE)
+    return [node.node_manager_address for node in nodes.values()]
+
+
+def _enable_token_auth_if_token_exists() -> None:
+    """Token auth, as ``ray start --head`` turns it on when a token exists and ``RAY_AUTH_MODE``
+    is unset; Ray's driver does not for an address it is given, and then retries "InvalidAuthToken"."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    if "RAY_AUTH_MODE" in os.environ or not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")  # Ray's configuration was read at import: read it again
+    log.info("using Ray token authentication (RAY_AUTH_MODE=token), as a head started with a token does")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def with_models(runtime_env: dict, models: Iterable[str | None]) -> dict:

@@ -21,6 +21,7 @@ from conclave.cluster.active_learning import planned_work
 from conclave.cluster.cli import main
 from conclave.cluster.config import ConfigError
 from conclave.cluster.pipelines import load_pipeline
+from conclave.cluster.ray_runtime import RayJoinFailed
 from conclave.cluster.results import ResultsFolderInUse, RunDirectory
 from conclave.cluster.tracking import TrackingFailed
 from conclave.errors import ClusterLost, Interrupted, RunFailed, failure
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 # What can end `conclave run`: each kind's class carries its exit status.
 RUN_FAILURES = (RunFailed, ConfigError, OwnerDataError, PlacementError, LedgerDamaged, LedgerInUse, OwnerRefused,
-                OwnerDropout, BudgetExceeded, ClusterLost, TrackingFailed, Interrupted, ResultsFolderInUse)
+                OwnerDropout, BudgetExceeded, ClusterLost, RayJoinFailed, TrackingFailed, Interrupted, ResultsFolderInUse)
 
 
 def test_a_staged_run_replaces_the_folder_only_when_it_finishes(tmp_path):

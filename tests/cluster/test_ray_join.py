@@ -1,0 +1,172 @@
+"""Joining a head with --address (cluster/ray_runtime.py): the docs' local head is joined as it
+was started, an address nobody answers at fails in one line within a minute, and the embedded
+start waits longer than Ray's fixed 30 s for its node, saying how long it has waited.
+
+The head is a `ray start --head --block` child in its own process group, with its own temp dir
+and free ports; stopping it signals only the processes this test started (`ray stop` would stop
+every Ray on the machine).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conclave.cluster import ray_runtime
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# what a shell that followed the docs has not set: the join must find them out itself
+UNSET = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    return {**env, **extra}
+
+
+@pytest.fixture
+def docs_head() -> Iterator[str]:
+    """A head started as docs/cluster-and-tuning.md starts it (loopback, its own ports and temp
+    dir; no dashboard, which joining does not need); yields its address."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = _free_port()
+    bin_dir = Path(sys.executable).parent
+    command = [
+        str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+        "--include-dashboard=false", f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+        f"--temp-dir={temp_dir}", "--num-cpus=1", "--disable-usage-stats",
+    ]
+    env = _clean_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=temp_dir,
+                     PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
+    log = Path(temp_dir) / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever is left of the group this test made
+        except ProcessLookupError:
+            pass
+        head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+JOINING_DRIVER = """
+import sys, ray
+from conclave.cluster.ray_runtime import start_ray, stop_ray
+assert start_ray(sys.argv[1]) is False  # joined, not embedded
+print(ray.get(ray.put(41)) + 1, ray.nodes()[0]["NodeManagerAddress"])
+stop_ray()
+"""
+
+
+def test_the_docs_head_is_joined_from_a_shell_that_set_nothing(docs_head, tmp_path):
+    result = subprocess.run([sys.executable, "-c", JOINING_DRIVER, docs_head], cwd=PROJECT_ROOT,
+                            env=_clean_env(RAY_TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["42", "127.0.0.1"]
+
+
+def test_an_address_nobody_answers_at_fails_in_one_line_within_a_minute(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "conclave", "run", str(PROJECT_ROOT / "configs" / "demo.yaml"),
+         "--address", address, "--results-dir", str(tmp_path / "results")],
+        cwd=PROJECT_ROOT, env=_clean_env(RAY_TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == ray_runtime.RayJoinFailed.exit_code, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "could not join" in line]
+    assert f"could not join the Ray cluster at {address} within 30 s: nothing accepts connections" in line
+    assert result.stderr.rstrip().endswith(line)  # the command's last word
+    assert elapsed < 60, elapsed
+
+
+def test_the_embedded_start_waits_for_its_node_past_rays_30_s(monkeypatch):
+    from ray._private import services
+
+    waits: list[float] = []
+    original = services.get_node
+
+    class FakeRegistration:
+        def __init__(self, wait_s: float) -> None:
+            waits.append(wait_s)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    def fake_init(**kwargs) -> None:
+        assert waits == [ray_runtime.START_WAIT_S] and kwargs["address"] == "local"
+        raise RuntimeError("stop here")  # nothing is started, nothing recorded
+
+    monkeypatch.setattr(ray_runtime.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_runtime.ray, "init", fake_init)
+    monkeypatch.setattr(ray_runtime, "_patient_node_registration", FakeRegistration)
+    monkeypatch.setattr(ray_runtime, "reclaim_orphaned_ray", lambda: [])
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_worker_niceness", "0")
+    with pytest.raises(RuntimeError, match="stop here"):
+        ray_runtime.start_ray()
+    assert ray_runtime.START_WAIT_S >= 120 and services.get_node is original
+
+
+def test_rays_poll_for_the_node_retries_until_the_wait_is_over(monkeypatch):
+    from ray._private import services
+
+    answers = iter([RuntimeError("not yet"), RuntimeError("not yet"), {"node_id": "n"}])
+
+    def slow_registration(gcs_address: str, node_id: str) -> dict:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(services, "get_node", slow_registration)
+    with ray_runtime._patient_node_registration(60):
+        assert services.get_node("gcs", "n") == {"node_id": "n"}  # Ray's loop would have seen no error
+    assert services.get_node is slow_registration
+
+    monkeypatch.setattr(services, "get_node", lambda *_: (_ for _ in ()).throw(RuntimeError("never")))
+    with ray_runtime._patient_node_registration(0.6), pytest.raises(RuntimeError, match="never"):
+        services.get_node("gcs", "n")  # past the wait, Ray's own timeout error follows
+
+
+def test_a_start_says_how_long_it_has_waited(caplog):
+    caplog.set_level(logging.INFO, logger=ray_runtime.log.name)
+    with ray_runtime._progress("starting embedded Ray on 127.0.0.1", every=0.2):
+        time.sleep(0.5)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0] == "starting embedded Ray on 127.0.0.1"
+    assert any("waited 0 s so far" in message for message in messages[1:-1])
+    assert messages[-1].startswith("starting embedded Ray on 127.0.0.1: done in")
