@@ -19,7 +19,7 @@ hospitals: $(STAMP)
 	$(BIN)/conclave run configs/hospitals.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 bench: $(STAMP)
 	$(BIN)/python bench/teacher_student_mnist.py
