@@ -7,16 +7,12 @@ Placeholders the text asks the reader to fill in (HEAD_IP, VOTES.npy, …) are t
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +20,7 @@ import pytest
 from conclave.cluster.cli import COMMANDS, build_parser
 from conclave.cluster.config import load_yaml
 from conclave.cluster.pipelines import load_pipeline
+from tests.ray_heads import running_head
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -147,24 +144,6 @@ def test_the_documented_head_starts_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # the venv, as the docs say
     log = tmp_path / "head.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(["bash", "-c", f"{line} --block"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while "Ray runtime started" not in log.read_text():
-            assert head.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
+    with running_head(["bash", "-c", f"{line} --block"], env, log, temp_dir, cwd=ROOT):
         with socket.create_connection(("127.0.0.1", ports[0]), timeout=10):  # the GCS answers on its port
             pass
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # whatever is left of the group this test made
-        head.wait(timeout=30)
-        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conclave.cluster import ray_runtime
+from tests.ray_heads import running_head
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # what a shell that followed the docs has not set: the join must find them out itself
@@ -56,27 +55,8 @@ def docs_head() -> Iterator[str]:
     ]
     env = _clean_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=temp_dir,
                      PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
-    log = Path(temp_dir) / "head.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while "Ray runtime started" not in log.read_text():
-            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
+    with running_head(command, env, Path(temp_dir) / "head.log", Path(temp_dir)):
         yield f"127.0.0.1:{port}"
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # whatever is left of the group this test made
-        except ProcessLookupError:
-            pass
-        head.wait(timeout=30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 JOINING_DRIVER = """
