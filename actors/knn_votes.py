@@ -44,7 +44,7 @@ from conclave.actors.teacher import TeacherSource
 from conclave.actors.vote_parties import INLINE_INPUT_BYTES, RecordShare, VoteParties, declared_share, plan_parties
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
-from conclave.privacy.exact_distances import approximate_squared, nearest_records
+from conclave.privacy.exact_distances import nearest_records
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.noise import SECURE, NoisePolicy
 
@@ -102,7 +102,7 @@ class KnnShard(EmbeddedRecords):
             # Consecutive draws from one generator equal one [batch, n] draw: chunking keeps the sample.
             included = (rng.random((len(chunk), n)) < self.sample_rate) & voters
             # The matrix product only prunes; exact per-record distances choose (privacy.exact_distances).
-            approximate = approximate_squared(self._points, self._norms, chunk).T  # [queries, records]
+            approximate = self._norms[None, :] - 2.0 * (chunk @ self._points.T) + np.einsum("ij,ij->i", chunk, chunk)[:, None]
             for row in range(len(chunk)):
                 nearest, exact = nearest_records(self._points, self._norms, chunk[row], approximate[row],
                                                  np.flatnonzero(included[row]), self.k)

@@ -127,8 +127,8 @@ class PublicPCA(NamedEmbedding):
         record's vector has the same bits wherever it sits (a matrix product's need not); the
         features are the shipped per-image transforms (``learning.data.features``)."""
         components = self.components.astype(np.float64)
-        parts = [exact_projection((_represent(inputs[start:start + EMBED_CHUNK], self.projects) - self.mean)
-                                  / self.scale, components)
+        parts = [exact_projection((_represent(inputs[start:start + EMBED_CHUNK], self.projects) - self.mean) / self.scale,
+                              components)
                  for start in range(0, len(inputs), EMBED_CHUNK)]
         return np.concatenate(parts) if parts else np.zeros((0, len(self.components)), dtype=np.float32)
 

@@ -44,12 +44,6 @@ def exact_projection(values: np.ndarray, components: np.ndarray) -> np.ndarray:
     return total.astype(np.float32)
 
 
-def approximate_squared(points: np.ndarray, squared_norms: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """``float64[n, B]``: ‖x‖² − 2x·q + ‖q‖² in one matrix product — fast, rounded by the block a
-    row sits in, so only for pruning (within ``prune_slack``), never for a choice."""
-    return squared_norms[:, None] - 2.0 * (points @ queries.T) + np.einsum("ij,ij->i", queries, queries)[None, :]
-
-
 def prune_slack(dims: int, point_norms: np.ndarray, query_norms: np.ndarray) -> np.ndarray:
     """An upper bound on |matrix-product distance − ``exact_squared``| for norms (not squared)
     broadcast against each other: both are within γ_{d+3}·(‖x‖ + ‖q‖)² of the real distance
@@ -69,12 +63,13 @@ def nearest_queries(points: np.ndarray, queries: np.ndarray, m: int,
     if m == batch:  # every query is chosen: no distance decides anything
         return np.broadcast_to(np.arange(batch), (len(points), batch)).copy()
     squared_norms = np.einsum("ij,ij->i", points, points) if squared_norms is None else squared_norms
-    query_norms = np.sqrt(np.einsum("ij,ij->i", queries, queries))
+    query_squared = np.einsum("ij,ij->i", queries, queries)
+    query_norms = np.sqrt(query_squared)
     rows = max(1, CHUNK_PAIRS // max(batch, 1))
     parts = [np.zeros((0, m), dtype=np.int64)]
     for start in range(0, len(points), rows):
         chunk = points[start:start + rows]
-        approximate = approximate_squared(chunk, squared_norms[start:start + rows], queries)
+        approximate = squared_norms[start:start + rows, None] - 2.0 * (chunk @ queries.T) + query_squared[None, :]
         slack = prune_slack(points.shape[1], np.sqrt(squared_norms[start:start + rows])[:, None], query_norms[None, :])
         # Among the m smallest approximations, the largest upper bound caps the m-th exact distance;
         # a query whose lower bound passes it cannot be among the m nearest.
