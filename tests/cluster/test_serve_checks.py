@@ -288,7 +288,10 @@ def test_ctrl_c_in_the_first_instants_is_one_line(tmp_path, marker):
         if serve.process.poll() is None:
             os.killpg(serve.process.pid, signal.SIGKILL)
     said = [line for line in serve.text.splitlines() if not line.startswith("import time:")]
-    assert status == 130 and said == ["conclave: interrupted"], serve.text
+    # Past the command's import the start's own hold may have the signal: its line says so.
+    assert status == 130 and len(said) == 1 and said[0] in (
+        "conclave: interrupted", "conclave: interrupted while starting; stopping what was started (nothing was served)"
+    ), serve.text
 
 
 # ``conclave serve`` whose start meets a Ctrl-C that a library swallows, as Ray's compiled module
