@@ -82,6 +82,7 @@ from conclave.actors.labeller import (
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.guarantee import Guarantee
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, LedgerUnwritable, PrivacyLedger
+from conclave.privacy.accounting.run_ledger import OwnersChargedOnly
 from conclave.privacy.mechanisms.base import SecureVoteMechanism, VoteMechanism
 from conclave.privacy.noise import SECURE, NoisePolicy
 from conclave.protos import aggregator_pb2
@@ -93,6 +94,8 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # trailing metadata of a budget refusal
 STORAGE_FULL = ("the aggregator cannot write its privacy ledger (disk full): nothing was released or charged; "
                 "retry later")
+OWNERS_CHARGED_ONLY = ("the aggregator's privacy ledger failed after the owners' ledgers were charged (see its log): "
+                       "nothing was released; the owners' ledgers were charged for it; retry later")
 RECORD_UNWRITABLE = ("the aggregator cannot write its privacy ledger's record (see its log): nothing was released or "
                      "charged; retry later")
 
@@ -469,6 +472,9 @@ class _Service:
                                 trailing_metadata=((REASON_KEY, BUDGET_REASON),))
         except TeachersUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except OwnersChargedOnly as err:  # before the storage check: it may come from a full disk, but a charge stands
+            self._rejections("storage", "%s failed: %s", method, err, level=logging.ERROR)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, OWNERS_CHARGED_ONLY)
         except Exception as err:  # a bug must not look like a client error, nor leak internals
             # The ledger refuses a charge it cannot write before committing it (``ledger_store``): the
             # operator frees space or mends the folder and the same call succeeds: UNAVAILABLE.

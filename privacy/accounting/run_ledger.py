@@ -5,7 +5,8 @@ report. Owners that declare a lifetime budget keep their own ledgers on their no
 (``privacy.accounting.owner_ledger``); a ``RunLedger`` checks a charge against the run's
 budget and every owner's, and records it in all of them — owners first, the run's last, so a
 release the run's ledger records is always on every owner's — before the caller releases
-anything. It is an ``AnsweringLedger`` (``privacy.accounting.ledger``), so it stands wherever
+anything. Where the run's ledger then fails (a full disk, an unwritable record), the owners have
+paid for a release that will not happen: ``OwnersChargedOnly`` says so, never "nothing was charged". It is an ``AnsweringLedger`` (``privacy.accounting.ledger``), so it stands wherever
 the run's ledger does (the aggregator, DP-SGD, NearPrivate); the answers stay in the run's.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from conclave.errors import ConclaveError
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, BudgetReport
@@ -42,6 +44,11 @@ class LifetimeLedgers(Protocol):
     def terms(self) -> dict[str, OwnerTerms]: ...  # owner → its terms for the run, as its node decided them
 
     def close(self) -> None: ...
+
+
+class OwnersChargedOnly(ConclaveError, RuntimeError):
+    """The owners' ledgers recorded a charge the run's ledger then failed to record: nothing is
+    released for it, and the owners paid for it all the same (more spent, never less)."""
 
 
 class RunLedger:
@@ -97,7 +104,12 @@ class RunLedger:
         except BudgetExceeded as refusal:  # another run charged an owner since the check
             self.last_refusal = str(refusal)
             raise
-        return self.ledger.charge(charge, worst_case=worst_case, answers=answers)
+        try:
+            return self.ledger.charge(charge, worst_case=worst_case, answers=answers)
+        except Exception as err:
+            raise OwnersChargedOnly(f"the run's ledger could not record a charge its owners' ledgers had recorded "
+                                    f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): nothing was "
+                                    "released for it; the owners paid for it") from err
 
     def report(self) -> BudgetReport:
         return self.ledger.report()
