@@ -151,31 +151,35 @@ def _show(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """The gateway until Ctrl-C or SIGTERM: the owner's policy is required before Ray starts; one
     line once serving, one when stopped."""
+    import logging
     import os
 
     from conclave.cluster.gateway.declaration import load_declaration
     from conclave.cluster.gateway.server import owner_policy, start_gateway
     from conclave.cluster.ray_runtime import start_ray, stop_ray
+    from conclave.cluster.tls import HandshakeLog
 
     declaration = load_declaration(args.declaration)
     owner_policy(declaration.name)  # refused before anything starts
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     if declaration.ray.address == "local":
         os.environ.pop("RAY_ADDRESS", None)  # an owner's local Ray never joins a cluster it did not name
     start_ray(None if declaration.ray.address == "local" else declaration.ray.address, declaration.ray.num_cpus)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which sets its own
+        signal.signal(signum, lambda *_: stop.set())
+    handshakes = HandshakeLog(logging.getLogger("conclave.cluster.gateway"))  # a port scan is one line, not thousands
+    handshakes.start()
     server = None
     try:
-        if not stop.is_set():
-            server = start_gateway(declaration)
-            print(f"owner {declaration.name}: gateway serving on {server.address} (mutual TLS, Ray "
-                  f"{declaration.ray.address}); Ctrl-C or SIGTERM stops it", flush=True)
-            stop.wait()
+        server = start_gateway(declaration)
+        print(f"owner {declaration.name}: gateway serving on {server.address} (mutual TLS, Ray "
+              f"{declaration.ray.address}); Ctrl-C or SIGTERM stops it", flush=True)
+        stop.wait()
     finally:
         if server is not None:
             server.stop()
         stop_ray()
+        handshakes.stop()
     print(f"owner {declaration.name}: gateway stopped", flush=True)
     return 0
 
