@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from conclave.cluster.tls import CertificateError
 from conclave.errors import ConclaveError
 
 SIGNATURE_CONTEXT = b"conclave/owner-round-key/v1"
@@ -58,7 +59,8 @@ class Identity:
         self.certificate_pem = Path(certificate).read_bytes()
         private = serialization.load_pem_private_key(Path(key).read_bytes(), password=None)
         if not isinstance(private, ec.EllipticCurvePrivateKey):
-            raise ForgedKey(f"{key}: a gateway signs with an EC key (as cluster.tls issues), not {type(private).__name__}")
+            raise CertificateError(f"{key}: a gateway signs with an EC key (as cluster.tls issues), not "
+                                   f"{type(private).__name__}")
         self._key = private
 
     def sign(self, key: RoundKey) -> bytes:

@@ -276,8 +276,16 @@ class OwnerServicer:
         return kind, SkellamVotes(request.sigma, bound)
 
     def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge) -> OwnerLedger:
-        """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise)."""
-        policy = self.policy
+        """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
+        The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
+        try:
+            policy = OwnerPolicy.load(self.policy.owner)
+        except OwnerRefused as err:  # unreadable
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        if policy is None:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {self.policy.owner} has no policy on its machine "
+                                                             "any more: it admits no run")
+        self.policy = policy
         asked = None
         if request.lifetime_epsilon:
             asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
@@ -330,6 +338,9 @@ class OwnerServicer:
         """This gateway's rank, the owners in rank order and their signed cell bounds, once every
         party's key verifies for this very round, from this gateway itself or a declared peer."""
         denied = grpc.StatusCode.PERMISSION_DENIED
+        if len(request.parties) > len(self.declaration.parties):
+            raise Refused(denied, f"{len(request.parties)} parties, but owner {self.declaration.name} and its declared "
+                                  f"peers are {len(self.declaration.parties)}")
         mine = self._round_key(run, request.round, batch, public_key)
         rank = None
         for index, party in enumerate(request.parties):
