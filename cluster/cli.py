@@ -29,7 +29,7 @@ COMMANDS: Registry[ModuleType] = Registry.described("command", {
     "audit": ("conclave.cluster.audit_command", "an empirical lower bound on a config's ε, from one run with canaries"),
     "budget": ("conclave.cluster.budget_command", "owners' lifetime budgets and runs' ledgers: spend and history"),
     "check-data": ("conclave.cluster.check_data_command", "an owner's look at its own data, run on its own node"),
-    "owner": ("conclave.cluster.owner_command", "an owner's policy on its own node: init, raise, lower, show"),
+    "owner": ("conclave.cluster.owner_command", "an owner's policy and gateway on its own node: init, raise, lower, show, serve"),
     "ray-certs": ("conclave.cluster.ray_certs_command", "certificates for Ray's TLS between the cluster's nodes"),
     "tune": ("conclave.tuning.command", "Ray Tune sweep described by a YAML config"),
 })

@@ -8,13 +8,16 @@ pipelines and mechanisms it admits, the most one run may plan to spend, and the 
 data. Every run's ledger actor on that node reads it there; a run's config may ask for less,
 never more (``privacy.accounting.owner_ledger``). ``raise`` and ``lower`` change the lifetime ε,
 recorded as an entry of the owner's ledger with its time; ``show`` prints the policies and their
-ledgers' spend. Exit status 2 for anything refused, in one line.
+ledgers' spend; ``serve OWNER.yaml`` runs the owner's gateway (``cluster.gateway``) with its own
+Ray until Ctrl-C or SIGTERM. Exit status 2 for anything refused, in one line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 # What a policy can admit besides the vote mechanisms (``privacy.mechanisms.MECHANISMS``): the
@@ -58,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     show = actions.add_parser("show", help="this node's owner policies and their ledgers' spend")
     show.add_argument("names", nargs="*", help="owners to show (default: every policy on this node)")
     show.add_argument("--json", action="store_true", help="print JSON")
+    serve = actions.add_parser("serve", help="run this owner's gateway: the one door a coordinator reaches it by",
+                               description="Serve the owner protocol over mutual TLS for the owner OWNER.yaml "
+                                           "declares, with its own Ray, under its policy on this machine.")
+    serve.add_argument("declaration", type=Path, help="the owner's own file (docs/gateway.md)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -65,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.owner_ledger import OwnerRefused
 
     try:
-        return {"init": _init, "raise": _change, "lower": _change, "show": _show}[args.action](args)
+        return {"init": _init, "raise": _change, "lower": _change, "show": _show, "serve": _serve}[args.action](args)
     except (OwnerRefused, LedgerDamaged, LedgerInUse, ValueError, OSError) as err:
         text = str(err).strip()
         print(f"conclave: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
@@ -138,6 +145,42 @@ def _show(args: argparse.Namespace) -> int:
         print(f"owner {entry['owner']}: ε {terms['epsilon']:g} at δ {terms['delta']:g} lifetime, {charged} "
               f"({entry['ledger']}); pipelines {_listed(terms['pipelines'])}; mechanisms "
               f"{_listed(terms['mechanisms'])}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """The gateway until Ctrl-C or SIGTERM: the owner's policy is required before Ray starts; one
+    line once serving, one when stopped."""
+    import logging
+    import os
+
+    from conclave.cluster.gateway.declaration import load_declaration
+    from conclave.cluster.gateway.server import owner_policy, start_gateway
+    from conclave.cluster.ray_runtime import start_ray, stop_ray
+    from conclave.cluster.tls import HandshakeLog
+
+    declaration = load_declaration(args.declaration)
+    owner_policy(declaration.name)  # refused before anything starts
+    if declaration.ray.address == "local":
+        os.environ.pop("RAY_ADDRESS", None)  # an owner's local Ray never joins a cluster it did not name
+    start_ray(None if declaration.ray.address == "local" else declaration.ray.address, declaration.ray.num_cpus)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which sets its own
+        signal.signal(signum, lambda *_: stop.set())
+    handshakes = HandshakeLog(logging.getLogger("conclave.cluster.gateway"))  # a port scan is one line, not thousands
+    handshakes.start()
+    server = None
+    try:
+        server = start_gateway(declaration)
+        print(f"owner {declaration.name}: gateway serving on {server.address} (mutual TLS, Ray "
+              f"{declaration.ray.address}); Ctrl-C or SIGTERM stops it", flush=True)
+        stop.wait()
+    finally:
+        if server is not None:
+            server.stop()
+        stop_ray()
+        handshakes.stop()
+    print(f"owner {declaration.name}: gateway stopped", flush=True)
     return 0
 
 

@@ -95,10 +95,12 @@ def load_authority(directory: Path) -> Authority:
 
 
 def issue(authority: Authority, directory: Path, hosts: tuple[str, ...], name: str = "node",
-          days: int = 365) -> NodeCertificate:
+          days: int = 365, common_name: str | None = None) -> NodeCertificate:
     """``directory/{name}.pem`` and ``{name}.key``, signed by ``authority``, for ``hosts`` (IP
     addresses or DNS names; none: a client-only certificate), and a copy of the CA's certificate
-    as ``directory/ca.pem``. Usable as server and as client, as Ray's mutual TLS needs."""
+    as ``directory/ca.pem``. Usable as server and as client, as Ray's mutual TLS needs.
+    ``common_name``: the subject's (default: the first host, else ``name``); an owner's gateway
+    certificate names the owner, whose identity its signatures carry (``cluster.gateway.identity``)."""
     _check_days(days)
     names = [subject_alternative_name(host) for host in hosts]
     directory = _private_directory(directory)
@@ -106,7 +108,7 @@ def issue(authority: Authority, directory: Path, hosts: tuple[str, ...], name: s
     issuer_key = serialization.load_pem_private_key(authority.key.read_bytes(), password=None)
     key = _new_key()
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (_builder(_name(hosts[0] if hosts else name), issuer.subject, key, now, days)
+    builder = (_builder(_name(common_name or (hosts[0] if hosts else name)), issuer.subject, key, now, days)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(_key_usage(signs_certificates=False), critical=True)
                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,

@@ -1,4 +1,4 @@
-"""Regenerate the checked-in gRPC modules from ``aggregator.proto``.
+"""Regenerate the checked-in gRPC modules from ``aggregator.proto`` and ``owner.proto``.
 
 ``python -m conclave.protos.generate`` (or ``make proto``) rewrites ``aggregator_pb2.py``,
 ``aggregator_pb2_grpc.py`` and ``aggregator_pb2.pyi`` beside this file. protoc sees the proto
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 PROTOS_DIR = Path(__file__).resolve().parent
 PACKAGE_PATH = Path("conclave", "protos")  # where the protos sit in the import namespace
-PROTO_FILES = ("aggregator.proto",)
+PROTO_FILES = ("aggregator.proto", "owner.proto")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 

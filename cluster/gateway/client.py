@@ -1,0 +1,216 @@
+"""The coordinator's side of the owner protocol: one mTLS channel per owner's gateway, and a secure
+vote source over several gateways for ``actors.labeller.SecureLabeller``.
+
+``GatewayVoteSource`` runs each secure round as the gateways allow: every gateway's signed key for
+the round (in parallel, within a deadline), the coordinator's own charge (its view; each owner's
+ledger charged on its own machine is the authority), every gateway's masked share, then the sum,
+decoded on the plan the signed keys fix. It holds no owner's data and no clean histogram; a gateway
+that fails a round aborts it, ``OwnerDropout`` naming the owner.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from conclave.actors.owners import OwnerDropout
+from conclave.actors.vote_parties import declared_share
+from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
+from conclave.privacy.accounting.charge import Neighbouring
+from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
+from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
+from conclave.privacy.noise import NoisePolicy
+from conclave.privacy.secure_votes import SkellamVotes
+from conclave.protos import owner_pb2, owner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorTls:
+    """The coordinator's certificate and key (issued by the consortium CA) and the CA itself."""
+
+    certificate: Path
+    key: Path
+    ca: Path
+
+
+class OwnerGateway:
+    """One owner's gateway at ``endpoint`` (host:port), over mutual TLS."""
+
+    def __init__(self, endpoint: str, tls: CoordinatorTls, timeout_s: float = 30.0) -> None:
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls.ca).read_bytes(),
+                                                   private_key=Path(tls.key).read_bytes(),
+                                                   certificate_chain=Path(tls.certificate).read_bytes())
+        self._channel = grpc.secure_channel(endpoint, credentials, options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        self._stub = owner_pb2_grpc.OwnerStub(self._channel)
+
+    def describe(self, timeout_s: float | None = None) -> owner_pb2.Description:
+        return self._stub.Describe(owner_pb2.DescribeRequest(), timeout=timeout_s or self.timeout_s)
+
+    def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
+        return self._stub.Admit(request, timeout=max(self.timeout_s, 120.0))  # it starts the owner's actors
+
+    def keys(self, run: str, round_: int, batch: int, timeout_s: float | None = None) -> owner_pb2.SignedKey:
+        return self._stub.Keys(owner_pb2.KeysRequest(run=run, round=round_, batch=batch),
+                               timeout=timeout_s or self.timeout_s)
+
+    def votes(self, request: owner_pb2.VotesRequest, timeout_s: float | None = None) -> owner_pb2.VotesReply:
+        return self._stub.Votes(request, timeout=timeout_s or self.timeout_s)
+
+    def budget(self) -> owner_pb2.BudgetReply:
+        return self._stub.Budget(owner_pb2.BudgetRequest(), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@dataclass(frozen=True)
+class ClusterVotes:
+    """Public-cluster votes through the gateways: each record votes for its m nearest queries."""
+
+    votes_per_record: int
+    embedding: str = "pca"
+    dims: int = 16
+
+
+@dataclass(frozen=True)
+class KnnVotes:
+    """kNN votes through the gateways: k shared among the owners by their declared records."""
+
+    k: int
+    sample_rate: float
+    embedding: str = "pca"
+    dims: int = 16
+
+
+def float_tensor(values: np.ndarray) -> owner_pb2.Tensor:
+    array = np.ascontiguousarray(values, dtype="<f4")
+    return owner_pb2.Tensor(shape=list(array.shape), dtype="float32", data=array.tobytes())
+
+
+class GatewayVoteSource:
+    """A ``SecureVoteSource`` over owners' gateways: admits the run at every gateway (``terms``,
+    ``mechanism``, ``sigma``; at most ``rounds`` rounds of ``max_batch`` queries), then answers
+    ``SecureLabeller``'s rounds. ``public_pool``: the public inputs the embedding is fitted on, at
+    every gateway. ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within
+    (None: the owners' policies)."""
+
+    def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: ClusterVotes | KnnVotes,
+                 mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray, max_batch: int,
+                 rounds: int, lifetime_epsilon: float | None = None, round_timeout_s: float = 30.0) -> None:
+        if not gateways:
+            raise ValueError("a gateway vote source needs at least one owner's gateway")
+        self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
+        self._round = 0
+        self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
+        clusters = isinstance(terms, ClusterVotes)
+        self.neighbouring = Neighbouring.ADD_REMOVE
+        self.neighbouring_lemma = CLUSTER_LEMMA if clusters else KNN_LEMMA
+        self.batch_coupled = clusters
+        # What ``actors.labeller.check_pairing`` compares with the mechanism's.
+        self.votes_per_record = terms.votes_per_record if clusters else None
+        self.sample_rate = None if clusters else terms.sample_rate
+        described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
+        self.owners = tuple(d.owner for d in described)
+        if len(set(self.owners)) != len(self.owners):
+            raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+        shares = None if clusters else declared_share(terms.k, [d.records for d in described])
+        requests = []
+        for index, gateway in enumerate(self._gateways):
+            request = owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch,
+                                             rounds=rounds, lifetime_epsilon=lifetime_epsilon or 0.0,
+                                             classes=list(classes), public_pool=float_tensor(public_pool))
+            if clusters:
+                request.clusters.CopyFrom(owner_pb2.ClusterTerms(votes_per_record=terms.votes_per_record,
+                                                                 embedding=terms.embedding, dims=terms.dims))
+            else:
+                request.knn.CopyFrom(owner_pb2.KnnTerms(k=shares[index], sample_rate=terms.sample_rate,
+                                                        embedding=terms.embedding, dims=terms.dims))
+            requests.append(request)
+        self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index]), "did not admit the run")
+        log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"
+                                                             for owner, a in zip(self.owners, self.admitted)))
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        try:
+            self._each(lambda index, gateway: gateway.describe(timeout), "is not reachable")
+        except OwnerDropout:
+            return False
+        return True
+
+    def noised_votes(self, inputs: np.ndarray, release: SkellamVotes, noise: NoisePolicy,
+                     charge: Callable[[], None]) -> np.ndarray:
+        """One secure round through the gateways (``SecureVoteSource.noised_votes``). The gateways
+        draw their noise from their own OS entropy: ``noise`` is the coordinator's and unused."""
+        if release.sigma != self.sigma:
+            raise ValueError(f"the gateways admitted σ {self.sigma:g}; this round asks σ {release.sigma:g}")
+        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
+        self._round += 1
+        round_, batch = self._round, len(inputs)
+        deadline = time.monotonic() + self.round_timeout_s
+        keys = self._each(lambda index, gateway: gateway.keys(self.run, round_, batch, _left(deadline)),
+                          "sent no key for a secure vote round: the round is aborted; no share was asked, so nothing "
+                          "was released or charged", deadline=deadline)
+        for owner, key in zip(self.owners, keys):
+            self._check_key(owner, key, round_, batch)
+        plan = release.plan(batch, self.num_classes, self.owners, [int(key.cell_bound) for key in keys])
+        charge()
+        request = owner_pb2.VotesRequest(run=self.run, round=round_, inputs=float_tensor(inputs), parties=keys)
+        replies = self._each(lambda index, gateway: gateway.votes(request, _left(deadline)),
+                             "sent no share of a secure vote round: the round is aborted; its shares were asked, so "
+                             "it was charged; nothing of it is decoded", deadline=deadline)
+        shares = [_share(reply, plan.dimension) for reply in replies]
+        return release.total(shares, plan, batch)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for gateway in self._gateways:
+            gateway.close()
+
+    def _check_key(self, owner: str, key: owner_pb2.SignedKey, round_: int, batch: int) -> None:
+        signed = RoundKey(key.owner, key.public_key, key.cell_bound, key.run, key.round, key.batch, key.classes,
+                          key.sigma)
+        expected = (owner, self.run, round_, batch, self.num_classes, self.sigma)
+        try:
+            if (signed.owner, signed.run, signed.round, signed.batch, signed.classes, signed.sigma) != expected:
+                raise ForgedKey(f"owner {owner}'s gateway signed a key for other terms than this round's")
+            self._verifier.verify(signed, key.certificate, key.signature)
+        except ForgedKey as err:
+            raise OwnerDropout(f"{err}: the round is aborted; nothing was released or charged") from None
+
+    def _each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None) -> list:
+        """``call(index, gateway)`` on every gateway in parallel, answers in order; ``OwnerDropout``
+        naming the first owner that failed (``failure``: what it did not do)."""
+        futures = [self._pool.submit(call, index, gateway) for index, gateway in enumerate(self._gateways)]
+        answers = []
+        for who, future in zip(self.owners, futures):
+            try:
+                answers.append(future.result(timeout=None if deadline is None else _left(deadline)))
+            except FutureTimeout:
+                raise OwnerDropout(f"owner {who} {failure} (no answer within {self.round_timeout_s:g} s)") from None
+            except grpc.RpcError as err:
+                raise OwnerDropout(f"owner {who} {failure}: {err.code().name}: {err.details()}") from None
+        return answers
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def _share(reply: owner_pb2.VotesReply, dimension: int) -> np.ndarray:
+    share = reply.share
+    if share.dtype != "int64" or list(share.shape) != [dimension] or len(share.data) != 8 * dimension:
+        raise OwnerDropout(f"a gateway sent a malformed share ({share.dtype} {list(share.shape)}): nothing is decoded")
+    return np.frombuffer(share.data, dtype="<i8").copy()

@@ -1,0 +1,376 @@
+"""The owner's gateway: the Owner service over the owner's own Ray, its policy and its ledger.
+
+A coordinator reaches the owner only through these calls (``protos/owner.proto``). ``Admit`` checks
+a run's terms against the owner's policy (``OwnerLedger.admit``: mechanisms, the per-run ceiling,
+the lifetime ε asked) and starts the owner's vote source on its own Ray, with the embedding fitted
+here on the public pool the request carries. ``Keys`` makes and signs one round's X25519 key;
+``Votes`` checks every party's signed key, charges the owner's ledger with a charge computed HERE
+from the admitted σ and the vote source's own bound, then counts (the gateway's actors' partials
+summed: its own Ray is one trust domain), adds its Skellam noise share from OS entropy, masks, and
+returns that one share. A key serves one round: a second Votes, a replayed round or a second Keys
+for a round is refused. Every refusal is one line with a gRPC status, and nothing is charged.
+
+One run at a time: admitting a new run ends the previous one (its actors stop, its ledger closes).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from google.protobuf.message import DecodeError, Message
+
+from conclave.actors.cluster_votes import ClusterVoteSource
+from conclave.actors.knn_votes import KnnVoteSource
+from conclave.actors.owners import OwnerSource
+from conclave.actors.vote_parties import RecordShare
+from conclave.cluster.gateway.declaration import Declaration
+from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
+from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
+from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.privacy.accounting.guarantee import worst_case_guarantee
+from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse, read_ledger
+from conclave.privacy.accounting.owner_ledger import OwnerBudget, OwnerLedger, OwnerPolicy, OwnerRefused, RunRequest
+from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.noise import SECURE
+from conclave.privacy.secure_sum import MaskKeys
+from conclave.privacy.secure_votes import SkellamVotes, cluster_votes, knn_votes
+from conclave.protos import owner_pb2
+
+log = logging.getLogger(__name__)
+
+PIPELINE = "teacher_student"  # the pipeline vote labelling belongs to, as policies name it
+# The mechanisms each vote source's rounds are answered by (registered names, as policies list them).
+MECHANISMS_OF = {"clusters": ("public-clusters",), "knn": ("private-knn",)}
+MAX_BATCH = 4096  # the most queries one round may carry
+MAX_ROUNDS = 1_000_000
+MAX_POOL = 200_000  # public inputs an embedding is fitted on
+INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
+
+
+class Refused(Exception):
+    """A call refused with ``code``, in one line (``message``); nothing was charged or released."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse(kind: type[Message], raw: bytes) -> Message:
+    """``raw`` as a ``kind`` message; refused if it does not decode or carries undeclared fields."""
+    message = kind()
+    try:
+        message.ParseFromString(raw)
+    except DecodeError:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"not a {kind.DESCRIPTOR.name} message") from None
+    size = message.ByteSize()
+    message.DiscardUnknownFields()
+    if message.ByteSize() != size:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the {kind.DESCRIPTOR.name} carries fields the owner protocol does not declare (e.g. a "
+                      "runtime_env): a gateway takes typed terms only")
+    return message
+
+
+def decode_tensor(tensor: owner_pb2.Tensor, what: str, trailing: tuple[int, ...] | None = None) -> np.ndarray:
+    """A float32 tensor ``[n, *trailing]`` with finite values (``trailing`` None: any shape of rank ≥ 2)."""
+    shape = tuple(int(d) for d in tensor.shape)
+    if tensor.dtype != INPUTS_DTYPE:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{what}: dtype {tensor.dtype[:20]!r} is not accepted; send float32 (little-endian)")
+    if len(shape) < 2 or min(shape) < 1 or (trailing is not None and shape[1:] != trailing):
+        wanted = f"[n, {', '.join(map(str, trailing))}]" if trailing is not None else "[n, ...] with every dimension >= 1"
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: shape {list(shape)[:8]} is not {wanted}")
+    if len(tensor.data) != math.prod(shape) * 4:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{what}: {len(tensor.data)} bytes, but shape {list(shape)} of float32 needs {math.prod(shape) * 4}")
+    values = np.frombuffer(tensor.data, dtype="<f4").reshape(shape)
+    if not np.isfinite(values).all():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: NaN or infinity")
+    return values
+
+
+@dataclass
+class AdmittedRun:
+    """One admitted run: its terms, the owner's vote source on its Ray, its ledger, its round keys."""
+
+    run: str
+    release: SkellamVotes
+    mechanism: str
+    max_batch: int
+    rounds: int
+    classes: int
+    source: ClusterVoteSource | KnnVoteSource
+    cell_bound: int
+    ledger: OwnerLedger
+    keys: dict[int, X25519PrivateKey] = field(default_factory=dict)  # keyed rounds whose key is unused
+    last_keyed: int = 0
+
+    def stop(self) -> None:
+        self.keys.clear()
+        self.source.shutdown()
+        self.ledger.close()
+
+
+class OwnerServicer:
+    """The Owner service's calls for one owner (``declaration``), its policy on this machine, its
+    signing ``identity`` and the consortium CA's ``verifier``. Ray must be running (the owner's)."""
+
+    def __init__(self, declaration: Declaration, policy: OwnerPolicy, identity: Identity, verifier: Verifier,
+                 cpus_per_actor: float = 1.0) -> None:
+        self.declaration, self.policy = declaration, policy
+        self._identity, self._verifier, self._cpus = identity, verifier, cpus_per_actor
+        self._lock = threading.Lock()  # one call changes the state at a time
+        self._run: AdmittedRun | None = None
+        self._seen_runs: set[str] = set()
+
+    # --- the calls ------------------------------------------------------------------------
+
+    def describe(self, request: owner_pb2.DescribeRequest) -> owner_pb2.Description:
+        declaration, policy = self.declaration, self.policy
+        return owner_pb2.Description(owner=declaration.name, records=declaration.records,
+                                     vote_sources=list(declaration.vote_sources), mechanisms=list(policy.mechanisms),
+                                     max_run_epsilon=policy.max_run_epsilon or 0.0, epsilon=policy.epsilon,
+                                     delta=policy.delta)
+
+    def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
+        with self._lock:
+            kind, release = self._checked_terms(request)
+            if request.run in self._seen_runs:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"run '{request.run[:40]}' was admitted before: a run's rounds are never replayed")
+            pool = decode_tensor(request.public_pool, "public_pool")
+            if len(pool) > MAX_POOL:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: at most {MAX_POOL} inputs")
+            planned = release.charge(request.max_batch, request.mechanism).scaled(request.rounds)
+            ledger = self._admitting_ledger(request, planned)  # the policy's checks: nothing changed yet
+            if self._run is not None:
+                log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
+                self._run.stop()
+                self._run = None
+            try:
+                self._open(ledger, planned, request.run)
+                source = self._start_source(kind, request, pool)
+            except BaseException:
+                ledger.close()
+                raise
+            cell_bound = int(sum(source.cell_bounds()))
+            self._run = AdmittedRun(request.run, release, request.mechanism, request.max_batch, request.rounds,
+                                    len(request.classes), source, cell_bound, ledger)
+            self._seen_runs.add(request.run)
+            epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
+            log.info("run '%s' admitted: %s votes, %s at σ %g, up to %d rounds of %d (planned ε %.4g)", request.run,
+                     kind, request.mechanism, request.sigma, request.rounds, request.max_batch, epsilon)
+            return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+                                        cell_bound=cell_bound)
+
+    def keys(self, request: owner_pb2.KeysRequest) -> owner_pb2.SignedKey:
+        with self._lock:
+            run = self._admitted(request.run)
+            if request.round <= run.last_keyed:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {request.round} of run '{run.run}' is not after round {run.last_keyed}, "
+                              "already keyed: a round is keyed once")
+            if request.round > run.rounds:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"run '{run.run}' was admitted for {run.rounds} rounds, not round {request.round}")
+            if not 1 <= request.batch <= run.max_batch:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"batch {request.batch} is outside the admitted [1, {run.max_batch}]")
+            private = X25519PrivateKey.generate()  # its rank is known once the round's parties are
+            run.keys[request.round], run.last_keyed = private, request.round
+            key = self._round_key(run, request.round, request.batch, private.public_key().public_bytes_raw())
+            return signed(key, self._identity.certificate_pem, self._identity.sign(key))
+
+    def votes(self, request: owner_pb2.VotesRequest) -> owner_pb2.VotesReply:
+        with self._lock:
+            run = self._admitted(request.run)
+            private = run.keys.pop(request.round, None)  # one use, whatever follows
+            if private is None:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {request.round} of run '{run.run}' holds no unused key of this gateway (not "
+                              "keyed, or answered already): a key serves one round")
+            inputs = decode_tensor(request.inputs, "inputs", tuple(run.source.input_shape))
+            batch = len(inputs)
+            rank, owners, bounds = self._checked_parties(run, request, private.public_key().public_bytes_raw(), batch)
+            try:
+                plan = run.release.plan(batch, run.classes, owners, bounds)
+            except ValueError as err:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            charge = run.release.charge(batch, run.mechanism)
+            try:
+                report = run.ledger.charge(charge, worst_case=charge)
+            except BudgetExceeded as err:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
+            # Charged: from here the round is a release. The clean sum stays in this process.
+            votes = np.sum(run.source.partials(inputs), axis=0, dtype=np.int64)
+            session = f"conclave/owner-round/{run.run}/{request.round}"
+            masks = MaskKeys(rank, private).pairwise_masks([p.public_key for p in request.parties], session)
+            share = run.release.share(votes, plan, owners, masks, SECURE.source(session))
+            del votes, private, masks
+            return owner_pb2.VotesReply(share=owner_pb2.Tensor(shape=[share.size], dtype=SHARE_DTYPE,
+                                                                data=share.astype("<i8").tobytes()),
+                                        epsilon_spent=report.epsilon_spent, charges=report.charges)
+
+    def budget(self, request: owner_pb2.BudgetRequest) -> owner_pb2.BudgetReply:
+        policy = self.policy
+        reply = owner_pb2.BudgetReply(owner=policy.owner, epsilon_limit=policy.epsilon, delta=policy.delta)
+        path = policy.budget().ledger_path(policy.owner)
+        if path.exists():
+            snapshot = read_ledger(path)
+            spent = snapshot.spent
+            reply.epsilon_spent = epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0] if snapshot.charges else 0.0
+            reply.charges = snapshot.charges
+        return reply
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._run is not None:
+                self._run.stop()
+                self._run = None
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def _checked_terms(self, request: owner_pb2.AdmitRequest) -> tuple[str, SkellamVotes]:
+        """The vote source asked for and its rounds' release (σ and the source's own bound), or a refusal."""
+        denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
+        if not request.run or len(request.run) > 200 or not request.run.isprintable():
+            raise Refused(invalid, "run: name the run (printable, at most 200 characters)")
+        kind = request.WhichOneof("vote_source")
+        if kind is None:
+            raise Refused(invalid, "name a vote source (clusters or knn) and its terms")
+        if kind not in self.declaration.vote_sources:
+            raise Refused(denied, f"owner {self.declaration.name} does not run {kind} votes")
+        terms = getattr(request, kind)
+        if terms.embedding not in EMBEDDINGS:
+            raise Refused(denied, f"embedding {terms.embedding[:40]!r} is not registered ({', '.join(EMBEDDINGS)}): "
+                                  "a gateway runs no code a coordinator names")
+        if request.mechanism not in MECHANISMS_OF[kind]:
+            raise Refused(denied, f"mechanism {request.mechanism[:40]!r} is not registered for {kind} votes "
+                                  f"({', '.join(MECHANISMS_OF[kind])})")
+        if not terms.dims >= 1:
+            raise Refused(invalid, f"{kind}.dims must be >= 1")
+        if kind == "clusters":
+            if not 1 <= terms.votes_per_record <= MAX_BATCH:
+                raise Refused(invalid, f"clusters.votes_per_record must be in [1, {MAX_BATCH}]")
+            bound = cluster_votes(int(terms.votes_per_record))
+        else:
+            if not 1 <= terms.k <= self.declaration.records:
+                raise Refused(invalid, f"knn.k must be in [1, {self.declaration.records}] (the declared records)")
+            if not 0 < terms.sample_rate <= 1:
+                raise Refused(invalid, "knn.sample_rate must be in (0, 1]")
+            bound = knn_votes(terms.sample_rate)
+        if not (request.sigma > 0 and math.isfinite(request.sigma)):
+            raise Refused(invalid, "sigma must be a positive finite number")
+        if not 1 <= request.max_batch <= MAX_BATCH or not 1 <= request.rounds <= MAX_ROUNDS:
+            raise Refused(invalid, f"max_batch must be in [1, {MAX_BATCH}] and rounds in [1, {MAX_ROUNDS}]")
+        classes = list(request.classes)
+        if len(classes) < 2 or len(set(classes)) != len(classes):
+            raise Refused(invalid, "classes: at least two, distinct")
+        if not (request.lifetime_epsilon >= 0 and math.isfinite(request.lifetime_epsilon)):
+            raise Refused(invalid, "lifetime_epsilon must be a finite number >= 0 (0: the policy's)")
+        return kind, SkellamVotes(request.sigma, bound)
+
+    def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge) -> OwnerLedger:
+        """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
+        The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
+        try:
+            policy = OwnerPolicy.load(self.policy.owner)
+        except OwnerRefused as err:  # unreadable
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        if policy is None:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {self.policy.owner} has no policy on its machine "
+                                                             "any more: it admits no run")
+        self.policy = policy
+        asked = None
+        if request.lifetime_epsilon:
+            asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
+                                policy.reserved_delta, policy.ledger)
+        ledger = OwnerLedger(policy.owner, asked, (self.declaration.data.path,) if self.declaration.data.path else ())
+        try:
+            ledger.admit(RunRequest(request.run, PIPELINE, (request.mechanism,)), planned)
+        except OwnerRefused as err:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        return ledger
+
+    @staticmethod
+    def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str) -> None:
+        try:
+            ledger.open(planned, run)
+        except OwnerRefused as err:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        except (LedgerInUse, LedgerDamaged) as err:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
+
+    def _start_source(self, kind: str, request: owner_pb2.AdmitRequest,
+                      pool: np.ndarray) -> ClusterVoteSource | KnnVoteSource:
+        """The owner's vote source on its own Ray, its embedding fitted here on the public pool."""
+        declaration, terms = self.declaration, getattr(request, kind)
+        embed = fit_embedding(terms.embedding, pool, int(terms.dims))
+        owner = OwnerSource(declaration.name, declaration.data, declaration.actors, tuple(request.classes))
+        share = RecordShare(owner, declaration.actors, declared=declaration.records)
+        if kind == "clusters":
+            source = ClusterVoteSource([share], embed, int(terms.votes_per_record), num_cpus_per_actor=self._cpus)
+        else:
+            source = KnnVoteSource([share], embed, int(terms.k), terms.sample_rate, num_cpus_per_actor=self._cpus,
+                                   local=True)
+        if tuple(source.input_shape) != pool.shape[1:]:
+            source.shutdown()
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: inputs of shape {list(pool.shape[1:])}; "
+                                                            f"the owner's data are {list(source.input_shape)}")
+        return source
+
+    def _admitted(self, run: str) -> AdmittedRun:
+        if self._run is None or self._run.run != run:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run[:40]}' is not admitted by this gateway")
+        return self._run
+
+    def _round_key(self, run: AdmittedRun, round_: int, batch: int, public_key: bytes) -> RoundKey:
+        return RoundKey(self.declaration.name, public_key, run.cell_bound, run.run, round_, batch, run.classes,
+                        run.release.sigma)
+
+    def _checked_parties(self, run: AdmittedRun, request: owner_pb2.VotesRequest, public_key: bytes,
+                         batch: int) -> tuple[int, tuple[str, ...], list[int]]:
+        """This gateway's rank, the owners in rank order and their signed cell bounds, once every
+        party's key verifies for this very round, from this gateway itself or a declared peer."""
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        if len(request.parties) > len(self.declaration.parties):
+            raise Refused(denied, f"{len(request.parties)} parties, but owner {self.declaration.name} and its declared "
+                                  f"peers are {len(self.declaration.parties)}")
+        mine = self._round_key(run, request.round, batch, public_key)
+        rank = None
+        for index, party in enumerate(request.parties):
+            if party.owner not in self.declaration.parties:
+                raise Refused(denied, f"party {party.owner[:40]!r} is not a declared peer of owner "
+                                      f"{self.declaration.name}")
+            key = RoundKey(party.owner, party.public_key, party.cell_bound, party.run, party.round, party.batch,
+                           party.classes, party.sigma)
+            try:
+                self._verifier.verify(key, party.certificate, party.signature)
+            except ForgedKey as err:
+                raise Refused(denied, str(err)) from None
+            terms = (key.run, key.round, key.batch, key.classes, key.sigma)
+            if terms != (mine.run, mine.round, mine.batch, mine.classes, mine.sigma):
+                raise Refused(denied, f"owner {party.owner}'s key is for another round or other terms "
+                                      f"(run, round, batch, classes, σ) than this one")
+            if party.owner == self.declaration.name:
+                if key != mine:
+                    raise Refused(denied, f"the key given as owner {self.declaration.name}'s is not the one this "
+                                          f"gateway made for round {request.round}")
+                rank = index
+        owners = tuple(party.owner for party in request.parties)
+        if len(set(owners)) != len(owners):
+            raise Refused(denied, f"the parties {list(owners)} name an owner twice")
+        if rank is None:
+            raise Refused(denied, f"owner {self.declaration.name} is not among the round's parties")
+        return rank, owners, [int(party.cell_bound) for party in request.parties]
+
+
+def signed(key: RoundKey, certificate_pem: bytes, signature: bytes) -> owner_pb2.SignedKey:
+    return owner_pb2.SignedKey(owner=key.owner, certificate=certificate_pem, public_key=key.public_key,
+                               cell_bound=key.cell_bound, run=key.run, round=key.round, batch=key.batch,
+                               classes=key.classes, sigma=key.sigma, signature=signature)

@@ -1,0 +1,171 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Description(_message.Message):
+    __slots__ = ("owner", "records", "vote_sources", "mechanisms", "max_run_epsilon", "epsilon", "delta")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    VOTE_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MECHANISMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUN_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    records: int
+    vote_sources: _containers.RepeatedScalarFieldContainer[str]
+    mechanisms: _containers.RepeatedScalarFieldContainer[str]
+    max_run_epsilon: float
+    epsilon: float
+    delta: float
+    def __init__(self, owner: _Optional[str] = ..., records: _Optional[int] = ..., vote_sources: _Optional[_Iterable[str]] = ..., mechanisms: _Optional[_Iterable[str]] = ..., max_run_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
+
+class ClusterTerms(_message.Message):
+    __slots__ = ("votes_per_record", "embedding", "dims")
+    VOTES_PER_RECORD_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    votes_per_record: int
+    embedding: str
+    dims: int
+    def __init__(self, votes_per_record: _Optional[int] = ..., embedding: _Optional[str] = ..., dims: _Optional[int] = ...) -> None: ...
+
+class KnnTerms(_message.Message):
+    __slots__ = ("k", "sample_rate", "embedding", "dims")
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    sample_rate: float
+    embedding: str
+    dims: int
+    def __init__(self, k: _Optional[int] = ..., sample_rate: _Optional[float] = ..., embedding: _Optional[str] = ..., dims: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("run", "clusters", "knn", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    KNN_FIELD_NUMBER: _ClassVar[int]
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    SIGMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_POOL_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    clusters: ClusterTerms
+    knn: KnnTerms
+    mechanism: str
+    sigma: float
+    max_batch: int
+    rounds: int
+    lifetime_epsilon: float
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    public_pool: Tensor
+    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("run", "planned_epsilon", "delta", "cell_bound")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CELL_BOUND_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    planned_epsilon: float
+    delta: float
+    cell_bound: int
+    def __init__(self, run: _Optional[str] = ..., planned_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., cell_bound: _Optional[int] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("run", "round", "batch")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    batch: int
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., batch: _Optional[int] = ...) -> None: ...
+
+class SignedKey(_message.Message):
+    __slots__ = ("owner", "certificate", "public_key", "cell_bound", "run", "round", "batch", "classes", "sigma", "signature")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    CELL_BOUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SIGMA_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    certificate: bytes
+    public_key: bytes
+    cell_bound: int
+    run: str
+    round: int
+    batch: int
+    classes: int
+    sigma: float
+    signature: bytes
+    def __init__(self, owner: _Optional[str] = ..., certificate: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., cell_bound: _Optional[int] = ..., run: _Optional[str] = ..., round: _Optional[int] = ..., batch: _Optional[int] = ..., classes: _Optional[int] = ..., sigma: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class VotesRequest(_message.Message):
+    __slots__ = ("run", "round", "inputs", "parties")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIES_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    inputs: Tensor
+    parties: _containers.RepeatedCompositeFieldContainer[SignedKey]
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ...) -> None: ...
+
+class VotesReply(_message.Message):
+    __slots__ = ("share", "epsilon_spent", "charges")
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    share: Tensor
+    epsilon_spent: float
+    charges: int
+    def __init__(self, share: _Optional[_Union[Tensor, _Mapping]] = ..., epsilon_spent: _Optional[float] = ..., charges: _Optional[int] = ...) -> None: ...
+
+class BudgetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BudgetReply(_message.Message):
+    __slots__ = ("owner", "epsilon_limit", "delta", "epsilon_spent", "charges")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    epsilon_limit: float
+    delta: float
+    epsilon_spent: float
+    charges: int
+    def __init__(self, owner: _Optional[str] = ..., epsilon_limit: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., charges: _Optional[int] = ...) -> None: ...
