@@ -1257,7 +1257,7 @@ def last_charge_id(path: Path) -> int:
 
 def max_overlap(spans: list[tuple[float, float]]) -> int:
     """The most calls in flight at one instant."""
-    events = sorted([(began, 1) for began, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    events = sorted([(began, 1) for began, _ in spans] + [(end, -1) for _, end in spans])  # an end first
     most = now = 0
     for _, step in events:
         now += step
@@ -1273,8 +1273,8 @@ def charged_calls(path: Path, after_id: int, call_of: dict[bytes, tuple[int, int
     for charge_id, key in rows:
         calls.setdefault(charge_id, set()).add(call_of.get(key, "not the scenario's"))
     sizes = Counter(charge_id for charge_id, _ in rows)
-    return {"one_call": sum(len(owners) == 1 for owners in calls.values()),
-            "several_calls": sum(len(owners) > 1 for owners in calls.values()),
+    return {"one_call": sum(len(whose) == 1 for whose in calls.values()),
+            "several_calls": sum(len(whose) > 1 for whose in calls.values()),
             "answers_per_charge": sorted(set(sizes.values()))}
 
 
