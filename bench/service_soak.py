@@ -62,6 +62,19 @@ Then the faults of issue 36, against serve processes of their own too:
     until ENOSPC: fresh inputs UNAVAILABLE naming the disk (before: INTERNAL), nothing charged,
     inputs on record answered, a few log lines; space freed, answered again.
 
+Then the findings of issue 51, against serve processes of their own:
+
+11. cluster-vote serve: the demo's public-cluster votes (configs/demo.yaml, a declared budget of
+    20) under 6 concurrent clients, 4 calls of 8 new inputs each: every call answered, each one
+    charge paying for that call's inputs alone (the ledger's answers, by charge), never merged
+    with another client's (before: serve crashed on every public-cluster config, and calls were
+    merged, so one client's labels depended on another's inputs); each client's first call asked
+    again: the record's labels, no charge; health SERVING; ε within the budget;
+12. record-write failure (R22): on kNN votes, a file where ``$CONCLAVE_HOME/ledgers`` (the
+    ledger's record) should be: 5 fresh calls ``UNAVAILABLE`` saying nothing was charged, and the
+    ledger's charges do not move (before: told so while charged 5 → 10); inputs on record
+    answered; the folder mended: one charge per fresh input, asked again free and alike.
+
     python bench/service_soak.py [--quick] [--out PATH]
     python bench/service_soak.py --only knn_actor_kill,full_disk   # those scenarios, no load:
                                                                     # results/bench/service_soak_scenarios.json
@@ -1151,6 +1164,199 @@ def full_disk(outcome: Outcome, serve: Serve, folder: Path) -> None:
     outcome.check(1 <= len(log_lines) <= 5, f"{len(log_lines)} log lines for the failed calls")
 
 
+# ---- the service findings of issue 51, one scenario each ----
+
+# The demo (public-cluster votes on digits) as shipped, with a declared budget that every call of
+# the scenario fits in (one Gaussian release per call, ε ≈ 1 alone): each refusal there is a failure.
+CLUSTER_CONFIG = {**yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text()), "name": "soak-clusters",
+                  "privacy": {"budget": 20.0, "delta": 1.0e-5}}
+
+
+def cluster_vote_serve(outcome: Outcome, serve: Serve, clients: int = 6, calls: int = 4, size: int = 8) -> None:
+    """Public-cluster votes under ``clients`` concurrent clients, each asking ``calls`` calls of
+    ``size`` new inputs of its own: every call answered or refused with a status; each answered
+    call one charge paying for that call's inputs alone (never merged with another client's, whose
+    inputs would then move its labels); each client's first call asked again: the record's labels,
+    no charge; health SERVING; ε within the budget."""
+    flat = marked_inputs(9000, clients * calls * size)
+    inputs = flat.reshape(clients, calls, size, *flat.shape[1:])
+    call_of = {key: (client, call) for client in range(clients) for call in range(calls)
+               for key in input_keys(inputs[client, call])}
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        before, facts_before, last_charge = client.budget(), ledger_facts(serve.ledger), last_charge_id(serve.ledger)
+    start, lock = threading.Barrier(clients), threading.Lock()
+    spans: list[tuple[float, float]] = []
+    codes, answers = Counter(), {}
+
+    def ask(index: int) -> None:
+        with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as own:
+            start.wait()
+            for call in range(calls):
+                began = time.monotonic()
+                try:
+                    labels, code = own.label(inputs[index, call]), "OK"
+                except grpc.RpcError as err:
+                    labels, code = None, "RESOURCE_EXHAUSTED (budget)" if is_budget_refusal(err) else err.code().name
+                with lock:
+                    spans.append((began, time.monotonic()))
+                    codes[code] += 1
+                    if labels is not None:
+                        answers[index, call] = labels
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=clients * calls * DEADLINE)
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        after_fresh, facts_fresh = client.budget(), ledger_facts(serve.ledger)
+        releases = charged_calls(serve.ledger, last_charge, call_of)
+        repeated = {index: labels_of(client, inputs[index, 0]) for index in range(clients) if (index, 0) in answers}
+        after, facts_after = client.budget(), ledger_facts(serve.ledger)
+    health = health_status(serve)
+    same = [index for index, labels in repeated.items()
+            if not isinstance(labels, str) and np.array_equal(labels, answers[index, 0])]
+    outcome.measured.update({
+        "config": "configs/demo.yaml (public-cluster votes, digits) with privacy.budget 20",
+        "clients": clients, "calls_per_client": calls, "new_inputs_per_call": size,
+        "calls_by_status": dict(codes), "calls_in_flight_at_once_max": max_overlap(spans),
+        "call_latency_ms": ms([end - began for began, end in spans]),
+        "charges_added": facts_fresh["charges"] - facts_before["charges"], "fresh_calls_answered": len(answers),
+        "charges_paying_for_one_call_alone": releases["one_call"], "charges_paying_for_several_calls":
+        releases["several_calls"], "answers_per_charge": releases["answers_per_charge"],
+        "repeated_first_calls": {"asked": len(repeated), "same_labels": len(same),
+                                 "charges_added": facts_after["charges"] - facts_fresh["charges"],
+                                 "cache_hits_added": after["cache_hits"] - after_fresh["cache_hits"]},
+        "health_after": {SERVING: "SERVING", NOT_SERVING: "NOT_SERVING"}.get(health, str(health)),
+        "epsilon": {"before": before["epsilon_spent"], "spent": after["epsilon_spent"],
+                    "limit": after["epsilon_limit"], "guarantee": after["guarantee"]["epsilon"]},
+    })
+    m = outcome.measured
+    outcome.check(sum(codes.values()) == clients * calls and set(codes) <= {"OK", "UNAVAILABLE",
+                  "RESOURCE_EXHAUSTED (budget)"}, f"calls ended {dict(codes)}")
+    outcome.check(codes.get("OK", 0) == clients * calls, f"{codes.get('OK', 0)} of {clients * calls} calls "
+                  "answered under a budget that pays for all")
+    outcome.check(m["calls_in_flight_at_once_max"] > 1, "the calls never overlapped: nothing could be merged")
+    outcome.check(m["charges_added"] == len(answers), f"{m['charges_added']} charges for {len(answers)} fresh calls")
+    outcome.check(releases["several_calls"] == 0 and releases["one_call"] == len(answers)
+                  and releases["answers_per_charge"] == [size], "a charge paid for inputs of several calls")
+    outcome.check(len(same) == len(repeated) == clients, f"{len(same)} of {clients} repeated calls had the "
+                  "record's labels")
+    outcome.check(m["repeated_first_calls"]["charges_added"] == 0
+                  and m["repeated_first_calls"]["cache_hits_added"] == clients * size,
+                  "a repeated call was charged, or not answered from the record")
+    outcome.check(health == SERVING, f"health {m['health_after']}, not SERVING")
+    outcome.check(after["epsilon_spent"] <= after["epsilon_limit"] and after["guarantee"]["epsilon"] <=
+                  after["epsilon_limit"], f"ε {after['epsilon_spent']} over the budget {after['epsilon_limit']}")
+
+
+def last_charge_id(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT COALESCE(MAX(id), 0) FROM charges").fetchone()[0]
+
+
+def max_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most calls in flight at one instant."""
+    events = sorted([(began, 1) for began, _ in spans] + [(end, -1) for _, end in spans])  # an end first
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def charged_calls(path: Path, after_id: int, call_of: dict[bytes, tuple[int, int]]) -> dict:
+    """For each charge after ``after_id``: whose calls (client, call) the answers it pays for came from."""
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT charge_id, key FROM answers WHERE charge_id > ?", (after_id,)).fetchall()
+    calls: dict[int, set] = {}
+    for charge_id, key in rows:
+        calls.setdefault(charge_id, set()).add(call_of.get(key, "not the scenario's"))
+    sizes = Counter(charge_id for charge_id, _ in rows)
+    return {"one_call": sum(len(whose) == 1 for whose in calls.values()),
+            "several_calls": sum(len(whose) > 1 for whose in calls.values()),
+            "answers_per_charge": sorted(set(sizes.values()))}
+
+
+def record_write_failure(outcome: Outcome, serve: Serve, home: Path, fresh: int = 5) -> None:
+    """Issue 51's R22 sequence: the ledger's record outside its file made unwritable (a file where
+    ``$CONCLAVE_HOME/ledgers`` should be); fresh calls refused ``UNAVAILABLE`` saying nothing was
+    charged, and nothing is; inputs on record still answered; the folder mended: each fresh input
+    asked again is charged once, and asked once more answered from the record, free, alike.
+    Before: refused as uncharged while the ledger's charges went 5 → 10, then charged again."""
+    from conclave.actors.aggregator import RECORD_UNWRITABLE
+
+    folder = home / "ledgers"
+    inputs = marked_inputs(10000, 8 + fresh)
+    known, new = inputs[:8], inputs[8:]
+    with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
+        answered = [labels_of(client, known[i : i + 1]) for i in range(len(known))]  # one charge each
+        if any(isinstance(labels, str) for labels in answered):
+            outcome.problems.append(f"labelling before the failure failed: {answered}")
+            return
+        answered = np.concatenate(answered)
+        before, facts_before = client.budget(), ledger_facts(serve.ledger)
+        saved = {record.name: record.read_bytes() for record in folder.iterdir()}
+        for record in folder.iterdir():  # as the probe did: the folder replaced by a file
+            record.unlink()
+        folder.rmdir()
+        folder.write_text("not a folder\n")
+        codes, messages = Counter(), Counter()
+        for i in range(fresh):
+            try:
+                client.label(new[i : i + 1])
+                codes["OK"] += 1
+            except grpc.RpcError as err:
+                codes[err.code().name] += 1
+                messages[err.details()] += 1
+        on_record = labels_of(client, known)
+        blocked, facts_blocked = client.budget(), ledger_facts(serve.ledger)
+        health = health_status(serve)
+        folder.unlink()  # the operator mends it
+        folder.mkdir()
+        for name, data in saved.items():
+            (folder / name).write_bytes(data)
+        mended = [labels_of(client, new[i : i + 1]) for i in range(fresh)]
+        facts_mended = ledger_facts(serve.ledger)
+        again = labels_of(client, new)
+        after, facts_after = client.budget(), ledger_facts(serve.ledger)
+    mended_ok = not any(isinstance(labels, str) for labels in mended)
+    log_lines = [line for line in serve.err_path.read_text().splitlines() if "cannot be written" in line]
+    outcome.measured.update({
+        "config": "configs/digits-knn.yaml with privacy.budget 100", "conclave_home": "the bench's own",
+        "records_in_the_folder": len(saved), "fresh_calls_while_unwritable": dict(codes), "messages": dict(messages),
+        "charges": {"before": facts_before["charges"], "while_unwritable": facts_blocked["charges"],
+                    "after_mending_and_asking_again": facts_mended["charges"],
+                    "after_asking_once_more": facts_after["charges"]},
+        "answers_on_record": {"before": facts_before["answers"], "while_unwritable": facts_blocked["answers"],
+                              "after": facts_after["answers"]},
+        "epsilon_spent": {"before": before["epsilon_spent"], "while_unwritable": blocked["epsilon_spent"],
+                          "after": after["epsilon_spent"]},
+        "on_record_while_unwritable": on_record if isinstance(on_record, str)
+        else "same labels" if np.array_equal(on_record, answered) else "changed",
+        "health_while_unwritable": {SERVING: "SERVING", NOT_SERVING: "NOT_SERVING"}.get(health, str(health)),
+        "fresh_after_mending": "OK" if mended_ok else [m for m in mended if isinstance(m, str)][0],
+        "asked_once_more": again if isinstance(again, str)
+        else "same labels" if mended_ok and np.array_equal(again, np.concatenate(mended)) else "changed",
+        "server_log_lines": len(log_lines), "staged_records_left": len(list(folder.glob("*.tmp"))),
+    })
+    m = outcome.measured
+    outcome.check(len(saved) >= 1, "no record in the folder: the scenario proves nothing")
+    outcome.check(codes == {"UNAVAILABLE": fresh}, f"fresh calls while unwritable ended {dict(codes)}")
+    outcome.check(set(messages) == {RECORD_UNWRITABLE}, f"messages {dict(messages)}")
+    outcome.check(facts_blocked["charges"] == facts_before["charges"] and facts_blocked["answers"] ==
+                  facts_before["answers"] and blocked["epsilon_spent"] == before["epsilon_spent"],
+                  f"refused calls were charged: {m['charges']}")
+    outcome.check(m["on_record_while_unwritable"] == "same labels", "inputs on record were not answered alike")
+    outcome.check(mended_ok and facts_mended["charges"] == facts_before["charges"] + fresh,
+                  f"after mending: {m['fresh_after_mending']}, charges {m['charges']} (expected one per fresh "
+                  "input)")
+    outcome.check(m["asked_once_more"] == "same labels" and facts_after["charges"] == facts_mended["charges"],
+                  f"asked once more: {m['asked_once_more']}, charges {m['charges']}")
+    outcome.check(1 <= len(log_lines) <= fresh, f"{len(log_lines)} log lines for the failed calls")
+    outcome.check(not m["staged_records_left"], f"{m['staged_records_left']} staged records left in the folder")
+
+
 def disk_wrapper(folder: Path, size: str) -> tuple[str, ...] | None:
     """A command that mounts a tmpfs of ``size`` on ``folder`` in a private mount namespace and
     execs the rest; None where this machine cannot (``unshare`` missing or not permitted)."""
@@ -1165,13 +1371,15 @@ def disk_wrapper(folder: Path, size: str) -> tuple[str, ...] | None:
 ISSUE_28 = ("health_watch_flood", "hung_teacher", "fourth_kill", "bad_tls_files", "sigkill_leftovers",
             "partial_batch_at_the_end_of_the_budget")
 ISSUE_36 = ("signed_zero_reask", "knn_actor_kill", "stopped_secure_owner", "full_disk")
+ISSUE_51 = ("cluster_vote_serve", "record_write_failure")
+ALL_SCENARIOS = ISSUE_28 + ISSUE_36 + ISSUE_51
 
 
 def scenarios(workdir: Path, only: set[str] | None = None) -> dict[str, dict]:
-    """Each failure of issues 28 and 36 against real ``conclave serve`` processes (``only``: those
-    named); ``passed`` and why. A serve starts only for the scenarios that run on it."""
+    """Each failure of issues 28, 36 and 51 against real ``conclave serve`` processes (``only``:
+    those named); ``passed`` and why. A serve starts only for the scenarios that run on it."""
     results: dict[str, Outcome] = {}
-    wanted = set(ISSUE_28 + ISSUE_36) if only is None else only
+    wanted = set(ALL_SCENARIOS) if only is None else only
     scenario_config, partial_config = workdir / "scenarios.yaml", workdir / "partial.yaml"
     scenario_config.write_text(yaml.safe_dump(SCENARIO_CONFIG))
     partial_config.write_text(yaml.safe_dump(PARTIAL_CONFIG))
@@ -1237,12 +1445,22 @@ def scenarios(workdir: Path, only: set[str] | None = None) -> dict[str, dict]:
         else:
             on_serve(Serve(scenario_config, disk / "ledger.sqlite", free_port(), workdir, name="full-disk",
                            wrapper=wrapper), [("full_disk", "full disk", (disk,))])
+
+    cluster_config = workdir / "clusters.yaml"
+    cluster_config.write_text(yaml.safe_dump(CLUSTER_CONFIG))
+    on_serve(Serve(cluster_config, workdir / "clusters-ledger.sqlite", free_port(), workdir, name="clusters",
+                   env={"CONCLAVE_HOME": str(home)}), [("cluster_vote_serve", "cluster-vote serve", ())])
+    record_home = workdir / "record-home"  # its ledgers/ folder is the one the scenario breaks
+    on_serve(Serve(knn_config, workdir / "record-ledger.sqlite", free_port(), workdir, name="record",
+                   env={"CONCLAVE_HOME": str(record_home)}),
+             [("record_write_failure", "record-write failure", (record_home,))])
     return {name: outcome.as_dict() for name, outcome in results.items()}
 
 
 SCENARIOS = {"health_watch_flood": watch_flood, "hung_teacher": hung_teacher, "fourth_kill": fourth_kill,
              "signed_zero_reask": signed_zero_reask, "knn_actor_kill": knn_actor_kill,
-             "stopped_secure_owner": stopped_secure_owner, "full_disk": full_disk}
+             "stopped_secure_owner": stopped_secure_owner, "full_disk": full_disk,
+             "cluster_vote_serve": cluster_vote_serve, "record_write_failure": record_write_failure}
 
 
 def main() -> int:
@@ -1251,7 +1469,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="default results/bench/service_soak.json, or service_soak_scenarios.json with --only")
     parser.add_argument("--only", default=None, metavar="NAME[,NAME]",
-                        help=f"run only these scenarios, without the load: {', '.join(ISSUE_28 + ISSUE_36)}")
+                        help=f"run only these scenarios, without the load: {', '.join(ALL_SCENARIOS)}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.only is not None:
@@ -1364,9 +1582,9 @@ def main() -> int:
 
 def only_scenarios(names: set[str], out: Path) -> int:
     """The named scenarios alone (no load), written to ``out``; 1 if one failed."""
-    unknown = names - set(ISSUE_28 + ISSUE_36)
+    unknown = names - set(ALL_SCENARIOS)
     if unknown:
-        print(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(ISSUE_28 + ISSUE_36)}", file=sys.stderr)
+        print(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(ALL_SCENARIOS)}", file=sys.stderr)
         return 2
     began = time.monotonic()
     results = scenarios(Path(tempfile.mkdtemp(prefix="soak-")), names)
