@@ -92,20 +92,12 @@ def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
 def _serve(args: argparse.Namespace, stop: threading.Event | None, started: contextlib.ExitStack, ours: bool,
            interrupts: _StartInterrupts) -> int:
     # The libraries load whole: a Ctrl-C meanwhile acts once they have (``cluster.signal_hold``).
+    # The config and its TLS files first (neither torch nor Ray): a bad file is told in a second,
+    # not after the heavy imports (15-20 s on a loaded machine).
     with signals_held(STOPS):
-        import torch  # noqa: F401 - loaded here rather than by the first model built, later in the start
-
-        from conclave.actors.owners import OwnerDataError
-        from conclave.actors.placement import PlacementError
-        from conclave.cluster.api import serve, train_ensemble
         from conclave.cluster.pipelines import load_pipeline
-        from conclave.cluster.ray_runtime import record_ray_processes
-        from conclave.cluster.run_privacy import admitting_owners
-        from conclave.cluster.teaching.aggregation import aggregator_ledger, check_port_free, server_settings
-        from conclave.cluster.teaching.ensemble import checked_public, resolved
+        from conclave.cluster.teaching.aggregation import check_port_free, server_fields
         from conclave.cluster.tls import HandshakeLog, check_server_files
-        from conclave.privacy.accounting.ledger import LedgerInUse
-        from conclave.privacy.accounting.owner_ledger import RunRequest
 
     try:
         config = load_pipeline(load_yaml(args.config)).serving()
@@ -118,12 +110,28 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     token = from_env or secrets.token_urlsafe(24)
     overrides = {"host": args.host, "port": args.port, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
                  "tls_client_ca": args.tls_client_ca, "allow_plaintext": args.allow_plaintext}
+    fields = server_fields(config, **overrides)
     try:
-        settings = server_settings(config, token, **overrides)
-        if settings.tls:
-            check_server_files(Path(settings.tls_cert), Path(settings.tls_key),
-                               None if settings.tls_client_ca is None else Path(settings.tls_client_ca))
+        if fields["tls_cert"] and fields["tls_key"]:
+            check_server_files(Path(fields["tls_cert"]), Path(fields["tls_key"]),
+                               None if fields["tls_client_ca"] is None else Path(fields["tls_client_ca"]))
     except ValueError as err:  # CertificateError too
+        return fail(StartRefused(f"server: {err}"))
+    with signals_held(STOPS):
+        import torch  # noqa: F401 - loaded here rather than by the first model built, later in the start
+
+        from conclave.actors.owners import OwnerDataError
+        from conclave.actors.placement import PlacementError
+        from conclave.cluster.api import serve, train_ensemble
+        from conclave.cluster.ray_runtime import record_ray_processes
+        from conclave.cluster.run_privacy import admitting_owners
+        from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
+        from conclave.cluster.teaching.ensemble import checked_public, resolved
+        from conclave.privacy.accounting.ledger import LedgerInUse
+        from conclave.privacy.accounting.owner_ledger import RunRequest
+    try:
+        settings = server_settings(config, token, **overrides)  # the rest of the server's fields
+    except ValueError as err:
         return fail(StartRefused(f"server: {err}"))
     try:
         public = checked_public(config)

@@ -46,13 +46,18 @@ def check_port_free(host: str, port: int) -> None:
                             "host") from None
 
 
+def server_fields(config: TeacherStudentConfig, **overrides: Any) -> dict[str, Any]:
+    """``config.server``'s fields, with ``overrides`` that are not None in their place (no import
+    of the server: a command checks its TLS files with these before the heavy libraries load)."""
+    return {**dataclasses.asdict(config.server), **{k: v for k, v in overrides.items() if v is not None}}
+
+
 def server_settings(config: TeacherStudentConfig, token: str, **overrides: Any):
-    """The aggregator's ``ServerSettings`` from ``config.server`` (``overrides`` that are not
-    None replace its fields; ``ValueError`` names a bad one, e.g. plaintext on a public host)."""
+    """The aggregator's ``ServerSettings`` from ``server_fields`` (``ValueError`` names a bad
+    field, e.g. plaintext on a public host)."""
     from conclave.actors.aggregator import ServerSettings
 
-    fields = {**dataclasses.asdict(config.server), **{k: v for k, v in overrides.items() if v is not None}}
-    return ServerSettings(token=token, **fields)
+    return ServerSettings(token=token, **server_fields(config, **overrides))
 
 
 def start_aggregator(config: TeacherStudentConfig, pool, ledger, settings):

@@ -73,6 +73,21 @@ def test_a_garbage_certificate_is_refused_in_one_line(tmp_path, capsys, certs):
     assert status == 2 and err == [f"conclave: server: tls_cert: {garbage} is not a PEM certificate"]
 
 
+def test_the_real_cli_refuses_a_garbage_certificate_before_loading_torch_or_ray(tmp_path, certs):
+    # Before: torch, Ray and the pipelines loaded first: 15-20 s on a loaded machine to read one bad file.
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "conclave", "serve", str(config), "--ledger",
+                           str(tmp_path / "l.sqlite"), "--tls-cert", str(garbage), "--tls-key", str(certs.server_key)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and said == [f"conclave: server: tls_cert: {garbage} is not a PEM certificate"]
+    assert not {"torch", "ray", "grpc"} & imported
+
+
 def test_a_key_of_another_certificate_is_refused_in_one_line(tmp_path, capsys, certs):
     other = issue(create_authority(tmp_path / "other-ca", days=1), tmp_path / "other", ("127.0.0.1",), days=1)
     status, err = _serve(tmp_path, capsys, "--tls-cert", str(certs.server_cert), "--tls-key", str(other.key))
