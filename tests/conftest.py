@@ -109,6 +109,7 @@ def ray_session():
     start_ray(num_cpus=2, temp_dir=temp_dir, resources={"hospital_a": 1, "hospital_b": 1, "hospital_c": 1})
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)  # its logs and sockets: 20 MB a session
 
 
 @pytest.fixture(scope="module")
