@@ -3,11 +3,12 @@
 MNIST lives at ../shared/data/mnist beside the project for tests that need real data. The
 owners' lifetime ledgers and the driver's records of them (``$CONCLAVE_HOME``) go to a
 temporary folder of the session, set before Ray or any ``conclave`` process starts, so tests
-never touch the ledgers of the machine's user.
+never touch the ledgers of the machine's user; it goes when the session ends.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,8 +16,13 @@ from pathlib import Path
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-os.environ["CONCLAVE_HOME"] = tempfile.mkdtemp(prefix="conclave-home-")
+CONCLAVE_HOME = tempfile.mkdtemp(prefix="conclave-home-")
+os.environ["CONCLAVE_HOME"] = CONCLAVE_HOME
 MNIST_DIR = PROJECT_ROOT.parent / "shared" / "data" / "mnist"
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(CONCLAVE_HOME, ignore_errors=True)
 
 
 _opened: list[str] | None = None  # the running test's record of opened files, if it asked for one
@@ -103,6 +109,7 @@ def ray_session():
     start_ray(num_cpus=2, temp_dir=temp_dir, resources={"hospital_a": 1, "hospital_b": 1, "hospital_c": 1})
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)  # its logs and sockets: 20 MB a session
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,9 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget_then_a_round_on_i
     pool = make_splits("digits", None, public_size=300, seed=0).public.x[:5]
     assert network(pool).shape == (5, network(pool[:1]).shape[1])
     raw = load_yaml(DIGITS_KNN)
+    # only its embedding and privacy are checked here: a short student
+    raw["student"].update(train={**raw["student"]["train"], "epochs": 5},
+                          semi_supervised={**raw["student"]["semi_supervised"], "epochs": 5})
     raw.update(name="digits-knn-round2", knn={**raw["knn"], "embedding": f"network:{results / 'student.pt'}"})
     second = tmp_path / "round2.yaml"
     second.write_text(yaml.safe_dump(raw))

@@ -29,6 +29,7 @@ from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, Le
 from conclave.privacy.accounting.owner_ledger import OwnerRefused
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from tests.terminal import foreground
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -231,9 +232,9 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
 def test_ctrl_c_while_the_demo_loads_is_one_line_and_status_130(tmp_path, after):
     """Ctrl-C while the command, torch, Ray and the data load: before, a traceback (torch's import,
     or scipy's "ImportError: initialization failed") or an exit by SIGINT; now the one line."""
-    process = subprocess.Popen(
+    process = foreground(
         [sys.executable, "-m", "conclave.cluster.cli", "demo", "--results-dir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         time.sleep(after)
         os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group

@@ -28,6 +28,7 @@ from conclave.actors.aggregator import ServerSettings, is_loopback
 from conclave.cluster.client import AggregatorClient
 from conclave.cluster.tls import CertificateError, check_server_files, create_authority, issue
 from tests.certificates import make_certificates
+from tests.terminal import foreground
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {
@@ -208,11 +209,10 @@ class _Serve:
     def __init__(self, tmp_path: Path, *flags: str, program: tuple[str, ...] = ("-m", "conclave.cluster.cli")) -> None:
         config = tmp_path / "serve.yaml"
         config.write_text(yaml.safe_dump(SMALL))
-        self.process = subprocess.Popen(
+        self.process = foreground(
             [sys.executable, *program, "serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
              "--port", "0", *flags],
-            cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.output = b""
         self.seen: dict[int, float] = {}  # pid → start time of every process under serve
         threading.Thread(target=self._read, daemon=True).start()

@@ -22,6 +22,7 @@ from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_dataset
 from conclave.privacy.accounting.ledger import read_history
 from conclave.privacy.mechanisms import MECHANISMS, register
+from tests.terminal import foreground
 from tests.toy_mechanism import ToyMax
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,10 +91,10 @@ def test_run_answers_with_the_toy_and_charges_what_it_describes(ray_session, toy
 
 
 def test_serve_labels_over_grpc_with_the_toy(toy, tmp_path):
-    serve = subprocess.Popen(
+    serve = foreground(
         [sys.executable, "-c", SERVE, "serve", str(toy), "--ledger", str(tmp_path / "serve.sqlite"), "--port", "0"],
         cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        text=True)
     printed = []
     try:
         deadline = time.monotonic() + 600
