@@ -49,6 +49,7 @@ import numpy as np
 
 from conclave.actors.group_commit import GroupCommit
 from conclave.actors.owners import OwnerDropout
+from conclave.errors import ConclaveError
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
@@ -131,11 +132,11 @@ def check_pairing(vote_source: VoteSource | SecureVoteSource,
                          "histograms: use aggregation: secure")
 
 
-class InvalidInput(ValueError):
+class InvalidInput(ConclaveError, ValueError):
     """A request the aggregator cannot label; the message names the problem (bounded length)."""
 
 
-class TeachersUnavailable(RuntimeError):
+class TeachersUnavailable(ConclaveError, RuntimeError):
     """The vote source is not ready or failed to vote."""
 
 

@@ -15,11 +15,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from conclave.errors import ConclaveError
+
 
 UNLABELED = -1  # the label of every example of a pool that has none
 
 
-class DataFormatError(ValueError):
+class DataFormatError(ConclaveError, ValueError):
     """A data file exists but does not hold what its format promises (names the file)."""
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from conclave.errors import ConclaveError
 from conclave.registry import MissingAttribute, Registry, imported
 
 
-class ModelContractError(ValueError):
+class ModelContractError(ConclaveError, ValueError):
     """A model that does not meet the contract (``learning.models.contract``), or cannot be found;
     its message is one line naming the model."""
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from conclave.errors import RunRefused
+from conclave.errors import RunRefused, first_line
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order, order_index, rdp_budget
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -194,7 +194,7 @@ def _read_policy(path: Path, owner: str) -> OwnerPolicy | None:
     try:
         policy = OwnerPolicy(**json.loads(path.read_text()))
     except (OSError, TypeError, ValueError) as err:
-        raise OwnerRefused(f"owner {owner}: its policy {path} cannot be read ({_first_line(err)})") from None
+        raise OwnerRefused(f"owner {owner}: its policy {path} cannot be read ({first_line(err)})") from None
     if policy.owner != owner:
         raise OwnerRefused(f"owner {owner}: its policy {path} is {policy.owner}'s")
     return policy
@@ -551,11 +551,6 @@ class OwnerLedger:
 
 def _budget_text(budget: RenyiFilter | None) -> str:
     return "none" if budget is None else f"ε {budget.epsilon:g} at δ {budget.delta:g} (order {budget.order:g})"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 # --- the owner's own actions, on its node (``conclave owner``) ------------------------------
