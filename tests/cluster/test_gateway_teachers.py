@@ -21,6 +21,7 @@ from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
 from conclave.privacy.accounting.owner_ledger import OwnerPolicy
 from conclave.privacy.accounting.skellam import skellam_charge
+from conclave.privacy.mechanisms.confident_gnmax import SecureConfidentGNMax
 from conclave.privacy.mechanisms.gnmax import SecureGNMax
 from conclave.protos import owner_pb2
 from tests.gateways import CLASSES, OWNERS, Consortium, gateways_serving, make_consortium
@@ -166,3 +167,26 @@ def test_a_policy_for_another_neighbouring_relation_refuses_teachers(consortium,
     with policy_changed("hospital_a", neighbouring=Neighbouring.REPLACE_ONE):
         with refused(consortium, stub, Code.PERMISSION_DENIED, "replace-one", "add-remove"):
             stub.Admit(_request("replaced"), timeout=120)
+
+
+def test_confident_gnmax_runs_its_two_rounds_at_the_admitted_sigma(consortium, labelled, tmp_path):
+    # Last: admitting this run ends the one above at every gateway. One σ is admitted per run, so
+    # the threshold round and the answering round both run at it; each owner pays for the rows of each.
+    before = {owner: consortium.charges(owner) for owner in OWNERS}
+    terms = dataclasses.replace(TEACHERS, teachers=(2, 3, 4))
+    source = GatewayVoteSource([consortium.gateway(owner) for owner in OWNERS], consortium.verifier, "confident",
+                               terms, "confident-gnmax", SIGMA, CLASSES, None, max_batch=BATCH, rounds=2)
+    try:
+        assert source.votes_per_query == 9
+        mechanism = SecureConfidentGNMax(sigma1=SIGMA, threshold=6.0, sigma2=SIGMA)
+        with PrivacyLedger(tmp_path / "coordinator.sqlite", 1e-5, None) as ledger:
+            outcome = SecureLabeller(source, mechanism, ledger).label(consortium.queries[:BATCH])
+    finally:
+        source.shutdown()
+    rounds = 2 if outcome.answered else 1
+    for owner in OWNERS:
+        snapshot = read_ledger(OwnerPolicy.load(owner).budget().ledger_path(owner))
+        assert snapshot.charges == before[owner] + rounds
+        expected = skellam_charge(2.0, math.sqrt(2.0), SIGMA**2, count=BATCH + outcome.answered,
+                                  orders=snapshot.orders)
+        np.testing.assert_allclose(snapshot.by_label["confident-gnmax"].rdp, expected.rdp, rtol=1e-12)
