@@ -60,11 +60,28 @@ class KnnTerms(_message.Message):
     dims: int
     def __init__(self, k: _Optional[int] = ..., sample_rate: _Optional[float] = ..., embedding: _Optional[str] = ..., dims: _Optional[int] = ...) -> None: ...
 
+class TeacherTerms(_message.Message):
+    __slots__ = ("model", "teachers", "epochs", "batch_size", "lr", "seed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEACHERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    teachers: int
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class AdmitRequest(_message.Message):
-    __slots__ = ("run", "clusters", "knn", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool")
+    __slots__ = ("run", "clusters", "knn", "teachers", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool")
     RUN_FIELD_NUMBER: _ClassVar[int]
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
+    TEACHERS_FIELD_NUMBER: _ClassVar[int]
     MECHANISM_FIELD_NUMBER: _ClassVar[int]
     SIGMA_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +92,7 @@ class AdmitRequest(_message.Message):
     run: str
     clusters: ClusterTerms
     knn: KnnTerms
+    teachers: TeacherTerms
     mechanism: str
     sigma: float
     max_batch: int
@@ -82,7 +100,7 @@ class AdmitRequest(_message.Message):
     lifetime_epsilon: float
     classes: _containers.RepeatedScalarFieldContainer[str]
     public_pool: Tensor
-    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., teachers: _Optional[_Union[TeacherTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
     __slots__ = ("run", "planned_epsilon", "delta", "cell_bound")

@@ -22,6 +22,7 @@ import numpy as np
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
+from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
@@ -57,8 +58,9 @@ class OwnerGateway:
     def describe(self, timeout_s: float | None = None) -> owner_pb2.Description:
         return self._stub.Describe(owner_pb2.DescribeRequest(), timeout=timeout_s or self.timeout_s)
 
-    def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
-        return self._stub.Admit(request, timeout=max(self.timeout_s, 120.0))  # it starts the owner's actors
+    def admit(self, request: owner_pb2.AdmitRequest, timeout_s: float = 120.0) -> owner_pb2.AdmitReply:
+        # It starts the owner's actors, and trains teachers: at least the calls' deadline.
+        return self._stub.Admit(request, timeout=max(self.timeout_s, timeout_s))
 
     def keys(self, run: str, round_: int, batch: int, timeout_s: float | None = None) -> owner_pb2.SignedKey:
         return self._stub.Keys(owner_pb2.KeysRequest(run=run, round=round_, batch=batch),
@@ -93,6 +95,29 @@ class KnnVotes:
     dims: int = 16
 
 
+@dataclass(frozen=True)
+class TeacherVotes:
+    """Teachers trained at each gateway on its owner's records, with a registered ``model``:
+    ``teachers`` in all, shared among the owners by their declared records, or one count per
+    gateway (in order). ``seed``: the teachers' initialisation and batch order (the shards are the
+    gateways' own)."""
+
+    teachers: int | tuple[int, ...]
+    model: str
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+    def per_owner(self, records: Sequence[int]) -> list[int]:
+        """Each owner's teachers, by its declared ``records`` (public)."""
+        if isinstance(self.teachers, int):
+            return declared_share(self.teachers, records)
+        if len(self.teachers) != len(records):
+            raise ValueError(f"{len(self.teachers)} teacher counts for {len(records)} gateways: give one per gateway")
+        return list(self.teachers)
+
+
 def float_tensor(values: np.ndarray) -> owner_pb2.Tensor:
     array = np.ascontiguousarray(values, dtype="<f4")
     return owner_pb2.Tensor(shape=list(array.shape), dtype="float32", data=array.tobytes())
@@ -102,12 +127,14 @@ class GatewayVoteSource:
     """A ``SecureVoteSource`` over owners' gateways: admits the run at every gateway (``terms``,
     ``mechanism``, ``sigma``; at most ``rounds`` rounds of ``max_batch`` queries), then answers
     ``SecureLabeller``'s rounds. ``public_pool``: the public inputs the embedding is fitted on, at
-    every gateway. ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within
-    (None: the owners' policies)."""
+    every gateway (None for teachers, which learn on the owners' records only). ``lifetime_epsilon``:
+    a lower lifetime ε the run asks each owner to stay within (None: the owners' policies).
+    ``admit_timeout_s``: how long admission may take (teachers train in it)."""
 
-    def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: ClusterVotes | KnnVotes,
-                 mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray, max_batch: int,
-                 rounds: int, lifetime_epsilon: float | None = None, round_timeout_s: float = 30.0) -> None:
+    def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str,
+                 terms: ClusterVotes | KnnVotes | TeacherVotes, mechanism: str, sigma: float, classes: Sequence[str],
+                 public_pool: np.ndarray | None, max_batch: int, rounds: int, lifetime_epsilon: float | None = None,
+                 round_timeout_s: float = 30.0, admit_timeout_s: float = 120.0) -> None:
         if not gateways:
             raise ValueError("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
@@ -115,31 +142,47 @@ class GatewayVoteSource:
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round = 0
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
+        teachers = isinstance(terms, TeacherVotes)
         clusters = isinstance(terms, ClusterVotes)
+        if teachers != (public_pool is None):
+            raise ValueError("give a public pool for the records' embedding, and none for teachers")
+        # What ``actors.labeller`` reads: the record-level relation and why it holds, as the in-cluster
+        # sources declare them (teachers: ``TeacherPool``'s; records voting: their own lemmas).
         self.neighbouring = Neighbouring.ADD_REMOVE
-        self.neighbouring_lemma = CLUSTER_LEMMA if clusters else KNN_LEMMA
+        self.neighbouring_lemma = SHARD_LEMMA if teachers else CLUSTER_LEMMA if clusters else KNN_LEMMA
         self.batch_coupled = clusters
         # What ``actors.labeller.check_pairing`` compares with the mechanism's.
         self.votes_per_record = terms.votes_per_record if clusters else None
-        self.sample_rate = None if clusters else terms.sample_rate
+        self.sample_rate = terms.sample_rate if isinstance(terms, KnnVotes) else None
         described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
-        shares = None if clusters else declared_share(terms.k, [d.records for d in described])
+        records = [d.records for d in described]
+        shares = declared_share(terms.k, records) if isinstance(terms, KnnVotes) else None
+        counts = terms.per_owner(records) if teachers else None
         requests = []
         for index, gateway in enumerate(self._gateways):
             request = owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch,
                                              rounds=rounds, lifetime_epsilon=lifetime_epsilon or 0.0,
-                                             classes=list(classes), public_pool=float_tensor(public_pool))
-            if clusters:
+                                             classes=list(classes))
+            if teachers:
+                request.teachers.CopyFrom(owner_pb2.TeacherTerms(
+                    model=terms.model, teachers=counts[index], epochs=terms.epochs, batch_size=terms.batch_size,
+                    lr=terms.lr, seed=terms.seed))
+            elif clusters:
+                request.public_pool.CopyFrom(float_tensor(public_pool))
                 request.clusters.CopyFrom(owner_pb2.ClusterTerms(votes_per_record=terms.votes_per_record,
                                                                  embedding=terms.embedding, dims=terms.dims))
             else:
+                request.public_pool.CopyFrom(float_tensor(public_pool))
                 request.knn.CopyFrom(owner_pb2.KnnTerms(k=shares[index], sample_rate=terms.sample_rate,
                                                         embedding=terms.embedding, dims=terms.dims))
             requests.append(request)
-        self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index]), "did not admit the run")
+        self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
+                                   "did not admit the run")
+        # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
+        self.votes_per_query = sum(int(a.cell_bound) for a in self.admitted) if teachers else None
         log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"
                                                              for owner, a in zip(self.owners, self.admitted)))
 

@@ -1,6 +1,6 @@
 """The owner's own file for its gateway (``conclave owner serve OWNER.yaml``): its data, its declared
-records, where it listens, its certificates, the peers it masks with, its Ray, and the vote sources
-it runs. Loaded into frozen dataclasses with one-line errors naming the key.
+records, where it listens, its certificates, the peers it masks with, its Ray, the vote sources
+it runs and how much teacher training it takes on (a coordinator asks within these). Loaded into frozen dataclasses with one-line errors naming the key.
 
 This file is the owner's business, never the coordinator's: the coordinator names an owner by
 endpoint and certificate only. The budget is not here either: it comes from the owner's policy on
@@ -15,7 +15,7 @@ from pathlib import Path
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.learning.data.sources import DataSource
 
-VOTE_SOURCES = ("clusters", "knn")  # what a gateway can run; TeacherTerms later
+VOTE_SOURCES = ("clusters", "knn", "teachers")  # what a gateway can run
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class Declaration:
     """One owner's gateway: ``name`` (its certificate's common name), its ``data`` (as an owner section
     of a run config gives it), the ``records`` it declares (public), ``listen`` (host:port), ``tls``,
     the ``peers`` of its consortium (by name) it takes part in secure sums with, its ``ray``, the
-    ``actors`` its records are held on, and the ``vote_sources`` it admits."""
+    ``actors`` its records are held on (or its teachers packed into), the ``vote_sources`` it admits,
+    and the most teachers (``max_teachers``; None: one per declared record at most) and epochs
+    (``max_epochs``) a run may have it train."""
 
     name: str
     data: DataSource
@@ -55,6 +57,8 @@ class Declaration:
     ray: RaySettings = field(default_factory=RaySettings)
     actors: int = 1
     vote_sources: tuple[str, ...] = VOTE_SOURCES
+    max_teachers: int | None = None
+    max_epochs: int = 100
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -65,6 +69,10 @@ class Declaration:
             raise ValueError(f"actors must be in [1, records], got {self.actors}")
         if self.name in self.peers or len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers must be distinct owners other than {self.name}, got {list(self.peers)}")
+        if self.max_teachers is not None and not 1 <= self.max_teachers <= self.records:
+            raise ValueError(f"max_teachers must be in [1, records], got {self.max_teachers}")
+        if self.max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1, got {self.max_epochs}")
         unknown = sorted(set(self.vote_sources) - set(VOTE_SOURCES))
         if unknown:
             raise ValueError(f"vote_sources {unknown} are not known; known: {list(VOTE_SOURCES)}")
@@ -76,6 +84,11 @@ class Declaration:
         if not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         return host.strip("[]"), int(port)
+
+    @property
+    def teacher_limit(self) -> int:
+        """The most teachers a run may have this owner train: each needs a record to learn from."""
+        return self.records if self.max_teachers is None else self.max_teachers
 
     @property
     def parties(self) -> frozenset[str]:

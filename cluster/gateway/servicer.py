@@ -2,8 +2,10 @@
 
 A coordinator reaches the owner only through these calls (``protos/owner.proto``). ``Admit`` checks
 a run's terms against the owner's policy (``OwnerLedger.admit``: mechanisms, the per-run ceiling,
-the lifetime ε asked) and starts the owner's vote source on its own Ray, with the embedding fitted
-here on the public pool the request carries. ``Keys`` makes and signs one round's X25519 key;
+the lifetime ε asked) and starts the owner's vote source on its own Ray: its records voting, with
+the embedding fitted here on the public pool the request carries, or teachers trained here on
+registered models (shards cut by a hash keyed from this machine's entropy, so no coordinator can
+choose which records share a teacher). ``Keys`` makes and signs one round's X25519 key;
 ``Votes`` checks every party's signed key, charges the owner's ledger with a charge computed HERE
 from the admitted σ and the vote source's own bound, then counts (the gateway's actors' partials
 summed: its own Ray is one trust domain), adds its Skellam noise share from OS entropy, masks, and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 from dataclasses import dataclass, field
 
@@ -27,26 +30,34 @@ from google.protobuf.message import DecodeError, Message
 from conclave.actors.cluster_votes import ClusterVoteSource
 from conclave.actors.knn_votes import KnnVoteSource
 from conclave.actors.owners import OwnerSource
+from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
+from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
-from conclave.privacy.accounting.charge import PrivacyCharge
+from conclave.learning.models import check_model
+from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
+from conclave.learning.train_config import TrainConfig
+from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse, read_ledger
 from conclave.privacy.accounting.owner_ledger import OwnerBudget, OwnerLedger, OwnerPolicy, OwnerRefused, RunRequest
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import SECURE
 from conclave.privacy.secure_sum import MaskKeys
-from conclave.privacy.secure_votes import SkellamVotes, cluster_votes, knn_votes
+from conclave.privacy.secure_votes import TEACHER_VOTES, SkellamVotes, VoteBound, cluster_votes, knn_votes
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)
 
 PIPELINE = "teacher_student"  # the pipeline vote labelling belongs to, as policies name it
-# The mechanisms each vote source's rounds are answered by (registered names, as policies list them).
-MECHANISMS_OF = {"clusters": ("public-clusters",), "knn": ("private-knn",)}
-MAX_BATCH = 4096  # the most queries one round may carry
+# The mechanisms each vote source's rounds are answered by (registered names, as policies list them):
+# for teachers, those whose secure variant is charged by one teacher's vote per query (TEACHER_VOTES).
+MECHANISMS_OF = {"clusters": ("public-clusters",), "knn": ("private-knn",), "teachers": ("gnmax", "confident-gnmax")}
+MAX_BATCH = 4096  # the most queries one round may carry (and the largest training batch)
+MAX_LR = 10.0
+MAX_SEED = 2**31 - 1
 MAX_ROUNDS = 1_000_000
 MAX_POOL = 200_000  # public inputs an embedding is fitted on
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
@@ -104,9 +115,10 @@ class AdmittedRun:
     max_batch: int
     rounds: int
     classes: int
-    source: ClusterVoteSource | KnnVoteSource
+    source: ClusterVoteSource | KnnVoteSource | TeacherPool
     cell_bound: int
     ledger: OwnerLedger
+    votes_per_query: int | None  # teachers: every row of the owner's histogram counts each teacher once
     keys: dict[int, X25519PrivateKey] = field(default_factory=dict)  # keyed rounds whose key is unused
     last_keyed: int = 0
 
@@ -143,10 +155,8 @@ class OwnerServicer:
             if request.run in self._seen_runs:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"run '{request.run[:40]}' was admitted before: a run's rounds are never replayed")
-            pool = decode_tensor(request.public_pool, "public_pool")
-            if len(pool) > MAX_POOL:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: at most {MAX_POOL} inputs")
-            planned = release.charge(request.max_batch, request.mechanism).scaled(request.rounds)
+            pool = self._checked_pool(kind, request)
+            planned = record_charge(release, request.max_batch, request.mechanism).scaled(request.rounds)
             ledger = self._admitting_ledger(request, planned)  # the policy's checks: nothing changed yet
             if self._run is not None:
                 log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
@@ -160,7 +170,8 @@ class OwnerServicer:
                 raise
             cell_bound = int(sum(source.cell_bounds()))
             self._run = AdmittedRun(request.run, release, request.mechanism, request.max_batch, request.rounds,
-                                    len(request.classes), source, cell_bound, ledger)
+                                    len(request.classes), source, cell_bound, ledger,
+                                    cell_bound if kind == "teachers" else None)
             self._seen_runs.add(request.run)
             epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
             log.info("run '%s' admitted: %s votes, %s at σ %g, up to %d rounds of %d (planned ε %.4g)", request.run,
@@ -201,13 +212,21 @@ class OwnerServicer:
                 plan = run.release.plan(batch, run.classes, owners, bounds)
             except ValueError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-            charge = run.release.charge(batch, run.mechanism)
+            if not run.source.ready():
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"owner {self.declaration.name}'s actors cannot answer "
+                                                           f"round {request.round} now: nothing was charged")
+            charge = record_charge(run.release, batch, run.mechanism)
             try:
                 report = run.ledger.charge(charge, worst_case=charge)
             except BudgetExceeded as err:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
             # Charged: from here the round is a release. The clean sum stays in this process.
             votes = np.sum(run.source.partials(inputs), axis=0, dtype=np.int64)
+            if run.votes_per_query is not None and (votes.sum(axis=1) != run.votes_per_query).any():
+                # The charge holds for the whole ensemble's votes: a partial one is never answered.
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"not every teacher of owner {self.declaration.name} "
+                                                           f"voted in round {request.round}: it was charged; "
+                                                           "nothing was released")
             session = f"conclave/owner-round/{run.run}/{request.round}"
             masks = MaskKeys(rank, private).pairwise_masks([p.public_key for p in request.parties], session)
             share = run.release.share(votes, plan, owners, masks, SECURE.source(session))
@@ -242,28 +261,13 @@ class OwnerServicer:
             raise Refused(invalid, "run: name the run (printable, at most 200 characters)")
         kind = request.WhichOneof("vote_source")
         if kind is None:
-            raise Refused(invalid, "name a vote source (clusters or knn) and its terms")
+            raise Refused(invalid, "name a vote source (clusters, knn or teachers) and its terms")
         if kind not in self.declaration.vote_sources:
             raise Refused(denied, f"owner {self.declaration.name} does not run {kind} votes")
-        terms = getattr(request, kind)
-        if terms.embedding not in EMBEDDINGS:
-            raise Refused(denied, f"embedding {terms.embedding[:40]!r} is not registered ({', '.join(EMBEDDINGS)}): "
-                                  "a gateway runs no code a coordinator names")
         if request.mechanism not in MECHANISMS_OF[kind]:
             raise Refused(denied, f"mechanism {request.mechanism[:40]!r} is not registered for {kind} votes "
                                   f"({', '.join(MECHANISMS_OF[kind])})")
-        if not terms.dims >= 1:
-            raise Refused(invalid, f"{kind}.dims must be >= 1")
-        if kind == "clusters":
-            if not 1 <= terms.votes_per_record <= MAX_BATCH:
-                raise Refused(invalid, f"clusters.votes_per_record must be in [1, {MAX_BATCH}]")
-            bound = cluster_votes(int(terms.votes_per_record))
-        else:
-            if not 1 <= terms.k <= self.declaration.records:
-                raise Refused(invalid, f"knn.k must be in [1, {self.declaration.records}] (the declared records)")
-            if not 0 < terms.sample_rate <= 1:
-                raise Refused(invalid, "knn.sample_rate must be in (0, 1]")
-            bound = knn_votes(terms.sample_rate)
+        bound = self._teachers_bound(request.teachers) if kind == "teachers" else self._records_bound(kind, request)
         if not (request.sigma > 0 and math.isfinite(request.sigma)):
             raise Refused(invalid, "sigma must be a positive finite number")
         if not 1 <= request.max_batch <= MAX_BATCH or not 1 <= request.rounds <= MAX_ROUNDS:
@@ -274,6 +278,59 @@ class OwnerServicer:
         if not (request.lifetime_epsilon >= 0 and math.isfinite(request.lifetime_epsilon)):
             raise Refused(invalid, "lifetime_epsilon must be a finite number >= 0 (0: the policy's)")
         return kind, SkellamVotes(request.sigma, bound)
+
+    def _records_bound(self, kind: str, request: owner_pb2.AdmitRequest) -> VoteBound:
+        """What one record moves when the records vote themselves (clusters or knn terms)."""
+        denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
+        terms = request.clusters if kind == "clusters" else request.knn
+        if terms.embedding not in EMBEDDINGS:
+            raise Refused(denied, f"embedding {terms.embedding[:40]!r} is not registered ({', '.join(EMBEDDINGS)}): "
+                                  "a gateway runs no code a coordinator names")
+        if not terms.dims >= 1:
+            raise Refused(invalid, f"{kind}.dims must be >= 1")
+        if kind == "clusters":
+            if not 1 <= terms.votes_per_record <= MAX_BATCH:
+                raise Refused(invalid, f"clusters.votes_per_record must be in [1, {MAX_BATCH}]")
+            return cluster_votes(int(terms.votes_per_record))
+        if not 1 <= terms.k <= self.declaration.records:
+            raise Refused(invalid, f"knn.k must be in [1, {self.declaration.records}] (the declared records)")
+        if not 0 < terms.sample_rate <= 1:
+            raise Refused(invalid, "knn.sample_rate must be in (0, 1]")
+        return knn_votes(terms.sample_rate)
+
+    def _teachers_bound(self, terms: owner_pb2.TeacherTerms) -> VoteBound:
+        """Teachers' one vote per query, once their terms are within the registry and the owner's file."""
+        invalid, declaration = grpc.StatusCode.INVALID_ARGUMENT, self.declaration
+        if terms.model not in MODELS:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"model {terms.model[:40]!r} is not registered ({', '.join(MODELS.names)}): a gateway runs "
+                          "no code a coordinator names")
+        if not 1 <= terms.teachers <= declaration.teacher_limit:
+            raise Refused(invalid, f"teachers.teachers must be in [1, {declaration.teacher_limit}] (owner "
+                                   f"{declaration.name}'s limit)")
+        if not 1 <= terms.epochs <= declaration.max_epochs:
+            raise Refused(invalid, f"teachers.epochs must be in [1, {declaration.max_epochs}] (owner "
+                                   f"{declaration.name}'s limit)")
+        if not 1 <= terms.batch_size <= MAX_BATCH:
+            raise Refused(invalid, f"teachers.batch_size must be in [1, {MAX_BATCH}]")
+        if not 0 < terms.lr <= MAX_LR:
+            raise Refused(invalid, f"teachers.lr must be in (0, {MAX_LR:g}]")
+        if not 0 <= terms.seed <= MAX_SEED:
+            raise Refused(invalid, f"teachers.seed must be in [0, {MAX_SEED}]")
+        return TEACHER_VOTES
+
+    @staticmethod
+    def _checked_pool(kind: str, request: owner_pb2.AdmitRequest) -> np.ndarray | None:
+        """The public pool the records' embedding is fitted on; teachers take none."""
+        if kind == "teachers":
+            if request.HasField("public_pool"):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "public_pool: teachers learn on the owner's records "
+                                                                "only; send none")
+            return None
+        pool = decode_tensor(request.public_pool, "public_pool")
+        if len(pool) > MAX_POOL:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: at most {MAX_POOL} inputs")
+        return pool
 
     def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge) -> OwnerLedger:
         """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
@@ -286,6 +343,10 @@ class OwnerServicer:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {self.policy.owner} has no policy on its machine "
                                                              "any more: it admits no run")
         self.policy = policy
+        if planned.neighbouring != policy.neighbouring:  # as ``OwnerLedger.open`` refuses, before anything ends
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"owner {policy.owner}: its policy is for {policy.neighbouring} neighbours; these votes' "
+                          f"charges hold for {planned.neighbouring} neighbours of its records")
         asked = None
         if request.lifetime_epsilon:
             asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
@@ -307,9 +368,12 @@ class OwnerServicer:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
 
     def _start_source(self, kind: str, request: owner_pb2.AdmitRequest,
-                      pool: np.ndarray) -> ClusterVoteSource | KnnVoteSource:
-        """The owner's vote source on its own Ray, its embedding fitted here on the public pool."""
-        declaration, terms = self.declaration, getattr(request, kind)
+                      pool: np.ndarray | None) -> ClusterVoteSource | KnnVoteSource | TeacherPool:
+        """The owner's vote source on its own Ray: its records, with the embedding fitted here on the
+        public pool, or its teachers, trained here."""
+        if kind == "teachers":
+            return self._trained_teachers(request.teachers, tuple(request.classes))
+        declaration, terms = self.declaration, request.clusters if kind == "clusters" else request.knn
         embed = fit_embedding(terms.embedding, pool, int(terms.dims))
         owner = OwnerSource(declaration.name, declaration.data, declaration.actors, tuple(request.classes))
         share = RecordShare(owner, declaration.actors, declared=declaration.records)
@@ -323,6 +387,31 @@ class OwnerServicer:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: inputs of shape {list(pool.shape[1:])}; "
                                                             f"the owner's data are {list(source.input_shape)}")
         return source
+
+    def _trained_teachers(self, terms: owner_pb2.TeacherTerms, classes: tuple[str, ...]) -> TeacherPool:
+        """The owner's teachers trained on its Ray (its CPUs, or its GPUs where it has them). The shard
+        hash is keyed from this machine's entropy, fresh for the run: a record's teacher is a function
+        of the record alone, and the coordinator's seed chooses initialisation and batch order only.
+        Each shard keeps at most its share of the declared records (``OwnerSource.records``)."""
+        declaration = self.declaration
+        owner = OwnerSource(declaration.name, declaration.data, int(terms.teachers), classes,
+                            seed=secrets.randbits(126), records=declaration.records)
+        train = TrainConfig(epochs=int(terms.epochs), batch_size=int(terms.batch_size), lr=terms.lr,
+                            seed=int(terms.seed))
+        teachers = TeacherPool([OwnerShare(owner, int(terms.teachers), declaration.actors)], terms.model, train,
+                               num_cpus_per_actor=self._cpus)
+        try:
+            check_model(terms.model, teachers.num_classes, tuple(teachers.input_shape))
+            teachers.train(progress=False)
+        except ModelContractError as err:
+            teachers.shutdown()
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"teachers.model: {err}".splitlines()[0]) from None
+        except BaseException:
+            teachers.shutdown()
+            raise
+        # No time in the log: it grows with the records each teacher holds.
+        log.info("owner %s: %d teachers trained", declaration.name, teachers.num_teachers)
+        return teachers
 
     def _admitted(self, run: str) -> AdmittedRun:
         if self._run is None or self._run.run != run:
@@ -368,6 +457,18 @@ class OwnerServicer:
         if rank is None:
             raise Refused(denied, f"owner {self.declaration.name} is not among the round's parties")
         return rank, owners, [int(party.cell_bound) for party in request.parties]
+
+
+def record_charge(release: SkellamVotes, count: int, label: str) -> PrivacyCharge:
+    """What ``count`` queries of a round cost on the owner's records, as ``actors.labeller`` restates
+    it for a teacher pool: teachers' one-vote charge holds for add/remove neighbours of the records
+    by the shard lemma (a record changes one shard, one teacher); the records' own bounds are
+    record-level already. The owner's ledger composes its policy's relation only, so a policy for
+    any other relation refuses the run (``OwnerLedger.open``)."""
+    charge = release.charge(count, label)
+    if charge.neighbouring == Neighbouring.ONE_VOTE:
+        return charge.for_records(Neighbouring.ADD_REMOVE, SHARD_LEMMA)
+    return charge
 
 
 def signed(key: RoundKey, certificate_pem: bytes, signature: bytes) -> owner_pb2.SignedKey:

@@ -33,7 +33,9 @@ def test_relative_paths_are_the_files_folder(tmp_path):
     ({"runtime_env": {"env_vars": {"HOME": "/tmp"}}}, "unknown key(s) ['runtime_env']"),
     ({"listen": "7000"}, "listen must be host:port"),
     ({"peers": ["hospital_a"]}, "peers must be distinct owners other than hospital_a"),
-    ({"vote_sources": ["teachers"]}, "vote_sources ['teachers'] are not known"),
+    ({"vote_sources": ["dpsgd"]}, "vote_sources ['dpsgd'] are not known"),
+    ({"max_teachers": 201}, "max_teachers must be in [1, records]"),
+    ({"max_epochs": 0}, "max_epochs must be >= 1"),
     ({"tls": {"certificate": "missing.pem", "key": "gateway.key", "ca": "ca.pem"}}, "tls.certificate: no such file"),
 ])
 def test_a_bad_file_is_one_line_naming_the_key(tmp_path, changes, words):
