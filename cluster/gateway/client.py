@@ -22,6 +22,7 @@ import numpy as np
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
+from conclave.learning.data.sources import PublicReading
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
@@ -98,19 +99,27 @@ def float_tensor(values: np.ndarray) -> owner_pb2.Tensor:
     return owner_pb2.Tensor(shape=list(array.shape), dtype="float32", data=array.tobytes())
 
 
+def reading_message(reading: PublicReading) -> owner_pb2.PublicReading:
+    return owner_pb2.PublicReading(columns=list(reading.columns or ()), fill=list(reading.fill or ()),
+                                   image_size=list(reading.size or ()))
+
+
 class GatewayVoteSource:
     """A ``SecureVoteSource`` over owners' gateways: admits the run at every gateway (``terms``,
     ``mechanism``, ``sigma``; at most ``rounds`` rounds of ``max_batch`` queries), then answers
     ``SecureLabeller``'s rounds. ``public_pool``: the public inputs the embedding is fitted on, at
-    every gateway. ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within
+    every gateway. ``reading``: how each owner's data are read (the pool's columns and fill, or its
+    image size). ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within
     (None: the owners' policies)."""
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: ClusterVotes | KnnVotes,
                  mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray, max_batch: int,
-                 rounds: int, lifetime_epsilon: float | None = None, round_timeout_s: float = 30.0) -> None:
+                 rounds: int, lifetime_epsilon: float | None = None, round_timeout_s: float = 30.0,
+                 reading: PublicReading = PublicReading()) -> None:
         if not gateways:
             raise ValueError("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        self.input_shape = tuple(np.shape(public_pool)[1:])
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round = 0
@@ -131,7 +140,8 @@ class GatewayVoteSource:
         for index, gateway in enumerate(self._gateways):
             request = owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch,
                                              rounds=rounds, lifetime_epsilon=lifetime_epsilon or 0.0,
-                                             classes=list(classes), public_pool=float_tensor(public_pool))
+                                             classes=list(classes), public_pool=float_tensor(public_pool),
+                                             reading=reading_message(reading))
             if clusters:
                 request.clusters.CopyFrom(owner_pb2.ClusterTerms(votes_per_record=terms.votes_per_record,
                                                                  embedding=terms.embedding, dims=terms.dims))
@@ -140,6 +150,8 @@ class GatewayVoteSource:
                                                         embedding=terms.embedding, dims=terms.dims))
             requests.append(request)
         self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index]), "did not admit the run")
+        # Where each owner's votes are counted: behind its gateway, on its own Ray.
+        self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self._gateways)}
         log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"
                                                              for owner, a in zip(self.owners, self.admitted)))
 

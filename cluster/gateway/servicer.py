@@ -30,6 +30,7 @@ from conclave.actors.owners import OwnerSource
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
+from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -49,6 +50,7 @@ MECHANISMS_OF = {"clusters": ("public-clusters",), "knn": ("private-knn",)}
 MAX_BATCH = 4096  # the most queries one round may carry
 MAX_ROUNDS = 1_000_000
 MAX_POOL = 200_000  # public inputs an embedding is fitted on
+MAX_COLUMNS, MAX_IMAGE_SIDE = 100_000, 16_384  # the most a public reading may name
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
@@ -92,6 +94,21 @@ def decode_tensor(tensor: owner_pb2.Tensor, what: str, trailing: tuple[int, ...]
     if not np.isfinite(values).all():
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: NaN or infinity")
     return values
+
+
+def decode_reading(reading: owner_pb2.PublicReading) -> PublicReading:
+    """How the run reads the owner's data (``PublicReading``: public figures of the pool), or a refusal."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    columns, fill, size = tuple(reading.columns), tuple(reading.fill), tuple(int(d) for d in reading.image_size)
+    if len(columns) > MAX_COLUMNS or any(not c or len(c) > 200 or not c.isprintable() for c in columns):
+        raise Refused(invalid, f"reading.columns: at most {MAX_COLUMNS} names, each printable, 1 to 200 characters")
+    if len(set(columns)) != len(columns):
+        raise Refused(invalid, "reading.columns: a column named twice")
+    if fill and (len(fill) != len(columns) or not all(math.isfinite(v) for v in fill)):
+        raise Refused(invalid, f"reading.fill: one finite value per column ({len(columns)}), or none")
+    if size and (len(size) != 2 or not all(1 <= d <= MAX_IMAGE_SIDE for d in size)):
+        raise Refused(invalid, f"reading.image_size: [height, width] in [1, {MAX_IMAGE_SIDE}], or none")
+    return PublicReading(columns or None, (size[0], size[1]) if size else None, fill or None)
 
 
 @dataclass
@@ -144,6 +161,7 @@ class OwnerServicer:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"run '{request.run[:40]}' was admitted before: a run's rounds are never replayed")
             pool = decode_tensor(request.public_pool, "public_pool")
+            data = self._owner_data(decode_reading(request.reading))
             if len(pool) > MAX_POOL:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: at most {MAX_POOL} inputs")
             planned = release.charge(request.max_batch, request.mechanism).scaled(request.rounds)
@@ -154,7 +172,7 @@ class OwnerServicer:
                 self._run = None
             try:
                 self._open(ledger, planned, request.run)
-                source = self._start_source(kind, request, pool)
+                source = self._start_source(kind, request, pool, data)
             except BaseException:
                 ledger.close()
                 raise
@@ -306,12 +324,20 @@ class OwnerServicer:
         except (LedgerInUse, LedgerDamaged) as err:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
 
-    def _start_source(self, kind: str, request: owner_pb2.AdmitRequest,
-                      pool: np.ndarray) -> ClusterVoteSource | KnnVoteSource:
-        """The owner's vote source on its own Ray, its embedding fitted here on the public pool."""
+    def _owner_data(self, reading: PublicReading) -> DataSource:
+        """The owner's data as the run reads them (by the pool's columns, at its size): a string
+        operation, no file opened; an owner's file that names other columns or another size is refused."""
+        try:
+            return self.declaration.data.read_as(reading)
+        except ValueError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"owner {self.declaration.name}: {err}") from None
+
+    def _start_source(self, kind: str, request: owner_pb2.AdmitRequest, pool: np.ndarray,
+                      data: DataSource) -> ClusterVoteSource | KnnVoteSource:
+        """The owner's vote source on its own Ray over ``data``, its embedding fitted here on the public pool."""
         declaration, terms = self.declaration, getattr(request, kind)
         embed = fit_embedding(terms.embedding, pool, int(terms.dims))
-        owner = OwnerSource(declaration.name, declaration.data, declaration.actors, tuple(request.classes))
+        owner = OwnerSource(declaration.name, data, declaration.actors, tuple(request.classes))
         share = RecordShare(owner, declaration.actors, declared=declaration.records)
         if kind == "clusters":
             source = ClusterVoteSource([share], embed, int(terms.votes_per_record), num_cpus_per_actor=self._cpus)
