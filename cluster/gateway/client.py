@@ -23,6 +23,7 @@ from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
 from conclave.learning.data.sources import PublicReading
+from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
@@ -110,16 +111,23 @@ class GatewayVoteSource:
     ``SecureLabeller``'s rounds. ``public_pool``: the public inputs the embedding is fitted on, at
     every gateway. ``reading``: how each owner's data are read (the pool's columns and fill, or its
     image size). ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within
-    (None: the owners' policies)."""
+    (None: the owners' policies). ``embed``: the coordinator's own embedding of the pool, fitted
+    on the pool alone as each gateway fits its own, in which a student picks what to ask.
+    ``names``: the owners the gateways must describe themselves as, in order (None: any). A
+    gateway that does not describe itself as such or admit the run is ``OwnerDropout`` naming it;
+    the source is then shut down."""
+
+    num_actors = 0  # record-holding actors on the coordinator's side: none, they are the owners' business
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: ClusterVotes | KnnVotes,
                  mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray, max_batch: int,
                  rounds: int, lifetime_epsilon: float | None = None, round_timeout_s: float = 30.0,
-                 reading: PublicReading = PublicReading()) -> None:
+                 reading: PublicReading = PublicReading(), embed: Embedding | None = None,
+                 names: Sequence[str] | None = None) -> None:
         if not gateways:
             raise ValueError("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
-        self.input_shape = tuple(np.shape(public_pool)[1:])
+        self.input_shape, self.embed = tuple(np.shape(public_pool)[1:]), embed
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round = 0
@@ -131,10 +139,24 @@ class GatewayVoteSource:
         # What ``actors.labeller.check_pairing`` compares with the mechanism's.
         self.votes_per_record = terms.votes_per_record if clusters else None
         self.sample_rate = None if clusters else terms.sample_rate
+        try:
+            self._admit(mechanism, sigma, classes, public_pool, max_batch, rounds, lifetime_epsilon, reading, names)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _admit(self, mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray, max_batch: int,
+               rounds: int, lifetime_epsilon: float | None, reading: PublicReading,
+               names: Sequence[str] | None) -> None:
+        run, terms, clusters = self.run, self.terms, isinstance(self.terms, ClusterVotes)
         described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+        if names is not None and tuple(names) != self.owners:
+            wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
+                     in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
+            raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
         shares = None if clusters else declared_share(terms.k, [d.records for d in described])
         requests = []
         for index, gateway in enumerate(self._gateways):
