@@ -1,14 +1,15 @@
 """The hospitals example with each hospital behind its own gateway, all on this machine (127.0.0.1).
 
-    python examples/hospitals/gateways.py [RESULTS_DIR]   # from the repository root
+    python examples/hospitals/gateways.py [RESULTS_DIR] [CONFIG]   # from the repository root
 
 What a deployment does on four machines, here in one temporary folder with one folder per
 machine: the consortium's CA and a certificate for each hospital (common name: the hospital) and
 for the coordinator (``conclave ray-certs``); on each hospital's machine its records, its policy
 (``conclave owner init``, in its own ``CONCLAVE_HOME``), its own file and ``conclave owner serve``
 with its own Ray (1 CPU) on an ephemeral port; then on the coordinator's machine ``conclave run``
-on a config that names the three gateways (public-cluster votes, as
-configs/hospitals-clusters.yaml) and no owner's path. Prints the student's accuracy and ε, stops
+on a config that names the three gateways and no owner's path: CONFIG (default
+configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes)
+with its owners replaced by their gateways. Prints the student's accuracy and ε, stops
 the gateways by their PIDs, and prints one JSON line: the results folder, the summary, the
 guarantee, each owner's ledger (charges and ε spent), the coordinator's config, which of the
 owners' files the coordinator's process opened (a Python audit hook: none), and the wall time of
@@ -60,13 +61,13 @@ def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
     conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
-    conclave("owner", "init", owner, "--epsilon", "5", "--max-run-epsilon", "2", "--mechanisms", "public-clusters",
-             "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
+    conclave("owner", "init", owner, "--epsilon", "5", "--max-run-epsilon", "4", "--mechanisms", "public-clusters",
+             "private-knn", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
     declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
                    "records": 100, "listen": f"{LOOPBACK}:0",
                    "tls": {"certificate": "certs/node.pem", "key": "certs/node.key", "ca": "certs/ca.pem"},
                    "peers": [other for other in HOSPITALS if other != owner],
-                   "ray": {"address": "local", "num_cpus": 1}, "vote_sources": ["clusters"]}
+                   "ray": {"address": "local", "num_cpus": 1}, "vote_sources": ["clusters", "knn"]}
     (folder / f"{owner}.yaml").write_text(yaml.safe_dump(declaration, sort_keys=False))
     return env
 
@@ -86,10 +87,10 @@ def address_of(gateway: subprocess.Popen, owner: str) -> str:
     raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()})")
 
 
-def coordinator_config(certs: Path, addresses: dict[str, str]) -> dict:
-    """configs/hospitals-clusters.yaml, its owners named by their gateways alone."""
-    config = yaml.safe_load((ROOT / "configs" / "hospitals-clusters.yaml").read_text())
-    config.update(name="hospitals-gateways", owners=[{"name": o, "gateway": a} for o, a in addresses.items()],
+def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> dict:
+    """The config at ``source``, its owners named by their gateways alone."""
+    config = yaml.safe_load(source.read_text())
+    config.update(name=f"{config['name']}-gateways", owners=[{"name": o, "gateway": a} for o, a in addresses.items()],
                   gateways={"certificate": str(certs / "node.pem"), "key": str(certs / "node.key"),
                             "ca": str(certs / "ca.pem")},
                   public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")},
@@ -110,7 +111,7 @@ def stop(gateways: dict[str, subprocess.Popen]) -> None:
             gateway.wait()
 
 
-def main(results_dir: Path) -> dict:
+def main(results_dir: Path, source: Path = ROOT / "configs" / "hospitals-clusters.yaml") -> dict:
     with tempfile.TemporaryDirectory(prefix="conclave-gateways-") as scratch:
         scratch = Path(scratch)
         conclave("ray-certs", str(scratch / "consortium-ca"))  # the consortium's CA (its key stays here)
@@ -127,11 +128,11 @@ def main(results_dir: Path) -> dict:
                 gateways[owner] = serve(folder, owner, envs[owner])
             addresses = {owner: address_of(gateway, owner) for owner, gateway in gateways.items()}
             seconds = {"gateways_serving": time.monotonic() - started}
-            config = coordinator_config(coordinator / "certs", addresses)
-            (coordinator / "hospitals-gateways.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            config = coordinator_config(source, coordinator / "certs", addresses)
+            (coordinator / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "CONCLAVE_HOME")}
             env["CONCLAVE_HOME"] = str(coordinator / "home")
-            run = subprocess.run([sys.executable, "-c", AUDITED_RUN, "run", "hospitals-gateways.yaml",
+            run = subprocess.run([sys.executable, "-c", AUDITED_RUN, "run", "run.yaml",
                                   "--results-dir", str(results_dir.resolve())],
                                  cwd=coordinator, env=env, capture_output=True, text=True)
             seconds["coordinator_run"] = time.monotonic() - started - seconds["gateways_serving"]
@@ -140,7 +141,7 @@ def main(results_dir: Path) -> dict:
         if run.returncode:
             raise SystemExit(f"conclave run failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
         print(run.stdout.strip())
-        return {**report(results_dir / "hospitals-gateways", config, machines, coordinator), "seconds": seconds}
+        return {**report(results_dir / config["name"], config, machines, coordinator), "seconds": seconds}
 
 
 def report(results: Path, config: dict, machines: dict[str, Path], coordinator: Path) -> dict:
@@ -163,7 +164,8 @@ def report(results: Path, config: dict, machines: dict[str, Path], coordinator: 
 
 
 if __name__ == "__main__":
-    outcome = main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"))
+    outcome = main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"),
+                   *(Path(sys.argv[2]).resolve(),) if len(sys.argv) > 2 else ())
     guarantee = outcome["guarantee"]
     print(f"student accuracy {outcome['student_accuracy']:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
           f"δ {guarantee['delta']:g}; each owner's ledger: " + ", ".join(

@@ -21,7 +21,7 @@ def test_a_run_through_three_gateways_charges_each_owner_its_guarantee(tmp_path)
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     outcome = json.loads(run.stdout.strip().splitlines()[-1])
-    results = tmp_path / "results" / "hospitals-gateways"
+    results = tmp_path / "results" / "hospitals-clusters-gateways"
     assert {"privacy.json", "metrics.json", "config.json"} <= {path.name for path in results.iterdir()}
     guarantee = json.loads((results / "privacy.json").read_text())["guarantee"]
     assert guarantee["sound"] and guarantee["basis"] == "worst-case"
