@@ -177,7 +177,10 @@ def owner_data(owner: DataOwner, reading: PublicReading, base: str) -> DataSourc
     the public data says (``PublicReading``: a table by the pool's columns, its unusable cells
     filled with the pool's means; an image folder at the pool's size). No file is touched: the
     driver never opens an owner's path. An explicit ``columns`` or ``size`` other than the public
-    ones is a ``ValueError``."""
+    ones is a ``ValueError``, as is an owner named by its gateway (its data are on its machine)."""
+    if owner.data is None:
+        raise ValueError(f"owner {owner.name} is named by its gateway: its data are declared on its own machine, in "
+                         "its own file, not in this config")
     try:
         return owner.data.anchored(base).read_as(reading)
     except ValueError as err:
