@@ -12,6 +12,10 @@ names, in that order (``owner_data``): an owner's column order and extra columns
 and a column it lacks is one line naming the owner and the column, from its own node. The
 names are public (the pool's header), so they travel to the owners' actors in their config,
 as does the pool's image size, at which an owner's image folder is read.
+
+An owner may instead be named by its gateway alone (``{name, gateway: HOST:PORT}``, with the
+coordinator's certificates in ``gateways``): its data, actors and ledger are then its own
+business, on its machine, behind ``conclave owner serve`` (docs/gateway.md).
 """
 from __future__ import annotations
 
@@ -42,25 +46,44 @@ class DataOwner:
     ``budget``: the lifetime budget the run asks for this data (``OwnerBudget``), kept in a ledger
     on its node that every run charges before releasing anything computed from the data; where
     the owner wrote a policy on its node, the policy decides and this may only ask for less.
+    ``gateway``: instead of all of these, the owner's gateway (host:port) on its own machine,
+    which holds its data, actors, policy and ledger.
     """
 
     name: str
-    data: DataSource
+    data: DataSource | None = None  # None only beside a gateway
     actors: int = 1  # Ray actors the owner's part runs on
     resources: dict[str, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     records: int | None = None
     budget: OwnerBudget | None = None
+    gateway: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
+        if self.gateway is not None:
+            self._check_gateway()
+            return
+        if self.data is None:
+            raise ValueError(f"owner {self.name}: give its data (or its gateway, host:port)")
         if self.actors < 1:
             raise ValueError(f"owner {self.name}: actors must be >= 1")
         if self.records is not None and self.records < self.actors:
             raise ValueError(f"owner {self.name}: {self.actors} actors need at least as many records "
                              f"(it declares {self.records})")
         Placement(self.resources, self.labels)  # a bad amount is a config error now
+
+    def _check_gateway(self) -> None:
+        given = [key for key, value in (("data", self.data), ("resources", self.resources), ("labels", self.labels),
+                                        ("records", self.records), ("budget", self.budget)) if value]
+        given += ["actors"] if self.actors != 1 else []
+        if given:
+            raise ValueError(f"owner {self.name}: an owner reached by its gateway is named by name and gateway only, "
+                             f"not {', '.join(given)} (its own file, on its machine, says them)")
+        host, _, port = self.gateway.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"owner {self.name}: gateway must be host:port, got {self.gateway!r}")
 
     def placement(self, embedded: bool) -> Placement:
         return Placement(self.resources, {} if embedded else self.labels)
@@ -76,10 +99,47 @@ class DataOwner:
                             (path,) if path else ())
 
 
+@dataclass(frozen=True)
+class GatewaysConfig:
+    """How the coordinator reaches owners' gateways (``gateways``): its certificate and key, issued
+    by the consortium's CA, and that CA's certificate (PEM paths; relative ones are the launching
+    directory's). ``lifetime_epsilon``: a lifetime ε the run asks every owner to stay within, below
+    its own policy's (None: the policies')."""
+
+    certificate: str
+    key: str
+    ca: str
+    lifetime_epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.lifetime_epsilon is not None and not self.lifetime_epsilon > 0:
+            raise ValueError(f"gateways.lifetime_epsilon must be > 0 or null, got {self.lifetime_epsilon}")
+
+
+def check_gateways(owners: Sequence[DataOwner], gateways: GatewaysConfig | None) -> None:
+    """Owners are all reached by their gateways (with ``gateways`` given) or none."""
+    reached = [owner.name for owner in owners if owner.gateway is not None]
+    if not reached:
+        if gateways is not None:
+            raise ValueError("gateways: the coordinator's certificates go with owners named by their gateway")
+        return
+    if len(reached) != len(owners):
+        raise ValueError(f"owners {reached} are named by their gateway and the others by their data: name every "
+                         "owner one way")
+    if gateways is None:
+        raise ValueError("owners named by their gateway need gateways: {certificate, key, ca} (the coordinator's "
+                         "certificates, from the consortium's CA)")
+
+
 def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: tuple[str, ...] | None,
-                 public: DataSource | None, needs_public: bool = True) -> None:
+                 public: DataSource | None, needs_public: bool = True, through_gateways: bool = False) -> None:
     """What an owners config needs: distinct names, a labelled test set, and (where the
-    pipeline learns from one) a public pool."""
+    pipeline learns from one) a public pool; owners named by their gateway only where the
+    pipeline runs through gateways (``through_gateways``)."""
+    reached = [owner.name for owner in owners if owner.gateway is not None]
+    if reached and not through_gateways:
+        raise ValueError(f"owners {reached} are named by their gateway, which does not run this pipeline: give "
+                         "their data")
     if test is None or (needs_public and public is None):
         needed = "a public pool and a test set: give public and test sources" if needs_public else \
             "a labelled test set: give a test source"
@@ -117,7 +177,10 @@ def owner_data(owner: DataOwner, reading: PublicReading, base: str) -> DataSourc
     the public data says (``PublicReading``: a table by the pool's columns, its unusable cells
     filled with the pool's means; an image folder at the pool's size). No file is touched: the
     driver never opens an owner's path. An explicit ``columns`` or ``size`` other than the public
-    ones is a ``ValueError``."""
+    ones is a ``ValueError``, as is an owner named by its gateway (its data are on its machine)."""
+    if owner.data is None:
+        raise ValueError(f"owner {owner.name} is named by its gateway: its data are declared on its own machine, in "
+                         "its own file, not in this config")
     try:
         return owner.data.anchored(base).read_as(reading)
     except ValueError as err:
@@ -130,6 +193,8 @@ def check_owner_columns(owners: Sequence[DataOwner], reading: PublicReading) -> 
     from conclave.cluster.config import ConfigError
 
     for owner in owners:
+        if owner.gateway is not None:  # its gateway reads its file as the pool says (``PublicReading``)
+            continue
         try:
             owner_data(owner, reading, os.curdir)
         except ValueError as err:

@@ -5,7 +5,8 @@ whoever admits nodes, never on an owner's machine). With ``--hosts`` it also wri
 certificate and key (``node.pem``, ``node.key``, and the CA's ``ca.pem``) into DIR, signed by
 that CA or by the one in CA_DIR, naming the node's IP addresses or DNS names (and loopback, which
 a node's own processes dial). It prints the settings every Ray process of that node, and the
-driver, must run with.
+driver, must run with. ``--owner NAME``: the certificate names the owner (its common name), as an
+owner's gateway certificate must (``conclave owner serve``, docs/gateway.md).
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--hosts", nargs="+", default=(), metavar="HOST",
                         help="the node's IP addresses or DNS names, as the other nodes reach it")
     parser.add_argument("--days", type=int, default=365, help="validity of what is written (default 365)")
+    parser.add_argument("--owner", default=None, metavar="NAME",
+                        help="the certificate's common name: the owner whose gateway it serves (default: the first host)")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.ca is not None and not args.hosts:
-        return fail(CertificateError("--ca signs a node's certificate: give the node's --hosts"))
+    if (args.ca is not None or args.owner is not None) and not args.hosts:
+        return fail(CertificateError("--ca and --owner go with a node's certificate: give the node's --hosts"))
     try:
         hosts = tuple(dict.fromkeys((*args.hosts, *LOOPBACK_NAMES))) if args.hosts else ()
         for host in hosts:
@@ -38,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
         if args.ca is None:
             print(f"CA: {authority.certificate} (give it to every node) and {authority.key} (keep it here)")
         if hosts:
-            node = issue(authority, args.directory, hosts, days=args.days)
+            node = issue(authority, args.directory, hosts, days=args.days, common_name=args.owner)
             print(f"node certificate for {', '.join(hosts)}: {node.certificate}, key {node.key}")
             print("run ray start, and the driver, on that node with:")
             print("export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in node.ray_env().items()))

@@ -94,6 +94,8 @@ class PrivacyConfig:
         ``RunRequest`` when one is in force (``owners_admitted``), else ``run``, unnamed. A
         refusal by an owner's node is ``OwnerRefused`` (one line), before anything is released;
         ``ledger`` is closed on any failure."""
+        # An owner named by its gateway admits the run and charges its own ledger there, first.
+        owners = [owner for owner in owners if owner.gateway is None]
         if not owners:
             return ledger
         from conclave.actors.owner_ledger import OwnerLedgers

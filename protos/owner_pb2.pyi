@@ -77,7 +77,7 @@ class TeacherTerms(_message.Message):
     def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("run", "clusters", "knn", "teachers", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool")
+    __slots__ = ("run", "clusters", "knn", "teachers", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool", "reading")
     RUN_FIELD_NUMBER: _ClassVar[int]
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class AdmitRequest(_message.Message):
     LIFETIME_EPSILON_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_POOL_FIELD_NUMBER: _ClassVar[int]
+    READING_FIELD_NUMBER: _ClassVar[int]
     run: str
     clusters: ClusterTerms
     knn: KnnTerms
@@ -100,7 +101,18 @@ class AdmitRequest(_message.Message):
     lifetime_epsilon: float
     classes: _containers.RepeatedScalarFieldContainer[str]
     public_pool: Tensor
-    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., teachers: _Optional[_Union[TeacherTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    reading: PublicReading
+    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., teachers: _Optional[_Union[TeacherTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ..., reading: _Optional[_Union[PublicReading, _Mapping]] = ...) -> None: ...
+
+class PublicReading(_message.Message):
+    __slots__ = ("columns", "fill", "image_size")
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    FILL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    fill: _containers.RepeatedScalarFieldContainer[float]
+    image_size: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, columns: _Optional[_Iterable[str]] = ..., fill: _Optional[_Iterable[float]] = ..., image_size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
     __slots__ = ("run", "planned_epsilon", "delta", "cell_bound")

@@ -23,6 +23,8 @@ from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
 from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.learning.data.sources import PublicReading
+from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
@@ -123,21 +125,37 @@ def float_tensor(values: np.ndarray) -> owner_pb2.Tensor:
     return owner_pb2.Tensor(shape=list(array.shape), dtype="float32", data=array.tobytes())
 
 
+def reading_message(reading: PublicReading) -> owner_pb2.PublicReading:
+    return owner_pb2.PublicReading(columns=list(reading.columns or ()), fill=list(reading.fill or ()),
+                                   image_size=list(reading.size or ()))
+
+
 class GatewayVoteSource:
     """A ``SecureVoteSource`` over owners' gateways: admits the run at every gateway (``terms``,
     ``mechanism``, ``sigma``; at most ``rounds`` rounds of ``max_batch`` queries), then answers
     ``SecureLabeller``'s rounds. ``public_pool``: the public inputs the embedding is fitted on, at
-    every gateway (None for teachers, which learn on the owners' records only). ``lifetime_epsilon``:
-    a lower lifetime ε the run asks each owner to stay within (None: the owners' policies).
-    ``admit_timeout_s``: how long admission may take (teachers train in it)."""
+    every gateway (None for teachers, which learn on the owners' records only). ``reading``: how
+    each owner's data are read (the pool's columns and fill, or its image size).
+    ``lifetime_epsilon``: a lower lifetime ε the run asks each owner to stay within (None: the
+    owners' policies). ``embed``: the coordinator's own embedding of the pool, fitted on the pool
+    alone as each gateway fits its own, in which a student picks what to ask. ``names``: the
+    owners the gateways must describe themselves as, in order (None: any). A gateway that does not
+    describe itself as such or admit the run is ``OwnerDropout`` naming it; the source is then
+    shut down. ``admit_timeout_s``: how long admission may take (teachers train in it)."""
+
+    num_actors = 0  # record-holding actors on the coordinator's side: none, they are the owners' business
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str,
                  terms: ClusterVotes | KnnVotes | TeacherVotes, mechanism: str, sigma: float, classes: Sequence[str],
                  public_pool: np.ndarray | None, max_batch: int, rounds: int, lifetime_epsilon: float | None = None,
-                 round_timeout_s: float = 30.0, admit_timeout_s: float = 120.0) -> None:
+                 round_timeout_s: float = 30.0, reading: PublicReading = PublicReading(),
+                 embed: Embedding | None = None, names: Sequence[str] | None = None,
+                 admit_timeout_s: float = 120.0) -> None:
         if not gateways:
             raise ValueError("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        self.input_shape = None if public_pool is None else tuple(np.shape(public_pool)[1:])
+        self.embed = embed
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round = 0
@@ -154,23 +172,38 @@ class GatewayVoteSource:
         # What ``actors.labeller.check_pairing`` compares with the mechanism's.
         self.votes_per_record = terms.votes_per_record if clusters else None
         self.sample_rate = terms.sample_rate if isinstance(terms, KnnVotes) else None
+        try:
+            self._admit(mechanism, sigma, classes, public_pool, max_batch, rounds, lifetime_epsilon, reading, names,
+                        admit_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _admit(self, mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray | None,
+               max_batch: int, rounds: int, lifetime_epsilon: float | None, reading: PublicReading,
+               names: Sequence[str] | None, admit_timeout_s: float) -> None:
+        run, terms = self.run, self.terms
         described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+        if names is not None and tuple(names) != self.owners:
+            wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
+                     in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
+            raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
         records = [d.records for d in described]
         shares = declared_share(terms.k, records) if isinstance(terms, KnnVotes) else None
-        counts = terms.per_owner(records) if teachers else None
+        counts = terms.per_owner(records) if isinstance(terms, TeacherVotes) else None
         requests = []
         for index, gateway in enumerate(self._gateways):
             request = owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch,
                                              rounds=rounds, lifetime_epsilon=lifetime_epsilon or 0.0,
-                                             classes=list(classes))
-            if teachers:
+                                             classes=list(classes), reading=reading_message(reading))
+            if isinstance(terms, TeacherVotes):
                 request.teachers.CopyFrom(owner_pb2.TeacherTerms(
                     model=terms.model, teachers=counts[index], epochs=terms.epochs, batch_size=terms.batch_size,
                     lr=terms.lr, seed=terms.seed))
-            elif clusters:
+            elif isinstance(terms, ClusterVotes):
                 request.public_pool.CopyFrom(float_tensor(public_pool))
                 request.clusters.CopyFrom(owner_pb2.ClusterTerms(votes_per_record=terms.votes_per_record,
                                                                  embedding=terms.embedding, dims=terms.dims))
@@ -182,7 +215,10 @@ class GatewayVoteSource:
         self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
                                    "did not admit the run")
         # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
-        self.votes_per_query = sum(int(a.cell_bound) for a in self.admitted) if teachers else None
+        self.votes_per_query = (sum(int(a.cell_bound) for a in self.admitted)
+                                if isinstance(terms, TeacherVotes) else None)
+        # Where each owner's votes are counted: behind its gateway, on its own Ray.
+        self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self._gateways)}
         log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"
                                                              for owner, a in zip(self.owners, self.admitted)))
 

@@ -35,6 +35,7 @@ from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
 from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
 from conclave.learning.models import check_model
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
@@ -60,6 +61,7 @@ MAX_LR = 10.0
 MAX_SEED = 2**31 - 1
 MAX_ROUNDS = 1_000_000
 MAX_POOL = 200_000  # public inputs an embedding is fitted on
+MAX_COLUMNS, MAX_IMAGE_SIDE = 100_000, 16_384  # the most a public reading may name
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
@@ -103,6 +105,21 @@ def decode_tensor(tensor: owner_pb2.Tensor, what: str, trailing: tuple[int, ...]
     if not np.isfinite(values).all():
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: NaN or infinity")
     return values
+
+
+def decode_reading(reading: owner_pb2.PublicReading) -> PublicReading:
+    """How the run reads the owner's data (``PublicReading``: public figures of the pool), or a refusal."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    columns, fill, size = tuple(reading.columns), tuple(reading.fill), tuple(int(d) for d in reading.image_size)
+    if len(columns) > MAX_COLUMNS or any(not c or len(c) > 200 or not c.isprintable() for c in columns):
+        raise Refused(invalid, f"reading.columns: at most {MAX_COLUMNS} names, each printable, 1 to 200 characters")
+    if len(set(columns)) != len(columns):
+        raise Refused(invalid, "reading.columns: a column named twice")
+    if fill and (len(fill) != len(columns) or not all(math.isfinite(v) for v in fill)):
+        raise Refused(invalid, f"reading.fill: one finite value per column ({len(columns)}), or none")
+    if size and (len(size) != 2 or not all(1 <= d <= MAX_IMAGE_SIDE for d in size)):
+        raise Refused(invalid, f"reading.image_size: [height, width] in [1, {MAX_IMAGE_SIDE}], or none")
+    return PublicReading(columns or None, (size[0], size[1]) if size else None, fill or None)
 
 
 @dataclass
@@ -156,6 +173,7 @@ class OwnerServicer:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"run '{request.run[:40]}' was admitted before: a run's rounds are never replayed")
             pool = self._checked_pool(kind, request)
+            data = self._owner_data(decode_reading(request.reading))
             planned = record_charge(release, request.max_batch, request.mechanism).scaled(request.rounds)
             ledger = self._admitting_ledger(request, planned)  # the policy's checks: nothing changed yet
             if self._run is not None:
@@ -164,7 +182,7 @@ class OwnerServicer:
                 self._run = None
             try:
                 self._open(ledger, planned, request.run)
-                source = self._start_source(kind, request, pool)
+                source = self._start_source(kind, request, pool, data)
             except BaseException:
                 ledger.close()
                 raise
@@ -367,15 +385,23 @@ class OwnerServicer:
         except (LedgerInUse, LedgerDamaged) as err:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
 
-    def _start_source(self, kind: str, request: owner_pb2.AdmitRequest,
-                      pool: np.ndarray | None) -> ClusterVoteSource | KnnVoteSource | TeacherPool:
-        """The owner's vote source on its own Ray: its records, with the embedding fitted here on the
-        public pool, or its teachers, trained here."""
+    def _owner_data(self, reading: PublicReading) -> DataSource:
+        """The owner's data as the run reads them (by the pool's columns, at its size): a string
+        operation, no file opened; an owner's file that names other columns or another size is refused."""
+        try:
+            return self.declaration.data.read_as(reading)
+        except ValueError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"owner {self.declaration.name}: {err}") from None
+
+    def _start_source(self, kind: str, request: owner_pb2.AdmitRequest, pool: np.ndarray | None,
+                      data: DataSource) -> ClusterVoteSource | KnnVoteSource | TeacherPool:
+        """The owner's vote source on its own Ray over ``data``: its records, with the embedding fitted
+        here on the public pool, or its teachers, trained here."""
         if kind == "teachers":
-            return self._trained_teachers(request.teachers, tuple(request.classes))
+            return self._trained_teachers(request.teachers, tuple(request.classes), data)
         declaration, terms = self.declaration, request.clusters if kind == "clusters" else request.knn
         embed = fit_embedding(terms.embedding, pool, int(terms.dims))
-        owner = OwnerSource(declaration.name, declaration.data, declaration.actors, tuple(request.classes))
+        owner = OwnerSource(declaration.name, data, declaration.actors, tuple(request.classes))
         share = RecordShare(owner, declaration.actors, declared=declaration.records)
         if kind == "clusters":
             source = ClusterVoteSource([share], embed, int(terms.votes_per_record), num_cpus_per_actor=self._cpus)
@@ -388,13 +414,14 @@ class OwnerServicer:
                                                             f"the owner's data are {list(source.input_shape)}")
         return source
 
-    def _trained_teachers(self, terms: owner_pb2.TeacherTerms, classes: tuple[str, ...]) -> TeacherPool:
+    def _trained_teachers(self, terms: owner_pb2.TeacherTerms, classes: tuple[str, ...],
+                          data: DataSource) -> TeacherPool:
         """The owner's teachers trained on its Ray (its CPUs, or its GPUs where it has them). The shard
         hash is keyed from this machine's entropy, fresh for the run: a record's teacher is a function
         of the record alone, and the coordinator's seed chooses initialisation and batch order only.
         Each shard keeps at most its share of the declared records (``OwnerSource.records``)."""
         declaration = self.declaration
-        owner = OwnerSource(declaration.name, declaration.data, int(terms.teachers), classes,
+        owner = OwnerSource(declaration.name, data, int(terms.teachers), classes,
                             seed=secrets.randbits(126), records=declaration.records)
         train = TrainConfig(epochs=int(terms.epochs), batch_size=int(terms.batch_size), lr=terms.lr,
                             seed=int(terms.seed))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conclave.cluster.owners import DataOwner, check_owners
+from conclave.cluster.owners import DataOwner, GatewaysConfig, check_gateways, check_owners
 from conclave.cluster.run_privacy import Aggregation, PrivacyConfig
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import check_features
@@ -312,6 +312,8 @@ class TeacherStudentConfig:
     # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
     # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
     aggregation: Aggregation = Aggregation.TRUSTED_AGGREGATOR
+    # The coordinator's certificates for owners named by their gateway (``owners: [{name, gateway}]``).
+    gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
         if self.owners:
@@ -340,6 +342,7 @@ class TeacherStudentConfig:
             raise ValueError(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
                              "it: set privacy.budget to null (the run records its spend and reports it unbounded)")
         self._check_aggregation()
+        self._check_gateways()
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 
     def _check_aggregation(self) -> None:
@@ -351,6 +354,27 @@ class TeacherStudentConfig:
             if self.estimates.smooth_sensitivity:
                 raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
                                  "never shows the aggregator: turn it off")
+
+    def _check_gateways(self) -> None:
+        """Owners named by their gateway vote there: public-cluster or kNN votes, in secure rounds,
+        in an embedding every gateway registers."""
+        check_gateways(self.owners, self.gateways)
+        if not self.through_gateways:
+            return
+        from conclave.learning.embeddings import EMBEDDINGS
+
+        if self.records_vote is None or not self.secure:
+            raise ValueError("owners named by their gateway vote there: give a clusters or knn section and "
+                             "aggregation: secure (teachers do not train behind gateways yet)")
+        kind = "knn" if self.knn is not None else "clusters"
+        if self.records_vote.embedding not in EMBEDDINGS:
+            raise ValueError(f"{kind}.embedding {self.records_vote.embedding!r}: a gateway fits only a registered "
+                             f"embedding ({', '.join(EMBEDDINGS)})")
+
+    @property
+    def through_gateways(self) -> bool:
+        """Whether the owners are reached through their gateways (never their files)."""
+        return self.gateways is not None
 
     def _check_votes(self) -> None:
         """Records that vote themselves (``knn``, ``clusters``) and the mechanisms charged for them go
@@ -406,7 +430,7 @@ class TeacherStudentConfig:
         return KNN_LEMMA if self.knn else CLUSTER_LEMMA if self.clusters else SHARD_LEMMA
 
     def _check_owners(self) -> None:
-        check_owners(self.owners, self.test, self.classes, self.public)
+        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=True)
         if dataclasses.replace(self.data, features=None) != TeacherStudentData():
             raise ValueError("with owners, the data section may only set features (the sources say the rest)")
         if self.teachers.count not in (None, self.num_teachers):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
     from conclave.actors.cluster_votes import ClusterVoteSource
     from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
+    from conclave.cluster.gateway.client import GatewayVoteSource
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,11 @@ def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None,
 @dataclass
 class Ensemble:
     """Trained teachers, or the kNN shards with ``knn`` (``pool``, the aggregator's vote source),
-    and the driver's public data; the private data stays with the actors, on their owners'
-    nodes. A context manager: leaving it stops the actors."""
+    or the owners' gateways, and the driver's public data; the private data stays with the
+    actors, on their owners' nodes. A context manager: leaving it stops the actors."""
 
     public: PublicData
-    pool: TeacherPool | KnnVoteSource | ClusterVoteSource
+    pool: TeacherPool | KnnVoteSource | ClusterVoteSource | GatewayVoteSource
 
     @property
     def splits(self) -> StudentSplits:
@@ -77,6 +78,11 @@ def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: 
     ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
     whether this is the embedded one-node Ray (owners' node labels are then not used)."""
     public = public if public is not None else public_data(config)
+    if config.through_gateways:  # the owners' records vote behind their gateways, on their machines
+        from conclave.cluster.teaching.gateways import gateway_vote_source
+
+        with waiting("admitting the run at the owners' gateways (each starts its own vote actors)", progress):
+            return Ensemble(public, gateway_vote_source(config, public))
     if config.knn is not None:  # no training: the records vote themselves
         from conclave.cluster.teaching.knn import knn_vote_source
 

@@ -1,0 +1,174 @@
+"""The hospitals example with each hospital behind its own gateway, all on this machine (127.0.0.1).
+
+    python examples/hospitals/gateways.py [RESULTS_DIR] [CONFIG]   # from the repository root
+
+What a deployment does on four machines, here in one temporary folder with one folder per
+machine: the consortium's CA and a certificate for each hospital (common name: the hospital) and
+for the coordinator (``conclave ray-certs``); on each hospital's machine its records, its policy
+(``conclave owner init``, in its own ``CONCLAVE_HOME``), its own file and ``conclave owner serve``
+with its own Ray (1 CPU) on an ephemeral port; then on the coordinator's machine ``conclave run``
+on a config that names the three gateways and no owner's path: CONFIG (default
+configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes)
+with its owners replaced by their gateways. Prints the student's accuracy and ε, stops
+the gateways by their PIDs, and prints one JSON line: the results folder, the summary, the
+guarantee, each owner's ledger (charges and ε spent), the coordinator's config, which of the
+owners' files the coordinator's process opened (a Python audit hook: none), and the wall time of
+the gateways' start and of the coordinator's run.
+``tests/cluster/test_gateway_run.py`` runs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "examples" / "hospitals" / "data"
+HOSPITALS = ("hospital_a", "hospital_b", "hospital_c")
+LOOPBACK = "127.0.0.1"
+# The coordinator's process, with every file it opens written down as it exits (``opened.json``).
+AUDITED_RUN = """import atexit, json, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args else None)
+atexit.register(lambda: open("opened.json", "w").write(json.dumps(sorted(set(opened)))))
+from conclave.cluster.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def conclave(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    """``conclave ARGS`` (this interpreter's), its output; a failure is its own one line."""
+    done = subprocess.run([sys.executable, "-m", "conclave.cluster.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"conclave {args[0]} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
+    """One hospital's machine: its records, certificate, policy and own file; its environment."""
+    folder.mkdir()
+    env = {**os.environ, "CONCLAVE_HOME": str(folder / "home")}
+    env.pop("RAY_ADDRESS", None)
+    shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
+    conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
+    conclave("owner", "init", owner, "--epsilon", "5", "--max-run-epsilon", "4", "--mechanisms", "public-clusters",
+             "private-knn", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
+    declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
+                   "records": 100, "listen": f"{LOOPBACK}:0",
+                   "tls": {"certificate": "certs/node.pem", "key": "certs/node.key", "ca": "certs/ca.pem"},
+                   "peers": [other for other in HOSPITALS if other != owner],
+                   "ray": {"address": "local", "num_cpus": 1}, "vote_sources": ["clusters", "knn"]}
+    (folder / f"{owner}.yaml").write_text(yaml.safe_dump(declaration, sort_keys=False))
+    return env
+
+
+def serve(folder: Path, owner: str, env: dict[str, str]) -> subprocess.Popen:
+    """``conclave owner serve`` on the hospital's machine (its own Ray starts: a few seconds)."""
+    return subprocess.Popen([sys.executable, "-m", "conclave.cluster.cli", "owner", "serve", f"{owner}.yaml"],
+                            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def address_of(gateway: subprocess.Popen, owner: str) -> str:
+    """The address a started gateway prints once serving; its further log is drained meanwhile."""
+    for line in gateway.stdout:  # "owner hospital_a: gateway serving on 127.0.0.1:PORT (...)"
+        if "gateway serving on" in line:
+            threading.Thread(target=gateway.stdout.read, daemon=True).start()
+            return line.split("gateway serving on ")[1].split()[0]
+    raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()})")
+
+
+def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> dict:
+    """The config at ``source``, its owners named by their gateways alone."""
+    config = yaml.safe_load(source.read_text())
+    config.update(name=f"{config['name']}-gateways", owners=[{"name": o, "gateway": a} for o, a in addresses.items()],
+                  gateways={"certificate": str(certs / "node.pem"), "key": str(certs / "node.key"),
+                            "ca": str(certs / "ca.pem")},
+                  public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")},
+                  test={**config["test"], "path": str(DATA / "public" / "test.csv")})
+    return config
+
+
+def stop(gateways: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM each gateway this script started, by its PID; it stops its Ray and exits."""
+    for gateway in gateways.values():
+        if gateway.poll() is None:
+            os.kill(gateway.pid, signal.SIGTERM)
+    for gateway in gateways.values():
+        try:
+            gateway.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(gateway.pid, signal.SIGKILL)
+            gateway.wait()
+
+
+def main(results_dir: Path, source: Path = ROOT / "configs" / "hospitals-clusters.yaml") -> dict:
+    with tempfile.TemporaryDirectory(prefix="conclave-gateways-") as scratch:
+        scratch = Path(scratch)
+        conclave("ray-certs", str(scratch / "consortium-ca"))  # the consortium's CA (its key stays here)
+        ca = scratch / "consortium-ca"
+        machines = {owner: scratch / owner for owner in HOSPITALS}
+        envs = {owner: owner_machine(folder, owner, ca) for owner, folder in machines.items()}
+        coordinator = scratch / "coordinator"
+        coordinator.mkdir()
+        conclave("ray-certs", str(coordinator / "certs"), "--ca", str(ca), "--hosts", LOOPBACK)
+        gateways: dict[str, subprocess.Popen] = {}
+        try:
+            started = time.monotonic()
+            for owner, folder in machines.items():  # all three start at once, each its own Ray
+                gateways[owner] = serve(folder, owner, envs[owner])
+            addresses = {owner: address_of(gateway, owner) for owner, gateway in gateways.items()}
+            seconds = {"gateways_serving": time.monotonic() - started}
+            config = coordinator_config(source, coordinator / "certs", addresses)
+            (coordinator / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "CONCLAVE_HOME")}
+            env["CONCLAVE_HOME"] = str(coordinator / "home")
+            run = subprocess.run([sys.executable, "-c", AUDITED_RUN, "run", "run.yaml",
+                                  "--results-dir", str(results_dir.resolve())],
+                                 cwd=coordinator, env=env, capture_output=True, text=True)
+            seconds["coordinator_run"] = time.monotonic() - started - seconds["gateways_serving"]
+        finally:
+            stop(gateways)
+        if run.returncode:
+            raise SystemExit(f"conclave run failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+        print(run.stdout.strip())
+        return {**report(results_dir / config["name"], config, machines, coordinator), "seconds": seconds}
+
+
+def report(results: Path, config: dict, machines: dict[str, Path], coordinator: Path) -> dict:
+    from conclave.privacy.accounting.ledger import read_ledger
+    from conclave.privacy.accounting.rdp import epsilon_from_rdp
+
+    privacy = json.loads((results / "privacy.json").read_text())
+    metrics = json.loads((results / "metrics.json").read_text())
+    ledgers = {}
+    for owner, folder in machines.items():
+        snapshot = read_ledger(folder / "ledger" / f"{owner}.sqlite")
+        spent = snapshot.spent
+        ledgers[owner] = {"charges": snapshot.charges, "labels": sorted(snapshot.by_label),
+                          "epsilon_spent": epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0]}
+    owned = [str(folder) for folder in machines.values()]
+    opened = json.loads((coordinator / "opened.json").read_text())
+    return {"results": str(results), "student_accuracy": metrics["student_accuracy"],
+            "guarantee": privacy["guarantee"], "owners": ledgers, "config": config,
+            "opened_owner_files": [path for path in opened if any(path.startswith(o) for o in owned)]}
+
+
+if __name__ == "__main__":
+    outcome = main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"),
+                   *(Path(sys.argv[2]).resolve(),) if len(sys.argv) > 2 else ())
+    guarantee = outcome["guarantee"]
+    print(f"student accuracy {outcome['student_accuracy']:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
+          f"δ {guarantee['delta']:g}; each owner's ledger: " + ", ".join(
+              f"{owner} ε {ledger['epsilon_spent']:.4g} over {ledger['charges']} charge(s)"
+              for owner, ledger in outcome["owners"].items()))
+    print(json.dumps(outcome))

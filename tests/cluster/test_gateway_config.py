@@ -1,0 +1,73 @@
+"""A run config names an owner by its gateway alone: ``{name, gateway}`` beside ``gateways:`` (the
+coordinator's certificates), for clusters or kNN votes in secure rounds. Anything else is
+refused in one line, before anything starts."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conclave.cluster.config import ConfigError, load_yaml
+from conclave.cluster.pipelines import load_pipeline
+from tests.conftest import PROJECT_ROOT
+
+GATEWAYS = {"certificate": "coordinator.pem", "key": "coordinator.key", "ca": "ca.pem"}
+
+
+def gateway_config(name: str = "hospitals-clusters.yaml") -> dict:
+    raw = load_yaml(PROJECT_ROOT / "configs" / name)
+    raw["owners"] = [{"name": owner["name"], "gateway": f"127.0.0.1:{7001 + i}"} for i, owner in enumerate(raw["owners"])]
+    raw["gateways"] = dict(GATEWAYS)
+    return raw
+
+
+def refusal(raw: dict) -> str:
+    with pytest.raises(ConfigError) as refused:
+        load_pipeline(raw)
+    line = str(refused.value)
+    assert "\n" not in line
+    return line
+
+
+@pytest.mark.parametrize("name", ["hospitals-clusters.yaml", "hospitals-knn.yaml"])
+def test_owners_named_by_their_gateways_load(name):
+    config = load_pipeline(gateway_config(name)).config
+    assert config.through_gateways and all(owner.data is None for owner in config.owners)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("data", {"format": "csv", "path": "records.csv", "label": "diagnosis"}),
+    ("budget", {"epsilon": 20.0}), ("resources", {"hospital_a": 1}), ("records", 100)])
+def test_an_owner_entry_mixing_gateway_and_its_own_settings_is_refused_in_one_line(key, value):
+    raw = gateway_config()
+    raw["owners"][0][key] = value
+    line = refusal(raw)
+    assert "owners[0]" in line and "hospital_a" in line and f"not {key}" in line
+
+
+def test_gateway_owners_beside_data_owners_or_without_certificates_are_refused():
+    raw, mixed = gateway_config(), load_yaml(PROJECT_ROOT / "configs" / "hospitals-clusters.yaml")
+    mixed["owners"][0] = raw["owners"][0]
+    mixed["gateways"] = dict(GATEWAYS)
+    assert "name every owner one way" in refusal(mixed)
+    del raw["gateways"]
+    assert "need gateways" in refusal(raw)
+    plain = load_yaml(PROJECT_ROOT / "configs" / "hospitals-clusters.yaml")
+    plain["gateways"] = dict(GATEWAYS)
+    assert "go with owners named by their gateway" in refusal(plain)
+
+
+def test_gateway_owners_vote_there_in_secure_rounds_only():
+    raw = gateway_config()
+    teachers = copy.deepcopy(raw)
+    del teachers["clusters"]
+    teachers.update(aggregation="secure", mechanism={"name": "gnmax", "params": {"sigma": 40.0}})
+    assert "give a clusters or knn section" in refusal(teachers)
+    raw["clusters"]["embedding"] = "package.module:embed"
+    assert "a gateway fits only a registered embedding" in refusal(raw)
+
+
+def test_a_pipeline_that_does_not_run_through_gateways_refuses_gateway_owners():
+    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml")
+    raw["owners"][0] = {"name": raw["owners"][0]["name"], "gateway": "127.0.0.1:7001"}
+    assert "does not run this pipeline" in refusal(raw)
