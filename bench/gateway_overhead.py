@@ -18,7 +18,7 @@ The one-off starts (the gateways' processes and their Rays, ``Admit``, the in-cl
 are timed apart. The policies' budgets are large: the owners' tables are public stand-in data.
 Writes results/bench/gateway_overhead.json (``sound: false``: it times work on the records).
 
-    python bench/gateway_overhead.py                # 15 releases each (about 2 minutes on 2 cores)
+    python bench/gateway_overhead.py                # 15 releases each (70 s on 2 cores, most of it starting Rays)
     python bench/gateway_overhead.py --repeats 10
 """
 from __future__ import annotations
