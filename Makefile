@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/sparse_finetune.py
 	$(BIN)/python bench/service_soak.py
 	$(BIN)/python bench/perf.py
+	$(BIN)/python bench/gateway_overhead.py
 
 proto: $(STAMP)
 	$(BIN)/python -m conclave.protos.generate

@@ -92,7 +92,8 @@ def test_every_benchmark_that_publishes_timings_says_they_were_measured_on_publi
     # (bench/service_soak.py) times the serving path alone and is left to its own file.
     for name in ("active_learning_mnist", "audits", "knn_votes_examples.timings", "perf", "sparse_finetune",
                  "stability_ensemble_size", "student_proxy", "student_proxy_eps01", "student_proxy_eps01_spread",
-                 "student_proxy_labels", "student_proxy_relu", "teacher_student_mnist.timings", "device_times"):
+                 "student_proxy_labels", "student_proxy_relu", "teacher_student_mnist.timings", "device_times",
+                 "gateway_overhead"):
         result = json.loads((RESULTS / f"{name}.json").read_text())
         assert _timing_keys(result), name
         assert result["timings"].startswith("measured on public stand-in data ("), name
@@ -103,7 +104,7 @@ def test_times_of_the_private_roles_work_are_not_in_a_sound_file():
     of the records, so a file that states one is not sound; the MNIST and small examples' run times sit apart."""
     for name in ("teacher_student_mnist", "knn_votes_examples"):
         assert not _timing_keys(json.loads((RESULTS / f"{name}.json").read_text())), name
-    for name in ("teacher_student_mnist.timings", "knn_votes_examples.timings", "device_times"):
+    for name in ("teacher_student_mnist.timings", "knn_votes_examples.timings", "device_times", "gateway_overhead"):
         result = json.loads((RESULTS / f"{name}.json").read_text())
         assert not result["sound"] and any("times work on the data in the private role" in reason
                                            for reason in result["unsound_reasons"]), name

@@ -1,0 +1,290 @@
+"""Benchmark: what the owners' gateways cost a public-cluster vote release, beside today's in-cluster path.
+
+The hospitals example's three owners on configs/hospitals-clusters.yaml's terms (each record votes
+for its 3 nearest queries, standardised PCA of the public pool to 5 dimensions, σ 6), asked about
+the 20 medoids of the public pool (k-means in that embedding, as the student's ``clusters``
+selection picks them), two ways in one run:
+
+- **in-cluster** (today's path): ``ClusterVoteSource`` over the three owners' ``RecordShare``s on
+  this process's Ray, one secure round by ``noised_votes``, charged to the run's ledger with the
+  owners' lifetime ledgers (their actors) behind it, as ``conclave run`` charges it;
+- **gateways**: three ``conclave owner serve`` processes, each with its own local Ray (1 CPU), its
+  own ``$CONCLAVE_HOME`` and policy, mutual TLS on 127.0.0.1; ``GatewayVoteSource.noised_votes``
+  charges the coordinator's view, and each gateway charges its owner's ledger before it answers.
+
+A release (keys, shares, decode) is timed as the user waits for it, the two paths interleaved
+(in-cluster, gateways, in-cluster, ...) after a warm-up each; medians and the ratio of medians.
+The one-off starts (the gateways' processes and their Rays, ``Admit``, the in-cluster actors)
+are timed apart. The policies' budgets are large: the owners' tables are public stand-in data.
+Writes results/bench/gateway_overhead.json (``sound: false``: it times work on the records).
+
+    python bench/gateway_overhead.py                # 15 releases each (70 s on 2 cores, most of it starting Rays)
+    python bench/gateway_overhead.py --repeats 10
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from conclave.learning.threads import share_cores  # noqa: E402  (before torch loads)
+
+share_cores()
+
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E402
+from conclave.cluster.api import load_pipeline  # noqa: E402
+from conclave.cluster.config import load_yaml  # noqa: E402
+from conclave.cluster.owners import DataOwner, PublicData, owner_resources  # noqa: E402
+from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.tls import Authority, create_authority, issue  # noqa: E402
+from conclave.privacy.accounting.owner_ledger import OwnerPolicy, write_policy  # noqa: E402
+from conclave.privacy.accounting.ledger import PrivacyLedger  # noqa: E402
+from conclave.privacy.noise import SECURE  # noqa: E402
+from conclave.privacy.secure_votes import SkellamVotes, cluster_votes  # noqa: E402
+
+log = logging.getLogger("bench.gateway_overhead")
+
+CONFIG = "configs/hospitals-clusters.yaml"
+STAND_IN_DATA = "the example hospitals' synthetic tables"
+POLICY_EPSILON = 1000.0  # stand-in public data: a budget no repetition count reaches
+GOAL_RATIO = 1.5  # issue 52: through gateways within 1.5x of the in-cluster path
+SERVE_WAIT_S = 180.0
+
+
+def medoid_queries(embedded: np.ndarray, pool: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """The pool inputs at the ``count`` medoids of its k-means clusters (the student's ``clusters`` round)."""
+    from conclave.learning.selection.clusters import cluster_pool
+
+    return pool[cluster_pool(embedded, count, seed).medoids]
+
+
+@contextlib.contextmanager
+def _home(path: Path) -> Iterator[None]:
+    """``$CONCLAVE_HOME`` set to ``path`` inside the block (a policy written on that owner's machine)."""
+    before = os.environ.get("CONCLAVE_HOME")
+    os.environ["CONCLAVE_HOME"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CONCLAVE_HOME", None)
+        else:
+            os.environ["CONCLAVE_HOME"] = before
+
+
+def owner_files(directory: Path, owners: Sequence[DataOwner], authority: Authority) -> dict[str, Path]:
+    """Each owner's machine in a folder of its own: its certificate, its policy in its own
+    ``$CONCLAVE_HOME`` (a large budget), and its declaration for ``conclave owner serve``."""
+    names = [owner.name for owner in owners]
+    files = {}
+    for owner in owners:
+        folder = directory / owner.name
+        certificate = issue(authority, folder / "tls", ("127.0.0.1",), name=owner.name, days=1,
+                            common_name=owner.name)
+        data = str((ROOT / owner.data.path).resolve())
+        with _home(folder / "home"):
+            write_policy(OwnerPolicy(owner.name, POLICY_EPSILON, str(folder / "ledger"), data=(data,)))
+        source = {"format": owner.data.format, "path": data, "label": owner.data.label}
+        declaration = {"name": owner.name, "data": source, "records": owner.records, "listen": "127.0.0.1:0",
+                       "tls": {"certificate": str(certificate.certificate), "key": str(certificate.key),
+                               "ca": str(certificate.ca)},
+                       "peers": [n for n in names if n != owner.name], "ray": {"address": "local", "num_cpus": 1},
+                       "vote_sources": ["clusters"]}
+        files[owner.name] = folder / "owner.yaml"
+        files[owner.name].write_text(yaml.safe_dump(declaration))
+    return files
+
+
+class ServedGateway:
+    """One ``conclave owner serve`` process, started now; ``serving`` waits for its line and address."""
+
+    def __init__(self, owner: str, declaration: Path) -> None:
+        self.owner = owner
+        env = {**os.environ, "CONCLAVE_HOME": str(declaration.parent / "home")}
+        env.pop("RAY_ADDRESS", None)
+        self._log = (declaration.parent / "serve.log").open("w")
+        self.process = subprocess.Popen([str(Path(sys.executable).parent / "conclave"), "owner", "serve",
+                                         str(declaration)], stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                        env=env, cwd=declaration.parent)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def serving(self, deadline: float) -> str:
+        """The address it serves on (waits until ``deadline``)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"owner {self.owner}'s gateway did not serve within {SERVE_WAIT_S:g} s") from None
+            if line is None:
+                raise RuntimeError(f"owner {self.owner}'s gateway exited {self.process.wait()}: see {self._log.name}")
+            if " gateway serving on " in line:
+                return line.split(" gateway serving on ")[1].split()[0]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def _median_ms(values: list[float]) -> float:
+    return round(1000 * statistics.median(values), 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed releases of each path (default 15)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed releases of each path first (default 2)")
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    args = parser.parse_args(argv)
+    if args.repeats < 10:
+        parser.error("--repeats: at least 10 releases of each path")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    os.chdir(ROOT)  # the config's data paths are the repository's
+    started_at, load_before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
+
+    from conclave.cluster.gateway.client import ClusterVotes, CoordinatorTls, GatewayVoteSource, OwnerGateway
+    from conclave.cluster.gateway.identity import Verifier
+    from conclave.cluster.ray_runtime import start_ray, stop_ray
+    from conclave.cluster.teaching.clusters import cluster_vote_source
+    from conclave.learning.embeddings import fit_embedding
+
+    config = load_pipeline(load_yaml(ROOT / CONFIG)).config
+    terms, sigma = config.clusters, float(config.mechanism.params["sigma"])
+    public = PublicData.read(config.public, config.test, config.classes)
+    pool = np.asarray(public.splits.public.x, dtype=np.float32)
+    embed = fit_embedding(terms.embedding, pool, terms.dims)
+    queries = medoid_queries(np.asarray(embed(pool)).reshape(len(pool), -1), pool, terms.count,
+                             config.student.selection.seed)
+    release = SkellamVotes(sigma, cluster_votes(terms.votes_per_record))
+    rounds = args.warmup + args.repeats
+    planned = release.charge(len(queries), config.mechanism.name).scaled(rounds)
+
+    with tempfile.TemporaryDirectory(prefix="conclave-bench-gateways-") as temporary:
+        directory = Path(temporary)
+        os.environ["CONCLAVE_HOME"] = str(directory / "coordinator-home")  # the in-cluster owners' ledgers
+        authority = create_authority(directory / "ca", "gateway bench CA", days=1)
+        coordinator = issue(authority, directory / "coordinator", (), name="coordinator", days=1)
+        tls = CoordinatorTls(coordinator.certificate, coordinator.key, coordinator.ca)
+        for owner in config.owners:  # the same large budget for the in-cluster owners' ledgers
+            write_policy(OwnerPolicy(owner.name, POLICY_EPSILON, str(directory / "in-cluster-ledgers" / owner.name),
+                                     data=(str((ROOT / owner.data.path).resolve()),)))
+        declarations = owner_files(directory, config.owners, authority)
+
+        started = time.perf_counter()
+        served = [ServedGateway(owner, path) for owner, path in declarations.items()]
+        in_cluster = gateways = None
+        try:
+            deadline = time.monotonic() + SERVE_WAIT_S
+            addresses = [gateway.serving(deadline) for gateway in served]
+            serve_s = time.perf_counter() - started
+            log.info("%d gateways serving in %.1f s: %s", len(served), serve_s, addresses)
+
+            start_ray(resources=owner_resources(config.owners))
+            began = time.perf_counter()
+            in_cluster = cluster_vote_source(config, public)
+            in_cluster_start_s = time.perf_counter() - began
+            began = time.perf_counter()
+            gateways = GatewayVoteSource([OwnerGateway(address, tls) for address in addresses], Verifier(tls.ca),
+                                         "gateway-bench", ClusterVotes(terms.votes_per_record, terms.embedding,
+                                                                       terms.dims),
+                                         config.mechanism.name, sigma, public.classes, pool, max_batch=len(queries),
+                                         rounds=rounds)
+            admit_s = time.perf_counter() - began
+            log.info("in-cluster actors started in %.2f s; the gateways admitted the run in %.2f s",
+                     in_cluster_start_s, admit_s)
+
+            run_ledger = config.privacy.with_owners(
+                PrivacyLedger(directory / "in-cluster-run.sqlite", config.privacy.delta, None), planned,
+                config.owners, "gateway-bench-in-cluster")
+            view = PrivacyLedger(directory / "coordinator-view.sqlite", config.privacy.delta, None)
+            one = release.charge(len(queries), config.mechanism.name)
+            paths = {"in_cluster": (in_cluster, lambda: run_ledger.charge(one)),
+                     "gateways": (gateways, lambda: view.charge(one))}
+            seconds: dict[str, list[float]] = {name: [] for name in paths}
+            for repetition in range(rounds):
+                for name, (source, charge) in paths.items():
+                    began = time.perf_counter()
+                    totals = source.noised_votes(queries, release, SECURE, charge)
+                    took = time.perf_counter() - began
+                    assert totals.shape == (len(queries), len(public.classes)), totals.shape
+                    if repetition >= args.warmup:
+                        seconds[name].append(took)
+            owners_charged = {gateway.owner: OwnerGateway(address, tls).budget().charges
+                              for gateway, address in zip(served, addresses)}
+            run_ledger.close()
+            view.close()
+        finally:
+            for source in (in_cluster, gateways):
+                if source is not None:
+                    source.shutdown()
+            stop_ray()
+            for gateway in served:
+                gateway.stop()
+
+    medians = {name: _median_ms(values) for name, values in seconds.items()}
+    pairs = [b / a for a, b in zip(seconds["in_cluster"], seconds["gateways"])]
+    ratio = statistics.median(seconds["gateways"]) / statistics.median(seconds["in_cluster"])
+    result = {
+        "benchmark": "gateway_overhead",
+        "build": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip(),
+        "started": started_at,
+        "setup": {"config": CONFIG, "owners": [owner.name for owner in config.owners],
+                  "declared_records": [owner.records for owner in config.owners],
+                  "queries": f"the {len(queries)} medoids of the public pool's k-means clusters in the "
+                             f"{terms.embedding} embedding ({terms.dims} dims), seed {config.student.selection.seed}",
+                  "votes_per_record": terms.votes_per_record, "sigma": sigma, "cpus": os.cpu_count(),
+                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
+                  "in_cluster": "ClusterVoteSource on this process's Ray, noised_votes, charged to the run's ledger "
+                                "and the owners' lifetime ledger actors",
+                  "gateways": "three `conclave owner serve` processes, each its own local Ray (1 CPU) and "
+                              "CONCLAVE_HOME, mutual TLS on 127.0.0.1; GatewayVoteSource.noised_votes, charged to "
+                              "the coordinator's view and, at each gateway, its owner's ledger",
+                  "warmup": args.warmup, "repeats": args.repeats, "order": "interleaved: in-cluster, gateways, ..."},
+        "release_seconds": {name: [round(s, 5) for s in values] for name, values in seconds.items()},
+        "release_median_ms": medians,
+        "ratio_of_medians": round(ratio, 3),
+        "paired_ratio": {"min": round(min(pairs), 3), "median": round(statistics.median(pairs), 3)},
+        "start_seconds": {"gateway_processes_serving": round(serve_s, 2), "admit": round(admit_s, 3),
+                          "in_cluster_actors": round(in_cluster_start_s, 3)},
+        "owners_charged_at_gateways": owners_charged,
+        "goal": f"a release through the gateways within {GOAL_RATIO:g}x of the in-cluster path",
+        "goal_met": ratio <= GOAL_RATIO,
+        **timed_on(STAND_IN_DATA),
+        **soundness([timed_private_work(STAND_IN_DATA)]),
+    }
+    RunDirectory(args.results_dir, "bench").write_json("gateway_overhead", result)
+    log.info("release median: in-cluster %.1f ms, gateways %.1f ms (ratio %.2f, goal <= %g: %s)",
+             medians["in_cluster"], medians["gateways"], ratio, GOAL_RATIO, result["goal_met"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
