@@ -141,7 +141,8 @@ class GatewayVoteSource:
     alone as each gateway fits its own, in which a student picks what to ask. ``names``: the
     owners the gateways must describe themselves as, in order (None: any). A gateway that does not
     describe itself as such or admit the run is ``OwnerDropout`` naming it; the source is then
-    shut down. ``admit_timeout_s``: how long admission may take (teachers train in it)."""
+    shut down. ``admit_timeout_s``: how long admission may take (teachers train in it).
+    ``input_shape``: the queries' shape where no pool is sent (teachers)."""
 
     num_actors = 0  # record-holding actors on the coordinator's side: none, they are the owners' business
 
@@ -150,11 +151,12 @@ class GatewayVoteSource:
                  public_pool: np.ndarray | None, max_batch: int, rounds: int, lifetime_epsilon: float | None = None,
                  round_timeout_s: float = 30.0, reading: PublicReading = PublicReading(),
                  embed: Embedding | None = None, names: Sequence[str] | None = None,
-                 admit_timeout_s: float = 120.0) -> None:
+                 admit_timeout_s: float = 120.0, input_shape: Sequence[int] | None = None) -> None:
         if not gateways:
             raise ValueError("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
-        self.input_shape = None if public_pool is None else tuple(np.shape(public_pool)[1:])
+        # the public inputs' shape (the queries'): the pool's, or as given where no pool goes (teachers)
+        self.input_shape = tuple(input_shape) if input_shape is not None else tuple(np.shape(public_pool)[1:])
         self.embed = embed
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
@@ -217,6 +219,7 @@ class GatewayVoteSource:
         # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
         self.votes_per_query = (sum(int(a.cell_bound) for a in self.admitted)
                                 if isinstance(terms, TeacherVotes) else None)
+        self.num_teachers = self.votes_per_query  # the owners' teachers in all (None: records vote)
         # Where each owner's votes are counted: behind its gateway, on its own Ray.
         self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self._gateways)}
         log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"

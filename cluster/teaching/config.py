@@ -363,13 +363,28 @@ class TeacherStudentConfig:
             return
         from conclave.learning.embeddings import EMBEDDINGS
 
-        if self.records_vote is None or not self.secure:
-            raise ValueError("owners named by their gateway vote there: give a clusters or knn section and "
-                             "aggregation: secure (teachers do not train behind gateways yet)")
+        if not self.secure:
+            raise ValueError("owners named by their gateway vote there, in secure rounds: set aggregation: secure")
+        if self.records_vote is None:
+            self._check_gateway_teachers()
+            return
         kind = "knn" if self.knn is not None else "clusters"
         if self.records_vote.embedding not in EMBEDDINGS:
             raise ValueError(f"{kind}.embedding {self.records_vote.embedding!r}: a gateway fits only a registered "
                              f"embedding ({', '.join(EMBEDDINGS)})")
+
+    def _check_gateway_teachers(self) -> None:
+        """Teachers trained behind the gateways: a registered model by name (a gateway runs no code
+        a config names), and one σ for every round (the gateways admit one)."""
+        from conclave.learning.models.registry import REGISTRY
+
+        model, params = self.teachers.model, self.mechanism.params
+        if not isinstance(model, str) or model not in REGISTRY:
+            raise ValueError(f"teachers.model {model!r}: teachers behind gateways train a registered model "
+                             "(a gateway runs no code a config names)")
+        if self.mechanism.name == "confident-gnmax" and params.get("sigma1") != params.get("sigma"):
+            raise ValueError("confident-gnmax through gateways: give sigma1 equal to sigma (the gateways admit "
+                             "one σ for every round)")
 
     @property
     def through_gateways(self) -> bool:

@@ -8,8 +8,9 @@ for the coordinator (``conclave ray-certs``); on each hospital's machine its rec
 (``conclave owner init``, in its own ``CONCLAVE_HOME``), its own file and ``conclave owner serve``
 with its own Ray (1 CPU) on an ephemeral port; then on the coordinator's machine ``conclave run``
 on a config that names the three gateways and no owner's path: CONFIG (default
-configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes)
-with its owners replaced by their gateways. Prints the student's accuracy and ε, stops
+configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes;
+configs/hospitals.yaml: teachers, trained at each gateway) with its owners replaced by their
+gateways, in secure rounds. Prints the student's accuracy and ε, stops
 the gateways by their PIDs, and prints one JSON line: the results folder, the summary, the
 guarantee, each owner's ledger (charges and ε spent), the coordinator's config, which of the
 owners' files the coordinator's process opened (a Python audit hook: none), and the wall time of
@@ -61,13 +62,13 @@ def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
     conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
-    conclave("owner", "init", owner, "--epsilon", "5", "--max-run-epsilon", "4", "--mechanisms", "public-clusters",
-             "private-knn", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
+    conclave("owner", "init", owner, "--epsilon", "10", "--max-run-epsilon", "5", "--mechanisms", "public-clusters",
+             "private-knn", "gnmax", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
     declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
                    "records": 100, "listen": f"{LOOPBACK}:0",
                    "tls": {"certificate": "certs/node.pem", "key": "certs/node.key", "ca": "certs/ca.pem"},
                    "peers": [other for other in HOSPITALS if other != owner],
-                   "ray": {"address": "local", "num_cpus": 1}, "vote_sources": ["clusters", "knn"]}
+                   "ray": {"address": "local", "num_cpus": 1}, "vote_sources": ["clusters", "knn", "teachers"]}
     (folder / f"{owner}.yaml").write_text(yaml.safe_dump(declaration, sort_keys=False))
     return env
 
@@ -90,7 +91,10 @@ def address_of(gateway: subprocess.Popen, owner: str) -> str:
 def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> dict:
     """The config at ``source``, its owners named by their gateways alone."""
     config = yaml.safe_load(source.read_text())
-    config.update(name=f"{config['name']}-gateways", owners=[{"name": o, "gateway": a} for o, a in addresses.items()],
+    teachers = {o["name"]: o["teachers"] for o in config["owners"] if "teachers" in o}  # each trains at its gateway
+    owners = [{"name": o, "gateway": a, **({"teachers": teachers[o]} if o in teachers else {})}
+              for o, a in addresses.items()]
+    config.update(name=f"{config['name']}-gateways", owners=owners, aggregation="secure",
                   gateways={"certificate": str(certs / "node.pem"), "key": str(certs / "node.key"),
                             "ca": str(certs / "ca.pem")},
                   public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")},

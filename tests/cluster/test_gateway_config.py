@@ -1,5 +1,5 @@
 """A run config names an owner by its gateway alone: ``{name, gateway}`` beside ``gateways:`` (the
-coordinator's certificates), for clusters or kNN votes in secure rounds. Anything else is
+coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds. Anything else is
 refused in one line, before anything starts."""
 from __future__ import annotations
 
@@ -59,10 +59,9 @@ def test_gateway_owners_beside_data_owners_or_without_certificates_are_refused()
 
 def test_gateway_owners_vote_there_in_secure_rounds_only():
     raw = gateway_config()
-    teachers = copy.deepcopy(raw)
-    del teachers["clusters"]
-    teachers.update(aggregation="secure", mechanism={"name": "gnmax", "params": {"sigma": 40.0}})
-    assert "give a clusters or knn section" in refusal(teachers)
+    trusted = copy.deepcopy(raw)
+    del trusted["aggregation"]
+    assert "set aggregation: secure" in refusal(trusted)
     raw["clusters"]["embedding"] = "package.module:embed"
     assert "a gateway fits only a registered embedding" in refusal(raw)
 
@@ -71,3 +70,18 @@ def test_a_pipeline_that_does_not_run_through_gateways_refuses_gateway_owners():
     raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml")
     raw["owners"][0] = {"name": raw["owners"][0]["name"], "gateway": "127.0.0.1:7001"}
     assert "does not run this pipeline" in refusal(raw)
+
+
+def test_teachers_behind_gateways_train_a_registered_model_and_answer_one_sigma():
+    raw = gateway_config("hospitals.yaml")
+    raw["aggregation"] = "secure"
+    config = load_pipeline(copy.deepcopy(raw)).config
+    assert config.through_gateways and [owner.teachers for owner in config.owners] == [10, 10, 10]
+    for teachers, mechanism, said in [
+            ({"model": "package.module:factory"}, None, "train a registered model"),
+            ({}, {"name": "confident-gnmax", "params": {"sigma1": 20.0, "threshold": 5.0, "sigma": 10.0}},
+             "sigma1 equal to sigma")]:
+        changed = copy.deepcopy(raw)
+        changed["teachers"].update(teachers)
+        changed["mechanism"] = mechanism or changed["mechanism"]
+        assert said in refusal(changed)
