@@ -41,7 +41,7 @@ class OwnerSteps:
         """The next batch's clipped per-example gradient sum at ``weights`` (``shapes``, in order), flat."""
         with torch.no_grad():
             for parameter, value in zip(self.model.parameters(), weights, strict=True):
-                parameter.copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+                parameter.copy_(torch.tensor(value, dtype=torch.float32))
         params = {name: p.detach() for name, p in self.model.named_parameters()}
         buffers = {name: b.detach() for name, b in self.model.named_buffers()}
 
