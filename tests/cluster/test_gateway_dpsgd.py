@@ -25,7 +25,7 @@ from conclave.privacy.accounting.skellam import subsampled_skellam_charge
 from conclave.protos import owner_pb2
 from tests.gateways import CLASSES, OWNERS, Consortium, gateways_serving, make_consortium
 
-RUN, Z, Q, ADMITTED, TRAINED = "dpsgd-run", 1.0, 0.1, 12, 10
+RUN, Z, Q, ADMITTED, TRAINED = "dpsgd-run", 1.0, 0.1, 17, 15
 TERMS = DpsgdTerms("digits_cnn", max_grad_norm=1.0, noise_multiplier=Z, sample_rate=Q, steps=ADMITTED, seed=0)
 Code = grpc.StatusCode
 
@@ -72,7 +72,7 @@ def test_steps_through_the_gateways_train_the_model(trained):
     assert all(0 < a.planned_epsilon <= 10.0 for a in run.admitted)
     assert coordinator_charges == TRAINED
     loss, accuracy = _test_loss(model)
-    assert loss < initial_loss - 0.05 and accuracy > 0.2, (initial_loss, loss, accuracy)  # chance: 0.1
+    assert loss < initial_loss - 0.2 and accuracy > 0.25, (initial_loss, loss, accuracy)  # chance: 0.1
 
 
 def test_each_owner_pays_one_subsampled_skellam_charge_per_step(consortium, trained):
@@ -164,3 +164,28 @@ def test_terms_outside_the_registry_or_the_policy_are_refused(consortium, traine
     with pytest.raises(grpc.RpcError) as still:
         stub.Keys(owner_pb2.KeysRequest(run=RUN, round=ADMITTED + 1, batch=1), timeout=30)
     assert still.value.code() == Code.PERMISSION_DENIED and f"admitted for {ADMITTED} steps" in still.value.details()
+
+
+def test_a_step_key_with_other_terms_is_refused(consortium, trained):
+    """Last (it ends the honest run): a coordinator lowering z in one owner's step key, or sending a
+    step's keys to Votes, is refused before any charge."""
+    channels = [consortium.stub(owner) for owner in OWNERS]
+    try:
+        for _, owner_stub in channels:
+            owner_stub.Admit(_admit("dpsgd-swap"), timeout=60)
+        keys = [owner_stub.Keys(owner_pb2.KeysRequest(run="dpsgd-swap", round=1, batch=1), timeout=30)
+                for _, owner_stub in channels]
+        _, stub_a = channels[0]
+        tampered = owner_pb2.SignedKey()
+        tampered.CopyFrom(keys[1])
+        tampered.sigma = Z / 10
+        with refused(consortium, Code.PERMISSION_DENIED, "hospital_b", "not signed by that owner"):
+            stub_a.Step(owner_pb2.StepRequest(run="dpsgd-swap", round=1, parties=[keys[0], tampered, keys[2]],
+                                              weights=_weights([tuple(p.shape) for p in build_model(
+                                                  "digits_cnn", 10, input_shape=(1, 8, 8)).parameters()])),
+                        timeout=30)
+        with refused(consortium, Code.PERMISSION_DENIED, "DP-SGD run", "not votes"):
+            stub_a.Votes(owner_pb2.VotesRequest(run="dpsgd-swap", round=1, parties=keys), timeout=30)
+    finally:
+        for channel, _ in channels:
+            channel.close()
