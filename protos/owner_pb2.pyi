@@ -76,12 +76,33 @@ class TeacherTerms(_message.Message):
     seed: int
     def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class DpsgdTerms(_message.Message):
+    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PARTIES_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_grad_norm: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    seed: int
+    parties: _containers.RepeatedScalarFieldContainer[str]
+    records: int
+    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ...) -> None: ...
+
 class AdmitRequest(_message.Message):
-    __slots__ = ("run", "clusters", "knn", "teachers", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool", "reading")
+    __slots__ = ("run", "clusters", "knn", "teachers", "dpsgd", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool", "reading")
     RUN_FIELD_NUMBER: _ClassVar[int]
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
     TEACHERS_FIELD_NUMBER: _ClassVar[int]
+    DPSGD_FIELD_NUMBER: _ClassVar[int]
     MECHANISM_FIELD_NUMBER: _ClassVar[int]
     SIGMA_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +115,7 @@ class AdmitRequest(_message.Message):
     clusters: ClusterTerms
     knn: KnnTerms
     teachers: TeacherTerms
+    dpsgd: DpsgdTerms
     mechanism: str
     sigma: float
     max_batch: int
@@ -102,7 +124,7 @@ class AdmitRequest(_message.Message):
     classes: _containers.RepeatedScalarFieldContainer[str]
     public_pool: Tensor
     reading: PublicReading
-    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., teachers: _Optional[_Union[TeacherTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ..., reading: _Optional[_Union[PublicReading, _Mapping]] = ...) -> None: ...
+    def __init__(self, run: _Optional[str] = ..., clusters: _Optional[_Union[ClusterTerms, _Mapping]] = ..., knn: _Optional[_Union[KnnTerms, _Mapping]] = ..., teachers: _Optional[_Union[TeacherTerms, _Mapping]] = ..., dpsgd: _Optional[_Union[DpsgdTerms, _Mapping]] = ..., mechanism: _Optional[str] = ..., sigma: _Optional[float] = ..., max_batch: _Optional[int] = ..., rounds: _Optional[int] = ..., lifetime_epsilon: _Optional[float] = ..., classes: _Optional[_Iterable[str]] = ..., public_pool: _Optional[_Union[Tensor, _Mapping]] = ..., reading: _Optional[_Union[PublicReading, _Mapping]] = ...) -> None: ...
 
 class PublicReading(_message.Message):
     __slots__ = ("columns", "fill", "image_size")
@@ -137,7 +159,7 @@ class KeysRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class SignedKey(_message.Message):
-    __slots__ = ("owner", "certificate", "public_key", "cell_bound", "run", "round", "batch", "classes", "sigma", "signature")
+    __slots__ = ("owner", "certificate", "public_key", "cell_bound", "run", "round", "batch", "classes", "sigma", "signature", "dimension", "max_grad_norm", "scale_bits", "steps", "sample_rate")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +170,11 @@ class SignedKey(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     SIGMA_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    SCALE_BITS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     certificate: bytes
     public_key: bytes
@@ -158,7 +185,12 @@ class SignedKey(_message.Message):
     classes: int
     sigma: float
     signature: bytes
-    def __init__(self, owner: _Optional[str] = ..., certificate: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., cell_bound: _Optional[int] = ..., run: _Optional[str] = ..., round: _Optional[int] = ..., batch: _Optional[int] = ..., classes: _Optional[int] = ..., sigma: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    dimension: int
+    max_grad_norm: float
+    scale_bits: int
+    steps: int
+    sample_rate: float
+    def __init__(self, owner: _Optional[str] = ..., certificate: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., cell_bound: _Optional[int] = ..., run: _Optional[str] = ..., round: _Optional[int] = ..., batch: _Optional[int] = ..., classes: _Optional[int] = ..., sigma: _Optional[float] = ..., signature: _Optional[bytes] = ..., dimension: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., scale_bits: _Optional[int] = ..., steps: _Optional[int] = ..., sample_rate: _Optional[float] = ...) -> None: ...
 
 class VotesRequest(_message.Message):
     __slots__ = ("run", "round", "inputs", "parties")
@@ -173,6 +205,28 @@ class VotesRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ...) -> None: ...
 
 class VotesReply(_message.Message):
+    __slots__ = ("share", "epsilon_spent", "charges")
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    share: Tensor
+    epsilon_spent: float
+    charges: int
+    def __init__(self, share: _Optional[_Union[Tensor, _Mapping]] = ..., epsilon_spent: _Optional[float] = ..., charges: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("run", "round", "weights", "parties")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIES_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    parties: _containers.RepeatedCompositeFieldContainer[SignedKey]
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ...) -> None: ...
+
+class StepReply(_message.Message):
     __slots__ = ("share", "epsilon_spent", "charges")
     SHARE_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]

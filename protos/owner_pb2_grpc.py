@@ -54,6 +54,11 @@ class OwnerStub:
                 request_serializer=conclave_dot_protos_dot_owner__pb2.VotesRequest.SerializeToString,
                 response_deserializer=conclave_dot_protos_dot_owner__pb2.VotesReply.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/conclave.owner.Owner/Step',
+                request_serializer=conclave_dot_protos_dot_owner__pb2.StepRequest.SerializeToString,
+                response_deserializer=conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Budget = channel.unary_unary(
                 '/conclave.owner.Owner/Budget',
                 request_serializer=conclave_dot_protos_dot_owner__pb2.BudgetRequest.SerializeToString,
@@ -88,6 +93,12 @@ class OwnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Budget(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -116,6 +127,11 @@ def add_OwnerServicer_to_server(servicer, server):
                     servicer.Votes,
                     request_deserializer=conclave_dot_protos_dot_owner__pb2.VotesRequest.FromString,
                     response_serializer=conclave_dot_protos_dot_owner__pb2.VotesReply.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=conclave_dot_protos_dot_owner__pb2.StepRequest.FromString,
+                    response_serializer=conclave_dot_protos_dot_owner__pb2.StepReply.SerializeToString,
             ),
             'Budget': grpc.unary_unary_rpc_method_handler(
                     servicer.Budget,
@@ -231,6 +247,33 @@ class Owner:
             '/conclave.owner.Owner/Votes',
             conclave_dot_protos_dot_owner__pb2.VotesRequest.SerializeToString,
             conclave_dot_protos_dot_owner__pb2.VotesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conclave.owner.Owner/Step',
+            conclave_dot_protos_dot_owner__pb2.StepRequest.SerializeToString,
+            conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

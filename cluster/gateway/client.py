@@ -71,6 +71,9 @@ class OwnerGateway:
     def votes(self, request: owner_pb2.VotesRequest, timeout_s: float | None = None) -> owner_pb2.VotesReply:
         return self._stub.Votes(request, timeout=timeout_s or self.timeout_s)
 
+    def step(self, request: owner_pb2.StepRequest, timeout_s: float | None = None) -> owner_pb2.StepReply:
+        return self._stub.Step(request, timeout=timeout_s or self.timeout_s)
+
     def budget(self) -> owner_pb2.BudgetReply:
         return self._stub.Budget(owner_pb2.BudgetRequest(), timeout=self.timeout_s)
 

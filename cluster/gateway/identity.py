@@ -6,7 +6,9 @@ verifier accepts a key only if the certificate sent with it was issued by the co
 the claimed owner as its common name, and the signature holds over exactly those fields. The secure
 sum's plan is a function of these signed fields alone, so every party and the coordinator agree on
 it, and a coordinator that holds no owner's private key can neither forge a key nor move one to
-another round, run or owner.
+another round, run or owner. A DP-SGD step's key (``StepKey``) signs the step's plan terms (the
+trainable entries d, the clip bound, the scale γ, the noise multiplier, q, the steps) under a
+context of its own, so a step's key never passes for a vote round's, nor the other way round.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from conclave.cluster.tls import CertificateError
 from conclave.errors import ConclaveError
 
 SIGNATURE_CONTEXT = b"conclave/owner-round-key/v1"
+STEP_SIGNATURE_CONTEXT = b"conclave/owner-step-key/v1"
 X25519_KEY_BYTES = 32
 
 
@@ -52,6 +55,35 @@ class RoundKey:
         return b"".join(len(f).to_bytes(4, "big") + f for f in fields)
 
 
+@dataclass(frozen=True)
+class StepKey:
+    """What a gateway signs for one DP-SGD step (``round``: the step id): whose key it is, its
+    declared ``records`` and every term the step's secure-sum plan depends on."""
+
+    owner: str
+    public_key: bytes
+    records: int
+    run: str
+    round: int
+    dimension: int
+    max_grad_norm: float
+    scale_bits: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def signed_bytes(self) -> bytes:
+        fields = (STEP_SIGNATURE_CONTEXT, self.owner.encode(), self.public_key, self.run.encode(),
+                  struct.pack(">qqqqqddd", self.records, self.round, self.dimension, self.scale_bits, self.steps,
+                              self.max_grad_norm, self.noise_multiplier, self.sample_rate))
+        return b"".join(len(f).to_bytes(4, "big") + f for f in fields)
+
+    def terms(self) -> tuple:
+        """The step's terms, the same in every party's key: everything but whose key it is."""
+        return (self.run, self.round, self.dimension, self.max_grad_norm, self.scale_bits, self.noise_multiplier,
+                self.sample_rate, self.steps)
+
+
 class Identity:
     """This gateway's signing identity: its certificate (PEM, sent with every key) and private key."""
 
@@ -63,7 +95,7 @@ class Identity:
                                    f"{type(private).__name__}")
         self._key = private
 
-    def sign(self, key: RoundKey) -> bytes:
+    def sign(self, key: RoundKey | StepKey) -> bytes:
         return self._key.sign(key.signed_bytes(), ec.ECDSA(hashes.SHA256()))
 
 
@@ -73,7 +105,7 @@ class Verifier:
     def __init__(self, ca: Path) -> None:
         self._ca = x509.load_pem_x509_certificate(Path(ca).read_bytes())
 
-    def verify(self, key: RoundKey, certificate_pem: bytes, signature: bytes) -> None:
+    def verify(self, key: RoundKey | StepKey, certificate_pem: bytes, signature: bytes) -> None:
         """``ForgedKey`` unless ``certificate_pem`` chains to the CA, names ``key.owner`` and signed ``key``."""
         if len(key.public_key) != X25519_KEY_BYTES:
             raise ForgedKey(f"owner {key.owner}'s round key is {len(key.public_key)} bytes, not an X25519 key")

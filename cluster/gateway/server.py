@@ -52,6 +52,7 @@ class GatewayServer:
                  "Admit": (servicer.admit, owner_pb2.AdmitRequest),
                  "Keys": (servicer.keys, owner_pb2.KeysRequest),
                  "Votes": (servicer.votes, owner_pb2.VotesRequest),
+                 "Step": (servicer.step, owner_pb2.StepRequest),
                  "Budget": (servicer.budget, owner_pb2.BudgetRequest)}
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
             name: grpc.unary_unary_rpc_method_handler(_handled(name, call, kind),

@@ -12,6 +12,10 @@ summed: its own Ray is one trust domain), adds its Skellam noise share from OS e
 returns that one share. A key serves one round: a second Votes, a replayed round or a second Keys
 for a round is refused. Every refusal is one line with a gRPC status, and nothing is charged.
 
+``Admit`` with DP-SGD terms plans the run's secure sum from public numbers and admits its whole
+schedule; each ``Step`` (keyed by ``Keys`` as a round is) is charged one step, then answers with the
+masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``).
+
 One run at a time: admitting a new run ends the previous one (its actors stop, its ledger closes).
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import math
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,10 +39,14 @@ from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
+from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
+                                             signed_step_key, step_key_of)
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
-from conclave.learning.models import check_model
+from conclave.learning.models import build_model, check_model
+from conclave.learning.owner_step import OwnerSteps
+from conclave.learning.secure_dpsgd import SecureAggregation
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
@@ -62,6 +71,8 @@ MAX_SEED = 2**31 - 1
 MAX_ROUNDS = 1_000_000
 MAX_POOL = 200_000  # public inputs an embedding is fitted on
 MAX_COLUMNS, MAX_IMAGE_SIDE = 100_000, 16_384  # the most a public reading may name
+MAX_CLIP = 1e6  # the largest clip bound a DP-SGD run may ask
+MAX_RECORDS = 10**12  # the most records a DP-SGD run may declare, all owners together
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
@@ -121,6 +132,29 @@ def decode_reading(reading: owner_pb2.PublicReading) -> PublicReading:
         raise Refused(invalid, f"reading.image_size: [height, width] in [1, {MAX_IMAGE_SIDE}], or none")
     return PublicReading(columns or None, (size[0], size[1]) if size else None, fill or None)
 
+def check_run_name(run: str) -> None:
+    if not run or len(run) > 200 or not run.isprintable():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "run: name the run (printable, at most 200 characters)")
+
+
+def decode_weights(tensors: Sequence[owner_pb2.Tensor], shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
+    """The model's parameters as sent: float32 tensors of exactly ``shapes``, in order, finite."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if len(tensors) != len(shapes):
+        raise Refused(invalid, f"weights: {len(tensors)} tensors, but the model has {len(shapes)} parameters")
+    weights = []
+    for index, (tensor, shape) in enumerate(zip(tensors, shapes)):
+        sent = tuple(int(d) for d in tensor.shape)
+        if tensor.dtype != INPUTS_DTYPE:
+            raise Refused(invalid, f"weights[{index}]: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
+        if sent != shape or len(tensor.data) != math.prod(shape) * 4:
+            raise Refused(invalid, f"weights[{index}]: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not the "
+                                   f"model's {list(shape)} of float32")
+        values = np.frombuffer(tensor.data, dtype="<f4").reshape(shape)
+        if not np.isfinite(values).all():
+            raise Refused(invalid, f"weights[{index}]: NaN or infinity")
+        weights.append(values)
+    return weights
 
 @dataclass
 class AdmittedRun:
@@ -154,7 +188,7 @@ class OwnerServicer:
         self.declaration, self.policy = declaration, policy
         self._identity, self._verifier, self._cpus = identity, verifier, cpus_per_actor
         self._lock = threading.Lock()  # one call changes the state at a time
-        self._run: AdmittedRun | None = None
+        self._run: AdmittedRun | AdmittedSteps | None = None
         self._seen_runs: set[str] = set()
 
     # --- the calls ------------------------------------------------------------------------
@@ -168,6 +202,8 @@ class OwnerServicer:
 
     def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         with self._lock:
+            if request.WhichOneof("vote_source") == "dpsgd":
+                return self._admit_steps(request)
             kind, release = self._checked_terms(request)
             if request.run in self._seen_runs:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
@@ -199,6 +235,8 @@ class OwnerServicer:
 
     def keys(self, request: owner_pb2.KeysRequest) -> owner_pb2.SignedKey:
         with self._lock:
+            if isinstance(self._run, AdmittedSteps) and self._run.run == request.run:
+                return self._step_key(request)
             run = self._admitted(request.run)
             if request.round <= run.last_keyed:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
@@ -275,8 +313,7 @@ class OwnerServicer:
     def _checked_terms(self, request: owner_pb2.AdmitRequest) -> tuple[str, SkellamVotes]:
         """The vote source asked for and its rounds' release (σ and the source's own bound), or a refusal."""
         denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
-        if not request.run or len(request.run) > 200 or not request.run.isprintable():
-            raise Refused(invalid, "run: name the run (printable, at most 200 characters)")
+        check_run_name(request.run)
         kind = request.WhichOneof("vote_source")
         if kind is None:
             raise Refused(invalid, "name a vote source (clusters, knn or teachers) and its terms")
@@ -350,7 +387,8 @@ class OwnerServicer:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"public_pool: at most {MAX_POOL} inputs")
         return pool
 
-    def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge) -> OwnerLedger:
+    def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge,
+                          pipeline: str = PIPELINE) -> OwnerLedger:
         """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
         The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
         try:
@@ -371,7 +409,7 @@ class OwnerServicer:
                                 policy.reserved_delta, policy.ledger)
         ledger = OwnerLedger(policy.owner, asked, (self.declaration.data.path,) if self.declaration.data.path else ())
         try:
-            ledger.admit(RunRequest(request.run, PIPELINE, (request.mechanism,)), planned)
+            ledger.admit(RunRequest(request.run, pipeline, (request.mechanism,)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         return ledger
@@ -443,6 +481,9 @@ class OwnerServicer:
     def _admitted(self, run: str) -> AdmittedRun:
         if self._run is None or self._run.run != run:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run[:40]}' is not admitted by this gateway")
+        if not isinstance(self._run, AdmittedRun):
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run[:40]}' is a DP-SGD run: it takes steps, "
+                                                             "not votes")
         return self._run
 
     def _round_key(self, run: AdmittedRun, round_: int, batch: int, public_key: bytes) -> RoundKey:
@@ -484,6 +525,173 @@ class OwnerServicer:
         if rank is None:
             raise Refused(denied, f"owner {self.declaration.name} is not among the round's parties")
         return rank, owners, [int(party.cell_bound) for party in request.parties]
+
+    # --- DP-SGD steps (``cluster.gateway.steps``) -----------------------------------------
+
+    def step(self, request: owner_pb2.StepRequest) -> owner_pb2.StepReply:
+        with self._lock:
+            run = self._admitted_steps(request.run)
+            if not 1 <= request.round <= run.terms.steps:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"run '{run.run}' was admitted for {run.terms.steps} steps, not step {request.round}")
+            private = run.keys.pop(request.round, None)  # one use, whatever follows
+            if private is None:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {request.round} of run '{run.run}' holds no unused key of this gateway (not "
+                              "keyed, or answered already): a key serves one step")
+            weights = decode_weights(request.weights, run.owner_steps.shapes)
+            public_key = private.public_key().public_bytes_raw()
+            rank = self._checked_step_parties(run, request, public_key)
+            charge = run.terms.step_charge()
+            try:
+                report = run.ledger.charge(charge, worst_case=charge)
+            except BudgetExceeded as err:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
+            # Charged: from here the step is a release. The clean sum stays inside ``share``.
+            share = run.share(weights, request.round, rank, private, [p.public_key for p in request.parties])
+            del private
+            return owner_pb2.StepReply(share=owner_pb2.Tensor(shape=[share.size], dtype=SHARE_DTYPE,
+                                                               data=share.astype("<i8").tobytes()),
+                                       epsilon_spent=report.epsilon_spent, charges=report.charges)
+
+    def _admit_steps(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
+        """A DP-SGD run: its terms checked, its whole schedule admitted by the policy, its secure sum
+        planned on the registered model's trainable entries; nothing charged yet."""
+        terms, classes = self._checked_step_terms(request)
+        if request.run in self._seen_runs:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"run '{request.run[:40]}' was admitted before: a run's steps are never replayed")
+        declaration = self.declaration
+        data = self._owner_data(decode_reading(request.reading))  # a table in the pool's columns and fill
+        planned = schedule_charge(terms.sample_rate, terms.noise_multiplier, int(terms.steps))
+        ledger = self._admitting_ledger(request, planned, DPSGD_PIPELINE)  # the policy's checks: nothing changed yet
+        try:
+            dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+            input_shape = tuple(dataset.x.shape[1:])
+            try:
+                check_model(terms.model, len(classes), input_shape)
+            except ModelContractError as err:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
+            model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed))
+            owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
+                                     declaration.records, terms.max_grad_norm)
+            del dataset
+            try:
+                plan = SecureAggregation(tuple(terms.parties), owner_steps.dimension).plan(
+                    terms.max_grad_norm, terms.noise_multiplier, int(terms.records), int(terms.steps))
+            except ValueError as err:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
+            step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
+                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan)
+            if self._run is not None:
+                log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
+                self._run.stop()
+                self._run = None
+            self._open(ledger, planned, request.run)
+        except BaseException:
+            ledger.close()
+            raise
+        self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger)
+        self._seen_runs.add(request.run)
+        epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
+        log.info("run '%s' admitted: DP-SGD on %s (d = %d), clip %g, z %g, q %g, up to %d steps (planned ε %.4g)",
+                 request.run, terms.model, plan.dimension, terms.max_grad_norm, terms.noise_multiplier,
+                 terms.sample_rate, terms.steps, epsilon)
+        return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+                                    cell_bound=declaration.records)
+
+    def _checked_step_terms(self, request: owner_pb2.AdmitRequest) -> tuple[owner_pb2.DpsgdTerms, tuple[str, ...]]:
+        """The DP-SGD terms and the classes, within the registry and the protocol's bounds, or a refusal."""
+        denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
+        check_run_name(request.run)
+        terms, name = request.dpsgd, self.declaration.name
+        if request.mechanism != DPSGD:
+            raise Refused(denied, f"mechanism {request.mechanism[:40]!r}: DP-SGD terms release through '{DPSGD}'")
+        if terms.model not in MODELS:
+            raise Refused(denied, f"model {terms.model[:40]!r} is not registered ({', '.join(MODELS.names)}): a "
+                                  "gateway runs no code a coordinator names")
+        if not (0 < terms.max_grad_norm <= MAX_CLIP):
+            raise Refused(invalid, f"dpsgd.max_grad_norm must be in (0, {MAX_CLIP:g}]")
+        if not (terms.noise_multiplier > 0 and math.isfinite(terms.noise_multiplier)):
+            raise Refused(invalid, "dpsgd.noise_multiplier must be a positive finite number")
+        if not 0 < terms.sample_rate <= 1:
+            raise Refused(invalid, "dpsgd.sample_rate must be in (0, 1]")
+        if not 1 <= terms.steps <= MAX_ROUNDS:
+            raise Refused(invalid, f"dpsgd.steps must be in [1, {MAX_ROUNDS}]")
+        if not 0 <= terms.seed <= MAX_SEED:
+            raise Refused(invalid, f"dpsgd.seed must be in [0, {MAX_SEED}]")
+        parties = list(terms.parties)
+        if name not in parties or len(set(parties)) != len(parties):
+            raise Refused(invalid, f"dpsgd.parties must name each owner once, owner {name} among them")
+        strangers = [p for p in parties if p not in self.declaration.parties]
+        if strangers:
+            raise Refused(denied, f"party {strangers[0][:40]!r} is not a declared peer of owner {name}")
+        if not self.declaration.records <= terms.records <= MAX_RECORDS:
+            raise Refused(invalid, f"dpsgd.records (the run's declared records) must be in "
+                                   f"[{self.declaration.records}, {MAX_RECORDS}]: owner {name} alone declares "
+                                   f"{self.declaration.records}")
+        classes = tuple(request.classes)
+        if len(classes) < 2 or len(set(classes)) != len(classes):
+            raise Refused(invalid, "classes: at least two, distinct")
+        if not (request.lifetime_epsilon >= 0 and math.isfinite(request.lifetime_epsilon)):
+            raise Refused(invalid, "lifetime_epsilon must be a finite number >= 0 (0: the policy's)")
+        if request.HasField("public_pool"):
+            raise Refused(invalid, "public_pool: DP-SGD learns on the owner's records only; send none")
+        return terms, classes
+
+    def _admitted_steps(self, run: str) -> AdmittedSteps:
+        if self._run is None or self._run.run != run:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run[:40]}' is not admitted by this gateway")
+        if not isinstance(self._run, AdmittedSteps):
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run[:40]}' is not a DP-SGD run: it takes votes, "
+                                                             "not steps")
+        return self._run
+
+    def _step_key(self, request: owner_pb2.KeysRequest) -> owner_pb2.SignedKey:
+        """A fresh X25519 key for one step, signed over the step's plan terms (batch 1: one vector)."""
+        run = self._admitted_steps(request.run)
+        if request.round <= run.last_keyed:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"step {request.round} of run '{run.run}' is not after step {run.last_keyed}, already "
+                          "keyed: a step is keyed once")
+        if request.round > run.terms.steps:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"run '{run.run}' was admitted for {run.terms.steps} steps, not step {request.round}")
+        if request.batch != 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"batch {request.batch}: a DP-SGD step releases one "
+                                                            "vector; key it with batch 1")
+        private = X25519PrivateKey.generate()
+        run.keys[request.round], run.last_keyed = private, request.round
+        key = run.step_key(self.declaration.name, self.declaration.records, request.round,
+                           private.public_key().public_bytes_raw())
+        return signed_step_key(key, self._identity.certificate_pem, self._identity.sign(key))
+
+    def _checked_step_parties(self, run: AdmittedSteps, request: owner_pb2.StepRequest, public_key: bytes) -> int:
+        """This gateway's rank once every party's step key verifies for this very step and plan, the
+        parties are the admitted ones in their order, and their declared records add up to the run's."""
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        owners = tuple(party.owner for party in request.parties)
+        if owners != run.terms.parties:
+            raise Refused(denied, f"the step's parties {list(owners)[:8]} are not the run's admitted parties "
+                                  f"{list(run.terms.parties)}, in that order")
+        mine = run.step_key(self.declaration.name, self.declaration.records, request.round, public_key)
+        for party in request.parties:
+            key = step_key_of(party)
+            try:
+                self._verifier.verify(key, party.certificate, party.signature)
+            except ForgedKey as err:
+                raise Refused(denied, str(err)) from None
+            if key.terms() != mine.terms():
+                raise Refused(denied, f"owner {party.owner}'s key is for another step or other terms (run, step, d, "
+                                      "clip, scale, z, q, steps) than this one")
+            if party.owner == self.declaration.name and key != mine:
+                raise Refused(denied, f"the key given as owner {self.declaration.name}'s is not the one this "
+                                      f"gateway made for step {request.round}")
+        records = sum(int(party.cell_bound) for party in request.parties)
+        if records != run.terms.records:
+            raise Refused(denied, f"the parties declare {records} records; the run was admitted for "
+                                  f"{run.terms.records}")
+        return owners.index(self.declaration.name)
 
 
 def record_charge(release: SkellamVotes, count: int, label: str) -> PrivacyCharge:

@@ -1,0 +1,172 @@
+"""The coordinator's side of DP-SGD through the owners' gateways: the model's steps, each a secure sum.
+
+``GatewayDpsgd`` admits the run at every gateway (a registered model, the clip bound, the noise
+multiplier, the Poisson rate, the steps, the parties in rank order and their declared records), then
+runs each step as the gateways allow: every gateway's signed step key (checked: the CA, the owner,
+this step and one plan for all), the coordinator's own charge (its view; each owner's ledger charged
+on its own machine is the authority), every gateway's masked share for the current weights, then the
+noised total decoded on the plan the signed terms fix, divided by the run's expected batch q·N, and
+the optimizer's step on the coordinator's copy of the model. It never holds a clean gradient; a
+gateway that fails a step aborts the run, ``OwnerDropout`` naming the owner.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+
+from conclave.actors.owners import OwnerDropout
+from conclave.cluster.gateway.client import OwnerGateway, float_tensor
+from conclave.cluster.gateway.identity import ForgedKey, Verifier
+from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
+from conclave.learning.secure_dpsgd import SecureAggregation
+from conclave.privacy.accounting.ledger import Ledger
+from conclave.privacy.secure_release import summed_shares
+from conclave.privacy.secure_sum import decode
+from conclave.protos import owner_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DpsgdTerms:
+    """A DP-SGD run through the gateways: a registered ``model``, clip bound, noise multiplier z,
+    Poisson rate q (the same at every owner), the most ``steps``, and the model's ``seed``."""
+
+    model: str
+    max_grad_norm: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OwnerSpend:
+    """What an owner's gateway said of its lifetime ledger after the latest step."""
+
+    epsilon_spent: float
+    charges: int
+
+
+class GatewayDpsgd:
+    """DP-SGD steps on the owners' records through their ``gateways`` (rank order) for run ``run``,
+    classifying ``classes``. ``ledger``: the coordinator's own view, charged one step before each
+    step's shares are asked (None: none kept). ``lifetime_epsilon``: a lower lifetime ε the run asks
+    each owner to stay within (None: the owners' policies)."""
+
+    def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: DpsgdTerms,
+                 classes: Sequence[str], lifetime_epsilon: float | None = None, ledger: Ledger | None = None,
+                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0) -> None:
+        if not gateways:
+            raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
+        self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        self._ledger, self.step_timeout_s = ledger, step_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
+        self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
+        described = self._each(lambda gateway: gateway.describe(), "did not describe itself")
+        self.owners = tuple(d.owner for d in described)
+        if len(set(self.owners)) != len(self.owners):
+            raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+        self.records = sum(int(d.records) for d in described)  # declared, public
+        self.expected_batch = terms.sample_rate * self.records
+        request = owner_pb2.AdmitRequest(run=run, mechanism=DPSGD, lifetime_epsilon=lifetime_epsilon or 0.0,
+                                         classes=list(classes), dpsgd=owner_pb2.DpsgdTerms(
+                                             model=terms.model, max_grad_norm=terms.max_grad_norm,
+                                             noise_multiplier=terms.noise_multiplier, sample_rate=terms.sample_rate,
+                                             steps=terms.steps, seed=terms.seed, parties=list(self.owners),
+                                             records=self.records))
+        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
+        self._step = 0
+        self.spend: dict[str, OwnerSpend] = {}
+        log.info("DP-SGD run '%s' admitted by %s", run, ", ".join(
+            f"{owner} (planned ε {a.planned_epsilon:.3g})" for owner, a in zip(self.owners, self.admitted)))
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """One step: the noised clipped gradient sum of every owner's Poisson batch at ``model``'s
+        weights, over q·N, as ``model``'s gradient, then ``optimizer.step()``."""
+        parameters = list(model.parameters())
+        dimension = sum(p.numel() for p in parameters)
+        plan = SecureAggregation(self.owners, dimension).plan(self.terms.max_grad_norm, self.terms.noise_multiplier,
+                                                              self.records, self.terms.steps)
+        self._step += 1
+        step = self._step
+        deadline = time.monotonic() + self.step_timeout_s
+        keys = self._each(lambda gateway: gateway.keys(self.run, step, 1, _left(deadline)),
+                          "sent no key for a DP-SGD step: the run is aborted; no share was asked, so nothing was "
+                          "released or charged", deadline)
+        for owner, key in zip(self.owners, keys):
+            self._check_key(owner, key, step, plan.dimension, plan.scale_bits)
+        if self._ledger is not None:
+            self._ledger.charge(schedule_charge(self.terms.sample_rate, self.terms.noise_multiplier, 1))
+        request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys,
+                                        weights=[float_tensor(p.detach().cpu().numpy()) for p in parameters])
+        replies = self._each(lambda gateway: gateway.step(request, _left(deadline)),
+                             "sent no share of a DP-SGD step: the run is aborted; its shares were asked, so it was "
+                             "charged; nothing of it is decoded", deadline)
+        shares = [_share(reply, plan.dimension) for reply in replies]
+        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
+                      for owner, reply in zip(self.owners, replies)}
+        gradient = torch.from_numpy(decode(summed_shares(shares, plan), plan) / self.expected_batch)
+        offset = 0
+        for parameter in parameters:
+            size = parameter.numel()
+            parameter.grad = gradient[offset:offset + size].to(parameter.device, parameter.dtype).view_as(parameter)
+            offset += size
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def train(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int | None = None) -> nn.Module:
+        """``steps`` steps (None: every admitted step left); ``model``, trained. ``spend``: each owner's charges."""
+        for _ in range(self.terms.steps - self._step if steps is None else steps):
+            self.step(model, optimizer)
+        return model
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for gateway in self._gateways:
+            gateway.close()
+
+    def _check_key(self, owner: str, key: owner_pb2.SignedKey, step: int, dimension: int, scale_bits: int) -> None:
+        signed = step_key_of(key)
+        terms = self.terms
+        expected = (owner, self.run, step, dimension, terms.max_grad_norm, scale_bits, terms.noise_multiplier,
+                    terms.sample_rate, terms.steps)
+        try:
+            if (signed.owner, *signed.terms()) != expected:
+                raise ForgedKey(f"owner {owner}'s gateway signed a key for other terms than this step's")
+            self._verifier.verify(signed, key.certificate, key.signature)
+        except ForgedKey as err:
+            raise OwnerDropout(f"{err}: the run is aborted; nothing was released or charged") from None
+
+    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None) -> list:
+        """``call(gateway)`` on every gateway in parallel, answers in order; ``OwnerDropout`` naming
+        the first owner that failed (``failure``: what it did not do)."""
+        futures = [self._pool.submit(call, gateway) for gateway in self._gateways]
+        answers = []
+        for who, future in zip(self.owners, futures):
+            try:
+                answers.append(future.result(timeout=None if deadline is None else _left(deadline)))
+            except FutureTimeout:
+                raise OwnerDropout(f"owner {who} {failure} (no answer within {self.step_timeout_s:g} s)") from None
+            except grpc.RpcError as err:
+                raise OwnerDropout(f"owner {who} {failure}: {err.code().name}: {err.details()}") from None
+        return answers
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:
+    share = reply.share
+    if share.dtype != "int64" or list(share.shape) != [dimension] or len(share.data) != 8 * dimension:
+        raise OwnerDropout(f"a gateway sent a malformed share ({share.dtype} {list(share.shape)}): nothing is decoded")
+    return np.frombuffer(share.data, dtype="<i8").copy()
