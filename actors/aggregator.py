@@ -1,46 +1,11 @@
 """The teacher aggregator as a gRPC service: the labelling core (``actors.labeller``) behind
 an asyncio server that idle or hostile clients cannot starve.
 
-Why asyncio: a thread-per-call server is starved by a handful of idle streams (STACK.md).
-Here an open stream costs an asyncio task, not a thread; the blocking work — hashing inputs,
-waiting for the teachers' votes, charging the SQLite ledger — runs in a bounded pool of
-label threads, and budget reads in a pool of their own, so GetBudget answers while every
-label thread waits on the teachers. On top of that, every limit is explicit: label calls
-beyond ``label_workers + max_queued`` are told UNAVAILABLE at once; every long-lived
-(streaming) call of every service is capped per method, in total and per client address (half
-the total each, so one address never holds them all): LabelStreams at ``max_streams``
-(UNAVAILABLE beyond, as the proto says), health ``Watch`` and reflection streams, which anyone
-may open, at ``max_unauthenticated`` (RESOURCE_EXHAUSTED beyond). Short unary calls — health
-``Check``, ``Label``, ``GetBudget`` — never count against those caps, so no number of open
-streams refuses them. A stream idle for ``stream_idle_timeout`` seconds is closed, and a
-``Watch`` (which sends no requests to be idle between) after that long open: the client
-watches again. Keepalive pings find dead peers, and the largest message the port accepts
-follows from the input shape and ``max_batch``.
-
-One meaning per status code (the proto file lists them). Requests are read as raw bytes and
-parsed here, so an undecodable message is INVALID_ARGUMENT with a short message and one
-rate-limited log line, not a traceback; so is every per-call failure (``RateLimitedLog``: a
-full disk fails every call alike, and only the first line carries a traceback). On the
-Aggregator service RESOURCE_EXHAUSTED means the privacy budget and nothing else; its trailing
-metadata says so (``conclave-reason: privacy-budget``), which is what
-``cluster.client.is_budget_refusal`` checks. A full disk under the ledger, or a ledger record
-that cannot be written, is UNAVAILABLE, not RESOURCE_EXHAUSTED: nothing was charged and the same
-call succeeds once the operator frees space, where a client reading RESOURCE_EXHAUSTED would take
-the budget as spent for good. (A message over the port's size limit gets gRPC's own
-RESOURCE_EXHAUSTED, without that reason; the limit is twice the largest batch the server accepts,
-so a well-formed client never meets it.)
-
-Health is SERVING while the operator has marked the teachers ready and every teacher can
-vote: a failed vote — a teacher's error, or no votes within the vote source's deadline
-(``TeacherPool.vote_timeout_s``, below the client's) — fails the call UNAVAILABLE with nothing
-charged and turns health NOT_SERVING at once, and a watcher asks the vote source until
-it recovers (teacher actors restart and reload their saved models, ``actors.teacher``; kNN
-actors reload their owners' records, ``actors.knn_votes``). Every vote source must say whether it
-is ready (``VoteSource.ready``): one that could not would never be seen to recover.
-
-Bearer-token authentication (the scheme matched case-insensitively, RFC 6750), TLS and
-mutual TLS; a port on a non-loopback address without TLS is refused unless explicitly
-allowed, since the token would travel in clear.
+Open streams cost asyncio tasks, not threads; blocking work runs in bounded pools, and every
+stream kind is capped in total and per client address. One meaning per status code
+(docs/aggregator-api.md): RESOURCE_EXHAUSTED with ``conclave-reason: privacy-budget`` is the
+budget alone; a full disk or an unwritable ledger record is UNAVAILABLE, nothing charged.
+Health turns NOT_SERVING on a failed vote until the vote source is ready again.
 """
 from __future__ import annotations
 

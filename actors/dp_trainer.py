@@ -1,37 +1,10 @@
 """DP-SGD on private shards held by Ray actors, and the private side of NearPrivate.
 
-Private data is read by the actor that keeps it — a ``ShardActor`` placed on its owner's
-node — from a ``ShardSource``: a benchmark's seeded private split (``PrivateSource``) or an
-owner's own file (``OwnerShards``); it never passes through the driver. What leaves those
-actors is DP output only: model checkpoints of DP-SGD, and NearPrivate's releases (DP-PCA of
-the summed covariances, noisy neighbour counts). A lone actor adds the noise itself; several
-send only masked shares of a secure sum with Skellam noise shares (``privacy.secure_release``),
-which the driver adds up and decodes into the noised total. The driver charges the ledger
-before it asks for a release and never sees an exact private sum.
-
-A ``ShardGroup`` trains with ``learning.dpsgd.train_dp`` (Opacus, Poisson sampling): one
-actor alone, or — with several actors, e.g. one per owner — data-parallel over a gloo
-``torch.distributed`` group formed by the actors themselves, which is central DP-SGD on the
-union of the shards whose clipped sums meet only in a secure sum with distributed Skellam
-noise (see ``train_dp``'s ``group_owners`` and ``learning.secure_dpsgd``): no actor sees
-another's clean sum, and the charge is the subsampled Skellam mechanism's. Plain actors rather than Ray
-Train workers, because Ray Train gives every worker the same resources, so it cannot pin each
-owner's worker to the node that declares that owner's resource; and the same actors, data
-already loaded, then answer NearPrivate's private sums.
-
-The schedule (q, σ, steps) comes from ``learning.dp_schedule.dp_schedule`` of a size fixed before
-any data is read (the benchmark's configured split, or the sizes the owners declare): the
-number of steps is released, so it must not be the private count. Every epoch rank 0 keeps a
-checkpoint carrying its ε; the driver charges the ledger with ``DPCheckpoint.charge()`` of
-the checkpoint it releases. Noise and Poisson sampling come from the run's ``NoisePolicy``
-(OS entropy unless the run asks for reproducible, unsound noise), drawn in the process that
-uses them. No loss, count or other statistic of the private data leaves these actors.
-
-Every round of a secure sum has a deadline fixed from public figures (``KEY_TIMEOUT_S`` and the
-others below): an owner whose actor dies, or stops and never answers, ends the run in one line
-naming it (``OwnerDropout``, exit status 3) instead of holding it forever; the calls of the
-abandoned round are cancelled and their references dropped (``gathered``), since a timed-out
-Ray task's result would still arrive.
+A ``ShardActor`` on its owner's node reads its data itself (``ShardSource``); only DP output
+leaves: checkpoints and NearPrivate's noised releases, through a secure sum when several actors
+hold shards. Plain actors, not Ray Train workers, so each owner's worker is pinned to its node.
+The schedule comes from a size fixed before any data is read, and every secure round has a
+deadline from public figures: a silent owner ends the run in one line (``OwnerDropout``).
 """
 from __future__ import annotations
 

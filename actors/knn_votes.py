@@ -1,32 +1,10 @@
 """kNN votes over owners' records: every private record votes through its nearest neighbours.
 
-Private-kNN (Zhu, Yu, Chandraker & Wang, CVPR 2020): for each public query, each private record
-is included independently with probability ``sample_rate`` (a Poisson subsample, fresh per
-query); the k nearest included records, in a fixed public embedding, vote with their labels.
-One record added or removed changes each query's k-nearest list by at most one entry (it enters
-and pushes the k-th out, or leaves and the (k+1)-th comes in; while fewer than k are included it
-only adds or removes its own vote): histogram L2 sensitivity ≤ √2, top count ±1, under
-add/remove neighbours (``KNN_LEMMA``). The Poisson subsample is what lets the charge be
-amplified (Mironov, Talwar & Zhang 2019; Zhu & Wang 2019); that charge is the mechanism's
-concern, not this module's.
-
-Trust model, plainly:
-- Each owner's ``KnnShard`` actors run on the owner's node (its ``Placement``), read the owner's
-  records there (``OwnerSource.load``, as the teachers do), embed them there and keep the
-  embeddings and labels. Records and their embeddings never leave the owner's node.
-- The inclusion sample is drawn inside the actor from the run's ``NoisePolicy`` (OS entropy;
-  an insecure seed replays it, for tests, and makes the run unsound).
-- **Owner-local votes** (across owners): each actor counts its own k_p nearest sampled records
-  into its partial histogram, and only a masked share of it, with a Skellam noise share, leaves
-  (a secure round, ``actors.vote_parties``): nothing per record, no partial histogram.
-- **Clean merge** (one owner whose node runs the aggregator): per query, an actor returns the
-  distances and labels of its k nearest *included* records, padded with +inf / -1, and the
-  aggregator merges the global k nearest. Those distances locate the records (issue 37 rebuilt
-  raw rows from them with d + 1 chosen queries), so the merge never crosses an owner's node.
-
-The embedding is a fixed public transform (``learning.embeddings``: ``Flatten``, ``PublicPCA``
-fitted on public data only, or any picklable callable): it costs no privacy, and queries are embedded the same way on
-the driver, since they are public.
+Private-kNN (Zhu, Yu, Chandraker & Wang, CVPR 2020): a fresh Poisson sample of the records per
+query, whose k nearest in a fixed public embedding vote with their labels (``KNN_LEMMA``).
+Records stay in ``KnnShard`` actors on their owner's node. Across owners each actor sends only a
+masked share of its partial histogram; the clean merge of distances, which locate records, is
+for one owner whose node runs the aggregator. docs/privacy.md, "Who sees what".
 """
 from __future__ import annotations
 

@@ -1,38 +1,11 @@
 """The aggregator's core: teacher votes in, private labels out, every release paid for first.
 
-For each batch of public inputs ``PrivateLabeller.label`` (1) answers inputs it has seen
-before with what it released then — same answer, no new cost, no fresh noise a client could
-average away — and for the rest (2) asks the vote source (the teachers) for vote histograms,
-refusing any that does not count every teacher (no answer from a partial ensemble),
-(3) runs the configured vote mechanism, (4) charges the privacy ledger, writing the answers
-in the same transaction, and only then (5) commits the mechanism's state and releases the
-labels. A refused charge releases, records, charges and advances nothing. Concurrent calls
-are answered as one batch (``actors.group_commit``), except over a ``batch_coupled`` vote
-source (public clusters), where each call's new inputs are a batch and a release of their own.
-
-Answers live in the ledger file, so a restarted service repeats them, free and identical
-(and the answered/abstained counters start from them). A batch whose new inputs the budget
-cannot all pay for is answered up to what it pays: the longest prefix of its new inputs whose
-worst-case charge the ledger accepts (worst cases depend on the count alone, so finding it
-reveals nothing private); the rest are marked refused (``LabelOutcome.refused``), and so are
-all of them once the budget is spent, while inputs on record still get their answers. A batch
-of which nothing is on record and no new input fits is refused whole (``BudgetExceeded``).
-
-The mechanisms' charges hold for one teacher's vote; the vote source states the record-level
-relation its sharding gives (``neighbouring`` with a ``neighbouring_lemma``), and the
-charges are restated for it before they reach the ledger, which composes one relation only.
-Noise comes from the run's ``NoisePolicy`` (OS entropy unless reproducible noise was asked
-for, which marks the guarantee unsound). No gRPC here: ``actors.aggregator`` serves this.
-
-With ``aggregation: secure`` (``SecureLabeller``, for a ``SecureVoteMechanism``) this process
-never holds a clean histogram: steps (2)–(3) become the mechanism's rounds of the secure sum
-(``SecureVoteSource.noised_votes``, ``privacy.secure_votes``), each a release of noised totals.
-A batch runs alone from its worst-case check, before its first round, to its last round. Each round is charged when its shares are asked for — before any arrives: whoever holds
-this process could keep an abandoned round's shares and decode them once a late one comes, so a
-round is a release from that moment, whether or not a client ever gets a label from it. A round
-that fails before (an owner sent no key) releases and is charged nothing. A failed round refuses
-the batch (``TeachersUnavailable``, one line naming the owner): no label released, no answer
-recorded, and the rounds already asked for stay charged.
+``PrivateLabeller.label`` answers inputs on record as before (free, identical), asks the vote
+source for the rest, runs the mechanism, charges the ledger with the answers in the same
+transaction, and only then commits the mechanism's state and releases. A refused charge changes
+nothing; a batch the budget pays for in part is answered up to its affordable prefix.
+``SecureLabeller`` does the same over secure rounds, each charged when its shares are asked for.
+No gRPC here: ``actors.aggregator`` serves this.
 """
 from __future__ import annotations
 

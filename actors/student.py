@@ -1,31 +1,10 @@
 """The student: public inputs in, private labels from the aggregator over gRPC, a model out.
 
-The student never touches a teacher: it is an ordinary gRPC client of the aggregator
-(through the client factory the caller injects, so this module does not depend on
-``cluster/``), exactly as an outside party would be. It trains only on the labels the
-aggregator released (abstentions are dropped) and is evaluated on the held-out test split.
-
-Which public inputs it asks about is its own choice (``QuerySelection``): the pool in order,
-or in rounds chosen by an active-learning strategy (``learning.selection``: uncertain and
-diverse inputs) from a model trained on the answers so far, after a cold start (random, or
-typical inputs at k-means centres of the pool). Every choice is a pool input not asked
-before; choosing reads only public inputs and released labels. Each call asks no more new
-inputs than the budget pays for (its ``affordable_queries``), so the budget's tail is spent
-on smaller batches, not refused.
-
-How it learns from the answers: supervised; with self-training (``pseudo_label_threshold``:
-its own confident guesses on the rest of the pool become extra labels, Lee 2013); or with
-FixMatch (``semi_supervised``, ``learning.semi_supervised``: consistency between weak and
-strong augmentations of every pool input). Label propagation (``label_propagation``,
-``learning.label_propagation``) spreads the released labels over a kNN graph of the pool first;
-its confident labels join the answered ones, for the supervised model or as FixMatch's
-labelled set. All are post-processing of released labels with public inputs: they cost no
-privacy.
-
-The public pool's ground-truth labels are kept only to measure how often the released
-labels are right (the papers' "label accuracy"); they are never used for training. With
-``features`` (see ``learning.data.features``) the student still asks about images, as any
-client does, but its model learns on and is evaluated on their features, computed here.
+An ordinary gRPC client of the aggregator (through an injected client factory), as an outside
+party would be. It chooses its queries (``QuerySelection``) from public inputs and released
+labels, asks no more than the budget pays for, and learns from the answers supervised, by
+self-training, FixMatch or label propagation: all post-processing. The pool's true labels only
+measure label accuracy.
 """
 from __future__ import annotations
 

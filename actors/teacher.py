@@ -1,34 +1,10 @@
 """Teachers: models trained on disjoint private shards, packed several to a Ray actor.
 
-PATE at the papers' scale has 250 teachers; one actor per teacher would start 250 Python
-processes on a 2-core machine. Instead each actor (a ``TeacherGroup``) holds the shards of
-several teachers, trains them one after another, and answers vote requests for all of
-them at once. The actors train in parallel with each other.
-
-The driver never holds private shards: it hands each actor a ``TeacherSource`` (dataset name,
-root, split sizes, seed) and the block of teachers it keeps, and the actor reads its own
-shards from it in its own process — the counterpart of ``actors.dp_trainer.PrivateSource``.
-With ``TeacherSource.features`` (e.g. scattering, see ``learning.data.features``) the teachers
-learn on a fixed representation that each actor computes from its own images, and transform
-every query the same way: the pool takes images and the aggregator still validates images.
-
-What leaves an actor: a vote histogram ``int[batch, k]`` summed over its teachers (the
-driver adds the actors' partial histograms, which only the aggregator's DP mechanism reads),
-and once the number of classes and the input shape. Per-teacher predictions, losses, models
-and data stay inside the actor. With ``aggregation: secure`` not even the partial histogram
-leaves: only a masked share of it with the actor's Skellam noise share in it
-(``actors.vote_parties``, ``privacy.secure_votes``).
-
-Shards are cut by a keyed hash of each record (``learning.data.shard``), so adding or
-removing one record changes one teacher's shard and at most one vote: the vote mechanisms'
-one-vote bounds hold for add/remove neighbours of the owners' data (``SHARD_LEMMA``).
-
-A lost actor is not a lost ensemble: each actor saves every teacher it trains to a
-checkpoint directory on its own node (models of private data never travel; by default the
-run's private folder there, ``actors.run_folder``, gone when the pool shuts down), and Ray
-restarts a dead actor (``max_restarts``), which reloads its shards and saved teachers instead
-of retraining. Until then the pool is not ``ready`` and no vote is taken from the rest: a
-histogram always counts every teacher.
+One actor per teacher would start 250 processes on a 2-core machine, so each ``TeacherGroup``
+trains several and votes for all of them at once. Each actor reads its own shards
+(``TeacherSource``); only summed vote histograms leave it (with ``aggregation: secure``, only a
+masked share). Teachers are checkpointed on their node, so a restarted actor reloads them; until
+then the pool is not ready, and a histogram always counts every teacher.
 """
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
 """Private active learning (Zhao et al. 2019): a DP-SGD checkpoint, improved with bought labels.
 
-1. Split one training set: a seeded private subset, sharded to Ray actors (they read it
-   themselves), and the disjoint rest as the public pool, whose labels only the annotator
-   knows (optionally polluted with out-of-domain images); the test set is the dataset's.
-   Or, with ``owners``: each owner's own file, read only by its shard actors on its node,
-   and the config's ``public`` pool and ``test`` set, the only files the driver reads.
-2. DP-SGD on the private shards — one actor alone, or data-parallel over one actor per shard
-   or per owner's actor (central-equivalent, see ``actors.dp_trainer``), on the schedule of
-   the declared private size. Its whole cost is charged to the run's ledger before training
-   starts; every epoch's checkpoint is kept with its ε.
-3. Every strategy starts from the same final checkpoint, except NearPrivate, which starts from
-   the latest earlier checkpoint whose ε_dp ⊕ ε_dpPCA ⊕ ε_support (composed in RDP) does not
-   exceed the final checkpoint's ε, so all models compared carry the same guarantee
-   (as in the paper's Fig. 1b). NearPrivate's private sums are computed in the shard actors;
-   with several actors they cross only as masked shares of secure sums (Skellam noise), else
-   the one actor noises them itself (``ActiveLearningConfig.selection_releases``).
-4. Labels are bought for each strategy's picks, the checkpoint is fine-tuned on them (public
-   data only: no privacy cost) and evaluated on the test set.
-
-Its pipeline writes ``metrics.json`` (test accuracy per strategy per N_labeled, with ε and the share of
-out-of-domain picks), ``privacy.json`` (the run's guarantee — its budget or the worst case of
-the planned work: the whole DP-SGD schedule, plus DP-PCA and the noisy counts when NearPrivate
-runs — what it spent, and each published model's own guarantee) and
-``accuracy_vs_labels.png``. The run's ledger (``ledger.sqlite``) is durable: running again into
-the same folder composes with what earlier runs spent on the same private data (and is
-refused if the new run declares a different budget). Noise, Poisson sampling included, comes
-from ``privacy.noise``; the seed only splits data, initialises models and draws public choices.
-
-``learn_actively`` returns them as a typed ``ActiveLearningResult``; ``conclave run`` reaches it
-through ``cluster.pipelines.active_learning``.
+DP-SGD on private shards held by Ray actors (``actors.dp_trainer``), charged before training;
+then each strategy buys public labels and fine-tunes (free). NearPrivate starts from the latest
+earlier checkpoint whose composed ε stays under the final one's, so every model compared carries
+the same guarantee. ``learn_actively`` returns an ``ActiveLearningResult``; docs/active-learning.md.
 """
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
 """The library API: owners' data → a teacher ensemble → a private aggregator → a student.
 
-    from conclave.cluster.api import DataSource, OwnerConfig, TeacherStudentConfig, serve, train_ensemble, train_student
-
-    config = TeacherStudentConfig(
-        name="hospitals",
-        owners=(OwnerConfig("hospital_a", DataSource("csv", "/data/a.csv", label="diagnosis"),
-                            teachers=10, resources={"hospital_a": 1}), ...),
-        public=DataSource("csv", "pool.csv"), test=DataSource("csv", "test.csv", label="diagnosis"))
-    with train_ensemble(config) as ensemble:                          # teachers, on their owners' nodes
-        with serve(config, ensemble, "ledger.sqlite") as aggregator:  # gRPC on 127.0.0.1, ledger-gated
-            student = train_student(config, ensemble, aggregator)     # StudentResult
-            report = aggregator.privacy_report()                      # the guarantee first
-
-With ``knn=KnnConfig(...)`` (and ``MechanismConfig("private-knn", ...)``) ``train_ensemble`` trains
-nothing: it starts kNN actors on the owners' nodes, and the records vote themselves.
-
-A whole pipeline is one typed object (``cluster.pipelines``): ``load_pipeline(raw)`` (or
-``TeacherStudent(config)``, ``ActiveLearning(config)``, ``SparseFinetune(config)``), then
-``.validate()``, ``.plan()`` and ``.run(RunContext(...))`` → a typed ``RunOutcome``: what
-``conclave run``, ``plan``, ``serve``, ``audit`` and ``check-data``, tuning and the benchmarks use.
-
-Each step returns a typed result; the steps live in ``cluster.teaching`` (config, ensemble,
-aggregation, student) and this module is their one import point, as it is for the other two
-pipelines' steps: ``learn_actively(ActiveLearningConfig(...), results)`` → ``ActiveLearningResult``
-(its sections: ``ActiveLearningData``, ``ActiveLearningDPSGD``, ``SelectionConfig``,
-``FinetuneConfig``, ``AnnotatorConfig``) and ``finetune_sparsely(SparseConfig(...), results)`` →
-``SparseResult``. A model may be a ``learning.models`` name, ``"module:function"``, or the factory
-itself (``TeachersConfig(model=my_factory)``): Ray sends a function of the script that runs by
-value and ships the package of any other (``cluster.ray_runtime.with_models``).
-``examples/hospitals/library.py`` is the runnable version of the lines above.
+The one import point for the pipelines' steps (``cluster.teaching``, active learning, sparse
+fine-tuning) and for whole pipelines (``load_pipeline``, ``TeacherStudent`` …, then
+``.validate()``, ``.plan()``, ``.run()``). ``examples/hospitals/library.py`` is the runnable
+walk-through; docs/owners.md, "The library API".
 """
 from __future__ import annotations
 

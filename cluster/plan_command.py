@@ -1,28 +1,9 @@
 """``conclave plan CONFIG``: what a run config's budget buys, before any data is read.
 
-From the config alone — no data file is opened, Ray is not started, torch is not imported —
-it states the declared counts (owners, teachers, records), the planned work (the vote
-mechanism and its queries, or the DP-SGD schedule), and the guarantee a run of the config
-would state in ``privacy.json``: the budget (a Rényi filter) or the worst case of the
-planned work, whichever is smaller, from the pipeline's own ``plan()``.
-
-The table: for the configured noise and a few neighbouring levels (the vote mechanism's σ's,
-or DP-SGD's noise multiplier), the worst-case ε of the configured plan and how much work the
-budget admits — answers in the worst case (every asked query answered), or DP-SGD epochs —
-at the filter's order, fixed as a run of that setting would fix it. Without a budget the
-configured plan's worst-case ε stands in for one. Warnings name settings that do not fit the
-declared counts (a Confident-GNMax threshold the ensemble can hardly reach, noise larger than
-the ensemble, few records per teacher, planned work past the budget).
-
-``--propose [FILE]`` proposes settings instead (``cluster.proposal``: the vote source, its size, the
-noise that fits the budget, the student's queries), from the owners' declared records, the
-classes and the public pool's size, and prints (or writes to FILE) the complete config they make,
-which ``conclave run`` takes as it is; ``--source`` names the vote source to size.
-
-``--json`` prints one JSON object (``Plan``). A bad config is one line and exit status 2;
-so is a config whose planned work needs more than the config: a sweep (``conclave tune``;
-its ``base`` is a run config), reused checkpoints (``checkpoints_from``), or a sparse
-benchmark split without ``private.size`` (its N would be counted from the files).
+From the config alone (no data file, no Ray, no torch): the declared counts, the planned work,
+the guarantee a run would state, and a table of what the budget admits at nearby noise levels,
+with warnings for settings that do not fit. ``--propose`` sizes a config instead
+(``cluster.proposal``); ``--json`` prints the ``Plan``. A bad config is one line, exit status 2.
 """
 from __future__ import annotations
 

@@ -1,41 +1,11 @@
 """Settings proposed for a user's teacher/student config, from public figures alone
 (``conclave plan CONFIG --propose``).
 
-What it reads: the config, and the public pool and test tables the driver reads anyway (their
-row count, input kind and class list). What it uses: the owners' declared ``records``, the
-number of owners and classes, the pool's size, ``privacy.budget`` and δ, ``server.max_batch``.
-Never an owner's file: nothing here could depend on a record, so the proposal itself releases
-nothing. Every noise level is calibrated by the accounting a run uses — the proposed config's own
-``planned()`` work, its worst case (``worst_case_guarantee``: RDP, or PLD where tighter) at most
-the budget, and, under a budget, the run's Rényi filter admitting the whole planned work, so the
-run is never cut short by its own filter.
-
-**The vote source.** Public-cluster votes unless asked otherwise (``source``). Measured on public
-proxies at ε = 4 (``bench/proposal_proxy.py``: make_classification tables of other seeds than the
-consortium benchmark's, scikit-learn's digits and breast-cancer tables, each split among three
-owners), the one release of public clusters labelled the whole pool, and its students were 17–40
-points above those of kNN votes (every asked query charged) and teachers (few records each, noise
-on every answer) on the consortium proxies and digits; on breast cancer (300 records, 2 classes)
-clusters and teachers were level and kNN votes 11 points lower.
-
-**Public clusters** (count c, votes per record m, σ). A medoid expects v = N·m/c votes from the
-N declared records, against noise of standard deviation s(m) (σ calibrated for m; with
-``aggregation: secure`` and O ≥ 2 owners the total carries O/(O − 1) times σ²). Two conditions,
-fitted on the proxies: v ≥ ``VOTE_MARGIN`` · s(m), so a 30% plurality stands 3 s clear of the
-noise; and v ≤ (N / classes) / ``LOCALITY``, so a medoid's voters stay a small part of its
-class (the labels lost little up to twice that, and 7–40 points at 4–20 times it). The most
-clusters the pool and one batch allow (``server.max_batch``) that meet both, with the fewest votes
-per record that meet them; failing that, fewer clusters. Every medoid answered: screening the answers (a
-threshold of 2 or 3 noise deviations, a purity of 0.5) gave fewer, more accurate labels and
-students within the runs' spread (−5 to +5 points), so it is left out.
-
-**kNN votes** (k, sample rate q, σ = σ1 = σ2, T, queries). q 0.3 up to ``KNN_FEW_RECORDS``
-declared records, else 0.1; k = N·q / 20 within [10, 300]; T = 0.7 k; the most queries (up to
-the pool) whose calibrated σ stays at most 0.4 k (hospitals-knn, chosen on a public proxy: σ 4 at k 10).
-
-**Teachers** (per owner, GNMax σ, queries). N / ``RECORDS_PER_TEACHER`` teachers within
-[owners, 250], each owner's share by its declared records; the most queries (up to the pool)
-whose σ stays at most a third of the teachers (the shipped hospitals config, 30 teachers at σ 10).
+It reads the config and the public tables' sizes, never an owner's file, so the proposal releases
+nothing. Public-cluster votes by default (on public proxies, ``bench/proposal_proxy.py``, their
+students beat kNN votes' and teachers'); every noise level is calibrated by the accounting a run
+uses, so the proposed run is never cut short by its own filter. The sizing rules are the
+constants below, each with its reason.
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Starting or joining Ray, with local traffic kept on loopback and no process left behind.
 
-With an address (``--address`` or ``RAY_ADDRESS``) we join that cluster and leave its
-networking alone. Without one we start an embedded single-node cluster — with
-``address="local"``: a bare ``ray.init()`` joins whatever cluster ``/tmp/ray`` points to,
-and the teachers' private shards would load in a stranger's workers.
-
-Ray 2.60 binds the machine's external interface by default. With
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes 127.0.0.1 as the node address and every
-listener (GCS, raylet, workers, dashboard agent) binds loopback — measured with ``ss -ltnp``.
-Ray reads that variable once, when ``ray`` is first imported, so we also set the constant it
-was read into.
-
-A driver killed with SIGKILL cannot stop the Ray processes it started, and some (the
-dashboard and runtime-env agents) outlive it, holding ports. So each embedded start records
-the processes it started (PID and start time, in a per-user directory), and the next start
-stops those whose driver is gone — only those, by PID, checked against the recorded start
-time so a reused PID is never touched — and says so. A driver that stops on its own terms
-(``stop_ray``) also stops what outlives Ray's shutdown, as an interrupted start leaves.
-
-Joining is bounded: Ray's own join retries for many minutes (an unreachable head, a refused
-token), so we first reach the head's GCS ourselves within ``JOIN_TIMEOUT_S`` and fail in one line
-(``RayJoinFailed``). The driver then matches the head as ``ray start`` set it up on the same
-machine: token auth when a token exists (``ray start --head`` turns it on then, a driver given an
-address does not), and loopback listeners when the head's nodes are on 127.0.0.1. An embedded
-start waits ``START_WAIT_S`` for its node (Ray's fixed 30 s fails on a loaded machine), and both
-say every ``PROGRESS_EVERY_S`` how long they have waited.
+With an address we join that cluster; without one we start an embedded single-node cluster
+bound to 127.0.0.1 (a bare ``ray.init()`` would join whatever ``/tmp/ray`` points to). Each
+embedded start records the processes it started, and the next one stops those a killed driver
+left, by PID and start time. Joining is bounded (``JOIN_TIMEOUT_S``) and fails in one line.
 """
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """``conclave serve CONFIG``: train the teachers and serve the aggregator to outside students.
 
-Uses the ``teachers``, ``mechanism``, ``aggregation``, ``privacy`` and ``server`` sections of a
-teacher_student config (``aggregation: secure``: the votes meet only in the secure sum). The noise comes from OS entropy (``privacy.insecure_noise_seed`` is
-refused here: a served answer is always a release). The ledger is durable: restarting with the
-same ``--ledger`` file keeps counting what was spent, and its budget — declared in the file
-when it is created, at the order that best fits the config's planned queries — cannot be
-changed by a restart. Without ``privacy.budget`` the service records its spend but has no
-guarantee (an open-ended service has no planned worst case); the budget reply says so.
-The bearer token is ``$CONCLAVE_TOKEN`` (never printed, and taken out of this process's
-environment before Ray starts, so no Ray process inherits it) or a fresh random one, printed once.
-
-``--tls-cert``/``--tls-key`` (or ``server.tls_cert``/``tls_key``) serve TLS, and
-``--tls-client-ca`` mutual TLS. A host other machines can reach (e.g. ``0.0.0.0``) without
-TLS is refused unless ``--allow-plaintext`` says the network is trusted: the token would
-travel in clear. Everything is checked before Ray starts, the ledger is created or a teacher
-trains — the TLS files parse and the key is the certificate's, the port is free, the ledger's
-folder is writable and the ledger opens — and a failure is one line and exit status 2.
-
-Without ``--address`` (or ``RAY_ADDRESS``) Ray runs embedded in this process and never joins
-another cluster on the machine; if an earlier ``serve`` was killed, the Ray processes it left
-are stopped first (``cluster.ray_runtime``). Ctrl-C or SIGTERM at any moment of the start undoes
-what was started — Ray and every process it left included — with one line and status 130; once
-serving, they stop the service cleanly (status 0).
+Noise from OS entropy only (a served answer is always a release); a durable ledger whose budget a
+restart cannot change; a bearer token kept out of Ray's environment. Everything that can fail —
+the TLS files, the port, the ledger — is checked before Ray starts, in one line with exit status
+2; a non-loopback host without TLS is refused unless ``--allow-plaintext``.
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """Experiment tracking: what a run or a sweep published, logged to MLflow when asked.
 
-MLflow gets what the results folder publishes and nothing else: the run's own ``config.json``
-(as params), the numbers of ``metrics.json`` (as metrics; a list becomes a series whose step is
-the position in the list), the guarantee of ``privacy.json`` (ε and δ as metrics, its basis and
-soundness as tags) and the folder's JSON, CSV and PNG files (as artefacts). So the rules that
-keep ``metrics.json`` free of anything computed from private data without a mechanism are
-MLflow's rules too.
-
-A sweep logs one summary run (its ``sweep.json``: the winner and the sweep's guarantee). A sweep
-that publishes every trial (composition, free) also logs each trial as a child run through Ray
-Tune's ``MLflowLoggerCallback``. A random-repetition sweep must keep its number of trials
-secret (``tuning.sweep``), so it logs the summary run alone, made after the sweep with every
-time in it set to the time the trials started, as its results folder's files are.
-
-Where: ``tracking_uri`` (any MLflow URI), by default SQLite at ``<results-dir>/mlflow.db`` with
-the artefacts beside it in ``<results-dir>/mlartifacts`` (the ``tracking`` extra brings
-SQLAlchemy and Alembic, which ``mlflow-skinny`` leaves out), so MLflow's own client reads it
-back as it is (MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set: a
-``file:`` URI given here is opted in for this process, and its readers must set it too).
-
-Times: a run's every timestamp is when it started (``log_run``): when it ended would say how
-long its private work took (docs/privacy.md, Timing).
+MLflow gets what the results folder publishes and nothing else, so the rules that keep
+``metrics.json`` free of private statistics are MLflow's too. A random-repetition sweep logs its
+summary alone, as its number of trials is secret. Every timestamp is the run's start: its end
+would time private work. By default SQLite at ``<results-dir>/mlflow.db``.
 """
 from __future__ import annotations
 

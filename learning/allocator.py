@@ -1,24 +1,9 @@
 """glibc malloc settings that keep freed memory for the next training step.
 
-A DP-SGD step allocates and frees the same large tensors every step: per-example gradients,
-patches, a ResNet's activations. glibc serves an allocation above its mmap threshold (at most
-32 MB) with a fresh mapping and unmaps it when freed, and returns the heap's free top to the
-system beyond 128 kB (adaptively more), so every step pays a page fault for each 4 kB page it
-touches again; on our 2 shared cores fresh memory is written at about 1 GB/s. Serving every
-allocation from the heap and keeping up to 1 GiB of its free top took a book-keeping step of
-the ResNet from 2.16× a plain step to 1.67× (``bench/perf.py``'s ``allocator``: a fresh
-process of each setting per repetition, median of 5). The cost: a process keeps the memory it
-has freed, up to 1 GiB beyond what it holds, instead of handing it back between steps, as
-PyTorch's CUDA caching allocator does; its peak stays the same (the ResNet's steps: 1,446 MB
-against 1,579 MB with glibc's defaults).
-
-``keep_freed_memory()`` applies the settings to the calling process (``mallopt``) and puts them
-in its environment, where glibc reads them in the processes it starts afterwards (Ray's
-workers). ``CONCLAVE_KEEP_FREED_MEMORY=0`` keeps glibc's defaults, and any of these variables,
-or ``GLIBC_TUNABLES``, already in the environment means the user chose: nothing is changed.
-(Setting ``MALLOC_MMAP_MAX_`` to glibc's default value is not the default: any setting of it
-turns off glibc's adaptive mmap threshold.) Off glibc it does nothing. This module imports
-nothing heavy, so it runs before torch loads.
+A DP-SGD step allocates and frees the same large tensors every step, and glibc's defaults return
+them to the system, so each step page-faults them in again. ``keep_freed_memory()`` keeps up to
+1 GiB of freed heap in this process and the ones it starts (``bench/perf.py``'s ``allocator``);
+``CONCLAVE_KEEP_FREED_MEMORY=0`` or any malloc variable already set leaves glibc alone.
 """
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """Per-example clipping in one backward pass, without per-example gradients of Linear layers.
 
-Book-keeping (Bu, Wang, Zha, Karypis 2023, "Differentially private optimization on large model
-at small cost", ICML): a layer's per-example gradient is a product of its input ``a_b`` and
-its output gradient ``g_b``, so one backward pass to the layers' outputs gives everything:
-
-- the per-example norm, without the gradient: ``‖g_b a_bᵀ‖² = ‖a_b‖²‖g_b‖²`` for a Linear on
-  [n, d] rows (Goodfellow 2015's trick); for a Conv2d, ``G_b U_bᵀ`` (U the input's patches) is
-  formed as Opacus does, or, where that takes more multiply-adds, its norm comes from [T, T]
-  Gram matrices (ghost norm, Li et al. 2022); a GroupNorm's per-channel gradients are small
-  and formed;
-- the clipped sum ``Σ_b c_b g_b a_bᵀ = (c ⊙ g)ᵀ a``: one matmul with the output gradients
-  scaled by the clip factors ``c_b = min(1, C / (‖G_b‖ + 1e-6))`` (Opacus's factor).
-
-So a Linear costs what a plain step's weight gradient costs, where Opacus's hooks write the
-[n, out, in] per-example gradients (for ``digits_cnn``'s first Linear, 33 MB a step) and ghost
-clipping takes a second backward pass. The result is the same clipped sum (tested against
-Opacus's per-example gradients); the noise and its scale are Opacus's
-(``DPOptimizerFastGradientClipping``), so the privacy is unchanged.
-
-Only models whose trainable parameters all sit in the layers of ``LAYERS`` (Linear on [n, d]
-rows), each used once per forward, are clipped this way; ``BookKeeping`` refuses the others.
-
-An example whose loss or norm is not finite gets factor 0 and every one of its rows (inputs,
-output gradients, formed per-example gradients) is set to exactly 0 before a sum over the batch,
-so 0 · inf never reaches the clipped sum (``learning.finite_clipping``).
+Book-keeping (Bu, Wang, Zha & Karypis, ICML 2023): the clipped sum ``(c ⊙ g)ᵀ a`` from the
+layers' inputs and output gradients, with per-example norms from ``‖a_b‖‖g_b‖`` (Conv2d: formed
+as Opacus does, or ghost norms). The same clipped sum as Opacus's hooks, without their
+[n, out, in] tensors; noise and privacy are Opacus's. Models outside ``LAYERS`` are refused.
 """
 from __future__ import annotations
 

@@ -1,38 +1,11 @@
 """DP-SGD with Opacus, optionally training only a masked subset of each parameter.
 
-DP-SGD (Abadi et al. 2016): every step Poisson-samples a batch, clips each example's
-gradient to L2 norm C, sums, adds N(0, σ²C²) noise and steps. The privacy cost of all steps
-is the sampled Gaussian mechanism's RDP (Mironov, Talwar, Zhang 2019), composed over steps;
-Opacus's RDP accountant computes it per epoch and the run's charge for the ledger comes from
-``privacy.accounting.rdp.sampled_gaussian_charge`` with the same (q, σ, steps).
-
-Randomness: Poisson sampling and the Gaussian noise are the mechanism, so both come from the
-run's ``NoiseSource`` (OS entropy unless a run asks for reproducible, unsound noise); the
-model's initialisation is the caller's (the experiment seed). torchcsprng, which Opacus's
-``secure_mode`` needs, has no build for this torch, so the generators are torch's, seeded with
-63 bits from the OS CSPRNG; the optimizer still draws its noise the floating-point-safe way
-(Opacus's secure noise: four Gaussians summed, Holohan et al. 2021 / Opacus 1.1).
-Nothing computed from the private data but the DP weights leaves ``train_dp``: no losses.
-
-Across owners (``secure``), ranks of a gloo group sum their clipped gradients through secure
-aggregation with distributed Skellam noise (``learning.secure_dpsgd``): no rank sees another's
-clean sum, and the cost is the Poisson-subsampled Skellam mechanism instead of the Gaussian.
-
-Extreme records. A record can hold any finite float32 (1e38 passes every reader), and the
-model's forward pass may overflow on it. In every grad-sample mode (``grad_sample_modes.clipped``)
-an example whose loss or per-example gradient norm is not finite adds exactly 0 to the clipped
-sum (``learning.finite_clipping``), so one record moves it by at most C whatever it holds, and
-no step depends on whether one was dropped. Inputs are not clipped to a public bound here:
-the guarantee does not need it, the trainer does not know what a bound on raw values would mean
-(columns of any scale, images, features), and a bound applied in training only would train
-another function than the model serves. A model that wants bounded inputs (say standardised
-table values clamped at ±k) says so in its own first layer, in training and serving alike.
-
-Masks (sparse fine-tuning, Luo et al. 2021): a 0/1 tensor per parameter. The mask multiplies
-every per-example gradient *before* clipping, so frozen entries add nothing to the norm and
-the clipping budget goes to the entries that train; it also multiplies the noise, so frozen
-entries receive exactly zero update. Masking only the final update would be just as private
-but would waste clipping budget and noise on entries that never move.
+Poisson sampling and noise come from the run's ``NoiseSource`` (OS entropy), never the seed; the
+charge is ``privacy.accounting.rdp.sampled_gaussian_charge`` of the same (q, σ, steps). Across
+owners the clipped sums meet only in a secure sum (``learning.secure_dpsgd``). An example whose
+loss or norm is not finite adds exactly 0 (``learning.finite_clipping``), and a mask acts before
+clipping; nothing but the DP weights leaves ``train_dp``. docs/privacy.md, "Clipping no record
+can break".
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """Per-example clipping that no value of one example can break.
 
-DP-SGD's guarantee rests on one example moving the clipped sum by at most C. Opacus's clip
-factor C / (‖g‖ + 1e-6) is NaN for a NaN norm and 0 for an infinite one, and 0 · inf is NaN
-again wherever the clipped sum is a product over the batch's rows (ghost clipping's second
-backward pass, book-keeping's matmuls). One owner record at 1e30 thus made every weight of a
-run NaN: one record changed the whole released model, an unbounded sensitivity.
-
-The rule here, for every grad-sample mode: an example whose loss or per-example gradient norm
-is not finite (a float32 norm past 3.4e38 counts as infinite) is clipped with factor 0 *and its
-rows are set to exactly zero* before anything sums over the batch, as if its norm were
-infinite. A forward pass that overflows on an example shows there, as an inf or NaN loss or
-gradient; one the model absorbs (a saturated tanh) leaves a finite gradient, clipped as usual.
-Every other example keeps Opacus's factor and its exact contribution. Whether an example is
-dropped is a function of that example and the (public) weights alone, so the clipped sum still
-moves by at most C with one record, and the noise and accounting are unchanged. Where a mode
-computes the norm differently (ghost clipping's ‖a‖²‖g‖² overflows where a materialised
-gradient's norm may not), an extreme example may be dropped in one mode and clipped in
-another: either way it adds at most C.
-
-The masking is elementwise arithmetic over the whole batch (``torch.where``), never a branch:
-a step takes the same operations whether or not an example is dropped, and nothing counts or
-logs dropped examples (a count would be a statistic of the private data).
+An example whose loss or per-example gradient norm is not finite is clipped with factor 0 and its
+rows zeroed before any sum over the batch, elementwise, never by a branch or a count: so one
+record moves the clipped sum by at most C whatever it holds. Why Opacus's factor alone does not:
+docs/privacy.md, "Clipping no record can break".
 """
 from __future__ import annotations
 

@@ -1,51 +1,10 @@
 """Data-parallel DP-SGD across owners through secure aggregation: no rank sees another's sum.
 
-Each rank (a shard actor on its owner's node) clips its Poisson batch's per-example gradients
-as in central DP-SGD and sums them. Instead of all-reducing that clean sum (what Opacus's
-distributed optimizer does, adding noise on rank 0 only: every rank would learn every other
-rank's exact clipped sum, and from a one-record batch the record itself), each rank turns its
-sum into one share of a secure sum (``privacy.secure_sum``, Bonawitz et al. 2017 with the
-Skellam mechanism of Agarwal, Kairouz & Liu 2021):
-
-1. project the sum onto an L2 ball of public radius (non-expansive: the sensitivity stays the
-   clip bound C), scale by γ and round to integers;
-2. add its Skellam noise share, sized so that every owner, even knowing its own share, faces
-   noise of variance μ = (z·Δ₂)² from the others (Δ₂ = γC + √d, the rounding included);
-3. add pairwise masks from an X25519 key exchange among the ranks (fresh keys per run, a fresh
-   ChaCha20 stream per step), which cancel in the sum modulo the ring. The public keys travel
-   through Ray (mutually authenticated under TLS), not the gloo group's plain TCP, so a
-   network attacker cannot swap them; the driver that passes them on is trusted not to.
-
-The int64 all-reduce of the masked shares over the gloo group is the secure sum: every rank
-decodes the same noised total, divides it by the declared expected batch and steps, so the
-ranks stay in step without ever holding a clean sum but their own. The ring and the scale are
-fixed before the run from public numbers (the clip bound, the trained entries d, the ranks,
-the declared records): a setting that would not fit is refused in one line before anything
-trains.
-
-The privacy cost is the Poisson-subsampled Skellam mechanism (``privacy.accounting.skellam``:
-Agarwal, Kairouz & Liu 2021 for the base, Zhu & Wang 2019 for the subsampling). Its charge
-needs no d: the plan picks γ with √d ≤ γC/20 (``SecureSumPlan.rounding_inflation`` = 0.05), so
-Δ₂ = γC + √d ≥ 21√d ≥ 21, and with μ = (z·Δ₂)² the Skellam bound is α/(2z²) plus three
-correction terms — (2α−1)/(4z⁴Δ₂²), 1.5√d/(z⁴Δ₂³) and 1.5√d/(z²Δ₂) — each at most its value
-at Δ₂ = Δ₁ = 21. ``learning.dp_schedule.secure_charge`` charges that dominating curve, so the
-ledger can be charged before training, from the config alone, and never less than any plan costs.
-
-Only ``grad_sample_mode`` hooks is supported here (per-example gradients, masks before clipping).
-
-Timing. The all-reduce is a rendezvous: each rank sees when the others reach it. A rank that
-computed on its own Poisson batch would reach it after a time that grows with that batch, a
-secret draw whose mean is q·(its records). So every step of every rank computes on a batch of
-one public size (``PaddedPoissonBatches``): its sampled examples followed by padding rows of
-weight 0, whose per-example gradients are exactly 0 (so they add nothing to the clipped sum; a
-padding row copying a record whose gradient is not finite is dropped as that record is:
-``learning.finite_clipping``),
-``padded_batch_size`` rows in all — the size a Poisson batch of the rank's declared records
-passes with probability at most ``OVERFLOW`` per step. The inclusion draws run over the declared
-records too. The arithmetic is the same for every batch, so when a rank reaches the all-reduce
-depends on its hardware and load, not on its records. Only a batch past the padded size (at most
-``OVERFLOW`` per step, or an owner holding more records than it declared) takes a second chunk,
-and so longer.
+Each rank clips its Poisson batch's per-example gradients and sends its sum only as a masked
+share of a secure sum with Skellam noise (``privacy.secure_sum``), instead of Opacus's clean
+all-reduce, which would show every rank the others' exact sums. Every step computes on a padded
+batch of one public size (``PaddedPoissonBatches``), so a rank's arrival at the all-reduce does
+not depend on its records. The charge, free of d: docs/privacy.md, "Secure DP-SGD's charge".
 """
 from __future__ import annotations
 

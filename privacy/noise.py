@@ -1,27 +1,10 @@
 """Where DP noise comes from: OS entropy, always, unless a run asks loudly for the opposite.
 
-A run's experiment seed decides splits, initialisation and batch order; it never decides
-noise. If it did, anyone holding the repository could replay the noise and subtract it:
-the privacy loss would be unbounded. So every process that draws DP noise gets a
-``NoiseSource`` from a ``NoisePolicy``:
-
-* the default policy seeds a PCG64DXSM generator with 256 bits from the operating system's
-  CSPRNG (``secrets``) for every source, and draws released floating-point values and
-  counts with OpenDP's samplers, which sample the discrete Laplace / discrete Gaussian
-  exactly (Canonne, Kamath & Steinke, NeurIPS 2020) and so do not leak through the low
-  bits of a textbook float sampler (Mironov, CCS 2012);
-* ``NoisePolicy(insecure_seed=N)`` derives every source from N and a stream name, for
-  debugging and tests. Such noise can be replayed, so every report of such a run carries
-  ``sound: false`` with ``INSECURE_REASON``;
-* ``NoisePolicy(noise_scale=f)``, f ≠ 1, is the deliberately broken build an audit test must
-  catch (``cluster.auditing``): DP-SGD draws its noise at σ·f while it is still accounted and
-  charged at σ. ``learning.dpsgd.train_dp`` is the one reader (the label audit scales its
-  vote mechanism's σ itself, ``cluster.auditing.labels.ScaledNoise``); such a run is
-  ``sound: false`` with ``BROKEN_REASON``. No config key or flag sets it.
-
-Mechanisms that release only an argmax (the vote mechanisms) use ``NoiseSource.rng``;
-released numbers use ``laplace_counts`` and ``gaussian``; torch code (DP-SGD noise and
-Poisson sampling) seeds its generators with ``NoiseSource.seed()``.
+The experiment seed never decides noise: anyone holding the repository could replay it. Every
+process that draws noise gets a ``NoiseSource`` from a ``NoisePolicy``; released numbers use
+exact samplers (OpenDP). ``insecure_seed`` (tests, debugging) and ``noise_scale`` (the broken
+build an audit must catch) mark every report ``sound: false``. docs/privacy.md, "Where noise
+comes from".
 """
 from __future__ import annotations
 

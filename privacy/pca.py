@@ -1,29 +1,9 @@
 """Differentially private PCA by Analyze Gauss (Dwork, Talwar, Thakurta, Zhang, STOC 2014, Alg. 1).
 
-Rows are scaled to unit L2 norm, so one row ``x`` (‖x‖ ≤ 1) changes the summed covariance
-``A = Σ x xᵀ`` by ``x xᵀ`` when it is added or removed. We release ``A + E`` where ``E`` is
-symmetric with the upper triangle (diagonal included) drawn i.i.d. N(0, σ²) and mirrored
-below. What is released is therefore the upper triangle of ``A`` plus i.i.d. Gaussian noise,
-whose L2 sensitivity is ``sqrt(Σ_{i≤j} (x_i x_j)²) ≤ ‖x xᵀ‖_F = ‖x‖² ≤ 1``: the Gaussian
-mechanism with sensitivity 1 and noise multiplier z = σ.
-
-Calibration: we do NOT use the classic ``σ = sqrt(2 ln(1.25/δ))/ε`` (valid only for ε < 1 and
-composed loosely). We calibrate through Rényi DP: σ is the smallest noise multiplier whose
-Gaussian RDP curve (Mironov 2017, Prop. 7: ε(λ) = λ/(2σ²)) converts to at most ``epsilon``
-at ``delta`` on its own, and the ledger is charged that Gaussian RDP curve, so it composes
-exactly with DP-SGD and the noisy counts. The top-p eigenvectors of the noisy matrix are
-post-processing and cost nothing more.
-
-The summed covariance is separable: each shard holder computes ``covariance_sum`` of its own
-rows. With one holder of all the rows, that holder adds the noise ONCE (``AnalyzeGauss``).
-With several, their parts meet only in a secure sum (``SecureAnalyzeGauss``): each holder sends
-its upper triangle quantized, with a Skellam noise share, under pairwise masks, and whoever
-sums decodes only the noised total (``privacy.secure_release``); the noise is then Skellam and
-the release is charged as the Skellam mechanism.
-
-The released matrix is a float: its noise comes from ``NoiseSource.gaussian`` (an exact
-sampler, rounded once), not from a textbook float sampler whose low bits leak (Mironov 2012).
-Neighbours are add/remove of one row.
+The summed covariance of unit-norm rows plus symmetric Gaussian noise, calibrated and charged as
+the Gaussian RDP curve so it composes exactly with DP-SGD; one holder noises it once
+(``AnalyzeGauss``), several meet in a secure sum (``SecureAnalyzeGauss``). The sensitivity:
+docs/privacy.md, "Analyze Gauss".
 """
 from __future__ import annotations
 

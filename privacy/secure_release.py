@@ -1,23 +1,9 @@
 """One-round DP releases of a sum across parties through the secure sum (DP-PCA, NearPrivate's counts).
 
-Each party (a shard actor, on its owner's node) turns its part of the sum into ONE masked share
-(``privacy.secure_sum``): its part quantized, plus its Skellam noise share, plus pairwise masks
-from a key pair made for this release alone. Whoever adds the shares (the driver) decodes only
-the noised total; a share on its own is uniform on the ring, and every owner, even knowing its
-own noise share, faces Skellam noise of variance μ = (z·Δ₂)² from the others' shares.
-
-The release is therefore the multi-dimensional Skellam mechanism (Agarwal, Kairouz & Liu,
-NeurIPS 2021, Cor. 3.6; ``privacy.accounting.skellam``) with the plan's integer-domain
-sensitivities Δ₁, Δ₂ and variance μ. Each release class (``privacy.pca.SecureAnalyzeGauss``,
-``privacy.counts.SkellamCounts``) charges a curve fixed by its noise multiplier z alone, so the
-run's planned worst case is known before any data is read; ``release_plan`` refuses any plan
-whose own Skellam curve exceeds that charge at some order, so what runs never costs more than
-what is charged. z is the smallest multiplier (to a relative 10⁻⁶) whose charge converts to at
-most the configured ε at the run's δ.
-
-A release is one round of one session: the caller gathers one share per party (a missing
-share leaves the total uniformly random, so it must then release nothing) and never reuses
-the key pairs.
+Each party sends one masked share of its part, with its Skellam noise share, under key pairs made
+for this release alone; whoever adds the shares decodes only the noised total. A missing share
+means nothing is released. The charge is fixed by the noise multiplier alone: docs/privacy.md,
+"One-round secure releases".
 """
 from __future__ import annotations
 

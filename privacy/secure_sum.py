@@ -1,60 +1,10 @@
 """Secure sum of owners' vectors with distributed Skellam noise: whoever sums sees only a noised total.
 
-Every cross-owner sum (DP-SGD steps, DP-PCA covariance sums, NearPrivate's counts) runs as
-follows, one *round* at a time, over W *parties* (ranks) that belong to ``owners`` owners:
-
-1. **Quantize** (Kairouz, Liu & Steinke, ICML 2021, §4; Agarwal, Kairouz & Liu, NeurIPS 2021,
-   §4): each party projects its real vector onto the L2 ball of radius R (non-expansive, so the
-   sum's sensitivity c is unchanged), multiplies by a power of two γ and rounds to the nearest
-   integer. Rounding is deterministic, so ``|round(a) − round(b)| ≤ |a − b| + 1`` per coordinate
-   and the integer-domain L2 sensitivity is ``Δ₂ = γc + √d`` (triangle inequality). The L1
-   sensitivity is ``Δ₁ = √d·Δ₂ = γc√d + d``: Cauchy–Schwarz on the integer change, and the
-   coordinate-wise route (``Σ(γ|Δv_i| + 1) ≤ γ√d·c + d``) gives the same number; the integer
-   route ``‖x‖₁ ≤ ‖x‖₂²`` never beats it because ``Δ₂ ≥ √d``. Vectors that are integers already
-   (counts) skip quantization (``integer_inputs``): γ = 1, ``Δ₂ = c``, ``Δ₁ = min(√d·c, c²)``.
-2. **Distributed noise** (Agarwal, Kairouz & Liu, "The Skellam mechanism", NeurIPS 2021): each
-   party adds integer Skellam noise ``Poisson(λ) − Poisson(λ)`` (variance 2λ). Skellam shares sum
-   to a Skellam, so the total carries Skellam noise whose variance is the sum of the shares'.
-   The accountant (privacy/accounting/) charges the Skellam mechanism with ``Δ₁``, ``Δ₂`` and
-   ``noise_variance`` (= ``(z·Δ₂)²``; its Poisson parameter is half of that).
-3. **Pairwise masks** (Bonawitz et al., "Practical secure aggregation for privacy-preserving
-   ML", CCS 2017, §4 without the dropout-recovery part): each pair of parties agrees an X25519
-   key, HKDF-SHA256 turns it into a pair key bound to both public keys and a session string,
-   and ChaCha20 keyed with it (nonce = the round number) gives a uniform stream mod m = 2^b.
-   The lower rank adds it, the higher rank subtracts it, so the masks cancel exactly in the
-   sum mod m, and each share on its own is uniform on Z_m whatever the party's vector.
-4. **Ring**: the shares live in Z_m with W·m < 2^63, so an int64 all-reduce of W values in
-   [0, m) never overflows. The plan picks γ so that the true total, quantized values plus all
-   the noise, stays inside [−m/2, m/2) with probability ≥ 1 − ``wrap_probability`` over all
-   ``rounds × d`` coordinates (Bernstein's inequality for the Skellam total, union bound); the
-   total is decoded by mapping Z_m to signed integers and dividing by γ. A wrap-around is only
-   a utility failure: the decoded total is still a function of the noised sum.
-
-**Noise shares against curious owners.** An owner knows its own noise and can subtract it
-from the total. So that every owner still faces noise of variance ≥ μ_total = (z·Δ₂)² from the
-others, each of the O owners contributes μ_total/(O − 1), split evenly across its parties:
-the noise any one owner does not know sums to μ_total (shares are rounded up by 2^-40, so
-float error never leaves it below). Whoever only sees the total (an outsider, the summing
-rank) faces ``outsider_variance`` = O·μ_total/(O − 1). With a single owner (O = 1) that owner
-adds μ_total itself; the protection is then against whoever sums. The sizing protects against
-ONE curious owner; a coalition of k owners faces only (O − k)/(O − 1)·μ_total and is not covered.
-
-**Dropout.** There is no recovery: a total that lacks a party's share is uniformly random
-garbage (the other parties' masks do not cancel). The caller must abort such a round: release
-nothing, charge nothing, and never reuse its round number (the masks of a round are spent
-once shares have been sent).
-
-**Sampler.** numpy's Poisson sampler (Hörmann's PTRS, 1993) returns integers, so nothing
-leaks through low bits (Mironov, CCS 2012); it refuses λ above ~9.2·10^18 and evaluates its
-acceptance test in float64, whose absolute error grows like 2^-52·λ·ln λ. We therefore draw
-Poisson(λ) as a sum of equal Poissons of parameter ≤ 2^30 (a sum of independent Poissons is
-Poisson), where that error stays ~10^-5 relative per probability. The accountant treats the
-noise as exact Skellam; the float acceptance test is the one approximation left.
-
-**Why γ is not "as large as the ring allows".** Past γc ≫ √d a larger γ buys nothing (the
-noise in real units is z·(c + √d/γ)) and only makes the noise dearer to draw: at the ring's
-limit the variance would be ~2^110. γ is the smallest power of two at which the rounding
-inflates Δ₂ by at most ``rounding_inflation`` over γc, or smaller if the ring cannot hold it.
+Every cross-owner sum (DP-SGD steps, DP-PCA, NearPrivate's counts) runs in rounds: each party
+quantizes its vector, adds its Skellam noise share and pairwise masks (X25519, HKDF, ChaCha20)
+that cancel mod the ring. ``SecureSumPlan`` fixes the scale, ring and noise shares from public
+figures. A round missing a share must be aborted. Sensitivities, noise shares, ring and sampler:
+docs/privacy.md, "Quantized secure sum".
 """
 from __future__ import annotations
 

@@ -1,45 +1,10 @@
 """PATE's vote histograms through the secure sum (``aggregation: secure``): whoever aggregates sees
 only noised totals, never a teacher's or an owner's clean votes.
 
-One *round* releases the vote histograms of a batch of B queries over k classes. Each party (a
-teacher actor, on its owner's node) flattens its partial histograms — the votes of its own
-teachers, ``int[B, k]`` — into one vector of B·k counts and sends ONE masked share of it
-(``privacy.secure_sum``; ``privacy.secure_release`` for the one-round protocol): its counts, plus
-its Skellam noise share drawn in its own process from OS entropy, plus pairwise masks from key
-pairs made for this round alone. The aggregator adds the shares mod the ring and decodes the
-noised histograms; a share on its own is uniform on the ring, whatever the votes in it.
-
-**Sensitivity (one-vote neighbours, ``Neighbouring.ONE_VOTE``).** Votes are integers: no scaling, no rounding
-(``SecureSumPlan.integer_inputs``). When one teacher's vote moves from class a to class b, one
-query's histogram changes by +1 and −1: Δ₁ = 2, Δ₂ = √2 per query. The teacher votes on every
-query of the batch, so the round's vector moves by Δ₁ = 2B, Δ₂ = √(2B), and the Skellam bound
-(Agarwal, Kairouz & Liu 2021, Cor. 3.6; ``privacy.accounting.skellam``) at those numbers is
-exactly B times the per-query curve — every term is linear in Δ₂² and Δ₁ — which is also the
-composition of B one-query releases (Mironov 2017, Prop. 1). ``vote_release_charge(σ, B)``
-charges that. For GNMax it is the Gaussian curve λ/σ² of the clean mode (Papernot et al. 2018,
-Prop. 8, which bounds the whole noisy histogram too) plus the discreteness term of Cor. 3.6.
-
-**Noise (``SecureSumPlan.party_variances``).** Every owner, even one that subtracts its own noise
-share, faces Skellam noise of variance σ² from the others' shares: with O ≥ 2 owners each adds
-σ²/(O − 1), split across its actors, so the aggregator (who knows no share) sees variance
-O·σ²/(O − 1) — the labels are noisier than the clean mode's at the same σ (1.5σ² with three
-owners); with one owner, that owner adds σ² and the protection is against the aggregator.
-
-**Ring.** A party's count in one cell is at most its number of teachers (public), so the ring is
-sized from the largest party's teacher count (the plan's per-coordinate bound; integer inputs are
-never projected) and the noise's Bernstein tail, as every plan is (``SecureSumPlan``).
-
-**Other vote sources (``VoteBound``).** The same round carries any source's histograms; what one
-neighbour can move, and so the charge, is the source's: teachers move one vote per query
-(``TEACHER_VOTES``); kNN votes over a fresh Poisson sample per query move one vote per query on
-the sample, charged as the sampled Skellam release (``knn_votes``,
-``privacy.accounting.sampled_skellam``); public-cluster votes move m cells of the whole round, once
-(``cluster_votes``: one release per round, Δ₁ = m, Δ₂ = √m, whatever the batch).
-
-A missing share leaves the total uniformly random, so the round is aborted and no label is
-released. It is charged all the same once its shares were asked for: a late share still arrives,
-and an aggregator that kept the others could decode the round (``actors.vote_parties``,
-``actors.labeller.SecureLabeller``); a round that fails before (an owner sent no key) costs nothing.
+One round releases a batch's histograms: each party sends one masked share of its partial counts
+with its Skellam noise share. What one neighbour moves, and so the charge, is the vote source's
+(``VoteBound``: teachers, kNN votes, public clusters). A round is charged once its shares are
+asked for. Why a round costs B one-query releases: docs/privacy.md, "A secure vote round".
 """
 from __future__ import annotations
 

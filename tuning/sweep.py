@@ -1,26 +1,10 @@
 """Run one sweep: check it, prepare what trials share, run them with Ray Tune, account for
 the tuning, and write the report.
 
-Checks made before anything runs (each a ``ConfigError`` naming the problem):
-* the base config with one point of the space is a valid run config of the kind's pipeline;
-* keys a kind prepares once (the public model, the fixed DP checkpoint) are not swept;
-* ASHA only for kinds whose trials report every epoch;
-* noise from OS entropy: a base config with ``privacy.insecure_noise_seed`` is refused, as
-  ``conclave serve`` refuses it (the seed would fix every trial's noise and, with random
-  repetition, the number of trials);
-* random repetition (Papernot & Steinke 2022, Thm 2) only with random search (no grid, no
-  ASHA: trials must be independent runs of one algorithm) and with no privacy setting swept.
-
-Random repetition also needs the number of trials K to stay secret and every trial to be an
-independent run: K and the search's random state are drawn from the run's noise source (OS
-entropy), every trial draws fresh DP noise, and only the winner is published — its row and
-its plot, under the opaque name ``report.WINNER``. Nothing written or printed says how many
-trials ran or which one won: Tune's console output is discarded, its storage lives in a
-temporary directory removed after the sweep, and every file of the results folder gets one
-modification time (the sweep's duration tracks K). Theorem 2 covers exactly that release.
-Logged to MLflow (``tracking``), such a sweep is one run made after it ended with the same
-files and the same single time; other sweeps log each trial as a child run through Ray Tune's
-MLflow callback, under a summary run.
+Every check is made before anything runs (a ``ConfigError`` naming the problem). Random
+repetition (Papernot & Steinke 2022, Thm 2) needs the number of trials to stay secret, so it is
+drawn from OS entropy, Tune's output and storage are discarded, only the winner is written, and
+every file gets one modification time. docs/cluster-and-tuning.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """Trials: one Ray Tune function trainable that runs a sweep kind's piece of a pipeline.
 
-Kinds (``KINDS``) and how their trials run:
-
-* ``teacher_ensemble`` — the ``teacher_student`` pipeline end to end (number of teachers,
-  σ1/σ2/T, number of queries under the ledger's ε limit). Reports every student checkpoint.
-* ``near_private`` — the ``active_learning`` pipeline with NearPrivate only, the ε limit
-  split on the simplex between DP-SGD (``dpsgd.target_epsilon``), DP-PCA and the noisy
-  support counts, and N_labeled. Reports every DP-SGD checkpoint, then the fine-tuned model.
-* ``diverse_public`` — free: one DP-SGD checkpoint is trained once before the sweep
-  (``prepare``); trials see only that checkpoint and public data (N_cluster × N_each).
-* ``sparsity`` — sparse DP fine-tuning of one public model (pre-trained once before the
-  sweep, public data only) for a fraction p and a trained-parameter variant; reports every
-  DP-SGD epoch, so ASHA can stop a poor trial early.
-
-Kinds that run a whole pipeline start the pipeline's own actors (teachers, shard actors,
-the student). Tune captures a trial's child tasks in the trial's placement group, where
-those actors would not fit, so the pipeline runs in a task scheduled outside it and the
-trial itself holds no CPU (only a little memory): the actors ask the cluster themselves.
-
-Every report carries ``accuracy`` (test accuracy), ``epsilon`` (this trial's ε so far)
-and the trial's whole privacy charge (``rdp`` on ``DEFAULT_ORDERS``, ``extra_delta``,
-``unbounded``), charged before training starts, so a trial stopped early still accounts
-for everything it could have released.
+``KINDS``: ``teacher_ensemble``, ``near_private``, ``diverse_public`` (free: one checkpoint
+trained before the sweep) and ``sparsity``. Pipelines run in a task outside the trial's placement
+group, where their actors would not fit. Every report carries the trial's whole privacy charge,
+charged before training, so a trial stopped early still counts in full.
 """
 from __future__ import annotations
 

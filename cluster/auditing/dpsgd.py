@@ -2,28 +2,8 @@
 NeurIPS 2023): canaries in, one training run through the pipeline's own shard actors, a
 membership guess per canary from the released model, and the lower bound on ε.
 
-1. ``m`` canaries are made from the public test split (``make_canaries``), and each is included
-   in the private data independently with probability ½, drawn from OS entropy
-   (``SecretInclusion``). The included ones join the first shard actor's data (the first
-   owner's, when the config has owners), inside that actor (``CanarySource``).
-2. The audit is its own run ("<name>-audit"): the DP-SGD schedule is that of the declared
-   private records plus the ``m`` canaries (every canary might be in: the declared size is an
-   upper bound), charged to a run ledger in a temporary folder that is deleted afterwards —
-   never the production run's — and, like any run, to the lifetime ledger of every owner that
-   declares one: the audit trains on the owners' real records, and what it publishes (a count
-   of correct guesses) is computed from that model. Training is the pipeline's:
-   ``ShardGroup.train`` → ``train_dp`` (Opacus; the secure sum across several actors), with
-   the config's noise policy, OS entropy unless it asks otherwise.
-3. Only the released model (the final DP-SGD checkpoint) is scored: the loss of each canary's
-   (input, label). The lowest losses are guessed "in" and the highest "out", ``r/2`` each;
-   only then is the inclusion draw read, to count the correct guesses ``v``.
-4. The bound is ``epsilon_lower_bound(m, r, v, δ, confidence)`` at the run's δ, under the
-   audit run's own guarantee (the worst case of its DP-SGD schedule, or its budget if smaller).
-
-The audited release is the DP-SGD model alone: strategies, fine-tuning on bought public labels
-and NearPrivate's releases do not run (the last would add to the guarantee, not to what the
-model reveals). ``AuditSettings.broken_noise`` (tests only) scales the σ Opacus draws while the
-schedule, the ledger and the guarantee keep the configured σ (``NoisePolicy.noise_scale``).
+The audit is a run of its own, charged to a temporary run ledger and the owners' ledgers; only
+the final DP-SGD checkpoint is scored. docs/privacy.md, "The one-run audit".
 """
 from __future__ import annotations
 

@@ -1,64 +1,11 @@
 """The one-run audit of the ``teacher_student`` pipeline's label aggregator (Steinke, Nasr &
 Jagielski, NeurIPS 2023): canary records in the teachers' data, their queries asked of the real
-aggregator, the released labels as the membership guesses, and the lower bound on ε.
+aggregator, the released labels as membership guesses, and the lower bound on ε.
 
-What one record can do here: it sits in one teacher's shard (the keyed hash,
-``learning.data.shard``), so it moves at most that teacher's vote on a query. The released label
-changes only where the other teachers' votes sit at the mechanism's decision boundary, and
-real data puts few queries there. The theorem holds for every pair of neighbouring datasets,
-so the auditor builds the base data that puts every canary query at that boundary:
-
-1. A *design* (``choose_design``), from the mechanism's public parameters and the teacher count
-   only: ``canary_voters`` teachers vote the canary class (1) on every canary query, at most one
-   more (``third_voters``) a third class (2), and the rest — the *hosts*, where the canaries live
-   — the out class (0). Of such splits, the ones where the mechanism without noise releases
-   class 1 when one host's vote moves to it and not otherwise, and among those the one that the
-   configured noise and a tenth of it hide least (simulated on the two histograms): the 1-vote
-   tie for GNMax and LNMax, the top count one short of T for Confident-GNMax.
-2. Canaries: ``m`` random out-of-distribution inputs (binary images at the inputs' range; for
-   tables ±3 public standard deviations per column) with class 1, each chosen so that its hash
-   puts it in a host. Each is added with probability ½, drawn from OS entropy
-   (``SecretInclusion``). Pins, in every run: each teacher holds a near copy of every canary
-   input labelled with its own vote (its host a copy with 1/16 of the entries flipped, labelled 0,
-   so that an included canary can still be learnt), placed by the same hash. A teacher then
-   votes its class on every canary query, except a host that holds the canary, which votes 1.
-   The cost: every teacher trains on ``m`` more records (n·m pins in all).
-3. The audit is its own run ("<name>-audit"): the teachers train as configured on the config's
-   data plus these records (an owner's declared cap cuts its own records only), and the real
-   gRPC aggregator (``PrivateLabeller``, the config's mechanism and noise policy, OS entropy)
-   answers the ``m`` canary queries, charged to a run ledger in a temporary folder deleted
-   afterwards — never the production run's — and, like any run, to the lifetime ledger of every
-   owner that declares one (the teachers learnt the owners' real records). Its
-   plan is ``m`` queries (``student.queries``), so ``m`` is cut to what the budget pays for in the
-   worst case and to the public pool's size.
-4. Guesses from the released labels alone: "in" where a canary query got class 1, "out" elsewhere
-   (abstentions included). The theorem bounds any guesser that sees only the output and makes at
-   most ``r`` guesses, so with two-valued scores the guesses follow the labels rather than a
-   fixed r/2 split (which would force errors that say nothing about privacy); with ``r < m``
-   they are ``r`` at random, split between in and out as the labels are. Only then is the
-   inclusion draw read. The bound is ``epsilon_lower_bound(m, r, v, δ, confidence)`` under the
-   audit run's own guarantee (``privacy_report``: its budget, a Rényi filter, or the worst case of
-   its ``m`` planned queries, canaries included).
-
-What it shows and what it cannot. A correct guess needs the canary to move the released label,
-so the audit measures the privacy loss of one query at one vote, and the bound certifies at most
-that. The guarantee covers every query of the run composed: ``m`` canary queries at a noise that
-makes the whole run ε-DP hide one vote each almost perfectly, so on a sound build the bound is
-near 0, far below the guarantee — expected: the guarantee is a worst case over all neighbouring
-datasets and all the queries together, and the audit is a lower bound from one run. It catches
-a build whose one-vote loss per query reaches the whole claim: noise off (``broken_noise=0``)
-gives every guess right, hence the largest ε that ``m`` guesses certify (4.2 at m = 200, 95%).
-Gaussian noise at σ·f makes one query leak about as much as 1/f² queries composed at σ, so σ/10
-goes unseen wherever the guarantee covers ~100 queries or more (with fewer, m guesses certify
-little: 3.5 at most for m = 100). The bound is also capped by ``m``, which the budget may cut
-short: the demo's ε = 4 pays for 45 queries, and 45 right guesses certify at most 2.7.
-Which class a teacher's model gives a canary input rests on training: too few epochs for the
-teachers to learn one record, and included canaries are missed (fewer correct guesses, a lower
-bound — never an unsound one).
-
-``AuditSettings.broken_noise`` (tests only) scales every normal and Laplace draw of the mechanism
-(``ScaledNoise``) while it charges, and the run reports, the configured σ; the result and its
-guarantee carry ``NoisePolicy``'s broken-noise reason.
+A canary moves one teacher's vote, so ``choose_design`` builds base data that puts every canary
+query at the mechanism's decision boundary; the audit is a run of its own, charged to a temporary
+run ledger and the owners' ledgers. The argument: docs/privacy.md, "The one-run audit".
+``AuditSettings.broken_noise`` (tests only) scales the mechanism's noise while the charge keeps σ.
 """
 from __future__ import annotations
 

@@ -1,32 +1,9 @@
 """The main job: private shards → teacher actors → gRPC aggregator → student → ε report.
 
-1. Split the data PATE's way (private train set; public pool and test from the test set),
-   one disjoint shard of the private part per teacher. The driver keeps only the public
-   pool and the test split; it never holds private shards.
-2. Train the teachers on Ray actors (``actors.teacher.TeacherPool``), several per actor;
-   each actor loads its own shards from a ``TeacherSource`` spec.
-3. Serve them through the gRPC aggregator on 127.0.0.1 with a fresh bearer token; the
-   configured mechanism answers and the privacy ledger is charged before each release.
-4. A student actor asks for labels over gRPC, like any outside client, trains on the
-   answers and is evaluated on the test split (at several query checkpoints).
-5. Report privacy (``privacy.json``): the guarantee — the budget declared in advance,
-   enforced by the ledger as a Rényi filter, or the worst case of the planned queries (all
-   answered), whichever is smaller — and, labelled as estimates, the smooth-sensitivity
-   release of the data-dependent cost when ``estimates.smooth_sensitivity`` asks for it
-   (its own cost is planned and charged) and, for NZC, the paper's claimed ε≈0 beside the
-   guarantee, which is unbounded. Nothing computed from the private votes or the teachers'
-   training (losses, the noiseless plurality's accuracy) is written.
-
-With ``data.features`` (e.g. scattering) the teachers and the student learn on a fixed
-representation of the images, each computing it in its own process (teacher actors for their
-shards and every query, the student for its answered images and test split); the student and
-outside clients still send images, so the gRPC API and its shape checks are unchanged.
-
-``TeacherStudent`` is the pipeline over the library steps (``cluster.teaching``; the front door is
-``cluster.api``): it checks, runs them and writes the results folder. ``TeacherStudentConfig()`` is
-configs/digits-teachers.yaml: digits, 50 teachers, Confident-GNMax under a budget of ε = 4, a
-FixMatch student (about a minute on 2 CPUs); ``conclave demo`` runs public-cluster votes on the
-same digits (``DEMO_CONFIG``).
+``TeacherStudent`` checks a config, runs the library steps (``cluster.teaching``) and writes the
+results folder: the student asks the aggregator over gRPC like any outside client, the ledger is
+charged before each release, and ``privacy.json`` carries the guarantee, estimates labelled as
+such, and nothing computed from the votes without a mechanism. docs/main-job.md.
 """
 from __future__ import annotations
 

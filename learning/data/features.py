@@ -1,26 +1,9 @@
 """Fixed feature representations, computed by whoever holds the images, before training.
 
-DP-SGD pays for every parameter it has to learn from noisy gradients. Tramèr & Boneh
-("Differentially private learning needs better features (or much more data)", ICLR 2021)
-show that handcrafted features close much of the gap: a small network trained with DP-SGD
-on ScatterNet features (Oyallon & Mallat 2015) beats end-to-end CNNs at the same ε
-(MNIST, ε = 3: 98.7% vs 98.1%).
-
-A feature transform here is fixed (no learned weights, nothing fitted to data) and maps each
-image alone, so computing it costs no privacy and its output is a ``Dataset`` like any other:
-private holders transform their shards in their own process, the driver its public pool and
-test split, and models consume ``[n, C', H', W']`` arrays as they would images.
-
-Scattering (J = 2, L = 8, order 2): per input channel 1 + J·L + L²·J(J−1)/2 = 81 maps of
-size (H/4, W/4) — the image's low-pass average, then moduli of Morlet wavelet responses at
-2 scales × 8 orientations and of their second-order cascades, each averaged over 4×4 pixels.
-``kymatio`` computes it (its 2-D frontend is imported directly: ``kymatio.torch`` also loads
-the 3-D module, which imports a function SciPy ≥ 1.15 no longer has).
-
-HOG (Dalal & Triggs 2005; what Private-kNN embeds MNIST with, Zhu et al. 2020): unsigned gradient
-orientations in 9 bins, linearly interpolated, summed over 4×4-pixel cells, then every 2×2 block
-of cells normalised (L2-Hys: L2, clipped at 0.2, L2 again): ``[n, 36, H/4 − 1, W/4 − 1]``, computed
-with torch so that augmented batches can be represented too (``batch_transform``).
+DP-SGD pays for every parameter it learns, and handcrafted features close much of the gap
+(Tramèr & Boneh, ICLR 2021). A transform here has no fitted weights and maps each image alone,
+so it costs no privacy: ScatterNet (``kymatio``, J = 2, L = 8: 81 maps per channel) and HOG
+(Dalal & Triggs 2005, as Private-kNN embeds MNIST).
 """
 from __future__ import annotations
 

@@ -1,38 +1,10 @@
 """A data source named in a config — a file in some format, or a benchmark — read into a ``Dataset``.
 
-    source = DataSource(format="csv", path="/data/a/records.csv", label="diagnosis")
-    dataset = source.read(classes=("benign", "malignant"))
-
-Each format is one reader in its own module, registered in ``FORMATS`` as "module:function"
-(imported on first use, so reading a CSV never imports PIL). A reader returns ``RawData``:
-float32 inputs and the raw label values (strings or numbers, or None); ``DataSource.read``
-maps labels onto the run's class list, which comes from the config or from the public test
-data — never from an owner's records, so every owner's teachers share one label space and an
-owner's class set is not published by the ensemble's shape.
-
-The reading happens wherever ``read`` is called: for an owner's data that is inside the
-owner's actors, on the owner's node. Nothing here opens a file at construction.
-
-Two ways to read, because the two kinds of data answer to different rules:
-- ``read``: public data (the pool, the test split). Any unusable row is an error naming it:
-  the driver's own files, nothing private.
-- ``read_private``: an owner's data, on its node. A row with a missing, non-numeric or
-  out-of-range value, a line that is no record, an image of another size than the run's, or a
-  label outside the run's classes, is dropped there and the run goes on: an error would make the
-  run's course depend on one record, outside any mechanism. What was dropped is returned as a
-  ``RowCheck`` that only the owner sees (``conclave check-data``). Problems of the declared
-  schema (no such file or column, an unreadable format, an owner's image folder read without a
-  size) do not depend on any record and stay errors.
-
-Whatever a reader lets through, a row is checked as the model will see it, after the cast to
-float32 (``unfit_rows``: finite values, pixels in [0, 1]), so no value of one record can make
-``Dataset`` refuse the whole source.
-
-Tables are read by column name, never by position: the public pool's input columns name the
-run's inputs (``input_columns``), and every other table of the run — the test table, each
-owner's file — selects exactly those, in that order (``by_name``). A file's own column order
-and any extra columns do not matter; a missing column is an error naming it. Likewise an
-owner's image folder is read at the public pool's image size (``sized``), public data too.
+Each format is one reader, registered in ``FORMATS`` and imported on first use. ``read`` is for
+public data: an unusable row is an error. ``read_private`` is for an owner's data on its node: an
+unusable row is dropped there and reported to the owner alone (``RowCheck``), since an error
+would make the run depend on one record. Labels map onto the run's public class list; tables
+are read by column name, images at the public pool's size.
 """
 from __future__ import annotations
 

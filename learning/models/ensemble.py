@@ -1,26 +1,9 @@
 """Many models of one architecture asked about the same inputs at once: the teachers' votes.
 
-Model by model, a teacher group spends most of its vote on the first convolution: with one
-input channel it is a poor fit for oneDNN (the tutorial CNN's 8×8 stride-2 conv ran at an
-eighth of a large matmul's FLOP rate). Every teacher sees the same inputs, so their patches
-(im2col) are cut once, and each block of ``block`` teachers runs as one wide network:
-
-- the first layer is one matmul against the block's filters side by side;
-- a later convolution is one grouped convolution (a group per teacher), in channels-last;
-- a later Linear is one batched matmul (a batch per teacher).
-
-Images are taken in chunks of ``chunk``, so a block's activations stay in cache. Block 4 and
-chunk 64 were the fastest of blocks 1–16 and chunks 32–256 for 250 tutorial CNNs on one
-thread; ``bench/perf.py`` reports the result as a fraction of the machine's FLOP bound. A
-smaller batch (a served single-input query) runs wider blocks — about ``block × chunk``
-teacher-inputs each, from the sizes ``block``, 4·``block`` and all the models — since there
-each torch call's fixed cost, not the cache, decides: one input to 25 digits CNNs took 1.55 ms
-in blocks of 4 and 0.45 ms as one block.
-
-The arithmetic is each model's own, summed in another order, so logits agree to rounding and
-the predicted classes are the same unless two logits tie to within it. Architectures made of
-other layers (GroupNorm, residual blocks, a table's standardising layer) are not stacked:
-``StackedEnsemble.of`` answers None and the caller asks the models one by one.
+Every teacher sees the same inputs, so patches are cut once and each block of teachers runs as
+one wide network (one matmul, grouped convolutions, batched Linears): model by model the first
+convolution ran at an eighth of the machine's FLOP rate. The classes predicted are the models'
+own; architectures with other layers are not stacked (``StackedEnsemble.of`` answers None).
 """
 from __future__ import annotations
 

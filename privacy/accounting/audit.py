@@ -1,25 +1,9 @@
 """The one-run audit's lower bound on ε: from a count of correct membership guesses to an ε
 that the algorithm cannot satisfy, at a stated confidence.
 
-Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS 2023,
-Theorem 3.1 (the main result), in our words: m canaries are each included independently
-with probability ½ (S ∈ {−1, +1}^m uniform), the algorithm A runs once, and a guesser that
-sees only its output makes at most r guesses T ∈ {−1, 0, +1}^m (0 = abstain). If A is
-(ε, δ)-DP with respect to one canary's inclusion, the number W of correct guesses satisfies,
-for every v,
-
-    P[W ≥ v] ≤ f(v) + 2mδ · max_{i = 1..m} (f(v − i) − f(v)) / i,
-    f(k) = P[Binomial(r, p) ≥ k],  p = e^ε / (1 + e^ε).
-
-At δ = 0 the bound is f(v): W is stochastically dominated by the correct guesses of
-ε-DP randomized response on r canaries. ``one_run_tail`` is the right-hand side.
-
-Read as a hypothesis test, it turns an observed count v into a lower bound: where the tail
-at (ε, δ) is ≤ β, "A is (ε, δ)-DP" is rejected at confidence 1 − β, and since (ε, δ)-DP
-implies (ε', δ)-DP for every ε' ≥ ε, so is every smaller ε. ``epsilon_lower_bound`` finds
-the largest such ε by bisection (the paper's procedure for reporting ε, Section 3).
-Everything here is pure arithmetic on counts; the audit run that produces them lives
-elsewhere.
+Steinke, Nasr & Jagielski (NeurIPS 2023), Theorem 3.1: ``one_run_tail`` is its right-hand side,
+``epsilon_lower_bound`` the largest ε an observed count rejects. Pure arithmetic on counts; the
+audit runs live in ``cluster.auditing``. docs/privacy.md, "The one-run audit".
 """
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
 """A privacy budget declared in advance and enforced at one fixed Rényi order.
 
-Why a filter: which releases a run makes, and what each costs, depend on earlier outputs
-(Confident-GNMax pays GNMax only for answered queries; a student stops when refused). RDP
-composition with such adaptively chosen costs is covered by Feldman & Zrnic, "Individual
-privacy accounting via a Rényi filter" (NeurIPS 2021), Thm 3.1: if every release is
-(α, ρ_t)-RDP with ρ_t chosen adaptively and Σ_t ρ_t ≤ B holds on every run, the whole run
-is (α, B)-RDP. A ledger that refuses any charge that would take the sum at **one fixed
-order α** past B enforces exactly that; the guarantee is the budget, not the realised spend.
-A filter on the minimum over many orders is not covered by the theorem.
-
-The order must be fixed before any private data is touched, from public settings only:
-``choose_order`` takes the planned worst-case workload (e.g. every planned query answered)
-and picks the grid order at which the budget admits the largest multiple of it.
-
-(α, B)-RDP converts to (ε, δ′)-DP by Balle et al. 2020, Thm 21 (the ledger's "tight"
-conversion); we solve it for B given the declared (ε, δ). Mechanisms that spend δ outside
-their RDP curve (the stability mechanism's propose-test-release failure) draw on
-``reserved_delta``, a separate cap fixed with the budget: on the event that none of those
-failures happens, the run is the RDP filter above (a union bound adds the reserved δ),
-so the curve is converted at δ′ = δ − reserved_delta.
+Which releases a run makes depends on earlier outputs, and Feldman & Zrnic (NeurIPS 2021,
+Thm 3.1) cover that only for a filter at one order fixed in advance: ``choose_order`` picks it
+from the planned workload before any data is touched. ``reserved_delta`` caps δ spent outside
+the curves. docs/privacy.md, "The ledger is the run's Rényi filter".
 """
 from __future__ import annotations
 

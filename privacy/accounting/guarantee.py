@@ -1,26 +1,9 @@
 """The one answer to "what ε may I publish": a ``Guarantee`` that a theorem backs for every
 pair of neighbouring datasets, and ``Estimate``s that are labelled as not being one.
 
-A guarantee has one of three bases:
-
-* ``renyi-filter`` — the budget declared before the run, enforced by the ledger at a fixed
-  order (``privacy.accounting.filter``). It holds whatever the data and however the run
-  adapted, because the ledger refused everything past it.
-* ``worst-case`` — the data-independent worst case of work fixed in advance (e.g. every
-  planned query answered, a DP-SGD schedule), composed in RDP (Mironov 2017, Prop. 1,
-  which allows adaptively chosen mechanisms with fixed costs) and converted at its best
-  order (Balle et al. 2020, Thm 21). Stopping early is post-processing, so it still holds.
-  Where the work is Gaussian releases alone, their privacy-loss distribution is a second
-  theorem for it (``privacy.accounting.pld``), and the smaller ε is the one given.
-  A run that charged more than it planned (a round charged, given up at its deadline and asked
-  again) is no longer covered by its plan: its worst case is then that of every charge its
-  ledger holds, each at the worst case it was checked against (``run_worst_case``), by RDP alone,
-  since the sequence was not fixed in advance.
-* ``unbounded`` — no finite ε holds (NZC as published, or a run with neither).
-
-Where a run has both a budget and fixed planned work, both are theorems for the same run,
-so the smaller ε at the same δ holds (``best``). A run whose noise was reproducible
-(``privacy.noise``) gets ``sound = False`` and the reason, whatever its ε.
+Bases: ``renyi-filter`` (the declared budget), ``worst-case`` (work fixed in advance, RDP or
+PLD) and ``unbounded``; with both a budget and a plan, the smaller ε holds. docs/privacy.md,
+"What we guarantee" and "Guarantees: composition, conversion, over-charged runs".
 """
 from __future__ import annotations
 

@@ -1,39 +1,11 @@
 """An owner's lifetime budget, the policy that sets it, and the ledger of everything ever released
 from its data.
 
-The budget belongs to the data, not to a run, and the owner decides it. An owner writes its
-**policy** on its own node (``conclave owner init``: ``$CONCLAVE_HOME/owners/<owner>.policy.json``
-there): its lifetime (ε, δ) and neighbouring relation, where its ledger lives, which pipelines and
-mechanisms it admits, the most one run may plan to spend, and the paths of its data on the node.
-The owner's ledger actor reads it on that node (the driver receives only its public terms,
-``OwnerTerms``); a run's config may ask for less than the policy allows (a lower lifetime ε, which
-then caps that run), never more, and may not move the ledger; anything else is refused in one
-line naming the owner (``OwnerRefused``). An owner with no policy keeps the budget the run's
-config declares for it, as before, and the run's report says so. Only the owner changes its
-budget, on its node (``change_budget``), recorded as an entry of its ledger.
-
-Every release computed from the dataset — teacher votes, DP-SGD schedules, DP-PCA, noisy counts,
-smooth-sensitivity releases, in any run of any pipeline — is charged to the owner's ledger before
-it is released. The ledger is a ``PrivacyLedger`` file on the owner's node whose filter is the
-lifetime budget at one Rényi order, fixed when the file is created (the declared ``order``, or the
-one that suits the first run's planned work best). That is a Rényi filter over the whole sequence
-of releases across runs, each chosen adaptively after the ones before (Feldman & Zrnic, NeurIPS
-2021, Thm 3.1), so the owner's lifetime (ε, δ) holds for every pair of neighbouring datasets of
-that owner, whatever the runs did; a run that would pass it is refused before anything is
-released. A budget raised later is stated as the new total with when it was raised (the theorem
-then covers every release so far at that total; see docs/owners.md for what a raise means).
-
-A ledger that is missing is not a fresh budget. Each ledger file carries a random identity
-written at creation (``PrivacyLedger.ledger_id``); every owner's node keeps what it last saw of the
-other owners' ledgers (identity and number of entries) in ``<owner>.peers.json`` beside its own
-ledger, the driver keeps the same record (``DriverRecords``), and the node keeps its own ledger's
-length and last checksum in its Conclave folder (``ledger_records``). An owner whose ledger is
-missing, replaced or shorter than a record says is refused before the run starts.
-
-The dataset is identified by the owner's name; a fingerprint of its files (an HMAC under a
-key that never leaves the owner's node, so it reveals no record) goes with each charge in the
-owner's own ledger, to show which version of the data paid. The fingerprint never leaves the
-node: whether the data changed between runs is itself a fact about the records.
+The budget belongs to the data, and the owner decides it (its policy on its node); a run may ask
+for less, never more. Every release from the data is charged here first, a Rényi filter across
+runs (Feldman & Zrnic 2021, Thm 3.1). A missing, replaced or shortened ledger is refused, not
+taken as a fresh budget; the data's HMAC fingerprint stays on the node. docs/privacy.md, "An
+owner's lifetime budget", and docs/owners.md.
 """
 from __future__ import annotations
 

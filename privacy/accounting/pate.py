@@ -1,23 +1,9 @@
 """Data-dependent Rényi-DP analysis of PATE's noisy-argmax aggregators, and the privacy report.
 
-Every bound here is a pure function of the vote histograms ``int[queries, k]``, the noise
-parameters and the RDP orders λ, named after the result it implements:
-
-- LNMax (Papernot et al., ICLR 2017): ``lnmax_logq`` = Lemma 4 (union bound on
-  q = Pr[answer ≠ plurality], capped at 1 − 1/k); ``lnmax_rdp`` = Theorem 3 as RDP (the
-  minimum of λε₀²/2, ε₀ and the data-dependent moment bound, ε₀ = 2/b).
-- GNMax (Papernot et al., ICLR 2018): ``gnmax_logq`` = Proposition 7 (q bound through
-  N(0, 2σ²) tails, capped at 1 − 1/k); ``gnmax_rdp_data_independent`` = Proposition 8
-  (λ/σ²); ``gnmax_rdp`` = Theorem 6 with the higher orders μ₁, μ₂ of Proposition 10, used
-  only where its conditions hold, and never above the data-independent bound.
-- Confident-GNMax's threshold step: the same bounds at √2·σ₁ (its input, max_j n_j, has
-  sensitivity 1 where GNMax's histogram moves by 2 in L2² terms), with
-  log q = min(log p, log(1 − p)), p = Pr[N(0, σ₁²) ≥ T − max_j n_j].
-
-A data-dependent bound holds at the actual dataset only and is itself a function of the
-private votes: it is an ``Estimate`` marked private (never a guarantee, never published);
-``privacy.accounting.smooth_sensitivity`` releases it privately, still as an estimate.
-Which bound applies to which mechanism is the mechanism's business (``privacy/mechanisms``).
+Pure functions of the vote histograms, the noise and the orders, each named after the result it
+implements: LNMax (PATE 2017, Lemma 4, Thm 3), GNMax (PATE 2018, Props. 7, 8, 10, Thm 6) and
+Confident-GNMax's threshold at √2·σ₁. A data-dependent bound is an ``Estimate`` marked private,
+never a guarantee; ``privacy.accounting.smooth_sensitivity`` releases it.
 """
 from __future__ import annotations
 

@@ -1,39 +1,9 @@
 """Publishing a data-dependent privacy cost privately: smooth sensitivity and GNSS (PATE 2018).
 
 The data-dependent RDP of GNMax / Confident-GNMax is a function of the private votes, so it
-may only leave through a DP mechanism. Papernot et al. 2018 (§4 and App. C, "Smooth
-sensitivity analysis") bound how much that cost can move between neighbouring vote
-histograms (one teacher changes its vote) and release it with the Gaussian noise with
-smooth sensitivity mechanism (GNSS):
-
-- local sensitivity of one GNMax answer's cost at q: Algorithm 3 / Proposition 13,
-  LS(q) = max(β(u(q)) − β(q), β(q) − β(l(q))), with u/l the largest/smallest q bound of a
-  neighbour and β the Theorem 6 bound switched to λ/σ² at the crossing point q₀ (the
-  plateau [q₁, q₀] with q₁ = l(q₀) takes the value at q₁);
-- local sensitivity at distance d (Algorithms 4–5): LS^(d)(x), the largest LS among the
-  histograms within d moves of x, so non-decreasing in d; for the threshold step the cost
-  depends on max_j n_j only, so every reachable value is enumerated;
-- smooth sensitivity SS_β = max_d e^(−βd)·LS^(d) of the queries' summed LS^(d) (each query's
-  cost moves at most its own LS, so the total moves at most the sum). It is β-smooth
-  (SS(x) ≤ e^β·SS(y) for neighbours; Nissim, Raskhodnikova & Smith 2007) because every
-  query's LS^(d)(x) ≤ LS^(d+1)(y) — a neighbour moves at most one vote per query, so the
-  ball of radius d around x lies in the ball of radius d + 1 around y — and the last
-  entry, d = number of teachers, covers every histogram, the same for x and y;
-- GNSS release: value + SS_β·N(0, σ_ss²) is (λ, λe^(2β)/σ_ss² + (βλ − ½log(1 − 2βλ))/(λ−1))-RDP
-  for 1 < λ < 1/(2β) (PATE 2018, Theorem 23).
-
-Algorithm 3's bound is correct when conditions C5 (β non-decreasing on (0, q₀)) and C6
-(β(u(q)) − β(q) non-decreasing on (0, l(q₀))) hold; ``check_conditions`` verifies both
-numerically on dense grids and the release is refused when they fail.
-
-What is released is still an **estimate** of the privacy loss at the actual dataset, not a DP
-guarantee for every pair of neighbours (Redberg, Zhu & Wang, AISTATS 2023). Its parameters
-(order, β, σ_ss) are fixed before the votes are seen — by the caller, or by
-``SmoothSensitivityParameters.for_workload`` from the public planned workload — because
-parameters tuned on the votes leak them: from σ_ss = (λe^{2β}/SS)^{1/3} the private smooth
-sensitivity can be recovered. Nothing derived from the smooth sensitivity (its value, the
-noise's standard deviation) is published. The release itself is a DP release with a cost
-(``gnss_charge``), charged like any other.
+leaves only through the GNSS release, with parameters fixed before the votes are seen and a
+charge of its own (``gnss_charge``). What it releases is still an estimate, never a guarantee.
+Algorithms 3–5, conditions C5/C6 and Theorem 23: docs/privacy.md, "Smooth sensitivity and GNSS".
 """
 from __future__ import annotations
 

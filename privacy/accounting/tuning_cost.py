@@ -1,34 +1,9 @@
 """What choosing hyperparameters costs when the trials read private data.
 
-A sweep runs trials and publishes what it learned from comparing them (the winner, or the
-whole table). That comparison is itself a release of private information (Papernot &
-Steinke, ICLR 2022, §2), so a winner's own ε understates the truth. We use three bounds:
-
-Each bound is a charge; its ε is the run's worst case (``guarantee.worst_case_guarantee``: the
-RDP conversion, or the PLD of the Gaussian plan when every part carries one and that is smaller).
-
-1. **Free sweep** — every trial is post-processing of one fixed DP release (e.g.
-   DiversePublic on one DP-SGD checkpoint: selection and fine-tuning see only public data
-   and the DP model). The sweep costs that release once (post-processing, Dwork & Roth
-   2014, Prop. 2.1), however many trials ran.
-2. **Fixed number of trials** (grid search, random search with a set ``num_samples``,
-   ASHA, anything adaptive) — the sweep is the adaptive composition of its K trials:
-   RDP curves add order by order (Mironov 2017, Prop. 1) and the δ's spent outside the
-   curves add (basic composition, Dwork & Roth 2014, Thm. 3.16). This covers publishing
-   every trial, hence also the winner. A trial counts with what its ledger was charged
-   before it started, so one that was stopped early still counts in full.
-3. **Random number of trials** (Papernot & Steinke 2022, Theorem 2, "truncated negative
-   binomial"): draw K from D_{η,γ} with
-   P[K = k] = (1 − γ)^k / (γ^{−η} − 1) · ∏_{ℓ=0}^{k−1} (ℓ + η)/(ℓ + 1),  k = 1, 2, ...
-   (η = 0 is the logarithmic distribution P[K = k] = (1 − γ)^k / (k log(1/γ)); η = 1 the
-   geometric), run K independent copies of one randomized algorithm Q and publish only
-   the best. If Q is (λ, ε(λ))-RDP and (λ̂, ε(λ̂))-RDP, the selection is (λ, ε')-RDP with
-       ε' = ε(λ) + (1 + η)(1 − 1/λ̂) ε(λ̂) + (1 + η) log(1/γ)/λ̂ + log E[K] / (λ − 1),
-   E[K] = η(1 − γ) / (γ(1 − γ^η)) for η ≠ 0 and (1/γ − 1) / log(1/γ) for η = 0.
-   Any λ̂ ≥ 1 is valid, so we take the best over the orders grid. Q must be the same
-   algorithm in every repetition: its hyperparameters may be random, but the settings
-   that decide its privacy (noise, steps, ε targets) must be fixed for the whole sweep,
-   and only the winner may be published (the full table costs case 2).
+A sweep's comparison of trials is itself a release (Papernot & Steinke, ICLR 2022), so three
+bounds, each a charge: a free sweep (post-processing of one release), a fixed number of trials
+(their composition), and a random number of trials with only the winner published (their Thm 2).
+The formulas: docs/privacy.md, "The tuning cost".
 """
 from __future__ import annotations
 

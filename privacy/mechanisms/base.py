@@ -1,28 +1,10 @@
 """The one interface every vote mechanism implements.
 
-A mechanism sees only vote histograms ``int[batch, k]`` (never teachers or inputs) and a
-random generator. It returns labels (``ABSTAIN`` = -1 where it declines to answer) plus the
-data-independent privacy charge of the batch, on the one-vote neighbouring relation (one
-teacher's vote moves). Gating the ledger on data-independent charges keeps the refusal
-decision itself free of private information.
-
-Each mechanism describes itself — its parameters, what it releases, the theorem behind its
-charge, whether any finite bound holds — and may offer data-dependent *estimates* of its
-cost. Estimates are never guarantees (``privacy.accounting.guarantee``). What configs,
-``conclave plan`` and ``conclave analyze`` need to know of it (its name, its parameters' help
-and aliases, which set its noise, the defaults a config may leave out, its warnings) are class
-attributes and class methods of ``VoteMechanism``, with defaults, checked when the mechanism is
-registered (``privacy.mechanisms.register``), so nothing else switches on a mechanism's name.
-
-Stateful mechanisms (the stability mechanism) compute on a copy of their state; the state
-advances only when the caller calls ``MechanismResult.commit()`` after the ledger accepted
-the charge, so a refused batch leaves the mechanism as it was (dp_accounting's rule: check
-before mutating).
-
-With ``aggregation: secure`` nobody holds clean histograms: a ``SecureVoteMechanism`` asks for
-rounds of noised vote totals from the secure sum (``privacy.secure_votes``) instead. A mechanism
-names its variant for that mode in ``secure_variant`` (None where it has none); the variant
-takes the same constructor arguments.
+A mechanism sees only vote histograms ``int[batch, k]`` and a generator, and returns labels
+(``ABSTAIN`` = -1) with the batch's data-independent charge on one-vote neighbours, so a refusal
+reveals nothing. What configs, ``plan`` and ``analyze`` need of it are class attributes checked
+at registration. Stateful mechanisms advance only on ``MechanismResult.commit()``, after the
+ledger accepted the charge; ``secure_variant`` names the mechanism for ``aggregation: secure``.
 """
 from __future__ import annotations
 

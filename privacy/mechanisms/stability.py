@@ -1,42 +1,10 @@
 """Stability: release the exact plurality only where it is privately shown to be stable.
 
-Bassily, Thakkar, Thakurta, "Model-agnostic private learning", NeurIPS 2018 (their
-private aggregation algorithm): the sound version of what NZC hoped for. Built from the
-sparse-vector technique as calibrated by Lyu, Su & Li, "Understanding the sparse vector
-technique for differential privacy" (VLDB 2017), Alg. 1, and propose-test-release
-(Dwork & Roth 2014, §7.3).
-
-Per query, with histogram n sorted as n₍₁₎ ≥ n₍₂₎ and gap g = n₍₁₎ − n₍₂₎:
-
-* distance to instability d = max(0, ⌈g/2⌉ − 1). Changing one teacher moves each sorted
-  count by at most 1, so g moves by at most 2 and d by at most 1: **sensitivity 1**. And
-  d ≥ 1 means g ≥ 3, so every histogram one teacher away has the same plurality.
-* one noisy threshold for the whole run, ρ ~ Lap(1/ε₁); per query fresh ν ~ Lap(2c/ε₂).
-  Test d + ν ≥ w + ρ. Pass → release the exact plurality argmax_j n_j. Fail → abstain (⊥).
-  After c = ``max_unstable`` ⊥ answers the run stops: it abstains on everything after,
-  without looking (``exhausted``). ``max_queries`` optionally stops it earlier.
-
-Guarantee, (ε, δ)-DP for the whole run:
-
-1. Lyu et al. Alg. 1 with queries −d (sensitivity Δ = 1) against threshold −w counts the
-   ⊥ answers as its "above threshold" outcomes and stops after c of them: with
-   ε₁ = ε/(1 + (2c)^{2/3}) and ε₂ = ε − ε₁ (their allocation) the sequence of pass/⊥
-   outcomes is ε-DP (their Thm 2; the 2c/ε₂ query noise does not assume monotone queries).
-2. Propose-test-release: let E be the event that every passing query had d ≥ 1. On E the
-   released labels equal the neighbour's pluralities, so the output is post-processing of
-   the outcomes in 1. Split the run into segments ending at each ⊥ (at most c). In a
-   segment, the first query with d = 0 either fails (and ends the segment) or passes (E
-   fails). Its noise ν is fresh, independent of ρ and of everything before it, so it passes
-   with probability p₀ = Pr[ν − ρ ≥ w] exactly; later d = 0 queries of the segment are only
-   reached if it passed. Hence Pr[¬E] ≤ c·p₀ (a union over the c segments, not over every
-   query), and w is set so that c·p₀ = δ.
-3. Pr[M(D) ∈ S] ≤ Pr[¬E] + Pr[(outcomes(D), pl(D′)) ∈ S] ≤ e^ε Pr[M(D′) ∈ S] + δ.
-
-Charge: the run's whole (ε, δ), once, when its first query is evaluated (the ε as the
-RDP curve min(ε, λε²/2), the δ as ``extra_delta``). ``worst_case_charge`` is that charge
-for a fresh mechanism and zero afterwards, so the ledger reserves the worst case before
-the run starts and is never charged again for it. State advances only through
-``MechanismResult.commit()`` — call it after the ledger accepted the charge.
+Bassily, Thakkar & Thakurta (NeurIPS 2018): the distance to instability (sensitivity 1) tested
+with the sparse-vector technique of Lyu, Su & Li (VLDB 2017, Alg. 1) and propose-test-release;
+the sound version of what NZC hoped for. The run's whole (ε, δ) is charged once, when its first
+query is evaluated; state advances only through ``MechanismResult.commit()``. The proof:
+docs/privacy.md, "Vote mechanisms".
 """
 from __future__ import annotations
 
