@@ -1,9 +1,10 @@
 """The aggregator's core: teacher votes in, private labels out, every release paid for first.
 
-``PrivateLabeller.label`` answers inputs on record as before (free, identical), asks the vote
-source for the rest, runs the mechanism, charges the ledger with the answers in the same
+``PrivateLabeller.label`` answers inputs on record as first released (free, identical), asks the
+vote source for the rest, runs the mechanism, charges the ledger with the answers in the same
 transaction, and only then commits the mechanism's state and releases. A refused charge changes
-nothing; a batch the budget pays for in part is answered up to its affordable prefix.
+nothing; a batch the budget pays for in part is answered up to its affordable prefix (worst cases
+depend on the count alone, so finding it reveals nothing).
 ``SecureLabeller`` does the same over secure rounds, each charged when its shares are asked for.
 No gRPC here: ``actors.aggregator`` serves this.
 """

@@ -14,8 +14,8 @@ queries, on its node. What leaves it depends on the trust the run asks for:
   aggregator (the classic PATE mode), which the configs check.
 
 The driver also watches the parties' health (``ready``): a party that died past Ray's restarts
-is started again as it was first started, so a service recovers (issue 36's kNN service never
-did), and calls abandoned past their deadline are cancelled with every reference dropped.
+is started again as it was first started, so a service recovers, and calls abandoned past
+their deadline are cancelled with every reference dropped.
 """
 from __future__ import annotations
 
