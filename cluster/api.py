@@ -40,9 +40,10 @@ from conclave.cluster.pipelines import DEMO_CONFIG, Pipeline, RunContext, RunOut
 from conclave.cluster.pipelines.active_learning import ActiveLearning
 from conclave.cluster.pipelines.sparse_finetune import SparseFinetune
 from conclave.cluster.pipelines.teacher_student import TeacherStudent
+from conclave.cluster.ray_runtime import gpus_available, start_ray, stop_ray
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
-from conclave.cluster.sparse_finetuning import SparseConfig, SparseResult, finetune_sparsely
+from conclave.cluster.sparse_finetuning import PublicPretraining, SparseConfig, SparseResult, finetune_sparsely
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
     KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TeacherStudentConfig, TeacherStudentData,
@@ -56,9 +57,10 @@ __all__ = [
     "ActiveLearning", "DEMO_CONFIG", "Pipeline", "RunContext", "RunOutcome", "SparseFinetune", "TeacherStudent",
     "load_pipeline",
     "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",
-    "FinetuneConfig", "SelectionConfig", "RunDirectory", "SparseConfig", "SparseResult",
+    "FinetuneConfig", "SelectionConfig", "PublicPretraining", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
     "Aggregator", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeacherStudentConfig", "TeacherStudentData", "TeachersConfig",
     "TrainConfig", "serve", "train_ensemble", "train_student",
+    "gpus_available", "start_ray", "stop_ray",
 ]

@@ -9,7 +9,8 @@ Checks made before anything runs (each a ``ConfigError`` naming the problem):
   ``conclave serve`` refuses it (the seed would fix every trial's noise and, with random
   repetition, the number of trials);
 * random repetition (Papernot & Steinke 2022, Thm 2) only with random search (no grid, no
-  ASHA: trials must be independent runs of one algorithm) and with no privacy setting swept.
+  ASHA: trials must be independent runs of one algorithm), with no privacy setting swept, and
+  without owners (each trial charges every owner's ledger, so the ledgers count the trials).
 
 Random repetition also needs the number of trials K to stay secret and every trial to be an
 independent run: K and the search's random state are drawn from the run's noise source (OS
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
-from conclave.cluster.api import Pipeline, RunDirectory
+from conclave.cluster.api import Pipeline, RunDirectory, gpus_available, start_ray
 from conclave.cluster.tracking import MlflowLog
 from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from conclave.tuning import report, spaces
@@ -85,6 +86,9 @@ def check(config: TuneConfig) -> Pipeline:
         if privacy:
             raise ConfigError(f"cost.method: random-repetition needs the same privacy cost in every trial, "
                               f"but {privacy} are swept (use composition)")
+        if preview.config.owners:
+            raise ConfigError("cost.method: random-repetition keeps the number of trials secret, but every trial "
+                              "charges each owner's ledger, which records it (use composition)")
     return preview
 
 
@@ -100,8 +104,6 @@ def absolute_roots(node: Any) -> Any:
 
 
 def _resources(config: TuneConfig) -> dict[str, float]:
-    from conclave.cluster.ray_runtime import gpus_available
-
     if not KINDS[config.kind].in_process:
         return {"cpu": 0, "memory": TRIAL_MEMORY_BYTES}
     gpu = config.resources.gpu if gpus_available() > 0 else 0.0
@@ -127,8 +129,6 @@ def number_of_trials(config: TuneConfig, preview: Pipeline) -> tuple[int, Trunca
 def run_sweep(config: TuneConfig, results_root: str | Path = "results", address: str | None = None,
               verbose: int = 1) -> report.SweepResult:
     """Run the sweep on Ray (joined at ``address`` or started locally) and report it."""
-    from conclave.cluster.ray_runtime import start_ray
-
     config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
     kind = KINDS[config.kind]
