@@ -56,7 +56,8 @@ from conclave.cluster.sparse_finetuning import (
 )
 from conclave.cluster.teaching.aggregation import Aggregator, serve
 from conclave.cluster.teaching.config import (
-    DEFAULT_TABLE_STUDENT, KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TeacherStudentConfig, TeacherStudentData,
+    DEFAULT_TABLE_STUDENT, KnnConfig, MechanismConfig, OwnerConfig, StudentConfig, TeachersConfig, TeacherStudentConfig,
+    TeacherStudentData,
 )
 from conclave.cluster.teaching.ensemble import Ensemble, PublicData, train_ensemble
 from conclave.cluster.teaching.student import StudentResult, train_student

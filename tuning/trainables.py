@@ -126,7 +126,8 @@ def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any
 
 
 @ray.remote(num_cpus=0)
-def _run_pipeline(pipeline: Pipeline, run: Callable[[RunContext], RunOutcome], directory: str) -> tuple[RunOutcome, dict]:
+def _run_pipeline(pipeline: Pipeline, run: Callable[[RunContext], RunOutcome],
+                  directory: str) -> tuple[RunOutcome, dict]:
     """``run`` (``pipeline.run`` or one of its trial hooks) into ``directory``/run; (its outcome,
     the charge fields of the pipeline's planned work).
 

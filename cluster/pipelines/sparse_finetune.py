@@ -54,7 +54,8 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
         every epoch too (``variants[v]["accuracies"]``)."""
         return self._run(context, public, every_epoch=True)
 
-    def _run(self, context: RunContext, public: PublicPretraining | None, every_epoch: bool) -> RunOutcome[SparseResult]:
+    def _run(self, context: RunContext, public: PublicPretraining | None,
+             every_epoch: bool) -> RunOutcome[SparseResult]:
         config = self.config
         planned = self.plan()  # every variant's schedule: every owner must pay for all of them first
         with admitting_owners(config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned,
