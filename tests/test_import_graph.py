@@ -1,6 +1,7 @@
 """The layers import one way, with no cycle: privacy ← learning ← actors ← cluster's library ←
 its clients (the CLI and each of its commands, tuning, the benchmarks), and no client imports
-another: what two clients share lives in the library (the pipelines, ``cluster.api``).
+another: what two clients share lives in the library (the pipelines, ``cluster.api``). Tuning
+and the benchmarks reach actors/ and cluster/ only through its front door (``FRONT_DOOR``).
 
 Every ``import`` counts, at module level or inside a function: a cycle through a lazy import is
 still a cycle a reader has to untangle.
