@@ -286,9 +286,9 @@ class SparseResult:
 
 @dataclass(frozen=True)
 class PublicPretraining:
-    """The public model every variant fine-tunes, with
-    its pre-training losses and its accuracy on the public test split: public data only, free.
-    A sweep pre-trains once (``SparseFinetune.pretrain``) and hands it to every trial."""
+    """The public model every variant fine-tunes, with its pre-training losses and its accuracy
+    on the public test split: public data only, free. A sweep pre-trains once
+    (``SparseFinetune.pretrain``) and hands it to every trial."""
 
     model: PublicModel
     losses: list[float]
