@@ -33,10 +33,8 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
-from conclave.cluster.active_learning import ActiveLearningConfig  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import ActiveLearning, RunContext, load_pipeline  # noqa: E402
-from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.api import ActiveLearning, ActiveLearningConfig, RunContext, RunDirectory, load_pipeline  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 

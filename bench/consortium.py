@@ -54,8 +54,7 @@ share_cores()
 import yaml  # noqa: E402
 
 from bench.soundness import soundness  # noqa: E402
-from conclave.cluster.proposal import SOURCES  # noqa: E402
-from conclave.cluster.results import RunDirectory  # noqa: E402
+from conclave.cluster.api import SOURCES, RunDirectory  # noqa: E402
 
 log = logging.getLogger("bench.consortium")
 
@@ -125,7 +124,7 @@ def mlp_accuracy(rows: tuple[np.ndarray, np.ndarray], pool: np.ndarray, test: tu
     its columns standardised by the pool's statistics as the student's are."""
     import dataclasses
 
-    from conclave.cluster.teaching.config import DEFAULT_TABLE_STUDENT
+    from conclave.cluster.api import DEFAULT_TABLE_STUDENT
     from conclave.learning.data import Dataset
     from conclave.learning.data.schema import Standardiser
     from conclave.learning.models import build_model

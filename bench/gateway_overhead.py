@@ -48,11 +48,9 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E402
-from conclave.cluster.api import load_pipeline  # noqa: E402
+from conclave.cluster.api import Authority, RunDirectory, create_authority, issue, load_pipeline  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.owners import DataOwner, PublicData, owner_resources  # noqa: E402
-from conclave.cluster.results import RunDirectory  # noqa: E402
-from conclave.cluster.tls import Authority, create_authority, issue  # noqa: E402
 from conclave.privacy.accounting.owner_ledger import OwnerPolicy, write_policy  # noqa: E402
 from conclave.privacy.accounting.ledger import PrivacyLedger  # noqa: E402
 from conclave.privacy.noise import SECURE  # noqa: E402
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from conclave.cluster.gateway.client import ClusterVotes, CoordinatorTls, GatewayVoteSource, OwnerGateway
     from conclave.cluster.gateway.identity import Verifier
-    from conclave.cluster.ray_runtime import start_ray, stop_ray
+    from conclave.cluster.api import start_ray, stop_ray
     from conclave.cluster.teaching.clusters import cluster_vote_source
     from conclave.learning.embeddings import fit_embedding
 

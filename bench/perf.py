@@ -322,7 +322,7 @@ class FixedVotes:
 
 def bench_aggregator(calls: int) -> dict:
     from conclave.actors.aggregator import AggregatorServer, ServerSettings
-    from conclave.cluster.client import AggregatorClient
+    from conclave.cluster.api import AggregatorClient
     from conclave.privacy.accounting.filter import RenyiFilter
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.mechanisms import build_mechanism
@@ -423,7 +423,7 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from bench.serve_process import ServeProcess
-    from conclave.cluster.client import AggregatorClient
+    from conclave.cluster.api import AggregatorClient
     from conclave.privacy.accounting.ledger import read_history
 
     results: dict = {}
@@ -493,7 +493,7 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
 
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
     from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource
-    from conclave.cluster.ray_runtime import start_ray
+    from conclave.cluster.api import start_ray
     from conclave.learning.train_config import TrainConfig
 
     import ray

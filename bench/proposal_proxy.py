@@ -49,8 +49,7 @@ from bench.soundness import soundness  # noqa: E402
 from conclave.cluster.proposal import (  # noqa: E402
     SOURCES, Proposal, load_config, proposed_config, propose, smallest_sigma,
 )
-from conclave.cluster.results import RunDirectory  # noqa: E402
-from conclave.cluster.teaching.config import MechanismConfig  # noqa: E402
+from conclave.cluster.api import MechanismConfig, RunDirectory  # noqa: E402
 
 log = logging.getLogger("bench.proposal_proxy")
 PROXY_SEEDS = (101, 202)
@@ -97,7 +96,7 @@ class Student:
         self.standardiser = Standardiser.of_public(Dataset(pool, np.zeros(len(pool), dtype=np.int64), classes, "pool"))
 
     def _fit(self, x: np.ndarray, y: np.ndarray):
-        from conclave.cluster.teaching.config import DEFAULT_TABLE_STUDENT
+        from conclave.cluster.api import DEFAULT_TABLE_STUDENT
         from conclave.learning.data import Dataset
         from conclave.learning.models import build_model
         from conclave.learning.training import fit
@@ -175,7 +174,7 @@ def replay_clusters(table: Table, student: Student, count: int, m: int, sigma: f
 
 def _asked(table: Table, queries: int) -> np.ndarray:
     """The table student's choice (``DEFAULT_TABLE_STUDENT``): k-means centres of the pool, then the pool in order."""
-    from conclave.cluster.teaching.config import DEFAULT_TABLE_STUDENT
+    from conclave.cluster.api import DEFAULT_TABLE_STUDENT
     from conclave.learning.selection.cold_start import kmeans_cold_start
 
     pool = table.pool[0]
@@ -209,7 +208,7 @@ def replay_knn(table: Table, student: Student, settings: dict) -> dict:
 
 
 def replay_teachers(table: Table, student: Student, settings: dict) -> dict:
-    from conclave.cluster.teaching.config import TeachersConfig
+    from conclave.cluster.api import TeachersConfig
     from conclave.learning.data import Dataset
     from conclave.learning.models import build_model
     from conclave.learning.training import fit, predict_logits

@@ -115,7 +115,7 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 
 from conclave.actors.labeller import input_keys  # noqa: E402
-from conclave.cluster.client import AggregatorClient, is_budget_refusal  # noqa: E402
+from conclave.cluster.api import AggregatorClient, is_budget_refusal  # noqa: E402
 from conclave.learning.data import load_digits  # noqa: E402
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc  # noqa: E402
 
@@ -733,7 +733,7 @@ def bad_tls(outcome: Outcome, workdir: Path, within: float = 20.0) -> None:
     ledger is made or Ray starts (TMPDIR of its own: nothing appears in it, no child process).
     ``within``: 2.5 s on an idle machine, 10 s seen with the 2 cores shared; the training a
     start reaches otherwise takes longer, and that nothing started is checked directly."""
-    from conclave.cluster.tls import create_authority, issue
+    from conclave.cluster.api import create_authority, issue
 
     certs = workdir / "certs"
     server = issue(create_authority(certs / "ca", days=1), certs / "server", ("127.0.0.1",), name="server", days=1)

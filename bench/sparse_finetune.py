@@ -42,12 +42,14 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 import torch  # noqa: E402
 
-from conclave.cluster.sparse_finetuning import DataSpec, PretrainConfig, load_split, pretrain_public  # noqa: E402
+from conclave.cluster.api import PretrainConfig, pretrain_public  # noqa: E402
 from conclave.learning.data import Dataset  # noqa: E402
 from conclave.learning.dp_schedule import DPSGDConfig, dp_schedule
 from conclave.learning.dpsgd import train_dp  # noqa: E402
 from conclave.learning.models import build_model  # noqa: E402
-from conclave.learning.sparse import VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier  # noqa: E402
+from conclave.learning.sparse import (  # noqa: E402
+    VARIANTS, noise_to_gradient_ratio, plan_variant, replace_classifier, transfer_split,
+)
 from conclave.learning.training import evaluate  # noqa: E402
 from conclave.privacy.accounting.guarantee import worst_case_guarantee  # noqa: E402
 from conclave.privacy.accounting.rdp import sum_charges  # noqa: E402
@@ -158,8 +160,8 @@ def main() -> int:
         "epsilons": [1.0] if args.quick else [0.5, 1.0, 1.5], "fractions": [0.001, 0.01, 0.1],
         "main_fraction": 0.01, "quick": args.quick,
     }
-    public_train, public_test = load_split(DataSpec("mnist", str(MNIST), (0, 1, 2, 3, 4), 10_000), seed=0)
-    private, test = load_split(DataSpec("mnist", str(MNIST), (5, 6, 7, 8, 9), setting["private_size"]), seed=0)
+    public_train, public_test = transfer_split("mnist", str(MNIST), (0, 1, 2, 3, 4), 10_000, seed=0)
+    private, test = transfer_split("mnist", str(MNIST), (5, 6, 7, 8, 9), setting["private_size"], seed=0)
     public_train, public_test, private, test = pooled(public_train), pooled(public_test), pooled(private), pooled(test)
 
     started = time.perf_counter()

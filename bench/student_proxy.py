@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.soundness import soundness, timed_on  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.pipelines import load_pipeline  # noqa: E402
-from conclave.cluster.teaching.config import TeacherStudentConfig  # noqa: E402
+from conclave.cluster.api import TeacherStudentConfig  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mnist-clusters.yaml"
 HELD_OUT = 2_000

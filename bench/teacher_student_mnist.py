@@ -58,13 +58,11 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 share_cores()
 
 from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import RunOutcome, TeacherStudent, load_pipeline  # noqa: E402
-from conclave.cluster.teaching.config import TeacherStudentConfig  # noqa: E402
+from conclave.cluster.api import RunDirectory, RunOutcome, TeacherStudent, TeacherStudentConfig, load_pipeline  # noqa: E402
 from conclave.learning.train_config import TrainConfig  # noqa: E402
 from conclave.cluster.teaching.ensemble import (  # noqa: E402
     Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
 )
-from conclave.cluster.results import RunDirectory  # noqa: E402
 from conclave.cluster.teaching.student import non_private_ceiling  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on, timed_private_work  # noqa: E402
@@ -330,7 +328,7 @@ def speedup_and_throughput(config: TeacherStudentConfig, count: int) -> tuple[di
 def throughput(config: TeacherStudentConfig, teachers, single) -> dict:
     """labels/s: student-side gRPC client → aggregator → Ray actors, vs in-process teachers."""
     from conclave.actors.aggregator import AggregatorServer, ServerSettings
-    from conclave.cluster.client import AggregatorClient
+    from conclave.cluster.api import AggregatorClient
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.noise import SECURE
 
@@ -385,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
-    from conclave.cluster.ray_runtime import start_ray
+    from conclave.cluster.api import start_ray
 
     out: dict = {"quick": args.quick, "thread_settings": thread_settings(), "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bench_dir = RunDirectory(args.results_dir, "bench")

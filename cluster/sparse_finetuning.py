@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.config import as_base
 from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
@@ -33,6 +33,9 @@ from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.sparse_variants import VARIANTS
 from conclave.learning.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from conclave.actors.sparse_trainer import PublicModel
 
 log = logging.getLogger(__name__)
 
@@ -281,28 +284,53 @@ class SparseResult:
     nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
 
 
-def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: str | None = None) -> SparseResult:
-    """Steps 1–4 of the module's docstring; pre-training checkpoints go under ``results.path``."""
+@dataclass(frozen=True)
+class PublicPretraining:
+    """The public model every variant fine-tunes, with its pre-training losses and its accuracy
+    on the public test split: public data only, free. A sweep pre-trains once
+    (``SparseFinetune.pretrain``) and hands it to every trial."""
+
+    model: PublicModel
+    losses: list[float]
+    accuracy: float
+    dataset: str  # the public test split's name
+
+
+def pretrain(config: SparseConfig, checkpoint_dir: Path | None) -> PublicPretraining:
+    """Step 1 of the module's docstring: pre-train on the public split, resuming from ``checkpoint_dir``."""
+    from conclave.actors.sparse_trainer import PublicModel
+    from conclave.learning.models import build_model
+    from conclave.learning.training import evaluate
+
+    public_train, public_test = load_split(config.public, config.seed)
+    model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
+                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
+    losses = pretrain_public(model, public_train, config.pretrain, config.seed, checkpoint_dir)
+    accuracy = evaluate(model, public_test)
+    log.info("public model: %.4f on %s", accuracy, public_test.name)
+    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    public = PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
+                         dict(config.model.kwargs), state, public_train.input_shape)
+    return PublicPretraining(public, losses, accuracy, public_test.name)
+
+
+def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: str | None = None,
+                      public: PublicPretraining | None = None, every_epoch: bool = False) -> SparseResult:
+    """Steps 1–4 of the module's docstring; pre-training checkpoints go under ``results.path``.
+    ``public``: the public model already pre-trained (step 1 skipped). ``every_epoch``: also
+    evaluate each variant's model after every epoch (``variants[v]["accuracies"]``; the test
+    split is public, so this is free)."""
     from conclave.actors.dp_trainer import ShardGroup, ShardPlan
-    from conclave.actors.sparse_trainer import PublicModel, SparseVariant, TransferSource
+    from conclave.actors.sparse_trainer import SparseVariant, TransferSource
     from conclave.cluster.owners import owner_resources, owner_shard_plans
     from conclave.cluster.ray_runtime import gpus_available, start_ray
     from conclave.learning.dp_schedule import dp_schedule
-    from conclave.learning.models import build_model
     from conclave.learning.training import evaluate
 
     embedded = start_ray(ray_address, resources=owner_resources(config.owners),
                          runtime_env=config.runtime_env, models=config.models)
-    public_train, public_test = load_split(config.public, config.seed)
-    model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
-                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
-    public_losses = pretrain_public(model, public_train, config.pretrain, config.seed,
-                                    results.path / "checkpoints")
-    public_accuracy = evaluate(model, public_test)
-    log.info("public model: %.4f on %s", public_accuracy, public_test.name)
-    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    public = PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
-                         dict(config.model.kwargs), state, public_train.input_shape)
+    if public is None:
+        public = pretrain(config, results.path / "checkpoints")
 
     ledger_path = results.path / "ledger.sqlite"
     for stale in ledger_path.parent.glob(ledger_path.name + "*"):
@@ -324,7 +352,7 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
                                         config.name)
     with ledger, ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
         for variant in config.finetune.variants:
-            recipe = SparseVariant(public, variant, config.finetune.fraction, len(classes), config.seed)
+            recipe = SparseVariant(public.model, variant, config.finetune.fraction, len(classes), config.seed)
             schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
                                    secure=shards.secure)
             ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
@@ -338,8 +366,10 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
                 "sample_rate": schedule.sample_rate, "steps": checkpoints[-1].steps,
                 "trained_entries": plan.trained_entries, "trained_fraction": plan.trained_entries / plan.total_entries,
             }
+            if every_epoch:
+                variants[variant]["accuracies"] = [evaluate(recipe.released(c.state), test) for c in checkpoints]
         privacy = config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)).adding(
             per_variant_epsilon={v: r["epsilon"] for v, r in variants.items()},
             note="every variant fine-tuned on the same private data; the run's guarantee composes them all")
         nodes = shards.placement
-    return SparseResult(public_losses, public_accuracy, public_test.name, test.name, variants, privacy, nodes)
+    return SparseResult(public.losses, public.accuracy, public.dataset, test.name, variants, privacy, nodes)

@@ -1,6 +1,7 @@
 """The layers import one way, with no cycle: privacy ← learning ← actors ← cluster's library ←
 its clients (the CLI and each of its commands, tuning, the benchmarks), and no client imports
-another: what two clients share lives in the library (the pipelines, ``cluster.api``).
+another: what two clients share lives in the library (the pipelines, ``cluster.api``). Tuning
+and the benchmarks reach actors/ and cluster/ only through its front door (``FRONT_DOOR``).
 
 Every ``import`` counts, at module level or inside a function: a cycle through a lazy import is
 still a cycle a reader has to untangle.
@@ -153,3 +154,41 @@ def test_clients_reach_pipelines_only_as_a_whole():
     wrong = [(name, t) for name, targets in GRAPH.items() if is_client(name)
              for t in targets if t.startswith("conclave.cluster.pipelines.")]
     assert not wrong, wrong
+
+
+# The front door of the library for tuning and the benchmarks: the API and the pipelines, the
+# config loader (``load_yaml``, ``from_dict``, ``ConfigError``) and how a run is recorded (MLflow).
+FRONT_DOOR = ("conclave.cluster.api", "conclave.cluster.pipelines", "conclave.cluster.config",
+              "conclave.cluster.tracking")
+# Benchmarks that time or replay one component below the pipelines, and what each may reach for it.
+# The list may only shrink: an entry no longer used fails the test.
+COMPONENT_BENCHMARKS = {
+    "bench.perf": ({"conclave.actors.aggregator", "conclave.actors.teacher"},
+                   "times the aggregator server on fixed votes and the teacher actors' voting"),
+    "bench.service_soak": ({"conclave.actors.aggregator", "conclave.actors.labeller", "conclave.actors.teacher",
+                            "conclave.cluster.ray_runtime"},
+                           "checks a running `conclave serve` against the service's own constants and reclaims its Ray"),
+    "bench.gateway_overhead": ({"conclave.cluster.gateway.client", "conclave.cluster.gateway.identity",
+                                "conclave.cluster.owners", "conclave.cluster.teaching.clusters"},
+                               "times the gateways' vote source against the in-cluster one, below the pipeline"),
+    "bench.proposal_proxy": ({"conclave.cluster.proposal", "conclave.actors.vote_parties"},
+                             "replays the proposal's own rules on public data"),
+    "bench.student_proxy": ({"conclave.actors.student"}, "times the student's training path alone"),
+    "bench.teacher_student_mnist": ({"conclave.actors.aggregator", "conclave.actors.teacher",
+                                     "conclave.cluster.teaching.ensemble", "conclave.cluster.teaching.student"},
+                                    "measures trained teachers' clean votes and serving time beside the pipeline's runs"),
+}
+
+
+def test_tuning_and_the_benchmarks_use_the_front_door():
+    """Of actors/ and cluster/, tuning and the benchmarks import only the front door
+    (``FRONT_DOOR``): what they need that a pipeline computes is a method of the pipeline (e.g.
+    ``SparseFinetune.trial``) or a name ``cluster.api`` exports, so no owner's ledger or policy
+    is skipped by reaching past it. The layers below (privacy; learning's data loading, models
+    and embeddings on public data) they use directly. The one exception: a benchmark of one
+    component (``COMPONENT_BENCHMARKS``), for that component only."""
+    reached = {(name, t) for name, targets in GRAPH.items() if client_of(name) in ("conclave.tuning", "bench")
+               for t in targets if within(t, ("conclave.actors", "conclave.cluster")) and t not in FRONT_DOOR}
+    allowed = {(name, t) for name, (targets, _) in COMPONENT_BENCHMARKS.items() for t in targets}
+    assert not reached - allowed, sorted(reached - allowed)
+    assert not allowed - reached, f"no longer reached (drop from COMPONENT_BENCHMARKS): {sorted(allowed - reached)}"

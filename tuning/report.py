@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conclave.cluster.results import RunDirectory
+from conclave.cluster.api import RunDirectory
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.tuning_cost import SweepCost
 from conclave.tuning import spaces

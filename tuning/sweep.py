@@ -4,7 +4,8 @@ the tuning, and write the report.
 Every check is made before anything runs (a ``ConfigError`` naming the problem). Random
 repetition (Papernot & Steinke 2022, Thm 2) needs the number of trials to stay secret, so it is
 drawn from OS entropy, Tune's output and storage are discarded, only the winner is written, and
-every file gets one modification time. docs/cluster-and-tuning.md.
+every file gets one modification time. docs/cluster-and-tuning.md. Random repetition is refused
+over owners: each trial charges every owner's ledger, so the ledgers would count the trials.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
-from conclave.cluster.api import Pipeline, RunDirectory
+from conclave.cluster.api import Pipeline, RunDirectory, gpus_available, start_ray
 from conclave.cluster.tracking import MlflowLog
 from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from conclave.tuning import report, spaces
@@ -69,6 +70,9 @@ def check(config: TuneConfig) -> Pipeline:
         if privacy:
             raise ConfigError(f"cost.method: random-repetition needs the same privacy cost in every trial, "
                               f"but {privacy} are swept (use composition)")
+        if preview.config.owners:
+            raise ConfigError("cost.method: random-repetition keeps the number of trials secret, but every trial "
+                              "charges each owner's ledger, which records it (use composition)")
     return preview
 
 
@@ -84,8 +88,6 @@ def absolute_roots(node: Any) -> Any:
 
 
 def _resources(config: TuneConfig) -> dict[str, float]:
-    from conclave.cluster.ray_runtime import gpus_available
-
     if not KINDS[config.kind].in_process:
         return {"cpu": 0, "memory": TRIAL_MEMORY_BYTES}
     gpu = config.resources.gpu if gpus_available() > 0 else 0.0
@@ -111,8 +113,6 @@ def number_of_trials(config: TuneConfig, preview: Pipeline) -> tuple[int, Trunca
 def run_sweep(config: TuneConfig, results_root: str | Path = "results", address: str | None = None,
               verbose: int = 1) -> report.SweepResult:
     """Run the sweep on Ray (joined at ``address`` or started locally) and report it."""
-    from conclave.cluster.ray_runtime import start_ray
-
     config = dataclasses.replace(config, base=absolute_roots(config.base))
     preview = check(config)
     kind = KINDS[config.kind]

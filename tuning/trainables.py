@@ -3,7 +3,8 @@
 ``KINDS``: ``teacher_ensemble``, ``near_private``, ``diverse_public`` (free: one checkpoint
 trained before the sweep) and ``sparsity``. Pipelines run in a task outside the trial's placement
 group, where their actors would not fit. Every report carries the trial's whole privacy charge,
-charged before training, so a trial stopped early still counts in full.
+charged before training, so a trial stopped early still counts in full. Every trial that reads
+private data runs its pipeline, so the owners admit it and charge their ledgers.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from conclave.cluster.api import Pipeline, RunContext, RunDirectory, RunOutcome, load_pipeline
+from conclave.cluster.api import Pipeline, PublicPretraining, RunContext, RunDirectory, RunOutcome, load_pipeline
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
@@ -47,7 +48,7 @@ KINDS: dict[str, Kind] = {
         fixed_keys=("data.", "dpsgd.", "model", "privacy.", "seed"),
     ),
     "sparsity": Kind(
-        "sparse_finetune", per_epoch=True, in_process=True, free=False,
+        "sparse_finetune", per_epoch=True, in_process=False, free=False,
         fixed_keys=("model.", "public.", "pretrain.", "seed"),
         privacy_keys=("private.", "privacy.", "finetune.epochs", "finetune.batch_size",
                       "finetune.noise_multiplier", "finetune.target_epsilon"),
@@ -105,18 +106,21 @@ def _report(accuracy: float, epsilon: float, charge: PrivacyCharge, **extra: Any
 
 
 @ray.remote(num_cpus=0)
-def _run_pipeline(pipeline: Pipeline, directory: str) -> tuple[RunOutcome, dict]:
-    """Run ``pipeline`` into ``directory``/run; (its outcome, the charge fields of its planned work).
+def _run_pipeline(pipeline: Pipeline, run: Callable[[RunContext], RunOutcome],
+                  directory: str) -> tuple[RunOutcome, dict]:
+    """``run`` (``pipeline.run`` or one of its trial hooks) into ``directory``/run; (its outcome,
+    the charge fields of the pipeline's planned work).
 
     A trial's charge is its planned worst case, fixed before it ran: the realised spend
     depends on what the trial released, and adding those up would not be a guarantee."""
-    outcome = pipeline.run(RunContext("trial", RunDirectory(directory, "run"), None))
+    outcome = run(RunContext("trial", RunDirectory(directory, "run"), None))
     return outcome, charge_fields(pipeline.plan())
 
 
-def _pipeline_outside_trial(pipeline: Pipeline, trial_dir: Path) -> tuple[RunOutcome, PrivacyCharge]:
-    outcome, fields = ray.get(
-        _run_pipeline.options(scheduling_strategy="DEFAULT").remote(pipeline, str(trial_dir)))
+def _pipeline_outside_trial(pipeline: Pipeline, trial_dir: Path,
+                            run: Callable[[RunContext], RunOutcome] | None = None) -> tuple[RunOutcome, PrivacyCharge]:
+    outcome, fields = ray.get(_run_pipeline.options(scheduling_strategy="DEFAULT").remote(
+        pipeline, run or pipeline.run, str(trial_dir)))
     return outcome, charge_from_fields(fields)
 
 
@@ -143,64 +147,33 @@ def _near_private(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
             n_labeled=final["n_labeled"], start_epoch=final["start_epoch"])
 
 
+def _sparsity(pipeline: Pipeline, prepared: PublicPretraining, trial_dir: Path) -> None:
+    """One variant of the sparse_finetune pipeline on the sweep's public model, reported every epoch."""
+    variants = pipeline.config.finetune.variants
+    if len(variants) != 1:
+        raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
+                         "one-element lists, e.g. {choice: [[classifier], [all]]}")
+    # every trial draws its own fresh noise (independent trials, as Papernot & Steinke's Thm 2 needs)
+    outcome, charge = _pipeline_outside_trial(pipeline, trial_dir, lambda context: pipeline.trial(context, prepared))
+    result = outcome.result.variants[variants[0]]
+    for epoch, (accuracy, epsilon) in enumerate(zip(result["accuracies"], result["epsilons"])):
+        _report(accuracy, epsilon, charge, epoch=epoch + 1, trained_fraction=result["trained_fraction"],
+                noise_multiplier=result["noise_multiplier"])
+
+
 # --- trials in the trial's own process ----------------------------------------------------
 
 
 def _diverse_public(pipeline: Pipeline, prepared: dict, trial_dir: Path) -> None:
     """DiversePublic on the sweep's fixed DP checkpoint, through the pipeline's own selection
-    and fine-tuning phase. It gets no private source and no ledger (None): a code path that
-    tried to read private data or spend budget would fail instead of costing privacy."""
-    import torch
-
-    from conclave.cluster.active_learning import improve, public_side
-
+    and fine-tuning phase on the public side only (``ActiveLearning.improve_public``)."""
     config = pipeline.config
-    torch.set_num_threads(config.torch_threads)
-    rng = np.random.default_rng(config.seed)
-    public = public_side(config, rng)  # the private part is dropped
-    rows, _, _ = improve(config, [prepared["checkpoint"]], None, public.model_spec(config), None, public.pool_inputs,
-                      public.annotator, public.out_of_domain, public.test, rng, trial_dir)
+    rows = pipeline.improve_public(prepared["checkpoint"], trial_dir)
     nothing = PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS))  # post-processing
     row = rows[-1]
     _report(row["accuracy"], prepared["epsilon"], nothing, n_labeled=row["n_labeled"],
             n_cluster=math.ceil(row["n_labeled"] / config.selection.n_each),
             checkpoint_accuracy=prepared["accuracy"])
-
-
-def _sparsity(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
-    """Sparse DP fine-tuning of the sweep's public model, one variant, reported every epoch."""
-    import torch
-
-    from conclave.actors.sparse_trainer import TransferSource
-    from conclave.cluster.sparse_finetuning import load_split
-    from conclave.learning.dp_schedule import dp_schedule
-    from conclave.learning.dpsgd import train_dp
-    from conclave.learning.sparse import plan_variant, replace_classifier
-    from conclave.learning.training import evaluate
-
-    config = pipeline.config
-    if len(config.finetune.variants) != 1:
-        raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
-                         "one-element lists, e.g. {choice: [[classifier], [all]]}")
-    torch.set_num_threads(1)
-    variant = config.finetune.variants[0]
-    private = TransferSource(config.private.dataset, config.private.root, config.private.classes,
-                             config.private.size, config.seed).load()
-    _, private_test = load_split(config.private, config.seed)
-    model = replace_classifier(prepared.build(), private.num_classes, seed=config.seed)
-    plan = plan_variant(model, variant, config.finetune.fraction)
-    dp_config = config.finetune.dp_config(config.privacy.delta)
-    schedule = dp_schedule(len(private), dp_config, label=f"dpsgd-sparse-{variant}")
-    with config.privacy.open_ledger(trial_dir / "ledger.sqlite", schedule.charge) as ledger:
-        ledger.charge(schedule.charge)  # before anything private is computed
-
-    def on_epoch(epoch: int, epsilon: float) -> None:  # the test split is public: evaluating it is free
-        _report(evaluate(model, private_test), epsilon, schedule.charge, epoch=epoch + 1,
-                trained_fraction=plan.trained_fraction, noise_multiplier=schedule.noise_multiplier)
-
-    # every trial draws its own fresh noise (independent trials, as Papernot & Steinke's Thm 2 needs)
-    train_dp(model, private, dp_config, config.privacy.noise.source(f"dpsgd-sparse-{variant}"), masks=plan.masks,
-             on_epoch=on_epoch)
 
 
 TRIALS: dict[str, Callable[[Pipeline, Any, Path], None]] = {
@@ -232,9 +205,9 @@ def _report_planned_before_failing(pipeline: Pipeline, trial_dir: Path) -> None:
     from conclave.privacy.accounting.guarantee import worst_case_guarantee
     from conclave.privacy.accounting.ledger import read_ledger
 
-    ledgers = [p for p in (trial_dir / "run" / "ledger.sqlite", trial_dir / "ledger.sqlite") if p.is_file()]
+    ledger = trial_dir / "run" / "ledger.sqlite"
     # read, not opened to charge: the failed run may still hold its ledger's writer lock
-    charged = any(read_ledger(path).charges > 0 for path in ledgers)
+    charged = ledger.is_file() and read_ledger(ledger).charges > 0
     if not charged:
         _report(math.nan, 0.0, PrivacyCharge(DEFAULT_ORDERS, np.zeros_like(DEFAULT_ORDERS)), failed=True)
         return
@@ -245,42 +218,28 @@ def _report_planned_before_failing(pipeline: Pipeline, trial_dir: Path) -> None:
 # --- what a sweep prepares once, before its trials ------------------------------------------
 
 
-def prepare(kind: str, pipeline: Pipeline, results: RunDirectory) -> dict[str, Any] | Any | None:
+def prepare(kind: str, pipeline: Pipeline, results: RunDirectory) -> dict[str, Any] | PublicPretraining | None:
     """Build what every trial of ``kind`` shares; returns None when trials share nothing."""
     if kind == "diverse_public":
-        return _prepare_checkpoint(pipeline.config, results)
+        return _prepare_checkpoint(pipeline, results)
     if kind == "sparsity":
-        return _prepare_public_model(pipeline.config, results)
+        return pipeline.pretrain(results)  # public data only: free
     return None
 
 
-def _prepare_checkpoint(config: Any, results: RunDirectory) -> dict[str, Any]:
+def _prepare_checkpoint(pipeline: Pipeline, results: RunDirectory) -> dict[str, Any]:
     """One DP-SGD checkpoint for a free sweep: the active-learning pipeline's final checkpoint,
-    trained once with its ledger; every trial post-processes it."""
-    from conclave.actors.dp_trainer import DPCheckpoint
-    from conclave.cluster.active_learning import learn_actively
+    trained once through the pipeline (its ledger, the owners' admission and ledgers); every
+    trial post-processes it."""
     from conclave.privacy.accounting.ledger import PrivacyLedger
 
-    once = dataclasses.replace(config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",)))
+    config = pipeline.config
+    once = pipeline.with_config(dataclasses.replace(
+        config, selection=dataclasses.replace(config.selection, strategies=("diverse_public",))))
     run_dir = RunDirectory(results.path, "checkpoint")
-    result = learn_actively(once, run_dir)
-    final = sorted((run_dir.path / "checkpoints").glob("epoch-*.pt"))[-1]
+    outcome = once.run(RunContext("checkpoint", run_dir))
     with PrivacyLedger.open_existing(run_dir.path / "ledger.sqlite") as ledger:
         charge = ledger.spent()
-    return {"checkpoint": DPCheckpoint.load(final), "charge": charge, "epsilon": result.privacy.epsilon,
-            "accuracy": result.checkpoints[-1]["test_accuracy"], "path": str(final)}
-
-
-def _prepare_public_model(config: Any, results: RunDirectory):
-    """The public pre-trained model every sparsity trial fine-tunes (public data: free)."""
-    from conclave.actors.sparse_trainer import PublicModel
-    from conclave.cluster.sparse_finetuning import load_split, pretrain_public
-    from conclave.learning.models import build_model
-
-    public_train, _ = load_split(config.public, config.seed)
-    model = build_model(config.model.name, public_train.num_classes, config.model.in_channels,
-                        seed=config.seed, input_shape=public_train.input_shape, **config.model.kwargs)
-    pretrain_public(model, public_train, config.pretrain, config.seed, results.path / "pretrain")
-    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    return PublicModel(config.model.name, public_train.num_classes, config.model.in_channels,
-                       dict(config.model.kwargs), state, public_train.input_shape)
+    final, checkpoint = once.released_checkpoint(run_dir)
+    return {"checkpoint": checkpoint, "charge": charge, "epsilon": outcome.privacy.epsilon,
+            "accuracy": outcome.result.checkpoints[-1]["test_accuracy"], "path": str(final)}

@@ -1,17 +1,26 @@
 """``pipeline: active_learning``: the pipeline over ``cluster.active_learning`` (private active
 learning, Zhao et al. 2019). It runs ``learn_actively`` and writes ``metrics.json``,
-``privacy.json`` and ``accuracy_vs_labels.png`` (what each holds: ``cluster.active_learning``)."""
+``privacy.json`` and ``accuracy_vs_labels.png`` (what each holds: ``cluster.active_learning``).
+A free sweep reuses one run's last DP checkpoint (``released_checkpoint``) and repeats only the
+public phase on it (``improve_public``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearningResult, learn_actively, planned_work,
-                                              validate)
+import numpy as np
+
+from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearningResult, improve, learn_actively,
+                                              planned_work, public_side, validate)
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
+from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import RunRequest
+
+if TYPE_CHECKING:
+    from conclave.actors.dp_trainer import DPCheckpoint
 
 
 @dataclass(frozen=True)
@@ -65,3 +74,26 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         if privacy.owners:
             summary["owners (lifetime budgets)"] = privacy.owners_line()
         return RunOutcome(result, privacy, metrics, summary)
+
+    def released_checkpoint(self, results: RunDirectory) -> tuple[Path, DPCheckpoint]:
+        """The last DP-SGD checkpoint a run into ``results`` saved (its file, and it loaded): a
+        DP release, free to reuse."""
+        from conclave.actors.dp_trainer import DPCheckpoint
+
+        final = sorted((results.path / "checkpoints").glob("epoch-*.pt"))[-1]
+        return final, DPCheckpoint.load(final)
+
+    def improve_public(self, checkpoint: DPCheckpoint, out: Path) -> list[dict[str, Any]]:
+        """The selection and fine-tuning phase alone, from ``checkpoint`` (a DP release), on the
+        public side only: it gets no private source and no ledger (None), so a code path that
+        tried to read private data or spend budget would fail instead of costing privacy.
+        Returns its rows (one per strategy and label budget)."""
+        import torch
+
+        config = self.config
+        torch.set_num_threads(config.torch_threads)
+        rng = np.random.default_rng(config.seed)
+        public = public_side(config, rng)  # the private part is dropped
+        rows, _, _ = improve(config, [checkpoint], None, public.model_spec(config), None, public.pool_inputs,
+                             public.annotator, public.out_of_domain, public.test, rng, out)
+        return rows

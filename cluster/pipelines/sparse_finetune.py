@@ -1,6 +1,6 @@
 """``pipeline: sparse_finetune``: the pipeline over ``cluster.sparse_finetuning`` (sparse DP
 fine-tuning, Luo et al. 2021). It runs ``finetune_sparsely`` and writes ``metrics.json`` and
-``privacy.json``."""
+``privacy.json``; a sweep pre-trains once (``pretrain``) and runs each trial with ``trial``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,10 @@ from typing import ClassVar
 
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
-from conclave.cluster.sparse_finetuning import SparseConfig, SparseResult, finetune_sparsely, planned_work, validate
+from conclave.cluster.results import RunDirectory
+from conclave.cluster.sparse_finetuning import (
+    PublicPretraining, SparseConfig, SparseResult, finetune_sparsely, planned_work, pretrain, validate,
+)
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import RunRequest
 
@@ -38,11 +41,26 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
         return OwnersData(config.owners, None, config.test, config.classes, {})
 
     def run(self, context: RunContext) -> RunOutcome[SparseResult]:
+        return self._run(context, None, every_epoch=False)
+
+    def pretrain(self, results: RunDirectory) -> PublicPretraining:
+        """The public model the variants fine-tune, pre-trained into ``results.path/pretrain``
+        (resumed from there): public data only, nothing charged."""
+        return pretrain(self.config, results.path / "pretrain")
+
+    def trial(self, context: RunContext, public: PublicPretraining) -> RunOutcome[SparseResult]:
+        """One sweep trial: a run, admitted and charged by the owners as ``run`` is, that
+        fine-tunes ``public`` (pre-trained once for the sweep) and evaluates each variant after
+        every epoch too (``variants[v]["accuracies"]``)."""
+        return self._run(context, public, every_epoch=True)
+
+    def _run(self, context: RunContext, public: PublicPretraining | None,
+             every_epoch: bool) -> RunOutcome[SparseResult]:
         config = self.config
         planned = self.plan()  # every variant's schedule: every owner must pay for all of them first
         with admitting_owners(config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned,
                               context.ray_address):
-            result = finetune_sparsely(config, context.results, context.ray_address)
+            result = finetune_sparsely(config, context.results, context.ray_address, public, every_epoch)
         variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
         metrics = {
             "public": {"losses": result.public_losses, "accuracy": result.public_accuracy,

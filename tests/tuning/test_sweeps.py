@@ -156,6 +156,46 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_sessio
                                                                  rel=1e-9)
 
 
+def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
+    """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
+    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget."""
+    from conclave.learning.data import load_digits
+
+    train, test = load_digits()
+    np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
+    np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
+    owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
+             "records": 600, "resources": {"hospital_a": 1},
+             "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
+    raw = _raw("tune-digits-sparsity.yaml", **{
+        "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
+        "scheduler": {"name": "fifo"}, "space": {"finetune.fraction": {"grid": [0.01, 0.1]}}, **changes})
+    del raw["base"]["private"]
+    raw["base"].update(owners=[owner], test={"format": "npz", "path": str(tmp_path / "test.npz"), "label": "y"})
+    return from_dict(TuneConfig, raw)
+
+
+def test_a_sweep_over_owners_charges_each_trial_to_their_ledgers(ray_session, tmp_path):
+    """Every trial runs the pipeline, so the owner's node admits it and its lifetime ledger is
+    charged each trial's whole schedule, as for ``conclave run``."""
+    from conclave.privacy.accounting.ledger import read_ledger
+
+    summary = run_sweep(_owner_sparsity_config(tmp_path), tmp_path / "results", verbose=0)
+    sweep, rows = _read(summary)
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
+    owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
+    assert owner.charges == 2  # one per trial
+    trial = _sparse_trial_rdp(float(rows[0]["noise_multiplier"]), 600, 128, 1)  # the declared records
+    np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
+
+
+def test_a_sweep_over_owners_refuses_random_repetition(tmp_path):
+    config = _owner_sparsity_config(tmp_path, cost={"method": "random-repetition", "eta": 1.0, "gamma": 0.5},
+                                    space={"finetune.fraction": {"uniform": [0.01, 0.2]}})
+    with pytest.raises(ConfigError, match="charges each owner's ledger"):
+        check(config)
+
+
 def test_diverse_public_sweep_is_free_post_processing_of_one_checkpoint(ray_session, tmp_path):
     config = _config("tune-digits-diverse.yaml", **{
         "base/dpsgd/epochs": 2, "base/finetune/epochs": 3,
