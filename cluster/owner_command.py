@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.ledger import LedgerDamaged, LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import OwnerRefused
+    from conclave.privacy.accounting.owner_policy import OwnerRefused
 
     try:
         return {"init": _init, "raise": _change, "lower": _change, "show": _show, "serve": _serve}[args.action](args)
@@ -81,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _init(args: argparse.Namespace) -> int:
     from conclave.cluster.pipelines import PIPELINES
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, conclave_home, write_policy
+    from conclave.privacy.accounting.ledger_records import conclave_home
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy
     from conclave.privacy.mechanisms import MECHANISMS
 
     _check_names("pipeline", args.pipelines, list(PIPELINES))
@@ -101,7 +102,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _change(args: argparse.Namespace) -> int:
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, OwnerRefused, change_budget
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused, change_budget
 
     policy = OwnerPolicy.load(args.name)
     if policy is not None and (args.epsilon > policy.epsilon) != (args.action == "raise"):
@@ -122,7 +123,7 @@ def _change(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.ledger import read_ledger
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, OwnerRefused
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused
 
     policies = [OwnerPolicy.load(name) for name in args.names] if args.names else OwnerPolicy.on_node()
     missing = [name for name, policy in zip(args.names, policies) if policy is None]

@@ -11,7 +11,7 @@ from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearni
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_ledger import RunRequest
+from conclave.privacy.accounting.owner_policy import RunRequest
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutc
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.sparse_finetuning import SparseConfig, SparseResult, finetune_sparsely, planned_work, validate
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_ledger import RunRequest
+from conclave.privacy.accounting.owner_policy import RunRequest
 
 
 @dataclass(frozen=True)

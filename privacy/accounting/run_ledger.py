@@ -21,7 +21,8 @@ from conclave.errors import ConclaveError
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, BudgetReport
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms
+from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_policy import OwnerTerms
 
 log = logging.getLogger(__name__)
 

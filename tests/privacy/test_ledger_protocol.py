@@ -10,9 +10,11 @@ import pytest
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, Ledger, PrivacyLedger
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerBudget, OwnerLedger
+from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_policy import OwnerBudget
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 from conclave.privacy.accounting.run_ledger import RunLedger
+from tests.owner_ledgers import opened
 
 DELTA = 1e-5
 
@@ -54,9 +56,8 @@ def members(protocol: type) -> dict[str, object]:
 
 def ledgers(tmp_path):
     run = PrivacyLedger(tmp_path / "run.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0))
-    owner = OwnerLedger("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0,
-                                                  directory=str(tmp_path / "node_a")))
-    owner.open(gaussian(10.0), "run-1")
+    owner = opened("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0, directory=str(tmp_path / "node_a")),
+                   gaussian(10.0), "run-1")
     both = RunLedger(PrivacyLedger(tmp_path / "both.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0)),
                      NoOwnerRefuses(), DriverRecords(tmp_path / "driver.json"))
     return {"run": run, "owner": owner, "run with owners": both}
