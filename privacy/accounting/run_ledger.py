@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from conclave.privacy.accounting.owner_policy import OwnerTerms
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class LifetimeLedgers(Protocol):
     """The owners' ledgers of a run, wherever they live (``actors.owner_ledger.OwnerLedgers``)."""
 
