@@ -51,7 +51,7 @@ class InstantTeachers:
     """Three teachers that vote at once."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = 3, False
+    votes_per_query, batch_coupled, num_classes, local = 3, False, 10, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)
