@@ -41,6 +41,7 @@ from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
 from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
                                              signed_step_key, step_key_of)
+from conclave.errors import ConclaveError
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
@@ -79,7 +80,7 @@ MAX_RECORDS = 10**12  # the most records a DP-SGD run may declare, all owners to
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
-class Refused(Exception):
+class Refused(ConclaveError):
     """A call refused with ``code``, in one line (``message``); nothing was charged or released."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
