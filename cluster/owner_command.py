@@ -6,7 +6,7 @@ its policy in that machine's Conclave folder (``$CONCLAVE_HOME/owners/NAME.polic
 folder the node's ``ray start`` sees): the lifetime budget, where its ledger lives, which
 pipelines and mechanisms it admits, the most one run may plan to spend, and the paths of its
 data. Every run's ledger actor on that node reads it there; a run's config may ask for less,
-never more (``privacy.accounting.owner_ledger``). ``raise`` and ``lower`` change the lifetime ε,
+never more (``privacy.accounting.owner_policy``). ``raise`` and ``lower`` change the lifetime ε,
 recorded as an entry of the owner's ledger with its time; ``show`` prints the policies and their
 ledgers' spend; ``serve OWNER.yaml`` runs the owner's gateway (``cluster.gateway``) with its own
 Ray until Ctrl-C or SIGTERM. Exit status 2 for anything refused, in one line.
