@@ -38,7 +38,7 @@ from conclave.learning.models import build_model
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.learning.training import embed, predict_logits
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.ledger import BudgetExceeded
+from conclave.privacy.accounting.ledger import BudgetExceeded, ChargeGate
 from conclave.privacy.counts import LaplaceCounts, SkellamCounts
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.pca import AnalyzeGauss, SecureAnalyzeGauss
@@ -385,14 +385,6 @@ def fresh_public_keys(actors: Sequence, owners: Sequence[str], what: str, outcom
     gloo link; ``OwnerDropout`` naming the owner whose key is not in within ``timeout_s``."""
     return tuple(gathered([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)], owners, timeout_s,
                           "key", f"the secure sum of {what}", outcome))
-
-
-class ChargeGate(Protocol):
-    """What NearPrivate's releases are charged to (a ``PrivacyLedger``, or several as one)."""
-
-    def can_afford(self, charge: PrivacyCharge) -> bool: ...
-
-    def charge(self, charge: PrivacyCharge) -> object: ...
 
 
 class ShardSupport:

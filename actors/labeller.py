@@ -58,6 +58,9 @@ class VoteSource(Protocol):
     # Whether a query's votes depend on the batch's other queries (public clusters): then each
     # call is its own release, never merged with another client's (``PrivateLabeller.label``).
     batch_coupled: bool
+    num_classes: int  # the columns of its histograms
+    # Whether its votes meet only in secure rounds (owner-local kNN): False for every other source.
+    local: bool
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
@@ -75,6 +78,8 @@ class SecureVoteSource(Protocol):
     neighbouring: Neighbouring
     neighbouring_lemma: str
     batch_coupled: bool  # as ``VoteSource.batch_coupled``
+    num_classes: int
+    local: bool  # as ``VoteSource.local``
 
     def ready(self, timeout: float = 2.0) -> bool:
         """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
@@ -95,13 +100,14 @@ def check_pairing(vote_source: VoteSource | SecureVoteSource,
     with (``paired_with``: a kNN sample rate, the votes per record of public clusters) must be the
     vote source's, or its record-level charge would understate ε; and a source whose votes meet
     only in secure rounds (owner-local kNN) takes only a secure mechanism."""
-    for attribute in getattr(mechanism, "paired_with", ()):
+    for attribute in mechanism.paired_with:
+        # a source may have no such setting at all (teachers, a user's own): that is a mismatch too
         wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute, None)
         if held != wanted:
             raise ValueError(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
                              f"source has {attribute} {held if held is not None else 'unset'}: pair it with a vote "
                              "source of that setting")
-    if getattr(vote_source, "local", False) and not isinstance(mechanism, SecureVoteMechanism):
+    if vote_source.local and not isinstance(mechanism, SecureVoteMechanism):
         raise ValueError(f"owner-local votes meet only in secure rounds; mechanism {mechanism.name} needs clean "
                          "histograms: use aggregation: secure")
 
@@ -472,7 +478,7 @@ class PrivateLabeller:
     def _worst_case(self, count: int) -> PrivacyCharge:
         """The ledger-ready worst case of ``count`` new inputs, computed once per count when the
         mechanism is stateless (the accounting was a third of a single-input call)."""
-        if not getattr(self.mechanism, "stateless", False):
+        if not self.mechanism.stateless:
             return self._for_ledger(self.mechanism.worst_case_charge(count))
         if count not in self._worst_cases:
             self._worst_cases[count] = self._for_ledger(self.mechanism.worst_case_charge(count))
@@ -482,7 +488,7 @@ class PrivateLabeller:
         """The mechanism's one-vote charge restated for the ledger's record-level relation."""
         if charge.neighbouring == self.ledger.neighbouring:
             return charge
-        relation = getattr(self.vote_source, "neighbouring", None)
+        relation = self.vote_source.neighbouring
         if relation != self.ledger.neighbouring:
             raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
                                f"'{self.ledger.neighbouring}' neighbours")
@@ -509,7 +515,7 @@ class PrivateLabeller:
         process, in order: what the run's privacy report analyses (abstentions cost privacy too)."""
         with self._lock:
             if not self._counters.votes:
-                classes = int(getattr(self.vote_source, "num_classes", 0))
+                classes = int(self.vote_source.num_classes)
                 return np.zeros((0, classes), dtype=np.int64), np.zeros(0, dtype=bool)
             return np.concatenate(self._counters.votes), np.concatenate(self._counters.labels) != ABSTAIN
 

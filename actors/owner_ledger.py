@@ -1,5 +1,5 @@
-"""Each owner's policy and lifetime ledger (``privacy.accounting.owner_ledger``) in a Ray actor on
-the owner's own node, and the driver's handle on all of them for one run.
+"""Each owner's policy and lifetime ledger (``privacy.accounting.owner_policy``, ``owner_ledger``)
+in a Ray actor on the owner's own node, and the driver's handle on all of them for one run.
 
 The actor takes no CPU and is pinned to the owner's node: by its node labels on a cluster, by
 the node that declares its custom resources otherwise (the owner's resource amounts belong to
@@ -30,9 +30,9 @@ from conclave.actors.placement import Placement, PlacementError
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport
 from conclave.privacy.accounting.ledger_records import HOME_VARIABLE
-from conclave.privacy.accounting.owner_ledger import (
-    LedgerIdentity, OwnerBudget, OwnerLedger, OwnerRefused, OwnerTerms, RunRequest, check_not_missing,
-)
+from conclave.privacy.accounting.ledger_identity import IdentityRecords, LedgerIdentity, check_not_missing
+from conclave.privacy.accounting.owner_ledger import OwnerLedger
+from conclave.privacy.accounting.owner_policy import OwnerAdmission, OwnerBudget, OwnerRefused, OwnerTerms, RunRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +48,63 @@ class NodeAnswer:
 
 
 class OwnerNode:
-    """The owner's ledger on its node, answering in values (``NodeAnswer``)."""
+    """The owner's policy, ledger and records of its peers on its node, answering the driver's
+    calls (``call``: one of ``CALLS``, "admit" first) in values (``NodeAnswer``)."""
+
+    CALLS = frozenset({"admit", "ledger_file", "identity", "peer_records", "note_peers", "open", "refusal", "charge",
+                       "report", "close"})
 
     def __init__(self, owner: str, asked: OwnerBudget | None, data_paths: tuple[str, ...]) -> None:
-        self.owner = owner
-        self._ledger = OwnerLedger(owner, asked, data_paths)
+        self.owner, self._data_paths = owner, data_paths
+        self._admission = OwnerAdmission(owner, asked, data_paths)
+        self._ledger: OwnerLedger | None = None  # once admitted with a budget
 
     def call(self, method: str, *args: Any) -> NodeAnswer:
         try:
-            if method == "admit":
-                self._check_environment()
-            return NodeAnswer(getattr(self._ledger, method)(*args))
+            if method not in self.CALLS:
+                raise RuntimeError(f"owner {self.owner}: its node answers no call '{method}'")
+            return NodeAnswer(getattr(self, method)(*args))
         except BaseException as err:  # noqa: BLE001 - every refusal is a value, one line naming the owner
             return _refusal(self.owner, err)
+
+    def admit(self, request: RunRequest, planned: PrivacyCharge) -> OwnerTerms | None:
+        self._check_environment()
+        terms = self._admission.admit(request, planned)
+        self._ledger = None if terms is None else OwnerLedger(terms, self._data_paths)
+        return terms
+
+    def ledger_file(self) -> str:
+        return str(self._admitted().path)
+
+    def identity(self) -> LedgerIdentity | None:
+        return self._admitted().identity()
+
+    def peer_records(self) -> list[LedgerIdentity]:
+        return IdentityRecords.of_peers(self.owner, self._admitted().path).load()
+
+    def note_peers(self, seen: list[LedgerIdentity]) -> None:
+        IdentityRecords.of_peers(self.owner, self._admitted().path).note(seen)
+
+    def open(self, planned: PrivacyCharge, run: str) -> LedgerIdentity:
+        return self._admitted().open(planned, run)
+
+    def refusal(self, charge: PrivacyCharge) -> str | None:
+        return self._admitted().refusal(charge)
+
+    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> BudgetReport:
+        return self._admitted().charge(charge, worst_case)
+
+    def report(self) -> BudgetReport:
+        return self._admitted().report()
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+
+    def _admitted(self) -> OwnerLedger:
+        if self._ledger is None:
+            raise OwnerRefused(f"owner {self.owner}: no lifetime budget (no policy on its node, none in the config)")
+        return self._ledger
 
     def _check_environment(self) -> None:
         """The node's own Conclave folder holds the owner's policy and ledger: a run's

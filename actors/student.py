@@ -31,7 +31,7 @@ from conclave.learning.selection import CLUSTERS, POOL_ORDER, PublicPool, QueryS
 from conclave.learning.selection.clusters import PoolClusters, cluster_pool
 from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig, fixmatch
-from conclave.learning.test_views import predict_with_views
+from conclave.learning.view_averaging import predict_with_views
 from conclave.learning.train_config import TrainConfig
 from conclave.learning.training import embed, evaluate, fit, predict_logits
 from conclave.progress import COUNTS
@@ -62,7 +62,7 @@ class Student:
             pool (public-cluster votes: each answered medoid labels its cluster).
         members: students trained alike from consecutive seeds and averaged (free post-processing).
         test_views: each test prediction averages the image and this many weak views of it
-            (``learning.test_views``; free post-processing; images only).
+            (``learning.view_averaging``; free post-processing; images only).
     """
 
     def __init__(

@@ -130,6 +130,7 @@ class VoteParties(abc.ABC):
     input_shape: tuple[int, ...]
     votes_per_query: int | None  # ``actors.labeller.VoteSource``: each subclass declares both
     batch_coupled: bool
+    local: bool = False  # ``actors.labeller.VoteSource.local``: owner-local kNN sets it
 
     def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
         """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and

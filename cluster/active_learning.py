@@ -27,7 +27,7 @@ from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
-from conclave.privacy.accounting.ledger import Ledger, PrivacyLedger
+from conclave.privacy.accounting.ledger import ChargeGate, Ledger, PrivacyLedger
 from conclave.privacy.accounting.rdp import sum_charges
 
 log = logging.getLogger(__name__)
@@ -540,7 +540,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
 
 
 @dataclass(frozen=True)
-class BothLedgers:
+class BothLedgers(ChargeGate):
     """NearPrivate's releases go to the run's ledger and to the model's own (its guarantee): either
     may refuse, before anything is computed; the run's is charged first."""
 

@@ -105,7 +105,7 @@ def _entry(record, delta: float) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.ledger import LedgerDamaged
-    from conclave.privacy.accounting.owner_ledger import conclave_home
+    from conclave.privacy.accounting.ledger_records import conclave_home
 
     targets = args.ledgers or [conclave_home() / "owners", Path("results")]
     try:

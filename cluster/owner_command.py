@@ -6,7 +6,7 @@ its policy in that machine's Conclave folder (``$CONCLAVE_HOME/owners/NAME.polic
 folder the node's ``ray start`` sees): the lifetime budget, where its ledger lives, which
 pipelines and mechanisms it admits, the most one run may plan to spend, and the paths of its
 data. Every run's ledger actor on that node reads it there; a run's config may ask for less,
-never more (``privacy.accounting.owner_ledger``). ``raise`` and ``lower`` change the lifetime ε,
+never more (``privacy.accounting.owner_policy``). ``raise`` and ``lower`` change the lifetime ε,
 recorded as an entry of the owner's ledger with its time; ``show`` prints the policies and their
 ledgers' spend; ``serve OWNER.yaml`` runs the owner's gateway (``cluster.gateway``) with its own
 Ray until Ctrl-C or SIGTERM. Exit status 2 for anything refused, in one line.
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.ledger import LedgerDamaged, LedgerInUse
-    from conclave.privacy.accounting.owner_ledger import OwnerRefused
+    from conclave.privacy.accounting.owner_policy import OwnerRefused
 
     try:
         return {"init": _init, "raise": _change, "lower": _change, "show": _show, "serve": _serve}[args.action](args)
@@ -81,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _init(args: argparse.Namespace) -> int:
     from conclave.cluster.pipelines import PIPELINES
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, conclave_home, write_policy
+    from conclave.privacy.accounting.ledger_records import conclave_home
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy
     from conclave.privacy.mechanisms import MECHANISMS
 
     _check_names("pipeline", args.pipelines, list(PIPELINES))
@@ -101,7 +102,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _change(args: argparse.Namespace) -> int:
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, OwnerRefused, change_budget
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused, change_budget
 
     policy = OwnerPolicy.load(args.name)
     if policy is not None and (args.epsilon > policy.epsilon) != (args.action == "raise"):
@@ -122,7 +123,7 @@ def _change(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from conclave.privacy.accounting.ledger import read_ledger
-    from conclave.privacy.accounting.owner_ledger import OwnerPolicy, OwnerRefused
+    from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused
 
     policies = [OwnerPolicy.load(name) for name in args.names] if args.names else OwnerPolicy.on_node()
     missing = [name for name, policy in zip(args.names, policies) if policy is None]

@@ -27,7 +27,7 @@ from conclave.actors.placement import Placement
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
-from conclave.privacy.accounting.owner_ledger import OwnerBudget
+from conclave.privacy.accounting.owner_policy import OwnerBudget
 
 if TYPE_CHECKING:
     from conclave.actors.owner_ledger import OwnerAccount

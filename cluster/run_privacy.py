@@ -32,7 +32,8 @@ from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.guarantee import Estimate, Guarantee, covers, run_guarantee, worst_case_guarantee
 from conclave.privacy.accounting.ledger import (AnsweringLedger, BudgetChange, BudgetExceeded, BudgetReport,
                                                 PrivacyLedger)
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms, RunRequest
+from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_policy import OwnerTerms, RunRequest
 from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.noise import NoisePolicy
 

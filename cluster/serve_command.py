@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
         from conclave.cluster.teaching.ensemble import checked_public, resolved
         from conclave.privacy.accounting.ledger import LedgerInUse
-        from conclave.privacy.accounting.owner_ledger import RunRequest
+        from conclave.privacy.accounting.owner_policy import RunRequest
     try:
         settings = server_settings(config, token, **overrides)  # the rest of the server's fields
     except ValueError as err:

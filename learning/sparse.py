@@ -199,8 +199,3 @@ def noise_to_gradient_ratio(
         for group in signal_sq
     }
     return {"groups": ratio, "layers": layers}
-
-
-def mask_density_by_layer(masks: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Fraction of each masked layer that trains (the paper's Fig. 4)."""
-    return {name: float(np.mean(mask.numpy())) for name, mask in masks.items()}

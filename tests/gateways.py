@@ -18,7 +18,7 @@ from conclave.cluster.tls import create_authority, issue
 from conclave.learning.data import load_digits
 from conclave.learning.data.sources import DataSource
 from conclave.privacy.accounting.ledger import read_ledger
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy, write_policy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy
 from conclave.protos import owner_pb2_grpc
 
 CLASSES = tuple(str(c) for c in range(10))

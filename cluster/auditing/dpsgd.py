@@ -39,7 +39,7 @@ def default_guesses(canaries: int) -> int:
 
 
 @dataclass(frozen=True)
-class Canaries:
+class CanaryRecords:
     """m canary records in the model's representation: public, known to the auditor."""
 
     x: np.ndarray
@@ -48,11 +48,11 @@ class Canaries:
     def __len__(self) -> int:
         return len(self.y)
 
-    def subset(self, rows: np.ndarray) -> Canaries:
-        return Canaries(self.x[rows], self.y[rows])
+    def subset(self, rows: np.ndarray) -> CanaryRecords:
+        return CanaryRecords(self.x[rows], self.y[rows])
 
 
-def make_canaries(test: Dataset, count: int, rng: np.random.Generator) -> Canaries:
+def make_canaries(test: Dataset, count: int, rng: np.random.Generator) -> CanaryRecords:
     """``count`` canaries from the public ``test`` split: every coordinate (pixel, feature or
     column) of a canary is that coordinate of an independently chosen test record, and its
     label is uniform over the classes.
@@ -68,7 +68,7 @@ def make_canaries(test: Dataset, count: int, rng: np.random.Generator) -> Canari
     flat = test.x.reshape(len(test), -1)
     picks = rng.integers(0, len(test), size=(count, flat.shape[1]))
     x = np.take_along_axis(flat, picks, axis=0).reshape(count, *test.x.shape[1:]).astype(np.float32)
-    return Canaries(x, rng.integers(0, test.num_classes, size=count).astype(np.int64))
+    return CanaryRecords(x, rng.integers(0, test.num_classes, size=count).astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class CanarySource:
     """A shard actor's source with the included canaries added to what it holds."""
 
     inner: object  # the shard actor's own ShardSource (picklable)
-    canaries: Canaries = field(repr=False)
+    canaries: CanaryRecords = field(repr=False)
 
     @property
     def owner(self) -> str:
@@ -89,7 +89,7 @@ class CanarySource:
                        held.features)
 
 
-def membership_scores(model, canaries: Canaries, batch: int = 512) -> np.ndarray:
+def membership_scores(model, canaries: CanaryRecords, batch: int = 512) -> np.ndarray:
     """−loss of each canary's (input, label) under the released ``model``: higher means "in"."""
     import torch
     from torch.nn import functional

@@ -234,7 +234,7 @@ def layout(config: TeacherStudentConfig) -> list[Share]:
 
 
 @dataclass(frozen=True)
-class Canaries:
+class PlacedCanaries:
     """The canary inputs (the queries too) and the ensemble's teacher (a host) each lands with."""
 
     x: np.ndarray
@@ -243,7 +243,7 @@ class Canaries:
 
 
 def place_canaries(count: int, design: Design, shares: Sequence[Share], patterns: Patterns, classes: int,
-                   rng: np.random.Generator) -> Canaries:
+                   rng: np.random.Generator) -> PlacedCanaries:
     """``count`` fresh inputs whose record (input, canary class) lands in a host, the hosts
     filled evenly (at most ⌈count / hosts⌉ each), in the first owner's data where it does."""
     capacity = math.ceil(count / design.hosts)
@@ -260,10 +260,10 @@ def place_canaries(count: int, design: Design, shares: Sequence[Share], patterns
                     hosts.append(teacher)
                     owners.append(j)
                     break
-    return Canaries(np.stack(xs), np.array(hosts), np.array(owners))
+    return PlacedCanaries(np.stack(xs), np.array(hosts), np.array(owners))
 
 
-def audit_records(canaries: Canaries, inclusion: SecretInclusion, design: Design, shares: Sequence[Share],
+def audit_records(canaries: PlacedCanaries, inclusion: SecretInclusion, design: Design, shares: Sequence[Share],
                   patterns: Patterns, classes: int, rng: np.random.Generator) -> list[Dataset]:
     """Per owner, the records the audit adds: the pins — for every canary, one record in each
     teacher, a near copy labelled with its vote, or for the canary's host a flipped copy

@@ -148,6 +148,7 @@ class GatewayVoteSource:
     ``input_shape``: the queries' shape where no pool is sent (teachers)."""
 
     num_actors = 0  # record-holding actors on the coordinator's side: none, they are the owners' business
+    local = False  # ``actors.labeller.SecureVoteSource.local``: not owner-local kNN's secure-only votes
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str,
                  terms: ClusterVotes | KnnVotes | TeacherVotes, mechanism: str, sigma: float, classes: Sequence[str],

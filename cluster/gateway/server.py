@@ -20,7 +20,7 @@ from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import Identity, Verifier
 from conclave.cluster.gateway.servicer import OwnerServicer, Refused, parse
 from conclave.cluster.tls import check_server_files
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy, OwnerRefused
+from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The owner's gateway: the Owner service over the owner's own Ray, its policy and its ledger.
 
 A coordinator reaches the owner only through these calls (``protos/owner.proto``). ``Admit`` checks
-a run's terms against the owner's policy (``OwnerLedger.admit``: mechanisms, the per-run ceiling,
+a run's terms against the owner's policy (``OwnerAdmission.admit``: mechanisms, the per-run ceiling,
 the lifetime ε asked) and starts the owner's vote source on its own Ray: its records voting, with
 the embedding fitted here on the public pool the request carries, or teachers trained here on
 registered models (shards cut by a hash keyed from this machine's entropy, so no coordinator can
@@ -41,6 +41,7 @@ from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
 from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
                                              signed_step_key, step_key_of)
+from conclave.errors import ConclaveError
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
@@ -52,7 +53,10 @@ from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse, read_ledger
-from conclave.privacy.accounting.owner_ledger import OwnerBudget, OwnerLedger, OwnerPolicy, OwnerRefused, RunRequest
+from conclave.privacy.accounting.owner_ledger import OwnerLedger
+from conclave.privacy.accounting.owner_policy import (
+    OwnerAdmission, OwnerBudget, OwnerPolicy, OwnerRefused, RunRequest,
+)
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import SECURE
 from conclave.privacy.secure_sum import MaskKeys
@@ -76,7 +80,7 @@ MAX_RECORDS = 10**12  # the most records a DP-SGD run may declare, all owners to
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
-class Refused(Exception):
+class Refused(ConclaveError):
     """A call refused with ``code``, in one line (``message``); nothing was charged or released."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -407,12 +411,13 @@ class OwnerServicer:
         if request.lifetime_epsilon:
             asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
                                 policy.reserved_delta, policy.ledger)
-        ledger = OwnerLedger(policy.owner, asked, (self.declaration.data.path,) if self.declaration.data.path else ())
+        data = (self.declaration.data.path,) if self.declaration.data.path else ()
         try:
-            ledger.admit(RunRequest(request.run, pipeline, (request.mechanism,)), planned)
+            terms = OwnerAdmission(policy.owner, asked, data).admit(RunRequest(request.run, pipeline,
+                                                                              (request.mechanism,)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        return ledger
+        return OwnerLedger(terms, data)  # a policy is in force: terms, never None
 
     @staticmethod
     def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str) -> None:

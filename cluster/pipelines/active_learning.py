@@ -17,7 +17,7 @@ from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutc
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_ledger import RunRequest
+from conclave.privacy.accounting.owner_policy import RunRequest
 
 if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint

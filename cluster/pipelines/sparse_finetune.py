@@ -13,7 +13,7 @@ from conclave.cluster.sparse_finetuning import (
     PublicPretraining, SparseConfig, SparseResult, finetune_sparsely, planned_work, pretrain, validate,
 )
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_ledger import RunRequest
+from conclave.privacy.accounting.owner_policy import RunRequest
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds
 from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded
-from conclave.privacy.accounting.owner_ledger import RunRequest
+from conclave.privacy.accounting.owner_policy import RunRequest
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conclave.errors import first_line
 from conclave.learning.models.registry import ModelContractError, factory_of, model_label
 
 HINTS = ("in_channels", "input_size", "input_shape", "standardiser")
@@ -152,8 +153,7 @@ def _given(arguments: Mapping[str, Any]) -> str:
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else '(no message)'}"
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 # --- shipping a user's factory to the workers -------------------------------------------------

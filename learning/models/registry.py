@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, first_line
 from conclave.registry import MissingAttribute, Registry, imported
 
 
@@ -67,9 +67,8 @@ def factory_of(name: str | Callable[..., Any]) -> Callable[..., Any]:
         raise ModelContractError(f"model {name!r}: module {err.obj.__name__!r} ({err.obj.__file__}) has no "
                                  f"factory {err.name!r}") from None
     except Exception as err:  # noqa: BLE001 - a user's module may fail to import in any way: one line
-        text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
         raise ModelContractError(f"model {name!r} cannot be imported here: module {path.partition(':')[0]!r}: "
-                                 f"{type(err).__name__}: {text} (modules are found from the working "
+                                 f"{type(err).__name__}: {first_line(err)} (modules are found from the working "
                                  "directory and the installed packages)") from None
     if not callable(factory):
         raise ModelContractError(f"model {name!r}: {path!r} is not a callable factory")

@@ -1,7 +1,9 @@
 """The ledger: what every release is charged to before it leaves.
 
-``Ledger`` is the one protocol of a run's or a service's ledger (``PrivacyLedger``), an owner's
-lifetime ledger (``owner_ledger.OwnerLedger``) and a run's with its owners' behind it
+``ChargeGate`` is what a release is checked against and charged to: any ``Ledger``, or several
+as one (NearPrivate's run and model ledgers, ``cluster.active_learning.BothLedgers``). ``Ledger``
+is the one protocol of a run's or a service's ledger (``PrivacyLedger``), an owner's lifetime
+ledger (``owner_ledger.OwnerLedger``) and a run's with its owners' behind it
 (``run_ledger.RunLedger``): ask (``refusal``), charge (``charge``: recorded durably before anything
 is released, or refused with ``BudgetExceeded``, recording nothing), read (``report``, ``spent``).
 ``AnsweringLedger`` adds the answers a labelling service repeats, free. As in dp_accounting's
@@ -19,7 +21,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -36,7 +38,8 @@ from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 # The store's entry label and errors belong to the ledger's contract: callers catch them here.
 __all__ = [
-    "BUDGET_CHANGE", "AnsweringLedger", "BudgetChange", "BudgetExceeded", "BudgetReport", "ChargeRecord", "Ledger",
+    "BUDGET_CHANGE", "AnsweringLedger", "BudgetChange", "BudgetExceeded", "BudgetReport", "ChargeGate", "ChargeRecord",
+    "Ledger",
     "LedgerDamaged", "LedgerInUse", "LedgerSnapshot", "LedgerUnwritable", "PrivacyLedger", "current_budget",
     "largest_budget", "read_history", "read_ledger",
 ]
@@ -92,7 +95,18 @@ class BudgetReport:
         return max(0.0, self.budget.rdp_budget - self.rdp_at_budget_order)
 
 
-class Ledger(Protocol):
+@runtime_checkable
+class ChargeGate(Protocol):
+    """What a release is checked against (``can_afford``, recording nothing) and charged to
+    (``charge``: recorded before the release, or ``BudgetExceeded``, recording nothing)."""
+
+    def can_afford(self, charge: PrivacyCharge) -> bool: ...
+
+    def charge(self, charge: PrivacyCharge) -> object: ...
+
+
+@runtime_checkable
+class Ledger(ChargeGate, Protocol):
     """What a release is charged to before it leaves (module docstring): the run's, a service's,
     an owner's, or the run's with its owners' behind it. Its settings are fixed when it is
     opened; ``last_refusal`` is the latest refusal's line (why a run stopped)."""
@@ -139,6 +153,7 @@ class Ledger(Protocol):
         ...
 
 
+@runtime_checkable
 class AnsweringLedger(Ledger, Protocol):
     """A ledger that keeps the answers its charges paid for (the run's and ``serve``'s, not an
     owner's): written with the charge, in the same transaction, so a restarted service repeats

@@ -37,7 +37,7 @@ from typing import IO
 
 import numpy as np
 
-from conclave.errors import RunRefused
+from conclave.errors import ConclaveError, RunRefused
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords, StagedRecord
@@ -780,7 +780,7 @@ def _unreadable(path: Path, error: BaseException) -> LedgerDamaged | None:
     return None
 
 
-class _NotALedger(ValueError):
+class _NotALedger(ConclaveError, ValueError):
     """A file that is not a privacy ledger (``why``: what it lacks); ``read_stored``'s ValueError."""
 
     def __init__(self, path: Path, why: str) -> None:

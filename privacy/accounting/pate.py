@@ -212,14 +212,6 @@ def gnmax_rdp(logq: np.ndarray | float, sigma: float, orders) -> np.ndarray:
 # Threshold step of Confident-GNMax — PATE 2018 §4.1 / App. B
 
 
-def threshold_logp_answered(votes: np.ndarray, threshold: float, sigma1: float) -> np.ndarray:
-    """log p, p = Pr[max_j n_j + N(0, σ₁²) ≥ T], one value per query."""
-    votes = _as_votes(votes)
-    if sigma1 <= 0:
-        raise ValueError("sigma1 must be > 0")
-    return _log_normal_tail(threshold - votes.max(axis=1), sigma1)
-
-
 def threshold_logq(votes: np.ndarray, threshold: float, sigma1: float) -> np.ndarray:
     """log q for the threshold step: the less likely of its two outcomes, min(log p, log(1 − p))."""
     votes = _as_votes(votes)
@@ -227,11 +219,6 @@ def threshold_logq(votes: np.ndarray, threshold: float, sigma1: float) -> np.nda
         raise ValueError("sigma1 must be > 0")
     gap = threshold - votes.max(axis=1)
     return np.minimum(_log_normal_tail(gap, sigma1), _log_normal_tail(-gap, sigma1))
-
-
-def threshold_rdp_data_independent(sigma1: float, orders) -> np.ndarray:
-    """λ/(2σ₁²): the Gaussian bound at √2·σ₁ (sensitivity 1 instead of GNMax's 2)."""
-    return gnmax_rdp_data_independent(math.sqrt(2.0) * sigma1, orders)
 
 
 def threshold_rdp(logq: np.ndarray | float, sigma1: float, orders) -> np.ndarray:

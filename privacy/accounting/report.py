@@ -93,7 +93,7 @@ def planned_charge(mechanism: VoteMechanism, queries: int, smooth: SmoothSensiti
     release when one is planned: public settings only, so it can fix a filter's order. With
     ``batch_size`` (how the queries are asked) a stateless mechanism is charged batch by batch —
     the same for one charged per query, one release per batch for public-cluster votes."""
-    if batch_size and getattr(mechanism, "stateless", False) and queries:
+    if batch_size and mechanism.stateless and queries:
         full, rest = divmod(queries, batch_size)
         batches = [mechanism.worst_case_charge(batch_size).scaled(full)]
         batches += [mechanism.worst_case_charge(rest)] if rest else []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,11 +21,13 @@ from conclave.errors import ConclaveError
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, BudgetReport
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerTerms
+from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_policy import OwnerTerms
 
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class LifetimeLedgers(Protocol):
     """The owners' ledgers of a run, wherever they live (``actors.owner_ledger.OwnerLedgers``)."""
 

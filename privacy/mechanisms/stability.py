@@ -182,10 +182,3 @@ class Stability(VoteMechanism):
             "the exact plurality where distance to instability plus noise passes a noisy threshold, else abstain",
             "Lyu, Su & Li 2017, Alg. 1 (sparse vector, c abstentions) + propose-test-release "
             "(failure ≤ c·p₀ = δ): (ε, δ)-DP for the whole run", bounded=True)
-
-
-def smallest_margin(epsilon: float, delta: float, max_unstable: int) -> float:
-    """The vote gap (top count minus runner-up) at which a query passes with probability ½,
-    when the noisy threshold is at its median: about twice the threshold w."""
-    return 2 * (calibrate(epsilon, delta, max_unstable)[2] + 1)
-

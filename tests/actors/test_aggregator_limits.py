@@ -37,7 +37,7 @@ from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger
-from conclave.privacy.accounting.owner_ledger import DriverRecords
+from conclave.privacy.accounting.ledger_identity import DriverRecords
 from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.mechanisms import build_mechanism
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
@@ -51,7 +51,7 @@ class InstantTeachers:
     """Three teachers that vote at once."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = 3, False
+    votes_per_query, batch_coupled, num_classes, local = 3, False, 10, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)

@@ -277,7 +277,7 @@ class BrokenTeachers:
     """A vote source whose actors died: the failure path of a real deployment."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = None, False
+    votes_per_query, batch_coupled, num_classes, local = None, False, 10, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         raise ConnectionError("teacher actor 3 died")

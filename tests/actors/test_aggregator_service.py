@@ -169,7 +169,7 @@ class SlowTeachers:
     """Votes after a pause: keeps label threads busy so admission control shows."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = 3, False
+    votes_per_query, batch_coupled, num_classes, local = 3, False, 10, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         time.sleep(1.0)

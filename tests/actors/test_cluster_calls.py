@@ -32,7 +32,7 @@ class _Held:
         self.source, self.calls = source, []
         self.neighbouring, self.neighbouring_lemma = source.neighbouring, source.neighbouring_lemma
         self.votes_per_query, self.batch_coupled = source.votes_per_query, source.batch_coupled
-        self.votes_per_record, self.num_classes = source.votes_per_record, source.num_classes
+        self.votes_per_record, self.num_classes, self.local = source.votes_per_record, source.num_classes, source.local
         self.entered, self.release = threading.Event(), threading.Event()
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:

@@ -99,6 +99,7 @@ class _Counting:
     def __init__(self, pool) -> None:
         self.pool, self.calls = pool, []
         self.num_classes, self.votes_per_query, self.batch_coupled = pool.num_classes, pool.votes_per_query, False
+        self.local = False
         self.neighbouring, self.neighbouring_lemma = pool.neighbouring, pool.neighbouring_lemma
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ class StallsOnce:
 
     neighbouring = Neighbouring.ADD_REMOVE
     neighbouring_lemma = LEMMA
-    batch_coupled = False
+    batch_coupled, num_classes, local = False, 3, False
 
     def __init__(self) -> None:
         self.rounds = 0

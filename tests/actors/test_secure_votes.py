@@ -237,7 +237,7 @@ class EchoRounds:
     """A secure vote source in this process: every round charges, then returns three votes for class 0."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    batch_coupled = False
+    batch_coupled, num_classes, local = False, 4, False
 
     def ready(self, timeout: float = 2.0) -> bool:
         return True

@@ -130,7 +130,7 @@ def test_a_student_with_test_views_reports_the_accuracy_of_its_view_averaged_pre
     """Its reported accuracy is that of ``predict_with_views`` on the images (their features made
     after the shift), from the same trained model."""
     from conclave.learning.data.features import batch_transform
-    from conclave.learning.test_views import predict_with_views
+    from conclave.learning.view_averaging import predict_with_views
 
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))

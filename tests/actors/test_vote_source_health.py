@@ -100,7 +100,7 @@ class _Stale:
     what held when it began (as a probe answered by an actor that was stopped)."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = 5, False
+    votes_per_query, batch_coupled, num_classes, local = 5, False, 10, False
 
     def __init__(self) -> None:
         self.up = True
@@ -151,7 +151,7 @@ class _Silent:
     """A vote source that cannot say whether its voters are up."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "one teacher per record"
-    votes_per_query, batch_coupled = None, False
+    votes_per_query, batch_coupled, num_classes, local = None, False, 10, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 10), dtype=np.int64)

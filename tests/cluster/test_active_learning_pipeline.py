@@ -162,7 +162,7 @@ class UnanimousTeachers:
 
     num_classes = 10
     neighbouring, neighbouring_lemma = "add-remove", "a stand-in: one teacher per record"
-    votes_per_query, batch_coupled = 50, False
+    votes_per_query, batch_coupled, local = 50, False, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         votes = np.zeros((len(inputs), 10), dtype=np.int64)

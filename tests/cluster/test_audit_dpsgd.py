@@ -15,7 +15,7 @@ import yaml
 
 from conclave.cluster import cli
 from conclave.cluster.auditing import AuditSettings, SecretInclusion, run_audit
-from conclave.cluster.auditing.dpsgd import (CanarySource, Canaries, default_guesses, guesses_from,
+from conclave.cluster.auditing.dpsgd import (CanaryRecords, CanarySource, default_guesses, guesses_from,
                                              make_canaries, membership_scores, with_canary_records)
 from conclave.cluster.config import load_yaml
 from conclave.cluster.pipelines import load_pipeline
@@ -127,7 +127,7 @@ def test_canaries_guesses_and_the_inclusion_draw():
     assert [default_guesses(m) for m in (1, 3, 20, 1000)] == [1, 2, 4, 200]
 
     inclusion = SecretInclusion(400)
-    members = Canaries(np.zeros((400, 2), np.float32), np.arange(400)).subset(inclusion.members(np.arange(400)))
+    members = CanaryRecords(np.zeros((400, 2), np.float32), np.arange(400)).subset(inclusion.members(np.arange(400)))
     assert 100 < len(members) < 300  # fair coins (fails with probability < 1e-20)
     truth = np.where(np.isin(np.arange(400), members.y), 1, -1)
     assert inclusion.correct(truth) == 400 and inclusion.correct(-truth) == 0
@@ -141,7 +141,7 @@ def test_the_canaries_join_the_holders_data_and_are_scored_by_their_loss():
         def load(self, shard_ids):
             return Dataset(np.zeros((3, 1, 8, 8), np.float32), np.array([1, 2, 3]), 10, "held")
 
-    canaries = Canaries(np.ones((2, 1, 8, 8), np.float32), np.array([4, 5]))
+    canaries = CanaryRecords(np.ones((2, 1, 8, 8), np.float32), np.array([4, 5]))
     data = CanarySource(Held(), canaries).load([0])
     assert data.y.tolist() == [1, 2, 3, 4, 5] and data.x[3:].min() == 1.0 and CanarySource(Held(), canaries).owner
 

@@ -20,7 +20,7 @@ from conclave.learning.data import load_digits
 from conclave.learning.models import build_model
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy
 from conclave.privacy.accounting.skellam import subsampled_skellam_charge
 from conclave.protos import owner_pb2
 from tests.gateways import CLASSES, OWNERS, Consortium, gateways_serving, make_consortium

@@ -15,7 +15,7 @@ from conclave.cluster.gateway.server import start_gateway
 from conclave.cluster.owners import PublicData
 from conclave.cluster.tls import create_authority, issue
 from conclave.learning.data.sources import DataSource
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy, write_policy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_votes import SkellamVotes, cluster_votes
 from tests.cluster.test_table_columns import DATA, shuffled

@@ -19,7 +19,7 @@ from conclave.cluster.gateway.client import GatewayVoteSource, TeacherVotes, flo
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy
 from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.mechanisms.confident_gnmax import SecureConfidentGNMax
 from conclave.privacy.mechanisms.gnmax import SecureGNMax

@@ -11,7 +11,7 @@ import pytest
 from conclave.actors.labeller import SecureLabeller
 from conclave.cluster.gateway.client import ClusterVotes, GatewayVoteSource, KnnVotes
 from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy
 from conclave.privacy.accounting.sampled_skellam import sampled_skellam_vote_charge
 from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.mechanisms.private_knn import SecurePrivateKnn

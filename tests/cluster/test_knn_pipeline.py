@@ -77,7 +77,7 @@ class _TeacherVotes:
     """A vote source that does not sample (as teachers' histograms)."""
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "disjoint shards"
-    votes_per_query, batch_coupled = None, False
+    votes_per_query, batch_coupled, num_classes, local = None, False, 3, False
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 3), dtype=np.int64)

@@ -18,8 +18,9 @@ import yaml
 from conclave.cluster import cli
 from conclave.cluster.config import load_yaml
 from conclave.cluster.pipelines import load_pipeline
-from conclave.privacy.accounting.owner_ledger import OwnerLedger, OwnerPolicy
+from conclave.privacy.accounting.owner_policy import OwnerPolicy
 from tests.conftest import PROJECT_ROOT
+from tests.owner_ledgers import opened
 
 HOSPITALS = PROJECT_ROOT / "configs" / "hospitals.yaml"
 DATA_A = PROJECT_ROOT / "examples" / "hospitals" / "data" / "hospital_a"
@@ -77,9 +78,8 @@ def run(config: Path, tmp_path: Path, capsys, *flags: str) -> tuple[int, str, st
 
 def a_ledger(tmp_path, charges: int = 3) -> Path:
     """hospital_a's ledger, made on its node (here) by an earlier run that charged ``charges`` times."""
-    ledger = OwnerLedger("hospital_a", None)
     config = load_pipeline(load_yaml(small_hospitals(tmp_path, {}))).config
-    ledger.open(config.planned(), "earlier")
+    ledger = opened("hospital_a", None, config.planned(), "earlier")
     for _ in range(charges):
         ledger.charge(config.planned(answers=1))
     ledger.close()
@@ -122,8 +122,7 @@ def test_an_exhausted_owner_is_refused_before_teachers_train_and_a_raised_budget
     config_path = small_hospitals(node, {"hospital_a": None})
     config = load_pipeline(load_yaml(config_path)).config
     one_answer = config.planned(answers=1)
-    ledger = OwnerLedger("hospital_a", None)
-    ledger.open(config.planned(), "earlier")
+    ledger = opened("hospital_a", None, config.planned(), "earlier")
     while ledger.can_afford(one_answer):
         ledger.charge(one_answer)
     ledger.close()
@@ -193,9 +192,8 @@ def test_a_damaged_owner_ledger_is_one_line_with_exit_2_before_anything_trains(n
 
 def test_a_ledger_another_run_holds_is_one_line_and_the_refused_run_charges_nothing(node, capsys):
     path = a_ledger(node, charges=2)
-    holder = OwnerLedger("hospital_a", None)  # another run, in another process than the ledger actor
     config = load_pipeline(load_yaml(small_hospitals(node, {}))).config
-    holder.open(config.planned(), "the-other-run")
+    holder = opened("hospital_a", None, config.planned(), "the-other-run")  # another run, in another process
     try:
         code, line, _ = run(small_hospitals(node, {"hospital_a": None}), node, capsys)
         holder.charge(config.planned(answers=1))  # the other run goes on
@@ -256,7 +254,7 @@ def test_a_runtime_env_that_moves_the_nodes_conclave_folder_is_refused(ray_sessi
     """A run's runtime_env reaches every actor, the owner's ledger actor too: one that sets
     CONCLAVE_HOME would choose where the node looks for the owner's policy."""
     from conclave.actors.owner_ledger import OwnerNodeActor
-    from conclave.privacy.accounting.owner_ledger import RunRequest
+    from conclave.privacy.accounting.owner_policy import RunRequest
     from conclave.privacy.accounting.rdp import gaussian_charge
 
     actor = OwnerNodeActor.options(runtime_env={"env_vars": {"CONCLAVE_HOME": str(tmp_path)}}).remote(

@@ -111,15 +111,15 @@ def test_what_the_budget_admits_is_what_a_real_ledger_admits(tmp_path):
 
 
 def test_the_runs_an_owners_lifetime_budget_pays_for_are_what_its_real_ledger_admits(tmp_path):
-    from conclave.privacy.accounting.owner_ledger import OwnerBudget, OwnerLedger
+    from conclave.privacy.accounting.owner_policy import OwnerBudget
+    from tests.owner_ledgers import opened
 
     raw = load_yaml(ROOT / "configs" / "hospitals.yaml")
     plan = _plan(raw, tmp_path)
     config = load_pipeline(raw).config
     planned = config.planned()
     budget = OwnerBudget(epsilon=20.0, directory=str(tmp_path / "node"))
-    ledger = OwnerLedger("hospital_a", budget)
-    ledger.open(planned, "plan-check")  # a fresh ledger: its order is fixed from this run's plan
+    ledger = opened("hospital_a", budget, planned, "plan-check")  # a fresh ledger: its order from this plan
     runs = 0
     while ledger.can_afford(planned):  # every run's worst case (all 40 answered, under its ε 5 budget)
         ledger.charge(planned)

@@ -26,8 +26,8 @@ from conclave.cluster.results import ResultsFolderInUse, RunDirectory
 from conclave.cluster.tracking import TrackingFailed
 from conclave.errors import ClusterLost, Interrupted, RunFailed, failure
 from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerDamaged, LedgerInUse
-from conclave.privacy.accounting.owner_ledger import OwnerRefused
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
+from conclave.privacy.accounting.owner_policy import OwnerRefused
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from tests.terminal import foreground
 

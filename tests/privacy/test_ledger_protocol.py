@@ -10,9 +10,11 @@ import pytest
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, Ledger, PrivacyLedger
-from conclave.privacy.accounting.owner_ledger import DriverRecords, LedgerIdentity, OwnerBudget, OwnerLedger
+from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
+from conclave.privacy.accounting.owner_policy import OwnerBudget
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
-from conclave.privacy.accounting.run_ledger import RunLedger
+from conclave.privacy.accounting.run_ledger import LifetimeLedgers, RunLedger
+from tests.owner_ledgers import opened
 
 DELTA = 1e-5
 
@@ -54,9 +56,9 @@ def members(protocol: type) -> dict[str, object]:
 
 def ledgers(tmp_path):
     run = PrivacyLedger(tmp_path / "run.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0))
-    owner = OwnerLedger("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0,
-                                                  directory=str(tmp_path / "node_a")))
-    owner.open(gaussian(10.0), "run-1")
+    owner = opened("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0, directory=str(tmp_path / "node_a")),
+                   gaussian(10.0), "run-1")
+    assert isinstance(NoOwnerRefuses(), LifetimeLedgers)
     both = RunLedger(PrivacyLedger(tmp_path / "both.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0)),
                      NoOwnerRefuses(), DriverRecords(tmp_path / "driver.json"))
     return {"run": run, "owner": owner, "run with owners": both}
@@ -71,7 +73,9 @@ def test_every_ledger_has_every_member_of_the_protocol_with_its_arguments(tmp_pa
     opened = ledgers(tmp_path)
     try:
         for kind, ledger in opened.items():
-            for name, declared in members(AnsweringLedger if kind != "owner" else Ledger).items():
+            protocol = AnsweringLedger if kind != "owner" else Ledger
+            assert isinstance(ledger, protocol), kind
+            for name, declared in members(protocol).items():
                 assert hasattr(ledger, name), (kind, name)
                 if inspect.isfunction(declared):
                     arguments = list(inspect.signature(declared).parameters)[1:]

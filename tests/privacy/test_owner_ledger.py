@@ -12,10 +12,13 @@ import pytest
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, rdp_budget
 from conclave.privacy.accounting.ledger import BudgetExceeded, read_ledger
-from conclave.privacy.accounting.owner_ledger import (
-    DriverRecords, LedgerIdentity, LedgerMissing, OwnerBudget, OwnerLedger, OwnerRefused, check_not_missing,
+from conclave.privacy.accounting.ledger_identity import (
+    DriverRecords, IdentityRecords, LedgerIdentity, LedgerMissing, check_not_missing,
 )
+from conclave.privacy.accounting.owner_ledger import OwnerLedger
+from conclave.privacy.accounting.owner_policy import OwnerBudget, OwnerRefused
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
+from tests.owner_ledgers import opened
 
 
 def gaussian(sigma: float, label: str = "gnmax") -> PrivacyCharge:
@@ -38,8 +41,7 @@ def budget(tmp_path) -> OwnerBudget:
 
 
 def run(budget: OwnerBudget, name: str, charges: list[PrivacyCharge], data: tuple[str, ...] = ()) -> OwnerLedger:
-    ledger = OwnerLedger("hospital_a", budget, data)
-    ledger.open(gaussian(10.0) if not charges else charges[0], name)
+    ledger = opened("hospital_a", budget, gaussian(10.0) if not charges else charges[0], name, data)
     for charge in charges:
         ledger.charge(charge)
     return ledger
@@ -79,13 +81,13 @@ def test_a_config_cannot_raise_a_budget_once_spent_on_but_may_ask_for_less(budge
     run(budget, "run-1", [gaussian(10.0)]).close()
     richer = OwnerBudget(epsilon=20.0, delta=1e-5, directory=budget.directory)
     with pytest.raises(OwnerRefused, match="lifetime budget cannot change once spent on, but by its owner"):
-        OwnerLedger("hospital_a", richer).open(gaussian(10.0), "run-2")
+        opened("hospital_a", richer, gaussian(10.0), "run-2")
     other_relation = OwnerBudget(epsilon=2.0, neighbouring=Neighbouring.REPLACE_ONE, directory=budget.directory)
     with pytest.raises(OwnerRefused, match="budget is for replace-one neighbours"):
-        OwnerLedger("hospital_a", other_relation).open(gaussian(10.0), "run-2")
+        opened("hospital_a", other_relation, gaussian(10.0), "run-2")
     # ε 1 of the ledger's ε 2: this run stops where the lifetime spend would pass ε 1
-    humble = OwnerLedger("hospital_a", OwnerBudget(epsilon=1.0, delta=1e-5, directory=budget.directory))
-    humble.open(gaussian(10.0), "run-2")
+    humble = opened("hospital_a", OwnerBudget(epsilon=1.0, delta=1e-5, directory=budget.directory), gaussian(10.0),
+                    "run-2")
     refusals = [refused(humble, gaussian(6.0)) for _ in range(40)]
     order = humble.report().budget.order
     paid = humble.report().charges
@@ -115,14 +117,15 @@ def test_a_missing_replaced_or_shortened_ledger_with_a_record_elsewhere_is_refus
 def test_peers_and_the_driver_keep_records_that_survive_the_owners_file(budget, tmp_path):
     ledger = run(budget, "run-1", [gaussian(10.0)])
     other = LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 3)
-    ledger.note_peers([ledger.identity(), other])
-    ledger.note_peers([LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)])
-    assert ledger.peer_records() == [LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)]
+    peers = IdentityRecords.of_peers("hospital_a", ledger.path)
+    peers.note([ledger.identity(), other])
+    peers.note([LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)])
+    assert peers.load() == [LedgerIdentity("hospital_b", "/b/hospital_b.sqlite", "b-id", 4)]
     driver = DriverRecords(tmp_path / "driver.json")
     driver.note([ledger.identity()])
     ledger.close()
     budget.ledger_path("hospital_a").unlink()
-    assert OwnerLedger("hospital_a", budget).identity() is None
+    assert LedgerIdentity.on_disk("hospital_a", budget.ledger_path("hospital_a")) is None
     with pytest.raises(LedgerMissing, match="the driver"):
         check_not_missing("hospital_a", str(budget.ledger_path("hospital_a")), None,
                           [("the driver", r) for r in driver.load()])

@@ -10,10 +10,12 @@ import pytest
 
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded, LedgerInUse, read_ledger
-from conclave.privacy.accounting.owner_ledger import (
-    OwnerBudget, OwnerLedger, OwnerPolicy, OwnerRefused, RunRequest, change_budget, write_policy,
+from conclave.privacy.accounting.owner_ledger import OwnerLedger
+from conclave.privacy.accounting.owner_policy import (
+    OwnerAdmission, OwnerBudget, OwnerPolicy, OwnerRefused, RunRequest, change_budget, write_policy,
 )
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
+from tests.owner_ledgers import opened
 
 REQUEST = RunRequest("hospitals-3", "teacher_student", ("gnmax",))
 
@@ -44,7 +46,7 @@ def node(tmp_path, monkeypatch):
 
 def admitted(asked: OwnerBudget | None, request: RunRequest = REQUEST, planned=None, owner="hospital_a",
              data: tuple[str, ...] = ()):
-    return OwnerLedger(owner, asked, data).admit(request, planned or gaussian(10.0))
+    return OwnerAdmission(owner, asked, data).admit(request, planned or gaussian(10.0))
 
 
 def test_the_policy_decides_and_a_config_may_ask_for_less_never_more_nor_elsewhere(node):
@@ -92,8 +94,7 @@ def test_another_owners_data_cannot_be_named_under_a_new_name(node):
 
 
 def test_the_owner_raises_its_budget_in_its_ledger_and_a_hand_edited_policy_is_refused(node):
-    ledger = OwnerLedger("hospital_a", None)
-    ledger.open(gaussian(10.0), "run-1")
+    ledger = opened("hospital_a", None, gaussian(10.0), "run-1")
     while refused(ledger, gaussian(4.0)) is None:
         pass
     spent = ledger.report().charges
@@ -104,8 +105,7 @@ def test_the_owner_raises_its_budget_in_its_ledger_and_a_hand_edited_policy_is_r
     policy, entry = change_budget("hospital_a", 4.0)
     assert policy.epsilon == 4.0 and OwnerPolicy.load("hospital_a").epsilon == 4.0
     assert (entry.previous, entry.epsilon, entry.entry) == (2.0, 4.0, spent + 1)
-    again = OwnerLedger("hospital_a", None)
-    again.open(gaussian(10.0), "run-2")
+    again = opened("hospital_a", None, gaussian(10.0), "run-2")
     again.charge(gaussian(4.0))  # the raised budget pays again
     report = again.report()
     again.close()
@@ -115,6 +115,6 @@ def test_the_owner_raises_its_budget_in_its_ledger_and_a_hand_edited_policy_is_r
     edited = json.loads(OwnerPolicy.file("hospital_a").read_text())
     OwnerPolicy.file("hospital_a").write_text(json.dumps({**edited, "epsilon": 40.0}))  # not by the owner's command
     with pytest.raises(OwnerRefused, match="its policy says ε 40 but its ledger's budget is ε 4; a budget changes"):
-        OwnerLedger("hospital_a", None).open(gaussian(10.0), "run-3")
+        opened("hospital_a", None, gaussian(10.0), "run-3")
     with pytest.raises(OwnerRefused, match="already declares"):  # a policy's budget is rewritten only by raise/lower
         write_policy(OwnerPolicy("hospital_a", 8.0, str(node / "ledgers")))

@@ -89,10 +89,6 @@ def test_lnmax_data_independent_is_min_of_zcdp_and_pure_bounds():
     assert pate.lnmax_rdp_data_independent(b, ORDERS) == pytest.approx(np.minimum(ORDERS * 0.1**2 / 2, 0.1))
 
 
-def test_threshold_data_independent_is_gaussian_at_sqrt2_sigma1():
-    assert pate.threshold_rdp_data_independent(150.0, ORDERS) == pytest.approx(ORDERS / (2 * 150.0**2))
-
-
 # --- formulas against mpmath ---------------------------------------------------------------
 
 

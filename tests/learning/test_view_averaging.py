@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conclave.learning.test_views import predict_with_views
+from conclave.learning.view_averaging import predict_with_views
 from conclave.learning.training import predict
 
 
