@@ -51,7 +51,7 @@ from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E40
 from conclave.cluster.api import Authority, RunDirectory, create_authority, issue, load_pipeline  # noqa: E402
 from conclave.cluster.config import load_yaml  # noqa: E402
 from conclave.cluster.owners import DataOwner, PublicData, owner_resources  # noqa: E402
-from conclave.privacy.accounting.owner_ledger import OwnerPolicy, write_policy  # noqa: E402
+from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy  # noqa: E402
 from conclave.privacy.accounting.ledger import PrivacyLedger  # noqa: E402
 from conclave.privacy.noise import SECURE  # noqa: E402
 from conclave.privacy.secure_votes import SkellamVotes, cluster_votes  # noqa: E402

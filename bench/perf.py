@@ -310,6 +310,7 @@ class FixedVotes:
     neighbouring = "add-remove"
     neighbouring_lemma = "benchmark: no data"
     votes_per_query, batch_coupled = 250, False
+    local, num_classes = False, 10
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)

@@ -68,7 +68,7 @@ class Arm:
     config's), answered at ``threshold`` σ and spread at ``margin`` (None: the config's).
     ``votes_per_record``: each record's votes m (None: the config's; ``sigma`` is then the run's σ at that m);
     ``clusters``: a run's count of clusters (None: the config's); ``test_views``: the student's
-    test predictions averaged over that many weak views too (``learning.test_views``).
+    test predictions averaged over that many weak views too (``learning.view_averaging``).
     ``oracle``, a diagnosis and no setting: ``"gaps"`` gives the images the release left unlabelled
     their true labels, ``"errors"`` corrects its wrong labels (what each part of its gaps and errors costs)."""
 

@@ -232,7 +232,7 @@ class StudentConfig:
     # (learning.models.averaged; free post-processing, each member costs one student's training).
     members: int = 1
     # Each test prediction averages the image and this many weakly shifted views of it
-    # (learning.test_views; free post-processing of the trained student, images only). 0: off.
+    # (learning.view_averaging; free post-processing of the trained student, images only). 0: off.
     test_views: int = 0
 
     def __post_init__(self) -> None:

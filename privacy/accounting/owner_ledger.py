@@ -16,9 +16,8 @@ from conclave.privacy.accounting.data_fingerprint import data_fingerprint
 from conclave.privacy.accounting.filter import RenyiFilter, order_index, rdp_budget
 from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
 from conclave.privacy.accounting.ledger_identity import LedgerIdentity
-from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused, OwnerTerms, write_policy
+from conclave.privacy.accounting.owner_policy import OwnerRefused, OwnerTerms
 
-__all__ = ["OwnerLedger", "OwnerPolicy", "write_policy"]  # the policy's names, for bench/ until it moves
 
 
 class OwnerLedger:
