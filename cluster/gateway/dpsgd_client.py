@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import OwnerGateway, float_tensor
+from conclave.cluster.gateway.client import OwnerGateway, float_tensor, reading_message
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.data.sources import PublicReading
 from conclave.learning.secure_dpsgd import SecureAggregation
 from conclave.privacy.accounting.ledger import Ledger
 from conclave.privacy.secure_release import summed_shares
@@ -60,11 +62,14 @@ class GatewayDpsgd:
     """DP-SGD steps on the owners' records through their ``gateways`` (rank order) for run ``run``,
     classifying ``classes``. ``ledger``: the coordinator's own view, charged one step before each
     step's shares are asked (None: none kept). ``lifetime_epsilon``: a lower lifetime ε the run asks
-    each owner to stay within (None: the owners' policies)."""
+    each owner to stay within (None: the owners' policies). ``reading``: how the owners' data are read
+    (the public pool's columns and fill, or its image size); ``standardiser``: a table model's input
+    scaling, the public pool's statistics (None: images)."""
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: DpsgdTerms,
                  classes: Sequence[str], lifetime_epsilon: float | None = None, ledger: Ledger | None = None,
-                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0) -> None:
+                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0,
+                 reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
             raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
@@ -82,7 +87,8 @@ class GatewayDpsgd:
                                              model=terms.model, max_grad_norm=terms.max_grad_norm,
                                              noise_multiplier=terms.noise_multiplier, sample_rate=terms.sample_rate,
                                              steps=terms.steps, seed=terms.seed, parties=list(self.owners),
-                                             records=self.records))
+                                             records=self.records, standardiser=_standardiser(standardiser)),
+                                         reading=reading_message(reading))
         self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
         self._step = 0
         self.spend: dict[str, OwnerSpend] = {}
@@ -163,6 +169,12 @@ class GatewayDpsgd:
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+
+
+def _standardiser(standardiser: Standardiser | None) -> owner_pb2.Standardiser | None:
+    if standardiser is None:
+        return None
+    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist())
 
 
 def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:

@@ -3,6 +3,7 @@ learning, Zhao et al. 2019). It runs ``learn_actively`` and writes ``metrics.jso
 ``privacy.json`` and ``accuracy_vs_labels.png`` (what each holds: ``cluster.active_learning``)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,7 +24,13 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
     config: ActiveLearningConfig
 
     def plan(self) -> PrivacyCharge:
-        return planned_work(self.config)
+        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
+        config = self.config
+        if config.through_gateways:
+            from conclave.cluster.active_gateways import declared_records
+
+            return planned_work(config, declared_records(config.owners, config.gateways))
+        return planned_work(config)
 
     def unused_settings(self) -> tuple[str, ...]:
         """The keys this run does not read: beside owners, the benchmark's data keys
@@ -44,7 +51,10 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         planned = self.plan()  # charged whole before training: every owner must pay for all of it first
         request = RunRequest(context.run_name, self.name,
                              ("dpsgd", *(release.charge().label for release in config.selection_releases())))
-        with admitting_owners(config, request, planned, planned, context.ray_address):
+        # Owners behind gateways admit the run there, each by its own policy (``GatewayDpsgd``).
+        admitted = contextlib.nullcontext() if config.through_gateways else admitting_owners(
+            config, request, planned, planned, context.ray_address)
+        with admitted:
             result = learn_actively(config, context.results, context.ray_address)
         checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
         context.results.write_json("privacy", privacy.as_dict())
