@@ -83,11 +83,13 @@ def serve(folder: Path, owner: str, env: dict[str, str]) -> subprocess.Popen:
 
 def address_of(gateway: subprocess.Popen, owner: str) -> str:
     """The address a started gateway prints once serving; its further log is drained meanwhile."""
+    said = ""
     for line in gateway.stdout:  # "owner hospital_a: gateway serving on 127.0.0.1:PORT (...)"
         if "gateway serving on" in line:
             threading.Thread(target=gateway.stdout.read, daemon=True).start()
             return line.split("gateway serving on ")[1].split()[0]
-    raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()})")
+        said = line.strip() or said
+    raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()}): {said}")
 
 
 def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> dict:
