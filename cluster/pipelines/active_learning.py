@@ -9,6 +9,8 @@ from typing import ClassVar
 
 from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearningResult, learn_actively, planned_work,
                                               validate)
+from conclave.cluster.auditing import AuditResult, AuditSettings
+from conclave.cluster.config import ConfigError
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
@@ -38,6 +40,13 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         if self.config.owners:
             return ("data.name", "data.root", "data.private_size", "data.num_shards", "data.pollution")
         return ("owners", "public", "test", "classes")
+
+    def audit(self, settings: AuditSettings) -> AuditResult:
+        """Canaries go into the owners' records, which behind gateways are on their machines only."""
+        if self.config.through_gateways:
+            raise ConfigError("audit: it plants canaries in the owners' records, which owners named by their gateway "
+                              "keep on their machines: audit a config that names their data")
+        return super().audit(settings)
 
     def validate(self) -> ActiveLearning:
         return self.with_config(validate(self.config))

@@ -79,6 +79,8 @@ def test_dpsgd_active_learning_through_gateways_loads_without_nearprivate():
     raw["selection"]["strategies"] = ["random", "entropy", "diverse_public"]
     config = load_pipeline(copy.deepcopy(raw)).config
     assert config.through_gateways and config.secure_training and all(o.records is None for o in config.owners)
+    with pytest.raises(ConfigError, match="plants canaries in the owners' records"):
+        load_pipeline(copy.deepcopy(raw)).audit(None)
     for key, value, said in [("model", "package.module:factory", "trains a registered model"),
                              ("checkpoints_from", "results/earlier", "reuse no checkpoints"),
                              ("privacy", {"budget": 6.0, "insecure_noise_seed": 1}, "OS entropy only")]:
