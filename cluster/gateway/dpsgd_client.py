@@ -74,6 +74,7 @@ class GatewayDpsgd:
             raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
+        self._step_charge = schedule_charge(terms.sample_rate, terms.noise_multiplier, 1)  # its view's, each step
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
         described = self._each(lambda gateway: gateway.describe(), "did not describe itself")
@@ -111,7 +112,7 @@ class GatewayDpsgd:
         for owner, key in zip(self.owners, keys):
             self._check_key(owner, key, step, plan.dimension, plan.scale_bits)
         if self._ledger is not None:
-            self._ledger.charge(schedule_charge(self.terms.sample_rate, self.terms.noise_multiplier, 1))
+            self._ledger.charge(self._step_charge)
         request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys,
                                         weights=[float_tensor(p.detach().cpu().numpy()) for p in parameters])
         replies = self._each(lambda gateway: gateway.step(request, _left(deadline)),

@@ -557,7 +557,7 @@ class OwnerServicer:
             weights = decode_weights(request.weights, run.owner_steps.shapes)
             public_key = private.public_key().public_bytes_raw()
             rank = self._checked_step_parties(run, request, public_key)
-            charge = run.terms.step_charge()
+            charge = run.terms.step_charge
             try:
                 report = run.ledger.charge(charge, worst_case=charge)
             except BudgetExceeded as err:
