@@ -3,7 +3,9 @@
 DP-SGD on private shards held by Ray actors (``actors.dp_trainer``), charged before training;
 then each strategy buys public labels and fine-tunes (free). NearPrivate starts from the latest
 earlier checkpoint whose composed ε stays under the final one's, so every model compared carries
-the same guarantee. ``learn_actively`` returns an ``ActiveLearningResult``; docs/active-learning.md.
+the same guarantee. With owners named by their gateway, each step is a secure sum of the
+gateways' shares, charged at each owner's gateway first (``cluster.active_gateways``).
+``learn_actively`` returns an ``ActiveLearningResult``; docs/active-learning.md.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any, Literal
 import numpy as np
 
 from conclave.cluster.config import as_base
-from conclave.cluster.owners import DataOwner, PublicData, check_owner_columns, check_owners, require_declared_records
+from conclave.cluster.owners import (DataOwner, GatewaysConfig, PublicData, check_gateways, check_owner_columns,
+                                     check_owners, require_declared_records)
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.features import check_features
@@ -175,21 +178,53 @@ class ActiveLearningConfig:
     classes: tuple[str, ...] | None = None  # the label names, in class order (None: the test data's)
     # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
     runtime_env: dict = field(default_factory=dict)
+    # The coordinator's certificates for owners named by their gateway (``owners: [{name, gateway}]``):
+    # DP-SGD then runs as steps at the owners' gateways (``cluster.active_gateways``).
+    gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.owners:
             if self.public is not None or self.test is not None or self.classes is not None:
                 raise ValueError("public, test and classes go with owners (or use the data section alone)")
+            check_gateways(self.owners, self.gateways)
             return
-        check_owners(self.owners, self.test, self.classes, self.public)
-        require_declared_records(self.owners)
-        if self.secure_training and self.dpsgd.grad_sample_mode not in ("auto", "hooks"):
+        check_gateways(self.owners, self.gateways)
+        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=self.through_gateways)
+        if self.through_gateways:
+            self._check_gateways()
+        else:
+            require_declared_records(self.owners)
+        if not self.through_gateways and self.secure_training and self.dpsgd.grad_sample_mode not in ("auto", "hooks"):
             raise ValueError("dpsgd: the owners' actors train data-parallel with Opacus's hooks: "
                              "set grad_sample_mode: hooks")
         allowed = ActiveLearningData(public_size=self.data.public_size, features=self.data.features)
         if self.data != allowed:
             raise ValueError("with owners, the data section may only set public_size and features "
                              "(the sources say the rest)")
+
+    def _check_gateways(self) -> None:
+        """DP-SGD at the owners' gateways: a registered model by name (a gateway runs no code a config
+        names) on the owners' records as they are, noise from OS entropy, and only releases a gateway
+        has a call for."""
+        from conclave.learning.models.registry import REGISTRY
+
+        if self.model is not None and self.model not in REGISTRY:
+            raise ValueError(f"model {self.model!r}: DP-SGD behind gateways trains a registered model (a gateway runs "
+                             "no code a config names)")
+        if "near_private" in self.selection.strategies:
+            raise ValueError("selection.strategies: near_private's DP-PCA and noisy counts on the owners' records "
+                             "have no gateway call yet: leave it out when owners are named by their gateway")
+        if self.checkpoints_from is not None:
+            raise ValueError("checkpoints_from: owners named by their gateway train there; reuse no checkpoints")
+        if self.data.features is not None:
+            raise ValueError("data.features: a gateway reads its owner's records as they are; leave it out")
+        if self.privacy.insecure_noise_seed is not None:
+            raise ValueError("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
+
+    @property
+    def through_gateways(self) -> bool:
+        """Whether the owners are reached through their gateways (never their files)."""
+        return self.gateways is not None
 
     @property
     def models(self) -> tuple[str | None, ...]:
@@ -198,12 +233,17 @@ class ActiveLearningConfig:
 
     @property
     def private_size(self) -> int:
-        """The private records DP-SGD's schedule is computed from: declared, never counted."""
+        """The private records DP-SGD's schedule is computed from: declared, never counted. Owners
+        behind gateways declare theirs there (``active_gateways.declared_records``)."""
+        if self.through_gateways:
+            raise ValueError("owners named by their gateway declare their records there, not in the config")
         return sum(owner.records for owner in self.owners) if self.owners else self.data.private_size
 
     @property
     def secure_training(self) -> bool:
-        """Whether DP-SGD sums across several shard actors, through the secure sum."""
+        """Whether DP-SGD sums across several shard actors (or gateways), through the secure sum."""
+        if self.through_gateways:
+            return True
         actors = sum(owner.actors for owner in self.owners) if self.owners else (
             self.data.num_shards if self.dpsgd.distributed else 1)
         return actors > 1
@@ -393,14 +433,15 @@ def check_model(name: str, input_shape: tuple[int, ...], num_classes: int, stand
         raise ConfigError(f"model: {err}") from None
 
 
-def planned_work(config: ActiveLearningConfig) -> PrivacyCharge:
-    """The DP-SGD schedule of the declared private size (or the reused checkpoints' cost)
-    plus NearPrivate's releases."""
+def planned_work(config: ActiveLearningConfig, records: int | None = None) -> PrivacyCharge:
+    """The DP-SGD schedule of the declared private size (``records``: what the owners' gateways
+    declare; None: the config's), or the reused checkpoints' cost, plus NearPrivate's releases."""
     from conclave.learning.dp_schedule import dp_schedule
 
     reused = _reused_checkpoints(config)
     training = reused[-1].charge() if reused else dp_schedule(
-        config.private_size, config.dpsgd.dp_config(config.privacy.delta), secure=config.secure_training).charge
+        config.private_size if records is None else records, config.dpsgd.dp_config(config.privacy.delta),
+        secure=config.secure_training).charge
     return config.planned(training)
 
 
@@ -473,12 +514,14 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     ``results.path``; the ledger, durable, under ``results.durable``."""
     import torch
 
+    from conclave.cluster.active_gateways import declared_records, gateway_checkpoints
     from conclave.cluster.owners import owner_resources
     from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.training import evaluate
 
-    embedded = start_ray(ray_address, resources=owner_resources(config.owners),
-                         runtime_env=config.runtime_env, models=config.models)
+    # Behind gateways the owners' work runs on their own Rays: nothing here needs one.
+    embedded = config.through_gateways or start_ray(ray_address, resources=owner_resources(config.owners),
+                                                    runtime_env=config.runtime_env, models=config.models)
     torch.set_num_threads(config.torch_threads)
     out = Path(results.path)
     rng = np.random.default_rng(config.seed)
@@ -503,7 +546,8 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
-    planned = planned_work(config)
+    records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
+    planned = planned_work(config, records)
     durable = config.privacy.open_ledger(results.durable / "ledger.sqlite", planned, durable=True)
     ledger = config.privacy.with_owners(durable, planned, config.owners, config.name)
     # Earlier runs in this folder charged the same private data: the published guarantee covers
@@ -515,7 +559,11 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
                     "covers them with this run's", ledger.path, ledger.report().charges)
         covered = sum_charges([ledger.spent(), planned], label="earlier runs on this ledger + planned")
     try:
-        checkpoints, dp_info = _dp_checkpoints(config, shards, ledger, out, reused)
+        if config.through_gateways:
+            checkpoints, dp_info = gateway_checkpoints(config, spec, public.classes, public.reading, records, ledger)
+            _save(checkpoints, out)
+        else:
+            checkpoints, dp_info = _dp_checkpoints(config, shards, ledger, out, reused)
         checkpoint_rows = [{"epoch": c.epoch, "epsilon_opacus": c.epsilon,
                             "epsilon": _epsilon([c.charge()], config.privacy.delta),
                             "test_accuracy": evaluate(c.load_into(spec.build()), test)}
@@ -596,12 +644,16 @@ def _dp_checkpoints(config: ActiveLearningConfig, shards: PrivateShards, ledger,
     checkpoints = group.train(dp_config, config.privacy.noise, config.private_size, progress=True)
     if checkpoints[-1].sample_rate != schedule.sample_rate or checkpoints[-1].steps != schedule.steps:
         raise RuntimeError("the trainer's sampling differs from what the ledger was charged for")
-    (out / "checkpoints").mkdir(exist_ok=True)
-    for checkpoint in checkpoints:
-        checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
+    _save(checkpoints, out)
     return checkpoints, {"sample_rate": schedule.sample_rate, "noise_multiplier": schedule.noise_multiplier,
                          "epochs": dp.epochs, "declared_private_size": config.private_size,
                          "shard_actors": len(group.actors)}
+
+
+def _save(checkpoints: list, out: Path) -> None:
+    (out / "checkpoints").mkdir(exist_ok=True)
+    for checkpoint in checkpoints:
+        checkpoint.save(out / "checkpoints" / f"epoch-{checkpoint.epoch:03d}.pt")
 
 
 def _near_private_start(config: ActiveLearningConfig, checkpoints: list, extra: list):

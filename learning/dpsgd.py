@@ -117,7 +117,8 @@ def torch_generator(noise: NoiseSource, device: torch.device | str = "cpu") -> t
     return generator
 
 
-def _param_groups(model: nn.Module, config: DPSGDConfig) -> list[dict]:
+def param_groups(model: nn.Module, config: DPSGDConfig) -> list[dict]:
+    """The optimizer's groups: every trainable parameter at its rate (``lr_overrides`` by name prefix)."""
     groups: dict[float, list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -229,7 +230,7 @@ def train_dp(
             torch_generator(noise), config.max_physical_batch_size)
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.
-    optimizer = torch.optim.SGD(_param_groups(model, config), lr=config.lr, momentum=config.momentum)
+    optimizer = torch.optim.SGD(param_groups(model, config), lr=config.lr, momentum=config.momentum)
     if data_parallel:
         broadcast_parameters(model)  # every rank starts from rank 0's weights
     engine = privacy_engine()

@@ -77,7 +77,7 @@ class TeacherTerms(_message.Message):
     def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DpsgdTerms(_message.Message):
-    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records")
+    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records", "standardiser")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class DpsgdTerms(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PARTIES_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    STANDARDISER_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_grad_norm: float
     noise_multiplier: float
@@ -94,7 +95,16 @@ class DpsgdTerms(_message.Message):
     seed: int
     parties: _containers.RepeatedScalarFieldContainer[str]
     records: int
-    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ...) -> None: ...
+    standardiser: Standardiser
+    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ..., standardiser: _Optional[_Union[Standardiser, _Mapping]] = ...) -> None: ...
+
+class Standardiser(_message.Message):
+    __slots__ = ("mean", "scale")
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    scale: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, mean: _Optional[_Iterable[float]] = ..., scale: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("run", "clusters", "knn", "teachers", "dpsgd", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool", "reading")

@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import OwnerGateway, float_tensor
+from conclave.cluster.gateway.client import OwnerGateway, float_tensor, reading_message
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
+from conclave.learning.data.schema import Standardiser
+from conclave.learning.data.sources import PublicReading
 from conclave.learning.secure_dpsgd import SecureAggregation
 from conclave.privacy.accounting.ledger import Ledger
 from conclave.privacy.secure_release import summed_shares
@@ -60,15 +62,19 @@ class GatewayDpsgd:
     """DP-SGD steps on the owners' records through their ``gateways`` (rank order) for run ``run``,
     classifying ``classes``. ``ledger``: the coordinator's own view, charged one step before each
     step's shares are asked (None: none kept). ``lifetime_epsilon``: a lower lifetime ε the run asks
-    each owner to stay within (None: the owners' policies)."""
+    each owner to stay within (None: the owners' policies). ``reading``: how the owners' data are read
+    (the public pool's columns and fill, or its image size); ``standardiser``: a table model's input
+    scaling, the public pool's statistics (None: images)."""
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: DpsgdTerms,
                  classes: Sequence[str], lifetime_epsilon: float | None = None, ledger: Ledger | None = None,
-                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0) -> None:
+                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0,
+                 reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
             raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
+        self._step_charge = schedule_charge(terms.sample_rate, terms.noise_multiplier, 1)  # its view's, each step
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
         described = self._each(lambda gateway: gateway.describe(), "did not describe itself")
@@ -82,7 +88,8 @@ class GatewayDpsgd:
                                              model=terms.model, max_grad_norm=terms.max_grad_norm,
                                              noise_multiplier=terms.noise_multiplier, sample_rate=terms.sample_rate,
                                              steps=terms.steps, seed=terms.seed, parties=list(self.owners),
-                                             records=self.records))
+                                             records=self.records, standardiser=_standardiser(standardiser)),
+                                         reading=reading_message(reading))
         self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
         self._step = 0
         self.spend: dict[str, OwnerSpend] = {}
@@ -105,7 +112,7 @@ class GatewayDpsgd:
         for owner, key in zip(self.owners, keys):
             self._check_key(owner, key, step, plan.dimension, plan.scale_bits)
         if self._ledger is not None:
-            self._ledger.charge(schedule_charge(self.terms.sample_rate, self.terms.noise_multiplier, 1))
+            self._ledger.charge(self._step_charge)
         request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys,
                                         weights=[float_tensor(p.detach().cpu().numpy()) for p in parameters])
         replies = self._each(lambda gateway: gateway.step(request, _left(deadline)),
@@ -163,6 +170,12 @@ class GatewayDpsgd:
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+
+
+def _standardiser(standardiser: Standardiser | None) -> owner_pb2.Standardiser | None:
+    if standardiser is None:
+        return None
+    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist())
 
 
 def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:

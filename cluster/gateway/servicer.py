@@ -43,6 +43,7 @@ from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps
                                              signed_step_key, step_key_of)
 from conclave.errors import ConclaveError
 from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
 from conclave.learning.models import build_model, check_model
@@ -135,6 +136,20 @@ def decode_reading(reading: owner_pb2.PublicReading) -> PublicReading:
     if size and (len(size) != 2 or not all(1 <= d <= MAX_IMAGE_SIDE for d in size)):
         raise Refused(invalid, f"reading.image_size: [height, width] in [1, {MAX_IMAGE_SIDE}], or none")
     return PublicReading(columns or None, (size[0], size[1]) if size else None, fill or None)
+
+def decode_standardiser(terms: owner_pb2.DpsgdTerms, input_shape: tuple[int, ...]) -> Standardiser | None:
+    """A table model's input scaling (the public pool's column statistics), or None; else a refusal."""
+    if not terms.HasField("standardiser"):
+        return None
+    mean, scale = np.array(terms.standardiser.mean), np.array(terms.standardiser.scale)
+    if len(input_shape) != 1 or mean.shape != (input_shape[0],) or scale.shape != mean.shape:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.standardiser: one mean and one scale per column of a "
+                                                        f"table ({input_shape[0] if len(input_shape) == 1 else 0}), "
+                                                        "or none")
+    if not (np.isfinite(mean).all() and np.isfinite(scale).all() and (scale > 0).all()):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "dpsgd.standardiser: finite means and scales > 0")
+    return Standardiser(mean.astype(np.float32), scale.astype(np.float32))
+
 
 def check_run_name(run: str) -> None:
     if not run or len(run) > 200 or not run.isprintable():
@@ -547,7 +562,7 @@ class OwnerServicer:
             weights = decode_weights(request.weights, run.owner_steps.shapes)
             public_key = private.public_key().public_bytes_raw()
             rank = self._checked_step_parties(run, request, public_key)
-            charge = run.terms.step_charge()
+            charge = run.terms.step_charge
             try:
                 report = run.ledger.charge(charge, worst_case=charge)
             except BudgetExceeded as err:
@@ -573,11 +588,13 @@ class OwnerServicer:
         try:
             dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
             input_shape = tuple(dataset.x.shape[1:])
+            standardiser = decode_standardiser(terms, input_shape)
             try:
-                check_model(terms.model, len(classes), input_shape)
+                check_model(terms.model, len(classes), input_shape, standardiser=standardiser)
             except ModelContractError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
-            model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed))
+            model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
+                                standardiser=standardiser)
             owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
                                      declaration.records, terms.max_grad_norm)
             del dataset

@@ -5,6 +5,7 @@ A free sweep reuses one run's last DP checkpoint (``released_checkpoint``) and r
 public phase on it (``improve_public``)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,6 +14,8 @@ import numpy as np
 
 from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearningResult, improve, learn_actively,
                                               planned_work, public_side, validate)
+from conclave.cluster.auditing import AuditResult, AuditSettings
+from conclave.cluster.config import ConfigError
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import admitting_owners
@@ -32,7 +35,13 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
     config: ActiveLearningConfig
 
     def plan(self) -> PrivacyCharge:
-        return planned_work(self.config)
+        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
+        config = self.config
+        if config.through_gateways:
+            from conclave.cluster.active_gateways import declared_records
+
+            return planned_work(config, declared_records(config.owners, config.gateways))
+        return planned_work(config)
 
     def unused_settings(self) -> tuple[str, ...]:
         """The keys this run does not read: beside owners, the benchmark's data keys
@@ -40,6 +49,13 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         if self.config.owners:
             return ("data.name", "data.root", "data.private_size", "data.num_shards", "data.pollution")
         return ("owners", "public", "test", "classes")
+
+    def audit(self, settings: AuditSettings) -> AuditResult:
+        """Canaries go into the owners' records, which behind gateways are on their machines only."""
+        if self.config.through_gateways:
+            raise ConfigError("audit: it plants canaries in the owners' records, which owners named by their gateway "
+                              "keep on their machines: audit a config that names their data")
+        return super().audit(settings)
 
     def validate(self) -> ActiveLearning:
         return self.with_config(validate(self.config))
@@ -53,7 +69,10 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         planned = self.plan()  # charged whole before training: every owner must pay for all of it first
         request = RunRequest(context.run_name, self.name,
                              ("dpsgd", *(release.charge().label for release in config.selection_releases())))
-        with admitting_owners(config, request, planned, planned, context.ray_address):
+        # Owners behind gateways admit the run there, each by its own policy (``GatewayDpsgd``).
+        admitted = contextlib.nullcontext() if config.through_gateways else admitting_owners(
+            config, request, planned, planned, context.ray_address)
+        with admitted:
             result = learn_actively(config, context.results, context.ray_address)
         checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
         context.results.write_json("privacy", privacy.as_dict())

@@ -9,8 +9,10 @@ for the coordinator (``conclave ray-certs``); on each hospital's machine its rec
 with its own Ray (1 CPU) on an ephemeral port; then on the coordinator's machine ``conclave run``
 on a config that names the three gateways and no owner's path: CONFIG (default
 configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes;
-configs/hospitals.yaml: teachers, trained at each gateway) with its owners replaced by their
-gateways, in secure rounds. Prints the student's accuracy and ε, stops
+configs/hospitals.yaml: teachers, trained at each gateway; configs/hospitals-active.yaml: DP-SGD
+active learning, each step a secure sum of the gateways' shares, NearPrivate left out) with its
+owners replaced by their gateways, in secure rounds. Prints the student's (or the DP-SGD
+checkpoint's) accuracy and ε, stops
 the gateways by their PIDs, and prints one JSON line: the results folder, the summary, the
 guarantee, each owner's ledger (charges and ε spent), the coordinator's config, which of the
 owners' files the coordinator's process opened (a Python audit hook: none), and the wall time of
@@ -63,7 +65,7 @@ def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
     shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
     conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
     conclave("owner", "init", owner, "--epsilon", "10", "--max-run-epsilon", "5", "--mechanisms", "public-clusters",
-             "private-knn", "gnmax", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
+             "private-knn", "gnmax", "dpsgd", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
     declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
                    "records": 100, "listen": f"{LOOPBACK}:0",
                    "tls": {"certificate": "certs/node.pem", "key": "certs/node.key", "ca": "certs/ca.pem"},
@@ -81,11 +83,13 @@ def serve(folder: Path, owner: str, env: dict[str, str]) -> subprocess.Popen:
 
 def address_of(gateway: subprocess.Popen, owner: str) -> str:
     """The address a started gateway prints once serving; its further log is drained meanwhile."""
+    said = ""
     for line in gateway.stdout:  # "owner hospital_a: gateway serving on 127.0.0.1:PORT (...)"
         if "gateway serving on" in line:
             threading.Thread(target=gateway.stdout.read, daemon=True).start()
             return line.split("gateway serving on ")[1].split()[0]
-    raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()})")
+        said = line.strip() or said
+    raise SystemExit(f"owner {owner}'s gateway did not start (exit {gateway.wait()}): {said}")
 
 
 def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> dict:
@@ -94,11 +98,16 @@ def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> 
     teachers = {o["name"]: o["teachers"] for o in config["owners"] if "teachers" in o}  # each trains at its gateway
     owners = [{"name": o, "gateway": a, **({"teachers": teachers[o]} if o in teachers else {})}
               for o, a in addresses.items()]
-    config.update(name=f"{config['name']}-gateways", owners=owners, aggregation="secure",
+    config.update(name=f"{config['name']}-gateways", owners=owners,
                   gateways={"certificate": str(certs / "node.pem"), "key": str(certs / "node.key"),
                             "ca": str(certs / "ca.pem")},
-                  public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")},
                   test={**config["test"], "path": str(DATA / "public" / "test.csv")})
+    if config["pipeline"] == "active_learning":  # DP-SGD steps at the gateways; the oracle reads the pool's labels
+        config["public"]["path"] = str(DATA / "public" / Path(config["public"]["path"]).name)
+        # NearPrivate's DP-PCA and noisy counts on the owners' records have no gateway call yet
+        config["selection"]["strategies"] = [s for s in config["selection"]["strategies"] if s != "near_private"]
+    else:
+        config.update(aggregation="secure", public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")})
     return config
 
 
@@ -162,7 +171,9 @@ def report(results: Path, config: dict, machines: dict[str, Path], coordinator: 
                           "epsilon_spent": epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0]}
     owned = [str(folder) for folder in machines.values()]
     opened = json.loads((coordinator / "opened.json").read_text())
-    return {"results": str(results), "student_accuracy": metrics["student_accuracy"],
+    accuracy = {"student_accuracy": metrics["student_accuracy"]} if "student_accuracy" in metrics else {
+        "dp_checkpoint_accuracy": metrics["checkpoints"][-1]["test_accuracy"]}  # active learning
+    return {"results": str(results), **accuracy,
             "guarantee": privacy["guarantee"], "owners": ledgers, "config": config,
             "opened_owner_files": [path for path in opened if any(path.startswith(o) for o in owned)]}
 
@@ -171,7 +182,9 @@ if __name__ == "__main__":
     outcome = main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"),
                    *(Path(sys.argv[2]).resolve(),) if len(sys.argv) > 2 else ())
     guarantee = outcome["guarantee"]
-    print(f"student accuracy {outcome['student_accuracy']:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
+    said = "student" if "student_accuracy" in outcome else "DP-SGD checkpoint"
+    accuracy = outcome.get("student_accuracy", outcome.get("dp_checkpoint_accuracy"))
+    print(f"{said} accuracy {accuracy:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
           f"δ {guarantee['delta']:g}; each owner's ledger: " + ", ".join(
               f"{owner} ε {ledger['epsilon_spent']:.4g} over {ledger['charges']} charge(s)"
               for owner, ledger in outcome["owners"].items()))

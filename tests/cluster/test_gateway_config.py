@@ -1,6 +1,6 @@
 """A run config names an owner by its gateway alone: ``{name, gateway}`` beside ``gateways:`` (the
-coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds. Anything else is
-refused in one line, before anything starts."""
+coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds and for DP-SGD active
+learning (NearPrivate left out). Anything else is refused in one line, before anything starts."""
 from __future__ import annotations
 
 import copy
@@ -67,9 +67,29 @@ def test_gateway_owners_vote_there_in_secure_rounds_only():
 
 
 def test_a_pipeline_that_does_not_run_through_gateways_refuses_gateway_owners():
-    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml")
-    raw["owners"][0] = {"name": raw["owners"][0]["name"], "gateway": "127.0.0.1:7001"}
+    raw = load_yaml(PROJECT_ROOT / "configs" / "mnist-sparse.yaml")
+    raw.update(owners=[{"name": "hospital_a", "gateway": "127.0.0.1:7001"}],
+               test={"format": "csv", "path": "test.csv", "label": "diagnosis"})
     assert "does not run this pipeline" in refusal(raw)
+
+
+def test_dpsgd_active_learning_through_gateways_loads_without_nearprivate():
+    raw = gateway_config("hospitals-active.yaml")
+    assert "near_private's DP-PCA and noisy counts" in refusal(copy.deepcopy(raw))
+    raw["selection"]["strategies"] = ["random", "entropy", "diverse_public"]
+    config = load_pipeline(copy.deepcopy(raw)).config
+    assert config.through_gateways and config.secure_training and all(o.records is None for o in config.owners)
+    with pytest.raises(ConfigError, match="plants canaries in the owners' records"):
+        load_pipeline(copy.deepcopy(raw)).audit(None)
+    for key, value, said in [("model", "package.module:factory", "trains a registered model"),
+                             ("checkpoints_from", "results/earlier", "reuse no checkpoints"),
+                             ("privacy", {"budget": 6.0, "insecure_noise_seed": 1}, "OS entropy only")]:
+        changed = copy.deepcopy(raw)
+        changed[key] = value
+        assert said in refusal(changed)
+    mixed = copy.deepcopy(raw)
+    mixed["owners"][0] = load_yaml(PROJECT_ROOT / "configs" / "hospitals-active.yaml")["owners"][0]
+    assert "name every owner one way" in refusal(mixed)
 
 
 def test_teachers_behind_gateways_train_a_registered_model_and_answer_one_sigma():

@@ -153,6 +153,8 @@ def test_a_step_past_the_admitted_ones_is_refused(consortium, trained, stub):
     ({"parties": ["hospital_a", "hospital_z"]}, "dpsgd", Code.PERMISSION_DENIED, ("not a declared peer",)),
     ({"records": 10}, "dpsgd", Code.INVALID_ARGUMENT, ("dpsgd.records",)),
     ({"max_grad_norm": -1.0}, "dpsgd", Code.INVALID_ARGUMENT, ("max_grad_norm",)),
+    ({"standardiser": owner_pb2.Standardiser(mean=[0.0], scale=[1.0])}, "dpsgd", Code.INVALID_ARGUMENT,
+     ("dpsgd.standardiser", "per column of a table")),
 ])
 def test_terms_outside_the_registry_or_the_policy_are_refused(consortium, trained, stub, terms, mechanism, code,
                                                               words):

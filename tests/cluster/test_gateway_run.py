@@ -1,8 +1,9 @@
 """``conclave run`` through three owners' gateways, end to end: examples/hospitals/gateways.py
 starts three ``conclave owner serve`` processes on 127.0.0.1 (each its own Ray, its own policy and
 ledger, mutual TLS) and the coordinator's ``conclave run`` on a config naming only their gateways.
-The run's guarantee is each owner's ledger's charge (one cluster release), and the coordinator's
-config holds no path to an owner's file, nor did its process open one."""
+The run's guarantee is each owner's ledger's charge (one cluster release; or DP-SGD active learning's
+steps, each charged at every gateway), and the coordinator's config holds no path to an owner's file,
+nor did its process open one."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import PROJECT_ROOT
 
@@ -48,3 +50,32 @@ def test_teachers_trained_behind_three_gateways_teach_the_student_at_each_owners
         assert ledger["epsilon_spent"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
     assert outcome["student_accuracy"] > 0.7 and outcome["opened_owner_files"] == []
     assert all(set(owner) == {"name", "gateway", "teachers"} for owner in outcome["config"]["owners"])
+
+
+def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_step(tmp_path):
+    """hospitals-active.yaml, smaller (3 epochs of 10 steps, two strategies): every step a secure sum of
+    the gateways' shares, each owner's ledger one dpsgd charge per step, adding up to the guarantee."""
+    config = yaml.safe_load((PROJECT_ROOT / "configs" / "hospitals-active.yaml").read_text())
+    config["dpsgd"]["epochs"] = 3
+    config["selection"].update(strategies=["random", "entropy"], sizes=[10, 20])
+    config["finetune"]["epochs"] = 5
+    source = tmp_path / "hospitals-active.yaml"
+    source.write_text(yaml.safe_dump(config, sort_keys=False))
+    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "results"), str(source)], cwd=PROJECT_ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    results = tmp_path / "results" / "hospitals-active-gateways"
+    privacy = json.loads((results / "privacy.json").read_text())
+    guarantee = privacy["guarantee"]
+    assert guarantee["sound"] and guarantee["neighbouring"] == "add-remove"
+    assert privacy["dpsgd"]["declared_private_size"] == 300 and privacy["dpsgd"]["gateways"] == 3
+    for owner, ledger in outcome["owners"].items():  # 300 declared records, batches of 30: 10 steps an epoch
+        assert ledger["charges"] == 30 and ledger["labels"] == ["dpsgd"], owner
+        assert ledger["epsilon_spent"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
+        assert privacy["dpsgd"]["owners_at_gateways"][owner]["charges"] == 30, owner
+    metrics = json.loads((results / "metrics.json").read_text())
+    assert [c["epoch"] for c in metrics["checkpoints"]] == [1, 2, 3]
+    assert outcome["dp_checkpoint_accuracy"] > 0.7 and outcome["opened_owner_files"] == []
+    assert all(set(owner) == {"name", "gateway"} for owner in outcome["config"]["owners"])
+    assert "records.csv" not in json.dumps(outcome["config"])
