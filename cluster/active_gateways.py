@@ -24,7 +24,6 @@ from conclave.learning.data.sources import PublicReading
 
 if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint, ModelSpec
-    from conclave.cluster.active_learning import ActiveLearningConfig
     from conclave.cluster.gateway.client import CoordinatorTls
     from conclave.privacy.accounting.ledger import Ledger
 
@@ -58,9 +57,10 @@ def declared_records(owners: Sequence[DataOwner], files: GatewaysConfig) -> int:
     return total
 
 
-def gateway_checkpoints(config: ActiveLearningConfig, spec: ModelSpec, classes: Sequence[str],
+def gateway_checkpoints(config: Any, spec: ModelSpec, classes: Sequence[str],
                         reading: PublicReading, records: int, ledger: Ledger) -> tuple[list[DPCheckpoint], dict]:
-    """DP-SGD through the owners' gateways on the schedule of ``records`` (their declared records):
+    """DP-SGD through the owners' gateways on the schedule of ``records`` (their declared records),
+    for ``config``, the ``ActiveLearningConfig`` of the run (``cluster.active_learning`` calls this):
     one checkpoint per epoch, and the figures ``privacy.json`` reports (each owner's spend as its
     gateway said it after the last step)."""
     import torch
