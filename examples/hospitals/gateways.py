@@ -1,6 +1,6 @@
 """The hospitals example with each hospital behind its own gateway, all on this machine (127.0.0.1).
 
-    python examples/hospitals/gateways.py [RESULTS_DIR] [CONFIG]   # from the repository root
+    python examples/hospitals/gateways.py [RESULTS_DIR] [CONFIG ...]   # from the repository root
 
 What a deployment does on four machines, here in one temporary folder with one folder per
 machine: the consortium's CA and a certificate for each hospital (common name: the hospital) and
@@ -11,12 +11,13 @@ on a config that names the three gateways and no owner's path: CONFIG (default
 configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes;
 configs/hospitals.yaml: teachers, trained at each gateway; configs/hospitals-active.yaml: DP-SGD
 active learning, each step a secure sum of the gateways' shares, NearPrivate left out) with its
-owners replaced by their gateways, in secure rounds. Prints the student's (or the DP-SGD
-checkpoint's) accuracy and ε, stops
-the gateways by their PIDs, and prints one JSON line: the results folder, the summary, the
-guarantee, each owner's ledger (charges and ε spent), the coordinator's config, which of the
-owners' files the coordinator's process opened (a Python audit hook: none), and the wall time of
-the gateways' start and of the coordinator's run.
+owners replaced by their gateways, in secure rounds. Several CONFIGs run one after another
+through the same gateways, each owner's ledger composing them. For each run it prints the
+student's (or the DP-SGD checkpoint's) accuracy and ε and one JSON line: the results folder, the
+summary, the guarantee, each owner's ledger for that run (charges and ε spent), the coordinator's
+config, which of the owners' files the coordinator's process opened (a Python audit hook: none),
+and the wall time of the gateways' start and of the coordinator's run; then it stops the gateways
+by their PIDs.
 ``tests/cluster/test_gateway_run.py`` runs it.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
     conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
-    conclave("owner", "init", owner, "--epsilon", "10", "--max-run-epsilon", "5", "--mechanisms", "public-clusters",
+    conclave("owner", "init", owner, "--epsilon", "20", "--max-run-epsilon", "5", "--mechanisms", "public-clusters",
              "private-knn", "gnmax", "dpsgd", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
     declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
                    "records": 100, "listen": f"{LOOPBACK}:0",
@@ -124,7 +125,10 @@ def stop(gateways: dict[str, subprocess.Popen]) -> None:
             gateway.wait()
 
 
-def main(results_dir: Path, source: Path = ROOT / "configs" / "hospitals-clusters.yaml") -> dict:
+def main(results_dir: Path, *sources: Path) -> list[dict]:
+    """Each config of ``sources`` (default: hospitals-clusters) run in turn through the same three
+    gateways, as a consortium runs one study after another; one outcome per run."""
+    sources = sources or (ROOT / "configs" / "hospitals-clusters.yaml",)
     with tempfile.TemporaryDirectory(prefix="conclave-gateways-") as scratch:
         scratch = Path(scratch)
         conclave("ray-certs", str(scratch / "consortium-ca"))  # the consortium's CA (its key stays here)
@@ -135,40 +139,58 @@ def main(results_dir: Path, source: Path = ROOT / "configs" / "hospitals-cluster
         coordinator.mkdir()
         conclave("ray-certs", str(coordinator / "certs"), "--ca", str(ca), "--hosts", LOOPBACK)
         gateways: dict[str, subprocess.Popen] = {}
+        outcomes = []
         try:
             started = time.monotonic()
             for owner, folder in machines.items():  # all three start at once, each its own Ray
                 gateways[owner] = serve(folder, owner, envs[owner])
             addresses = {owner: address_of(gateway, owner) for owner, gateway in gateways.items()}
-            seconds = {"gateways_serving": time.monotonic() - started}
-            config = coordinator_config(source, coordinator / "certs", addresses)
-            (coordinator / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "CONCLAVE_HOME")}
-            env["CONCLAVE_HOME"] = str(coordinator / "home")
-            run = subprocess.run([sys.executable, "-c", AUDITED_RUN, "run", "run.yaml",
-                                  "--results-dir", str(results_dir.resolve())],
-                                 cwd=coordinator, env=env, capture_output=True, text=True)
-            seconds["coordinator_run"] = time.monotonic() - started - seconds["gateways_serving"]
+            serving = time.monotonic() - started
+            for source in sources:
+                before = ledgers_of(machines)
+                config = coordinator_config(source, coordinator / "certs", addresses)
+                (coordinator / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+                env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "CONCLAVE_HOME")}
+                env["CONCLAVE_HOME"] = str(coordinator / "home")
+                began = time.monotonic()
+                run = subprocess.run([sys.executable, "-c", AUDITED_RUN, "run", "run.yaml",
+                                      "--results-dir", str(results_dir.resolve())],
+                                     cwd=coordinator, env=env, capture_output=True, text=True)
+                if run.returncode:
+                    raise SystemExit(f"conclave run of {source.name} failed ({run.returncode}): "
+                                     f"{run.stderr.strip()[-2000:]}")
+                print(run.stdout.strip())
+                seconds = {"gateways_serving": serving, "coordinator_run": time.monotonic() - began}
+                outcomes.append({**report(results_dir / config["name"], config, machines, coordinator, before),
+                                 "seconds": seconds})
         finally:
             stop(gateways)
-        if run.returncode:
-            raise SystemExit(f"conclave run failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
-        print(run.stdout.strip())
-        return {**report(results_dir / config["name"], config, machines, coordinator), "seconds": seconds}
+        return outcomes
 
 
-def report(results: Path, config: dict, machines: dict[str, Path], coordinator: Path) -> dict:
+def ledgers_of(machines: dict[str, Path]) -> dict:
+    """Each hospital's ledger as it stands (None before its first charge)."""
     from conclave.privacy.accounting.ledger import read_ledger
+
+    files = {owner: folder / "ledger" / f"{owner}.sqlite" for owner, folder in machines.items()}
+    return {owner: read_ledger(path) if path.exists() else None for owner, path in files.items()}
+
+
+def report(results: Path, config: dict, machines: dict[str, Path], coordinator: Path, before: dict) -> dict:
+    """One run's outcome: each owner's ledger charges and ε of this run alone (after − before)."""
     from conclave.privacy.accounting.rdp import epsilon_from_rdp
 
     privacy = json.loads((results / "privacy.json").read_text())
     metrics = json.loads((results / "metrics.json").read_text())
     ledgers = {}
-    for owner, folder in machines.items():
-        snapshot = read_ledger(folder / "ledger" / f"{owner}.sqlite")
-        spent = snapshot.spent
-        ledgers[owner] = {"charges": snapshot.charges, "labels": sorted(snapshot.by_label),
-                          "epsilon_spent": epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0]}
+    for owner, after in ledgers_of(machines).items():
+        earlier = before[owner]
+        rdp = after.spent.rdp - (earlier.spent.rdp if earlier else 0)
+        labels = [label for label, charge in after.by_label.items()
+                  if earlier is None or label not in earlier.by_label
+                  or (charge.rdp != earlier.by_label[label].rdp).any()]
+        ledgers[owner] = {"charges": after.charges - (earlier.charges if earlier else 0), "labels": sorted(labels),
+                          "epsilon_spent": epsilon_from_rdp(after.orders, rdp, after.delta)[0]}
     owned = [str(folder) for folder in machines.values()]
     opened = json.loads((coordinator / "opened.json").read_text())
     accuracy = {"student_accuracy": metrics["student_accuracy"]} if "student_accuracy" in metrics else {
@@ -179,13 +201,13 @@ def report(results: Path, config: dict, machines: dict[str, Path], coordinator: 
 
 
 if __name__ == "__main__":
-    outcome = main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"),
-                   *(Path(sys.argv[2]).resolve(),) if len(sys.argv) > 2 else ())
-    guarantee = outcome["guarantee"]
-    said = "student" if "student_accuracy" in outcome else "DP-SGD checkpoint"
-    accuracy = outcome.get("student_accuracy", outcome.get("dp_checkpoint_accuracy"))
-    print(f"{said} accuracy {accuracy:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
-          f"δ {guarantee['delta']:g}; each owner's ledger: " + ", ".join(
-              f"{owner} ε {ledger['epsilon_spent']:.4g} over {ledger['charges']} charge(s)"
-              for owner, ledger in outcome["owners"].items()))
-    print(json.dumps(outcome))
+    for outcome in main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"),
+                        *(Path(path).resolve() for path in sys.argv[2:])):
+        guarantee = outcome["guarantee"]
+        said = "student" if "student_accuracy" in outcome else "DP-SGD checkpoint"
+        accuracy = outcome.get("student_accuracy", outcome.get("dp_checkpoint_accuracy"))
+        print(f"{said} accuracy {accuracy:.3f}; guarantee ε {guarantee['epsilon']:.4g} at "
+              f"δ {guarantee['delta']:g}; each owner's ledger for this run: " + ", ".join(
+                  f"{owner} ε {ledger['epsilon_spent']:.4g} over {ledger['charges']} charge(s)"
+                  for owner, ledger in outcome["owners"].items()))
+        print(json.dumps(outcome))

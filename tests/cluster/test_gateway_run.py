@@ -18,12 +18,30 @@ from tests.conftest import PROJECT_ROOT
 SCRIPT = PROJECT_ROOT / "examples" / "hospitals" / "gateways.py"
 
 
-def test_a_run_through_three_gateways_charges_each_owner_its_guarantee(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "results")], cwd=PROJECT_ROOT,
-                         capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The three pipelines run one after another through the same three gateways (one start of
+    their Rays): public clusters, teachers, and hospitals-active.yaml made smaller (3 epochs of 10
+    steps, two strategies). Each outcome's ledgers are that run's charges alone."""
+    folder = tmp_path_factory.mktemp("gateway-runs")
+    config = yaml.safe_load((PROJECT_ROOT / "configs" / "hospitals-active.yaml").read_text())
+    config["dpsgd"]["epochs"] = 3
+    config["selection"].update(strategies=["random", "entropy"], sizes=[10, 20])
+    config["finetune"]["epochs"] = 5
+    active = folder / "hospitals-active.yaml"
+    active.write_text(yaml.safe_dump(config, sort_keys=False))
+    sources = [PROJECT_ROOT / "configs" / "hospitals-clusters.yaml", PROJECT_ROOT / "configs" / "hospitals.yaml", active]
+    run = subprocess.run([sys.executable, str(SCRIPT), str(folder / "results"), *map(str, sources)],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
-    outcome = json.loads(run.stdout.strip().splitlines()[-1])
-    results = tmp_path / "results" / "hospitals-clusters-gateways"
+    outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(outcomes) == 3, run.stdout[-3000:]
+    return {"results": folder / "results", "clusters": outcomes[0], "teachers": outcomes[1], "active": outcomes[2]}
+
+
+def test_a_run_through_three_gateways_charges_each_owner_its_guarantee(runs):
+    outcome = runs["clusters"]
+    results = runs["results"] / "hospitals-clusters-gateways"
     assert {"privacy.json", "metrics.json", "config.json"} <= {path.name for path in results.iterdir()}
     guarantee = json.loads((results / "privacy.json").read_text())["guarantee"]
     assert guarantee["sound"] and guarantee["basis"] == "worst-case"
@@ -37,13 +55,9 @@ def test_a_run_through_three_gateways_charges_each_owner_its_guarantee(tmp_path)
     assert outcome["opened_owner_files"] == []
 
 
-def test_teachers_trained_behind_three_gateways_teach_the_student_at_each_owners_charge(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "results"),
-                          str(PROJECT_ROOT / "configs" / "hospitals.yaml")], cwd=PROJECT_ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    outcome = json.loads(run.stdout.strip().splitlines()[-1])
-    guarantee = json.loads((tmp_path / "results" / "hospitals-gateways" / "privacy.json").read_text())["guarantee"]
+def test_teachers_trained_behind_three_gateways_teach_the_student_at_each_owners_charge(runs):
+    outcome = runs["teachers"]
+    guarantee = json.loads((runs["results"] / "hospitals-gateways" / "privacy.json").read_text())["guarantee"]
     assert guarantee["sound"] and guarantee["neighbouring"] == "add-remove"
     for owner, ledger in outcome["owners"].items():  # four batches of ten, each one secure round
         assert ledger["charges"] == 4 and ledger["labels"] == ["gnmax"], owner
@@ -52,20 +66,11 @@ def test_teachers_trained_behind_three_gateways_teach_the_student_at_each_owners
     assert all(set(owner) == {"name", "gateway", "teachers"} for owner in outcome["config"]["owners"])
 
 
-def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_step(tmp_path):
+def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_step(runs):
     """hospitals-active.yaml, smaller (3 epochs of 10 steps, two strategies): every step a secure sum of
     the gateways' shares, each owner's ledger one dpsgd charge per step, adding up to the guarantee."""
-    config = yaml.safe_load((PROJECT_ROOT / "configs" / "hospitals-active.yaml").read_text())
-    config["dpsgd"]["epochs"] = 3
-    config["selection"].update(strategies=["random", "entropy"], sizes=[10, 20])
-    config["finetune"]["epochs"] = 5
-    source = tmp_path / "hospitals-active.yaml"
-    source.write_text(yaml.safe_dump(config, sort_keys=False))
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "results"), str(source)], cwd=PROJECT_ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    outcome = json.loads(run.stdout.strip().splitlines()[-1])
-    results = tmp_path / "results" / "hospitals-active-gateways"
+    outcome = runs["active"]
+    results = runs["results"] / "hospitals-active-gateways"
     privacy = json.loads((results / "privacy.json").read_text())
     guarantee = privacy["guarantee"]
     assert guarantee["sound"] and guarantee["neighbouring"] == "add-remove"
@@ -73,7 +78,9 @@ def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_s
     for owner, ledger in outcome["owners"].items():  # 300 declared records, batches of 30: 10 steps an epoch
         assert ledger["charges"] == 30 and ledger["labels"] == ["dpsgd"], owner
         assert ledger["epsilon_spent"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
-        assert privacy["dpsgd"]["owners_at_gateways"][owner]["charges"] == 30, owner
+        earlier = runs["clusters"]["owners"][owner]["charges"] + runs["teachers"]["owners"][owner]["charges"]
+        lifetime = privacy["dpsgd"]["owners_at_gateways"][owner]  # the owner's ledger after the run: all three runs
+        assert lifetime["charges"] == earlier + 30, owner
     metrics = json.loads((results / "metrics.json").read_text())
     assert [c["epoch"] for c in metrics["checkpoints"]] == [1, 2, 3]
     assert outcome["dp_checkpoint_accuracy"] > 0.7 and outcome["opened_owner_files"] == []
