@@ -59,17 +59,25 @@ def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_rea
     assert not np.allclose(student.state["features.mean"], 0)  # the pool's column means, not a fresh model's
 
 
+@pytest.fixture(scope="module")
+def three_node_runs(tmp_path_factory) -> dict[str, dict]:
+    """Both owners pipelines on one three-node cluster (one start for the two): what
+    examples/hospitals/three_nodes.py printed of each, by config name."""
+    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
+                          str(HOSPITALS), str(tmp_path_factory.mktemp("three-nodes")), "--also", str(HOSPITALS_ACTIVE)],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.strip().splitlines()[-2:]]
+    return {result["config"]: result for result in results}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config, actors", [(HOSPITALS, "teachers"), (HOSPITALS_ACTIVE, "DP-SGD")])
-def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path, config, actors):
+def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(three_node_runs, config, actors):
     """Head + three owner nodes (``ray.cluster_utils.Cluster`` on loopback), in a process of
     its own, with Ray's TLS on; owners pinned by custom resource and node label. Teachers, or
     DP-SGD shard actors that train as one data-parallel group across the three nodes."""
-    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
-                          str(config), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = three_node_runs[load_yaml(config)["name"]]
     assert result["actor_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
     assert len(set(result["owner_nodes"].values())) == 3
     # each owner's lifetime ledger lives in an actor on its own node; `conclave budget` lists the three
