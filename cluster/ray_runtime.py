@@ -3,7 +3,8 @@
 With an address we join that cluster; without one we start an embedded single-node cluster
 bound to 127.0.0.1 (a bare ``ray.init()`` would join whatever ``/tmp/ray`` points to). Each
 embedded start records the processes it started, and the next one stops those a killed driver
-left, by PID and start time. Joining is bounded (``JOIN_TIMEOUT_S``) and fails in one line.
+left, by PID and start time. Joining is bounded (``JOIN_TIMEOUT_S``, or
+``$CONCLAVE_JOIN_TIMEOUT_S`` seconds) and fails in one line.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import atexit
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 JOIN_TIMEOUT_S = 30.0  # to reach a head's GCS and read its nodes: a command fails within a minute
+JOIN_TIMEOUT_ENV = "CONCLAVE_JOIN_TIMEOUT_S"  # another wait, in seconds: a slow link, or a test's short one
 START_WAIT_S = 180.0  # for an embedded node to register with its GCS (Ray's own wait: a fixed 30 s)
 PROGRESS_EVERY_S = 10.0
 
@@ -70,7 +73,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         with _progress(f"joining Ray cluster at {address}"):
-            _match_head(address)
+            _match_head(address, join_timeout())
             ray.init(address=address, logging_level=logging.WARNING, runtime_env=_with_allocator(runtime_env or {}))
         return False
     keep_ray_on_loopback()
@@ -149,6 +152,21 @@ def _patient_node_registration(wait_s: float) -> Iterator[None]:
         yield
     finally:
         services.get_node = original
+
+
+def join_timeout() -> float:
+    """How long a join waits for the head: ``$CONCLAVE_JOIN_TIMEOUT_S`` seconds where set, else
+    ``JOIN_TIMEOUT_S``."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV)
+    if raw is None:
+        return JOIN_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise RayJoinFailed(f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, not {raw!r}")
+    return seconds
 
 
 def _match_head(address: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:

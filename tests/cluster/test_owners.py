@@ -37,39 +37,25 @@ def test_the_example_data_is_what_make_data_writes(tmp_path):
     assert all((tmp_path / p).read_bytes() == (DATA / p).read_bytes() for p in written)
 
 
-@pytest.mark.slow
-def test_three_owner_csv_example_runs_on_the_embedded_ray_without_the_driver_reading_owner_files(
-        ray_session, tmp_path, run_config_opening):
-    opened = run_config_opening(HOSPITALS)
-    owner_files = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
-    assert not owner_files & opened
-    assert str((DATA / "public" / "unlabeled.csv").resolve()) in opened
-    metrics = json.loads((tmp_path / "hospitals" / "metrics.json").read_text())
-    assert metrics["teachers"]["count"] == 30 and set(metrics["teachers"]["nodes"]) == {
-        "hospital_a", "hospital_b", "hospital_c"}
-    assert metrics["label_accuracy"] is None  # the pool has no labels
-    # majority class: 0.63; runs score 0.91–0.95, and once 0.76 (40 GNMax answers at σ = 10 are noisy)
-    assert metrics["queries_answered"] > 0 and metrics["student_accuracy"] > 0.7
-    config = json.loads((tmp_path / "hospitals" / "config.json").read_text())
-    assert config["teachers"]["model"] == config["student"]["model"] == "logistic_regression"
-    # the table student is saved as any student is, its public standardiser with it
-    student = NetworkEmbedding.load(tmp_path / "hospitals" / "student.pt")
-    public = pd.read_csv(DATA / "public" / "unlabeled.csv").to_numpy(dtype=np.float32)
-    assert student.model == "logistic_regression" and student(public[:5]).shape[0] == 5
-    assert not np.allclose(student.state["features.mean"], 0)  # the pool's column means, not a fresh model's
+@pytest.fixture(scope="module")
+def three_node_runs(tmp_path_factory) -> dict[str, dict]:
+    """Both owners pipelines on one three-node cluster (one start for the two): what
+    examples/hospitals/three_nodes.py printed of each, by config name."""
+    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
+                          str(HOSPITALS), str(tmp_path_factory.mktemp("three-nodes")), "--also", str(HOSPITALS_ACTIVE)],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.strip().splitlines()[-2:]]
+    return {result["config"]: result for result in results}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, actors", [(HOSPITALS, "teachers"), (HOSPITALS_ACTIVE, "DP-SGD")])
-def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(tmp_path, config, actors):
+def test_each_owners_actors_run_on_its_own_node_of_a_three_node_cluster(three_node_runs, config, actors):
     """Head + three owner nodes (``ray.cluster_utils.Cluster`` on loopback), in a process of
     its own, with Ray's TLS on; owners pinned by custom resource and node label. Teachers, or
     DP-SGD shard actors that train as one data-parallel group across the three nodes."""
-    run = subprocess.run([sys.executable, str(PROJECT_ROOT / "examples" / "hospitals" / "three_nodes.py"),
-                          str(config), str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = three_node_runs[load_yaml(config)["name"]]
     assert result["actor_nodes"] == {name: [node] for name, node in result["owner_nodes"].items()}
     assert len(set(result["owner_nodes"].values())) == 3
     # each owner's lifetime ledger lives in an actor on its own node; `conclave budget` lists the three
@@ -174,21 +160,28 @@ def _as_printed(text: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_session, tmp_path, monkeypatch, capsys):
-    """One record fewer than declared, an unknown label, a missing value, a value past float32,
-    a line with an extra field: the run finishes, with the guarantee the config alone fixes, it
-    prints what the run on the example's files prints (numbers aside) and writes the same files,
-    and nothing it prints or writes names a flaw."""
+def test_the_three_owner_csv_example_runs_and_a_flawed_record_changes_nothing_it_publishes_but_its_answers(
+        ray_session, tmp_path, monkeypatch, capsys, driver_opens):
+    """The example's files, then flawed ones, on the embedded Ray (one run of the example for both
+    checks). The clean run: the driver reads no owner's file, the teachers are placed on the three
+    owners' resources, the table student is saved. The flawed files: one record fewer than
+    declared, an unknown label, a missing value, a value past float32, a line with an extra field:
+    the run finishes, with the guarantee the config alone fixes, it prints what the run on the
+    example's files prints (numbers aside) and writes the same files, and nothing it prints or
+    writes names a flaw."""
     from conclave.cluster import cli
 
     monkeypatch.chdir(PROJECT_ROOT)
     printed, written = {}, {}
-    for name, config_file in (("clean", HOSPITALS), ("flawed", _flawed_config(tmp_path))):
+    # the flawed files are written (from the example's, by this process) once the clean run is checked
+    for name, config_file in (("clean", lambda: HOSPITALS), ("flawed", lambda: _flawed_config(tmp_path))):
         results = tmp_path / name
-        assert cli.main(["run", str(config_file), "--results-dir", str(results)]) == 0
+        assert cli.main(["run", str(config_file()), "--results-dir", str(results)]) == 0
         out, err = capsys.readouterr()
         printed[name] = (_as_printed(out.replace(str(results), "RESULTS")), _as_printed(err))
         written[name] = sorted(p.relative_to(results).as_posix() for p in results.rglob("*"))
+        if name == "clean":
+            _check_the_clean_run(tmp_path / name, driver_opens())
     assert printed["flawed"] == printed["clean"] and written["flawed"] == written["clean"]
     privacy = json.loads((tmp_path / "flawed" / "hospitals" / "privacy.json").read_text())
     config = load_pipeline(load_yaml(HOSPITALS)).config
@@ -198,6 +191,26 @@ def test_a_flawed_record_changes_nothing_a_run_publishes_but_its_answers(ray_ses
         f.read_text() for f in (tmp_path / "flawed" / "hospitals").glob("*.json"))
     assert not any(word in published for word in ("unsure", "missing", "fewer", "dropped", "usable", "float32",
                                                    "fields"))
+
+
+def _check_the_clean_run(results, opened: set[str]) -> None:
+    """The three-owner CSV example's run on the embedded Ray, without the driver reading owner files."""
+    owner_files = {str((DATA / name / "records.csv").resolve()) for name in ("hospital_a", "hospital_b", "hospital_c")}
+    assert not owner_files & opened
+    assert str((DATA / "public" / "unlabeled.csv").resolve()) in opened
+    metrics = json.loads((results / "hospitals" / "metrics.json").read_text())
+    assert metrics["teachers"]["count"] == 30 and set(metrics["teachers"]["nodes"]) == {
+        "hospital_a", "hospital_b", "hospital_c"}
+    assert metrics["label_accuracy"] is None  # the pool has no labels
+    # majority class: 0.63; runs score 0.91–0.95, and once 0.76 (40 GNMax answers at σ = 10 are noisy)
+    assert metrics["queries_answered"] > 0 and metrics["student_accuracy"] > 0.7
+    config = json.loads((results / "hospitals" / "config.json").read_text())
+    assert config["teachers"]["model"] == config["student"]["model"] == "logistic_regression"
+    # the table student is saved as any student is, its public standardiser with it
+    student = NetworkEmbedding.load(results / "hospitals" / "student.pt")
+    public = pd.read_csv(DATA / "public" / "unlabeled.csv").to_numpy(dtype=np.float32)
+    assert student.model == "logistic_regression" and student(public[:5]).shape[0] == 5
+    assert not np.allclose(student.state["features.mean"], 0)  # the pool's column means, not a fresh model's
 
 
 def test_check_data_shows_an_owner_its_own_flaws_and_a_run_would_do(tmp_path, monkeypatch, capsys):

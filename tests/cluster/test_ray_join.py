@@ -76,18 +76,33 @@ def test_the_docs_head_is_joined_from_a_shell_that_set_nothing(docs_head, tmp_pa
 
 
 def test_an_address_nobody_answers_at_fails_in_one_line_within_a_minute(tmp_path):
+    """With the join's wait set short (``$CONCLAVE_JOIN_TIMEOUT_S``: the product's 30 s would be
+    waited out in full); the default is checked below."""
     address = f"127.0.0.1:{_free_port()}"
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "conclave", "run", str(PROJECT_ROOT / "configs" / "demo.yaml"),
          "--address", address, "--results-dir", str(tmp_path / "results")],
-        cwd=PROJECT_ROOT, env=_clean_env(RAY_TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=120)
+        cwd=PROJECT_ROOT, env=_clean_env(RAY_TMPDIR=str(tmp_path), CONCLAVE_JOIN_TIMEOUT_S="3"),
+        capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode == ray_runtime.RayJoinFailed.exit_code, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if "could not join" in line]
-    assert f"could not join the Ray cluster at {address} within 30 s: nothing accepts connections" in line
+    assert f"could not join the Ray cluster at {address} within 3 s: nothing accepts connections" in line
     assert result.stderr.rstrip().endswith(line)  # the command's last word
     assert elapsed < 60, elapsed
+
+
+def test_a_join_waits_30_s_unless_told_otherwise_in_one_line(monkeypatch):
+    monkeypatch.delenv(ray_runtime.JOIN_TIMEOUT_ENV, raising=False)
+    assert ray_runtime.join_timeout() == ray_runtime.JOIN_TIMEOUT_S == 30.0  # what a user waits at most
+    monkeypatch.setenv(ray_runtime.JOIN_TIMEOUT_ENV, "2.5")
+    assert ray_runtime.join_timeout() == 2.5
+    for bad in ("soon", "0", "-1", "inf", "nan"):
+        monkeypatch.setenv(ray_runtime.JOIN_TIMEOUT_ENV, bad)
+        with pytest.raises(ray_runtime.RayJoinFailed) as err:
+            ray_runtime.join_timeout()
+        assert str(err.value) == f"CONCLAVE_JOIN_TIMEOUT_S must be a positive number of seconds, not {bad!r}"
 
 
 def test_the_embedded_start_waits_for_its_node_past_rays_30_s(monkeypatch):
