@@ -14,18 +14,17 @@ import yaml
 from conclave.cluster.cli import main as cli_main
 from conclave.cluster.tracking import INSTALL_HINT, TrackingConfig, from_section, with_flag
 
-# A very small teacher/student run on digits (the plumbing, not a privacy level nor an accuracy:
-# teachers and student train 2 epochs).
+# A very small teacher/student run on digits (the plumbing, not a privacy level).
 TINY = {
     "pipeline": "teacher_student",
     "name": "tracked",
     "seed": 1,
     "data": {"name": "digits", "public_size": 200},
-    "teachers": {"count": 10, "model": "digits_cnn", "train": {"epochs": 2, "batch_size": 32, "lr": 0.003}},
+    "teachers": {"count": 10, "model": "digits_cnn", "train": {"epochs": 10, "batch_size": 32, "lr": 0.003}},
     "mechanism": {"name": "confident-gnmax", "params": {"threshold": 6.0, "sigma1": 3.0, "sigma2": 2.0}},
     "privacy": {"budget": 1000.0, "delta": 1.0e-5},
     "student": {"queries": 80, "batch_size": 40, "checkpoints": [40],
-                "model": "digits_cnn", "train": {"epochs": 2, "batch_size": 32, "lr": 0.003}},
+                "model": "digits_cnn", "train": {"epochs": 15, "batch_size": 32, "lr": 0.003}},
 }
 
 
