@@ -99,20 +99,27 @@ class NoiseSource:
 
 
 # OpenDP measurements are built once per scale; building one costs more than a small release.
+# Its modules are imported one by one: ``opendp.prelude`` also imports scikit-learn, pandas and
+# polars (seconds in every process that draws its first noise).
 
 
 @functools.lru_cache(maxsize=64)
 def _opendp_laplace_ints(scale: float):
-    import opendp.prelude as dp
+    from opendp.domains import atom_domain, vector_domain
+    from opendp.measurements import make_laplace
+    from opendp.metrics import l1_distance
+    from opendp.mod import enable_features
 
-    dp.enable_features("contrib")
-    return dp.m.make_laplace(dp.vector_domain(dp.atom_domain(T=int)), dp.l1_distance(T=int), scale=scale)
+    enable_features("contrib")
+    return make_laplace(vector_domain(atom_domain(T=int)), l1_distance(T=int), scale=scale)
 
 
 @functools.lru_cache(maxsize=64)
 def _opendp_gaussian_floats(sigma: float):
-    import opendp.prelude as dp
+    from opendp.domains import atom_domain, vector_domain
+    from opendp.measurements import make_gaussian
+    from opendp.metrics import l2_distance
+    from opendp.mod import enable_features
 
-    dp.enable_features("contrib")
-    return dp.m.make_gaussian(dp.vector_domain(dp.atom_domain(T=float, nan=False)), dp.l2_distance(T=float),
-                              scale=sigma)
+    enable_features("contrib")
+    return make_gaussian(vector_domain(atom_domain(T=float, nan=False)), l2_distance(T=float), scale=sigma)

@@ -47,14 +47,37 @@ def run_files(tmp_path_factory) -> tuple[Path, Path, np.ndarray, np.ndarray]:
     return folder / "votes.npy", folder / "answered.npy", votes, answered
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CONCLAVE), "analyze", *argv], capture_output=True, text=True, timeout=120, cwd=PROJECT)
+@pytest.fixture(scope="module")
+def processes(run_files, tmp_path_factory) -> dict[str, subprocess.Popen]:
+    """This file's three real processes, started together: each spends its time importing, and
+    side by side they take two cores where one after the other they would leave one idle."""
+    votes_path, mask_path, _, _ = run_files
+    bad = tmp_path_factory.mktemp("bad") / "votes.npy"
+    np.save(bad, np.array([[1.5, 2.0]]))
+    confident = ["--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold", "200", "--sigma", "40"]
+    commands = {
+        "json": [str(CONCLAVE), "analyze", str(votes_path), *confident, "--answered", str(mask_path), "--json"],
+        "python -m": [sys.executable, "-m", "conclave", "analyze", str(votes_path), "--mechanism", "gnmax",
+                      "--sigma", "40"],
+        "bad input": [str(CONCLAVE), "analyze", str(bad), "--mechanism", "gnmax", "--sigma", "40"],
+    }
+    started = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PROJECT)
+               for name, command in commands.items()}
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
-def test_console_entry_prints_the_report_as_one_json_object(run_files):
+def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def test_console_entry_prints_the_report_as_one_json_object(run_files, processes):
     votes_path, mask_path, votes, answered = run_files
-    args = ["--mechanism", "confident-gnmax", "--sigma1", "150", "--threshold", "200", "--sigma", "40"]
-    done = run_cli(str(votes_path), *args, "--answered", str(mask_path), "--json")
+    done = finished(processes["json"])
     assert done.returncode == 0, done.stderr
     report = strict_json(done.stdout)
     assert report["mechanism"]["name"] == "confident-gnmax" and report["sound"] is True
@@ -229,12 +252,8 @@ def test_a_ledger_that_does_not_match_the_votes_is_refused(filtered_run, tmp_pat
     assert not (tmp_path / "no-ledger.sqlite").exists()  # a missing ledger is not created
 
 
-def test_python_m_conclave_prints_a_short_summary_labelling_the_private_figure(run_files):
-    votes_path, _, _, _ = run_files
-    done = subprocess.run(
-        [sys.executable, "-m", "conclave", "analyze", str(votes_path), "--mechanism", "gnmax", "--sigma", "40"],
-        capture_output=True, text=True, timeout=120, cwd=PROJECT,
-    )
+def test_python_m_conclave_prints_a_short_summary_labelling_the_private_figure(processes):
+    done = finished(processes["python -m"])
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert 3 <= len(lines) <= 6
@@ -244,10 +263,8 @@ def test_python_m_conclave_prints_a_short_summary_labelling_the_private_figure(r
     assert any("data-dependent" in line and "PRIVATE" in line for line in lines)
 
 
-def test_console_entry_rejects_bad_input_with_one_line_and_status_2(tmp_path):
-    bad = tmp_path / "votes.npy"
-    np.save(bad, np.array([[1.5, 2.0]]))
-    done = run_cli(str(bad), "--mechanism", "gnmax", "--sigma", "40")
+def test_console_entry_rejects_bad_input_with_one_line_and_status_2(processes):
+    done = finished(processes["bad input"])
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "integer" in done.stderr
