@@ -1,7 +1,8 @@
 """The one interface every vote source implements: what votes on the student's queries (teachers, the
 owners' records through kNN, public clusters), and all that configs, ``plan``, ``serve``, the
 aggregator, the gateways and the student need to know of it. A source is registered
-(``cluster.teaching.VOTE_SOURCES``) and checked when it is; nothing else branches on which it is.
+(``cluster.teaching.VOTE_SOURCES``) and checked when it is; the config, the library steps, ``plan``
+and ``serve`` ask ``config.vote_source`` rather than branch on which it is.
 """
 from __future__ import annotations
 
