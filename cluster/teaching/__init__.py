@@ -2,8 +2,8 @@
 a student, each with typed inputs (``config``) and typed results.
 
 ``VOTE_SOURCES`` is the registry of what may vote (``vote_source.VoteSource``): adding a vote source
-is its file (its section's dataclass and its class) and one line in ``register``'s list below, plus
-its section's key in ``TeacherStudentConfig``. ``conclave.cluster.api`` is the front door that
+is its file (its class) and one line in ``register``'s list below, plus its section in
+``teaching.config`` (the dataclass and its key in ``TeacherStudentConfig``, as for ``knn``). ``conclave.cluster.api`` is the front door that
 re-exports the steps; ``conclave run`` (the ``teacher_student`` pipeline), ``conclave serve``, tuning
 and the benchmarks call them.
 """
