@@ -237,7 +237,7 @@ def _label(parameters: dict[str, float], names: tuple[str, ...], note: str) -> s
 def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
     """The configured setting, then the neighbouring noise settings the mechanism names
     (``VoteMechanism.noise_variations``; the configured row only for one that names no noise)."""
-    mechanism = config.mechanism.build()
+    mechanism = config.mechanism.instance
     parameters = parameters_of(mechanism)
     shown = mechanism.noise or tuple(parameters)
     settings = [(_label(parameters, shown, "configured"), parameters, config)]
@@ -253,7 +253,7 @@ def _teacher_student(path: str, pipeline: Pipeline) -> Plan:
     config = pipeline.config
     planned = pipeline.plan()
     guarantee = config.privacy.guarantee(planned)
-    knn, voting = config.knn, config.records_vote  # records that vote themselves: no teacher is trained
+    voting = config.vote_source.records_vote  # records that vote themselves: no teacher is trained
     owners = tuple(owner_counts(o, None if voting else o.teachers, config, planned) for o in config.owners)
     if owners:
         records = None if any(o.records is None for o in owners) else sum(o.records for o in owners)
@@ -261,17 +261,11 @@ def _teacher_student(path: str, pipeline: Pipeline) -> Plan:
         records = config.data.private_size
     counts = Counts(owners, None if voting else config.num_teachers, records)
     student = config.student
-    mechanism = config.mechanism.build()
+    mechanism = config.mechanism.instance
     # With aggregation: secure the noise is the secure variant's (Skellam through the secure sum).
-    runs = config.vote_mechanism().name
-    work = (f"{runs} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on "
-            f"{student.queries} queries asked {student.batch_size} at a time; worst case: every one answered")
-    if knn:
-        work += f"; kNN votes, k {knn.k} of a Poisson sample at rate {knn.sample_rate:g}"
-    elif config.clusters is not None:
-        work = (f"{runs} ({', '.join(f'{k} {v:g}' for k, v in parameters_of(mechanism).items())}) on the medoids of "
-                f"{config.clusters.count} clusters of the pool, asked in one batch: each record votes for its "
-                f"{config.clusters.votes_per_record} nearest, one release")
+    runs = config.vote_mechanism.name
+    described = ", ".join(f"{k} {v:g}" for k, v in parameters_of(mechanism).items())
+    work = config.vote_source.work(config, f"{runs} ({described})")
     if config.smooth_sensitivity() is not None:
         work += ", plus the smooth-sensitivity release (charged before the first query)"
 
@@ -306,7 +300,7 @@ def _budget_warnings(config: Any, planned: PrivacyCharge, table: tuple[Row, ...]
     if unit == "answers":
         return [f"the budget ε = {config.privacy.budget:g} admits {table[0].fits} of the {amount} planned answers "
                 f"in the worst case (the planned work's ε = {epsilon:.4g}): the aggregator refuses the batch that "
-                f"could pass it ({config.mechanism.build().budget_note})"]
+                f"could pass it ({config.mechanism.instance.budget_note})"]
     return [f"the planned work's worst case ε = {epsilon:.4g} exceeds the budget ε = {config.privacy.budget:g}, "
             f"which admits {table[0].fits} of the {amount} planned epochs: the ledger refuses the charge that would "
             "pass it"]

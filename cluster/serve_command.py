@@ -156,10 +156,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
     guarantee, report = aggregator.server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
-    voters = (f"kNN votes, k {config.knn.k} at sample rate {config.knn.sample_rate:g}" if config.knn
-              else f"public-cluster votes, each record for its {config.clusters.votes_per_record} nearest queries of "
-                   "a call" if config.clusters
-              else f"{teachers.pool.votes_per_query} teachers")
+    voters = config.vote_source.serving(teachers.pool)
     stop = stop or threading.Event()
     _stop_on_signals(stop)  # from here a signal stops the service as below, not the start
     print(f"aggregator serving on {aggregator.address} ({security}; {config.mechanism.name}, {voters}, "

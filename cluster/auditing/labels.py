@@ -401,7 +401,7 @@ def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
 
     # The records, from public settings and OS entropy; the inclusion draw stays in ``inclusion``.
     classes = len(public.classes)
-    design = choose_design(config.mechanism.build(), config.num_teachers, classes)
+    design = choose_design(config.mechanism.instance, config.num_teachers, classes)
     patterns, shares = Patterns(public.schema, public.standardiser), layout(audited)
     rng = SECURE.source("audit-canaries").rng
     canaries = place_canaries(m, design, shares, patterns, classes, rng)
@@ -410,7 +410,7 @@ def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
 
     embedded = start_ray(None, resources=owner_resources(audited.owners), runtime_env=audited.runtime_env,
                          models=audited.models)
-    mechanism = audited.vote_mechanism()
+    mechanism = audited.answering_mechanism()  # it answers the canaries: its own copy
     if settings.broken_noise is not None:
         mechanism = ScaledNoise(mechanism, settings.broken_noise)
     released, report = ask_canaries(audited, public, embedded, shares, records, mechanism, policy, canaries.x)

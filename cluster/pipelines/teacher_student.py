@@ -104,7 +104,7 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
             "queries_asked": student.asked,
             "queries_answered": student.answered,
             "budget_exhausted": student.budget_exhausted,
-            **_vote_source(config, teachers),
+            **config.vote_source.described(config, teachers.pool),
             "curve": _run_curve(student.curve),
         }
         results.write_json("metrics", metrics)
@@ -124,19 +124,6 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         if stopped is not None:
             summary[f"stopped after {student.answered} answers by"] = stopped
         return RunOutcome(student, privacy, metrics, summary)
-
-
-def _vote_source(config: TeacherStudentConfig, teachers: Ensemble) -> dict[str, Any]:
-    """What voted, where (owner → the Ray node ids its actors ran on); a model given as a factory
-    by its import path."""
-    from conclave.learning.models import model_label
-
-    if config.records_vote is not None:
-        section = "knn" if config.knn is not None else "clusters"
-        return {section: {**dataclasses.asdict(config.records_vote), "actors": teachers.pool.num_actors,
-                          "nodes": teachers.nodes}}
-    return {"teachers": {"count": teachers.pool.num_teachers, "actors": teachers.pool.num_actors,
-                         "model": model_label(config.teachers.model), "nodes": teachers.nodes}}
 
 
 def _run_curve(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:

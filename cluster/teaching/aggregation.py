@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from conclave.errors import RunRefused
-from conclave.cluster.run_privacy import (CLUSTER_AGGREGATOR, KNN_AGGREGATOR, SECURE_VOTES, TRUSTED_AGGREGATOR,
-                                         RunPrivacy)
+from conclave.cluster.run_privacy import SECURE_VOTES, RunPrivacy
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -64,7 +63,7 @@ def start_aggregator(config: TeacherStudentConfig, pool, ledger, settings):
     """The gRPC aggregator over ``pool`` in this process; returns (server, "host:port")."""
     from conclave.actors.aggregator import AggregatorServer
 
-    server = AggregatorServer(pool, config.vote_mechanism(), ledger, pool.input_shape, settings,
+    server = AggregatorServer(pool, config.answering_mechanism(), ledger, pool.input_shape, settings,
                               noise=config.privacy.noise)
     return server, server.start()
 
@@ -82,15 +81,14 @@ def privacy_section(config: TeacherStudentConfig, ledger, votes: np.ndarray | No
     from conclave.privacy.accounting.report import vote_report
 
     planned = config.planned()
-    trust = (SECURE_VOTES if config.secure else KNN_AGGREGATOR if config.knn
-             else CLUSTER_AGGREGATOR if config.clusters else TRUSTED_AGGREGATOR)
+    trust = SECURE_VOTES if config.secure else config.vote_source.trust
     report = config.privacy.report(planned, ledger, trust)
-    report = report.adding(mechanism=config.vote_mechanism().describe().as_dict())
+    report = report.adding(mechanism=config.vote_mechanism.describe().as_dict())
     if config.secure:
         return report.adding(estimates_note=SECURE_NO_ESTIMATES)
     if not len(votes):
         return report
-    votes_report = vote_report(config.mechanism.build(), votes, answered, config.privacy.delta,
+    votes_report = vote_report(config.mechanism.instance, votes, answered, config.privacy.delta,
                                config.privacy.guarantee(planned), smooth=config.smooth_sensitivity(),
                                noise=config.privacy.noise.source("smooth-sensitivity"))
     return report.adding(tuple(e for e in votes_report.estimates if not e.private),

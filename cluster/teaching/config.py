@@ -4,6 +4,7 @@ neither torch nor Ray."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,12 +12,12 @@ from typing import Any
 
 from conclave.cluster.owners import DataOwner, GatewaysConfig, check_gateways, check_owners
 from conclave.cluster.run_privacy import Aggregation, PrivacyConfig
-from conclave.learning.data.dataset import SHARD_LEMMA
+from conclave.cluster.teaching.vote_source import VOTE_SOURCES, VoteSource, chosen
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.learning.embeddings import HogPCA, ScatteringPCA, check_embedding
 from conclave.learning.label_propagation import LabelPropagationConfig
-from conclave.learning.selection import CLUSTERS, QuerySelection
+from conclave.learning.selection import QuerySelection
 from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
@@ -24,8 +25,6 @@ from conclave.privacy.accounting.report import planned_charge
 from conclave.privacy.accounting.smooth_sensitivity import SmoothSensitivityParameters
 from conclave.privacy.mechanisms import (MECHANISMS, ConfidentGNMax, SecureVoteMechanism, VoteMechanism,
                                          build_mechanism, secure_mechanism)
-from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
-from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +115,24 @@ class MechanismConfig:
                 params[attr] = supplied[attr]
         return self if params == self.params else dataclasses.replace(self, params=params)
 
-    def build(self):
+    def build(self) -> VoteMechanism:
+        """A new mechanism of this name and these parameters (a factory: a run asks ``instance``)."""
         try:
             return build_mechanism(self.name, **self.params)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"mechanism {self.name!r} with params {self.params}: {err}") from err
+
+    @functools.cached_property
+    def instance(self) -> VoteMechanism:
+        """The run's mechanism, built once for this section: every check, plan and report reads this
+        one, and it never answers (an aggregator answers with its own copy,
+        ``TeacherStudentConfig.answering_mechanism``), so a stateful one's state stays unopened here."""
+        return self.build()
+
+    @functools.cached_property
+    def secure_instance(self) -> SecureVoteMechanism:
+        """``instance``'s variant over secure-sum vote totals (ValueError naming those that have one)."""
+        return secure_mechanism(self.instance)
 
 
 @dataclass(frozen=True)
@@ -146,10 +158,6 @@ class KnnConfig:
         if self.actors is not None and self.actors < 1:
             raise ValueError(f"knn.actors must be >= 1 or null, got {self.actors}")
 
-    @property
-    def supplies(self) -> dict[str, float]:
-        return {"sample_rate": self.sample_rate}
-
 
 @dataclass(frozen=True)
 class ClustersConfig:
@@ -174,10 +182,6 @@ class ClustersConfig:
                              f"{self.count}, {self.votes_per_record}, {self.dims}")
         if self.actors is not None and self.actors < 1:
             raise ValueError(f"clusters.actors must be >= 1 or null, got {self.actors}")
-
-    @property
-    def supplies(self) -> dict[str, float]:
-        return {"votes_per_record": self.votes_per_record}
 
 
 @dataclass(frozen=True)
@@ -323,68 +327,46 @@ class TeacherStudentConfig:
         # What the config left to the declared counts, filled in once (so config.json says it).
         count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
         object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
-        votes = self.knn.k if self.knn else count
-        supplied = self.records_vote.supplies if self.records_vote else {}
-        object.__setattr__(self, "mechanism", self.mechanism.filled(votes, supplied))
+        source = self.vote_source
+        object.__setattr__(self, "mechanism", self.mechanism.filled(source.votes_per_query(self), source.supplies()))
         self._check_votes()
-        if self.clusters is not None:  # the student asks the medoids, all in one batch
-            self._ask_cluster_medoids()
-        elif self.student.selection.spread_medoids > 1 or self.student.selection.spread_margin > 0:
-            raise ValueError("student.selection.spread_medoids spreads public-cluster votes' labels: it needs a "
-                             "clusters section")
+        object.__setattr__(self, "student", source.asked(self))
         if not self.owners and self.student.queries > self.data.public_size:
             raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
         if self.student.batch_size > self.server.max_batch:
             raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
                              f"server.max_batch ({self.server.max_batch})")
-        if not self.mechanism.build().describe().bounded and self.privacy.budget is not None:
+        if not self.mechanism.instance.describe().bounded and self.privacy.budget is not None:
             raise ValueError(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
                              "it: set privacy.budget to null (the run records its spend and reports it unbounded)")
         self._check_aggregation()
         self._check_gateways()
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 
+    @functools.cached_property
+    def vote_source(self) -> VoteSource[TeacherStudentConfig]:
+        """What votes (``cluster.teaching.VOTE_SOURCES``): the source whose section is set, else teachers."""
+        return chosen(self)
+
     def _check_aggregation(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))  # as read from YAML
         if self.secure:
-            self.vote_mechanism()  # a mechanism without a secure variant is refused now, in one line
+            self.vote_mechanism  # a mechanism without a secure variant is refused now, in one line
             if self.estimates.smooth_sensitivity:
                 raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
                                  "never shows the aggregator: turn it off")
 
     def _check_gateways(self) -> None:
-        """Owners named by their gateway vote there: public-cluster or kNN votes, in secure rounds,
-        in an embedding every gateway registers."""
+        """Owners named by their gateway vote there, in secure rounds, with what the source needs there."""
         check_gateways(self.owners, self.gateways)
         if not self.through_gateways:
             return
-        from conclave.learning.embeddings import EMBEDDINGS
-
         if not self.secure:
             raise ValueError("owners named by their gateway vote there, in secure rounds: set aggregation: secure")
-        if self.records_vote is None:
-            self._check_gateway_teachers()
-            return
-        kind = "knn" if self.knn is not None else "clusters"
-        if self.records_vote.embedding not in EMBEDDINGS:
-            raise ValueError(f"{kind}.embedding {self.records_vote.embedding!r}: a gateway fits only a registered "
-                             f"embedding ({', '.join(EMBEDDINGS)})")
-
-    def _check_gateway_teachers(self) -> None:
-        """Teachers trained behind the gateways: a registered model by name (a gateway runs no code
-        a config names), and one σ for every round (the gateways admit one)."""
-        from conclave.learning.models.registry import REGISTRY
-
-        model, params = self.teachers.model, self.mechanism.params
-        if not isinstance(model, str) or model not in REGISTRY:
-            raise ValueError(f"teachers.model {model!r}: teachers behind gateways train a registered model "
-                             "(a gateway runs no code a config names)")
-        if self.mechanism.name == "confident-gnmax" and params.get("sigma1") != params.get("sigma"):
-            raise ValueError("confident-gnmax through gateways: give sigma1 equal to sigma (the gateways admit "
-                             "one σ for every round)")
+        self.vote_source.check_gateway(self)
 
     @property
     def through_gateways(self) -> bool:
@@ -392,57 +374,38 @@ class TeacherStudentConfig:
         return self.gateways is not None
 
     def _check_votes(self) -> None:
-        """Records that vote themselves (``knn``, ``clusters``) and the mechanisms charged for them go
-        together, at one setting; across owners their votes meet only in the secure sum."""
-        if self.knn is not None and self.clusters is not None:
-            raise ValueError("choose one vote source: knn or clusters")
-        supplied = self.records_vote.supplies if self.records_vote else {}
+        """The vote source and the mechanism charged for it go together, at one setting; across
+        owners, records that vote themselves meet only in the secure sum."""
+        source = self.vote_source
+        supplied = source.supplies()
         for attr in self.mechanism.paired_with:
             if attr not in supplied:
-                section = "a knn section" if attr == "sample_rate" else "a clusters section"
-                raise ValueError(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add {section}")
+                sections = [kind for kind, cls in VOTE_SOURCES.items() if attr in cls.paired]
+                raise ValueError(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add a "
+                                 f"{' or '.join(sections)} section")
             if self.mechanism.params[attr] != supplied[attr]:
                 raise ValueError(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
                                  f"vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the section "
                                  "sets it)")
-        if self.clusters is not None and not set(self.clusters.supplies) <= set(self.mechanism.paired_with):
-            paired = [name for name, cls in MECHANISMS.items() if set(self.clusters.supplies) <= set(cls.paired_with)]
-            raise ValueError(f"clusters votes are charged once per batch by mechanism {', '.join(paired)}, not "
-                             f"{self.mechanism.name}")
-        if self.records_vote is None:
+        source.check(self)
+        if not source.records_vote:
             return
-        kind = "knn" if self.knn is not None else "clusters"
         if len(self.owners) > 1 and not self.secure:
-            shown = "their neighbours' distances" if kind == "knn" else "each owner's vote histogram"
-            raise ValueError(f"{kind} votes over {len(self.owners)} owners would show the aggregator {shown}: set "
-                             "aggregation: secure (only noised totals leave each owner's node)")
+            raise ValueError(f"{source.kind} votes over {len(self.owners)} owners would show the aggregator "
+                             f"{source.clean_votes}: set aggregation: secure (only noised totals leave each owner's "
+                             "node)")
         if self.estimates.smooth_sensitivity:
-            raise ValueError(f"estimates.smooth_sensitivity is not analysed for {kind} votes: turn it off")
+            raise ValueError(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
 
     @property
     def records_vote(self) -> KnnConfig | ClustersConfig | None:
         """The section in which the owners' records vote themselves, if any."""
-        return self.knn or self.clusters
-
-    def _ask_cluster_medoids(self) -> None:
-        """The student asks the ``clusters.count`` medoids in one call (one release), then learns."""
-        count = self.clusters.count
-        if count > self.server.max_batch:
-            raise ValueError(f"clusters.count ({count}) exceeds server.max_batch ({self.server.max_batch}): the "
-                             "medoids are asked in one batch")
-        student = self.student
-        asked = dataclasses.replace(student, queries=count, batch_size=count, checkpoints=(),
-                                    selection=dataclasses.replace(student.selection, strategy=CLUSTERS,
-                                                                  round_size=count))
-        if (student.queries, student.batch_size) != (asked.queries, asked.batch_size) and \
-                student.selection.strategy == CLUSTERS:
-            log.warning("student.queries and batch_size are the clusters' count (%d) with clusters votes", count)
-        object.__setattr__(self, "student", asked)
+        return self.vote_source.section if self.vote_source.records_vote else None
 
     @property
     def vote_lemma(self) -> str:
         """Why one record moves what the charges assume: disjoint shards, kNN, or public clusters."""
-        return KNN_LEMMA if self.knn else CLUSTER_LEMMA if self.clusters else SHARD_LEMMA
+        return self.vote_source.lemma
 
     def _check_owners(self) -> None:
         check_owners(self.owners, self.test, self.classes, self.public, through_gateways=True)
@@ -467,21 +430,28 @@ class TeacherStudentConfig:
     def secure(self) -> bool:
         return self.aggregation == Aggregation.SECURE
 
+    @property
     def vote_mechanism(self) -> VoteMechanism | SecureVoteMechanism:
-        """What the aggregator runs: the configured mechanism, or with ``aggregation: secure`` its
-        variant over secure-sum vote totals (ValueError naming the mechanisms that have one)."""
-        mechanism = self.mechanism.build()
-        return secure_mechanism(mechanism) if self.secure else mechanism
+        """What the aggregator runs: the configured mechanism (``MechanismConfig.instance``), or with
+        ``aggregation: secure`` its variant over secure-sum vote totals (ValueError naming the
+        mechanisms that have one). The run's one object: plans and reports read it, none answers."""
+        return self.mechanism.secure_instance if self.secure else self.mechanism.instance
+
+    def answering_mechanism(self) -> VoteMechanism | SecureVoteMechanism:
+        """A fresh copy of ``vote_mechanism`` for one answering aggregator: a stateful mechanism's
+        state (the stability mechanism's) is that aggregator's alone, and advances only when its
+        ledger accepted a charge; the run's own object stays unopened for the plan and the report."""
+        return dataclasses.replace(self.vote_mechanism)
 
     def smooth_sensitivity(self) -> SmoothSensitivityParameters | None:
-        return self.estimates.parameters(self.mechanism.build(), self.student.queries, self.privacy.delta)
+        return self.estimates.parameters(self.mechanism.instance, self.student.queries, self.privacy.delta)
 
     def planned(self, answers: int | None = None) -> PrivacyCharge:
         """The worst case of the planned work, on add/remove neighbours of the owners' records:
         ``answers`` queries answered (default: every one of ``student.queries``), plus the
         smooth-sensitivity release if asked (fixed by ``student.queries``)."""
         answered = self.student.queries if answers is None else answers
-        planned = planned_charge(self.vote_mechanism(), answered, self.smooth_sensitivity(),
+        planned = planned_charge(self.vote_mechanism, answered, self.smooth_sensitivity(),
                                  batch_size=self.student.batch_size)
         # Records that vote themselves are charged at record level already; teachers' mechanisms per vote.
         if planned.neighbouring == Neighbouring.ADD_REMOVE:

@@ -6,7 +6,6 @@ every owner's teachers where its data is; the private data never reaches the dri
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
     from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
     from conclave.cluster.gateway.client import GatewayVoteSource
-
-log = logging.getLogger(__name__)
 
 
 def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None, progress: bool = True,
@@ -45,8 +42,8 @@ def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None,
 
 @dataclass
 class Ensemble:
-    """Trained teachers, or the kNN shards with ``knn`` (``pool``, the aggregator's vote source),
-    or the owners' gateways, and the driver's public data; the private data stays with the
+    """The started vote source (``pool``, the aggregator's: trained teachers, the actors whose
+    records vote, or the owners' gateways) and the driver's public data; the private data stays with the
     actors, on their owners' nodes. A context manager: leaving it stops the actors."""
 
     public: PublicData
@@ -73,36 +70,18 @@ class Ensemble:
 
 def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: PublicData | None = None,
                    embedded: bool = True) -> Ensemble:
-    """Train the teachers on Ray actors, which read their own data, or start the kNN shard
-    actors with ``knn`` (Ray must be running);
-    ``public``: the driver's data, when already loaded (``checked_public``); ``embedded``:
-    whether this is the embedded one-node Ray (owners' node labels are then not used)."""
+    """Start the config's vote source (``config.vote_source``: train the teachers on Ray actors,
+    which read their own data, or start the actors whose records vote), or admit the run at the
+    owners' gateways (Ray must be running); ``public``: the driver's data, when already loaded
+    (``checked_public``); ``embedded``: whether this is the embedded one-node Ray (owners' node
+    labels are then not used)."""
     public = public if public is not None else public_data(config)
     if config.through_gateways:  # the owners' records vote behind their gateways, on their machines
         from conclave.cluster.teaching.gateways import gateway_vote_source
 
         with waiting("admitting the run at the owners' gateways (each starts its own vote actors)", progress):
             return Ensemble(public, gateway_vote_source(config, public))
-    if config.knn is not None:  # no training: the records vote themselves
-        from conclave.cluster.teaching.knn import knn_vote_source
-
-        with waiting("starting the owners' kNN actors (each loads its owner's records)", progress):
-            return Ensemble(public, knn_vote_source(config, public, embedded))
-    if config.clusters is not None:
-        from conclave.cluster.teaching.clusters import cluster_vote_source
-
-        with waiting("starting the owners' cluster-vote actors (each loads its owner's records)", progress):
-            return Ensemble(public, cluster_vote_source(config, public, embedded))
-    with waiting("starting the teacher actors (each loads its shards)", progress):
-        pool = teacher_pool(config, public, embedded=embedded)
-    try:
-        pool.train(progress=progress)
-    except BaseException:
-        pool.shutdown()
-        raise
-    # No time in the log or the results: it grows with the private records each teacher holds.
-    log.info("teachers: %d trained on %d actors", pool.num_teachers, pool.num_actors)
-    return Ensemble(public, pool)
+    return Ensemble(public, config.vote_source.start(config, public, embedded, progress))
 
 
 def student_splits(config: TeacherStudentConfig) -> StudentSplits:

@@ -22,32 +22,23 @@ def gateway_vote_source(config: TeacherStudentConfig, public: PublicData) -> Gat
     """Every owner's gateway admitting this run: its vote source and terms, the mechanism and its
     σ, the plan's worst case (the student's batches and rounds), the public pool the embedding is
     fitted on and how the owner's data are read, and ``gateways.lifetime_epsilon`` if given."""
-    from conclave.cluster.gateway.client import (ClusterVotes, CoordinatorTls, GatewayVoteSource, KnnVotes,
-                                                 OwnerGateway, TeacherVotes)
+    from conclave.cluster.gateway.client import CoordinatorTls, GatewayVoteSource, OwnerGateway
     from conclave.cluster.gateway.identity import Verifier
     from conclave.learning.embeddings import fit_embedding
 
     files = config.gateways
     tls = CoordinatorTls(Path(files.certificate), Path(files.key), Path(files.ca))
-    section, params = config.records_vote, config.mechanism.params
-    pool = public.splits.public.x
-    if config.clusters is not None:
-        terms, sigma = ClusterVotes(section.votes_per_record, section.embedding, section.dims), params["sigma"]
-    elif config.knn is not None:  # one noised total per round: sigma1 = sigma2
-        terms, sigma = KnnVotes(section.k, section.sample_rate, section.embedding, section.dims), params["sigma1"]
-    else:  # teachers trained behind each gateway, on its owner's records only: no pool goes there
-        train = config.teachers.train
-        terms = TeacherVotes(tuple(owner.teachers for owner in config.owners), config.teachers.model, train.epochs,
-                             train.batch_size, train.lr, config.seed)
-        sigma, pool = params["sigma"], None
+    source = config.vote_source
+    terms, sigma, sends_pool = source.gateway_terms(config)
+    pool = public.splits.public.x if sends_pool else None
     student = config.student
     # Confident-GNMax's batches are two rounds each (the threshold, then the answer)
     rounds = math.ceil(student.queries / student.batch_size) * (2 if config.mechanism.name == "confident-gnmax" else 1)
     gateways = [OwnerGateway(owner.gateway, tls) for owner in config.owners]
     # the student picks what to ask in the same embedding, fitted here on the pool alone (free)
-    embed = fit_embedding(section.embedding, pool, section.dims) if config.clusters is not None else None
+    embed = fit_embedding(source.section.embedding, pool, source.section.dims) if source.asks_in_embedding else None
     return GatewayVoteSource(gateways, Verifier(tls.ca), f"{config.name}-{secrets.token_hex(4)}", terms,
-                             config.mechanism.name, float(sigma), public.classes, pool,
+                             config.mechanism.name, sigma, public.classes, pool,
                              max_batch=student.batch_size, rounds=rounds,
                              lifetime_epsilon=files.lifetime_epsilon, reading=public.reading, embed=embed,
                              names=[owner.name for owner in config.owners],

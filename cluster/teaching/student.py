@@ -70,7 +70,7 @@ def train_student(config: TeacherStudentConfig, ensemble: Ensemble, aggregator: 
         # A teacher actor restarting makes the aggregator UNAVAILABLE for seconds: wait, nothing was charged.
         functools.partial(AggregatorClient, aggregator.address, aggregator.token, retry_unavailable=300.0),
         num_threads=max(1, int(student_cpus)),
-        cluster_embedding=ensemble.pool.embed if config.clusters is not None else None)
+        cluster_embedding=config.vote_source.student_embedding(ensemble.pool))
     try:
         try:  # a CPU some node has but none has free (the teachers hold them) would wait forever
             ray.get(student.__ray_ready__.remote(), timeout=STUDENT_START_TIMEOUT)

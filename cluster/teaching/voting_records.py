@@ -3,9 +3,10 @@ share: the public embedding, the owners' records cut into actor shares, and the 
 votes never leave the aggregator's node."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.owners import PublicData, owner_data
 from conclave.cluster.teaching.config import ClustersConfig, KnnConfig, TeacherStudentConfig
@@ -14,6 +15,7 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
     from conclave.actors.cluster_votes import ClusterVoteSource
     from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.vote_parties import RecordShare
+    from conclave.cluster.teaching.vote_source import VoteSource
     from conclave.learning.embeddings import Embedding
 
 
@@ -72,3 +74,17 @@ def check_clean_votes_stay_home(source: KnnVoteSource | ClusterVoteSource, what:
         source.shutdown()
         raise ConfigError(f"the votes of owner(s) {away or sorted(source.placement)} would send {what} off their "
                           "node to the aggregator: set aggregation: secure")
+
+
+def check_gateway_embedding(source: VoteSource) -> None:
+    """Records voting behind the owners' gateways are embedded there: in a registered embedding."""
+    from conclave.learning.embeddings import EMBEDDINGS
+
+    if source.section.embedding not in EMBEDDINGS:
+        raise ValueError(f"{source.kind}.embedding {source.section.embedding!r}: a gateway fits only a registered "
+                         f"embedding ({', '.join(EMBEDDINGS)})")
+
+
+def records_described(source: VoteSource, pool: Any) -> dict[str, Any]:
+    """What voted, for the run's metrics: the section, the actors, and where they ran."""
+    return {source.kind: {**dataclasses.asdict(source.section), "actors": pool.num_actors, "nodes": pool.placement}}

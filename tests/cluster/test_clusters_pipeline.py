@@ -45,7 +45,7 @@ def test_a_batch_of_medoids_is_planned_as_one_release_with_its_exact_gaussian_cu
     guarantee = config.privacy.guarantee(config.planned())
     assert guarantee.basis == "worst-case" and guarantee.neighbouring == "add-remove"
     assert guarantee.epsilon == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(3), 1e-5))
-    twice = planned_charge(config.vote_mechanism(), 60, batch_size=30)  # two batches, two releases
+    twice = planned_charge(config.vote_mechanism, 60, batch_size=30)  # two batches, two releases
     assert worst_case_guarantee(twice, 1e-5).epsilon == pytest.approx(analytic_gaussian_epsilon(6.5 / math.sqrt(6), 1e-5))
 
 

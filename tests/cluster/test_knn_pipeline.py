@@ -32,7 +32,7 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
     with pytest.raises(ValueError, match="add a knn section"):
         TeacherStudentConfig(mechanism=PRIVATE_KNN)
     config = TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
-    assert config.vote_mechanism() == PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
+    assert config.vote_mechanism == PrivateKnnMechanism(15.0, 20.0, 8.0, 0.3)
     mismatched = MechanismConfig("private-knn", {**PRIVATE_KNN.params, "sample_rate": 0.5})
     with pytest.raises(ValueError, match="sample_rate 0.5 but the vote source's is 0.3"):
         TeacherStudentConfig(mechanism=mismatched, knn=KnnConfig(k=30, sample_rate=0.3))
@@ -41,7 +41,7 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
         TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
     secure = MechanismConfig("private-knn", {"sigma1": 8.0, "threshold": 20.0, "sigma2": 8.0})
     secure_knn = TeacherStudentConfig(mechanism=secure, knn=KnnConfig(k=30, sample_rate=0.3), aggregation="secure")
-    assert secure_knn.vote_mechanism().name == "secure-private-knn"
+    assert secure_knn.vote_mechanism.name == "secure-private-knn"
     with pytest.raises(ValueError, match="knn.embedding must be one of"):
         KnnConfig(embedding="sift")
     KnnConfig(embedding="network:results/mnist-knn/student.pt")  # an earlier round's student
@@ -51,14 +51,14 @@ def test_private_knn_needs_knn_votes_and_takes_their_sample_rate():
 def test_planned_charge_is_record_level_for_private_knn_and_restated_by_the_knn_lemma_for_gnmax():
     config = TeacherStudentConfig(mechanism=PRIVATE_KNN, knn=KnnConfig(k=30, sample_rate=0.3))
     planned = config.planned()
-    direct = config.vote_mechanism().run_charge(config.student.queries, config.student.queries)
+    direct = config.vote_mechanism.run_charge(config.student.queries, config.student.queries)
     assert planned.neighbouring == Neighbouring.ADD_REMOVE
     np.testing.assert_allclose(planned.rdp, direct.rdp, rtol=1e-12)
     # GNMax over kNN votes: one record moves one vote (the kNN lemma), no amplification claimed.
     gnmax = TeacherStudentConfig(mechanism=MechanismConfig("gnmax", {"sigma": 40.0}), knn=KnnConfig(k=30))
     assert gnmax.planned().details["neighbouring_lemma"] == KNN_LEMMA
     # Confident-GNMax's default threshold is a share of the k votes, not of teachers.
-    assert TeacherStudentConfig(knn=KnnConfig(k=30)).vote_mechanism().threshold == pytest.approx(0.6 * 30)
+    assert TeacherStudentConfig(knn=KnnConfig(k=30)).vote_mechanism.threshold == pytest.approx(0.6 * 30)
 
 
 def test_owners_declared_records_share_k_and_cap_nothing():
@@ -70,7 +70,7 @@ def test_owners_declared_records_share_k_and_cap_nothing():
                                      mechanism=MechanismConfig("private-knn", {"sigma1": 4.0, "threshold": 5.0,
                                                                                "sigma2": 4.0}))
     assert [owner.records for owner in secure_knn.owners] == [100, 100, 99]
-    assert secure_knn.vote_mechanism().name == "secure-private-knn"
+    assert secure_knn.vote_mechanism.name == "secure-private-knn"
 
 
 class _TeacherVotes:

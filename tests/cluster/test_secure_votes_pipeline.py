@@ -25,12 +25,12 @@ def hospitals(**changes) -> dict:
 
 def test_secure_aggregation_plans_the_skellam_charge_of_the_secure_variant():
     config = load_pipeline(hospitals(aggregation="secure")).config
-    assert config.vote_mechanism() == SecureGNMax(10.0)
+    assert config.vote_mechanism == SecureGNMax(10.0)
     planned = config.planned()
     expected = SecureGNMax(10.0).run_charge(40, 40)
     assert planned.neighbouring == "add-remove" and (planned.rdp == expected.rdp).all()
     trusted = load_pipeline(hospitals()).config
-    assert trusted.aggregation == "trusted-aggregator" and trusted.vote_mechanism().name == "gnmax"
+    assert trusted.aggregation == "trusted-aggregator" and trusted.vote_mechanism.name == "gnmax"
 
 
 @pytest.mark.parametrize("changes, named", [

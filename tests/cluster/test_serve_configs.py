@@ -46,7 +46,7 @@ def _served(name: str) -> dict[str, Any]:
 
 
 def _kind(config: TeacherStudentConfig) -> tuple[str, str, bool]:
-    voters = "knn" if config.knn is not None else "clusters" if config.clusters is not None else "teachers"
+    voters = config.vote_source.kind
     return voters, config.aggregation, bool(config.owners)
 
 
