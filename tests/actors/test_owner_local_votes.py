@@ -112,7 +112,7 @@ class _CallSpy:
 def test_a_secure_cluster_round_is_the_clean_sum_plus_noise_and_only_shares_leave(cluster_source, owners,
                                                                                    monkeypatch):
     sources, _ = owners
-    queries = load_digits()[1].x[:60]  # 6 rounds of 60: the 3,600 noise draws of 30 rounds of 12, in fewer rounds
+    queries = load_digits()[1].x[:60]  # 6 rounds of 60: 3,600 noise draws (a round costs calls, not queries)
     embedded = cluster_source.queries(cluster_source.checked(queries))
     clean = sum(ClusterShard(s, 0, 1, Flatten(), 3).partial_votes(embedded, "") for s in sources)  # no padding
     sigma = 4.0
