@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -240,7 +241,13 @@ def test_tls_and_mutual_tls(teachers, public, tmp_path):
             assert rpc_error(anonymous.budget).code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retraining(ray_session, public, tmp_path):
+def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retraining(ray_session, public, tmp_path,
+                                                                                  trained_teachers):
+    # The session's trained teachers (the same source, seeds and network) saved where this pool
+    # keeps its checkpoints: what its actors reload from when they start, and again after the kill.
+    (tmp_path / "checkpoints").mkdir()
+    for saved in trained_teachers.glob("teacher-*.pt"):
+        shutil.copy(saved, tmp_path / "checkpoints")
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
     pool = TeacherPool.of_source(source, 4, "digits_cnn", TrainConfig(epochs=1, batch_size=32, lr=1e-2), num_actors=2,
                        seed=0, num_cpus_per_actor=0.25, checkpoint_dir=str(tmp_path / "checkpoints"))

@@ -47,6 +47,31 @@ def owners(tmp_path_factory) -> tuple[list[OwnerSource], np.ndarray]:
     return sources, test.x[:12]
 
 
+# What the owners declare (owner b more than the 100 records it holds: its parties are padded).
+LOCAL_DECLARED = (100, 200, 100)
+
+
+@pytest.fixture(scope="module")
+def cluster_source(ray_session, owners):
+    """The owners' public-cluster votes, m = 3, one actor each: owner a declared above what it
+    holds, owner b undeclared (shared by the tests that leave it as it was: it starts 3 actors)."""
+    sources, _ = owners
+    shares = [RecordShare(sources[0], declared=250), RecordShare(sources[1]), RecordShare(sources[2], declared=100)]
+    source = ClusterVoteSource(shares, Flatten(), votes_per_record=3, num_cpus_per_actor=0.25)
+    yield source
+    source.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_knn(ray_session, owners):
+    """The owners' owner-local kNN votes, k = 20 at rate 0.5, on their ``LOCAL_DECLARED`` records."""
+    sources, _ = owners
+    knn = KnnVoteSource([RecordShare(s, declared=d) for s, d in zip(sources, LOCAL_DECLARED)], Flatten(), 20, 0.5,
+                        num_cpus_per_actor=0.25, local=True)
+    yield knn
+    knn.shutdown()
+
+
 def test_adding_one_record_moves_at_most_m_cells(tmp_path):
     """The lemma behind the charge, on real data: the histograms with and without one record (a
     boundary one included) differ by +1 in exactly m cells."""
@@ -84,52 +109,48 @@ class _CallSpy:
         monkeypatch.setattr(ray.actor.ActorMethod, "_remote", recording)
 
 
-def test_a_secure_cluster_round_is_the_clean_sum_plus_noise_and_only_shares_leave(ray_session, owners, monkeypatch):
-    sources, queries = owners
-    source = ClusterVoteSource([RecordShare(s, declared=100) for s in sources], Flatten(), votes_per_record=3,
-                               num_cpus_per_actor=0.25)
-    try:
-        embedded = source.queries(source.checked(queries))
-        clean = sum(ClusterShard(s, 0, 1, Flatten(), 3).partial_votes(embedded, "") for s in sources)
-        sigma = 4.0
-        release = SkellamVotes(sigma, cluster_votes(3))
-        spy = _CallSpy(monkeypatch)
-        charged = []
-        noised = [source.noised_votes(queries, release, NoisePolicy(), lambda: charged.append(1)) for _ in range(30)]
-        assert set(spy.called) == {"mask_key", "vote_share"} and len(charged) == 30
-        noise = np.concatenate([n - clean for n in noised]).ravel()
-        # Each owner adds σ²/2 against the others: the aggregator sees 3/2·σ² (privacy.secure_votes).
-        assert abs(noise.mean()) < 0.2 and noise.var() == pytest.approx(1.5 * sigma**2, rel=0.15)
-        assert clean.sum() == 300 * 3 and (clean.sum(axis=1) > 0).any()
-    finally:
-        source.shutdown()
+def test_a_secure_cluster_round_is_the_clean_sum_plus_noise_and_only_shares_leave(cluster_source, owners,
+                                                                                   monkeypatch):
+    sources, _ = owners
+    queries = load_digits()[1].x[:60]  # 6 rounds of 60: 3,600 noise draws (a round costs calls, not queries)
+    embedded = cluster_source.queries(cluster_source.checked(queries))
+    clean = sum(ClusterShard(s, 0, 1, Flatten(), 3).partial_votes(embedded, "") for s in sources)  # no padding
+    sigma = 4.0
+    release = SkellamVotes(sigma, cluster_votes(3))
+    spy = _CallSpy(monkeypatch)
+    charged = []
+    noised = [cluster_source.noised_votes(queries, release, NoisePolicy(), lambda: charged.append(1))
+              for _ in range(6)]
+    assert set(spy.called) == {"mask_key", "vote_share"} and len(charged) == 6
+    noise = np.concatenate([n - clean for n in noised]).ravel()
+    # Each owner adds σ²/2 against the others: the aggregator sees 3/2·σ² (privacy.secure_votes).
+    assert noise.size == 3600
+    assert abs(noise.mean()) < 0.2 and noise.var() == pytest.approx(1.5 * sigma**2, rel=0.15)
+    assert clean.sum() == 300 * 3 and (clean.sum(axis=1) > 0).any()
 
 
-def test_owner_local_knn_counts_on_each_owners_node_and_meets_only_in_the_secure_sum(ray_session, owners,
+def test_owner_local_knn_counts_on_each_owners_node_and_meets_only_in_the_secure_sum(local_knn, owners,
                                                                                     monkeypatch):
     sources, queries = owners
-    shares = [RecordShare(s, declared=d) for s, d in zip(sources, (100, 200, 100))]
+    shares = [RecordShare(s, declared=d) for s, d in zip(sources, LOCAL_DECLARED)]
     # k is shared by the declared records: 20 → 5, 10, 5 (public figures, before any record is read)
     assert party_k([(share, party_blocks(1, 1)) for share in shares], 20) == [5, 10, 5]
-    knn = KnnVoteSource(shares, Flatten(), 20, 0.5, num_cpus_per_actor=0.25, local=True)
-    try:
-        assert knn.cell_bounds() == [5, 10, 5]
-        with pytest.raises(RuntimeError, match="never send distances"):
-            knn.neighbours(queries)
-        with pytest.raises(RuntimeError, match="only in secure rounds"):
-            knn.votes(queries)
-        spy = _CallSpy(monkeypatch)
-        totals = knn.noised_votes(queries, SkellamVotes(1.0, knn_votes(0.5)), NoisePolicy(), lambda: None)
-        assert set(spy.called) == {"mask_key", "vote_share"}
-        # every owner's k_o nearest of a half sample (about 50 records each): each row counts 20 votes,
-        # plus noise of variance 1.5 per cell (sd 1.1 for the mean of 12 rows of 10 cells)
-        assert totals.shape == (12, 10) and abs(totals.sum(axis=1).mean() - 20) < 4.5
-    finally:
-        knn.shutdown()
+    knn = local_knn
+    assert knn.cell_bounds() == [5, 10, 5]
+    with pytest.raises(RuntimeError, match="never send distances"):
+        knn.neighbours(queries)
+    with pytest.raises(RuntimeError, match="only in secure rounds"):
+        knn.votes(queries)
+    spy = _CallSpy(monkeypatch)
+    totals = knn.noised_votes(queries, SkellamVotes(1.0, knn_votes(0.5)), NoisePolicy(), lambda: None)
+    assert set(spy.called) == {"mask_key", "vote_share"}
+    # every owner's k_o nearest of a half sample (about 50 records each): each row counts 20 votes,
+    # plus noise of variance 1.5 per cell (sd 1.1 for the mean of 12 rows of 10 cells)
+    assert totals.shape == (12, 10) and abs(totals.sum(axis=1).mean() - 20) < 4.5
 
 
 def test_the_chosen_query_attack_rebuilds_a_record_from_distances_and_finds_none_in_local_votes(
-        ray_session, owners):
+        ray_session, owners, local_knn):
     """The attack of issue 37 against the clean merge: around a centre, d + 1 queries (the centre
     and one step along each axis) answered with squared distances locate the nearest record by
     solving the linear system ‖x − q‖² differences give. With sample rate 1 one round suffices."""
@@ -148,13 +169,8 @@ def test_the_chosen_query_attack_rebuilds_a_record_from_distances_and_finds_none
     # ‖x − (c + eᵢ)‖² − ‖x − c‖² = 1 − 2(xᵢ − cᵢ): each coordinate of the record, exactly.
     rebuilt = centre - (nearest[1:] - nearest[0] - 1) / 2
     assert np.abs(rebuilt - target).max() < 1e-6  # the merge gives the record away
-    local = KnnVoteSource([RecordShare(s, declared=100) for s in sources], Flatten(), 3, 1.0,
-                          num_cpus_per_actor=0.25, local=True)
-    try:
-        with pytest.raises(RuntimeError, match="never send distances"):
-            local.neighbours(probes.reshape(len(probes), *records.x.shape[1:]))
-    finally:
-        local.shutdown()
+    with pytest.raises(RuntimeError, match="never send distances"):
+        local_knn.neighbours(probes.reshape(len(probes), *records.x.shape[1:]))
 
 
 def test_shares_of_opposite_votes_look_alike(ray_session, tmp_path):
@@ -190,15 +206,10 @@ def test_a_party_below_its_declared_size_works_on_the_declared_rows_and_votes_th
         np.testing.assert_array_equal(plain.partial_votes(embedded, "s"), padded.partial_votes(embedded, "s"))
 
 
-def test_the_vote_sources_start_each_party_on_its_declared_rows(ray_session, owners):
+def test_the_vote_sources_start_each_party_on_its_declared_rows(cluster_source, local_knn):
     """Each source hands its actors their share of the owner's declaration, so the padding above is
-    what a run does (the public-cluster source once left its actors unpadded)."""
-    sources, _ = owners
-    shares = [RecordShare(sources[0], declared=250), RecordShare(sources[1])]
-    for source in (ClusterVoteSource(shares, Flatten(), votes_per_record=3, num_cpus_per_actor=0.25),
-                   KnnVoteSource(shares, Flatten(), 5, 1.0, num_cpus_per_actor=0.25, local=True)):
-        try:
-            rows = ray.get([actor.__ray_call__.remote(lambda party: len(party._labels)) for actor in source._actors])
-            assert rows == [250, 100]
-        finally:
-            source.shutdown()
+    what a run does (the public-cluster source once left its actors unpadded); an owner that
+    declares nothing works on what it holds (100 records each)."""
+    for source, rows in ((cluster_source, [250, 100, 100]), (local_knn, list(LOCAL_DECLARED))):
+        assert ray.get([actor.__ray_call__.remote(lambda party: len(party._labels))
+                        for actor in source._actors]) == rows
