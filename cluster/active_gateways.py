@@ -6,7 +6,9 @@ actors: q = 1/⌈N/B⌉, ⌈N/B⌉ steps an epoch, charged as the secure sum's s
 is then charged in every owner's ledger, on its machine, before its masked share leaves. The
 coordinator holds the model, steps its optimizer on each decoded noised total and keeps one
 checkpoint per epoch; its run ledger, its view, is charged the whole schedule before the first step.
-No owner's file is named or read here.
+NearPrivate's DP-PCA and support counts, when the run asks for them, are admitted with the steps and
+released through the same gateways after them (``GatewayOwners.support``). No owner's file is named or
+read here.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from conclave.learning.data.sources import PublicReading
 if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint, ModelSpec
     from conclave.cluster.gateway.client import CoordinatorTls
-    from conclave.privacy.accounting.ledger import Ledger
+    from conclave.cluster.gateway.dpsgd_client import GatewayDpsgd, GatewaySupport
+    from conclave.privacy.accounting.ledger import ChargeGate, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -57,34 +60,48 @@ def declared_records(owners: Sequence[DataOwner], files: GatewaysConfig) -> int:
     return total
 
 
-def gateway_checkpoints(config: Any, spec: ModelSpec, classes: Sequence[str],
-                        reading: PublicReading, records: int, ledger: Ledger) -> tuple[list[DPCheckpoint], dict]:
-    """DP-SGD through the owners' gateways on the schedule of ``records`` (their declared records),
-    for ``config``, the ``ActiveLearningConfig`` of the run (``cluster.active_learning`` calls this):
-    one checkpoint per epoch, and the figures ``privacy.json`` reports (each owner's spend as its
-    gateway said it after the last step)."""
-    import torch
-    from tqdm.auto import tqdm
+class GatewayOwners:
+    """The owners' side of a run of ``config`` (an ``ActiveLearningConfig``) through their gateways, as
+    ``cluster.active_learning`` uses its shard actors otherwise: ``train`` the DP-SGD checkpoints on
+    the schedule of ``records`` (their declared records), then NearPrivate's ``support`` under one of
+    them. The run is admitted at every gateway when it trains, NearPrivate's releases with it."""
 
-    from conclave.actors.dp_trainer import DPCheckpoint
-    from conclave.cluster.gateway.client import OwnerGateway
-    from conclave.cluster.gateway.dpsgd_client import DpsgdTerms, GatewayDpsgd
-    from conclave.cluster.gateway.identity import Verifier
-    from conclave.learning.dp_schedule import dp_schedule, dp_step_charge
-    from conclave.learning.dpsgd import lr_scheduler, param_groups
-    from conclave.privacy.accounting.guarantee import worst_case_guarantee
-    from conclave.progress import COUNTS
+    nodes: dict[str, list[str]] = {}  # no Ray node of the coordinator's holds an owner's records
 
-    dp, delta, files = config.dpsgd, config.privacy.delta, config.gateways
-    dp_config = dp.dp_config(delta)
-    schedule = dp_schedule(records, dp_config, secure=True)
-    q, z = schedule.sample_rate, schedule.noise_multiplier
-    terms = DpsgdTerms(spec.name, dp.max_grad_norm, z, q, schedule.steps, config.seed)
-    tls = coordinator_tls(files)
-    run = GatewayDpsgd([OwnerGateway(owner.gateway, tls) for owner in config.owners], Verifier(tls.ca),
-                       f"{config.name}-{secrets.token_hex(4)}", terms, classes, lifetime_epsilon=files.lifetime_epsilon,
-                       reading=reading, standardiser=spec.standardiser)
-    try:
+    def __init__(self, config: Any, spec: ModelSpec, classes: Sequence[str], reading: PublicReading,
+                 records: int) -> None:
+        self._config, self._spec, self._classes, self._reading, self._records = config, spec, classes, reading, records
+        self._run: GatewayDpsgd | None = None
+
+    def train(self, ledger: Ledger) -> tuple[list[DPCheckpoint], dict]:
+        """One checkpoint per epoch, and the figures ``privacy.json`` reports (each owner's spend as
+        its gateway said it after the last step)."""
+        import torch
+        from tqdm.auto import tqdm
+
+        from conclave.actors.dp_trainer import DPCheckpoint
+        from conclave.cluster.gateway.client import OwnerGateway
+        from conclave.cluster.gateway.dpsgd_client import DpsgdTerms, GatewayDpsgd
+        from conclave.cluster.gateway.identity import Verifier
+        from conclave.cluster.gateway.near_private import NearPrivateReleases
+        from conclave.learning.dp_schedule import dp_schedule, dp_step_charge
+        from conclave.learning.dpsgd import lr_scheduler, param_groups
+        from conclave.privacy.accounting.guarantee import worst_case_guarantee
+        from conclave.progress import COUNTS
+
+        config, spec, records = self._config, self._spec, self._records
+        dp, delta, files = config.dpsgd, config.privacy.delta, config.gateways
+        dp_config = dp.dp_config(delta)
+        schedule = dp_schedule(records, dp_config, secure=True)
+        q, z = schedule.sample_rate, schedule.noise_multiplier
+        releases = config.selection_releases()
+        terms = DpsgdTerms(spec.name, dp.max_grad_norm, z, q, schedule.steps, config.seed,
+                           NearPrivateReleases(*releases) if releases else None)
+        tls = coordinator_tls(files)
+        self._run = run = GatewayDpsgd([OwnerGateway(owner.gateway, tls) for owner in config.owners],
+                                       Verifier(tls.ca), f"{config.name}-{secrets.token_hex(4)}", terms, self._classes,
+                                       lifetime_epsilon=files.lifetime_epsilon, reading=self._reading,
+                                       standardiser=spec.standardiser)
         names = tuple(owner.name for owner in config.owners)
         if run.owners != names or run.records != records:
             raise OwnerDropout(f"the gateways now describe owners {list(run.owners)} with {run.records} records, not "
@@ -103,9 +120,31 @@ def gateway_checkpoints(config: Any, spec: ModelSpec, classes: Sequence[str],
             epsilon = worst_case_guarantee(dp_step_charge(q, z, steps, "dpsgd", True), delta).epsilon
             state = {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}
             checkpoints.append(DPCheckpoint(epoch, float(epsilon), delta, q, z, steps, state, secure=True))
-        spend: dict[str, Any] = {owner: {"epsilon_spent": s.epsilon_spent, "charges": s.charges}
-                                 for owner, s in run.spend.items()}
-    finally:
-        run.shutdown()
-    return checkpoints, {"sample_rate": q, "noise_multiplier": z, "epochs": dp.epochs, "declared_private_size": records,
-                         "gateways": len(names), "owners_at_gateways": spend}
+        return checkpoints, {"sample_rate": q, "noise_multiplier": z, "epochs": dp.epochs,
+                             "declared_private_size": records, "gateways": len(names),
+                             "owners_at_gateways": self.spend}
+
+    @property
+    def spend(self) -> dict[str, dict[str, Any]]:
+        """Each owner's lifetime ledger as its gateway said it after the latest step or release."""
+        if self._run is None:
+            return {}
+        return {owner: {"epsilon_spent": s.epsilon_spent, "charges": s.charges} for owner, s in self._run.spend.items()}
+
+    def support(self, checkpoint: DPCheckpoint, releases: Sequence, gate: ChargeGate) -> GatewaySupport:
+        """NearPrivate's ``releases`` (the run's, admitted with it) under ``checkpoint``, charged to
+        ``gate`` before each one's shares are asked."""
+        import numpy as np
+
+        from conclave.cluster.gateway.near_private import NearPrivateReleases
+        from conclave.learning.training import embed
+
+        if self._run is None or self._run.terms.near_private != NearPrivateReleases(*releases):
+            raise RuntimeError("NearPrivate's releases differ from those the gateways admitted with the run")
+        model = checkpoint.load_into(self._spec.build())
+        dimension = int(embed(model, np.zeros((1, *self._spec.input_shape), dtype=np.float32)).shape[1])
+        return self._run.support([p.detach().numpy() for p in model.parameters()], dimension, gate)
+
+    def shutdown(self) -> None:
+        if self._run is not None:
+            self._run.shutdown()

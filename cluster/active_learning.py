@@ -15,7 +15,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
 from conclave.privacy.accounting.ledger import ChargeGate, Ledger, PrivacyLedger
 from conclave.privacy.accounting.rdp import sum_charges
+
+if TYPE_CHECKING:
+    from conclave.cluster.active_gateways import GatewayOwners
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +215,6 @@ class ActiveLearningConfig:
         if self.model is not None and self.model not in REGISTRY:
             raise ValueError(f"model {self.model!r}: DP-SGD behind gateways trains a registered model (a gateway runs "
                              "no code a config names)")
-        if "near_private" in self.selection.strategies:
-            raise ValueError("selection.strategies: near_private's DP-PCA and noisy counts on the owners' records "
-                             "have no gateway call yet: leave it out when owners are named by their gateway")
         if self.checkpoints_from is not None:
             raise ValueError("checkpoints_from: owners named by their gateway train there; reuse no checkpoints")
         if self.data.features is not None:
@@ -487,6 +488,14 @@ class PrivateShards:
     def nodes(self) -> dict[str, list[str]]:
         return {} if self._group is None else self._group.placement
 
+    def support(self, checkpoint, releases: Sequence, gate: ChargeGate):
+        """NearPrivate's ``releases`` over the shard actors under ``checkpoint``, charged to ``gate``."""
+        group = self.group
+        if group.secure != self._config.secure_training:
+            raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
+        group.load_weights(checkpoint.state)
+        return group.support(*releases, gate, self._config.privacy.noise, self._config.private_size)
+
     def shutdown(self) -> None:
         if self._group is not None:
             self._group.shutdown()
@@ -514,7 +523,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     ``results.path``; the ledger, durable, under ``results.durable``."""
     import torch
 
-    from conclave.cluster.active_gateways import declared_records, gateway_checkpoints
+    from conclave.cluster.active_gateways import GatewayOwners, declared_records
     from conclave.cluster.owners import owner_resources
     from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.training import evaluate
@@ -541,12 +550,13 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     if max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
-    shards = PrivateShards(config, spec, public.classes, embedded, public.reading)
+    records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
+    shards = (GatewayOwners(config, spec, public.classes, public.reading, records) if config.through_gateways
+              else PrivateShards(config, spec, public.classes, embedded, public.reading))
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
-    records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
     planned = planned_work(config, records)
     durable = config.privacy.open_ledger(results.durable / "ledger.sqlite", planned, durable=True)
     ledger = config.privacy.with_owners(durable, planned, config.owners, config.name)
@@ -560,7 +570,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
         covered = sum_charges([ledger.spent(), planned], label="earlier runs on this ledger + planned")
     try:
         if config.through_gateways:
-            checkpoints, dp_info = gateway_checkpoints(config, spec, public.classes, public.reading, records, ledger)
+            checkpoints, dp_info = shards.train(ledger)
             _save(checkpoints, out)
         else:
             checkpoints, dp_info = _dp_checkpoints(config, shards, ledger, out, reused)
@@ -572,6 +582,8 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
         # 3. Strategies → labels → fine-tuning → test accuracy.
         rows, per_model, figures = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator,
                                            out_of_domain, test, rng, out)
+        if config.through_gateways:  # each owner's ledger after NearPrivate's releases too
+            dp_info = {**dp_info, "owners_at_gateways": shards.spend}
         privacy = config.privacy.report(covered, ledger, dp_sgd_trust(config.secure_training)).adding(
             per_model=per_model, dpsgd=dp_info, **figures)
     finally:
@@ -669,7 +681,7 @@ def _near_private_start(config: ActiveLearningConfig, checkpoints: list, extra: 
     return matching[-1] if matching else checkpoints[0]
 
 
-def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShards, spec, ledger,
+def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShards | GatewayOwners, spec, ledger,
             pool_inputs: np.ndarray, annotator,
             out_of_domain: np.ndarray, test, rng: np.random.Generator,
             out: Path) -> tuple[list[dict], dict[str, Guarantee], dict[str, Any]]:
@@ -704,12 +716,7 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
         if name == "diverse_public":
             params = {"components": sel.components, "n_each": sel.n_each, "uncertain_factor": sel.uncertain_factor}
         elif name == "near_private":
-            group = shards.group
-            if group.secure != config.secure_training:
-                raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
-            group.load_weights(start.state)
-
-            support = group.support(*releases, BothLedgers(ledger, model_ledger), noise, config.private_size)
+            support = shards.support(start, releases, BothLedgers(ledger, model_ledger))
             params = {"support": support, "components": sel.components, "uncertain_factor": sel.uncertain_factor}
         selections = build_strategy(name, **params).select(pools[start.epoch], sel.sizes, rng)
         epsilon = _epsilon([model_ledger.spent()], delta)  # fixed work: its worst case is its guarantee

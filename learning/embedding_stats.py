@@ -33,14 +33,14 @@ def support_counts(embeddings: np.ndarray, entropy: np.ndarray, projection: np.n
     gives the counts L1 sensitivity 1."""
     if len(embeddings) != len(entropy):
         raise ValueError(f"{len(embeddings)} embeddings but {len(entropy)} entropies")
-    counts = np.zeros(len(public_points), dtype=np.int64)
     voters = np.asarray(entropy) >= threshold
-    if not voters.any():
-        return counts
-    # each point's projection and nearest public point on its own row alone (privacy.exact_distances)
-    private_points = exact_projection(normalise_rows(embeddings[voters]), np.asarray(projection).T)
-    nearest = nearest_queries(private_points, public_points, 1)
-    return np.bincount(nearest[:, 0], minlength=len(public_points)).astype(np.int64)
+    if not len(embeddings):
+        return np.zeros(len(public_points), dtype=np.int64)
+    # each point's projection and nearest public point on its own row alone (privacy.exact_distances),
+    # for every held point, voter or not: the work is the same whoever votes
+    private_points = exact_projection(normalise_rows(embeddings), np.asarray(projection).T)
+    nearest = nearest_queries(private_points, public_points, 1)[:, 0]
+    return np.bincount(nearest[voters], minlength=len(public_points)).astype(np.int64)
 
 
 class CentralSupport:

@@ -77,7 +77,7 @@ class TeacherTerms(_message.Message):
     def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DpsgdTerms(_message.Message):
-    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records", "standardiser")
+    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records", "standardiser", "near_private")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class DpsgdTerms(_message.Message):
     PARTIES_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     STANDARDISER_FIELD_NUMBER: _ClassVar[int]
+    NEAR_PRIVATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_grad_norm: float
     noise_multiplier: float
@@ -96,7 +97,18 @@ class DpsgdTerms(_message.Message):
     parties: _containers.RepeatedScalarFieldContainer[str]
     records: int
     standardiser: Standardiser
-    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ..., standardiser: _Optional[_Union[Standardiser, _Mapping]] = ...) -> None: ...
+    near_private: NearPrivateTerms
+    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ..., standardiser: _Optional[_Union[Standardiser, _Mapping]] = ..., near_private: _Optional[_Union[NearPrivateTerms, _Mapping]] = ...) -> None: ...
+
+class NearPrivateTerms(_message.Message):
+    __slots__ = ("pca_epsilon", "support_epsilon", "delta")
+    PCA_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    pca_epsilon: float
+    support_epsilon: float
+    delta: float
+    def __init__(self, pca_epsilon: _Optional[float] = ..., support_epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
 class Standardiser(_message.Message):
     __slots__ = ("mean", "scale")
@@ -245,6 +257,24 @@ class StepReply(_message.Message):
     epsilon_spent: float
     charges: int
     def __init__(self, share: _Optional[_Union[Tensor, _Mapping]] = ..., epsilon_spent: _Optional[float] = ..., charges: _Optional[int] = ...) -> None: ...
+
+class NearPrivateRequest(_message.Message):
+    __slots__ = ("run", "round", "weights", "parties", "projection", "public_points", "threshold")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIES_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_POINTS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    parties: _containers.RepeatedCompositeFieldContainer[SignedKey]
+    projection: Tensor
+    public_points: Tensor
+    threshold: float
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ..., projection: _Optional[_Union[Tensor, _Mapping]] = ..., public_points: _Optional[_Union[Tensor, _Mapping]] = ..., threshold: _Optional[float] = ...) -> None: ...
 
 class BudgetRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class OwnerStub:
                 request_serializer=conclave_dot_protos_dot_owner__pb2.StepRequest.SerializeToString,
                 response_deserializer=conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.NearPrivate = channel.unary_unary(
+                '/conclave.owner.Owner/NearPrivate',
+                request_serializer=conclave_dot_protos_dot_owner__pb2.NearPrivateRequest.SerializeToString,
+                response_deserializer=conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Budget = channel.unary_unary(
                 '/conclave.owner.Owner/Budget',
                 request_serializer=conclave_dot_protos_dot_owner__pb2.BudgetRequest.SerializeToString,
@@ -99,6 +104,12 @@ class OwnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NearPrivate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Budget(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -131,6 +142,11 @@ def add_OwnerServicer_to_server(servicer, server):
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=conclave_dot_protos_dot_owner__pb2.StepRequest.FromString,
+                    response_serializer=conclave_dot_protos_dot_owner__pb2.StepReply.SerializeToString,
+            ),
+            'NearPrivate': grpc.unary_unary_rpc_method_handler(
+                    servicer.NearPrivate,
+                    request_deserializer=conclave_dot_protos_dot_owner__pb2.NearPrivateRequest.FromString,
                     response_serializer=conclave_dot_protos_dot_owner__pb2.StepReply.SerializeToString,
             ),
             'Budget': grpc.unary_unary_rpc_method_handler(
@@ -273,6 +289,33 @@ class Owner:
             target,
             '/conclave.owner.Owner/Step',
             conclave_dot_protos_dot_owner__pb2.StepRequest.SerializeToString,
+            conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NearPrivate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conclave.owner.Owner/NearPrivate',
+            conclave_dot_protos_dot_owner__pb2.NearPrivateRequest.SerializeToString,
             conclave_dot_protos_dot_owner__pb2.StepReply.FromString,
             options,
             channel_credentials,

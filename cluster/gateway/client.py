@@ -74,6 +74,10 @@ class OwnerGateway:
     def step(self, request: owner_pb2.StepRequest, timeout_s: float | None = None) -> owner_pb2.StepReply:
         return self._stub.Step(request, timeout=timeout_s or self.timeout_s)
 
+    def near_private(self, request: owner_pb2.NearPrivateRequest, timeout_s: float | None = None
+                     ) -> owner_pb2.StepReply:
+        return self._stub.NearPrivate(request, timeout=timeout_s or self.timeout_s)
+
     def budget(self) -> owner_pb2.BudgetReply:
         return self._stub.Budget(owner_pb2.BudgetRequest(), timeout=self.timeout_s)
 

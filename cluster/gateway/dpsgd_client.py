@@ -8,6 +8,11 @@ on its own machine is the authority), every gateway's masked share for the curre
 noised total decoded on the plan the signed terms fix, divided by the run's expected batch q·N, and
 the optimizer's step on the coordinator's copy of the model. It never holds a clean gradient; a
 gateway that fails a step aborts the run, ``OwnerDropout`` naming the owner.
+
+A run admitted with NearPrivate's releases (``DpsgdTerms.near_private``) then offers them as a
+``PrivateSupport`` (``GatewaySupport``): each release keyed at every gateway like a step, refused before
+any key when the coordinator's ledger cannot afford it, charged there once the keys are in (each owner's
+ledger is charged on its machine), and decoded from the gateways' masked shares.
 """
 from __future__ import annotations
 
@@ -25,13 +30,14 @@ from torch import nn
 from conclave.actors.owners import OwnerDropout
 from conclave.cluster.gateway.client import OwnerGateway, float_tensor, reading_message
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
+from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import PublicReading
 from conclave.learning.secure_dpsgd import SecureAggregation
-from conclave.privacy.accounting.ledger import Ledger
+from conclave.privacy.accounting.ledger import BudgetExceeded, ChargeGate, Ledger
 from conclave.privacy.secure_release import summed_shares
-from conclave.privacy.secure_sum import decode
+from conclave.privacy.secure_sum import SecureSumPlan, decode
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)
@@ -40,7 +46,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DpsgdTerms:
     """A DP-SGD run through the gateways: a registered ``model``, clip bound, noise multiplier z,
-    Poisson rate q (the same at every owner), the most ``steps``, and the model's ``seed``."""
+    Poisson rate q (the same at every owner), the most ``steps``, and the model's ``seed``;
+    ``near_private``: NearPrivate's two releases after the steps, admitted with them (None: none)."""
 
     model: str
     max_grad_norm: float
@@ -48,6 +55,7 @@ class DpsgdTerms:
     sample_rate: float
     steps: int
     seed: int = 0
+    near_private: NearPrivateReleases | None = None
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,13 @@ class GatewayDpsgd:
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: DpsgdTerms,
                  classes: Sequence[str], lifetime_epsilon: float | None = None, ledger: Ledger | None = None,
-                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0,
+                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0, release_rate_s: float = 0.01,
                  reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
             raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
+        self._release_rate_s = release_rate_s  # a NearPrivate share's time per declared record
         self._step_charge = schedule_charge(terms.sample_rate, terms.noise_multiplier, 1)  # its view's, each step
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
@@ -81,14 +90,16 @@ class GatewayDpsgd:
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
-        self.records = sum(int(d.records) for d in described)  # declared, public
+        self.declared = tuple(int(d.records) for d in described)  # public
+        self.records = sum(self.declared)
         self.expected_batch = terms.sample_rate * self.records
         request = owner_pb2.AdmitRequest(run=run, mechanism=DPSGD, lifetime_epsilon=lifetime_epsilon or 0.0,
                                          classes=list(classes), dpsgd=owner_pb2.DpsgdTerms(
                                              model=terms.model, max_grad_norm=terms.max_grad_norm,
                                              noise_multiplier=terms.noise_multiplier, sample_rate=terms.sample_rate,
                                              steps=terms.steps, seed=terms.seed, parties=list(self.owners),
-                                             records=self.records, standardiser=_standardiser(standardiser)),
+                                             records=self.records, standardiser=_standardiser(standardiser),
+                                             near_private=terms.near_private and terms.near_private.message()),
                                          reading=reading_message(reading))
         self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
         self._step = 0
@@ -106,11 +117,7 @@ class GatewayDpsgd:
         self._step += 1
         step = self._step
         deadline = time.monotonic() + self.step_timeout_s
-        keys = self._each(lambda gateway: gateway.keys(self.run, step, 1, _left(deadline)),
-                          "sent no key for a DP-SGD step: the run is aborted; no share was asked, so nothing was "
-                          "released or charged", deadline)
-        for owner, key in zip(self.owners, keys):
-            self._check_key(owner, key, step, plan.dimension, plan.scale_bits)
+        keys = self._keyed(step, 1, plan, self.terms.noise_multiplier, "a DP-SGD step", deadline)
         if self._ledger is not None:
             self._ledger.charge(self._step_charge)
         request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys,
@@ -136,19 +143,59 @@ class GatewayDpsgd:
             self.step(model, optimizer)
         return model
 
+    def support(self, weights: Sequence[np.ndarray], dimension: int, gate: ChargeGate) -> GatewaySupport:
+        """NearPrivate's releases under ``weights`` (a DP checkpoint's parameters, in the model's order;
+        ``dimension``: the width of its embeddings), charged to ``gate`` before their shares are asked."""
+        if self.terms.near_private is None:
+            raise ValueError(f"run '{self.run}' was admitted without NearPrivate's releases")
+        return GatewaySupport(self, [np.asarray(w, dtype=np.float32) for w in weights], dimension, gate)
+
+    def release(self, kind: str, batch: int, plan: SecureSumPlan, weights: list[np.ndarray], gate: ChargeGate,
+                **support: object) -> list[np.ndarray]:
+        """Every gateway's masked share of NearPrivate's release ``kind`` (``batch``: its public points,
+        or 1), refused before any key when ``gate`` cannot afford it, charged to it once the keys are in."""
+        release = self.terms.near_private.release(kind)
+        cost = release.charge()
+        if not gate.can_afford(cost):
+            raise BudgetExceeded(f"NearPrivate's {kind}: the run's budget cannot afford this release; nothing "
+                                 "was computed")
+        round_ = self.terms.steps + OFFSET_OF[kind]
+        deadline = time.monotonic() + self.step_timeout_s + self._release_rate_s * max(self.declared)
+        keys = self._keyed(round_, batch, plan, release.noise_multiplier, f"NearPrivate's {kind}", deadline)
+        gate.charge(cost)
+        request = owner_pb2.NearPrivateRequest(run=self.run, round=round_, parties=keys,
+                                               weights=[float_tensor(w) for w in weights], **support)
+        replies = self._each(lambda gateway: gateway.near_private(request, _left(deadline)),
+                             f"sent no share of NearPrivate's {kind}: the run is aborted; its shares were asked, "
+                             "so it was charged; nothing of it is decoded", deadline)
+        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
+                      for owner, reply in zip(self.owners, replies)}
+        return [_share(reply, plan.dimension) for reply in replies]
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for gateway in self._gateways:
             gateway.close()
 
-    def _check_key(self, owner: str, key: owner_pb2.SignedKey, step: int, dimension: int, scale_bits: int) -> None:
+    def _keyed(self, round_: int, batch: int, plan: SecureSumPlan, multiplier: float, what: str,
+               deadline: float) -> list[owner_pb2.SignedKey]:
+        """Every gateway's key for ``round_``, each checked against the round's plan and multiplier."""
+        keys = self._each(lambda gateway: gateway.keys(self.run, round_, batch, _left(deadline)),
+                          f"sent no key for {what}: the run is aborted; no share was asked, so nothing was "
+                          "released or charged", deadline)
+        for owner, key in zip(self.owners, keys):
+            self._check_key(owner, key, round_, plan, multiplier)
+        return keys
+
+    def _check_key(self, owner: str, key: owner_pb2.SignedKey, round_: int, plan: SecureSumPlan,
+                   multiplier: float) -> None:
         signed = step_key_of(key)
         terms = self.terms
-        expected = (owner, self.run, step, dimension, terms.max_grad_norm, scale_bits, terms.noise_multiplier,
+        expected = (owner, self.run, round_, plan.dimension, terms.max_grad_norm, plan.scale_bits, multiplier,
                     terms.sample_rate, terms.steps)
         try:
             if (signed.owner, *signed.terms()) != expected:
-                raise ForgedKey(f"owner {owner}'s gateway signed a key for other terms than this step's")
+                raise ForgedKey(f"owner {owner}'s gateway signed a key for other terms than this round's")
             self._verifier.verify(signed, key.certificate, key.signature)
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the run is aborted; nothing was released or charged") from None
@@ -183,3 +230,24 @@ def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:
     if share.dtype != "int64" or list(share.shape) != [dimension] or len(share.data) != 8 * dimension:
         raise OwnerDropout(f"a gateway sent a malformed share ({share.dtype} {list(share.shape)}): nothing is decoded")
     return np.frombuffer(share.data, dtype="<i8").copy()
+
+
+class GatewaySupport:
+    """NearPrivate's ``PrivateSupport`` (``learning.selection.near_private``) through the gateways of
+    ``run`` under one checkpoint's ``weights``: the DP-PCA projection, then the noisy support counts."""
+
+    def __init__(self, run: GatewayDpsgd, weights: list[np.ndarray], dimension: int, gate: ChargeGate) -> None:
+        self._run, self._weights, self._dimension, self._gate = run, weights, dimension, gate
+        self._releases = run.terms.near_private
+
+    def dp_projection(self, components: int) -> np.ndarray:
+        plan = self._releases.plan(PCA, self._dimension, self._run.owners, self._run.records)
+        shares = self._run.release(PCA, 1, plan, self._weights, self._gate)
+        return self._releases.pca.release(shares, components, plan)
+
+    def noisy_support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
+        plan = self._releases.plan(COUNTS, len(public_points), self._run.owners, self._run.records)
+        shares = self._run.release(COUNTS, len(public_points), plan, self._weights, self._gate,
+                                   projection=float_tensor(projection), public_points=float_tensor(public_points),
+                                   threshold=float(threshold))
+        return self._releases.counts.release(shares, plan)

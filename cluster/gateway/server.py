@@ -53,6 +53,7 @@ class GatewayServer:
                  "Keys": (servicer.keys, owner_pb2.KeysRequest),
                  "Votes": (servicer.votes, owner_pb2.VotesRequest),
                  "Step": (servicer.step, owner_pb2.StepRequest),
+                 "NearPrivate": (servicer.near_private, owner_pb2.NearPrivateRequest),
                  "Budget": (servicer.budget, owner_pb2.BudgetRequest)}
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
             name: grpc.unary_unary_rpc_method_handler(_handled(name, call, kind),

@@ -14,7 +14,9 @@ for a round is refused. Every refusal is one line with a gRPC status, and nothin
 
 ``Admit`` with DP-SGD terms plans the run's secure sum from public numbers and admits its whole
 schedule; each ``Step`` (keyed by ``Keys`` as a round is) is charged one step, then answers with the
-masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``).
+masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``). With NearPrivate's
+terms, the two rounds after the steps are its releases, each charged, then answered by ``NearPrivate``
+with one masked share (``cluster.gateway.near_private``).
 
 One run at a time: admitting a new run ends the previous one (its actors stop, its ledger closes).
 """
@@ -38,7 +40,8 @@ from conclave.actors.owners import OwnerSource
 from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
-from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Verifier
+from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, StepKey, Verifier
+from conclave.cluster.gateway.near_private import COUNTS, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
                                              signed_step_key, step_key_of)
 from conclave.errors import ConclaveError
@@ -47,7 +50,7 @@ from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
 from conclave.learning.models import build_model, check_model
-from conclave.learning.owner_step import OwnerSteps
+from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps
 from conclave.learning.secure_dpsgd import SecureAggregation
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
 from conclave.learning.train_config import TrainConfig
@@ -58,7 +61,7 @@ from conclave.privacy.accounting.owner_ledger import OwnerLedger
 from conclave.privacy.accounting.owner_policy import (
     OwnerAdmission, OwnerBudget, OwnerPolicy, OwnerRefused, RunRequest,
 )
-from conclave.privacy.accounting.rdp import epsilon_from_rdp
+from conclave.privacy.accounting.rdp import epsilon_from_rdp, sum_charges
 from conclave.privacy.noise import SECURE
 from conclave.privacy.secure_sum import MaskKeys
 from conclave.privacy.secure_votes import TEACHER_VOTES, SkellamVotes, VoteBound, cluster_votes, knn_votes
@@ -407,7 +410,7 @@ class OwnerServicer:
         return pool
 
     def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge,
-                          pipeline: str = PIPELINE) -> OwnerLedger:
+                          pipeline: str = PIPELINE, releases: tuple[str, ...] = ()) -> OwnerLedger:
         """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
         The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
         try:
@@ -428,8 +431,8 @@ class OwnerServicer:
                                 policy.reserved_delta, policy.ledger)
         data = (self.declaration.data.path,) if self.declaration.data.path else ()
         try:
-            terms = OwnerAdmission(policy.owner, asked, data).admit(RunRequest(request.run, pipeline,
-                                                                              (request.mechanism,)), planned)
+            terms = OwnerAdmission(policy.owner, asked, data).admit(
+                RunRequest(request.run, pipeline, (request.mechanism, *releases)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         return OwnerLedger(terms, data)  # a policy is in force: terms, never None
@@ -560,8 +563,9 @@ class OwnerServicer:
                               f"step {request.round} of run '{run.run}' holds no unused key of this gateway (not "
                               "keyed, or answered already): a key serves one step")
             weights = decode_weights(request.weights, run.owner_steps.shapes)
-            public_key = private.public_key().public_bytes_raw()
-            rank = self._checked_step_parties(run, request, public_key)
+            mine = run.step_key(self.declaration.name, self.declaration.records, request.round,
+                                private.public_key().public_bytes_raw())
+            rank = self._checked_step_parties(run, request, mine)
             charge = run.terms.step_charge
             try:
                 report = run.ledger.charge(charge, worst_case=charge)
@@ -577,14 +581,19 @@ class OwnerServicer:
     def _admit_steps(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         """A DP-SGD run: its terms checked, its whole schedule admitted by the policy, its secure sum
         planned on the registered model's trainable entries; nothing charged yet."""
-        terms, classes = self._checked_step_terms(request)
+        terms, classes, near_private = self._checked_step_terms(request)
         if request.run in self._seen_runs:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"run '{request.run[:40]}' was admitted before: a run's steps are never replayed")
         declaration = self.declaration
         data = self._owner_data(decode_reading(request.reading))  # a table in the pool's columns and fill
         planned = schedule_charge(terms.sample_rate, terms.noise_multiplier, int(terms.steps))
-        ledger = self._admitting_ledger(request, planned, DPSGD_PIPELINE)  # the policy's checks: nothing changed yet
+        releases: tuple[str, ...] = ()
+        if near_private is not None:  # the whole run: the steps, then both releases
+            planned = sum_charges([planned, *near_private.charges], label="planned")
+            releases = tuple(charge.label for charge in near_private.charges)
+        # the policy's checks: nothing changed yet
+        ledger = self._admitting_ledger(request, planned, DPSGD_PIPELINE, releases)
         try:
             dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
             input_shape = tuple(dataset.x.shape[1:])
@@ -597,6 +606,11 @@ class OwnerServicer:
                                 standardiser=standardiser)
             owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
                                      declaration.records, terms.max_grad_norm)
+            embeddings = None
+            if near_private is not None:  # its own copy of the model: the steps' stays theirs
+                embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
+                                                         seed=int(terms.seed), standardiser=standardiser),
+                                             dataset.x, declaration.records)
             del dataset
             try:
                 plan = SecureAggregation(tuple(terms.parties), owner_steps.dimension).plan(
@@ -605,6 +619,11 @@ class OwnerServicer:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
             step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
                                    int(terms.steps), tuple(terms.parties), int(terms.records), plan)
+            if near_private is not None:
+                try:  # the covariance's plan is fixed now: refused here rather than after the steps
+                    near_private.plan(PCA, embeddings.dimension, step_terms.parties, step_terms.records)
+                except ValueError as err:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
             if self._run is not None:
                 log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
                 self._run.stop()
@@ -613,17 +632,19 @@ class OwnerServicer:
         except BaseException:
             ledger.close()
             raise
-        self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger)
+        self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger, near_private, embeddings)
         self._seen_runs.add(request.run)
         epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
-        log.info("run '%s' admitted: DP-SGD on %s (d = %d), clip %g, z %g, q %g, up to %d steps (planned ε %.4g)",
+        log.info("run '%s' admitted: DP-SGD on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
                  request.run, terms.model, plan.dimension, terms.max_grad_norm, terms.noise_multiplier,
-                 terms.sample_rate, terms.steps, epsilon)
+                 terms.sample_rate, terms.steps, ", then NearPrivate" if near_private else "", epsilon)
         return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
                                     cell_bound=declaration.records)
 
-    def _checked_step_terms(self, request: owner_pb2.AdmitRequest) -> tuple[owner_pb2.DpsgdTerms, tuple[str, ...]]:
-        """The DP-SGD terms and the classes, within the registry and the protocol's bounds, or a refusal."""
+    def _checked_step_terms(self, request: owner_pb2.AdmitRequest
+                            ) -> tuple[owner_pb2.DpsgdTerms, tuple[str, ...], NearPrivateReleases | None]:
+        """The DP-SGD terms, the classes and NearPrivate's releases (None: not asked), within the
+        registry and the protocol's bounds, or a refusal."""
         denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
         check_run_name(request.run)
         terms, name = request.dpsgd, self.declaration.name
@@ -659,7 +680,13 @@ class OwnerServicer:
             raise Refused(invalid, "lifetime_epsilon must be a finite number >= 0 (0: the policy's)")
         if request.HasField("public_pool"):
             raise Refused(invalid, "public_pool: DP-SGD learns on the owner's records only; send none")
-        return terms, classes
+        near_private = None
+        if terms.HasField("near_private"):
+            try:
+                near_private = NearPrivateReleases.of(terms.near_private)
+            except ValueError as err:
+                raise Refused(invalid, str(err)) from None
+        return terms, classes, near_private
 
     def _admitted_steps(self, run: str) -> AdmittedSteps:
         if self._run is None or self._run.run != run:
@@ -677,9 +704,8 @@ class OwnerServicer:
                           f"step {request.round} of run '{run.run}' is not after step {run.last_keyed}, already "
                           "keyed: a step is keyed once")
         if request.round > run.terms.steps:
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                          f"run '{run.run}' was admitted for {run.terms.steps} steps, not step {request.round}")
-        if request.batch != 1:
+            self._plan_release(run, request)
+        elif request.batch != 1:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"batch {request.batch}: a DP-SGD step releases one "
                                                             "vector; key it with batch 1")
         private = X25519PrivateKey.generate()
@@ -688,15 +714,82 @@ class OwnerServicer:
                            private.public_key().public_bytes_raw())
         return signed_step_key(key, self._identity.certificate_pem, self._identity.sign(key))
 
-    def _checked_step_parties(self, run: AdmittedSteps, request: owner_pb2.StepRequest, public_key: bytes) -> int:
-        """This gateway's rank once every party's step key verifies for this very step and plan, the
-        parties are the admitted ones in their order, and their declared records add up to the run's."""
+    def _plan_release(self, run: AdmittedSteps, request: owner_pb2.KeysRequest) -> None:
+        """A NearPrivate round's plan, kept for its key and share (refused: not a round of this run)."""
+        terms = run.terms
+        kind = NearPrivateReleases.kind(request.round, terms.steps) if run.near_private else None
+        if kind is None:
+            after = " and NearPrivate's two releases" if run.near_private else ""
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"run '{run.run}' was admitted for {terms.steps} "
+                                                             f"steps{after}, not round {request.round}")
+        if kind == PCA and request.batch != 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"batch {request.batch}: the DP-PCA covariance is one "
+                                                            "release; key it with batch 1")
+        if kind == COUNTS and not 1 <= request.batch <= MAX_BATCH:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"batch {request.batch}: the support counts are for 1 to {MAX_BATCH} public points")
+        size = run.embeddings.dimension if kind == PCA else int(request.batch)
+        try:
+            run.release_plans[request.round] = run.near_private.plan(kind, size, terms.parties, terms.records)
+        except ValueError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
+
+    def near_private(self, request: owner_pb2.NearPrivateRequest) -> owner_pb2.StepReply:
+        """One of NearPrivate's releases: its key used once, every party's key checked, the owner's
+        ledger charged, then this owner's masked share under the checkpoint's weights."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        with self._lock:
+            run = self._admitted_steps(request.run)
+            kind = NearPrivateReleases.kind(request.round, run.terms.steps) if run.near_private else None
+            if kind is None:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"round {request.round} of run '{run.run}' is not "
+                                                                 "one of NearPrivate's releases it was admitted for")
+            private = run.keys.pop(request.round, None)  # one use, whatever follows
+            if private is None:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {request.round} of run '{run.run}' holds no unused key of this gateway (not "
+                              "keyed, or answered already): a key serves one release")
+            weights = decode_weights(request.weights, run.owner_steps.shapes)
+            support = None
+            if kind == COUNTS:
+                d, k = run.embeddings.dimension, run.release_plans[request.round].dimension
+                projection = decode_tensor(request.projection, "projection")
+                if projection.ndim != 2 or projection.shape[0] != d or projection.shape[1] > d:
+                    raise Refused(invalid, f"projection: shape {list(projection.shape)} is not [{d}, p] with p <= {d}")
+                points = decode_tensor(request.public_points, "public_points", (projection.shape[1],))
+                if len(points) != k:
+                    raise Refused(invalid, f"public_points: {len(points)} rows, but the round was keyed for {k}")
+                if not math.isfinite(request.threshold):
+                    raise Refused(invalid, "threshold must be a finite number")
+                support = (projection.astype(np.float64), points.astype(np.float64), float(request.threshold))
+            elif request.HasField("projection") or request.HasField("public_points"):
+                raise Refused(invalid, "the DP-PCA covariance takes weights only: send no projection or points")
+            mine = run.step_key(self.declaration.name, self.declaration.records, request.round,
+                                private.public_key().public_bytes_raw())
+            rank = self._checked_step_parties(run, request, mine)
+            charge = run.near_private.release(kind).charge()
+            try:
+                report = run.ledger.charge(charge, worst_case=charge)
+            except BudgetExceeded as err:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
+            # Charged: from here the round is a release. The clean sum stays inside ``release_share``.
+            share = run.release_share(request.round, weights, rank, private, [p.public_key for p in request.parties],
+                                      support)
+            del private
+            return owner_pb2.StepReply(share=owner_pb2.Tensor(shape=[share.size], dtype=SHARE_DTYPE,
+                                                               data=share.astype("<i8").tobytes()),
+                                       epsilon_spent=report.epsilon_spent, charges=report.charges)
+
+    def _checked_step_parties(self, run: AdmittedSteps, request: owner_pb2.StepRequest | owner_pb2.NearPrivateRequest,
+                              mine: StepKey) -> int:
+        """This gateway's rank once every party's key verifies for this very round and plan (``mine``:
+        this gateway's), the parties are the admitted ones in their order, and their declared records
+        add up to the run's."""
         denied = grpc.StatusCode.PERMISSION_DENIED
         owners = tuple(party.owner for party in request.parties)
         if owners != run.terms.parties:
-            raise Refused(denied, f"the step's parties {list(owners)[:8]} are not the run's admitted parties "
+            raise Refused(denied, f"the round's parties {list(owners)[:8]} are not the run's admitted parties "
                                   f"{list(run.terms.parties)}, in that order")
-        mine = run.step_key(self.declaration.name, self.declaration.records, request.round, public_key)
         for party in request.parties:
             key = step_key_of(party)
             try:
@@ -704,11 +797,11 @@ class OwnerServicer:
             except ForgedKey as err:
                 raise Refused(denied, str(err)) from None
             if key.terms() != mine.terms():
-                raise Refused(denied, f"owner {party.owner}'s key is for another step or other terms (run, step, d, "
+                raise Refused(denied, f"owner {party.owner}'s key is for another round or other terms (run, round, d, "
                                       "clip, scale, z, q, steps) than this one")
             if party.owner == self.declaration.name and key != mine:
                 raise Refused(denied, f"the key given as owner {self.declaration.name}'s is not the one this "
-                                      f"gateway made for step {request.round}")
+                                      f"gateway made for round {request.round}")
         records = sum(int(party.cell_bound) for party in request.parties)
         if records != run.terms.records:
             raise Refused(denied, f"the parties declare {records} records; the run was admitted for "

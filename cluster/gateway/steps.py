@@ -8,6 +8,8 @@ its whole schedule, the Poisson-subsampled Skellam at the dominating sensitivity
 charged one step of that curve in the owner's ledger before anything is computed, and answers with
 one masked share: the owner's clipped gradient sum quantized, plus its Skellam noise share from OS
 entropy, plus pairwise masks from the step's own keys (``privacy.secure_release.party_share``).
+A run admitted with NearPrivate's terms then answers its two releases the same way
+(``cluster.gateway.near_private``): rounds steps + 1 and steps + 2, keyed on their own plans.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from conclave.cluster.gateway.identity import StepKey
+from conclave.cluster.gateway.near_private import PCA, NearPrivateReleases
 from conclave.learning.dp_schedule import secure_charge
-from conclave.learning.owner_step import OwnerSteps
+from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.owner_ledger import OwnerLedger
 from conclave.privacy.noise import SECURE
@@ -61,13 +64,21 @@ class AdmittedSteps:
     terms: StepTerms
     owner_steps: OwnerSteps
     ledger: OwnerLedger
-    keys: dict[int, X25519PrivateKey] = field(default_factory=dict)  # keyed steps whose key is unused
+    near_private: NearPrivateReleases | None = None  # admitted with the run, or not at all
+    embeddings: OwnerEmbeddings | None = None  # NearPrivate's private side (with ``near_private``)
+    keys: dict[int, X25519PrivateKey] = field(default_factory=dict)  # keyed rounds whose key is unused
+    release_plans: dict[int, SecureSumPlan] = field(default_factory=dict)  # NearPrivate's keyed rounds
     last_keyed: int = 0
 
-    def step_key(self, owner: str, records: int, step: int, public_key: bytes) -> StepKey:
-        terms, plan = self.terms, self.terms.plan
-        return StepKey(owner, public_key, records, self.run, step, plan.dimension, terms.max_grad_norm,
-                       plan.scale_bits, terms.noise_multiplier, terms.sample_rate, terms.steps)
+    def step_key(self, owner: str, records: int, round_: int, public_key: bytes) -> StepKey:
+        """The key a party signs for ``round_``: a step's on the run's plan, a NearPrivate release's on
+        the plan it was keyed with (its dimension, scale and its own noise multiplier)."""
+        terms, plan, multiplier = self.terms, self.terms.plan, self.terms.noise_multiplier
+        if round_ > terms.steps:
+            kind = NearPrivateReleases.kind(round_, terms.steps)
+            plan, multiplier = self.release_plans[round_], self.near_private.release(kind).noise_multiplier
+        return StepKey(owner, public_key, records, self.run, round_, plan.dimension, terms.max_grad_norm,
+                       plan.scale_bits, multiplier, terms.sample_rate, terms.steps)
 
     def share(self, weights: list[np.ndarray], step: int, rank: int, private: X25519PrivateKey,
               public_keys: list[bytes]) -> np.ndarray:
@@ -77,6 +88,23 @@ class AdmittedSteps:
         clipped = self.owner_steps.clipped_sum(weights)
         share = party_share(clipped, self.terms.plan, self.terms.parties, masks, SECURE.source(session))
         del clipped
+        return share
+
+    def release_share(self, round_: int, weights: list[np.ndarray], rank: int, private: X25519PrivateKey,
+                      public_keys: list[bytes], support: tuple[np.ndarray, np.ndarray, float] | None) -> np.ndarray:
+        """This owner's masked share of NearPrivate's release ``round_`` (charge it first): the
+        covariance, or (``support``: projection, public points, threshold) the support counts."""
+        kind = NearPrivateReleases.kind(round_, self.terms.steps)
+        session = f"conclave/owner-near-private/{self.run}/{round_}"
+        masks = MaskKeys(rank, private).pairwise_masks(public_keys, session)
+        plan, parties = self.release_plans[round_], self.terms.parties
+        if kind == PCA:
+            part = self.embeddings.covariance(weights)
+            share = self.near_private.pca.share(part, plan, parties, masks, SECURE.source(session))
+        else:
+            part = self.embeddings.counts(weights, *support)
+            share = self.near_private.counts.share(part, plan, parties, masks, SECURE.source(session))
+        del part
         return share
 
     def stop(self) -> None:

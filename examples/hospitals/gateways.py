@@ -10,7 +10,7 @@ with its own Ray (1 CPU) on an ephemeral port; then on the coordinator's machine
 on a config that names the three gateways and no owner's path: CONFIG (default
 configs/hospitals-clusters.yaml, public-cluster votes; configs/hospitals-knn.yaml: kNN votes;
 configs/hospitals.yaml: teachers, trained at each gateway; configs/hospitals-active.yaml: DP-SGD
-active learning, each step a secure sum of the gateways' shares, NearPrivate left out) with its
+active learning, each step a secure sum of the gateways' shares, then NearPrivate's two) with its
 owners replaced by their gateways, in secure rounds. Several CONFIGs run one after another
 through the same gateways, each owner's ledger composing them. For each run it prints the
 student's (or the DP-SGD checkpoint's) accuracy and ε and one JSON line: the results folder, the
@@ -65,8 +65,8 @@ def owner_machine(folder: Path, owner: str, ca: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     shutil.copyfile(DATA / owner / "records.csv", folder / "records.csv")
     conclave("ray-certs", str(folder / "certs"), "--ca", str(ca), "--hosts", LOOPBACK, "--owner", owner)
-    conclave("owner", "init", owner, "--epsilon", "20", "--max-run-epsilon", "5", "--mechanisms", "public-clusters",
-             "private-knn", "gnmax", "dpsgd", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
+    conclave("owner", "init", owner, "--epsilon", "20", "--max-run-epsilon", "6", "--mechanisms", "public-clusters",
+             "private-knn", "gnmax", "dpsgd", "dp-pca", "noisy-counts", "--ledger", str(folder / "ledger"), "--data", str(folder / "records.csv"), env=env)
     declaration = {"name": owner, "data": {"format": "csv", "path": "records.csv", "label": "diagnosis"},
                    "records": 100, "listen": f"{LOOPBACK}:0",
                    "tls": {"certificate": "certs/node.pem", "key": "certs/node.key", "ca": "certs/ca.pem"},
@@ -105,8 +105,6 @@ def coordinator_config(source: Path, certs: Path, addresses: dict[str, str]) -> 
                   test={**config["test"], "path": str(DATA / "public" / "test.csv")})
     if config["pipeline"] == "active_learning":  # DP-SGD steps at the gateways; the oracle reads the pool's labels
         config["public"]["path"] = str(DATA / "public" / Path(config["public"]["path"]).name)
-        # NearPrivate's DP-PCA and noisy counts on the owners' records have no gateway call yet
-        config["selection"]["strategies"] = [s for s in config["selection"]["strategies"] if s != "near_private"]
     else:
         config.update(aggregation="secure", public={**config["public"], "path": str(DATA / "public" / "unlabeled.csv")})
     return config

@@ -1,6 +1,6 @@
 """A run config names an owner by its gateway alone: ``{name, gateway}`` beside ``gateways:`` (the
 coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds and for DP-SGD active
-learning (NearPrivate left out). Anything else is refused in one line, before anything starts."""
+learning (NearPrivate's releases through the gateways too). Anything else is refused in one line, before anything starts."""
 from __future__ import annotations
 
 import copy
@@ -73,12 +73,11 @@ def test_a_pipeline_that_does_not_run_through_gateways_refuses_gateway_owners():
     assert "does not run this pipeline" in refusal(raw)
 
 
-def test_dpsgd_active_learning_through_gateways_loads_without_nearprivate():
+def test_dpsgd_active_learning_through_gateways_loads_with_nearprivate_through_secure_sums():
     raw = gateway_config("hospitals-active.yaml")
-    assert "near_private's DP-PCA and noisy counts" in refusal(copy.deepcopy(raw))
-    raw["selection"]["strategies"] = ["random", "entropy", "diverse_public"]
     config = load_pipeline(copy.deepcopy(raw)).config
     assert config.through_gateways and config.secure_training and all(o.records is None for o in config.owners)
+    assert [type(r).__name__ for r in config.selection_releases()] == ["SecureAnalyzeGauss", "SkellamCounts"]
     with pytest.raises(ConfigError, match="plants canaries in the owners' records"):
         load_pipeline(copy.deepcopy(raw)).audit(None)
     for key, value, said in [("model", "package.module:factory", "trains a registered model"),

@@ -141,7 +141,7 @@ def test_weights_of_another_shape_are_refused(consortium, trained, stub):
 
 
 def test_a_step_past_the_admitted_ones_is_refused(consortium, trained, stub):
-    with refused(consortium, Code.PERMISSION_DENIED, f"admitted for {ADMITTED} steps", f"step {ADMITTED + 1}"):
+    with refused(consortium, Code.PERMISSION_DENIED, f"admitted for {ADMITTED} steps", f"round {ADMITTED + 1}"):
         stub.Keys(owner_pb2.KeysRequest(run=RUN, round=ADMITTED + 1, batch=1), timeout=30)
     with refused(consortium, Code.PERMISSION_DENIED, f"admitted for {ADMITTED} steps"):
         stub.Step(owner_pb2.StepRequest(run=RUN, round=ADMITTED + 1), timeout=30)

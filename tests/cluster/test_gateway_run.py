@@ -22,11 +22,11 @@ SCRIPT = PROJECT_ROOT / "examples" / "hospitals" / "gateways.py"
 def runs(tmp_path_factory) -> dict:
     """The three pipelines run one after another through the same three gateways (one start of
     their Rays): public clusters, teachers, and hospitals-active.yaml made smaller (3 epochs of 10
-    steps, two strategies). Each outcome's ledgers are that run's charges alone."""
+    steps; random and NearPrivate). Each outcome's ledgers are that run's charges alone."""
     folder = tmp_path_factory.mktemp("gateway-runs")
     config = yaml.safe_load((PROJECT_ROOT / "configs" / "hospitals-active.yaml").read_text())
     config["dpsgd"]["epochs"] = 3
-    config["selection"].update(strategies=["random", "entropy"], sizes=[10, 20])
+    config["selection"].update(strategies=["random", "near_private"], sizes=[10, 20])
     config["finetune"]["epochs"] = 5
     active = folder / "hospitals-active.yaml"
     active.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -66,9 +66,10 @@ def test_teachers_trained_behind_three_gateways_teach_the_student_at_each_owners
     assert all(set(owner) == {"name", "gateway", "teachers"} for owner in outcome["config"]["owners"])
 
 
-def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_step(runs):
-    """hospitals-active.yaml, smaller (3 epochs of 10 steps, two strategies): every step a secure sum of
-    the gateways' shares, each owner's ledger one dpsgd charge per step, adding up to the guarantee."""
+def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_release(runs):
+    """hospitals-active.yaml, smaller (3 epochs of 10 steps; random and NearPrivate): every step a secure
+    sum of the gateways' shares, then NearPrivate's DP-PCA and support counts, each owner's ledger one
+    charge per step and per release, adding up to the guarantee."""
     outcome = runs["active"]
     results = runs["results"] / "hospitals-active-gateways"
     privacy = json.loads((results / "privacy.json").read_text())
@@ -76,13 +77,15 @@ def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_s
     assert guarantee["sound"] and guarantee["neighbouring"] == "add-remove"
     assert privacy["dpsgd"]["declared_private_size"] == 300 and privacy["dpsgd"]["gateways"] == 3
     for owner, ledger in outcome["owners"].items():  # 300 declared records, batches of 30: 10 steps an epoch
-        assert ledger["charges"] == 30 and ledger["labels"] == ["dpsgd"], owner
+        assert ledger["charges"] == 32 and sorted(ledger["labels"]) == ["dp-pca", "dpsgd", "noisy-counts"], owner
         assert ledger["epsilon_spent"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
         earlier = runs["clusters"]["owners"][owner]["charges"] + runs["teachers"]["owners"][owner]["charges"]
         lifetime = privacy["dpsgd"]["owners_at_gateways"][owner]  # the owner's ledger after the run: all three runs
-        assert lifetime["charges"] == earlier + 30, owner
+        assert lifetime["charges"] == earlier + 32, owner
     metrics = json.loads((results / "metrics.json").read_text())
     assert [c["epoch"] for c in metrics["checkpoints"]] == [1, 2, 3]
+    assert {row["strategy"] for row in metrics["results"]} == {"random", "near_private"}
+    assert privacy["near_private"]["epsilon_total"] <= guarantee["epsilon"] + 1e-9
     assert outcome["dp_checkpoint_accuracy"] > 0.7 and outcome["opened_owner_files"] == []
     assert all(set(owner) == {"name", "gateway"} for owner in outcome["config"]["owners"])
     assert "records.csv" not in json.dumps(outcome["config"])
