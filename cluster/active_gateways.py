@@ -66,8 +66,6 @@ class GatewayOwners:
     the schedule of ``records`` (their declared records), then NearPrivate's ``support`` under one of
     them. The run is admitted at every gateway when it trains, NearPrivate's releases with it."""
 
-    nodes: dict[str, list[str]] = {}  # no Ray node of the coordinator's holds an owner's records
-
     def __init__(self, config: Any, spec: ModelSpec, classes: Sequence[str], reading: PublicReading,
                  records: int) -> None:
         self._config, self._spec, self._classes, self._reading, self._records = config, spec, classes, reading, records
@@ -123,6 +121,11 @@ class GatewayOwners:
         return checkpoints, {"sample_rate": q, "noise_multiplier": z, "epochs": dp.epochs,
                              "declared_private_size": records, "gateways": len(names),
                              "owners_at_gateways": self.spend}
+
+    @property
+    def nodes(self) -> dict[str, list[str]]:
+        """None of the coordinator's Ray nodes holds an owner's records: each owner's work runs on its own."""
+        return {}
 
     @property
     def spend(self) -> dict[str, dict[str, Any]]:

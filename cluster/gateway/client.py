@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import numpy as np
@@ -85,6 +86,11 @@ class OwnerGateway:
         self._channel.close()
 
 
+# Each vote source's terms declare what ``actors.labeller`` reads of a source (the record-level
+# relation's lemma, whether a record's vote depends on the batch, what ``check_pairing`` compares)
+# and write their own part of each owner's ``AdmitRequest`` (``admitted``).
+
+
 @dataclass(frozen=True)
 class ClusterVotes:
     """Public-cluster votes through the gateways: each record votes for its m nearest queries."""
@@ -92,6 +98,17 @@ class ClusterVotes:
     votes_per_record: int
     embedding: str = "pca"
     dims: int = 16
+    lemma: ClassVar[str] = CLUSTER_LEMMA
+    batch_coupled: ClassVar[bool] = True  # a record votes for its m nearest queries of the batch
+    takes_pool: ClassVar[bool] = True  # each gateway fits the embedding on the public pool
+    teachers_vote: ClassVar[bool] = False
+    sample_rate: ClassVar[float | None] = None
+
+    def admitted(self, records: Sequence[int]) -> list[dict[str, object]]:
+        """Each owner's terms, as ``AdmitRequest`` fields (``records``: their declared records)."""
+        terms = owner_pb2.ClusterTerms(votes_per_record=self.votes_per_record, embedding=self.embedding,
+                                       dims=self.dims)
+        return [{"clusters": terms} for _ in records]
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,15 @@ class KnnVotes:
     sample_rate: float
     embedding: str = "pca"
     dims: int = 16
+    lemma: ClassVar[str] = KNN_LEMMA
+    batch_coupled: ClassVar[bool] = False
+    takes_pool: ClassVar[bool] = True
+    teachers_vote: ClassVar[bool] = False
+    votes_per_record: ClassVar[int | None] = None
+
+    def admitted(self, records: Sequence[int]) -> list[dict[str, object]]:
+        return [{"knn": owner_pb2.KnnTerms(k=share, sample_rate=self.sample_rate, embedding=self.embedding,
+                                           dims=self.dims)} for share in declared_share(self.k, records)]
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,17 @@ class TeacherVotes:
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0
+    lemma: ClassVar[str] = SHARD_LEMMA  # as ``TeacherPool`` declares it
+    batch_coupled: ClassVar[bool] = False
+    takes_pool: ClassVar[bool] = False  # teachers learn on the owners' records only
+    teachers_vote: ClassVar[bool] = True  # each teacher votes once per query
+    votes_per_record: ClassVar[int | None] = None
+    sample_rate: ClassVar[float | None] = None
+
+    def admitted(self, records: Sequence[int]) -> list[dict[str, object]]:
+        return [{"teachers": owner_pb2.TeacherTerms(model=self.model, teachers=count, epochs=self.epochs,
+                                                    batch_size=self.batch_size, lr=self.lr, seed=self.seed)}
+                for count in self.per_owner(records)]
 
     def per_owner(self, records: Sequence[int]) -> list[int]:
         """Each owner's teachers, by its declared ``records`` (public)."""
@@ -170,18 +207,13 @@ class GatewayVoteSource:
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round = 0
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
-        teachers = isinstance(terms, TeacherVotes)
-        clusters = isinstance(terms, ClusterVotes)
-        if teachers != (public_pool is None):
+        if terms.takes_pool != (public_pool is not None):
             raise ValueError("give a public pool for the records' embedding, and none for teachers")
         # What ``actors.labeller`` reads: the record-level relation and why it holds, as the in-cluster
-        # sources declare them (teachers: ``TeacherPool``'s; records voting: their own lemmas).
-        self.neighbouring = Neighbouring.ADD_REMOVE
-        self.neighbouring_lemma = SHARD_LEMMA if teachers else CLUSTER_LEMMA if clusters else KNN_LEMMA
-        self.batch_coupled = clusters
-        # What ``actors.labeller.check_pairing`` compares with the mechanism's.
-        self.votes_per_record = terms.votes_per_record if clusters else None
-        self.sample_rate = terms.sample_rate if isinstance(terms, KnnVotes) else None
+        # sources declare them, and what ``check_pairing`` compares with the mechanism's.
+        self.neighbouring, self.neighbouring_lemma = Neighbouring.ADD_REMOVE, terms.lemma
+        self.batch_coupled = terms.batch_coupled
+        self.votes_per_record, self.sample_rate = terms.votes_per_record, terms.sample_rate
         try:
             self._admit(mechanism, sigma, classes, public_pool, max_batch, rounds, lifetime_epsilon, reading, names,
                         admit_timeout_s)
@@ -201,32 +233,15 @@ class GatewayVoteSource:
             wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
                      in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
             raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
-        records = [d.records for d in described]
-        shares = declared_share(terms.k, records) if isinstance(terms, KnnVotes) else None
-        counts = terms.per_owner(records) if isinstance(terms, TeacherVotes) else None
-        requests = []
-        for index, gateway in enumerate(self._gateways):
-            request = owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch,
-                                             rounds=rounds, lifetime_epsilon=lifetime_epsilon or 0.0,
-                                             classes=list(classes), reading=reading_message(reading))
-            if isinstance(terms, TeacherVotes):
-                request.teachers.CopyFrom(owner_pb2.TeacherTerms(
-                    model=terms.model, teachers=counts[index], epochs=terms.epochs, batch_size=terms.batch_size,
-                    lr=terms.lr, seed=terms.seed))
-            elif isinstance(terms, ClusterVotes):
-                request.public_pool.CopyFrom(float_tensor(public_pool))
-                request.clusters.CopyFrom(owner_pb2.ClusterTerms(votes_per_record=terms.votes_per_record,
-                                                                 embedding=terms.embedding, dims=terms.dims))
-            else:
-                request.public_pool.CopyFrom(float_tensor(public_pool))
-                request.knn.CopyFrom(owner_pb2.KnnTerms(k=shares[index], sample_rate=terms.sample_rate,
-                                                        embedding=terms.embedding, dims=terms.dims))
-            requests.append(request)
+        pool = float_tensor(public_pool) if public_pool is not None else None
+        requests = [owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch, rounds=rounds,
+                                           lifetime_epsilon=lifetime_epsilon or 0.0, classes=list(classes),
+                                           reading=reading_message(reading), public_pool=pool, **fields)
+                    for fields in terms.admitted([d.records for d in described])]
         self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
                                    "did not admit the run")
         # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
-        self.votes_per_query = (sum(int(a.cell_bound) for a in self.admitted)
-                                if isinstance(terms, TeacherVotes) else None)
+        self.votes_per_query = sum(int(a.cell_bound) for a in self.admitted) if terms.teachers_vote else None
         self.num_teachers = self.votes_per_query  # the owners' teachers in all (None: records vote)
         # Where each owner's votes are counted: behind its gateway, on its own Ray.
         self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self._gateways)}
