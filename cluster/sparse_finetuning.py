@@ -8,6 +8,9 @@
    split on one actor, or with ``owners`` each owner's own file on its own node, trained
    data-parallel): they replace the classifier, build the plan (the magnitude mask comes
    from the public weights only) and DP-fine-tune (``actors.sparse_trainer.SparseVariant``).
+   Owners named by their gateway (``owners: [{name, gateway}]`` with ``gateways:``) are sent the
+   public weights and the variant's public mask instead, and each step is a secure sum of their
+   gateways' shares, charged at each gateway first (``cluster.sparse_gateways``).
 3. Evaluate each released DP model on the private task's test split (public: the benchmark's
    test split, or the config's ``test`` source).
 4. Report the guarantee: every variant trains on the same private data, so the planned work
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.config import as_base
-from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
+from conclave.cluster.owners import DataOwner, GatewaysConfig, check_gateways, check_owners, require_declared_records
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.sources import DataSource, PublicReading
@@ -35,7 +38,10 @@ from conclave.learning.sparse_variants import VARIANTS
 from conclave.learning.train_config import TrainConfig
 
 if TYPE_CHECKING:
+    from conclave.actors.dp_trainer import ShardGroup
     from conclave.actors.sparse_trainer import PublicModel
+    from conclave.cluster.sparse_gateways import GatewayVariants
+    from conclave.learning.data import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -142,19 +148,47 @@ class SparseConfig:
     classes: tuple[str, ...] | None = None
     # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
     runtime_env: dict = field(default_factory=dict)
+    # The coordinator's certificates for owners named by their gateway (``owners: [{name, gateway}]``):
+    # each variant's DP-SGD then runs as steps at the owners' gateways (``cluster.sparse_gateways``).
+    gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
+        check_gateways(self.owners, self.gateways)
         if not self.owners:
             if self.test is not None or self.classes is not None:
                 raise ValueError("test and classes go with owners (or use the private section alone)")
             return
-        check_owners(self.owners, self.test, self.classes, None, needs_public=False)
-        require_declared_records(self.owners)
-        if self.secure_training and self.finetune.grad_sample_mode not in ("auto", "hooks"):
+        check_owners(self.owners, self.test, self.classes, None, needs_public=False,
+                     through_gateways=self.through_gateways)
+        if self.through_gateways:
+            self._check_gateways()
+        else:
+            require_declared_records(self.owners)
+        if not self.through_gateways and self.secure_training and self.finetune.grad_sample_mode not in ("auto",
+                                                                                                         "hooks"):
             raise ValueError("finetune: the owners' actors train data-parallel with Opacus's hooks: "
                              "set grad_sample_mode: hooks")
         if self.private != DEFAULT_PRIVATE:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
+
+    def _check_gateways(self) -> None:
+        """Fine-tuning at the owners' gateways: a registered model by name with numbers for its own
+        arguments (a gateway runs no code a config names), and noise from OS entropy."""
+        from conclave.learning.models.registry import REGISTRY
+
+        if self.model.name not in REGISTRY:
+            raise ValueError(f"model.name {self.model.name!r}: sparse fine-tuning behind gateways trains a registered "
+                             "model (a gateway runs no code a config names)")
+        for key, value in self.model.kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"model.kwargs.{key}: a gateway builds its model with numbers only, got {value!r}")
+        if self.privacy.insecure_noise_seed is not None:
+            raise ValueError("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
+
+    @property
+    def through_gateways(self) -> bool:
+        """Whether the owners are reached through their gateways (never their files)."""
+        return self.gateways is not None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -166,7 +200,10 @@ class SparseConfig:
         """The private examples DP-SGD's schedule is computed from. Owners declare theirs; a
         benchmark split's is its ``private.size`` when set (an upper bound, like an owner's
         records: a smaller split only makes the Poisson batches smaller), else counted from
-        its files (a split of public files: treated as public)."""
+        its files (a split of public files: treated as public). Owners behind gateways declare
+        theirs there (``active_gateways.declared_records``)."""
+        if self.through_gateways:
+            raise ValueError("owners named by their gateway declare their records there, not in the config")
         if self.owners:
             return sum(owner.records for owner in self.owners)
         if self.private.size is not None:
@@ -175,8 +212,8 @@ class SparseConfig:
 
     @property
     def secure_training(self) -> bool:
-        """Whether DP-SGD sums across several shard actors (the owners'), through the secure sum."""
-        return sum(owner.actors for owner in self.owners) > 1
+        """Whether DP-SGD sums across several shard actors (the owners') or gateways, through the secure sum."""
+        return self.through_gateways or sum(owner.actors for owner in self.owners) > 1
 
 
 # --- phases -----------------------------------------------------------------------------
@@ -220,15 +257,16 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     return losses
 
 
-def planned_work(config: SparseConfig):
-    """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
-    owners, or the size of a split of a public benchmark's files)."""
+def planned_work(config: SparseConfig, records: int | None = None):
+    """Every variant's DP-SGD schedule, on ``records`` examples (what the owners' gateways declare;
+    None: ``config.private_size``, declared by the owners or the size of a split of a public
+    benchmark's files)."""
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.privacy.accounting.rdp import sum_charges
 
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}",
-                                    secure=config.secure_training).charge
+    size = config.private_size if records is None else records
+    return sum_charges([dp_schedule(size, dp_config, label=f"dpsgd-sparse-{v}", secure=config.secure_training).charge
                         for v in config.finetune.variants], label="planned")
 
 
@@ -320,15 +358,16 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
     ``public``: the public model already pre-trained (step 1 skipped). ``every_epoch``: also
     evaluate each variant's model after every epoch (``variants[v]["accuracies"]``; the test
     split is public, so this is free)."""
-    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
-    from conclave.actors.sparse_trainer import SparseVariant, TransferSource
-    from conclave.cluster.owners import owner_resources, owner_shard_plans
-    from conclave.cluster.ray_runtime import gpus_available, start_ray
+    from conclave.actors.sparse_trainer import SparseVariant
+    from conclave.cluster.active_gateways import declared_records
+    from conclave.cluster.owners import owner_resources
+    from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.learning.training import evaluate
 
-    embedded = start_ray(ray_address, resources=owner_resources(config.owners),
-                         runtime_env=config.runtime_env, models=config.models)
+    # Behind gateways the owners' work runs on their own Rays: nothing here needs one.
+    embedded = config.through_gateways or start_ray(ray_address, resources=owner_resources(config.owners),
+                                                    runtime_env=config.runtime_env, models=config.models)
     if public is None:
         public = pretrain(config, results.path / "checkpoints")
 
@@ -337,26 +376,17 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
         stale.unlink()  # a run accounts for its own fine-tunings
     test, classes = private_test(config)
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    planned = planned_work(config)
-    if config.owners:
-        size = (test.input_shape[-2], test.input_shape[-1]) if test.is_image else None  # owners' images: the test's
-        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, PublicReading(size=size))
-    else:
-        source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
-                                config.private.size, config.seed)
-        plans = [ShardPlan(source, (0,))]
-    # One actor takes a GPU when the cluster has one (train_dp then trains on it).
-    gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
+    records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
+    planned = planned_work(config, records)
     variants: dict[str, dict[str, Any]] = {}
     ledger = config.privacy.with_owners(config.privacy.open_ledger(ledger_path, planned), planned, config.owners,
                                         config.name)
-    with ledger, ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
+    with ledger, _private_side(config, test, classes, embedded) as shards:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public.model, variant, config.finetune.fraction, len(classes), config.seed)
-            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
-                                   secure=shards.secure)
+            schedule = dp_schedule(records, dp_config, label=f"dpsgd-sparse-{variant}", secure=shards.secure)
             ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
-            checkpoints = shards.train(dp_config, config.privacy.noise, config.private_size, recipe, progress=True)
+            checkpoints = shards.train(dp_config, config.privacy.noise, records, recipe, progress=True)
             accuracy = evaluate(recipe.released(checkpoints[-1].state), test)
             _, plan = recipe.planned()
             log.info("variant %s: accuracy %.4f at ε %.3f", variant, accuracy, checkpoints[-1].epsilon)
@@ -368,8 +398,35 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
             }
             if every_epoch:
                 variants[variant]["accuracies"] = [evaluate(recipe.released(c.state), test) for c in checkpoints]
+        # Behind gateways: each owner's lifetime ledger as its gateway said it after the last step.
+        at_gateways = {"owners_at_gateways": shards.spend} if config.through_gateways else {}
         privacy = config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)).adding(
             per_variant_epsilon={v: r["epsilon"] for v, r in variants.items()},
-            note="every variant fine-tuned on the same private data; the run's guarantee composes them all")
+            note="every variant fine-tuned on the same private data; the run's guarantee composes them all",
+            **at_gateways)
         nodes = shards.placement
     return SparseResult(public.losses, public.accuracy, public.dataset, test.name, variants, privacy, nodes)
+
+
+def _private_side(config: SparseConfig, test: Dataset, classes: tuple[str, ...],
+                  embedded: bool) -> ShardGroup | GatewayVariants:
+    """Who fine-tunes on the private data: the owners' gateways, or shard actors holding each owner's
+    file on its node (or a benchmark's split on one actor, with a GPU when the cluster has one). The
+    owners' images are read at the test images' size."""
+    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+    from conclave.actors.sparse_trainer import TransferSource
+    from conclave.cluster.owners import owner_shard_plans
+    from conclave.cluster.ray_runtime import gpus_available
+    from conclave.cluster.sparse_gateways import GatewayVariants
+
+    size = (test.input_shape[-2], test.input_shape[-1]) if config.owners and test.is_image else None
+    if config.through_gateways:
+        return GatewayVariants(config, classes, PublicReading(size=size))
+    if config.owners:
+        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, PublicReading(size=size))
+    else:
+        source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
+                                config.private.size, config.seed)
+        plans = [ShardPlan(source, (0,))]
+    gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0  # train_dp then trains on it
+    return ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape)

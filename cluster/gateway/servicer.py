@@ -14,7 +14,9 @@ for a round is refused. Every refusal is one line with a gRPC status, and nothin
 
 ``Admit`` with DP-SGD terms plans the run's secure sum from public numbers and admits its whole
 schedule; each ``Step`` (keyed by ``Keys`` as a round is) is charged one step, then answers with the
-masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``). With NearPrivate's
+masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``). A sparse
+fine-tuning's terms bring the public pre-trained weights and the public mask of the entries that
+train: its steps send those entries' values only, and its sum is over them alone. With NearPrivate's
 terms, the two rounds after the steps are its releases, each charged, then answered by ``NearPrivate``
 with one masked share (``cluster.gateway.near_private``).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from google.protobuf.message import DecodeError, Message
 
@@ -42,16 +45,18 @@ from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, StepKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, PCA, NearPrivateReleases
-from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
-                                             signed_step_key, step_key_of)
+from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, SPARSE_PIPELINE, AdmittedSteps, StepTerms,
+                                             schedule_charge, signed_step_key, step_key_of)
 from conclave.errors import ConclaveError
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
-from conclave.learning.models import build_model, check_model
-from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps
+from conclave.learning.models import build_model, check_model, factory_of
+from conclave.learning.models.contract import HINTS, declared_parameters
+from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps, load_parameters
 from conclave.learning.secure_dpsgd import SecureAggregation
+from conclave.learning.trained_entries import TrainedEntries
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
@@ -81,6 +86,8 @@ MAX_POOL = 200_000  # public inputs an embedding is fitted on
 MAX_COLUMNS, MAX_IMAGE_SIDE = 100_000, 16_384  # the most a public reading may name
 MAX_CLIP = 1e6  # the largest clip bound a DP-SGD run may ask
 MAX_RECORDS = 10**12  # the most records a DP-SGD run may declare, all owners together
+MAX_PARAMETERS = 16 * 2**20  # a model's weights travel in one message (64 MiB of float32): no larger model is built
+MAX_ARGUMENTS = 16  # the most keyword arguments a run may give a registered model
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
@@ -159,24 +166,71 @@ def check_run_name(run: str) -> None:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "run: name the run (printable, at most 200 characters)")
 
 
-def decode_weights(tensors: Sequence[owner_pb2.Tensor], shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
-    """The model's parameters as sent: float32 tensors of exactly ``shapes``, in order, finite."""
+def decode_weights(tensors: Sequence[owner_pb2.Tensor], shapes: tuple[tuple[int, ...], ...],
+                   what: str = "weights") -> list[np.ndarray]:
+    """The model's parameters as sent (``what``: the field): float32 tensors of exactly ``shapes``, in
+    order, finite."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     if len(tensors) != len(shapes):
-        raise Refused(invalid, f"weights: {len(tensors)} tensors, but the model has {len(shapes)} parameters")
+        raise Refused(invalid, f"{what}: {len(tensors)} tensors, but the model has {len(shapes)} parameters")
     weights = []
     for index, (tensor, shape) in enumerate(zip(tensors, shapes)):
         sent = tuple(int(d) for d in tensor.shape)
         if tensor.dtype != INPUTS_DTYPE:
-            raise Refused(invalid, f"weights[{index}]: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
+            raise Refused(invalid, f"{what}[{index}]: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
         if sent != shape or len(tensor.data) != math.prod(shape) * 4:
-            raise Refused(invalid, f"weights[{index}]: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not the "
+            raise Refused(invalid, f"{what}[{index}]: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not the "
                                    f"model's {list(shape)} of float32")
         values = np.frombuffer(tensor.data, dtype="<f4").reshape(shape)
         if not np.isfinite(values).all():
-            raise Refused(invalid, f"weights[{index}]: NaN or infinity")
+            raise Refused(invalid, f"{what}[{index}]: NaN or infinity")
         weights.append(values)
     return weights
+
+
+def decode_vector(tensor: owner_pb2.Tensor, what: str, size: int) -> np.ndarray:
+    """A float32 vector of ``size`` finite values."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    sent = tuple(int(d) for d in tensor.shape)
+    if tensor.dtype != INPUTS_DTYPE:
+        raise Refused(invalid, f"{what}: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
+    if sent != (size,) or len(tensor.data) != size * 4:
+        raise Refused(invalid, f"{what}: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not [{size}] of float32")
+    values = np.frombuffer(tensor.data, dtype="<f4")
+    if not np.isfinite(values).all():
+        raise Refused(invalid, f"{what}: NaN or infinity")
+    return values
+
+
+def decode_arguments(terms: owner_pb2.DpsgdTerms) -> dict[str, int | float]:
+    """The registered model's own keyword arguments (numbers, each one it declares beyond the contract's)."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    declared = set(declared_parameters(factory_of(terms.model))) - {"num_classes", *HINTS}
+    if len(terms.arguments) > MAX_ARGUMENTS:
+        raise Refused(invalid, f"dpsgd.arguments: at most {MAX_ARGUMENTS}")
+    arguments: dict[str, int | float] = {}
+    for argument in terms.arguments:
+        kind = argument.WhichOneof("value")
+        if argument.name not in declared or argument.name in arguments:
+            takes = ", ".join(sorted(declared)) or "none"
+            raise Refused(invalid, f"dpsgd.arguments: model {terms.model} takes {takes}, each once; not "
+                                   f"{argument.name[:40]!r}")
+        value = argument.integer if kind == "integer" else argument.real
+        if kind is None or not math.isfinite(value):
+            raise Refused(invalid, f"dpsgd.arguments: {argument.name} needs a finite number")
+        arguments[argument.name] = value
+    return arguments
+
+
+def decode_trained(sparse: owner_pb2.SparseTerms, shapes: tuple[tuple[int, ...], ...]) -> TrainedEntries:
+    """The public mask of a sparse run, within the model's shapes."""
+    entries = tuple((int(t.parameter), np.array(t.entries, dtype=np.int64) if t.entries else None)
+                    for t in sparse.trained)
+    try:
+        return TrainedEntries(shapes, entries)
+    except ValueError as err:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sparse.trained: {err}") from None
+
 
 @dataclass
 class AdmittedRun:
@@ -562,7 +616,7 @@ class OwnerServicer:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"step {request.round} of run '{run.run}' holds no unused key of this gateway (not "
                               "keyed, or answered already): a key serves one step")
-            weights = decode_weights(request.weights, run.owner_steps.shapes)
+            sent = self._sent_weights(run, request)
             mine = run.step_key(self.declaration.name, self.declaration.records, request.round,
                                 private.public_key().public_bytes_raw())
             rank = self._checked_step_parties(run, request, mine)
@@ -572,11 +626,24 @@ class OwnerServicer:
             except BudgetExceeded as err:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
             # Charged: from here the step is a release. The clean sum stays inside ``share``.
-            share = run.share(weights, request.round, rank, private, [p.public_key for p in request.parties])
+            share = run.share(sent, request.round, rank, private, [p.public_key for p in request.parties])
             del private
             return owner_pb2.StepReply(share=owner_pb2.Tensor(shape=[share.size], dtype=SHARE_DTYPE,
                                                                data=share.astype("<i8").tobytes()),
                                        epsilon_spent=report.epsilon_spent, charges=report.charges)
+
+    @staticmethod
+    def _sent_weights(run: AdmittedSteps, request: owner_pb2.StepRequest) -> list[np.ndarray] | np.ndarray:
+        """A step's weights: every parameter, or in a sparse run the trained entries' values [d] alone."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if run.terms.sparse:
+            if request.weights:
+                raise Refused(invalid, "weights: a sparse run's step sends its trained entries' values (trained), "
+                                       "the rest being the admitted pre-trained weights")
+            return decode_vector(request.trained, "trained", run.terms.plan.dimension)
+        if request.HasField("trained"):
+            raise Refused(invalid, "trained: only a sparse run's steps send trained entries; send every weight")
+        return decode_weights(request.weights, run.owner_steps.shapes)
 
     def _admit_steps(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         """A DP-SGD run: its terms checked, its whole schedule admitted by the policy, its secure sum
@@ -592,24 +659,33 @@ class OwnerServicer:
         if near_private is not None:  # the whole run: the steps, then both releases
             planned = sum_charges([planned, *near_private.charges], label="planned")
             releases = tuple(charge.label for charge in near_private.charges)
+        sparse = terms.HasField("sparse")
         # the policy's checks: nothing changed yet
-        ledger = self._admitting_ledger(request, planned, DPSGD_PIPELINE, releases)
+        ledger = self._admitting_ledger(request, planned, SPARSE_PIPELINE if sparse else DPSGD_PIPELINE, releases)
         try:
             dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
             input_shape = tuple(dataset.x.shape[1:])
             standardiser = decode_standardiser(terms, input_shape)
+            arguments = decode_arguments(terms)
+            shapes = self._model_shapes(terms.model, len(classes), input_shape, standardiser, arguments)
+            pretrained, trained = None, None
+            if sparse:  # checked against the model's shapes before it is built
+                pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
+                trained = decode_trained(terms.sparse, shapes)
             try:
-                check_model(terms.model, len(classes), input_shape, standardiser=standardiser)
+                check_model(terms.model, len(classes), input_shape, standardiser=standardiser, **arguments)
             except ModelContractError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
             model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
-                                standardiser=standardiser)
+                                standardiser=standardiser, **arguments)
+            if pretrained is not None:  # the frozen entries' values for the whole run
+                load_parameters(model, pretrained)
             owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
-                                     declaration.records, terms.max_grad_norm)
+                                     declaration.records, terms.max_grad_norm, trained)
             embeddings = None
             if near_private is not None:  # its own copy of the model: the steps' stays theirs
                 embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
-                                                         seed=int(terms.seed), standardiser=standardiser),
+                                                         seed=int(terms.seed), standardiser=standardiser, **arguments),
                                              dataset.x, declaration.records)
             del dataset
             try:
@@ -618,7 +694,7 @@ class OwnerServicer:
             except ValueError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
             step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
-                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan)
+                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan, sparse)
             if near_private is not None:
                 try:  # the covariance's plan is fixed now: refused here rather than after the steps
                     near_private.plan(PCA, embeddings.dimension, step_terms.parties, step_terms.records)
@@ -635,9 +711,10 @@ class OwnerServicer:
         self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger, near_private, embeddings)
         self._seen_runs.add(request.run)
         epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
-        log.info("run '%s' admitted: DP-SGD on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
-                 request.run, terms.model, plan.dimension, terms.max_grad_norm, terms.noise_multiplier,
-                 terms.sample_rate, terms.steps, ", then NearPrivate" if near_private else "", epsilon)
+        log.info("run '%s' admitted: %s on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
+                 request.run, "sparse DP fine-tuning" if sparse else "DP-SGD", terms.model, plan.dimension,
+                 terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate, terms.steps,
+                 ", then NearPrivate" if near_private else "", epsilon)
         return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
                                     cell_bound=declaration.records)
 
@@ -681,12 +758,33 @@ class OwnerServicer:
         if request.HasField("public_pool"):
             raise Refused(invalid, "public_pool: DP-SGD learns on the owner's records only; send none")
         near_private = None
+        if terms.HasField("near_private") and terms.HasField("sparse"):
+            raise Refused(invalid, "near_private: NearPrivate's releases go with active learning's DP-SGD, not with "
+                                   "a sparse fine-tuning")
         if terms.HasField("near_private"):
             try:
                 near_private = NearPrivateReleases.of(terms.near_private)
             except ValueError as err:
                 raise Refused(invalid, str(err)) from None
         return terms, classes, near_private
+
+    @staticmethod
+    def _model_shapes(model: str, classes: int, input_shape: tuple[int, ...], standardiser: Standardiser | None,
+                      arguments: dict[str, int | float]) -> tuple[tuple[int, ...], ...]:
+        """The registered model's parameter shapes, worked out without memory (on torch's meta device);
+        refused when its weights could not travel in one message."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            with torch.device("meta"):
+                shapes = tuple(tuple(p.shape) for p in build_model(model, classes, input_shape=input_shape,
+                                                                   standardiser=standardiser, **arguments).parameters())
+        except Exception as err:  # noqa: BLE001 - a factory given other arguments may raise anything: one line
+            raise Refused(invalid, f"dpsgd.model: {model} cannot be built with {arguments or 'no arguments'}: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        if sum(math.prod(shape) for shape in shapes) > MAX_PARAMETERS:
+            raise Refused(invalid, f"dpsgd.model: {model} with {arguments or 'no arguments'} has more than "
+                                   f"{MAX_PARAMETERS} parameters, more than a step's weights can carry")
+        return shapes
 
     def _admitted_steps(self, run: str) -> AdmittedSteps:
         if self._run is None or self._run.run != run:

@@ -1,8 +1,10 @@
 """``pipeline: sparse_finetune``: the pipeline over ``cluster.sparse_finetuning`` (sparse DP
 fine-tuning, Luo et al. 2021). It runs ``finetune_sparsely`` and writes ``metrics.json`` and
-``privacy.json``; a sweep pre-trains once (``pretrain``) and runs each trial with ``trial``."""
+``privacy.json``; a sweep pre-trains once (``pretrain``) and runs each trial with ``trial``. Owners
+named by their gateway admit each variant there, by their own policies (``cluster.sparse_gateways``)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,11 +27,20 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
     config: SparseConfig
 
     def plan(self) -> PrivacyCharge:
-        return planned_work(self.config)
+        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
+        config = self.config
+        if config.through_gateways:
+            from conclave.cluster.active_gateways import declared_records
+
+            return planned_work(config, declared_records(config.owners, config.gateways))
+        return planned_work(config)
 
     def unused_settings(self) -> tuple[str, ...]:
-        """The keys this run does not read: beside owners, the benchmark's private split; without
-        owners, the owners' sections."""
+        """The keys this run does not read: beside owners, the benchmark's private split (behind
+        gateways also how Opacus would batch: a gateway computes its per-example gradients itself);
+        without owners, the owners' sections."""
+        if self.config.through_gateways:
+            return ("private", "finetune.grad_sample_mode", "finetune.max_physical_batch_size")
         return ("private",) if self.config.owners else ("owners", "test", "classes")
 
     def validate(self) -> SparseFinetune:
@@ -58,8 +69,10 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
              every_epoch: bool) -> RunOutcome[SparseResult]:
         config = self.config
         planned = self.plan()  # every variant's schedule: every owner must pay for all of them first
-        with admitting_owners(config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned,
-                              context.ray_address):
+        # Owners behind gateways admit each variant there, each by its own policy (``GatewayDpsgd``).
+        admitted = contextlib.nullcontext() if config.through_gateways else admitting_owners(
+            config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned, context.ray_address)
+        with admitted:
             result = finetune_sparsely(config, context.results, context.ray_address, public, every_epoch)
         variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
         metrics = {

@@ -1,6 +1,7 @@
 """A run config names an owner by its gateway alone: ``{name, gateway}`` beside ``gateways:`` (the
-coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds and for DP-SGD active
-learning (NearPrivate's releases through the gateways too). Anything else is refused in one line, before anything starts."""
+coordinator's certificates), for clusters, kNN or teachers' votes in secure rounds, for DP-SGD active
+learning (NearPrivate's releases through the gateways too) and for sparse fine-tuning. Anything else is
+refused in one line, before anything starts."""
 from __future__ import annotations
 
 import copy
@@ -66,11 +67,22 @@ def test_gateway_owners_vote_there_in_secure_rounds_only():
     assert "a gateway fits only a registered embedding" in refusal(raw)
 
 
-def test_a_pipeline_that_does_not_run_through_gateways_refuses_gateway_owners():
+def test_sparse_fine_tuning_through_gateways_loads_with_a_registered_model_and_numbers():
     raw = load_yaml(PROJECT_ROOT / "configs" / "mnist-sparse.yaml")
-    raw.update(owners=[{"name": "hospital_a", "gateway": "127.0.0.1:7001"}],
-               test={"format": "csv", "path": "test.csv", "label": "diagnosis"})
-    assert "does not run this pipeline" in refusal(raw)
+    del raw["private"]
+    raw.update(owners=[{"name": f"clinic_{i}", "gateway": f"127.0.0.1:{7001 + i}"} for i in range(2)],
+               test={"format": "npz", "path": "test.npz", "label": "y"}, gateways=dict(GATEWAYS))
+    pipeline = load_pipeline(copy.deepcopy(raw))
+    assert pipeline.config.through_gateways and pipeline.config.secure_training
+    assert "finetune.grad_sample_mode" in pipeline.unused_settings()  # a gateway takes its own per-example gradients
+    for key, value, said in [("model", {"name": "package.module:factory"}, "trains a registered model"),
+                             ("model", {"name": "gn_cnn", "kwargs": {"channels": "16"}}, "numbers only"),
+                             ("privacy", {"insecure_noise_seed": 1}, "OS entropy only")]:
+        changed = copy.deepcopy(raw)
+        changed[key] = value
+        assert said in refusal(changed)
+    del raw["gateways"]
+    assert "need gateways" in refusal(raw)
 
 
 def test_dpsgd_active_learning_through_gateways_loads_with_nearprivate_through_secure_sums():
