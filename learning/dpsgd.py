@@ -29,7 +29,7 @@ from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  
 from conclave.learning.finite_clipping import FiniteDPOptimizer, finite_losses
 from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode, privacy_engine
 from conclave.learning.secure_dpsgd import (PaddedPoissonBatches, SecureAggregation, SecureGroup, SecureSumDPOptimizer,
-                                            broadcast_parameters, trainable_entries)
+                                            broadcast_parameters, row_major, trainable_entries)
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import NoiseSource
@@ -155,7 +155,7 @@ def _poisson_loader(dataset: ArrayDataset, sample_rate: float, steps: int, gener
     shard is empty depends on the records, so it must not stop the run."""
     if len(dataset.x) != len(dataset.y):
         raise ValueError(f"dataset needs matching x and y (got {len(dataset.x)} and {len(dataset.y)})")
-    x, y = torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long)
+    x, y = row_major(torch.as_tensor(dataset.x, dtype=torch.float32)), torch.as_tensor(dataset.y, dtype=torch.long)
     empty = len(y) == 0
     if empty:  # Opacus reads the batch shapes from the first example: a zero row that is never sampled
         x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
