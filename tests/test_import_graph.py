@@ -173,7 +173,6 @@ COMPONENT_BENCHMARKS = {
                                "times the gateways' vote source against the in-cluster one, below the pipeline"),
     "bench.proposal_proxy": ({"conclave.cluster.proposal", "conclave.actors.vote_parties"},
                              "replays the proposal's own rules on public data"),
-    "bench.student_proxy": ({"conclave.actors.student"}, "times the student's training path alone"),
     "bench.teacher_student_mnist": ({"conclave.actors.aggregator", "conclave.actors.teacher",
                                      "conclave.cluster.teaching.ensemble", "conclave.cluster.teaching.student"},
                                     "measures trained teachers' clean votes and serving time beside the pipeline's runs"),

@@ -122,7 +122,7 @@ def test_a_student_on_features_asks_about_images_and_learns_on_their_features(wo
     student = Student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering")
     assert student.query(150, 50, progress=False)["answered"] == 150
     student.close()
-    assert student.test.input_shape == (81, 2, 2)
+    assert student.trainer.test.input_shape == (81, 2, 2)
     assert student.fit_and_evaluate()["accuracy"] > 0.6  # chance is 0.1
 
 
@@ -354,8 +354,8 @@ def test_members_are_trained_from_consecutive_seeds_and_answer_with_their_mean_p
     single = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised)
     averaged = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised,
                        members=3)
-    alone, _ = single.train_on(keep, labels)
-    model, _ = averaged.train_on(keep, labels)
+    alone, _ = single.trainer.train_on(keep, labels)
+    model, _ = averaged.trainer.train_on(keep, labels)
     assert isinstance(model, AveragedStudents) and len(model.members) == 3
     weights = [torch.cat([p.flatten() for p in member.parameters()]) for member in model.members]
     assert torch.equal(weights[0], torch.cat([p.flatten() for p in alone.parameters()]))
