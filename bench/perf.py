@@ -322,8 +322,7 @@ class FixedVotes:
 
 
 def bench_aggregator(calls: int) -> dict:
-    from conclave.actors.aggregator import AggregatorServer, ServerSettings
-    from conclave.cluster.api import AggregatorClient
+    from conclave.cluster.api import AggregatorClient, AggregatorServer, ServerSettings
     from conclave.privacy.accounting.filter import RenyiFilter
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.mechanisms import build_mechanism
@@ -493,8 +492,7 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
 
 
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
-    from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource
-    from conclave.cluster.api import start_ray
+    from conclave.cluster.api import TeacherGroup, TeacherPool, TeacherSource, start_ray
     from conclave.learning.train_config import TrainConfig
 
     import ray

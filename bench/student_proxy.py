@@ -50,9 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.soundness import soundness, timed_on  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import load_pipeline  # noqa: E402
-from conclave.cluster.api import TeacherStudentConfig  # noqa: E402
+from conclave.cluster.api import TeacherStudentConfig, load_pipeline, load_yaml  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mnist-clusters.yaml"
 HELD_OUT = 2_000
