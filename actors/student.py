@@ -20,14 +20,10 @@ import torch
 from tqdm import tqdm
 
 from conclave.learning.data import Dataset
-from conclave.learning.data.schema import Standardiser
 from conclave.learning.embeddings import Embedding, NetworkEmbedding
-from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import QuerySelection
 from conclave.learning.selection.rounds import QueryRounds
-from conclave.learning.semi_supervised import FixMatchConfig
 from conclave.learning.student_training import StudentTrainer
-from conclave.learning.train_config import TrainConfig
 from conclave.privacy.mechanisms.base import ABSTAIN
 from conclave.progress import COUNTS
 
@@ -39,40 +35,23 @@ class Student:
 
     Args:
         public: the unlabeled pool (its ``y`` only measures label accuracy).
-        test: held-out split the student is evaluated on.
+        trainer: how it learns from the answers, and the test split it is scored on.
         client_factory: builds a connected aggregator client (``label_reply``, ``budget``,
             ``is_budget_refusal``, ``close``: ``cluster.client.AggregatorClient``).
         num_threads: torch's threads in this process (an actor: the CPUs it reserved).
         selection: which pool inputs to ask about (``QueryRounds``).
         cluster_embedding: the vote source's public embedding, where "clusters" selection cuts the
             pool (public-cluster votes: each answered medoid labels its cluster).
-        The others: how it learns from the answers (``StudentTrainer``).
     """
 
-    def __init__(
-        self,
-        public: Dataset,
-        test: Dataset,
-        model_name: str | Callable[..., Any],
-        train: TrainConfig,
-        client_factory: Callable[[], Any],
-        num_threads: int | None = None,
-        features: str | None = None,
-        pseudo_label_threshold: float | None = None,
-        semi_supervised: FixMatchConfig | None = None,
-        selection: QuerySelection = QuerySelection(),
-        standardiser: Standardiser | None = None,
-        label_propagation: LabelPropagationConfig | None = None,
-        cluster_embedding: Embedding | None = None,
-        members: int = 1,
-        test_views: int = 0,
-    ) -> None:
+    def __init__(self, public: Dataset, trainer: StudentTrainer, client_factory: Callable[[], Any],
+                 num_threads: int | None = None, selection: QuerySelection = QuerySelection(),
+                 cluster_embedding: Embedding | None = None) -> None:
         if num_threads is not None:  # in an actor: as many threads as the CPUs it reserved
             torch.set_num_threads(max(1, num_threads))
         self.public = public  # images: what the student asks about
-        self.trainer = StudentTrainer(public, test, model_name, train, features, pseudo_label_threshold,
-                                      semi_supervised, standardiser, label_propagation, members, test_views)
-        self.rounds = QueryRounds(public, selection, self.trainer, cluster_embedding)
+        self.trainer = trainer
+        self.rounds = QueryRounds(public, selection, trainer, cluster_embedding)
         self.client_factory = client_factory
         self.labels = np.full(len(public), ABSTAIN, dtype=np.int64)  # by pool index
         self.asked_order: list[int] = []  # pool indices, in the order they were asked

@@ -130,10 +130,11 @@ def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, pu
                  client_factory: Callable[[], Any], num_threads: int | None = None,
                  cluster_embedding: Embedding | None = None) -> Any:
     """``construct`` (a Ray actor's ``remote`` of ``Student``) with ``config``'s student settings."""
-    return construct(
-        public.splits.public, public.splits.test, config.student.model, client_factory=client_factory,
-        num_threads=num_threads, selection=config.student.selection, cluster_embedding=cluster_embedding,
-        **_training(config, public))
+    from conclave.learning.student_training import StudentTrainer
+
+    trainer = StudentTrainer(public.splits.public, public.splits.test, config.student.model, **_training(config, public))
+    return construct(public.splits.public, trainer, client_factory, num_threads=num_threads,
+                     selection=config.student.selection, cluster_embedding=cluster_embedding)
 
 
 def _training(config: TeacherStudentConfig, public: PublicData) -> dict[str, Any]:
