@@ -311,6 +311,7 @@ class FixedVotes:
     neighbouring_lemma = "benchmark: no data"
     votes_per_query, batch_coupled = 250, False
     local, num_classes = False, 10
+    sample_rate = votes_per_record = None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)
