@@ -61,6 +61,11 @@ class VoteSource(Protocol):
     num_classes: int  # the columns of its histograms
     # Whether its votes meet only in secure rounds (owner-local kNN): False for every other source.
     local: bool
+    # The settings a mechanism may be charged for (``check_pairing``), None where the votes have
+    # none: each record's inclusion probability per query (kNN) and the queries it votes for
+    # (public clusters).
+    sample_rate: float | None
+    votes_per_record: int | None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
@@ -80,6 +85,8 @@ class SecureVoteSource(Protocol):
     batch_coupled: bool  # as ``VoteSource.batch_coupled``
     num_classes: int
     local: bool  # as ``VoteSource.local``
+    sample_rate: float | None  # as ``VoteSource.sample_rate``
+    votes_per_record: int | None  # as ``VoteSource.votes_per_record``
 
     def ready(self, timeout: float = 2.0) -> bool:
         """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
@@ -100,9 +107,8 @@ def check_pairing(vote_source: VoteSource | SecureVoteSource,
     with (``paired_with``: a kNN sample rate, the votes per record of public clusters) must be the
     vote source's, or its record-level charge would understate ε; and a source whose votes meet
     only in secure rounds (owner-local kNN) takes only a secure mechanism."""
-    for attribute in mechanism.paired_with:
-        # a source may have no such setting at all (teachers, a user's own): that is a mismatch too
-        wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute, None)
+    for attribute in mechanism.paired_with:  # a source without the setting (None: teachers) is a mismatch too
+        wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute)
         if held != wanted:
             raise ValueError(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
                              f"source has {attribute} {held if held is not None else 'unset'}: pair it with a vote "

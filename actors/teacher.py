@@ -110,6 +110,7 @@ class TeacherGroup(VoteParty):
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
     batch_coupled = False  # as a vote source in-process (``ready``): each teacher votes on each query alone
     local = False  # its votes are clean histograms (``actors.labeller.VoteSource.local``)
+    sample_rate = votes_per_record = None  # no setting a mechanism is charged for (``actors.labeller.check_pairing``)
 
     def __init__(
         self,

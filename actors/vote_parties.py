@@ -131,6 +131,8 @@ class VoteParties(abc.ABC):
     votes_per_query: int | None  # ``actors.labeller.VoteSource``: each subclass declares both
     batch_coupled: bool
     local: bool = False  # ``actors.labeller.VoteSource.local``: owner-local kNN sets it
+    sample_rate: float | None = None  # ``actors.labeller.VoteSource.sample_rate``: kNN sets it
+    votes_per_record: int | None = None  # ``actors.labeller.VoteSource.votes_per_record``: public clusters set it
 
     def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
         """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and

@@ -32,8 +32,7 @@ from conclave.learning.threads import share_cores  # noqa: E402  (before torch l
 share_cores()
 
 from bench.soundness import soundness, timed_on  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import AuditSettings, load_pipeline  # noqa: E402
+from conclave.cluster.api import AuditSettings, load_pipeline, load_yaml  # noqa: E402
 
 log = logging.getLogger("bench.audits")
 

@@ -56,9 +56,10 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E402
-from conclave.cluster.api import Authority, RunContext, RunDirectory, create_authority, issue, load_pipeline  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.owners import DataOwner, PublicData, owner_resources  # noqa: E402
+from conclave.cluster.api import (  # noqa: E402
+    Authority, DataOwner, PublicData, RunContext, RunDirectory, create_authority, issue, load_pipeline, load_yaml,
+    owner_resources,
+)
 from conclave.privacy.accounting.owner_policy import OwnerPolicy, write_policy  # noqa: E402
 from conclave.privacy.accounting.ledger import PrivacyLedger  # noqa: E402
 from conclave.privacy.noise import SECURE  # noqa: E402
@@ -226,10 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # the config's data paths are the repository's
     started_at, load_before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
 
-    from conclave.cluster.gateway.client import ClusterVotes, CoordinatorTls, GatewayVoteSource, OwnerGateway
-    from conclave.cluster.gateway.identity import Verifier
-    from conclave.cluster.api import start_ray, stop_ray
-    from conclave.cluster.teaching.clusters import cluster_vote_source
+    from conclave.cluster.api import (
+        ClusterVotes, CoordinatorTls, GatewayVoteSource, OwnerGateway, Verifier, cluster_vote_source, start_ray, stop_ray,
+    )
     from conclave.learning.embeddings import fit_embedding
 
     config = load_pipeline(load_yaml(ROOT / CONFIG)).config

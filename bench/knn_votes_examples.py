@@ -37,8 +37,7 @@ from conclave.learning.threads import share_cores  # noqa: E402  (before torch l
 share_cores()
 
 from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import DEMO_CONFIG, RunDirectory, load_pipeline, train_ensemble  # noqa: E402
+from conclave.cluster.api import DEMO_CONFIG, RunDirectory, load_pipeline, load_yaml, train_ensemble  # noqa: E402
 
 log = logging.getLogger("bench.knn_votes_examples")
 STAND_IN_DATA = "scikit-learn's digits and the example hospitals' synthetic tables"

@@ -46,10 +46,9 @@ share_cores()
 
 from bench.consortium import OWNERS, Table, make_table, user_config, write_table  # noqa: E402
 from bench.soundness import soundness  # noqa: E402
-from conclave.cluster.proposal import (  # noqa: E402
-    SOURCES, Proposal, load_config, proposed_config, propose, smallest_sigma,
+from conclave.cluster.api import (  # noqa: E402
+    SOURCES, MechanismConfig, Proposal, RunDirectory, load_pipeline, proposed_config, propose, smallest_sigma,
 )
-from conclave.cluster.api import MechanismConfig, RunDirectory  # noqa: E402
 
 log = logging.getLogger("bench.proposal_proxy")
 PROXY_SEEDS = (101, 202)
@@ -184,7 +183,7 @@ def _asked(table: Table, queries: int) -> np.ndarray:
 
 
 def replay_knn(table: Table, student: Student, settings: dict) -> dict:
-    from conclave.actors.vote_parties import declared_share
+    from conclave.cluster.api import declared_share
     from conclave.learning.embeddings import fit_embedding
 
     knn, params = settings["knn"], settings["mechanism"]["params"]
@@ -255,7 +254,7 @@ def measure(name: str, table: Table, folder: Path) -> dict:
         log.info("%s %s: %s", name, source, out["sources"][source])
 
     # the grid: σ of each m as the proposal calibrates it (one release: the count does not change it)
-    base = load_config(proposed_config(raw, proposals["clusters"].sections))
+    base = load_pipeline(proposed_config(raw, proposals["clusters"].sections)).config
     pool = len(table.pool[1])
     out["clusters_grid"] = []
     for m in GRID_VOTES:

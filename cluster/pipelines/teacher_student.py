@@ -20,6 +20,7 @@ from conclave.cluster.teaching.aggregation import check_port_free, serve
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
+from conclave.cluster.teaching.service import Service
 from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded
@@ -55,17 +56,18 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         return OwnersData(config.owners, config.public, config.test, config.classes,
                           {owner.name: owner.teachers for owner in config.owners})
 
-    def serving(self) -> TeacherStudentConfig:
-        """The config ``conclave serve`` serves (whose answers are always releases: its noise
-        comes from OS entropy, ``ConfigError`` otherwise). A service publishes no run report, so it
-        releases no smooth-sensitivity estimate and reserves nothing for one."""
+    def service(self, **overrides: Any) -> Service:
+        """What ``conclave serve`` starts: this config served, with ``overrides`` of its server's
+        fields (None: the config's). Its answers are always releases: its noise comes from OS
+        entropy (``ConfigError`` otherwise). A service publishes no run report, so it releases no
+        smooth-sensitivity estimate and reserves nothing for one."""
         config = self.config
         config.privacy.require_os_entropy("serving")
         if config.estimates.smooth_sensitivity:
             log.info("serve publishes no run report: estimates.smooth_sensitivity is not released or charged")
             config = dataclasses.replace(config, estimates=dataclasses.replace(config.estimates,
                                                                               smooth_sensitivity=False))
-        return config
+        return Service(config, overrides)
 
     def run(self, context: RunContext) -> RunOutcome[StudentResult]:
         config = self.config

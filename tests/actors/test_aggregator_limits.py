@@ -31,8 +31,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conclave.actors.aggregator import (
-    OWNERS_CHARGED_ONLY, RECORD_UNWRITABLE, STORAGE_FULL, AggregatorServer, ServerSettings, _peer_address, _StreamSlots, storage_full,
+    OWNERS_CHARGED_ONLY, RECORD_UNWRITABLE, STORAGE_FULL, AggregatorServer, ServerSettings, storage_full,
 )
+from conclave.actors.aggregator.gatekeeper import _peer_address, _StreamSlots
 from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import Neighbouring

@@ -78,6 +78,7 @@ class _TeacherVotes:
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "disjoint shards"
     votes_per_query, batch_coupled, num_classes, local = None, False, 3, False
+    sample_rate = votes_per_record = None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 3), dtype=np.int64)
