@@ -86,12 +86,38 @@ def _digits_5_to_9_train_size() -> int:
     return len(load_split(DataSpec("digits", classes=(5, 6, 7, 8, 9)), 0)[0])
 
 
-def test_sparsity_sweep_with_asha_composes_every_trial_and_logs_each_under_one_summary_run(ray_session, tmp_path,
-                                                                                         monkeypatch):
+OWNER_RECORDS = 600
+
+
+def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
+    """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
+    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget."""
+    from conclave.learning.data import load_digits
+
+    train, test = load_digits()
+    np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
+    np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
+    owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
+             "records": OWNER_RECORDS, "resources": {"hospital_a": 1},
+             "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
+    raw = _raw("tune-digits-sparsity.yaml", **{
+        "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
+        "scheduler": {"name": "fifo"}, "space": {"finetune.fraction": {"grid": [0.01, 0.1]}}, **changes})
+    del raw["base"]["private"]
+    raw["base"].update(owners=[owner], test={"format": "npz", "path": str(tmp_path / "test.npz"), "label": "y"})
+    return from_dict(TuneConfig, raw)
+
+
+def test_a_sweep_over_owners_with_asha_composes_every_trial_charges_their_ledgers_and_logs_each_trial(
+        ray_session, tmp_path, monkeypatch):
+    """One sweep checked three ways (one sweep for all: suite time): what it publishes, what the
+    owner's lifetime ledger was charged, and what it logged to MLflow."""
+    from conclave.privacy.accounting.ledger import read_ledger
+
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     store = tmp_path / "mlruns"
-    config = _config("tune-digits-sparsity.yaml", **{
-        "base/pretrain/epochs": 1, "base/finetune/epochs": 2,
+    config = _owner_sparsity_config(tmp_path, **{
+        "base/finetune/epochs": 2, "scheduler": _raw("tune-digits-sparsity.yaml")["scheduler"],  # ASHA
         "space": {"finetune.variants": {"grid": [["classifier"], ["all"]]}}, "tracking": _tracked(store),
     })
     summary = run_sweep(config, tmp_path, verbose=0)
@@ -108,13 +134,19 @@ def test_sparsity_sweep_with_asha_composes_every_trial_and_logs_each_under_one_s
     # Two trials with the same DP-SGD schedule: RDP twice the trial's, converted at δ, or the PLD
     # of both schedules' steps where smaller (the trials' settings come from a fixed grid).
     sigma = float(rows[0]["noise_multiplier"])
-    trial = _sparse_trial_rdp(sigma, _digits_5_to_9_train_size(), 128, 2)
+    trial = _sparse_trial_rdp(sigma, OWNER_RECORDS, 128, 2)  # the owner's declared records
     by_rdp, _ = epsilon_from_rdp(DEFAULT_ORDERS, 2 * trial, 1e-5)
-    expected = min(by_rdp, _sparse_trials_pld_epsilon(sigma, _digits_5_to_9_train_size(), 128, 2, trials=2))
+    expected = min(by_rdp, _sparse_trials_pld_epsilon(sigma, OWNER_RECORDS, 128, 2, trials=2))
     assert sweep["tuning_cost"]["method"] == "composition" and not sweep["tuning_cost"]["free"]
     assert best["epsilon_with_tuning"] == pytest.approx(expected, rel=1e-9)
     assert best["epsilon_with_tuning"] > best["epsilon_trial"]
     assert any("including the tuning" in line for line in summary_lines(summary))
+
+    # Every trial runs the pipeline, so the owner's node admits it and its lifetime ledger is
+    # charged each trial's whole schedule, as for ``conclave run``.
+    owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
+    assert owner.charges == 2  # one per trial
+    np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
 
     # MLflow: a sweep that publishes every trial logs each as a child run of one summary run
     client, runs = _mlflow(store)
@@ -218,39 +250,6 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2_and_logs_t
     assert run_dir.stat().st_mtime == pytest.approx(path.stat().st_mtime)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
         "sweep.json", "trials.csv", "accuracy_vs_epsilon.png"}
-
-
-def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
-    """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
-    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget."""
-    from conclave.learning.data import load_digits
-
-    train, test = load_digits()
-    np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
-    np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
-    owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
-             "records": 600, "resources": {"hospital_a": 1},
-             "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
-    raw = _raw("tune-digits-sparsity.yaml", **{
-        "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
-        "scheduler": {"name": "fifo"}, "space": {"finetune.fraction": {"grid": [0.01, 0.1]}}, **changes})
-    del raw["base"]["private"]
-    raw["base"].update(owners=[owner], test={"format": "npz", "path": str(tmp_path / "test.npz"), "label": "y"})
-    return from_dict(TuneConfig, raw)
-
-
-def test_a_sweep_over_owners_charges_each_trial_to_their_ledgers(ray_session, tmp_path):
-    """Every trial runs the pipeline, so the owner's node admits it and its lifetime ledger is
-    charged each trial's whole schedule, as for ``conclave run``."""
-    from conclave.privacy.accounting.ledger import read_ledger
-
-    summary = run_sweep(_owner_sparsity_config(tmp_path), tmp_path / "results", verbose=0)
-    sweep, rows = _read(summary)
-    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
-    owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
-    assert owner.charges == 2  # one per trial
-    trial = _sparse_trial_rdp(float(rows[0]["noise_multiplier"]), 600, 128, 1)  # the declared records
-    np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
 
 
 def test_a_sweep_over_owners_refuses_random_repetition(tmp_path):
