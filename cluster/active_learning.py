@@ -582,10 +582,10 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
         # 3. Strategies → labels → fine-tuning → test accuracy.
         rows, per_model, figures = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator,
                                            out_of_domain, test, rng, out)
-        if config.through_gateways:  # each owner's ledger after NearPrivate's releases too
-            dp_info = {**dp_info, "owners_at_gateways": shards.spend}
         privacy = config.privacy.report(covered, ledger, dp_sgd_trust(config.secure_training)).adding(
             per_model=per_model, dpsgd=dp_info, **figures)
+        if config.through_gateways:  # each owner's lifetime account after NearPrivate's releases too
+            privacy = privacy.with_owner_accounts(shards.accounts())
     finally:
         shards.shutdown()
         ledger.close()  # an owner's ledger is released for the next run even when this one failed
