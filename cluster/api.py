@@ -37,6 +37,7 @@ from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.cluster.tls import Authority, create_authority, issue
 from conclave.learning.data.sources import DataSource
 from conclave.learning.train_config import TrainConfig
+from conclave.privacy.accounting.owner_policy import OwnerBudget
 
 __all__ = [
     "ActiveLearning", "DEMO_CONFIG", "Pipeline", "RunContext", "RunOutcome", "SparseFinetune", "TeacherStudent",
@@ -44,7 +45,7 @@ __all__ = [
     "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",
     "FinetuneConfig", "SelectionConfig", "PublicPretraining", "RunDirectory", "SparseConfig", "SparseResult",
     "finetune_sparsely", "learn_actively",
-    "Aggregator", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
+    "Aggregator", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerBudget", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeacherStudentConfig", "TeacherStudentData", "TeachersConfig",
     "TrainConfig", "serve", "train_ensemble", "train_student",
     "AuditSettings", "DEFAULT_TABLE_STUDENT", "PretrainConfig", "SOURCES", "pretrain_public",

@@ -106,11 +106,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         from conclave.actors.placement import PlacementError
         from conclave.cluster.api import serve, train_ensemble
         from conclave.cluster.ray_runtime import record_ray_processes
-        from conclave.cluster.run_privacy import admitting_owners
         from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
         from conclave.cluster.teaching.ensemble import checked_public, resolved
         from conclave.privacy.accounting.ledger import LedgerInUse
-        from conclave.privacy.accounting.owner_policy import RunRequest
     try:
         settings = server_settings(config, token, **overrides)  # the rest of the server's fields
     except ValueError as err:
@@ -130,15 +128,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         return fail(StartRefused(f"ledger {ledger_path}: {str(err).splitlines()[0]}"))
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
     config = resolved(config, public)
-    request = RunRequest(config.name, "teacher_student", (config.mechanism.name,))
-    try:  # every owner's node admits the service, and can pay one answer, before any teacher trains
-        started.enter_context(admitting_owners(config, request, config.planned(), config.planned(answers=1),
-                                               args.address))
+    try:  # with owners, each owner's gateway admits the service, and can pay one round, before its teachers train
         teachers = train_ensemble(config, args.address, public=public)
     except (OwnerDataError, PlacementError, ConclaveError) as err:  # an owner refused; no node can take them
         _undo(started, ours)
         return fail(err)
-    started.callback(teachers.pool.shutdown)
+    started.callback(teachers.shutdown)
     interrupts.raise_if_any()  # one a library swallowed on the way: the start stops before anything is served
     # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
     # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.

@@ -169,8 +169,9 @@ COMPONENT_BENCHMARKS = {
                             "conclave.cluster.ray_runtime"},
                            "checks a running `conclave serve` against the service's own constants and reclaims its Ray"),
     "bench.gateway_overhead": ({"conclave.cluster.gateway.client", "conclave.cluster.gateway.identity",
-                                "conclave.cluster.owners", "conclave.cluster.teaching.clusters"},
-                               "times the gateways' vote source against the in-cluster one, below the pipeline"),
+                                "conclave.cluster.gateway.local", "conclave.cluster.owners"},
+                               "times the gateways' vote source, in the run's process and in processes of their "
+                               "own, below the pipeline"),
     "bench.proposal_proxy": ({"conclave.cluster.proposal", "conclave.actors.vote_parties"},
                              "replays the proposal's own rules on public data"),
     "bench.student_proxy": ({"conclave.actors.student"}, "times the student's training path alone"),

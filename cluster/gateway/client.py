@@ -237,7 +237,7 @@ class GatewayVoteSource:
             wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
                      in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
             raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
-        budgets = self._each(lambda index, gateway: gateway.budget(), "did not report its budget")
+        budgets = self._each(lambda index, gateway: gateway.budget(), "did not report its budget", admitting=True)
         self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         pool = float_tensor(public_pool) if public_pool is not None else None
         requests = [owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch, rounds=rounds,

@@ -84,7 +84,7 @@ class GatewayDpsgd:
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
         self.declared = tuple(int(d.records) for d in described)  # public
-        budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget")
+        budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget", admitting=True)
         self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         self.records = sum(self.declared)
         self.expected_batch = terms.sample_rate * self.records

@@ -334,7 +334,10 @@ class OwnerServicer:
         reply = owner_pb2.BudgetReply(owner=owner, epsilon_limit=lifetime.epsilon, delta=lifetime.delta)
         path = lifetime.ledger_path(owner)
         if path.exists():
-            snapshot = read_ledger(path)
+            try:
+                snapshot = read_ledger(path)
+            except LedgerDamaged as err:  # its owner's to repair; the line names the ledger and what is wrong
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
             spent = snapshot.spent
             reply.epsilon_spent = epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0] if snapshot.charges else 0.0
             reply.charges = snapshot.charges
