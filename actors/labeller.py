@@ -324,11 +324,12 @@ class PrivateLabeller:
                 break
             try:
                 answered = self._groups.run(_Asked(inputs, fresh))
-            except BudgetExceeded:
+            except BudgetExceeded as err:
                 with self._lock:
                     on_record = any(key in self._answers for key in keys)
                 if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
-                    raise self._exhausted(self.ledger.refusal(self._worst_case(len(fresh))) or "", len(fresh)) from None
+                    refused = self.ledger.refusal(self._worst_case(len(fresh))) or str(err)  # ours, or an owner's
+                    raise self._exhausted(refused, len(fresh)) from None
                 break
             newly_answered += answered
             # Calls earlier in the group may have taken what was left: try again alone while the
@@ -569,6 +570,8 @@ class _Rounds:
 
         try:
             totals = np.asarray(self._source.noised_votes(self._inputs[rows], release, self._noise, charge))
+        except BudgetExceeded:
+            raise  # an owner's lifetime budget refused the round on its side (a gateway's): nothing released
         except OwnerDropout as err:
             raise TeachersUnavailable(f"{err}; retry later") from err
         except Exception as err:  # teachers' failures must not leak their details to clients

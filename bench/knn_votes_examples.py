@@ -4,8 +4,8 @@ Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with i
 student actor), the demo (the digits voting for 100 public clusters) beside
 configs/digits-teachers.yaml (50 digits teachers, Confident-GNMax) and configs/digits-knn.yaml
 (the same digits as Private-kNN votes), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
-configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting on
-their own nodes, summed securely). Writes results/bench/knn_votes_examples.json: per run and
+configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting behind
+the gateways the run starts for them, summed securely). Writes results/bench/knn_votes_examples.json: per run and
 repetition the answers, label accuracy (digits only: the hospitals' pool has no labels),
 student accuracy and the guarantee, and ``sound``. MNIST's rows are in
 bench/teacher_student_mnist.py.

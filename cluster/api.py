@@ -30,6 +30,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "conclave.cluster.tracking": ("MlflowLog", "TrackingConfig", "TrackingFailed", "add_flag", "with_flag"),
     "conclave.learning.data.sources": ("DataSource",),
     "conclave.learning.train_config": ("TrainConfig",),
+    "conclave.privacy.accounting.owner_policy": ("OwnerBudget",),
     # The teacher/student steps.
     "conclave.cluster.teaching.config": (
         "DEFAULT_TABLE_STUDENT", "KnnConfig", "MechanismConfig", "OwnerConfig", "StudentConfig", "TeachersConfig",
@@ -52,6 +53,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "conclave.actors.vote_parties": ("declared_share",),
     "conclave.cluster.gateway.client": ("ClusterVotes", "CoordinatorTls", "GatewayVoteSource", "OwnerGateway"),
     "conclave.cluster.gateway.identity": ("Verifier",),
+    "conclave.cluster.gateway.local": ("LocalGateways",),
     # The aggregator service over any vote source, and what its clients see of it; teachers trained
     # on a Ray pool or in one process.
     "conclave.actors.aggregator": ("RECORD_UNWRITABLE", "SERVICE_NAME", "AggregatorServer", "ServerSettings"),

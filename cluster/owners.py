@@ -1,9 +1,10 @@
 """The ``owners`` section every pipeline shares, and the public data the driver may read.
 
-An owner names its data (a path on its own node, read only by its actors), how many actors
-its part runs on, and where they run (Ray custom resources and/or node labels). On the
-embedded local Ray every owner's resources are granted to the one node and labels are not
-used, so the same config runs on one machine. Each pipeline adds what its owners do (e.g.
+An owner names its data (a path read only behind its gateway, which the run starts on this machine:
+``cluster.gateway.local``), its declared records and how many actors its part runs on; or it is
+named by its gateway alone (below). Sparse fine-tuning's owners, which still join one Ray cluster,
+also say where their actors run (Ray custom resources and/or node labels; on the embedded local Ray
+every owner's resources are granted to the one node). Each pipeline adds what its owners do (e.g.
 teachers); the driver itself reads only the ``public`` and ``test`` sources.
 
 Tables are read by column name: the public pool's input columns are the run's schema
@@ -15,7 +16,8 @@ as does the pool's image size, at which an owner's image folder is read.
 
 An owner may instead be named by its gateway alone (``{name, gateway: HOST:PORT}``, with the
 coordinator's certificates in ``gateways``): its data, actors and ledger are then its own
-business, on its machine, behind ``conclave owner serve`` (docs/gateway.md).
+business, on its machine, behind ``conclave owner serve`` (docs/gateway.md). Either way the
+coordinator reaches it through the same owner protocol.
 """
 from __future__ import annotations
 
@@ -35,17 +37,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DataOwner:
-    """One data owner: its data (a path on its own node), its actors, and where they run.
+    """One data owner: its data (a path on its machine), its actors, and (sparse fine-tuning only) where
+    they run.
 
     ``resources``: Ray custom resources its node declares (``ray start --resources``); its
     actors split the amounts. ``labels``: node labels its node carries (``ray start
-    --labels``). ``records``: how many records the owner declares, a public upper bound: the
+    --labels``). Only sparse fine-tuning places owners' actors so; the other pipelines run them
+    behind the owner's gateway and refuse both. ``records``: how many records the owner declares, a public upper bound: the
     run never checks it against the data (that would depend on one record). DP-SGD needs it:
     the sampling rate and the number of steps, which are released, come from the declared
     sizes, never from the private count; teachers keep at most their share of it.
     ``budget``: the lifetime budget the run asks for this data (``OwnerBudget``), kept in a ledger
-    on its node that every run charges before releasing anything computed from the data; where
-    the owner wrote a policy on its node, the policy decides and this may only ask for less.
+    on its machine that every run charges before releasing anything computed from the data; where
+    the owner wrote a policy there, the policy decides and this may only ask for less.
     ``gateway``: instead of all of these, the owner's gateway (host:port) on its own machine,
     which holds its data, actors, policy and ledger.
     """
@@ -151,6 +155,21 @@ def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: 
         raise ValueError(f"owner names must be distinct, got {names}")
     if classes is not None and len(set(classes)) != len(classes):
         raise ValueError(f"classes must be distinct, got {list(classes)}")
+
+
+def check_behind_gateways(owners: Sequence[DataOwner]) -> None:
+    """Owners named by their data vote or train behind gateways the run starts on this machine
+    (``cluster.gateway.local``): each declares its ``records``, which size its share of every secure
+    sum, and places nothing on the coordinator's Ray (its actors run on the gateway's)."""
+    for owner in owners:
+        if owner.gateway is not None:
+            continue
+        if owner.records is None:
+            raise ValueError(f"owner {owner.name}: declare its records (a public upper bound, never checked against "
+                             "its data): its gateway sizes its share of every secure sum by them")
+        if owner.resources or owner.labels:
+            raise ValueError(f"owner {owner.name}: resources and labels placed an owner's actors on the coordinator's "
+                             "Ray; they now run behind the owner's own gateway: leave them out")
 
 
 def require_declared_records(owners: Sequence[DataOwner]) -> None:

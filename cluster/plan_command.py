@@ -243,7 +243,10 @@ def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
     settings = [(_label(parameters, shown, "configured"), parameters, config)]
     for names, factor in mechanism.noise_variations(NOISE_FACTORS):
         varied = _scaled(parameters, names, factor)
-        setting = dataclasses.replace(config, mechanism=MechanismConfig(config.mechanism.name, varied))
+        try:
+            setting = dataclasses.replace(config, mechanism=MechanismConfig(config.mechanism.name, varied))
+        except ValueError:  # one the config refuses (owners' gateways admit one σ for every round)
+            continue
         note = f"×{factor:g}" if names == shown else f"{'/'.join(names)} ×{factor:g}"
         settings.append((_label(varied, shown, note), varied, setting))
     return settings

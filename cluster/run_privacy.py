@@ -6,11 +6,13 @@ computed from other parties' records (docs/privacy.md, "Who sees what"). ``RunPr
 a run reports (``privacy.json``): the ``Guarantee`` first, then labelled ``Estimate``s and what
 the pipeline released besides.
 
-Owners' lifetime ledgers are opened on their nodes by ``with_owners``, wherever a run opens its
-ledger; each owner's node decides its terms (its policy, else the config's budget). A pipeline
-first asks them, before anything trains, whether the run can release anything at all
-(``owners_admitted``), and names itself, its mechanisms and the run for every ledger the run
-opens meanwhile (a ``RunRequest``, which the owners' policies check on their nodes).
+Owners reached through their gateways keep their lifetime ledgers there: a run's report lists each
+one's account as its gateway reports it (``GatewayAccount``). Sparse fine-tuning's owners, which
+still join one Ray cluster, have their ledgers opened on their nodes by ``with_owners``, wherever
+that run opens its ledger; each owner's node decides its terms (its policy, else the config's
+budget). That pipeline first asks them, before anything trains, whether the run can release
+anything at all (``owners_admitted``), and names itself, its mechanisms and the run for every
+ledger the run opens meanwhile (a ``RunRequest``, which the owners' policies check on their nodes).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from conclave.privacy.accounting.guarantee import Estimate, Guarantee, covers, r
 from conclave.privacy.accounting.ledger import (AnsweringLedger, BudgetChange, BudgetExceeded, BudgetReport,
                                                 PrivacyLedger)
 from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
-from conclave.privacy.accounting.owner_policy import OwnerTerms, RunRequest
+from conclave.privacy.accounting.owner_policy import OwnerTerms, RunRequest, budget_statement
 from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.noise import NoisePolicy
 
@@ -281,7 +283,7 @@ class RunPrivacy:
     estimates: tuple[Estimate, ...] = ()
     per_model: Mapping[str, Guarantee] = field(default_factory=dict)
     releases: Mapping[str, Any] = field(default_factory=dict)
-    owners: Mapping[str, OwnerAccountReport] = field(default_factory=dict)  # owners with lifetime budgets
+    owners: Mapping[str, OwnerAccountReport | GatewayAccount] = field(default_factory=dict)  # their lifetime accounts
     beyond_plan: str | None = None  # why the plan's worst case is not the guarantee: the run charged more
 
     @property
@@ -301,6 +303,10 @@ class RunPrivacy:
         return dataclasses.replace(self, estimates=self.estimates + tuple(estimates),
                                    per_model={**self.per_model, **(per_model or {})},
                                    releases={**self.releases, **releases})
+
+    def with_owner_accounts(self, accounts: Mapping[str, OwnerAccountReport | GatewayAccount]) -> RunPrivacy:
+        """This report with the owners' lifetime accounts after the run (as their gateways report them)."""
+        return dataclasses.replace(self, owners={**self.owners, **accounts})
 
     def headline(self) -> str:
         """One line: the run's guarantee, why it is not sound if it is not, and the estimates,
@@ -396,6 +402,37 @@ class OwnerAccountReport:
         if self.changes:
             account["budget_changes"] = [c.as_dict() for c in self.changes]
             account["budget_changes_note"] = BUDGET_CHANGES_NOTE
+        return account
+
+
+@dataclass(frozen=True)
+class GatewayAccount:
+    """An owner's lifetime account after a run, as its gateway reports it (``Budget``): the lifetime
+    budget in force on its machine (a Rényi filter over every release from its data, in every run), what
+    its ledger has spent (a realised figure, not the guarantee), its charges and how many it held before
+    this run. ``budget_source``: where that budget comes from, where the run knows it (gateways it
+    started on this machine: the owner's "policy", or the run's "config"; None: the owner's business)."""
+
+    owner: str
+    epsilon: float
+    delta: float
+    spent_epsilon: float
+    charges: int
+    charges_before_run: int
+    budget_source: str | None = None
+
+    def headline(self) -> str:
+        return (f"ε {self.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {self.charges} charges "
+                f"({self.charges_before_run} before this run)")
+
+    def as_dict(self) -> dict[str, Any]:
+        account: dict[str, Any] = {
+            "guarantee": {"epsilon": self.epsilon, "delta": self.delta, "basis": "renyi-filter"},
+            "covers": LIFETIME_COVERS, "ledger": "kept by the owner's gateway, on its machine",
+            "spent": {"epsilon": self.spent_epsilon, "charges": self.charges,
+                      "charges_before_run": self.charges_before_run, "note": SPENT_NOTE}}
+        if self.budget_source is not None:
+            account["budget_source"] = {"source": self.budget_source, "statement": budget_statement(self.budget_source)}
         return account
 
 

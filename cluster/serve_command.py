@@ -122,13 +122,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     except sqlite3.Error as err:  # not a database, or one SQLite cannot write
         return fail(StartRefused(f"ledger {ledger_path}: {str(err).splitlines()[0]}"))
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
-    try:  # every owner's node admits the service, and can pay one answer, before any teacher trains
-        started.enter_context(service.admitting(public, args.address))
+    try:  # with owners, each owner's gateway admits the service, and can pay one round, before its teachers train
         teachers = service.train(public, args.address)
     except ConclaveError as err:  # an owner refused; its data; no node can take them
         _undo(started, ours)
         return fail(err)
-    started.callback(teachers.pool.shutdown)
+    started.callback(teachers.shutdown)
     interrupts.raise_if_any()  # one a library swallowed on the way: the start stops before anything is served
     # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
     # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,20 @@ _opened: list[str] | None = None  # the running test's record of opened files, i
 
 def _record_open(event: str, args: tuple) -> None:
     if _opened is not None and event == "open" and args and isinstance(args[0], str):
-        _opened.append(args[0])
+        if not threading.current_thread().name.startswith(GATEWAY_THREADS):
+            _opened.append(args[0])
+
+
+# The threads of an owner's gateway that a run starts in its own process (owners named by their
+# data): they are the owner's, and read its files; the driver's are every other.
+GATEWAY_THREADS = "gateway_"  # grpc server threads of cluster.gateway.server (the coordinator's: "gateways_")
 
 
 @pytest.fixture
 def driver_opens():
-    """The files this process (the driver) opens while the test runs, as resolved paths. An
-    audit hook sees every ``open`` but cannot be removed, so one is installed once and
-    records only for the test that asks."""
+    """The files this process's driver opens while the test runs (not the owners' gateways a run
+    starts in it: ``GATEWAY_THREADS``), as resolved paths. An audit hook sees every ``open`` but
+    cannot be removed, so one is installed once and records only for the test that asks."""
     global _opened
     if not getattr(sys, "_conclave_open_hook", False):
         sys.addaudithook(_record_open)

@@ -34,10 +34,11 @@ from tqdm.auto import tqdm
 
 from conclave.actors.dp_trainer import DPCheckpoint
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import OwnerGateway, float_tensor, reading_message
+from conclave.cluster.gateway.client import OwnerGateway, account_of, float_tensor, gateway_failure, reading_message
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
+from conclave.cluster.run_privacy import GatewayAccount
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import PublicReading
 from conclave.learning.dp_schedule import dp_step_charge
@@ -93,14 +94,6 @@ class DpsgdTerms:
     sparse: SparseTerms | None = None
 
 
-@dataclass(frozen=True)
-class OwnerSpend:
-    """What an owner's gateway said of its lifetime ledger after the latest step."""
-
-    epsilon_spent: float
-    charges: int
-
-
 class GatewayDpsgd:
     """DP-SGD steps on the owners' records through their ``gateways`` (rank order) for run ``run``,
     classifying ``classes``. ``ledger``: the coordinator's own view, charged one step before each
@@ -126,6 +119,8 @@ class GatewayDpsgd:
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
         self.declared = tuple(int(d.records) for d in described)  # public
+        budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget", admitting=True)
+        self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         self.records = sum(self.declared)
         self.expected_batch = terms.sample_rate * self.records
         request = owner_pb2.AdmitRequest(run=run, mechanism=DPSGD, lifetime_epsilon=lifetime_epsilon or 0.0,
@@ -138,9 +133,9 @@ class GatewayDpsgd:
                                              arguments=[_argument(name, value) for name, value in terms.arguments],
                                              sparse=terms.sparse and terms.sparse.message()),
                                          reading=reading_message(reading))
-        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
+        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run",
+                                   admitting=True)
         self._step = 0
-        self.spend: dict[str, OwnerSpend] = {}
         log.info("DP-SGD run '%s' admitted by %s", run, ", ".join(
             f"{owner} (planned ε {a.planned_epsilon:.3g})" for owner, a in zip(self.owners, self.admitted)))
 
@@ -168,15 +163,13 @@ class GatewayDpsgd:
                              "sent no share of a DP-SGD step: the run is aborted; its shares were asked, so it was "
                              "charged; nothing of it is decoded", deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
-        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
-                      for owner, reply in zip(self.owners, replies)}
         gradient = torch.from_numpy(decode(summed_shares(shares, plan), plan) / self.expected_batch)
         trained.set_gradients(parameters, gradient)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     def train(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int | None = None) -> nn.Module:
-        """``steps`` steps (None: every admitted step left); ``model``, trained. ``spend``: each owner's charges."""
+        """``steps`` steps (None: every admitted step left); ``model``, trained."""
         for _ in range(self.terms.steps - self._step if steps is None else steps):
             self.step(model, optimizer)
         return model
@@ -227,9 +220,14 @@ class GatewayDpsgd:
         replies = self._each(lambda gateway: gateway.near_private(request, _left(deadline)),
                              f"sent no share of NearPrivate's {kind}: the run is aborted; its shares were asked, "
                              "so it was charged; nothing of it is decoded", deadline)
-        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
-                      for owner, reply in zip(self.owners, replies)}
         return [_share(reply, plan.dimension) for reply in replies]
+
+    def accounts(self, budget_sources: Mapping[str, str] | None = None) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
+        owner's budget comes from, where the run knows it)."""
+        replies = self._each(lambda gateway: gateway.budget(), "did not report its budget")
+        return {owner: account_of(reply, self.charges_before[owner], (budget_sources or {}).get(owner))
+                for owner, reply in zip(self.owners, replies)}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -259,9 +257,10 @@ class GatewayDpsgd:
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the run is aborted; nothing was released or charged") from None
 
-    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None) -> list:
-        """``call(gateway)`` on every gateway in parallel, answers in order; ``OwnerDropout`` naming
-        the first owner that failed (``failure``: what it did not do)."""
+    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None,
+              admitting: bool = False) -> list:
+        """``call(gateway)`` on every gateway in parallel, answers in order; the first owner's failure as
+        ``gateway_failure`` says (``failure``: what it did not do)."""
         futures = [self._pool.submit(call, gateway) for gateway in self._gateways]
         answers = []
         for who, future in zip(self.owners, futures):
@@ -270,7 +269,7 @@ class GatewayDpsgd:
             except FutureTimeout:
                 raise OwnerDropout(f"owner {who} {failure} (no answer within {self.step_timeout_s:g} s)") from None
             except grpc.RpcError as err:
-                raise OwnerDropout(f"owner {who} {failure}: {err.code().name}: {err.details()}") from None
+                raise gateway_failure(who, failure, err, admitting) from None
         return answers
 
 

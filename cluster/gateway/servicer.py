@@ -24,6 +24,7 @@ One run at a time: admitting a new run ends the previous one (its actors stop, i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -39,7 +40,7 @@ from google.protobuf.message import DecodeError, Message
 
 from conclave.actors.cluster_votes import ClusterVoteSource
 from conclave.actors.knn_votes import KnnVoteSource
-from conclave.actors.owners import OwnerSource
+from conclave.actors.owners import OwnerDataError, OwnerSource
 from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
@@ -47,7 +48,7 @@ from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, Ste
 from conclave.cluster.gateway.near_private import COUNTS, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, SPARSE_PIPELINE, AdmittedSteps, StepTerms,
                                              schedule_charge, signed_step_key, step_key_of)
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, first_line
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
@@ -257,11 +258,18 @@ class AdmittedRun:
 
 class OwnerServicer:
     """The Owner service's calls for one owner (``declaration``), its policy on this machine, its
-    signing ``identity`` and the consortium CA's ``verifier``. Ray must be running (the owner's)."""
+    signing ``identity`` and the consortium CA's ``verifier``. Ray must be running (the owner's).
 
-    def __init__(self, declaration: Declaration, policy: OwnerPolicy, identity: Identity, verifier: Verifier,
-                 cpus_per_actor: float = 1.0) -> None:
-        self.declaration, self.policy = declaration, policy
+    ``asked``: the budget that a run which started this gateway itself, on the owner's machine
+    (``cluster.gateway.local``), declares for the owner: the budget where no policy is written here
+    (``policy`` None), else a request for less that the policy checks (never more, nor another ledger
+    folder). None: the policy alone decides, and there must be one."""
+
+    def __init__(self, declaration: Declaration, policy: OwnerPolicy | None, identity: Identity, verifier: Verifier,
+                 cpus_per_actor: float = 1.0, asked: OwnerBudget | None = None) -> None:
+        if policy is None and asked is None:
+            raise OwnerRefused(f"owner {declaration.name} has no policy on this machine")
+        self.declaration, self.policy, self._asked = declaration, policy, asked
         self._identity, self._verifier, self._cpus = identity, verifier, cpus_per_actor
         self._lock = threading.Lock()  # one call changes the state at a time
         self._run: AdmittedRun | AdmittedSteps | None = None
@@ -269,12 +277,17 @@ class OwnerServicer:
 
     # --- the calls ------------------------------------------------------------------------
 
+    @property
+    def lifetime(self) -> OwnerBudget:
+        """The lifetime budget in force: the policy's, else the one the run that started this gateway declares."""
+        return self.policy.budget() if self.policy is not None else self._asked
+
     def describe(self, request: owner_pb2.DescribeRequest) -> owner_pb2.Description:
-        declaration, policy = self.declaration, self.policy
+        declaration, policy, lifetime = self.declaration, self.policy, self.lifetime
+        mechanisms, ceiling = (policy.mechanisms, policy.max_run_epsilon) if policy is not None else ((), None)
         return owner_pb2.Description(owner=declaration.name, records=declaration.records,
-                                     vote_sources=list(declaration.vote_sources), mechanisms=list(policy.mechanisms),
-                                     max_run_epsilon=policy.max_run_epsilon or 0.0, epsilon=policy.epsilon,
-                                     delta=policy.delta)
+                                     vote_sources=list(declaration.vote_sources), mechanisms=list(mechanisms),
+                                     max_run_epsilon=ceiling or 0.0, epsilon=lifetime.epsilon, delta=lifetime.delta)
 
     def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         with self._lock:
@@ -293,8 +306,11 @@ class OwnerServicer:
                 self._run.stop()
                 self._run = None
             try:
-                self._open(ledger, planned, request.run)
+                self._open(ledger, planned, request.run, record_charge(release, 1, request.mechanism))
                 source = self._start_source(kind, request, pool, data)
+            except OwnerDataError as err:  # its file as declared (missing, not its format, a column): no record
+                ledger.close()
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, first_line(err)) from None
             except BaseException:
                 ledger.close()
                 raise
@@ -303,10 +319,10 @@ class OwnerServicer:
                                     len(request.classes), source, cell_bound, ledger,
                                     cell_bound if kind == "teachers" else None)
             self._seen_runs.add(request.run)
-            epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
+            epsilon = worst_case_guarantee(planned, self.lifetime.delta).epsilon
             log.info("run '%s' admitted: %s votes, %s at σ %g, up to %d rounds of %d (planned ε %.4g)", request.run,
                      kind, request.mechanism, request.sigma, request.rounds, request.max_batch, epsilon)
-            return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+            return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.lifetime.delta,
                                         cell_bound=cell_bound)
 
     def keys(self, request: owner_pb2.KeysRequest) -> owner_pb2.SignedKey:
@@ -368,11 +384,14 @@ class OwnerServicer:
                                         epsilon_spent=report.epsilon_spent, charges=report.charges)
 
     def budget(self, request: owner_pb2.BudgetRequest) -> owner_pb2.BudgetReply:
-        policy = self.policy
-        reply = owner_pb2.BudgetReply(owner=policy.owner, epsilon_limit=policy.epsilon, delta=policy.delta)
-        path = policy.budget().ledger_path(policy.owner)
+        owner, lifetime = self.declaration.name, self.lifetime
+        reply = owner_pb2.BudgetReply(owner=owner, epsilon_limit=lifetime.epsilon, delta=lifetime.delta)
+        path = lifetime.ledger_path(owner)
         if path.exists():
-            snapshot = read_ledger(path)
+            try:
+                snapshot = read_ledger(path)
+            except LedgerDamaged as err:  # its owner's to repair; the line names the ledger and what is wrong
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
             spent = snapshot.spent
             reply.epsilon_spent = epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0] if snapshot.charges else 0.0
             reply.charges = snapshot.charges
@@ -465,40 +484,49 @@ class OwnerServicer:
 
     def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge,
                           pipeline: str = PIPELINE, releases: tuple[str, ...] = ()) -> OwnerLedger:
-        """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
-        The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
+        """The owner's ledger for the run, once its policy (else the budget ``asked`` at the start) admits
+        the run as asked (refused otherwise). The policy is read again: the owner may have changed it
+        (``conclave owner raise``) meanwhile."""
+        owner = self.declaration.name
         try:
-            policy = OwnerPolicy.load(self.policy.owner)
+            policy = OwnerPolicy.load(owner)
         except OwnerRefused as err:  # unreadable
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        if policy is None:
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {self.policy.owner} has no policy on its machine "
-                                                             "any more: it admits no run")
+        if policy is None and self._asked is None:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {owner} has no policy on its machine any more: "
+                                                             "it admits no run")
         self.policy = policy
-        if planned.neighbouring != policy.neighbouring:  # as ``OwnerLedger.open`` refuses, before anything ends
+        lifetime = self.lifetime
+        if planned.neighbouring != lifetime.neighbouring:  # as ``OwnerLedger.open`` refuses, before anything ends
             raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                          f"owner {policy.owner}: its policy is for {policy.neighbouring} neighbours; these votes' "
+                          f"owner {owner}: its budget is for {lifetime.neighbouring} neighbours; these releases' "
                           f"charges hold for {planned.neighbouring} neighbours of its records")
-        asked = None
-        if request.lifetime_epsilon:
-            asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
-                                policy.reserved_delta, policy.ledger)
+        asked = self._asked
+        if request.lifetime_epsilon:  # the lifetime ε the run asks to stay within, checked as a budget asked
+            asked = dataclasses.replace(asked if asked is not None else lifetime, epsilon=request.lifetime_epsilon)
         data = (self.declaration.data.path,) if self.declaration.data.path else ()
         try:
-            terms = OwnerAdmission(policy.owner, asked, data).admit(
+            terms = OwnerAdmission(owner, asked, data).admit(
                 RunRequest(request.run, pipeline, (request.mechanism, *releases)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        return OwnerLedger(terms, data)  # a policy is in force: terms, never None
+        return OwnerLedger(terms, data)  # a policy or the budget asked is in force: terms, never None
 
     @staticmethod
-    def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str) -> None:
+    def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str, first: PrivacyCharge) -> None:
+        """Open the run's ledger, which must pay for ``first`` (the least the run releases: one round of one
+        query, or a DP-SGD run's whole schedule) before anything starts or trains: refused otherwise, the
+        ledger closed and nothing charged."""
         try:
             ledger.open(planned, run)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         except (LedgerInUse, LedgerDamaged) as err:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
+        refused = ledger.refusal(first)
+        if refused is not None:
+            ledger.close()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refused}; nothing was admitted or charged")
 
     def _owner_data(self, reading: PublicReading) -> DataSource:
         """The owner's data as the run reads them (by the pool's columns, at its size): a string
@@ -513,7 +541,8 @@ class OwnerServicer:
         """The owner's vote source on its own Ray over ``data``: its records, with the embedding fitted
         here on the public pool, or its teachers, trained here."""
         if kind == "teachers":
-            return self._trained_teachers(request.teachers, tuple(request.classes), data)
+            return self._trained_teachers(request.teachers, tuple(request.classes), data,
+                                          decode_reading(request.reading))
         declaration, terms = self.declaration, request.clusters if kind == "clusters" else request.knn
         embed = fit_embedding(terms.embedding, pool, int(terms.dims))
         owner = OwnerSource(declaration.name, data, declaration.actors, tuple(request.classes))
@@ -530,7 +559,7 @@ class OwnerServicer:
         return source
 
     def _trained_teachers(self, terms: owner_pb2.TeacherTerms, classes: tuple[str, ...],
-                          data: DataSource) -> TeacherPool:
+                          data: DataSource, reading: PublicReading) -> TeacherPool:
         """The owner's teachers trained on its Ray (its CPUs, or its GPUs where it has them). The shard
         hash is keyed from this machine's entropy, fresh for the run: a record's teacher is a function
         of the record alone, and the coordinator's seed chooses initialisation and batch order only.
@@ -543,6 +572,9 @@ class OwnerServicer:
         teachers = TeacherPool([OwnerShare(owner, int(terms.teachers), declaration.actors)], terms.model, train,
                                num_cpus_per_actor=self._cpus)
         try:
+            if reading.columns and tuple(teachers.input_shape) != (len(reading.columns),):
+                raise OwnerDataError(f"owner {declaration.name}: its records are inputs {list(teachers.input_shape)}, "
+                                     f"but the run's are the public pool's {len(reading.columns)} columns")
             check_model(terms.model, teachers.num_classes, tuple(teachers.input_shape))
             teachers.train(progress=False)
         except ModelContractError as err:
@@ -663,7 +695,10 @@ class OwnerServicer:
         # the policy's checks: nothing changed yet
         ledger = self._admitting_ledger(request, planned, SPARSE_PIPELINE if sparse else DPSGD_PIPELINE, releases)
         try:
-            dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+            try:
+                dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+            except (OSError, ValueError) as err:  # its file as declared (missing, not its format, a column): no record
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"owner {declaration.name}: {first_line(err)}") from None
             input_shape = tuple(dataset.x.shape[1:])
             standardiser = decode_standardiser(terms, input_shape)
             arguments = decode_arguments(terms)
@@ -704,18 +739,18 @@ class OwnerServicer:
                 log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
                 self._run.stop()
                 self._run = None
-            self._open(ledger, planned, request.run)
+            self._open(ledger, planned, request.run, planned)
         except BaseException:
             ledger.close()
             raise
         self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger, near_private, embeddings)
         self._seen_runs.add(request.run)
-        epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
+        epsilon = worst_case_guarantee(planned, self.lifetime.delta).epsilon
         log.info("run '%s' admitted: %s on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
                  request.run, "sparse DP fine-tuning" if sparse else "DP-SGD", terms.model, plan.dimension,
                  terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate, terms.steps,
                  ", then NearPrivate" if near_private else "", epsilon)
-        return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+        return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.lifetime.delta,
                                     cell_bound=declaration.records)
 
     def _checked_step_terms(self, request: owner_pb2.AdmitRequest

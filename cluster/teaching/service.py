@@ -1,27 +1,24 @@
 """A teacher/student ensemble served to outside students: ``conclave serve``'s start, step by step.
 
 ``TeacherStudent.service`` returns a ``Service``; each method is one step of the start (the
-server's settings, the driver's public data, the port, the durable ledger, the owners' admission,
-the teachers, the server), so the command can check each before the next, undo what has run and
-tell a failure in one line. Nothing here imports torch or Ray until a step needs them.
+server's settings, the driver's public data, the port, the durable ledger, the teachers behind
+the owners' admission, the server), so the command can check each before the next, undo what
+has run and tell a failure in one line. Nothing here imports torch or Ray until a step needs them.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.owners import PublicData
-from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.teaching.aggregation import (
     Aggregator, aggregator_ledger, check_port_free, serve, server_fields, server_settings,
 )
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.privacy.accounting.ledger import PrivacyLedger
-from conclave.privacy.accounting.owner_policy import RunRequest
 
 if TYPE_CHECKING:
     from conclave.actors.aggregator import ServerSettings
@@ -57,14 +54,9 @@ class Service:
         """The service's durable ledger at ``path``: what it holds is kept across restarts."""
         return aggregator_ledger(self.config, path, service=True)
 
-    def admitting(self, public: PublicData, ray_address: str | None) -> AbstractContextManager[None]:
-        """Inside, every owner's node has admitted the service and can pay for one answer."""
-        config = resolved(self.config, public)
-        request = RunRequest(config.name, "teacher_student", (config.mechanism.name,))
-        return admitting_owners(config, request, config.planned(), config.planned(answers=1), ray_address)
-
     def train(self, public: PublicData, ray_address: str | None) -> Ensemble:
-        """Every owner's teachers (or voting records), trained where its data is."""
+        """Every owner's teachers (or voting records), trained where its data is: with owners, each
+        owner's gateway first admits the service and checks it can pay one round."""
         return train_ensemble(resolved(self.config, public), ray_address, public=public)
 
     def serve(self, teachers: Ensemble, ledger: PrivacyLedger, token: str) -> Aggregator:

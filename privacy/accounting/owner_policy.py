@@ -189,10 +189,7 @@ class OwnerTerms:
 
     @property
     def statement(self) -> str:
-        if self.source == "policy":
-            return "the owner's policy on its node decides this budget; a run's config may ask for less, never more"
-        return ("no policy on the owner's node: the run's config declares this budget, so whoever writes the config "
-                "chooses it (the owner sets one with `conclave owner init` on its node)")
+        return budget_statement(self.source)
 
     def cap_within(self, declared: RenyiFilter | None, path: Path) -> float | None:
         """The run's cap (the lower lifetime ε it asked for, None: none), once these terms are
@@ -215,6 +212,14 @@ class OwnerTerms:
                                "spent on, but by its owner on its node (`conclave owner init`, then `conclave owner "
                                "raise`)")
         return budget.epsilon if budget.epsilon < declared.epsilon else None
+
+
+def budget_statement(source: str) -> str:
+    """What it means that an owner's budget comes from ``source``: its "policy", or the run's "config"."""
+    if source == "policy":
+        return "the owner's policy on its node decides this budget; a run's config may ask for less, never more"
+    return ("no policy on the owner's node: the run's config declares this budget, so whoever writes the config "
+            "chooses it (the owner sets one with `conclave owner init` on its node)")
 
 
 class OwnerAdmission:

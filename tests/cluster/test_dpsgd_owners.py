@@ -1,6 +1,7 @@
-"""Owners in the DP-SGD pipelines: each owner's shard actors hold its file and train one
-data-parallel DP-SGD model on the schedule of the declared sizes; the driver reads only
-public files; what cannot run fails before Ray starts, in one line."""
+"""Owners in the DP-SGD pipelines: in active learning each owner's gateway (started on this machine by
+the run) holds its file and answers every step of one DP-SGD model on the schedule of the declared
+sizes, and sparse fine-tuning's owners' shard actors train it data-parallel; the driver reads only
+public files; what cannot run fails before anything is charged, in one line."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,10 +32,14 @@ def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_fil
     assert not owners & opened and str((DATA / "public" / "annotated.csv").resolve()) in opened
     metrics = json.loads((tmp_path / "hospitals-active" / "metrics.json").read_text())
     privacy = json.loads((tmp_path / "hospitals-active" / "privacy.json").read_text())
-    assert set(metrics["shards"]["nodes"]) == {"hospital_a", "hospital_b", "hospital_c"}
+    assert metrics["shards"]["nodes"] == {}  # no actor of the coordinator's holds an owner's records
     # the schedule of the declared 299 records at batch 30: q = 1/10, 10 steps an epoch, 15 epochs
-    assert privacy["dpsgd"]["declared_private_size"] == 299 and privacy["dpsgd"]["shard_actors"] == 3
+    assert privacy["dpsgd"]["declared_private_size"] == 299 and privacy["dpsgd"]["gateways"] == 3
     assert privacy["dpsgd"]["sample_rate"] == pytest.approx(0.1)
+    for owner, account in privacy["owners"].items():  # each owner's ledger: every step, then NearPrivate's two
+        spent = account["spent"]
+        assert spent["charges"] - spent["charges_before_run"] == 150 + 2, owner
+        assert account["budget_source"]["source"] == "config", owner
     assert metrics["checkpoints"][-1]["test_accuracy"] > 0.75  # majority class: 0.63; runs: 0.94–0.97
     assert privacy["guarantee"]["epsilon"] <= 6.0 and privacy["sound"]
     assert privacy["aggregation"] == "secure" and privacy["trust_model"]["trusted"] == []
@@ -44,11 +49,15 @@ def test_three_hospitals_train_one_dp_model_without_the_driver_reading_their_fil
 def test_dp_sgd_owners_must_declare_their_records():
     raw = load_yaml(ACTIVE)
     del raw["owners"][1]["records"]
-    with pytest.raises(ConfigError, match=r"owners \['hospital_b'\]: declare records"):
+    with pytest.raises(ConfigError, match=r"owner hospital_b: declare its records"):
         load_pipeline(raw)
     raw = load_yaml(ACTIVE)
     raw["data"] = {"name": "mnist"}
-    with pytest.raises(ConfigError, match="may only set public_size and features"):
+    with pytest.raises(ConfigError, match="may only set public_size"):
+        load_pipeline(raw)
+    raw = load_yaml(ACTIVE)
+    raw["data"] = {"features": "hog"}
+    with pytest.raises(ConfigError, match="data.features: a gateway reads its owner's records as they are"):
         load_pipeline(raw)
 
 
@@ -69,21 +78,25 @@ def test_an_unlabeled_pool_for_the_oracle_annotator_fails_before_ray_starts(tmp_
     assert "\n" not in err and ray.is_initialized() == was_running and not (tmp_path / "results").exists()
 
 
-def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(ray_session, tmp_path, monkeypatch):
-    from conclave.actors.owners import OwnerDataError
+def test_a_missing_owner_file_stops_dp_sgd_before_anything_is_charged(tmp_path, monkeypatch):
     from conclave.cluster.pipelines import RunContext
     from conclave.cluster.api import ActiveLearning
     from conclave.cluster.results import RunDirectory
-    from conclave.privacy.accounting.ledger import PrivacyLedger
+    from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
+    from conclave.privacy.accounting.owner_policy import OwnerBudget, OwnerRefused
 
     monkeypatch.chdir(PROJECT_ROOT)
-    owners = list(active().owners)
+    owners = [dataclasses.replace(owner, budget=OwnerBudget(20.0, directory=str(tmp_path / owner.name)))
+              for owner in active().owners]
     owners[2] = dataclasses.replace(owners[2], data=dataclasses.replace(owners[2].data, path=str(tmp_path / "gone.csv")))
-    with pytest.raises(OwnerDataError) as err:
+    with pytest.raises(OwnerRefused) as err:  # its gateway refuses the run
         ActiveLearning(active(owners=tuple(owners))).run(RunContext("gone", RunDirectory(tmp_path, "gone")))
     assert str(err.value) == f"owner hospital_c: {tmp_path / 'gone.csv'}: no such file or folder"
     with PrivacyLedger.open_existing(tmp_path / "gone" / "ledger.sqlite") as ledger:
         assert ledger.report().charges == 0
+    for owner in owners[:2]:  # the others admitted the run: nothing was charged
+        ledger = tmp_path / owner.name / f"{owner.name}.sqlite"
+        assert not ledger.exists() or read_ledger(ledger).charges == 0
 
 
 @pytest.mark.slow

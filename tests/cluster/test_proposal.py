@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conclave.cluster import cli
-from conclave.cluster.config import load_yaml
+from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.proposal import (
     LOCALITY, SOURCES, VOTE_MARGIN, ProposalError, PublicFigures, cluster_sizes, load_config, propose, proposed_config,
     proposed_name, render, smallest_sigma, teacher_counts,
@@ -134,7 +134,7 @@ def test_smallest_sigma_is_the_least_noise_that_fits(tiny, proposals):
 
 def test_only_public_figures_and_a_budget_make_a_proposal(tiny, tmp_path):
     undeclared = {**tiny, "owners": [{k: v for k, v in o.items() if k != "records"} for o in tiny["owners"]]}
-    with pytest.raises(ProposalError, match="declare no records"):
+    with pytest.raises(ConfigError, match="owner o0: declare its records"):  # the config itself refuses it
         propose(undeclared)
     with pytest.raises(ProposalError, match="privacy.budget"):
         propose({**tiny, "privacy": {"budget": None}})
@@ -151,11 +151,11 @@ def test_the_proposal_reads_no_owners_file(tiny, driver_opens):
     assert str(Path(tiny["public"]["path"]).resolve()) in driver_opens()
 
 
-def test_one_owner_keeps_its_aggregation_and_its_noise_is_sigma(tmp_path):
+def test_one_owner_votes_through_its_gateway_and_its_noise_is_sigma(tmp_path):
     raw = tiny_table(tmp_path, owners=1, records=150)
     proposal = propose(raw)
-    assert "aggregation" not in proposal.sections and proposal.figures.noise_factor == 1.0
-    assert not load_config(proposed_config(raw, proposal.sections)).secure
+    assert proposal.figures.noise_factor == 1.0  # one party's share carries all the noise
+    assert load_config(proposed_config(raw, proposal.sections)).secure
 
 
 def test_plan_propose_prints_a_complete_config_and_writes_one(tiny, tmp_path, capsys):
