@@ -121,32 +121,29 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def trained_teachers(tmp_path_factory) -> Path:
-    """The ``teachers`` fixture's saved models, kept for the session once a module trained them."""
+    """The ``teachers`` fixture's saved models, for pools of the same teachers that restore them."""
     return tmp_path_factory.mktemp("trained-teachers")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def teachers(ray_session, trained_teachers, tmp_path_factory):
-    """Four real digits-CNN teachers on one Ray actor, a fresh pool per test module that asks
-    (module scope: a session-long actor would hold CPU that other modules' actors need). The
-    first module trains them; later ones restore the same seeded models from their checkpoints
-    (the pool's own restore path), so the session trains them once."""
+    """Four real digits-CNN teachers on one Ray actor, trained once and shared by every module that
+    asks (one actor start a session, not one a module). The actor reserves no CPU: it idles between
+    those modules, and a reservation held all session would keep CPU from other tests' actors; it
+    votes with one torch thread either way."""
     from conclave.actors.teacher import TeacherPool, TeacherSource
     from conclave.learning.train_config import TrainConfig
 
     folder = tmp_path_factory.mktemp("teachers")
-    for saved in trained_teachers.glob("teacher-*.pt"):
-        shutil.copy(saved, folder)
     # The whole digits train set in 4 shards (public_size only cuts the test set).
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
     pool = TeacherPool.of_source(
         source, 4, "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
-        num_actors=1, seed=0, num_cpus_per_actor=0.5, checkpoint_dir=str(folder),
+        num_actors=1, seed=0, num_cpus_per_actor=0.0, checkpoint_dir=str(folder),
     )
     pool.train(progress=False)
-    if not any(trained_teachers.glob("teacher-*.pt")):
-        for saved in folder.glob("teacher-*.pt"):
-            shutil.copy(saved, trained_teachers)
+    for saved in folder.glob("teacher-*.pt"):
+        shutil.copy(saved, trained_teachers)
     yield pool
     pool.shutdown()
 

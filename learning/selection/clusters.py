@@ -40,6 +40,8 @@ class PoolClusters:
         answered = np.asarray([int(m) for m in self.medoids if int(m) in labels_of_medoids], dtype=np.int64)
         if not len(answered):
             return {}
+        from sklearn.metrics import pairwise_distances
+
         labels = np.asarray([labels_of_medoids[int(m)] for m in answered], dtype=np.int64)
         from sklearn.metrics import pairwise_distances
 
@@ -57,6 +59,11 @@ class PoolClusters:
 def cluster_pool(embedded: np.ndarray, count: int, seed: int) -> PoolClusters:
     """``count`` k-means clusters of the embedded pool ``[n, d]`` and their medoids (distinct:
     a pool input nearest two centres goes to the larger cluster, the other takes its next nearest)."""
+    # scikit-learn is imported where it is used: every student actor imports this module, and most
+    # never cluster (the import costs about a second of CPU in each such process).
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import pairwise_distances_argmin
+
     embedded = np.asarray(embedded, dtype=np.float64)
     if not 1 <= count <= len(embedded):
         raise ValueError(f"clusters must be in [1, {len(embedded)}] (the pool), got {count}")

@@ -17,6 +17,11 @@ def kmeans_cold_start(pool: np.ndarray, candidates: np.ndarray, size: int, seed:
     """``size`` distinct indices from ``candidates`` (indices into ``pool``, the inputs not asked
     yet): for each of ``size`` k-means centres of the candidates, in the pool's PCA embedding,
     the candidate nearest it not picked for an earlier centre; largest cluster first."""
+    # scikit-learn is imported here: every student actor imports this module, most start at random.
+    from sklearn.cluster import KMeans
+    from sklearn.decomposition import PCA
+    from sklearn.metrics import pairwise_distances
+
     candidates = np.asarray(candidates, dtype=np.int64)
     if not 1 <= size <= len(candidates):
         raise ValueError(f"size must be in [1, {len(candidates)}] (the candidates), got {size}")

@@ -8,10 +8,10 @@ import socket
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conclave.learning.secure_dpsgd import PaddedPoissonBatches, padded_batch_size
 from tests.learning.curious_owner import RECORD_B, run_rank
+from tests.learning.ranks import run_ranks
 
 
 def _free_port() -> int:
@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 def test_a_curious_owner_holds_only_the_noised_total_of_the_other_owners_clipped_sums(tmp_path):
-    mp.start_processes(run_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_ranks(run_rank, (_free_port(), str(tmp_path)))
     a, b = np.load(tmp_path / "rank0.npz"), np.load(tmp_path / "rank1.npz")
     modulus, scale, variance = int(a["modulus"]), float(a["scale"]), float(a["noise_variance"])
     steps = len(a["total"])
