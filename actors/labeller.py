@@ -274,7 +274,7 @@ class _Counters:
 
 class PrivateLabeller:
     """Private labels for inputs from ``vote_source``, paid for from ``ledger`` (the run's or the
-    service's, alone or with the owners' lifetime ledgers behind it: ``RunLedger``).
+    service's; owners behind gateways charge their own ledgers there, each round).
 
     ``noise`` is the run's noise policy (OS entropy by default). The answers already in the
     ledger (from an earlier run of the service) are answered again, free.
@@ -420,7 +420,7 @@ class PrivateLabeller:
         """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
         how many other clients asked meanwhile)."""
         inputs = f"{count} new input{'' if count == 1 else 's'}"
-        if refused.startswith("owner "):  # an owner's lifetime budget (``privacy.accounting.run_ledger``)
+        if refused.startswith("owner "):  # an owner's lifetime budget, refusing at its gateway
             return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {refused}")
         report = self.ledger.report()
         return BudgetExceeded(

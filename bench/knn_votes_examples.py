@@ -67,7 +67,7 @@ def run_once(name: str, seed: int, results: Path) -> tuple[dict, float]:
     finally:
         import ray
 
-        ray.shutdown()  # the next config starts Ray with its own owners' resources
+        ray.shutdown()  # the next config starts its own Ray, each run timed from a cold start
     metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
     # public-cluster votes: how many pool inputs the released medoid labels label, and how many right
     spread = {key: metrics["curve"][-1][key] for key in ("cluster_labelled", "cluster_label_accuracy")

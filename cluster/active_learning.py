@@ -194,7 +194,7 @@ class ActiveLearningConfig:
             check_gateways(self.owners, self.gateways)
             return
         check_gateways(self.owners, self.gateways)
-        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=True)
+        check_owners(self.owners, self.test, self.classes, self.public)
         check_behind_gateways(self.owners)
         self._check_gateways()
         allowed = ActiveLearningData(public_size=self.data.public_size)
@@ -521,8 +521,7 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     # Owners named by their data: their gateways on this machine, started here. Their DP-SGD steps and
     # NearPrivate's releases run in the gateways' own threads; no Ray is needed for them.
     with LocalGateways.start(config.owners, cpus_per_actor=1.0) as local:
-        reached = dataclasses.replace(config, owners=local.reaching(config.owners), gateways=local.gateways)
-        return _learn_actively(reached, results, ray_address, local.budget_sources)
+        return _learn_actively(local.reach(config), results, ray_address, local.budget_sources)
 
 
 def _learn_actively(config: ActiveLearningConfig, results: RunDirectory, ray_address: str | None,
@@ -610,7 +609,7 @@ class BothLedgers(ChargeGate):
     """NearPrivate's releases go to the run's ledger and to the model's own (its guarantee): either
     may refuse, before anything is computed; the run's is charged first."""
 
-    run: Ledger  # with the owners' lifetime ledgers behind it, where they have budgets
+    run: Ledger  # the run's view; each owner's lifetime ledger is charged at its gateway
     model: PrivacyLedger
 
     def can_afford(self, charge: PrivacyCharge) -> bool:

@@ -49,7 +49,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "PretrainConfig", "PublicPretraining", "SparseConfig", "SparseResult", "finetune_sparsely", "pretrain_public"),
     "conclave.cluster.auditing": ("AuditSettings",),
     # Owners, and the coordinator's side of their gateways.
-    "conclave.cluster.owners": ("DataOwner", "owner_resources"),
+    "conclave.cluster.owners": ("DataOwner",),
     "conclave.actors.vote_parties": ("declared_share",),
     "conclave.cluster.gateway.client": ("ClusterVotes", "CoordinatorTls", "GatewayVoteSource", "OwnerGateway"),
     "conclave.cluster.gateway.identity": ("Verifier",),

@@ -331,10 +331,11 @@ def _dp_sgd(path: str, pipeline: Pipeline) -> Plan:
     counts = Counts(tuple(owner_counts(o, None, config, planned) for o in config.owners), None, config.private_size)
     steps_per_epoch = round(1 / schedule.sample_rate)
     how = f"calibrated to target ε {dp.target_epsilon:g}" if dp.target_epsilon is not None else "configured"
+    summed = "secure sums across the owners' gateways" if config.owners else "secure sums across shard actors"
     work = (f"DP-SGD on N = {config.private_size} declared records, expected batch {dp.batch_size}: q = "
             f"1/{steps_per_epoch}, {steps_per_epoch} steps per epoch, {dp.epochs} epochs ({schedule.steps} steps), "
             f"noise multiplier {schedule.noise_multiplier:.4g} ({how}), "
-            f"{'secure sums across shard actors (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
+            f"{f'{summed} (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
     if not active_learning:
         work += f"; {len(config.finetune.variants)} variants, one schedule each, on the same records"
     elif config.selection_releases():

@@ -135,9 +135,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     if handshakes is not None:
         handshakes.start()
         started.callback(handshakes.stop)
-    try:  # the owners' lifetime ledgers, on their nodes, then the gRPC server: the library's serve
+    try:  # the gRPC server: the library's serve
         aggregator = service.serve(teachers, ledger, token)
-    except (ConclaveError, ValueError, OSError) as err:  # an owner's node refused; the port was taken meanwhile
+    except (ConclaveError, ValueError, OSError) as err:  # the ledger refused; the port was taken meanwhile
         _undo(started, ours)
         return fail(StartRefused(str(err)))
     ledger = aggregator.ledger

@@ -176,7 +176,6 @@ def train_dp(
     progress: bool = False,
     num_examples: int | None = None,
     secure_group: SecureGroup | None = None,
-    records_held: int | None = None,
 ) -> DPTrainResult:
     """Train ``model`` in place with DP-SGD on ``dataset`` (``.x`` float32 [n, ...], ``.y`` int64).
 
@@ -198,8 +197,8 @@ def train_dp(
     rank applies the same noised total divided by qN: central DP-SGD on the union, no rank
     seeing another's clean sum, charged as the Poisson-subsampled Skellam mechanism. Each step
     computes on a batch padded to one public size (``secure_dpsgd.PaddedPoissonBatches``), so
-    when this rank reaches the all-reduce does not tell the others its batch; ``records_held``
-    (public: what this rank's owner declared; default ``num_examples``) sets that size.
+    when this rank reaches the all-reduce does not tell the others its batch; ``num_examples``
+    sets that size.
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
@@ -226,7 +225,7 @@ def train_dp(
     if data_parallel:  # every step of this rank on a batch of one public size (module secure_dpsgd, Timing)
         padded = PaddedPoissonBatches(
             torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long),
-            sample_rate, schedule.steps // config.epochs, records_held or schedule.num_examples,
+            sample_rate, schedule.steps // config.epochs, schedule.num_examples,
             torch_generator(noise), config.max_physical_batch_size)
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.

@@ -104,16 +104,14 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session.
-    Its node declares the owners' resources of configs/hospitals.yaml, as ``conclave run``
-    grants them when it starts the embedded Ray for that config."""
+    """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session."""
     import ray
 
     from conclave.cluster.ray_runtime import start_ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp_dir
-    start_ray(num_cpus=2, temp_dir=temp_dir, resources={"hospital_a": 1, "hospital_b": 1, "hospital_c": 1})
+    start_ray(num_cpus=2, temp_dir=temp_dir)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)  # its logs and sockets: 20 MB a session

@@ -8,10 +8,10 @@ asyncio server that idle or hostile clients cannot starve. One module per job:
     refusals.py    what a failure tells the client (a full disk, an unwritable ledger record)
     settings.py    ServerSettings: where it listens, who may call it, how much it takes on at once
 """
-from conclave.actors.aggregator.refusals import OWNERS_CHARGED_ONLY, RECORD_UNWRITABLE, STORAGE_FULL, storage_full
+from conclave.actors.aggregator.refusals import RECORD_UNWRITABLE, STORAGE_FULL, storage_full
 from conclave.actors.aggregator.server import AggregatorActor, AggregatorServer
 from conclave.actors.aggregator.service import SERVICE_NAME
 from conclave.actors.aggregator.settings import ServerSettings, is_loopback
 
-__all__ = ["OWNERS_CHARGED_ONLY", "RECORD_UNWRITABLE", "SERVICE_NAME", "STORAGE_FULL", "AggregatorActor",
-           "AggregatorServer", "ServerSettings", "is_loopback", "storage_full"]
+__all__ = ["RECORD_UNWRITABLE", "SERVICE_NAME", "STORAGE_FULL", "AggregatorActor", "AggregatorServer",
+           "ServerSettings", "is_loopback", "storage_full"]

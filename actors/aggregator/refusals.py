@@ -13,8 +13,6 @@ from conclave.privacy.accounting.ledger import LedgerUnwritable
 
 STORAGE_FULL = ("the aggregator cannot write its privacy ledger (disk full): nothing was released or charged; "
                 "retry later")
-OWNERS_CHARGED_ONLY = ("the aggregator's privacy ledger failed after the owners' ledgers were charged (see its log): "
-                       "nothing was released; the owners' ledgers were charged for it; retry later")
 RECORD_UNWRITABLE = ("the aggregator cannot write its privacy ledger's record (see its log): nothing was released or "
                      "charged; retry later")
 
@@ -32,8 +30,7 @@ def storage_refusal(err: BaseException) -> str | None:
 
 def storage_full(err: BaseException) -> bool:
     """Whether ``err``, or an error it came from, is a full disk (or quota): SQLite's
-    SQLITE_FULL, or ENOSPC / EDQUOT from the OS — also inside a Ray task's error, as when an
-    owner's ledger on its node cannot be written."""
+    SQLITE_FULL, or ENOSPC / EDQUOT from the OS — also inside a Ray task's error."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [err]
     while pending:

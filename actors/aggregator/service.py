@@ -21,14 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from conclave.actors.aggregator.gatekeeper import Gatekeeper
-from conclave.actors.aggregator.refusals import OWNERS_CHARGED_ONLY, storage_refusal
+from conclave.actors.aggregator.refusals import storage_refusal
 from conclave.actors.aggregator.settings import ServerSettings
 from conclave.actors.labeller import (
     INPUT_DTYPE, BudgetStatus, InvalidInput, LabelOutcome, RateLimitedLog, TeachersUnavailable, decode_inputs,
 )
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.ledger import BudgetExceeded
-from conclave.privacy.accounting.run_ledger import OwnersChargedOnly
 from conclave.protos import BUDGET_REASON, REASON_KEY, aggregator_pb2
 
 log = logging.getLogger(__package__)  # the aggregator's one log, whichever of its parts writes
@@ -198,9 +197,6 @@ class AggregatorService:
                                 trailing_metadata=((REASON_KEY, BUDGET_REASON),))
         except TeachersUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except OwnersChargedOnly as err:  # before the storage check: it may come from a full disk, but a charge stands
-            self._rejections("storage", "%s failed: %s", method, err, level=logging.ERROR)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, OWNERS_CHARGED_ONLY)
         except Exception as err:  # a bug must not look like a client error, nor leak internals
             refusal = storage_refusal(err)
             if refusal is not None:  # the operator frees space or mends the folder; the same call succeeds

@@ -147,8 +147,7 @@ def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
     inclusion = SecretInclusion(m)
     plans = shard_plans(config)
     holder = plans[0]
-    plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids,
-                         holder.placement, holder.num_actors_sharing)
+    plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids)
 
     dp = config.dpsgd.dp_config(config.privacy.delta)
     schedule = dp_schedule(declared, dp, secure=config.secure_training)

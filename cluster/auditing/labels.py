@@ -441,7 +441,7 @@ def ask_canaries(config: TeacherStudentConfig, public: PublicData, shares: Seque
         cut = [(share.source.num_teachers, share.source.seed, share.num_teachers) for share in owner_shares]
         if cut != [(share.modulus, share.seed, share.used) for share in shares]:
             raise RuntimeError("the teachers' shards are not cut as the audit placed its records")
-        return [OwnerShare(AuditSource(share.source, added), share.num_teachers, share.num_actors, share.placement)
+        return [OwnerShare(AuditSource(share.source, added), share.num_teachers, share.num_actors)
                 for share, added in zip(owner_shares, records)]
 
     pool = teacher_pool(config, public, with_records=with_records)

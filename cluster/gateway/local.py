@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 OwnerT = TypeVar("OwnerT", bound=DataOwner)
+ConfigT = TypeVar("ConfigT")
 
 
 @dataclass
@@ -91,8 +92,13 @@ class LocalGateways:
     def reaching(self, owners: Sequence[OwnerT]) -> tuple[OwnerT, ...]:
         """``owners`` named by their gateways alone, as a config naming remote gateways names them
         (what a pipeline adds to an owner, such as its teachers, stays)."""
-        return tuple(dataclasses.replace(owner, gateway=self.addresses[owner.name], data=None, actors=1, resources={},
-                                         labels={}, records=None, budget=None) for owner in owners)
+        return tuple(dataclasses.replace(owner, gateway=self.addresses[owner.name], data=None, actors=1, records=None,
+                                         budget=None) for owner in owners)
+
+    def reach(self, config: ConfigT) -> ConfigT:
+        """``config`` (a pipeline's, with ``owners`` and ``gateways``) as a config naming remote gateways
+        says it: its owners by these gateways alone, with the coordinator's certificates."""
+        return dataclasses.replace(config, owners=self.reaching(config.owners), gateways=self.gateways)
 
     def stop(self) -> None:
         """Stop every gateway (calls in flight end first, then its run's actors and ledger), and remove

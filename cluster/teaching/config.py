@@ -419,7 +419,7 @@ class TeacherStudentConfig:
         return self.vote_source.lemma
 
     def _check_owners(self) -> None:
-        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=True)
+        check_owners(self.owners, self.test, self.classes, self.public)
         check_behind_gateways(self.owners)
         if self.data != TeacherStudentData():
             raise ValueError("with owners, leave the data section out: the sources say the data, and each owner's "

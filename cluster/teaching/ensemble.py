@@ -101,7 +101,7 @@ def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: 
     if not config.through_gateways:  # owners named by their data: their gateways on this machine, started here
         with waiting("starting the owners' gateways on this machine", progress):
             local = LocalGateways.start(config.owners, max_epochs=config.teachers.train.epochs)
-        config = dataclasses.replace(config, owners=local.reaching(config.owners), gateways=local.gateways)
+        config = local.reach(config)
     try:
         with waiting("admitting the run at the owners' gateways (each starts its own vote actors)", progress):
             return Ensemble(public, gateway_vote_source(config, public), local)

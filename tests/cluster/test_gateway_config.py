@@ -38,7 +38,7 @@ def test_owners_named_by_their_gateways_load(name):
 
 @pytest.mark.parametrize("key, value", [
     ("data", {"format": "csv", "path": "records.csv", "label": "diagnosis"}),
-    ("budget", {"epsilon": 20.0}), ("resources", {"hospital_a": 1}), ("records", 100)])
+    ("budget", {"epsilon": 20.0}), ("actors", 2), ("records", 100)])
 def test_an_owner_entry_mixing_gateway_and_its_own_settings_is_refused_in_one_line(key, value):
     raw = gateway_config()
     raw["owners"][0][key] = value
@@ -69,13 +69,20 @@ def test_gateway_owners_vote_there_in_secure_rounds_only():
     assert "a gateway fits only a registered embedding" in refusal(raw)
 
 
-def test_sparse_fine_tuning_through_gateways_loads_with_a_registered_model_and_numbers():
+@pytest.mark.parametrize("named_by", ["gateway", "data"])
+def test_sparse_fine_tuning_through_gateways_loads_with_a_registered_model_and_numbers(named_by):
+    """Owners named by their gateway, or by their data (gateways the run starts on this machine): one path."""
     raw = load_yaml(PROJECT_ROOT / "configs" / "mnist-sparse.yaml")
     del raw["private"]
-    raw.update(owners=[{"name": f"clinic_{i}", "gateway": f"127.0.0.1:{7001 + i}"} for i in range(2)],
-               test={"format": "npz", "path": "test.npz", "label": "y"}, gateways=dict(GATEWAYS))
+    raw["test"] = {"format": "npz", "path": "test.npz", "label": "y"}
+    if named_by == "gateway":
+        raw.update(owners=[{"name": f"clinic_{i}", "gateway": f"127.0.0.1:{7001 + i}"} for i in range(2)],
+                   gateways=dict(GATEWAYS))
+    else:
+        raw["owners"] = [{"name": f"clinic_{i}", "data": {"format": "npz", "path": f"clinic_{i}.npz", "label": "y"},
+                          "records": 100} for i in range(2)]
     pipeline = load_pipeline(copy.deepcopy(raw))
-    assert pipeline.config.through_gateways and pipeline.config.secure_training
+    assert pipeline.config.through_gateways == (named_by == "gateway") and pipeline.config.secure_training
     assert "finetune.grad_sample_mode" in pipeline.unused_settings()  # a gateway takes its own per-example gradients
     for key, value, said in [("model", {"name": "package.module:factory"}, "trains a registered model"),
                              ("model", {"name": "gn_cnn", "kwargs": {"channels": "16"}}, "numbers only"),
@@ -83,8 +90,12 @@ def test_sparse_fine_tuning_through_gateways_loads_with_a_registered_model_and_n
         changed = copy.deepcopy(raw)
         changed[key] = value
         assert said in refusal(changed)
-    del raw["gateways"]
-    assert "need gateways" in refusal(raw)
+    if named_by == "gateway":
+        del raw["gateways"]
+        assert "need gateways" in refusal(raw)
+    else:
+        del raw["owners"][1]["records"]
+        assert "owner clinic_1: declare its records" in refusal(raw)
 
 
 def test_dpsgd_active_learning_through_gateways_loads_with_nearprivate_through_secure_sums():

@@ -80,8 +80,9 @@ def test_each_owner_pays_every_variants_steps_and_its_ledger_is_the_runs_guarant
     for owner, snapshot in ledgers.items():  # fresh ledgers: this run's charges alone
         assert snapshot.charges == 10 and set(snapshot.by_label) == {"dpsgd"}, owner
         np.testing.assert_allclose(snapshot.spent.rdp, 10 * one.rdp, rtol=1e-9)
-        assert privacy["owners_at_gateways"][owner] == {"epsilon_spent": pytest.approx(guarantee["epsilon"], rel=1e-9),
-                                                        "charges": 10}, owner
+        spent = privacy["owners"][owner]["spent"]  # as its gateway reports it (``Budget``) after the last step
+        assert spent["epsilon"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
+        assert spent["charges"] == 10 and spent["charges_before_run"] == 0, owner
     assert guarantee["basis"] == "worst-case" and privacy["aggregation"] == "secure"
     assert outcome.metrics["shards"]["nodes"] == {}  # no node of the coordinator's holds an owner's records
     assert all(0.0 <= v["accuracy"] <= 1.0 for v in variants.values())

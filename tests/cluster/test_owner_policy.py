@@ -251,21 +251,3 @@ def test_a_services_ledger_cannot_be_reset(tmp_path, capsys, case):
     assert status == 2 and len(err) == 1 and err[0].startswith(f"conclave: ledger {path} is damaged: "), err
     assert DAMAGE[case][1] in err[0]
     assert ray.is_initialized() == was_running and (path.stat().st_size if path.exists() else None) == size
-
-
-def test_a_runtime_env_that_moves_the_nodes_conclave_folder_is_refused(ray_session, tmp_path):
-    """A run's runtime_env reaches every actor, the owner's ledger actor too: one that sets
-    CONCLAVE_HOME would choose where the node looks for the owner's policy."""
-    from conclave.actors.owner_ledger import OwnerNodeActor
-    from conclave.privacy.accounting.owner_policy import RunRequest
-    from conclave.privacy.accounting.rdp import gaussian_charge
-
-    actor = OwnerNodeActor.options(runtime_env={"env_vars": {"CONCLAVE_HOME": str(tmp_path)}}).remote(
-        "hospital_a", None, ())
-    try:
-        answer = ray_session.get(actor.call.remote("admit", RunRequest("moved"), gaussian_charge(10.0)))
-    finally:
-        ray_session.kill(actor)
-    assert answer.kind == "refused"
-    assert answer.line == ("owner hospital_a: the run's runtime_env sets CONCLAVE_HOME, which would choose where this "
-                           "node's policy and ledger are read; remove it")

@@ -259,36 +259,31 @@ def _knn_actor_says(owner, config, public):
     return shard.describe()
 
 
-def _dpsgd_actor_says(owner, config, public):
-    """What a DP-SGD shard actor of ``owner`` says (its class, in this process), after checking
-    that one epoch of DP-SGD on its records leaves finite weights."""
+def _dpsgd_gateway_reads(owner, config, public):
+    """What ``owner``'s gateway reads for DP-SGD steps (its records, as a run reads them: the dataset's
+    classes and input shape), after checking that a step's clipped gradient sum over every record
+    (q = 1) stays finite."""
     import numpy as np
 
-    from conclave.actors.dp_trainer import ModelSpec, OwnerShards, ShardHolder
-    from conclave.actors.owners import OwnerSource
+    from conclave.actors.dp_trainer import ModelSpec
     from conclave.cluster.owners import owner_data
-    from conclave.learning.dp_schedule import DPSGDConfig
-    from conclave.privacy.noise import SECURE
+    from conclave.learning.owner_step import OwnerSteps
 
-    source = OwnerSource(owner.name, owner_data(owner, public.reading, str(PROJECT_ROOT)), 1, public.classes,
-                         config.seed)
-    spec = ModelSpec(config.model, len(public.classes), input_shape=public.schema.shape,
-                     standardiser=public.standardiser)
-    holder = ShardHolder(OwnerShards(source), [0], spec)
-    epoch = DPSGDConfig(epochs=1, batch_size=config.dpsgd.batch_size, lr=config.dpsgd.lr,
-                        max_grad_norm=config.dpsgd.max_grad_norm, noise_multiplier=config.dpsgd.noise_multiplier)
-    weights = holder.train_dp(epoch, SECURE, num_examples=owner.records)[-1].state
-    assert all(np.isfinite(w).all() for w in weights.values())
-    return holder.describe()
+    dataset, _ = owner_data(owner, public.reading, str(PROJECT_ROOT)).read_private(public.classes, name=owner.name)
+    model = ModelSpec(config.model, len(public.classes), input_shape=public.schema.shape,
+                      standardiser=public.standardiser).build()
+    steps = OwnerSteps(model, dataset.x, dataset.y, 1.0, 1, owner.records, config.dpsgd.max_grad_norm)
+    assert np.isfinite(steps.clipped_sum([p.detach().numpy() for p in model.parameters()])).all()
+    return dataset
 
 
 @pytest.mark.parametrize("config, says", [(PROJECT_ROOT / "configs" / "hospitals-knn.yaml", _knn_actor_says),
-                                          (HOSPITALS_ACTIVE, _dpsgd_actor_says)], ids=["knn", "dpsgd"])
-def test_a_flawed_record_changes_nothing_an_owners_knn_or_dpsgd_actor_says(tmp_path, config, says):
-    """The kNN and DP-SGD pipelines read an owner's file in its actors as the teachers do
-    (``OwnerSource``). With the flawed files, and for an owner whose only record is flawed,
-    each owner's actor loads and says what it says with the example's (classes, input shape),
-    and what it computes from them stays finite."""
+                                          (HOSPITALS_ACTIVE, _dpsgd_gateway_reads)], ids=["knn", "dpsgd"])
+def test_a_flawed_record_changes_nothing_an_owners_knn_actor_or_dpsgd_steps_say(tmp_path, config, says):
+    """kNN votes read an owner's file in its actors as the teachers do (``OwnerSource``), DP-SGD
+    steps in its gateway. With the flawed files, and for an owner whose only record is flawed,
+    each reads what it reads with the example's (classes, input shape), and what it computes
+    from them stays finite."""
     import dataclasses
 
     import pandas as pd
@@ -354,15 +349,14 @@ def test_an_owners_config_that_cannot_run_is_a_config_error(change, named):
         hospitals(**change)
 
 
-def test_owner_names_and_placements_are_checked_when_the_config_loads():
+def test_owner_sections_are_checked_when_the_config_loads():
     raw = load_yaml(HOSPITALS)
     raw["owners"][1]["name"] = raw["owners"][0]["name"]
     with pytest.raises(ConfigError, match="owner names must be distinct"):
         load_pipeline(raw)
     raw = load_yaml(HOSPITALS)
-    raw["owners"][0]["resources"] = {"hospital_a": 1}
-    with pytest.raises(ConfigError, match="owner hospital_a: resources and labels placed an owner's actors on the "
-                                          "coordinator's Ray; they now run behind the owner's own gateway"):
+    raw["owners"][0]["resources"] = {"hospital_a": 1}  # placement by Ray resources is gone with the owners' Ray
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['resources'\]"):
         load_pipeline(raw)
     raw = load_yaml(HOSPITALS)
     del raw["owners"][0]["records"]

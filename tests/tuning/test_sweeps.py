@@ -54,15 +54,13 @@ def _sparse_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs
     return sampled_gaussian_rdp(DEFAULT_ORDERS, 1 / steps_per_epoch, noise_multiplier, epochs * steps_per_epoch)
 
 
-def _sparse_trials_pld_epsilon(noise_multiplier: float, examples: int, batch: int, epochs: int, trials: int) -> float:
-    """dp_accounting's PLD of ``trials`` such trials' Poisson-sampled Gaussian steps, at δ 1e-5."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
+def _secure_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs: int) -> np.ndarray:
+    """One trial's steps through the owners' gateways: the secure sum's Poisson-subsampled Skellam, one
+    step's curve times the steps (each step is charged on its own in the owners' ledgers)."""
+    from conclave.learning.dp_schedule import secure_charge
 
     steps_per_epoch = math.ceil(examples / batch)
-    step = dp_accounting.PoissonSampledDpEvent(1 / steps_per_epoch, dp_accounting.GaussianDpEvent(noise_multiplier))
-    event = dp_accounting.SelfComposedDpEvent(step, trials * epochs * steps_per_epoch)
-    return pld_privacy_accountant.PLDAccountant().compose(event).get_epsilon(1e-5)
+    return epochs * steps_per_epoch * secure_charge(1 / steps_per_epoch, noise_multiplier, 1, "dpsgd").rdp
 
 
 def _tracked(store: Path) -> dict:
@@ -91,14 +89,15 @@ OWNER_RECORDS = 600
 
 def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
     """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
-    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget."""
+    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget (each
+    trial starts its gateway on this machine)."""
     from conclave.learning.data import load_digits
 
     train, test = load_digits()
     np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
     np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
     owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
-             "records": OWNER_RECORDS, "resources": {"hospital_a": 1},
+             "records": OWNER_RECORDS,
              "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
     raw = _raw("tune-digits-sparsity.yaml", **{
         "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
@@ -131,21 +130,20 @@ def test_a_sweep_over_owners_with_asha_composes_every_trial_charges_their_ledger
     assert best["accuracy"] == pytest.approx(max(float(r["accuracy"]) for r in rows), abs=1e-4)
     assert best["accuracy"] > 0.3  # 5 classes: chance is 0.2
     assert best["epsilon_trial"] <= 1.0 + 1e-6  # the ε target of each trial
-    # Two trials with the same DP-SGD schedule: RDP twice the trial's, converted at δ, or the PLD
-    # of both schedules' steps where smaller (the trials' settings come from a fixed grid).
+    # Two trials with the same DP-SGD schedule through the owner's gateway: RDP twice the trial's
+    # secure-sum charge, converted at δ (the trials' settings come from a fixed grid).
     sigma = float(rows[0]["noise_multiplier"])
-    trial = _sparse_trial_rdp(sigma, OWNER_RECORDS, 128, 2)  # the owner's declared records
-    by_rdp, _ = epsilon_from_rdp(DEFAULT_ORDERS, 2 * trial, 1e-5)
-    expected = min(by_rdp, _sparse_trials_pld_epsilon(sigma, OWNER_RECORDS, 128, 2, trials=2))
+    trial = _secure_trial_rdp(sigma, OWNER_RECORDS, 128, 2)  # the owner's declared records: 5 steps an epoch
+    expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, 2 * trial, 1e-5)
     assert sweep["tuning_cost"]["method"] == "composition" and not sweep["tuning_cost"]["free"]
     assert best["epsilon_with_tuning"] == pytest.approx(expected, rel=1e-9)
     assert best["epsilon_with_tuning"] > best["epsilon_trial"]
     assert any("including the tuning" in line for line in summary_lines(summary))
 
-    # Every trial runs the pipeline, so the owner's node admits it and its lifetime ledger is
-    # charged each trial's whole schedule, as for ``conclave run``.
+    # Every trial runs the pipeline, so the owner's gateway admits it and its lifetime ledger is
+    # charged each trial's every step, as for ``conclave run``.
     owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
-    assert owner.charges == 2  # one per trial
+    assert owner.charges == 2 * 10  # two trials of 2 epochs of 5 steps
     np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
 
     # MLflow: a sweep that publishes every trial logs each as a child run of one summary run
