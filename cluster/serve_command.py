@@ -111,6 +111,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         public = service.public_data()
     except ConfigError as err:
         return fail(err)
+    # A stop a library swallowed while the data loaded acts here, before Ray starts, not once the
+    # teachers have trained (minutes later); so again after the owners' admission and the training.
+    interrupts.raise_if_any()
     config = service.config
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     try:
@@ -124,6 +127,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
     try:  # every owner's node admits the service, and can pay one answer, before any teacher trains
         started.enter_context(service.admitting(public, args.address))
+        interrupts.raise_if_any()
         teachers = service.train(public, args.address)
     except ConclaveError as err:  # an owner refused; its data; no node can take them
         _undo(started, ours)
