@@ -71,24 +71,30 @@ def _import_from_working_directory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:  # loading the command's module: a Ctrl-C acts once it has loaded (cluster.signal_hold), with nothing to undo
+    # Loading the command's module, reading the arguments and setting up logging: a Ctrl-C acts
+    # once they are done (cluster.signal_hold), with nothing to undo. It then lands as the hold
+    # ends, before the command's own handling of Ctrl-C has begun: the same one line.
+    try:
         with signals_held({signal.SIGINT}):
             share_cores()  # before any command imports torch
             _import_from_working_directory()
-            parser = build_parser(_selected_command(argv))
+            args = build_parser(_selected_command(argv)).parse_args(argv)
+            _log(args.verbose)
+        return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         print("conclave: interrupted", file=sys.stderr)
         return Interrupted.exit_code
-    args = parser.parse_args(argv)
+
+
+def _log(verbose: bool) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    if not args.verbose:
+    if not verbose:
         for name in QUIETED:
             logging.getLogger(name).setLevel(logging.ERROR)
-    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
         public = service.public_data()
     except ConfigError as err:
         return fail(err)
+    # A stop a library swallowed while the data loaded acts here, before Ray starts, not once the
+    # teachers have trained (minutes later); so again once the teachers have trained.
+    interrupts.raise_if_any()
     config = service.config
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     try:

@@ -162,60 +162,24 @@ def test_other_hosts_are_not_loopback(host):
         ServerSettings(host=host)
 
 
-def test_a_token_from_the_environment_is_neither_printed_nor_given_to_ray_processes(tmp_path):
-    """A real ``conclave serve`` in a process of its own, with its embedded Ray: its output, and
-    the environment of every process under it, while it serves."""
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump(SMALL))
-    token = "env-token-that-must-not-leak-4242"
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "conclave.cluster.cli", "serve", str(config), "--ledger", str(tmp_path / "l.sqlite")],
-        cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": token, "CONCLAVE_TEST_INHERITED": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    printed = []
-    try:
-        for line in serve.stdout:
-            printed.append(line)
-            if line.startswith("press Ctrl-C"):
-                break
-        assert any(line.startswith("aggregator serving on") for line in printed), "".join(printed)
-        # Ray's processes, the teachers' workers among them (the driver holds the token; its /proc
-        # environ is the one it started with).
-        environments = {}
-        for process in psutil.Process(serve.pid).children(recursive=True):
-            try:
-                environments[" ".join(process.cmdline())] = process.environ()
-            except (psutil.NoSuchProcess, psutil.ZombieProcess):
-                continue
-        teachers = [environment for command, environment in environments.items() if "TeacherGroup" in command]
-        assert teachers and all("CONCLAVE_TEST_INHERITED" in environment for environment in teachers)  # inherited
-        assert not [command for command, environment in environments.items() if "CONCLAVE_TOKEN" in environment]
-        serve.send_signal(signal.SIGTERM)  # a service manager's stop: as clean as Ctrl-C
-        rest, _ = serve.communicate(timeout=120)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-    output = "".join(printed) + rest
-    assert serve.returncode == 0 and "stopped; realised spend" in output, output
-    assert "token: from $CONCLAVE_TOKEN" in output and token not in output
-
-
 class _Serve:
     """A real ``conclave serve`` in a session of its own (Ctrl-C in a terminal reaches the whole
     foreground group: Ray's processes too), its output collected as it comes and every process
     under it recorded every 50 ms."""
 
-    def __init__(self, tmp_path: Path, *flags: str, program: tuple[str, ...] = ("-m", "conclave.cluster.cli")) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, program: tuple[str, ...] = ("-m", "conclave.cluster.cli"),
+                 env: dict[str, str] | None = None) -> None:
         config = tmp_path / "serve.yaml"
         config.write_text(yaml.safe_dump(SMALL))
         self.process = foreground(
             [sys.executable, *program, "serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
              "--port", "0", *flags],
-            cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t", **(env or {})}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
         self.output = b""
         self.seen: dict[int, float] = {}  # pid → start time of every process under serve
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _read(self) -> None:
@@ -239,7 +203,14 @@ class _Serve:
 
     def ctrl_c(self) -> int:
         os.killpg(self.process.pid, signal.SIGINT)
-        return self.process.wait(timeout=120)
+        return self.wait(timeout=120)
+
+    def wait(self, timeout: float) -> int:
+        """Its exit status, once its output has been read to the end: under load the reader
+        thread may not yet have what it wrote last when the process ends."""
+        status = self.process.wait(timeout=timeout)
+        self._reader.join(timeout=30)
+        return status
 
     @property
     def text(self) -> str:
@@ -332,24 +303,42 @@ sys.exit(cli.main())
 
 
 def test_a_ctrl_c_a_library_swallows_still_stops_the_start(tmp_path):
+    """Swallowed while the public data loads, it stops the start at the end of that step:
+    before Ray starts, not once the teachers have trained."""
     serve = _Serve(tmp_path, program=("-c", SWALLOWING))
     try:
-        status = serve.process.wait(timeout=240)
+        status = serve.wait(timeout=240)
     finally:
         if serve.process.poll() is None:
             os.killpg(serve.process.pid, signal.SIGKILL)
     assert status == 130 and "swallowed" in serve.text, serve.text
     assert "Traceback" not in serve.text and "interrupted while starting" in serve.text, serve.text
-    assert "aggregator serving on" not in serve.text
+    assert "aggregator serving on" not in serve.text and "starting embedded Ray" not in serve.text
     assert not serve.left_running(), (serve.seen, serve.text)
 
 
-def test_a_tls_port_logs_failed_handshakes_a_few_lines_at_most_and_ctrl_c_stops_it_cleanly(tmp_path, certs):
-    """300 plaintext connections to the TLS port: before, 300 lines of gRPC's in 0.1 s; a client
-    with the CA is answered meanwhile, and Ctrl-C then stops everything."""
-    serve = _Serve(tmp_path, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key))
+def test_a_tls_service_keeps_an_environment_token_from_output_and_ray_and_logs_few_failed_handshakes(tmp_path, certs):
+    """One real ``conclave serve`` with its embedded Ray, serving TLS with a token from the
+    environment (one process for these checks: suite time). Its output, and the environment of
+    every process under it, while it serves; then 300 plaintext connections to the TLS port:
+    before, 300 lines of gRPC's in 0.1 s; a client with the CA is answered meanwhile, and Ctrl-C
+    then stops everything."""
+    token = "env-token-that-must-not-leak-4242"
+    serve = _Serve(tmp_path, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                   env={"CONCLAVE_TOKEN": token, "CONCLAVE_TEST_INHERITED": "1"})
     try:
         serve.wait_for("press Ctrl-C")
+        # Ray's processes, the teachers' workers among them (the driver holds the token; its /proc
+        # environ is the one it started with).
+        environments = {}
+        for process in psutil.Process(serve.process.pid).children(recursive=True):
+            try:
+                environments[" ".join(process.cmdline())] = process.environ()
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        teachers = [environment for command, environment in environments.items() if "TeacherGroup" in command]
+        assert teachers and all("CONCLAVE_TEST_INHERITED" in environment for environment in teachers)  # inherited
+        assert not [command for command, environment in environments.items() if "CONCLAVE_TOKEN" in environment]
         address = re.search(rb"aggregator serving on (\S+)", serve.output).group(1).decode()
         host, port = address.rsplit(":", 1)
         for _ in range(300):
@@ -357,14 +346,64 @@ def test_a_tls_port_logs_failed_handshakes_a_few_lines_at_most_and_ctrl_c_stops_
                 connection.sendall(b"GET / HTTP/1.1\r\n\r\n")
                 with contextlib.suppress(OSError):
                     connection.recv(64)
-        with AggregatorClient(address, token="t", root_cert=certs.ca) as client:
+        with AggregatorClient(address, token=token, root_cert=certs.ca) as client:
             assert client.budget()["queries_answered"] == 0  # TLS clients are served meanwhile
         time.sleep(0.5)
         status = serve.ctrl_c()
     finally:
         if serve.process.poll() is None:
             os.killpg(serve.process.pid, signal.SIGKILL)
+    assert "token: from $CONCLAVE_TOKEN" in serve.text and token not in serve.text, serve.text
     failed = [line for line in serve.text.splitlines() if "andshake" in line]
     assert 1 <= len(failed) <= 2 and "TLS handshake failed" in failed[0], failed[:5]
     assert status == 0 and "stopped; realised spend" in serve.text and "Traceback" not in serve.text, serve.text
     assert not serve.left_running(), (serve.seen, serve.text)
+
+
+class _Printed:
+    """Standard output that another thread may read while the service prints (pytest's capture
+    can lose a line written while it is read)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        return "".join(list(self.parts))
+
+
+def test_sigterm_stops_the_service_as_cleanly_as_ctrl_c(ray_session, tmp_path, monkeypatch):
+    """A service manager's stop: a real SIGTERM to a ``conclave serve`` that runs in this process's
+    main thread (where it installs its handlers), on the session's Ray."""
+    from conclave.cluster import serve_command
+    from conclave.cluster.cli import build_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    args = build_parser("serve").parse_args(["serve", str(config), "--ledger", str(tmp_path / "l.sqlite"),
+                                             "--port", "0"])
+    printed, sent = _Printed(), threading.Event()
+    monkeypatch.setattr(sys, "stdout", printed)
+
+    def stop_once_serving() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if "press Ctrl-C" in printed.text:
+                os.kill(os.getpid(), signal.SIGTERM)
+                sent.set()
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # never served: end the start (the test fails below)
+
+    stopper = threading.Thread(target=stop_once_serving, daemon=True)
+    stopper.start()
+    status = serve_command.main(args)
+    stopper.join(10)
+    assert sent.is_set() and status == 0 and "stopped; realised spend" in printed.text, printed.text
