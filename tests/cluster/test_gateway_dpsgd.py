@@ -25,7 +25,7 @@ from conclave.privacy.accounting.skellam import subsampled_skellam_charge
 from conclave.protos import owner_pb2
 from tests.gateways import CLASSES, OWNERS, Consortium, gateways_serving, make_consortium
 
-RUN, Z, Q, ADMITTED, TRAINED = "dpsgd-run", 1.0, 0.1, 17, 15
+RUN, Z, Q, ADMITTED, TRAINED = "dpsgd-run", 0.6, 0.1, 17, 15
 TERMS = DpsgdTerms("digits_cnn", max_grad_norm=1.0, noise_multiplier=Z, sample_rate=Q, steps=ADMITTED, seed=0)
 Code = grpc.StatusCode
 
@@ -35,7 +35,7 @@ def consortium(tmp_path_factory):
     directory = tmp_path_factory.mktemp("dpsgd")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CONCLAVE_HOME", str(directory / "home"))
-        with gateways_serving(make_consortium(directory, epsilon=100.0, max_run_epsilon=10.0)) as running:
+        with gateways_serving(make_consortium(directory, epsilon=100.0, max_run_epsilon=15.0)) as running:
             yield running
 
 
@@ -69,11 +69,12 @@ def test_steps_through_the_gateways_train_the_model(trained):
     run, model, (initial_loss, _), _, coordinator_charges = trained
     assert run.owners == OWNERS and run.records == 3 * 400
     assert [a.cell_bound for a in run.admitted] == [400] * 3
-    assert all(0 < a.planned_epsilon <= 10.0 for a in run.admitted)
+    assert all(0 < a.planned_epsilon <= 15.0 for a in run.admitted)
     assert coordinator_charges == TRAINED
     loss, accuracy = _test_loss(model)
-    # 15 noised steps (z 1) of a fresh CNN: the loss falls clearly; the accuracy is still noisy (a fresh-clone
-    # run saw 0.242 with the loss down 0.49), so its bar is well above chance (0.1), not a learned model's
+    # 15 noised steps (z 0.6; each coordinate's noise z·21, the quantized sum's Δ) of a fresh CNN: the loss
+    # fell 0.43–0.72 in six runs (at z 1: 0.14–0.85, too noisy for a bar); the accuracy is still noisy
+    # (0.24–0.58), so its bar is well above chance (0.1), not a learned model's
     assert loss < initial_loss - 0.2 and accuracy > 0.18, (initial_loss, loss, accuracy)
 
 
@@ -151,7 +152,7 @@ def test_a_step_past_the_admitted_ones_is_refused(consortium, trained, stub):
 @pytest.mark.parametrize("terms, mechanism, code, words", [
     ({"model": "os:system"}, "dpsgd", Code.PERMISSION_DENIED, ("model 'os:system' is not registered", "no code")),
     ({"model": "conclave.learning.models.cnn:digits_cnn"}, "dpsgd", Code.PERMISSION_DENIED, ("not registered",)),
-    ({"noise_multiplier": 0.3, "steps": ADMITTED}, "dpsgd", Code.PERMISSION_DENIED, ("at most ε 10 per run",)),
+    ({"noise_multiplier": 0.3, "steps": ADMITTED}, "dpsgd", Code.PERMISSION_DENIED, ("at most ε 15 per run",)),
     ({}, "gnmax", Code.PERMISSION_DENIED, ("release through 'dpsgd'",)),
     ({"parties": ["hospital_a", "hospital_z"]}, "dpsgd", Code.PERMISSION_DENIED, ("not a declared peer",)),
     ({"records": 10}, "dpsgd", Code.INVALID_ARGUMENT, ("dpsgd.records",)),
