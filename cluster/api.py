@@ -20,7 +20,7 @@ from conclave.cluster.pipelines import DEMO_CONFIG, Pipeline, RunContext, RunOut
 from conclave.cluster.pipelines.active_learning import ActiveLearning
 from conclave.cluster.pipelines.sparse_finetune import SparseFinetune
 from conclave.cluster.pipelines.teacher_student import TeacherStudent
-from conclave.cluster.proposal import SOURCES
+from conclave.cluster.proposal import CHOICES, SOURCES
 from conclave.cluster.ray_runtime import gpus_available, start_ray, stop_ray
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig
@@ -33,7 +33,7 @@ from conclave.cluster.teaching.config import (
     TeacherStudentData,
 )
 from conclave.cluster.teaching.ensemble import Ensemble, PublicData, train_ensemble
-from conclave.cluster.teaching.student import StudentResult, train_student
+from conclave.cluster.teaching.student import StudentResult, non_private_ceiling, train_student
 from conclave.cluster.tls import Authority, create_authority, issue
 from conclave.learning.data.sources import DataSource
 from conclave.learning.train_config import TrainConfig
@@ -46,8 +46,8 @@ __all__ = [
     "finetune_sparsely", "learn_actively",
     "Aggregator", "DataSource", "Ensemble", "KnnConfig", "MechanismConfig", "OwnerConfig", "PrivacyConfig",
     "PublicData", "StudentConfig", "StudentResult", "TeacherStudentConfig", "TeacherStudentData", "TeachersConfig",
-    "TrainConfig", "serve", "train_ensemble", "train_student",
-    "AuditSettings", "DEFAULT_TABLE_STUDENT", "PretrainConfig", "SOURCES", "pretrain_public",
+    "TrainConfig", "non_private_ceiling", "serve", "train_ensemble", "train_student",
+    "AuditSettings", "CHOICES", "DEFAULT_TABLE_STUDENT", "PretrainConfig", "SOURCES", "pretrain_public",
     "AggregatorClient", "is_budget_refusal", "Authority", "create_authority", "issue",
     "gpus_available", "start_ray", "stop_ray",
 ]
