@@ -38,6 +38,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CONCLAVE_HOME"] = tempfile.mkdtemp(prefix="conclave-bench-home-")
     bench_dir = RunDirectory(args.results_dir, "bench")
     work = bench_dir.path / "consortium"  # data, configs and runs: local only (results/bench/*/ is not committed)
+    shutil.rmtree(work, ignore_errors=True)  # fresh: a run's folder keeps a durable ledger of what it spent
     out: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "delta": DELTA,
                  "goal": "every run of plan's proposal within 10 points of the best non-private baseline at a "
                          "guaranteed ε ≤ 4, and within 15 at ε ≤ 1", "tables": {}}

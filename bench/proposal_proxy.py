@@ -8,7 +8,8 @@ split among three owners. For each, at the budgets ε 4 and 1:
 * ``choice``: what ``propose()`` chooses from the proxy's public figures, and why;
 * ``dpsgd``: the real ``propose(raw, "dpsgd")`` sizes DP-SGD across the owners, and it is replayed
   here in one process on the owners' rows pooled — the same model, ``learning.dpsgd.train_dp``, full
-  batch, the proposed σ, steps and learning rate — and its model is tested; ``dpsgd_models``: the
+  batch, the proposed σ, steps and learning rate — and its model is tested, beside a student (as
+  below) trained on the DP model's labels of the pool (free post-processing); ``dpsgd_models``: the
   same with each of the proposal's table models, σ calibrated alike, to see where the rule's pick falls;
 * ``clusters``: the real ``propose(raw, "clusters")``, its votes replayed with the same embedding,
   clustering and nearest-medoid code as the owners' actors, then a student as ``actors/student.py``
@@ -28,7 +29,6 @@ the rules' constants; no benchmark row is read.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import sys
@@ -48,8 +48,9 @@ from bench.consortium import (  # noqa: E402
     TABLES, Table, make_table, owner_names, sklearn_references, user_config, write_table,
 )
 from bench.soundness import soundness  # noqa: E402
+from conclave.cluster.api import load_pipeline  # noqa: E402
 from conclave.cluster.proposal import (  # noqa: E402
-    DPSGD, TABLE_MODELS, Proposal, load_config, model_parameters, proposed_config, propose, smallest_sigma, _base,
+    DPSGD, TABLE_MODELS, Proposal, proposed_config, propose, smallest_sigma,
 )
 
 log = logging.getLogger("bench.proposal_proxy")
@@ -234,9 +235,10 @@ def replay_teachers(table: Table, student: Student, settings: dict) -> dict:
 # --- DP-SGD across the owners, replayed ----------------------------------------------------
 
 
-def replay_dpsgd(table: Table, student: Student, settings: dict) -> dict:
+def replay_dpsgd(table: Table, student: Student, settings: dict, with_student: bool = False) -> dict:
     """The proposed DP-SGD (``settings``: its sections) on the owners' rows pooled, one process:
-    the model's test accuracy."""
+    the model's test accuracy; ``with_student``: also a student's trained on the DP model's labels
+    of the pool (free post-processing)."""
     from conclave.learning.data import Dataset
     from conclave.learning.dp_schedule import DPSGDConfig
     from conclave.learning.dpsgd import train_dp
@@ -255,8 +257,13 @@ def replay_dpsgd(table: Table, student: Student, settings: dict) -> dict:
                          grad_sample_mode="hooks")
     train_dp(model, Dataset(x, y, student.classes, "owners"), config, SECURE.source("proxy-dpsgd"),
              num_examples=section["batch_size"])
-    return {"model": settings["model"], "sigma": section["noise_multiplier"], "steps": section["epochs"],
-            "test_accuracy": round(evaluate(model, Dataset(*table.test, student.classes, "test")), 4)}
+    out = {"model": settings["model"], "sigma": section["noise_multiplier"], "steps": section["epochs"],
+           "test_accuracy": round(evaluate(model, Dataset(*table.test, student.classes, "test")), 4)}
+    if with_student:
+        from conclave.learning.training import predict
+
+        out["student_on_its_pool_labels"] = student.accuracy(np.arange(len(table.pool[1])), predict(model, table.pool[0]))
+    return out
 
 
 def with_model(raw: dict, proposal: Proposal, model: str, budget: float) -> dict:
@@ -264,7 +271,7 @@ def with_model(raw: dict, proposal: Proposal, model: str, budget: float) -> dict
     sections = {**proposal.sections, "model": model}
 
     def build(sigma: float):
-        return _base(raw, {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}})
+        return load_pipeline(proposed_config(raw, {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}}))
 
     sigma = smallest_sigma(build, budget, high=1e4)
     return {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}}
@@ -288,7 +295,7 @@ def measure(name: str, table: Table, folder: Path, sources: list[str]) -> dict:
         dpsgd = propose(raw, DPSGD)
         dp_raw = proposed_config(raw, {"pipeline": dpsgd.sections["pipeline"]})
         cell["dpsgd"] = {"rule": dpsgd.rule, "planned_epsilon": dpsgd.planned_worst_case,
-                         **replay_dpsgd(table, student, dpsgd.sections)}
+                         **replay_dpsgd(table, student, dpsgd.sections, with_student=True)}
         cell["dpsgd_models"] = [replay_dpsgd(table, student, with_model(dp_raw, dpsgd, model, budget))
                                 for model in TABLE_MODELS if model != dpsgd.sections["model"]]
         log.info("%s ε %g dpsgd: %s, other models %s", name, budget, cell["dpsgd"], cell["dpsgd_models"])
