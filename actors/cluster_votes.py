@@ -59,7 +59,7 @@ class ClusterVoteSource(VoteParties):
     It holds actor handles only; each actor reads and embeds its owner's records on the owner's node.
 
     Args:
-        shares: each owner's source, actor count, placement and declared records (the ring's bound).
+        shares: each owner's source, actor count and declared records (the ring's bound).
         embed: the fixed public embedding, applied to queries here and to records in the actors.
         votes_per_record: m, the queries each record votes for.
         num_cpus_per_actor: CPUs each actor reserves.
@@ -83,7 +83,7 @@ class ClusterVoteSource(VoteParties):
             share = plan.share
             for a, b in plan.blocks:
                 rows = share.declared_rows(a, b)  # padded to it: a vote's time says nothing of the records
-                actor = ClusterShardActor.options(num_cpus=num_cpus_per_actor, **plan.options)
+                actor = ClusterShardActor.options(num_cpus=num_cpus_per_actor)
                 spawns.append(functools.partial(actor.remote, share.source, a, b, embed, votes_per_record, rows=rows))
                 owners.append(share.source.owner)
                 self._bounds.append(rows or 1)  # a cell counts at most this party's declared records

@@ -1,10 +1,10 @@
-"""DP-SGD on private shards held by Ray actors, and the private side of NearPrivate.
+"""DP-SGD on a benchmark's private shards held by Ray actors, and the private side of NearPrivate.
 
-A ``ShardActor`` on its owner's node reads its data itself (``ShardSource``); only DP output
-leaves: checkpoints and NearPrivate's noised releases, through a secure sum when several actors
-hold shards. Plain actors, not Ray Train workers, so each owner's worker is pinned to its node.
-The schedule comes from a size fixed before any data is read, and every secure round has a
-deadline from public figures: a silent owner ends the run in one line (``OwnerDropout``).
+A ``ShardActor`` reads its shards itself (``ShardSource``); only DP output leaves: checkpoints and
+NearPrivate's noised releases, through a secure sum when several actors hold shards. Plain actors,
+not Ray Train workers. The schedule comes from a size fixed before any data is read, and every
+secure round has a deadline from public figures: a silent actor ends the run in one line
+(``OwnerDropout``). Owners' records train behind their gateways instead (``cluster.gateway``).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, OwnerSource, describe_all, nodes_of
-from conclave.actors.placement import Placement, cpu_share, release, require_node
+from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, describe_all, nodes_of
+from conclave.actors.placement import cpu_share, release, require_node
 from conclave.learning.annotation import split_private_public
 from conclave.learning.data import Dataset, load_dataset, shard
 from conclave.learning.data.features import apply_features
@@ -100,21 +100,6 @@ class PrivateSource:
 
 
 @dataclass(frozen=True)
-class OwnerShards:
-    """An owner's own data on its node (``OwnerSource``), one shard per actor of the owner."""
-
-    source: OwnerSource
-
-    @property
-    def owner(self) -> str:
-        return self.source.owner
-
-    def load(self, shard_ids: Sequence[int]) -> Dataset:
-        held = _union(self.source.load(shard_ids), f"{self.owner}/shards{list(shard_ids)}")
-        return apply_features(held, self.source.features)
-
-
-@dataclass(frozen=True)
 class ModelSpec:
     """How every holder builds the same network (initial weights depend on ``seed`` only).
     The input hints go to ``build_model``: an image's side, or a table row's shape and the
@@ -154,7 +139,6 @@ class DataParallelGroup:
     owners: tuple[str, ...]
     public_keys: tuple[bytes, ...]  # every rank's secure-sum key, passed on through Ray
     timeout_s: float = STEP_TIMEOUT_S  # each collective's
-    records: int | None = None  # public bound on this rank's examples, which sizes its padded batches
 
     @property
     def world(self) -> int:
@@ -259,8 +243,7 @@ class ShardHolder(ReleaseKeys):
             self._join(group)
         try:
             result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
-                              on_epoch=on_epoch, num_examples=num_examples, secure_group=secure,
-                              records_held=None if group is None else group.records)
+                              on_epoch=on_epoch, num_examples=num_examples, secure_group=secure)
         finally:
             if group is not None:
                 torch.distributed.destroy_process_group()
@@ -481,21 +464,16 @@ class ShardSupport:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One shard actor: its owner's source, the shards it holds, and where it runs."""
+    """One shard actor: its source and the shards it holds."""
 
     source: ShardSource
     shard_ids: tuple[int, ...]
-    placement: Placement = field(default_factory=Placement)
-    num_actors_sharing: int = 1  # the owner's actors that split the placement's amounts
-    # Public: the most examples this actor can hold (its owner's declared records; None: the run's
-    # declared N). In a secure sum every step computes on a batch padded to a size set by it.
-    declared_records: int | None = None
 
 
 class ShardGroup:
-    """The run's shard actors: each placed where its owner's data is, checked before any
-    starts (a request no node can take fails at once, one line), loaded before any trains,
-    their inputs (if ``input_shape`` is given) of the shape the model is built for.
+    """The run's shard actors: checked before any starts (a request no node can take fails at
+    once, one line), loaded before any trains, their inputs (if ``input_shape`` is given) of the
+    shape the model is built for.
 
     Data-parallel DP-SGD waits ``key_timeout_s`` for rank 0's address and every key, and each
     step's all-reduce waits ``step_timeout_s`` (both public constants); an owner whose actor dies
@@ -511,20 +489,16 @@ class ShardGroup:
             raise ValueError("a shard group needs at least one shard actor")
         # They train as one group, so all must run at once: no more CPU each than an even share.
         num_cpus = min(num_cpus, cpu_share(float(ray.cluster_resources().get("CPU", 1.0)), len(plans)))
-        options = [plan.placement.actor_options(plan.num_actors_sharing) for plan in plans]
-        for plan, option in zip(plans, options):
-            require_node(f"owner {plan.source.owner}'s DP-SGD", num_cpus, num_gpus,
-                         option.get("resources"), option.get("label_selector"))
+        require_node("the DP-SGD shard actors", num_cpus, num_gpus)
         # Two calls at once: ``epochs_done`` is answered while ``train_dp`` runs.
-        self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, **option).remote(
+        self.actors = [ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2).remote(
                            plan.source, list(plan.shard_ids), model, torch_threads)
-                       for plan, option in zip(plans, options)]
+                       for plan in plans]
         self._cpus_each = num_cpus
         owners = [plan.source.owner for plan in plans]
         self.owners = tuple(owners)  # each rank's owner
-        self._declared = tuple(plan.declared_records for plan in plans)
         # Fail rather than wait forever for actors that cannot start beside the others.
-        with waiting("starting the shard actors (each loads its owner's data)"):
+        with waiting("starting the shard actors (each loads its shards)"):
             described = describe_all(self.actors, owners, self.shutdown, start_timeout_s)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
         if input_shape is not None and self.input_shape != tuple(input_shape):
@@ -554,7 +528,7 @@ class ShardGroup:
                      len(self.actors), address)
             ranks = [actor.train_dp.remote(config, noise, num_examples,
                                            DataParallelGroup(address, rank, self.owners, public_keys,
-                                                             self.step_timeout_s, self._declared[rank]), recipe)
+                                                             self.step_timeout_s), recipe)
                      for rank, actor in enumerate(self.actors)]
         pending = list(ranks)
         asked: ray.ObjectRef | None = None  # rank 0's epochs, asked once at a time: a stopped actor never answers

@@ -114,7 +114,7 @@ class KnnVoteSource(VoteParties):
     records, under the same index: its sampling streams stay its own).
 
     Args:
-        shares: each owner's source, actor count, placement and declared records (for ``local``).
+        shares: each owner's source, actor count and declared records (for ``local``).
         embed: the fixed public embedding, applied to queries here and to records in the actors.
         k: neighbours per query (≥ 1), shared among the parties when ``local``.
         sample_rate: each record's inclusion probability per query, in (0, 1].
@@ -144,7 +144,7 @@ class KnnVoteSource(VoteParties):
             share = plan.share
             for a, b in plan.blocks:
                 k_here = self.party_k[len(spawns)] if local else k
-                actor = KnnShardActor.options(num_cpus=num_cpus_per_actor, **plan.options)
+                actor = KnnShardActor.options(num_cpus=num_cpus_per_actor)
                 spawns.append(functools.partial(actor.remote, share.source, a, b, embed, k_here, sample_rate,
                                                 len(spawns), noise, rows=share.declared_rows(a, b)))
                 owners.append(share.source.owner)

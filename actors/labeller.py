@@ -61,6 +61,11 @@ class VoteSource(Protocol):
     num_classes: int  # the columns of its histograms
     # Whether its votes meet only in secure rounds (owner-local kNN): False for every other source.
     local: bool
+    # The settings a mechanism may be charged for (``check_pairing``), None where the votes have
+    # none: each record's inclusion probability per query (kNN) and the queries it votes for
+    # (public clusters).
+    sample_rate: float | None
+    votes_per_record: int | None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """int [batch, num_classes] vote histogram for float32 inputs [batch, *input_shape]."""
@@ -80,6 +85,8 @@ class SecureVoteSource(Protocol):
     batch_coupled: bool  # as ``VoteSource.batch_coupled``
     num_classes: int
     local: bool  # as ``VoteSource.local``
+    sample_rate: float | None  # as ``VoteSource.sample_rate``
+    votes_per_record: int | None  # as ``VoteSource.votes_per_record``
 
     def ready(self, timeout: float = 2.0) -> bool:
         """Whether every owner's actors can take part in a round now (within ``timeout`` s)."""
@@ -100,9 +107,8 @@ def check_pairing(vote_source: VoteSource | SecureVoteSource,
     with (``paired_with``: a kNN sample rate, the votes per record of public clusters) must be the
     vote source's, or its record-level charge would understate ε; and a source whose votes meet
     only in secure rounds (owner-local kNN) takes only a secure mechanism."""
-    for attribute in mechanism.paired_with:
-        # a source may have no such setting at all (teachers, a user's own): that is a mismatch too
-        wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute, None)
+    for attribute in mechanism.paired_with:  # a source without the setting (None: teachers) is a mismatch too
+        wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute)
         if held != wanted:
             raise ValueError(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
                              f"source has {attribute} {held if held is not None else 'unset'}: pair it with a vote "
@@ -268,7 +274,7 @@ class _Counters:
 
 class PrivateLabeller:
     """Private labels for inputs from ``vote_source``, paid for from ``ledger`` (the run's or the
-    service's, alone or with the owners' lifetime ledgers behind it: ``RunLedger``).
+    service's; owners behind gateways charge their own ledgers there, each round).
 
     ``noise`` is the run's noise policy (OS entropy by default). The answers already in the
     ledger (from an earlier run of the service) are answered again, free.
@@ -318,11 +324,12 @@ class PrivateLabeller:
                 break
             try:
                 answered = self._groups.run(_Asked(inputs, fresh))
-            except BudgetExceeded:
+            except BudgetExceeded as err:
                 with self._lock:
                     on_record = any(key in self._answers for key in keys)
                 if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
-                    raise self._exhausted(self.ledger.refusal(self._worst_case(len(fresh))) or "", len(fresh)) from None
+                    refused = self.ledger.refusal(self._worst_case(len(fresh))) or str(err)  # ours, or an owner's
+                    raise self._exhausted(refused, len(fresh)) from None
                 break
             newly_answered += answered
             # Calls earlier in the group may have taken what was left: try again alone while the
@@ -413,7 +420,7 @@ class PrivateLabeller:
         """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
         how many other clients asked meanwhile)."""
         inputs = f"{count} new input{'' if count == 1 else 's'}"
-        if refused.startswith("owner "):  # an owner's lifetime budget (``privacy.accounting.run_ledger``)
+        if refused.startswith("owner "):  # an owner's lifetime budget, refusing at its gateway
             return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {refused}")
         report = self.ledger.report()
         return BudgetExceeded(
@@ -563,6 +570,8 @@ class _Rounds:
 
         try:
             totals = np.asarray(self._source.noised_votes(self._inputs[rows], release, self._noise, charge))
+        except BudgetExceeded:
+            raise  # an owner's lifetime budget refused the round on its side (a gateway's): nothing released
         except OwnerDropout as err:
             raise TeachersUnavailable(f"{err}; retry later") from err
         except Exception as err:  # teachers' failures must not leak their details to clients

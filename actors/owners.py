@@ -1,16 +1,16 @@
-"""An owner's data, read only on the owner's node, and what its actors may say about it.
+"""An owner's data, read only by its actors behind its gateway, and what those actors may say about it.
 
-Teacher groups and DP-SGD shard actors both load an owner's source in their own process
+Teacher groups and the actors whose records vote load an owner's source in their own process
 (``OwnerSource.load``) and answer ``describe`` with a ``GroupInfo``: the class count, the input
 shape and the node they run on — nothing about the records. A source that cannot be read
 there (no such file or column, not the declared format: the schema, not a record) comes back
-to the driver as one ``OwnerDataError`` line naming the owner.
+to the gateway as one ``OwnerDataError`` line naming the owner.
 
 Nothing else about the records may change the run's course: unusable rows (a missing or
 non-numeric value, a label outside the run's classes) are dropped here, an owner holding fewer
-records than it declared runs with what it has, and one holding more is cut down on its node
-(``learning.data.dataset.cap_shard``). The driver is told none of it; the owner sees it with
-``conclave check-data``.
+records than it declared runs with what it has, and one holding more has its teachers' shards cut
+down where they are read (``learning.data.dataset.cap_shard``). The coordinator is told none of it;
+the owner sees it with ``conclave check-data``.
 """
 from __future__ import annotations
 
@@ -37,13 +37,12 @@ class OwnerSource:
     (``cluster.owners.owner_data``: public config, read from the public pool's header); its
     labels are mapped onto ``classes`` (the run's class list, from the config or the public
     test data). ``seed`` keys the shard hash, as for ``TeacherSource``. ``num_teachers`` is the
-    number of shards: teachers, or DP-SGD shard actors.
+    number of shards: teachers, or the actors whose records vote.
 
     ``records``: the owner's declared upper bound, for teachers. Each shard keeps at most
     ``shard_cap(records, num_teachers)`` records, a uniformly random subset drawn from OS entropy
-    when it holds more; fewer is no error. DP-SGD shard actors leave it None: Poisson sampling at
-    the rate of the declared size covers any number of records held (add/remove neighbours,
-    Mironov et al. 2019), and cutting the shards would turn adding a record into replacing one.
+    when it holds more; fewer is no error. Records that vote themselves leave it None: cutting a
+    shard down would turn adding a record into replacing one.
     """
 
     owner: str

@@ -1,12 +1,9 @@
-"""Where an owner's actors may run, and a check that some node can take them.
-
-An owner pins its actors to its own node with Ray custom resources the node declares
-(``ray start --resources '{"hospital_a": 1}'``) and/or node labels (``--labels owner=a``).
-The config's resource amounts are the owner's share of its node: its actors split them
-evenly, so ``{hospital_a: 1}`` fits however many actors the owner has.
+"""How much of the cluster a run's actors take, a check that some node can take them, and their release.
 
 Ray queues an actor no node can ever take without a word; ``require_node`` looks at the
 cluster's nodes first, so a request no node can satisfy is one line naming what is missing.
+Actors that share the cluster take even CPU shares (``cpu_share``), and a stopped run hands its
+CPUs back before it returns (``release``).
 """
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from conclave.errors import ConclaveError
 
@@ -29,33 +25,6 @@ class PlacementError(ConclaveError, RuntimeError):
     exit_code = 2
 
 
-@dataclass(frozen=True)
-class Placement:
-    resources: dict[str, float] = field(default_factory=dict)  # custom resources of the owner's node
-    labels: dict[str, str] = field(default_factory=dict)  # node labels the owner's node carries
-
-    def __post_init__(self) -> None:
-        for name, amount in self.resources.items():
-            if name in ("CPU", "GPU", "memory") or not amount > 0 or not math.isfinite(amount):
-                raise ValueError(f"resource {name!r}: give custom resources with a positive amount "
-                                 f"(CPUs and GPUs are set per actor), got {amount!r}")
-
-    def actor_options(self, num_actors: int) -> dict:
-        """Ray ``.options`` for one of ``num_actors`` actors sharing this placement."""
-        options: dict = {}
-        if self.resources:
-            options["resources"] = {name: _share(amount, num_actors) for name, amount in self.resources.items()}
-        if self.labels:
-            options["label_selector"] = dict(self.labels)
-        return options
-
-
-def _share(amount: float, parts: int) -> float:
-    """An even share Ray accepts: fractions below 1 (to 4 decimals, rounded down), whole numbers above."""
-    share = amount / parts
-    return math.floor(share) if share >= 1 else math.floor(share * 10_000) / 10_000
-
-
 def cpu_share(cpus: float, parts: int) -> float:
     """``cpus`` split ``parts`` ways, rounded down to hundredths (below 0.01: to Ray's 0.0001): the
     shares never add up to more than ``cpus``, and Ray's messages and ours show 0.33 CPU, not
@@ -64,22 +33,17 @@ def cpu_share(cpus: float, parts: int) -> float:
     return math.floor(100 * share) / 100 if share >= 0.01 else max(math.floor(10_000 * share) / 10_000, 0.0001)
 
 
-def require_node(what: str, cpus: float = 0.0, gpus: float = 0.0, resources: dict[str, float] | None = None,
-                 labels: dict[str, str] | None = None) -> None:
-    """Raise ``PlacementError`` unless some alive node has (in total) what ``what`` asks for."""
-    import ray  # here: a config that names a placement loads without Ray
+def require_node(what: str, cpus: float = 0.0, gpus: float = 0.0) -> None:
+    """Raise ``PlacementError`` unless some alive node has (in total) the CPUs and GPUs ``what`` asks for."""
+    import ray
 
-    wanted = {"CPU": cpus, "GPU": gpus, **(resources or {})}
-    wanted = {k: v for k, v in wanted.items() if v > 0}
+    wanted = {k: v for k, v in {"CPU": cpus, "GPU": gpus}.items() if v > 0}
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     for node in nodes:
-        have, node_labels = node.get("Resources", {}), node.get("Labels", {}) or {}
-        if all(have.get(k, 0) >= v for k, v in wanted.items()) and all(
-                node_labels.get(k) == v for k, v in (labels or {}).items()):
+        have = node.get("Resources", {})
+        if all(have.get(k, 0) >= v for k, v in wanted.items()):
             return
     need = ", ".join(f"{k}={v:g}" for k, v in wanted.items()) or "nothing"
-    if labels:
-        need += "; labels " + ", ".join(f"{k}={v}" for k, v in labels.items())
     offered = "; ".join(_offer(n) for n in nodes[:6]) or "no alive nodes"
     raise PlacementError(f"{what}: no node of the cluster has {need} (nodes: {offered})")
 

@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
 import numpy as np
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from conclave.actors import run_folder
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
-from conclave.actors.placement import Placement, require_node
+from conclave.actors.placement import require_node
 from conclave.actors.vote_parties import VoteParties, VoteParty, party_blocks
 from conclave.learning.data import Dataset, make_splits, shard
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -110,6 +110,7 @@ class TeacherGroup(VoteParty):
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
     batch_coupled = False  # as a vote source in-process (``ready``): each teacher votes on each query alone
     local = False  # its votes are clean histograms (``actors.labeller.VoteSource.local``)
+    sample_rate = votes_per_record = None  # no setting a mechanism is charged for (``actors.labeller.check_pairing``)
 
     def __init__(
         self,
@@ -271,12 +272,11 @@ TeacherGroupActor = ray.remote(max_restarts=3, max_task_retries=0, concurrency_g
 @dataclass(frozen=True)
 class OwnerShare:
     """One owner's part of an ensemble: its source, how many teachers (the first
-    ``num_teachers`` of the source's shards), on how many actors, placed where."""
+    ``num_teachers`` of the source's shards), on how many actors."""
 
     source: TeacherSource | OwnerSource
     num_teachers: int
     num_actors: int = 1
-    placement: Placement = field(default_factory=Placement)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_teachers <= self.source.num_teachers:
@@ -291,12 +291,12 @@ class TeacherPool(VoteParties):
 
     It holds actor handles, the teachers' packing, the shape of their inputs and the node each
     owner's actors run on — never their data: each actor loads its own shards from its owner's
-    source, on the node its placement picks. ``neighbouring`` and ``neighbouring_lemma`` say
+    source, where Ray places it. ``neighbouring`` and ``neighbouring_lemma`` say
     which record-level relation the vote mechanisms' one-vote charges hold for over this
     ensemble (each record is one owner's, in one shard: one vote).
 
     Args:
-        shares: each owner's source, teacher count, actor count and placement.
+        shares: each owner's source, teacher count and actor count.
         model_name: a ``learning.models.build_model`` name (or ``module:function``).
         train: training settings; ``train.seed`` is the base of every teacher's seed.
         seed: base seed (replaces ``train.seed`` when given, so one config seed drives a run).
@@ -340,20 +340,18 @@ class TeacherPool(VoteParties):
         # Where the checkpoints are (for messages): on a node other than this one, under its temp dir.
         self.checkpoint_dir = checkpoint_dir or str(run_folder.base_folder() / self.private_run)
         plans = []
-        for share in shares:  # every placement checked before any actor starts
+        for share in shares:  # every request checked before any actor starts
             num_actors = min(share.num_actors, share.num_teachers)
-            options = share.placement.actor_options(num_actors)
             # A request no node can take would queue forever: one line naming it instead.
-            require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus,
-                         options.get("resources"), options.get("label_selector"))
-            plans.append((share, num_actors, options))
+            require_node(f"owner {share.source.owner}'s teachers", num_cpus_per_actor, num_gpus)
+            plans.append((share, num_actors))
         spawns, self._blocks, owners = [], [], []
         offset = 0
-        for share, num_actors, options in plans:
+        for share, num_actors in plans:
             for a, b in party_blocks(share.num_teachers, num_actors):  # contiguous blocks of teachers
                 # How to start this actor again once Ray has given up restarting it.
                 spawns.append(functools.partial(
-                    TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus, **options).remote,
+                    TeacherGroupActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus).remote,
                     share.source, a, b, model_name, train, num_threads=threads,
                     checkpoint_dir=checkpoint_dir or None, teacher_offset=offset, standardiser=standardiser,
                     private_run=self.private_run))

@@ -23,14 +23,14 @@ import abc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import ray
 
 from conclave.actors.owners import OwnerDropout
-from conclave.actors.placement import Placement, release, require_node
+from conclave.actors.placement import release, require_node
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
@@ -58,14 +58,13 @@ class RecordSource(Protocol):
 @dataclass(frozen=True)
 class RecordShare:
     """One owner's records voting themselves (kNN or public-cluster votes): its source (all of its
-    ``num_teachers`` shards vote), on how many actors (each a contiguous block of shards), placed
-    where, and the records it declares (public; owner-local kNN votes give it that share of k). Set
+    ``num_teachers`` shards vote), on how many actors (each a contiguous block of shards), and the
+    records it declares (public; owner-local kNN votes give it that share of k). Set
     no ``records`` cap on an ``OwnerSource``: cutting a shard down would turn adding a record into
     replacing one."""
 
     source: RecordSource
     num_actors: int = 1
-    placement: Placement = field(default_factory=Placement)
     declared: int | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +130,8 @@ class VoteParties(abc.ABC):
     votes_per_query: int | None  # ``actors.labeller.VoteSource``: each subclass declares both
     batch_coupled: bool
     local: bool = False  # ``actors.labeller.VoteSource.local``: owner-local kNN sets it
+    sample_rate: float | None = None  # ``actors.labeller.VoteSource.sample_rate``: kNN sets it
+    votes_per_record: int | None = None  # ``actors.labeller.VoteSource.votes_per_record``: public clusters set it
 
     def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
         """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and
@@ -300,22 +301,19 @@ class VoteParties(abc.ABC):
 
 @dataclass(frozen=True)
 class PartyPlan:
-    """One owner's share, its parties' blocks of shards and the Ray options of its actors."""
+    """One owner's share and its parties' blocks of shards."""
 
     share: RecordShare
     blocks: list[tuple[int, int]]
-    options: dict
 
 
 def plan_parties(shares: Sequence[RecordShare], num_cpus_per_actor: float, what: str) -> list[PartyPlan]:
-    """Every owner's parties, each placement checked before any actor starts: one line naming the
-    owner (``what``: its actors, as in "owner a's kNN shards") whose node cannot take them."""
+    """Every owner's parties, checked before any actor starts: one line naming the owner (``what``:
+    its actors, as in "owner a's kNN shards") when no node can take them."""
     plans = []
     for share in shares:
-        options = share.placement.actor_options(min(share.num_actors, share.source.num_teachers))
-        require_node(f"owner {share.source.owner}'s {what}", num_cpus_per_actor, 0.0,
-                     options.get("resources"), options.get("label_selector"))
-        plans.append(PartyPlan(share, party_blocks(share.source.num_teachers, share.num_actors), options))
+        require_node(f"owner {share.source.owner}'s {what}", num_cpus_per_actor)
+        plans.append(PartyPlan(share, party_blocks(share.source.num_teachers, share.num_actors)))
     return plans
 
 

@@ -33,8 +33,9 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import ActiveLearning, ActiveLearningConfig, RunContext, RunDirectory, load_pipeline  # noqa: E402
+from conclave.cluster.api import (  # noqa: E402
+    ActiveLearning, ActiveLearningConfig, RunContext, RunDirectory, load_pipeline, load_yaml,
+)
 
 from bench.soundness import run_reasons, soundness, timed_on  # noqa: E402
 

@@ -48,8 +48,7 @@ VARIANTS = {"width 256": {"width": 256}, "60 epochs": {"epochs": 60}}
 
 
 def _config():
-    from conclave.cluster.config import load_yaml
-    from conclave.cluster.pipelines import load_pipeline
+    from conclave.cluster.api import load_pipeline, load_yaml
 
     return load_pipeline(load_yaml(CONFIG)).config
 

@@ -4,8 +4,8 @@ Runs, as ``conclave run`` does (voters on Ray actors, the gRPC aggregator with i
 student actor), the demo (the digits voting for 100 public clusters) beside
 configs/digits-teachers.yaml (50 digits teachers, Confident-GNMax) and configs/digits-knn.yaml
 (the same digits as Private-kNN votes), and configs/hospitals.yaml (30 teachers across three owners, GNMax) beside
-configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting on
-their own nodes, summed securely). Writes results/bench/knn_votes_examples.json: per run and
+configs/hospitals-knn.yaml and configs/hospitals-clusters.yaml (the hospitals' records voting behind
+the gateways the run starts for them, summed securely). Writes results/bench/knn_votes_examples.json: per run and
 repetition the answers, label accuracy (digits only: the hospitals' pool has no labels),
 student accuracy and the guarantee, and ``sound``. MNIST's rows are in
 bench/teacher_student_mnist.py.
@@ -37,8 +37,7 @@ from conclave.learning.threads import share_cores  # noqa: E402  (before torch l
 share_cores()
 
 from bench.soundness import soundness, timed_on, timed_private_work  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import DEMO_CONFIG, RunDirectory, load_pipeline, train_ensemble  # noqa: E402
+from conclave.cluster.api import DEMO_CONFIG, RunDirectory, load_pipeline, load_yaml, train_ensemble  # noqa: E402
 
 log = logging.getLogger("bench.knn_votes_examples")
 STAND_IN_DATA = "scikit-learn's digits and the example hospitals' synthetic tables"
@@ -68,7 +67,7 @@ def run_once(name: str, seed: int, results: Path) -> tuple[dict, float]:
     finally:
         import ray
 
-        ray.shutdown()  # the next config starts Ray with its own owners' resources
+        ray.shutdown()  # the next config starts its own Ray, each run timed from a cold start
     metrics, privacy = outcome.metrics, outcome.privacy.as_dict()
     # public-cluster votes: how many pool inputs the released medoid labels label, and how many right
     spread = {key: metrics["curve"][-1][key] for key in ("cluster_labelled", "cluster_label_accuracy")

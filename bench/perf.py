@@ -311,6 +311,7 @@ class FixedVotes:
     neighbouring_lemma = "benchmark: no data"
     votes_per_query, batch_coupled = 250, False
     local, num_classes = False, 10
+    sample_rate = votes_per_record = None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         histogram = np.zeros((len(inputs), 10), dtype=np.int64)
@@ -322,8 +323,7 @@ class FixedVotes:
 
 
 def bench_aggregator(calls: int) -> dict:
-    from conclave.actors.aggregator import AggregatorServer, ServerSettings
-    from conclave.cluster.api import AggregatorClient
+    from conclave.cluster.api import AggregatorClient, AggregatorServer, ServerSettings
     from conclave.privacy.accounting.filter import RenyiFilter
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.mechanisms import build_mechanism
@@ -493,8 +493,7 @@ def bench_end_to_end(calls: int, quick: bool) -> dict:
 
 
 def bench_teacher_pool(repetitions: int, quick: bool) -> dict:
-    from conclave.actors.teacher import TeacherGroup, TeacherPool, TeacherSource
-    from conclave.cluster.api import start_ray
+    from conclave.cluster.api import TeacherGroup, TeacherPool, TeacherSource, start_ray
     from conclave.learning.train_config import TrainConfig
 
     import ray

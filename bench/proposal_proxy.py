@@ -48,9 +48,8 @@ from bench.consortium import (  # noqa: E402
     TABLES, Table, make_table, owner_names, sklearn_references, user_config, write_table,
 )
 from bench.soundness import soundness  # noqa: E402
-from conclave.cluster.api import load_pipeline  # noqa: E402
-from conclave.cluster.proposal import (  # noqa: E402
-    DPSGD, TABLE_MODELS, Proposal, proposed_config, propose, smallest_sigma,
+from conclave.cluster.api import (  # noqa: E402
+    DPSGD, TABLE_MODELS, Proposal, load_pipeline, proposed_config, propose, smallest_sigma,
 )
 
 log = logging.getLogger("bench.proposal_proxy")
@@ -189,7 +188,7 @@ def _asked(table: Table, queries: int) -> np.ndarray:
 
 
 def replay_knn(table: Table, student: Student, settings: dict) -> dict:
-    from conclave.actors.vote_parties import declared_share
+    from conclave.cluster.api import declared_share
     from conclave.learning.embeddings import fit_embedding
 
     knn, params = settings["knn"], settings["mechanism"]["params"]

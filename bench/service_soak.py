@@ -114,8 +114,7 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
-from conclave.actors.labeller import input_keys  # noqa: E402
-from conclave.cluster.api import AggregatorClient, is_budget_refusal  # noqa: E402
+from conclave.cluster.api import AggregatorClient, input_keys, is_budget_refusal  # noqa: E402
 from conclave.learning.data import load_digits  # noqa: E402
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc  # noqa: E402
 
@@ -493,7 +492,7 @@ def ms(seconds: list[float]) -> dict:
 def watch_flood(outcome: Outcome, serve: Serve, streams: int = 32) -> None:
     """32 unauthenticated health Watch streams, each opened again as soon as it ends, for longer
     than the idle limit; meanwhile health Check, reflection and GetBudget must keep answering."""
-    from conclave.actors.aggregator import SERVICE_NAME, ServerSettings
+    from conclave.cluster.api import SERVICE_NAME, ServerSettings
 
     idle = ServerSettings().stream_idle_timeout  # what serve runs with (the config does not set it)
     hold = idle + 5.0
@@ -583,7 +582,7 @@ def hung_teacher(outcome: Outcome, serve: Serve, stop_for: float = 20.0, clients
     """One teacher actor stopped (SIGSTOP) for ``stop_for`` s while clients ask for fresh inputs
     with a 30 s deadline: each call fails UNAVAILABLE before it, health turns NOT_SERVING,
     nothing is charged; SIGCONT brings SERVING back."""
-    from conclave.actors.teacher import TeacherPool
+    from conclave.cluster.api import TeacherPool
 
     inputs = marked_inputs(0, 1000)  # nothing of them is on this ledger
     rows = iter(range(len(inputs)))
@@ -1284,7 +1283,7 @@ def record_write_failure(outcome: Outcome, serve: Serve, home: Path, fresh: int 
     charged, and nothing is; inputs on record still answered; the folder mended: each fresh input
     asked again is charged once, and asked once more answered from the record, free, alike.
     Before: refused as uncharged while the ledger's charges went 5 → 10, then charged again."""
-    from conclave.actors.aggregator import RECORD_UNWRITABLE
+    from conclave.cluster.api import RECORD_UNWRITABLE
 
     folder = home / "ledgers"
     inputs = marked_inputs(10000, 8 + fresh)
@@ -1535,7 +1534,7 @@ def main() -> int:
     final = AggregatorClient(serve.address, token=TOKEN).budget()
     exit_code = serve.stop()
     facts = ledger_facts(serve.ledger)
-    from conclave.cluster.ray_runtime import reclaim_orphaned_ray
+    from conclave.cluster.api import reclaim_orphaned_ray
 
     left_at_end = reclaim_orphaned_ray()
     latencies = np.array(tally.latencies) * 1000

@@ -18,7 +18,7 @@ The 7,000 get their labels in one of two ways (each arm says which):
   on the pool's hardest images.
 
 Each arm is the config's student with some settings changed (``ARMS``), trained by the runs' own
-path (``Student.train_on``) at one torch thread, ``--workers`` arms at a time. The same seed gives
+path (``StudentTrainer.train_on``) at one torch thread, ``--workers`` arms at a time. The same seed gives
 every arm the same split, labels (of its kind) and initial seeds, so arms are compared seed by seed.
 
 Writes results/bench/student_proxy.json. Nothing private is read: the pool is public, and its
@@ -50,9 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.soundness import soundness, timed_on  # noqa: E402
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.pipelines import load_pipeline  # noqa: E402
-from conclave.cluster.api import TeacherStudentConfig  # noqa: E402
+from conclave.cluster.api import TeacherStudentConfig, load_pipeline, load_yaml  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mnist-clusters.yaml"
 HELD_OUT = 2_000
@@ -169,8 +167,8 @@ def run_arm(name: str, seed: int, mnist: str, runs: str, labelled_share: float, 
     """One student of arm ``name`` on seed ``seed``'s split of the pool; its held-out accuracy."""
     import torch
 
-    from conclave.actors.student import Student
     from conclave.learning.data import Dataset, make_splits
+    from conclave.learning.student_training import StudentTrainer
 
     torch.set_num_threads(1)  # --workers students share the machine's cores
     arm = ARMS[name]
@@ -190,12 +188,11 @@ def run_arm(name: str, seed: int, mnist: str, runs: str, labelled_share: float, 
 
     settings = dataclasses.replace(config.student.semi_supervised, seed=seed, **arm.fixmatch,
                                    **({"epochs": 2} if quick else {}))
-    student = Student(Dataset(pool.x[train], pool.y[train], pool.num_classes, "proxy/learns"),
-                      Dataset(pool.x[test], pool.y[test], pool.num_classes, "proxy/held-out"),
-                      arm.model or config.student.model, dataclasses.replace(config.student.train, seed=seed),
-                      client_factory=lambda: None, num_threads=1, features=config.data.features,
-                      semi_supervised=settings, members=arm.members or config.student.members,
-                      test_views=arm.test_views)
+    student = StudentTrainer(Dataset(pool.x[train], pool.y[train], pool.num_classes, "proxy/learns"),
+                             Dataset(pool.x[test], pool.y[test], pool.num_classes, "proxy/held-out"),
+                             arm.model or config.student.model, dataclasses.replace(config.student.train, seed=seed),
+                             features=config.data.features, semi_supervised=settings,
+                             members=arm.members or config.student.members, test_views=arm.test_views)
     started = time.perf_counter()
     model, _ = student.train_on(keep, labels)
     return {"arm": name, "seed": seed, "accuracy": student.accuracy(model), "labelled": int(len(keep)),

@@ -57,13 +57,11 @@ from conclave.learning.threads import share_cores, thread_settings  # noqa: E402
 
 share_cores()
 
-from conclave.cluster.config import load_yaml  # noqa: E402
-from conclave.cluster.api import RunDirectory, RunOutcome, TeacherStudent, TeacherStudentConfig, load_pipeline  # noqa: E402
-from conclave.learning.train_config import TrainConfig  # noqa: E402
-from conclave.cluster.teaching.ensemble import (  # noqa: E402
-    Ensemble, public_data, teacher_pool, teacher_source, train_teachers,
+from conclave.cluster.api import (  # noqa: E402
+    Ensemble, RunDirectory, RunOutcome, TeacherStudent, TeacherStudentConfig, load_pipeline, load_yaml,
+    non_private_ceiling, public_data, teacher_pool, teacher_source, train_teachers,
 )
-from conclave.cluster.teaching.student import non_private_ceiling  # noqa: E402
+from conclave.learning.train_config import TrainConfig  # noqa: E402
 
 from bench.soundness import run_reasons, soundness, timed_on, timed_private_work  # noqa: E402
 
@@ -268,7 +266,7 @@ def clean_votes(teachers: Ensemble, asked: int) -> dict:
 def individual_teachers(config: TeacherStudentConfig, splits, count: int = 10) -> dict:
     """NON-PRIVATE DIAGNOSTIC: the first ``count`` teachers, trained in this process as the
     actors train them, each evaluated on the public test split."""
-    from conclave.actors.teacher import TeacherGroup
+    from conclave.cluster.api import TeacherGroup
     from conclave.learning.data.features import features_of
     from conclave.learning.training import predict
 
@@ -299,7 +297,7 @@ def speedup_and_throughput(config: TeacherStudentConfig, count: int) -> tuple[di
     has actors; the faster counts (on a busy machine, intra-op threads can hurt). It loads
     the same shards in this process, as a one-process deployment would.
     """
-    from conclave.actors.teacher import TeacherGroup
+    from conclave.cluster.api import TeacherGroup
 
     compared, pool_seconds, startup = pool_of(config, public_data(config), count)
     one_process: dict[int, float] = {}
@@ -327,8 +325,7 @@ def speedup_and_throughput(config: TeacherStudentConfig, count: int) -> tuple[di
 
 def throughput(config: TeacherStudentConfig, teachers, single) -> dict:
     """labels/s: student-side gRPC client → aggregator → Ray actors, vs in-process teachers."""
-    from conclave.actors.aggregator import AggregatorServer, ServerSettings
-    from conclave.cluster.api import AggregatorClient
+    from conclave.cluster.api import AggregatorClient, AggregatorServer, ServerSettings
     from conclave.privacy.accounting.ledger import PrivacyLedger
     from conclave.privacy.noise import SECURE
 

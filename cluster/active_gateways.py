@@ -1,4 +1,5 @@
-"""Private active learning's DP-SGD at the owners' gateways (``owners: [{name, gateway}]`` with ``gateways:``).
+"""Private active learning's DP-SGD at the owners' gateways (``owners: [{name, gateway}]`` with ``gateways:``, or
+those a run starts on this machine for owners named by their data: ``cluster.gateway.local``).
 
 The schedule follows from the records the gateways declare (``Describe``, public), as across shard
 actors: q = 1/⌈N/B⌉, ⌈N/B⌉ steps an epoch, charged as the secure sum's subsampled Skellam.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint, ModelSpec
     from conclave.cluster.gateway.client import CoordinatorTls
     from conclave.cluster.gateway.dpsgd_client import GatewayDpsgd, GatewaySupport
+    from conclave.cluster.run_privacy import GatewayAccount
     from conclave.privacy.accounting.ledger import ChargeGate, Ledger
 
 log = logging.getLogger(__name__)
@@ -64,16 +66,19 @@ class GatewayOwners:
     """The owners' side of a run of ``config`` (an ``ActiveLearningConfig``) through their gateways, as
     ``cluster.active_learning`` uses its shard actors otherwise: ``train`` the DP-SGD checkpoints on
     the schedule of ``records`` (their declared records), then NearPrivate's ``support`` under one of
-    them. The run is admitted at every gateway when it trains, NearPrivate's releases with it."""
+    them. The run is admitted at every gateway when it trains, NearPrivate's releases with it.
+    ``budget_sources``: where each owner's budget comes from, where the run knows it (gateways it
+    started on this machine)."""
 
     def __init__(self, config: Any, spec: ModelSpec, classes: Sequence[str], reading: PublicReading,
-                 records: int) -> None:
+                 records: int, budget_sources: Mapping[str, str] | None = None) -> None:
         self._config, self._spec, self._classes, self._reading, self._records = config, spec, classes, reading, records
+        self._budget_sources = budget_sources or {}
         self._run: GatewayDpsgd | None = None
 
     def train(self, ledger: Ledger) -> tuple[list[DPCheckpoint], dict]:
-        """One checkpoint per epoch, and the figures ``privacy.json`` reports (each owner's spend as
-        its gateway said it after the last step)."""
+        """One checkpoint per epoch, and the DP-SGD figures ``privacy.json`` reports (each owner's account:
+        ``accounts``)."""
         import torch
         from tqdm.auto import tqdm
 
@@ -119,20 +124,16 @@ class GatewayOwners:
             state = {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}
             checkpoints.append(DPCheckpoint(epoch, float(epsilon), delta, q, z, steps, state, secure=True))
         return checkpoints, {"sample_rate": q, "noise_multiplier": z, "epochs": dp.epochs,
-                             "declared_private_size": records, "gateways": len(names),
-                             "owners_at_gateways": self.spend}
+                             "declared_private_size": records, "gateways": len(names)}
 
     @property
     def nodes(self) -> dict[str, list[str]]:
         """None of the coordinator's Ray nodes holds an owner's records: each owner's work runs on its own."""
         return {}
 
-    @property
-    def spend(self) -> dict[str, dict[str, Any]]:
-        """Each owner's lifetime ledger as its gateway said it after the latest step or release."""
-        if self._run is None:
-            return {}
-        return {owner: {"epsilon_spent": s.epsilon_spent, "charges": s.charges} for owner, s in self._run.spend.items()}
+    def accounts(self) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (none before the run is admitted)."""
+        return {} if self._run is None else self._run.accounts(self._budget_sources)
 
     def support(self, checkpoint: DPCheckpoint, releases: Sequence, gate: ChargeGate) -> GatewaySupport:
         """NearPrivate's ``releases`` (the run's, admitted with it) under ``checkpoint``, charged to

@@ -3,8 +3,9 @@
 DP-SGD on private shards held by Ray actors (``actors.dp_trainer``), charged before training;
 then each strategy buys public labels and fine-tunes (free). NearPrivate starts from the latest
 earlier checkpoint whose composed ε stays under the final one's, so every model compared carries
-the same guarantee. With owners named by their gateway, each step is a secure sum of the
-gateways' shares, charged at each owner's gateway first (``cluster.active_gateways``).
+the same guarantee. With owners, each step is a secure sum of their gateways' shares, charged at
+each owner's gateway first (``cluster.active_gateways``): their own gateways, or those the run
+starts on this machine for owners named by their data (``cluster.gateway.local``).
 ``learn_actively`` returns an ``ActiveLearningResult``; docs/active-learning.md.
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from conclave.cluster.config import as_base
-from conclave.cluster.owners import (DataOwner, GatewaysConfig, PublicData, check_gateways, check_owner_columns,
-                                     check_owners, require_declared_records)
+from conclave.cluster.owners import (DataOwner, GatewaysConfig, PublicData, check_behind_gateways, check_gateways,
+                                     check_owner_columns, check_owners)
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.features import check_features
@@ -77,7 +78,7 @@ class ActiveLearningDPSGD(DPSGDConfig):
     # A placeholder that passes DPSGDConfig's checks: train and price with ``dp_config(delta)``.
     delta: float = field(default=1e-5, init=False)
     # Data-parallel over one actor per shard (else one actor holds and trains them all).
-    # With owners it is always data-parallel over the owners' actors.
+    # With owners it is always a secure sum over the owners' gateways.
     distributed: bool = False
     cpus_per_worker: float = 1.0  # per shard actor (capped so that all fit in the cluster at once)
 
@@ -178,7 +179,7 @@ class ActiveLearningConfig:
     seed: int = 0
     torch_threads: int = 1
     # Owners' own data (instead of the data section's benchmark): each owner's source is read
-    # only by its shard actors, on its node; every owner declares its ``records``.
+    # only behind its gateway; every owner declares its ``records``.
     owners: tuple[DataOwner, ...] = ()
     public: DataSource | None = None  # the pool (labels: only for the oracle annotator), read by the driver
     test: DataSource | None = None  # labelled public test data, read by the driver
@@ -196,28 +197,17 @@ class ActiveLearningConfig:
             check_gateways(self.owners, self.gateways)
             return
         check_gateways(self.owners, self.gateways)
-        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=self.through_gateways)
-        if self.through_gateways:
-            self._check_gateways()
-        else:
-            require_declared_records(self.owners)
-        if not self.through_gateways and self.secure_training and self.dpsgd.grad_sample_mode not in ("auto", "hooks"):
-            raise ValueError("dpsgd: the owners' actors train data-parallel with Opacus's hooks: "
-                             "set grad_sample_mode: hooks")
-        allowed = ActiveLearningData(public_size=self.data.public_size, features=self.data.features)
+        check_owners(self.owners, self.test, self.classes, self.public)
+        check_behind_gateways(self.owners)
+        self._check_gateways()
+        allowed = ActiveLearningData(public_size=self.data.public_size)
         if self.data != allowed:
-            raise ValueError("with owners, the data section may only set public_size and features "
-                             "(the sources say the rest)")
+            raise ValueError("with owners, the data section may only set public_size (the sources say the rest)")
 
     def _check_gateways(self) -> None:
-        """DP-SGD at the owners' gateways: a registered model by name (a gateway runs no code a config
-        names) on the owners' records as they are, noise from OS entropy, and only releases a gateway
-        has a call for."""
-        from conclave.learning.models.registry import REGISTRY
-
-        if self.model is not None and self.model not in REGISTRY:
-            raise ValueError(f"model {self.model!r}: DP-SGD behind gateways trains a registered model (a gateway runs "
-                             "no code a config names)")
+        """DP-SGD at the owners' gateways: on the owners' records as they are, noise from OS entropy, and
+        only releases a gateway has a call for (the model, a registered one by name, is checked with the
+        public data: ``validate``)."""
         if self.checkpoints_from is not None:
             raise ValueError("checkpoints_from: owners named by their gateway train there; reuse no checkpoints")
         if self.data.features is not None:
@@ -227,7 +217,8 @@ class ActiveLearningConfig:
 
     @property
     def through_gateways(self) -> bool:
-        """Whether the owners are reached through their gateways (never their files)."""
+        """Whether the owners are named by their gateways (never their files); owners named by their
+        data train behind gateways the run starts on this machine (``cluster.gateway.local``)."""
         return self.gateways is not None
 
     @property
@@ -250,12 +241,10 @@ class ActiveLearningConfig:
 
     @property
     def secure_training(self) -> bool:
-        """Whether DP-SGD sums across several shard actors (or gateways), through the secure sum."""
-        if self.through_gateways:
+        """Whether DP-SGD sums across several shard actors or the owners' gateways, through the secure sum."""
+        if self.owners:
             return True
-        actors = sum(owner.actors for owner in self.owners) if self.owners else (
-            self.data.num_shards if self.dpsgd.distributed else 1)
-        return actors > 1
+        return self.dpsgd.distributed and self.data.num_shards > 1
 
     def selection_releases(self) -> list:
         """NearPrivate's two releases (DP-PCA, noisy counts) when it runs, else none: through
@@ -397,6 +386,7 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
 
     try:
         if config.owners:
+            check_registered(config.model)
             public = public_side(config, np.random.default_rng(config.seed))
             if config.buys_labels and max(config.selection.sizes) > len(public.pool_inputs):
                 raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
@@ -414,6 +404,16 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
     else:
         check_model(config.model, *inputs)
     return config
+
+
+def check_registered(model: str | None) -> None:
+    """Owners train behind their gateways, which run no code a config names: a registered model by name
+    (None: the inputs' default, a registered one), else ``ValueError``."""
+    from conclave.learning.models.registry import REGISTRY
+
+    if model is not None and model not in REGISTRY:
+        raise ValueError(f"model {model!r}: DP-SGD behind gateways trains a registered model (a gateway runs no code "
+                         "a config names)")
 
 
 def benchmark_inputs(config: ActiveLearningConfig) -> tuple[tuple[int, ...], int]:
@@ -454,17 +454,12 @@ def planned_work(config: ActiveLearningConfig, records: int | None = None) -> Pr
     return config.planned(training)
 
 
-def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded: bool,
-                reading: PublicReading = PublicReading()) -> list:
-    """Where the private shards are held: each owner's on its ``actors`` actors, on its node
-    (read as the public data says, ``reading``); the benchmark's on one actor per shard
-    (``dpsgd.distributed``) or all on one."""
+def shard_plans(config: ActiveLearningConfig) -> list:
+    """Where the benchmark's private shards are held: on one actor per shard (``dpsgd.distributed``) or all
+    on one (owners' records stay behind their gateways)."""
     from conclave.actors.dp_trainer import PrivateSource, ShardPlan
-    from conclave.cluster.owners import owner_shard_plans
 
     data = config.data
-    if config.owners:
-        return owner_shard_plans(config.owners, classes, config.seed, data.features, embedded, reading)
     source = PrivateSource(data.name, data.root, data.private_size, data.num_shards, config.seed, data.features)
     if config.dpsgd.distributed:
         return [ShardPlan(source, (i,)) for i in range(data.num_shards)]
@@ -472,13 +467,11 @@ def shard_plans(config: ActiveLearningConfig, classes: tuple[str, ...], embedded
 
 
 class PrivateShards:
-    """The run's shard actors, started the first time they are needed (to train, or for
+    """The benchmark's shard actors, started the first time they are needed (to train, or for
     NearPrivate's sums when the checkpoints are reused) and kept for the rest of the run."""
 
-    def __init__(self, config: ActiveLearningConfig, spec, classes: tuple[str, ...], embedded: bool,
-                 reading: PublicReading = PublicReading()) -> None:
-        self._config, self._spec, self._classes, self._embedded = config, spec, classes, embedded
-        self._reading = reading
+    def __init__(self, config: ActiveLearningConfig, spec) -> None:
+        self._config, self._spec = config, spec
         self._group = None
 
     @property
@@ -486,7 +479,7 @@ class PrivateShards:
         from conclave.actors.dp_trainer import ShardGroup
 
         if self._group is None:
-            plans = shard_plans(self._config, self._classes, self._embedded, self._reading)
+            plans = shard_plans(self._config)
             self._group = ShardGroup(plans, self._spec, self._config.torch_threads,
                                      num_cpus=self._config.dpsgd.cpus_per_worker,
                                      input_shape=self._spec.input_shape)
@@ -529,16 +522,28 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
     """DP-SGD checkpoints on the private shards, then every strategy's labels bought and
     fine-tuned on (steps 1–4 of the module's docstring). Checkpoints are kept under
     ``results.path``; the ledger, durable, under ``results.durable``."""
+    from conclave.cluster.gateway.local import LocalGateways
+
+    if not config.owners or config.through_gateways:
+        return _learn_actively(config, results, ray_address)
+    # Owners named by their data: their gateways on this machine, started here. Their DP-SGD steps and
+    # NearPrivate's releases run in the gateways' own threads; no Ray is needed for them.
+    with LocalGateways.start(config.owners, cpus_per_actor=1.0) as local:
+        return _learn_actively(local.reach(config), results, ray_address, local.budget_sources)
+
+
+def _learn_actively(config: ActiveLearningConfig, results: RunDirectory, ray_address: str | None,
+                    budget_sources: dict[str, str] | None = None) -> ActiveLearningResult:
+    """``learn_actively`` with owners named by their gateways, if any (``budget_sources``: where each owner's
+    budget comes from, for gateways the run started on this machine)."""
     import torch
 
     from conclave.cluster.active_gateways import GatewayOwners, declared_records
-    from conclave.cluster.owners import owner_resources
     from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.training import evaluate
 
-    # Behind gateways the owners' work runs on their own Rays: nothing here needs one.
-    embedded = config.through_gateways or start_ray(ray_address, resources=owner_resources(config.owners),
-                                                    runtime_env=config.runtime_env, models=config.models)
+    if not config.owners:  # behind gateways the owners' work runs on their own Rays: nothing here needs one
+        start_ray(ray_address, runtime_env=config.runtime_env, models=config.models)
     torch.set_num_threads(config.torch_threads)
     out = Path(results.path)
     rng = np.random.default_rng(config.seed)
@@ -559,15 +564,15 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
     records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
-    shards = (GatewayOwners(config, spec, public.classes, public.reading, records) if config.through_gateways
-              else PrivateShards(config, spec, public.classes, embedded, public.reading))
+    shards = (GatewayOwners(config, spec, public.classes, public.reading, records, budget_sources)
+              if config.through_gateways else PrivateShards(config, spec))
 
     # 2. DP checkpoints. The ledger's budget is fixed from the planned work before anything
     #    private is read, and the whole schedule is charged before training starts.
     reused = _reused_checkpoints(config)
     planned = planned_work(config, records)
     durable = config.privacy.open_ledger(results.durable / "ledger.sqlite", planned, durable=True)
-    ledger = config.privacy.with_owners(durable, planned, config.owners, config.name)
+    ledger = durable  # each owner's ledger is charged by its gateway, each step before its share leaves
     # Earlier runs in this folder charged the same private data: the published guarantee covers
     # them too. Every charge this pipeline makes is fixed work (a DP-SGD schedule, DP-PCA,
     # counts), so what the ledger holds is their data-independent worst case.
@@ -590,10 +595,10 @@ def learn_actively(config: ActiveLearningConfig, results: RunDirectory,
         # 3. Strategies → labels → fine-tuning → test accuracy.
         rows, per_model, figures = improve(config, checkpoints, shards, spec, ledger, pool_inputs, annotator,
                                            out_of_domain, test, rng, out)
-        if config.through_gateways:  # each owner's ledger after NearPrivate's releases too
-            dp_info = {**dp_info, "owners_at_gateways": shards.spend}
         privacy = config.privacy.report(covered, ledger, dp_sgd_trust(config.secure_training)).adding(
             per_model=per_model, dpsgd=dp_info, **figures)
+        if config.through_gateways:  # each owner's lifetime account after NearPrivate's releases too
+            privacy = privacy.with_owner_accounts(shards.accounts())
     finally:
         shards.shutdown()
         ledger.close()  # an owner's ledger is released for the next run even when this one failed
@@ -612,7 +617,7 @@ class BothLedgers(ChargeGate):
     """NearPrivate's releases go to the run's ledger and to the model's own (its guarantee): either
     may refuse, before anything is computed; the run's is charged first."""
 
-    run: Ledger  # with the owners' lifetime ledgers behind it, where they have budgets
+    run: Ledger  # the run's view; each owner's lifetime ledger is charged at its gateway
     model: PrivacyLedger
 
     def can_afford(self, charge: PrivacyCharge) -> bool:

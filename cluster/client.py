@@ -23,11 +23,9 @@ from typing import Iterable, Iterator, NamedTuple
 import grpc
 import numpy as np
 
-from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
+from conclave.protos import BUDGET_REASON, REASON_KEY, aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-REASON_KEY, BUDGET_REASON = "conclave-reason", "privacy-budget"  # as actors.aggregator sends them
 
 
 def is_budget_refusal(err: BaseException) -> bool:

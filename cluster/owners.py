@@ -1,62 +1,54 @@
 """The ``owners`` section every pipeline shares, and the public data the driver may read.
 
-An owner names its data (a path on its own node, read only by its actors), how many actors
-its part runs on, and where they run (Ray custom resources and/or node labels). On the
-embedded local Ray every owner's resources are granted to the one node and labels are not
-used, so the same config runs on one machine. Each pipeline adds what its owners do (e.g.
-teachers); the driver itself reads only the ``public`` and ``test`` sources.
+An owner names its data (a path read only behind its gateway, which the run starts on this machine:
+``cluster.gateway.local``), its declared records and how many actors its part runs on; or it is
+named by its gateway alone (below). Each pipeline adds what its owners do (e.g. teachers); the
+driver itself reads only the ``public`` and ``test`` sources.
 
 Tables are read by column name: the public pool's input columns are the run's schema
 (``PublicData.schema.columns``), and the test table and every owner's file are read by those
 names, in that order (``owner_data``): an owner's column order and extra columns do not matter,
-and a column it lacks is one line naming the owner and the column, from its own node. The
-names are public (the pool's header), so they travel to the owners' actors in their config,
-as does the pool's image size, at which an owner's image folder is read.
+and a column it lacks is one line naming the owner and the column, from its gateway. The
+names are public (the pool's header), so they travel to the owners' gateways with the run's
+terms, as does the pool's image size, at which an owner's image folder is read.
 
 An owner may instead be named by its gateway alone (``{name, gateway: HOST:PORT}``, with the
 coordinator's certificates in ``gateways``): its data, actors and ledger are then its own
-business, on its machine, behind ``conclave owner serve`` (docs/gateway.md).
+business, on its machine, behind ``conclave owner serve`` (docs/gateway.md). Either way the
+coordinator reaches it through the same owner protocol.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
-from conclave.actors.placement import Placement
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.privacy.accounting.owner_policy import OwnerBudget
 
-if TYPE_CHECKING:
-    from conclave.actors.owner_ledger import OwnerAccount
-
 
 @dataclass(frozen=True)
 class DataOwner:
-    """One data owner: its data (a path on its own node), its actors, and where they run.
+    """One data owner: its data (a path on its machine, read behind the gateway the run starts for it
+    there) and the actors its part runs on behind that gateway.
 
-    ``resources``: Ray custom resources its node declares (``ray start --resources``); its
-    actors split the amounts. ``labels``: node labels its node carries (``ray start
-    --labels``). ``records``: how many records the owner declares, a public upper bound: the
+    ``records``: how many records the owner declares, a public upper bound: the
     run never checks it against the data (that would depend on one record). DP-SGD needs it:
     the sampling rate and the number of steps, which are released, come from the declared
     sizes, never from the private count; teachers keep at most their share of it.
     ``budget``: the lifetime budget the run asks for this data (``OwnerBudget``), kept in a ledger
-    on its node that every run charges before releasing anything computed from the data; where
-    the owner wrote a policy on its node, the policy decides and this may only ask for less.
+    on its machine that every run charges before releasing anything computed from the data; where
+    the owner wrote a policy there, the policy decides and this may only ask for less.
     ``gateway``: instead of all of these, the owner's gateway (host:port) on its own machine,
     which holds its data, actors, policy and ledger.
     """
 
     name: str
     data: DataSource | None = None  # None only beside a gateway
-    actors: int = 1  # Ray actors the owner's part runs on
-    resources: dict[str, float] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
+    actors: int = 1  # Ray actors the owner's part runs on, behind its gateway
     records: int | None = None
     budget: OwnerBudget | None = None
     gateway: str | None = None
@@ -74,11 +66,10 @@ class DataOwner:
         if self.records is not None and self.records < self.actors:
             raise ValueError(f"owner {self.name}: {self.actors} actors need at least as many records "
                              f"(it declares {self.records})")
-        Placement(self.resources, self.labels)  # a bad amount is a config error now
 
     def _check_gateway(self) -> None:
-        given = [key for key, value in (("data", self.data), ("resources", self.resources), ("labels", self.labels),
-                                        ("records", self.records), ("budget", self.budget)) if value]
+        given = [key for key, value in (("data", self.data), ("records", self.records), ("budget", self.budget))
+                 if value]
         given += ["actors"] if self.actors != 1 else []
         if given:
             raise ValueError(f"owner {self.name}: an owner reached by its gateway is named by name and gateway only, "
@@ -86,19 +77,6 @@ class DataOwner:
         host, _, port = self.gateway.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"owner {self.name}: gateway must be host:port, got {self.gateway!r}")
-
-    def placement(self, embedded: bool) -> Placement:
-        return Placement(self.resources, {} if embedded else self.labels)
-
-    def account(self, base: str) -> OwnerAccount:
-        """The owner's lifetime account: the ``budget`` its config asks for (None: none; the
-        owner's policy on its node decides either way); ``base``: the directory relative data
-        paths are taken from, as for its actors."""
-        from conclave.actors.owner_ledger import OwnerAccount
-
-        path = self.data.anchored(base).path
-        return OwnerAccount(self.name, self.budget, Placement(self.resources, self.labels),
-                            (path,) if path else ())
 
 
 @dataclass(frozen=True)
@@ -134,14 +112,9 @@ def check_gateways(owners: Sequence[DataOwner], gateways: GatewaysConfig | None)
 
 
 def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: tuple[str, ...] | None,
-                 public: DataSource | None, needs_public: bool = True, through_gateways: bool = False) -> None:
+                 public: DataSource | None, needs_public: bool = True) -> None:
     """What an owners config needs: distinct names, a labelled test set, and (where the
-    pipeline learns from one) a public pool; owners named by their gateway only where the
-    pipeline runs through gateways (``through_gateways``)."""
-    reached = [owner.name for owner in owners if owner.gateway is not None]
-    if reached and not through_gateways:
-        raise ValueError(f"owners {reached} are named by their gateway, which does not run this pipeline: give "
-                         "their data")
+    pipeline learns from one) a public pool."""
     if test is None or (needs_public and public is None):
         needed = "a public pool and a test set: give public and test sources" if needs_public else \
             "a labelled test set: give a test source"
@@ -155,23 +128,14 @@ def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: 
         raise ValueError(f"classes must be distinct, got {list(classes)}")
 
 
-def require_declared_records(owners: Sequence[DataOwner]) -> None:
-    """DP-SGD's sampling rate and number of steps are released, so they come from the sizes
-    the owners declare: every owner must declare ``records``."""
-    undeclared = [owner.name for owner in owners if owner.records is None]
-    if undeclared:
-        raise ValueError(f"owners {undeclared}: declare records; DP-SGD's sampling rate and number of "
-                         "steps are released, so they come from declared sizes, not the private count")
-
-
-def owner_resources(owners: Sequence[DataOwner]) -> dict[str, float]:
-    """The custom resources the owners' placements name: granted to the embedded local node,
-    so an owners config runs on one machine unchanged."""
-    granted: dict[str, float] = {}
+def check_behind_gateways(owners: Sequence[DataOwner]) -> None:
+    """Owners named by their data vote or train behind gateways the run starts on this machine
+    (``cluster.gateway.local``): each declares its ``records``, which size its share of every secure
+    sum (and DP-SGD's sampling rate and steps, which are released with the model)."""
     for owner in owners:
-        for name, amount in owner.resources.items():
-            granted[name] = granted.get(name, 0.0) + amount
-    return granted
+        if owner.gateway is None and owner.records is None:
+            raise ValueError(f"owner {owner.name}: declare its records (a public upper bound, never checked against "
+                             "its data): its gateway sizes its share of every secure sum by them")
 
 
 def owner_data(owner: DataOwner, reading: PublicReading, base: str) -> DataSource:
@@ -261,19 +225,3 @@ class PublicData:
             raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
                              f"{list(splits.test.input_shape)} differ in shape")
         return cls.of(splits, classes, columns)
-
-
-def owner_shard_plans(owners: Sequence[DataOwner], classes: tuple[str, ...], seed: int,
-                      features: str | None, embedded: bool, reading: PublicReading = PublicReading()) -> list:
-    """DP-SGD shard actors for the owners: each owner's data cut into one shard per actor,
-    every actor placed where the owner says (``actors.dp_trainer.ShardPlan``); ``reading``:
-    how the public data says an owner's table or image folder is read."""
-    from conclave.actors.dp_trainer import OwnerShards, ShardPlan
-    from conclave.actors.owners import OwnerSource
-
-    here = os.getcwd()  # a relative path is the launching directory's (on a cluster, give absolute paths)
-    # records=None: DP-SGD's Poisson sampling at the declared rate needs no cut (see OwnerSource)
-    return [ShardPlan(OwnerShards(OwnerSource(owner.name, owner_data(owner, reading, here), owner.actors, classes,
-                                              seed, features)),
-                      (i,), owner.placement(embedded), owner.actors, owner.records)
-            for owner in owners for i in range(owner.actors)]

@@ -245,7 +245,10 @@ def _vote_settings(config: Any) -> list[tuple[str, dict[str, float], Any]]:
     settings = [(_label(parameters, shown, "configured"), parameters, config)]
     for names, factor in mechanism.noise_variations(NOISE_FACTORS):
         varied = _scaled(parameters, names, factor)
-        setting = dataclasses.replace(config, mechanism=MechanismConfig(config.mechanism.name, varied))
+        try:
+            setting = dataclasses.replace(config, mechanism=MechanismConfig(config.mechanism.name, varied))
+        except ValueError:  # one the config refuses (owners' gateways admit one σ for every round)
+            continue
         note = f"×{factor:g}" if names == shown else f"{'/'.join(names)} ×{factor:g}"
         settings.append((_label(varied, shown, note), varied, setting))
     return settings
@@ -330,10 +333,11 @@ def _dp_sgd(path: str, pipeline: Pipeline) -> Plan:
     counts = Counts(tuple(owner_counts(o, None, config, planned) for o in config.owners), None, config.private_size)
     steps_per_epoch = round(1 / schedule.sample_rate)
     how = f"calibrated to target ε {dp.target_epsilon:g}" if dp.target_epsilon is not None else "configured"
+    summed = "secure sums across the owners' gateways" if config.owners else "secure sums across shard actors"
     work = (f"DP-SGD on N = {config.private_size} declared records, expected batch {dp.batch_size}: q = "
             f"1/{steps_per_epoch}, {steps_per_epoch} steps per epoch, {dp.epochs} epochs ({schedule.steps} steps), "
             f"noise multiplier {schedule.noise_multiplier:.4g} ({how}), "
-            f"{'secure sums across shard actors (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
+            f"{f'{summed} (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
     if not active_learning:
         work += f"; {len(config.finetune.variants)} variants, one schedule each, on the same records"
     elif config.selection_releases():

@@ -58,12 +58,9 @@ def keep_ray_on_loopback() -> None:
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None,
-              resources: dict[str, float] | None = None, runtime_env: dict | None = None,
-              models: Iterable[str | None] = ()) -> bool:
+              runtime_env: dict | None = None, models: Iterable[str | None] = ()) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster
-    (after stopping what an earlier, killed driver left running) whose one node declares
-    ``resources`` (the owners' placements, so an owners config runs on one machine).
-    ``runtime_env``: Ray's, for every worker of this driver; the code of the users' ``models``
+    (after stopping what an earlier, killed driver left running). ``runtime_env``: Ray's, for every worker of this driver; the code of the users' ``models``
     that is not installed is added to it (``with_models``). Returns whether the Ray in use is
     the embedded one."""
     global _started_here
@@ -86,8 +83,6 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
         kwargs["num_cpus"] = num_cpus
     if temp_dir is not None:
         kwargs["_temp_dir"] = temp_dir
-    if resources:
-        kwargs["resources"] = dict(resources)
     if runtime_env:
         kwargs["runtime_env"] = dict(runtime_env)
     reclaim_orphaned_ray()

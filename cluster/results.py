@@ -22,6 +22,7 @@ from typing import IO, Any
 import numpy as np
 
 from conclave.errors import RunRefused
+from conclave.registry import import_path
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not np.isfinite(value):
         return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
     if callable(value):  # a user's model factory given to the library: its import path
-        return f"{getattr(value, '__module__', None) or '?'}:{getattr(value, '__qualname__', type(value).__name__)}"
+        return import_path(value)
     return value
 
 

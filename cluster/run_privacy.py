@@ -6,35 +6,26 @@ computed from other parties' records (docs/privacy.md, "Who sees what"). ``RunPr
 a run reports (``privacy.json``): the ``Guarantee`` first, then labelled ``Estimate``s and what
 the pipeline released besides.
 
-Owners' lifetime ledgers are opened on their nodes by ``with_owners``, wherever a run opens its
-ledger; each owner's node decides its terms (its policy, else the config's budget). A pipeline
-first asks them, before anything trains, whether the run can release anything at all
-(``owners_admitted``), and names itself, its mechanisms and the run for every ledger the run
-opens meanwhile (a ``RunRequest``, which the owners' policies check on their nodes).
+Owners keep their lifetime ledgers behind their gateways, each admitting a run by its own policy and
+charging its own ledger first: a run's report lists each one's account as its gateway reports it
+(``GatewayAccount``).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from conclave.cluster.config import ConfigError
-from conclave.cluster.owners import DataOwner
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.guarantee import Estimate, Guarantee, covers, run_guarantee, worst_case_guarantee
-from conclave.privacy.accounting.ledger import (AnsweringLedger, BudgetChange, BudgetExceeded, BudgetReport,
-                                                PrivacyLedger)
-from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
-from conclave.privacy.accounting.owner_policy import OwnerTerms, RunRequest
-from conclave.privacy.accounting.run_ledger import RunLedger
+from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetReport, PrivacyLedger
+from conclave.privacy.accounting.owner_policy import budget_statement
 from conclave.privacy.noise import NoisePolicy
 
 
@@ -86,60 +77,6 @@ class PrivacyConfig:
         return PrivacyLedger(path, self.delta, self.budget_filter(planned), neighbouring=planned.neighbouring,
                              keep_record=durable)
 
-    def with_owners(self, ledger: PrivacyLedger, planned: PrivacyCharge, owners: Sequence[DataOwner],
-                    run: str) -> AnsweringLedger:
-        """``ledger`` alone, or — when owners have lifetime budgets, by their policies on their
-        nodes or the config — in front of their ledgers, opened on their nodes now (Ray must be
-        running): every charge of the run then goes to each of them too (``RunLedger``). Every
-        owner's node is asked, budget in the config or not. The run is the pipeline's
-        ``RunRequest`` when one is in force (``owners_admitted``), else ``run``, unnamed. A
-        refusal by an owner's node is ``OwnerRefused`` (one line), before anything is released;
-        ``ledger`` is closed on any failure."""
-        # An owner named by its gateway admits the run and charges its own ledger there, first.
-        owners = [owner for owner in owners if owner.gateway is None]
-        if not owners:
-            return ledger
-        from conclave.actors.owner_ledger import OwnerLedgers
-
-        records = DriverRecords()
-        try:
-            lifetime = OwnerLedgers.start([owner.account(os.getcwd()) for owner in owners], planned,
-                                          _REQUEST.get() or RunRequest(run), records.load())
-        except BaseException:
-            ledger.close()
-            raise
-        if lifetime is None:  # no owner has a policy or a budget
-            return ledger
-        try:
-            return RunLedger(ledger, lifetime, records)
-        except BaseException:
-            lifetime.close()
-            ledger.close()
-            raise
-
-    @contextlib.contextmanager
-    def owners_admitted(self, owners: Sequence[DataOwner], request: RunRequest, planned: PrivacyCharge,
-                        first_release: PrivacyCharge) -> Iterator[None]:
-        """Before anything trains or reads an owner's data (Ray must be running): every owner's
-        node admits ``request`` — its policy, its ledger's state — and every budgeted owner can
-        pay for ``first_release`` (the planned work, or one release for a run that stops at its
-        budget), else ``OwnerRefused`` or ``BudgetExceeded``, one line naming the owner. Inside,
-        every ledger the run opens carries ``request`` to the owners' nodes."""
-        token = _REQUEST.set(request)
-        try:
-            if owners:
-                checked = self.with_owners(PrivacyLedger(":memory:", self.delta, neighbouring=planned.neighbouring),
-                                           planned, owners, request.run)
-                try:
-                    refused = checked.owners.refusal(first_release) if isinstance(checked, RunLedger) else None
-                finally:
-                    checked.close()
-                if refused is not None:
-                    raise BudgetExceeded(refused)
-            yield
-        finally:
-            _REQUEST.reset(token)
-
     def guarantee(self, planned: PrivacyCharge) -> Guarantee:
         """The run's guarantee: the budget or the planned worst case, whichever is smaller."""
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
@@ -149,13 +86,8 @@ class PrivacyConfig:
         """What every run reports about its privacy: the guarantee (the better of the budget
         ``ledger`` enforces and the worst case of ``planned`` — or, where the ledger's charges at
         their worst cases went past it, e.g. a round charged, given up and asked again, of those
-        charges: ``run_guarantee``), who saw what, what was planned, what the ledger holds, and
-        each budgeted owner's lifetime account (the pipeline adds its own releases)."""
-        owners = {}
-        if isinstance(ledger, RunLedger):
-            owners = {name: OwnerAccountReport.of(name, report, ledger.at_start[name], ledger.owners.nodes[name],
-                                                  ledger.owners.terms[name])
-                      for name, report in ledger.owner_reports().items()}
+        charges: ``run_guarantee``), who saw what, what was planned and what the ledger holds (the
+        pipeline adds its own releases, and the owners' lifetime accounts: ``with_owner_accounts``)."""
         reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
         charged = ledger.worst_case_spent()
         # the filter the ledger enforces; the plan's worst case or, past it, what was charged
@@ -165,34 +97,7 @@ class PrivacyConfig:
             f"the run charged more than its plan ({spent.charges} charges at worst case ε "
             f"{worst_case_guarantee(charged, self.delta).epsilon:.4g} against the plan's ε {plan.epsilon:.4g}, e.g. a "
             "round given up at its deadline and asked again): the guarantee composes every charge at its worst case")
-        return RunPrivacy(guarantee, trust, plan, planned.label, spent, owners=owners, beyond_plan=beyond)
-
-
-_REQUEST: contextvars.ContextVar[RunRequest | None] = contextvars.ContextVar("conclave_run_request", default=None)
-
-
-class OwnersRun(Protocol):
-    """What a pipeline's config holds that ``admitting_owners`` reads."""
-
-    owners: tuple[DataOwner, ...]
-    privacy: PrivacyConfig
-    runtime_env: dict
-    models: tuple
-
-
-@contextlib.contextmanager
-def admitting_owners(config: OwnersRun, request: RunRequest, planned: PrivacyCharge, first_release: PrivacyCharge,
-                     ray_address: str | None) -> Iterator[None]:
-    """A pipeline's run, inside: with owners, Ray is started as the run starts it and every
-    owner's node admits ``request`` before anything trains (``PrivacyConfig.owners_admitted``)."""
-    if config.owners:
-        from conclave.cluster.owners import owner_resources
-        from conclave.cluster.ray_runtime import start_ray
-
-        start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
-                  models=config.models)
-    with config.privacy.owners_admitted(config.owners, request, planned, first_release):
-        yield
+        return RunPrivacy(guarantee, trust, plan, planned.label, spent, beyond_plan=beyond)
 
 
 class Aggregation(StrEnum):
@@ -201,8 +106,8 @@ class Aggregation(StrEnum):
 
     # The aggregator sees every teacher's clean vote (PATE's classic trust).
     TRUSTED_AGGREGATOR = "trusted-aggregator"
-    # Every sum across shard actors is a secure sum with distributed noise, so whoever sums (and every
-    # owner) sees only noised totals (teacher votes too, with ``aggregation: secure`` in teacher_student).
+    # Every sum across owners' gateways or shard actors is a secure sum with distributed noise, so whoever
+    # sums (and every owner) sees only noised totals (teacher votes too, with ``aggregation: secure``).
     SECURE = "secure"
     # One actor holds all the private data, so nothing private crosses between processes but DP releases.
     SINGLE_HOLDER = "single-holder"
@@ -239,9 +144,9 @@ CLUSTER_AGGREGATOR = TrustModel(
     "histogram of the records' votes for the medoids; students and outsiders see released labels only")
 SECURE_SUMS = TrustModel(
     Aggregation.SECURE, (),
-    "owners' shard actors add up clipped gradients (and NearPrivate's sums) only through secure sums: each "
-    "sends a masked share with its noise share in it, so whoever sums, and every owner, sees only noised "
-    "totals; the driver sees DP releases only")
+    "the owners' gateways (or a benchmark's shard actors) add up clipped gradients (and NearPrivate's sums) only "
+    "through secure sums: each sends a masked share with its noise share in it, so whoever sums, and every owner, "
+    "sees only noised totals; the driver sees DP releases only")
 SECURE_VOTES = TrustModel(
     Aggregation.SECURE, (),
     "each owner's vote actors (teachers, kNN or public-cluster shards) count their votes on the owner's node "
@@ -281,7 +186,7 @@ class RunPrivacy:
     estimates: tuple[Estimate, ...] = ()
     per_model: Mapping[str, Guarantee] = field(default_factory=dict)
     releases: Mapping[str, Any] = field(default_factory=dict)
-    owners: Mapping[str, OwnerAccountReport] = field(default_factory=dict)  # owners with lifetime budgets
+    owners: Mapping[str, GatewayAccount] = field(default_factory=dict)  # their lifetime accounts
     beyond_plan: str | None = None  # why the plan's worst case is not the guarantee: the run charged more
 
     @property
@@ -301,6 +206,10 @@ class RunPrivacy:
         return dataclasses.replace(self, estimates=self.estimates + tuple(estimates),
                                    per_model={**self.per_model, **(per_model or {})},
                                    releases={**self.releases, **releases})
+
+    def with_owner_accounts(self, accounts: Mapping[str, GatewayAccount]) -> RunPrivacy:
+        """This report with the owners' lifetime accounts after the run (as their gateways report them)."""
+        return dataclasses.replace(self, owners={**self.owners, **accounts})
 
     def headline(self) -> str:
         """One line: the run's guarantee, why it is not sound if it is not, and the estimates,
@@ -351,54 +260,31 @@ LIFETIME_COVERS = ("every release computed from this owner's data in every run c
 
 
 @dataclass(frozen=True)
-class OwnerAccountReport:
-    """An owner's lifetime account after a run: the guarantee its ledger's filter gives for
-    everything ever charged to it (this run and every earlier one), what has been spent (a
-    realised figure, not the guarantee), and how many charges came before this run."""
+class GatewayAccount:
+    """An owner's lifetime account after a run, as its gateway reports it (``Budget``): the lifetime
+    budget in force on its machine (a Rényi filter over every release from its data, in every run), what
+    its ledger has spent (a realised figure, not the guarantee), its charges and how many it held before
+    this run. ``budget_source``: where that budget comes from, where the run knows it (gateways it
+    started on this machine: the owner's "policy", or the run's "config"; None: the owner's business)."""
 
     owner: str
-    guarantee: Guarantee  # the lifetime budget: a Rényi filter over all the owner's releases
+    epsilon: float
+    delta: float
     spent_epsilon: float
     charges: int
-    charges_before_run: int  # entries of its ledger before this run (charges and budget changes)
-    rdp_left: float | None
-    ledger: str  # the ledger file, on the owner's node
-    node: str  # the Ray node it lives on
-    terms: OwnerTerms | None = None  # where the budget comes from (the owner's policy or the config)
-    changes: tuple[BudgetChange, ...] = ()  # the owner's raises and lowerings of its budget
-
-    @classmethod
-    def of(cls, owner: str, report: BudgetReport, at_start: LedgerIdentity, node: str,
-           terms: OwnerTerms | None = None) -> OwnerAccountReport:
-        if report.guarantee is None:
-            raise ValueError(f"owner {owner}'s ledger declares no budget")
-        return cls(owner, report.guarantee, report.epsilon_spent, report.charges, at_start.charges,
-                   report.remaining_rdp, at_start.path, node, terms, report.changes)
+    charges_before_run: int
+    budget_source: str | None = None
 
     def headline(self) -> str:
-        raised = [c for c in self.changes if c.raised]
-        since = f" (raised to it on {raised[-1].as_dict()['when']})" if raised else ""
-        return (f"ε {self.guarantee.epsilon:g} lifetime{since}, {self.spent_epsilon:.3g} spent over {self.charges} "
-                f"charges ({self.charges_before_run} before this run)")
+        return (f"ε {self.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {self.charges} charges "
+                f"({self.charges_before_run} before this run)")
 
     def as_dict(self) -> dict[str, Any]:
         account: dict[str, Any] = {
-            "guarantee": self.guarantee.as_dict(), "covers": LIFETIME_COVERS,
-            "ledger": {"path": self.ledger, "node": self.node},
+            "guarantee": {"epsilon": self.epsilon, "delta": self.delta, "basis": "renyi-filter"},
+            "covers": LIFETIME_COVERS, "ledger": "kept by the owner's gateway, on its machine",
             "spent": {"epsilon": self.spent_epsilon, "charges": self.charges,
-                      "charges_before_run": self.charges_before_run, "rdp_left": self.rdp_left,
-                      "note": SPENT_NOTE}}
-        if self.terms is not None:
-            account["budget_source"] = {"source": self.terms.source, "statement": self.terms.statement,
-                                        "policy": self.terms.policy}
-            if self.terms.cap is not None:
-                account["budget_source"]["this_run_within_epsilon"] = self.terms.cap
-        if self.changes:
-            account["budget_changes"] = [c.as_dict() for c in self.changes]
-            account["budget_changes_note"] = BUDGET_CHANGES_NOTE
+                      "charges_before_run": self.charges_before_run, "note": SPENT_NOTE}}
+        if self.budget_source is not None:
+            account["budget_source"] = {"source": self.budget_source, "statement": budget_statement(self.budget_source)}
         return account
-
-
-BUDGET_CHANGES_NOTE = ("the owner changed its lifetime budget on its node after declaring it; the guarantee is the "
-                       "largest budget it declared, which every release charged so far fits (a raise is a new "
-                       "commitment made after releases were seen: docs/owners.md)")

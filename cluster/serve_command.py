@@ -78,11 +78,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     # not after the heavy imports (15-20 s on a loaded machine).
     with signals_held(STOPS):
         from conclave.cluster.pipelines import load_pipeline
-        from conclave.cluster.teaching.aggregation import check_port_free, server_fields
         from conclave.cluster.tls import HandshakeLog, check_server_files
 
+    overrides = {"host": args.host, "port": args.port, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+                 "tls_client_ca": args.tls_client_ca, "allow_plaintext": args.allow_plaintext}
     try:
-        config = load_pipeline(load_yaml(args.config)).serving()
+        service = load_pipeline(load_yaml(args.config)).service(**overrides)
     except ConfigError as err:
         return fail(err)
 
@@ -90,9 +91,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     # they start, inherit this process's environment. The server runs here, in the driver.
     from_env = os.environ.pop(TOKEN_ENV, None)
     token = from_env or secrets.token_urlsafe(24)
-    overrides = {"host": args.host, "port": args.port, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
-                 "tls_client_ca": args.tls_client_ca, "allow_plaintext": args.allow_plaintext}
-    fields = server_fields(config, **overrides)
+    fields = service.fields()
     try:
         if fields["tls_cert"] and fields["tls_key"]:
             check_server_files(Path(fields["tls_cert"]), Path(fields["tls_key"]),
@@ -102,43 +101,33 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     with signals_held(STOPS):
         import torch  # noqa: F401 - loaded here rather than by the first model built, later in the start
 
-        from conclave.actors.owners import OwnerDataError
-        from conclave.actors.placement import PlacementError
-        from conclave.cluster.api import serve, train_ensemble
         from conclave.cluster.ray_runtime import record_ray_processes
-        from conclave.cluster.run_privacy import admitting_owners
-        from conclave.cluster.teaching.aggregation import aggregator_ledger, server_settings
-        from conclave.cluster.teaching.ensemble import checked_public, resolved
         from conclave.privacy.accounting.ledger import LedgerInUse
-        from conclave.privacy.accounting.owner_policy import RunRequest
     try:
-        settings = server_settings(config, token, **overrides)  # the rest of the server's fields
+        settings = service.settings(token)  # the rest of the server's fields
     except ValueError as err:
         return fail(StartRefused(f"server: {err}"))
     try:
-        public = checked_public(config)
+        public = service.public_data()
     except ConfigError as err:
         return fail(err)
+    config = service.config
     ledger_path = Path(args.ledger or Path("results") / config.name / "serve-ledger.sqlite")
     try:
-        check_port_free(settings.host, settings.port)
+        service.check_port()
         _check_writable(ledger_path)
-        ledger = aggregator_ledger(config, ledger_path, service=True)
+        ledger = service.open_ledger(ledger_path)
     except (ValueError, OSError, LedgerInUse) as err:  # another budget, damaged, held by another serve; the port
         return fail(StartRefused(str(err).splitlines()[0]))
     except sqlite3.Error as err:  # not a database, or one SQLite cannot write
         return fail(StartRefused(f"ledger {ledger_path}: {str(err).splitlines()[0]}"))
     started.callback(lambda: ledger.close())  # the ledger in use when the owners' wrap it
-    config = resolved(config, public)
-    request = RunRequest(config.name, "teacher_student", (config.mechanism.name,))
-    try:  # every owner's node admits the service, and can pay one answer, before any teacher trains
-        started.enter_context(admitting_owners(config, request, config.planned(), config.planned(answers=1),
-                                               args.address))
-        teachers = train_ensemble(config, args.address, public=public)
-    except (OwnerDataError, PlacementError, ConclaveError) as err:  # an owner refused; no node can take them
+    try:  # with owners, each owner's gateway admits the service, and can pay one round, before its teachers train
+        teachers = service.train(public, args.address)
+    except ConclaveError as err:  # an owner refused; its data; no node can take them
         _undo(started, ours)
         return fail(err)
-    started.callback(teachers.pool.shutdown)
+    started.callback(teachers.shutdown)
     interrupts.raise_if_any()  # one a library swallowed on the way: the start stops before anything is served
     # gRPC's own line for each failed TLS handshake, at most one per 10 s (a scan of the port
     # made 300 lines in 0.1 s): from here on this process's stderr goes through a filter.
@@ -146,9 +135,9 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     if handshakes is not None:
         handshakes.start()
         started.callback(handshakes.stop)
-    try:  # the owners' lifetime ledgers, on their nodes, then the gRPC server: the library's serve
-        aggregator = serve(config, teachers, ledger, token, **overrides)
-    except (ConclaveError, ValueError, OSError) as err:  # an owner's node refused; the port was taken meanwhile
+    try:  # the gRPC server: the library's serve
+        aggregator = service.serve(teachers, ledger, token)
+    except (ConclaveError, ValueError, OSError) as err:  # the ledger refused; the port was taken meanwhile
         _undo(started, ours)
         return fail(StartRefused(str(err)))
     ledger = aggregator.ledger
@@ -156,7 +145,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None, started: cont
     record_ray_processes()  # the workers and agents running now, for cleanup should we be killed
     guarantee, report = aggregator.server.guarantee(), ledger.report()
     security = "mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls else "plaintext"
-    voters = config.vote_source.serving(teachers.pool)
+    voters = service.voters(teachers)
     stop = stop or threading.Event()
     _stop_on_signals(stop)  # from here a signal stops the service as below, not the start
     print(f"aggregator serving on {aggregator.address} ({security}; {config.mechanism.name}, {voters}, "

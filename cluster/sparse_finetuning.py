@@ -3,11 +3,15 @@
 1. Pre-train the network on the public data without privacy, saving a checkpoint every
    ``pretrain.checkpoint_every`` epochs under ``results/<run>/checkpoints/``; a rerun of the
    same run resumes from the latest one.
-2. For each configured variant, charge the run's ledger with its DP-SGD schedule, then send
-   the public weights to the shard actors that hold the private transfer set (a benchmark's
-   split on one actor, or with ``owners`` each owner's own file on its own node, trained
-   data-parallel): they replace the classifier, build the plan (the magnitude mask comes
-   from the public weights only) and DP-fine-tune (``actors.sparse_trainer.SparseVariant``).
+2. For each configured variant, charge the run's ledger with its DP-SGD schedule and fine-tune
+   on the private data. A benchmark's private split is held by one shard actor, sent the public
+   weights: it replaces the classifier, builds the plan (the magnitude mask comes from the
+   public weights only) and DP-fine-tunes (``actors.sparse_trainer.SparseVariant``). With
+   ``owners``, every owner's gateway is sent the public weights and the variant's public mask and
+   admits the variant by its owner's policy; each step is a secure sum of the gateways' shares,
+   charged in each owner's ledger first (``cluster.sparse_gateways``). The gateways are the
+   owners' own (``owners: [{name, gateway}]`` with ``gateways:``) or, for owners named by their
+   data, ones the run starts on this machine (``cluster.gateway.local``): the same code either way.
 3. Evaluate each released DP model on the private task's test split (public: the benchmark's
    test split, or the config's ``test`` source).
 4. Report the guarantee: every variant trains on the same private data, so the planned work
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.config import as_base
-from conclave.cluster.owners import DataOwner, check_owners, require_declared_records
+from conclave.cluster.owners import DataOwner, GatewaysConfig, check_behind_gateways, check_gateways, check_owners
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
 from conclave.learning.data.sources import DataSource, PublicReading
@@ -35,7 +39,13 @@ from conclave.learning.sparse_variants import VARIANTS
 from conclave.learning.train_config import TrainConfig
 
 if TYPE_CHECKING:
-    from conclave.actors.sparse_trainer import PublicModel
+    from conclave.actors.dp_trainer import DPCheckpoint
+    from conclave.actors.sparse_trainer import PublicModel, SparseVariant
+    from conclave.cluster.run_privacy import GatewayAccount
+    from conclave.cluster.sparse_gateways import GatewayVariants
+    from conclave.learning.data import Dataset
+    from conclave.learning.dp_schedule import DPSchedule
+    from conclave.privacy.accounting.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -134,27 +144,50 @@ class SparseConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: DPFinetuneConfig = field(default_factory=DPFinetuneConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    # Owners' own data (instead of ``private``): each owner's images, read only by its shard
-    # actors on its node; every owner declares its ``records``. ``test``: the private task's
-    # labelled public test set, ``classes`` its label names (None: the test data's).
+    # Owners' own data (instead of ``private``): each owner's images, read only behind its gateway;
+    # every owner named by its data declares its ``records``. ``test``: the private task's labelled
+    # public test set, ``classes`` its label names (None: the test data's).
     owners: tuple[DataOwner, ...] = ()
     test: DataSource | None = None
     classes: tuple[str, ...] | None = None
     # Ray's runtime_env for the run's workers; a model of your own is added to its py_modules by the run.
     runtime_env: dict = field(default_factory=dict)
+    # The coordinator's certificates for owners named by their gateway (``owners: [{name, gateway}]``):
+    # each variant's DP-SGD then runs as steps at the owners' gateways (``cluster.sparse_gateways``).
+    gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
+        check_gateways(self.owners, self.gateways)
         if not self.owners:
             if self.test is not None or self.classes is not None:
                 raise ValueError("test and classes go with owners (or use the private section alone)")
             return
         check_owners(self.owners, self.test, self.classes, None, needs_public=False)
-        require_declared_records(self.owners)
-        if self.secure_training and self.finetune.grad_sample_mode not in ("auto", "hooks"):
-            raise ValueError("finetune: the owners' actors train data-parallel with Opacus's hooks: "
-                             "set grad_sample_mode: hooks")
+        check_behind_gateways(self.owners)
+        self._check_gateways()
         if self.private != DEFAULT_PRIVATE:
             raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
+
+    def _check_gateways(self) -> None:
+        """Fine-tuning at the owners' gateways (their own, or those the run starts on this machine): a
+        registered model by name with numbers for its own arguments (a gateway runs no code a config
+        names), and noise from OS entropy."""
+        from conclave.learning.models.registry import REGISTRY
+
+        if self.model.name not in REGISTRY:
+            raise ValueError(f"model.name {self.model.name!r}: sparse fine-tuning behind gateways trains a registered "
+                             "model (a gateway runs no code a config names)")
+        for key, value in self.model.kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"model.kwargs.{key}: a gateway builds its model with numbers only, got {value!r}")
+        if self.privacy.insecure_noise_seed is not None:
+            raise ValueError("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
+
+    @property
+    def through_gateways(self) -> bool:
+        """Whether the owners are named by their gateways (never their files); owners named by their
+        data fine-tune behind gateways the run starts on this machine (``cluster.gateway.local``)."""
+        return self.gateways is not None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -166,7 +199,10 @@ class SparseConfig:
         """The private examples DP-SGD's schedule is computed from. Owners declare theirs; a
         benchmark split's is its ``private.size`` when set (an upper bound, like an owner's
         records: a smaller split only makes the Poisson batches smaller), else counted from
-        its files (a split of public files: treated as public)."""
+        its files (a split of public files: treated as public). Owners behind gateways declare
+        theirs there (``active_gateways.declared_records``)."""
+        if self.through_gateways:
+            raise ValueError("owners named by their gateway declare their records there, not in the config")
         if self.owners:
             return sum(owner.records for owner in self.owners)
         if self.private.size is not None:
@@ -175,8 +211,9 @@ class SparseConfig:
 
     @property
     def secure_training(self) -> bool:
-        """Whether DP-SGD sums across several shard actors (the owners'), through the secure sum."""
-        return sum(owner.actors for owner in self.owners) > 1
+        """Whether DP-SGD sums across the owners' gateways, through the secure sum (a benchmark's split is
+        held by one actor)."""
+        return bool(self.owners)
 
 
 # --- phases -----------------------------------------------------------------------------
@@ -220,15 +257,16 @@ def pretrain_public(model, data, config: PretrainConfig, seed: int, checkpoint_d
     return losses
 
 
-def planned_work(config: SparseConfig):
-    """Every variant's DP-SGD schedule, on ``config.private_size`` examples (declared by the
-    owners, or the size of a split of a public benchmark's files)."""
+def planned_work(config: SparseConfig, records: int | None = None):
+    """Every variant's DP-SGD schedule, on ``records`` examples (what the owners' gateways declare;
+    None: ``config.private_size``, declared by the owners or the size of a split of a public
+    benchmark's files)."""
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.privacy.accounting.rdp import sum_charges
 
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    return sum_charges([dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{v}",
-                                    secure=config.secure_training).charge
+    size = config.private_size if records is None else records
+    return sum_charges([dp_schedule(size, dp_config, label=f"dpsgd-sparse-{v}", secure=config.secure_training).charge
                         for v in config.finetune.variants], label="planned")
 
 
@@ -281,7 +319,7 @@ class SparseResult:
     private_test: str
     variants: dict[str, dict[str, Any]]
     privacy: RunPrivacy
-    nodes: dict[str, list[str]]  # owner → the Ray nodes its shard actors ran on
+    nodes: dict[str, list[str]]  # the benchmark's split → the Ray node its shard actor ran on (owners: none)
 
 
 @dataclass(frozen=True)
@@ -320,15 +358,30 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
     ``public``: the public model already pre-trained (step 1 skipped). ``every_epoch``: also
     evaluate each variant's model after every epoch (``variants[v]["accuracies"]``; the test
     split is public, so this is free)."""
-    from conclave.actors.dp_trainer import ShardGroup, ShardPlan
-    from conclave.actors.sparse_trainer import SparseVariant, TransferSource
-    from conclave.cluster.owners import owner_resources, owner_shard_plans
-    from conclave.cluster.ray_runtime import gpus_available, start_ray
+    from conclave.cluster.gateway.local import LocalGateways
+
+    if not config.owners or config.through_gateways:
+        return _finetune_sparsely(config, results, ray_address, public, every_epoch)
+    # Owners named by their data: their gateways on this machine, started here. Their DP-SGD steps run in
+    # the gateways' own threads; no Ray is needed for them.
+    with LocalGateways.start(config.owners, cpus_per_actor=1.0) as local:
+        return _finetune_sparsely(local.reach(config), results, ray_address, public, every_epoch,
+                                  local.budget_sources)
+
+
+def _finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: str | None,
+                       public: PublicPretraining | None, every_epoch: bool,
+                       budget_sources: dict[str, str] | None = None) -> SparseResult:
+    """``finetune_sparsely`` with owners named by their gateways, if any (``budget_sources``: where each
+    owner's budget comes from, for gateways the run started on this machine)."""
+    from conclave.actors.sparse_trainer import SparseVariant
+    from conclave.cluster.active_gateways import declared_records
+    from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.learning.training import evaluate
 
-    embedded = start_ray(ray_address, resources=owner_resources(config.owners),
-                         runtime_env=config.runtime_env, models=config.models)
+    if not config.owners:  # behind gateways the owners' work runs on their own Rays: nothing here needs one
+        start_ray(ray_address, runtime_env=config.runtime_env, models=config.models)
     if public is None:
         public = pretrain(config, results.path / "checkpoints")
 
@@ -337,26 +390,16 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
         stale.unlink()  # a run accounts for its own fine-tunings
     test, classes = private_test(config)
     dp_config = config.finetune.dp_config(config.privacy.delta)
-    planned = planned_work(config)
-    if config.owners:
-        size = (test.input_shape[-2], test.input_shape[-1]) if test.is_image else None  # owners' images: the test's
-        plans = owner_shard_plans(config.owners, classes, config.seed, None, embedded, PublicReading(size=size))
-    else:
-        source = TransferSource(config.private.dataset, config.private.root, config.private.classes,
-                                config.private.size, config.seed)
-        plans = [ShardPlan(source, (0,))]
-    # One actor takes a GPU when the cluster has one (train_dp then trains on it).
-    gpus = min(1.0, gpus_available()) if len(plans) == 1 else 0.0
+    records = declared_records(config.owners, config.gateways) if config.owners else config.private_size
+    planned = planned_work(config, records)
     variants: dict[str, dict[str, Any]] = {}
-    ledger = config.privacy.with_owners(config.privacy.open_ledger(ledger_path, planned), planned, config.owners,
-                                        config.name)
-    with ledger, ShardGroup(plans, num_cpus=1.0, num_gpus=gpus, input_shape=test.input_shape) as shards:
+    with config.privacy.open_ledger(ledger_path, planned) as ledger, \
+            _private_side(config, test, classes, budget_sources) as private:
         for variant in config.finetune.variants:
             recipe = SparseVariant(public.model, variant, config.finetune.fraction, len(classes), config.seed)
-            schedule = dp_schedule(config.private_size, dp_config, label=f"dpsgd-sparse-{variant}",
-                                   secure=shards.secure)
-            ledger.charge(schedule.charge)  # before anything private is computed; over budget: refused
-            checkpoints = shards.train(dp_config, config.privacy.noise, config.private_size, recipe, progress=True)
+            schedule = dp_schedule(records, dp_config, label=f"dpsgd-sparse-{variant}", secure=config.secure_training)
+            # the run's ledger is charged the schedule before anything private is computed; over budget: refused
+            checkpoints = private.train(dp_config, schedule, recipe, ledger)
             accuracy = evaluate(recipe.released(checkpoints[-1].state), test)
             _, plan = recipe.planned()
             log.info("variant %s: accuracy %.4f at ε %.3f", variant, accuracy, checkpoints[-1].epsilon)
@@ -368,8 +411,58 @@ def finetune_sparsely(config: SparseConfig, results: RunDirectory, ray_address: 
             }
             if every_epoch:
                 variants[variant]["accuracies"] = [evaluate(recipe.released(c.state), test) for c in checkpoints]
-        privacy = config.privacy.report(planned, ledger, dp_sgd_trust(shards.secure)).adding(
+        privacy = config.privacy.report(planned, ledger, dp_sgd_trust(config.secure_training)).adding(
             per_variant_epsilon={v: r["epsilon"] for v, r in variants.items()},
-            note="every variant fine-tuned on the same private data; the run's guarantee composes them all")
-        nodes = shards.placement
+            note="every variant fine-tuned on the same private data; the run's guarantee composes them all",
+        ).with_owner_accounts(private.accounts())  # each owner's lifetime account after the last step
+        nodes = private.nodes
     return SparseResult(public.losses, public.accuracy, public.dataset, test.name, variants, privacy, nodes)
+
+
+class BenchmarkSplit:
+    """A benchmark's private split on one shard actor (with a GPU when the cluster has one), as the private
+    side of a run's fine-tunings (``cluster.sparse_gateways.GatewayVariants`` is the owners')."""
+
+    def __init__(self, config: SparseConfig, input_shape: tuple[int, ...]) -> None:
+        from conclave.actors.dp_trainer import ShardGroup, ShardPlan
+        from conclave.actors.sparse_trainer import TransferSource
+        from conclave.cluster.ray_runtime import gpus_available
+
+        private = config.private
+        source = TransferSource(private.dataset, private.root, private.classes, private.size, config.seed)
+        self._noise = config.privacy.noise
+        self._group = ShardGroup([ShardPlan(source, (0,))], num_cpus=1.0, num_gpus=min(1.0, gpus_available()),
+                                 input_shape=input_shape)
+
+    def train(self, dp_config: DPSGDConfig, schedule: DPSchedule, recipe: SparseVariant,
+              ledger: Ledger) -> list[DPCheckpoint]:
+        """``recipe`` DP-fine-tuned on the split with ``schedule``'s sampling, charged to ``ledger`` first."""
+        ledger.charge(schedule.charge)
+        return self._group.train(dp_config, self._noise, schedule.num_examples, recipe, progress=True)
+
+    @property
+    def nodes(self) -> dict[str, list[str]]:
+        """The split's owner → the Ray node its shard actor ran on."""
+        return self._group.placement
+
+    def accounts(self) -> dict[str, GatewayAccount]:
+        """No owner keeps a ledger of a benchmark's split."""
+        return {}
+
+    def __enter__(self) -> BenchmarkSplit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._group.shutdown()
+
+
+def _private_side(config: SparseConfig, test: Dataset, classes: tuple[str, ...],
+                  budget_sources: dict[str, str] | None) -> GatewayVariants | BenchmarkSplit:
+    """Who fine-tunes on the private data: the owners' gateways (their images read at the test images'
+    size), or the shard actor holding a benchmark's split."""
+    from conclave.cluster.sparse_gateways import GatewayVariants
+
+    if config.owners:
+        size = (test.input_shape[-2], test.input_shape[-1]) if test.is_image else None
+        return GatewayVariants(config, classes, PublicReading(size=size), budget_sources)
+    return BenchmarkSplit(config, test.input_shape)

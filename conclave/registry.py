@@ -50,6 +50,12 @@ def imported(path: str) -> Any:
                                name=attr, obj=module) from None
 
 
+def import_path(value: Any) -> str:
+    """The "module:qualname" ``imported`` would take for ``value`` (a user's function or class, or
+    any callable: a ``functools.partial`` has no name of its own, so its type's stands in)."""
+    return f"{getattr(value, '__module__', None) or '?'}:{getattr(value, '__qualname__', type(value).__name__)}"
+
+
 class Registry(Mapping[str, str], Generic[T]):
     """Names → import paths of one ``kind`` of thing (a read-only mapping); ``load`` imports one.
 

@@ -29,7 +29,7 @@ from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  
 from conclave.learning.finite_clipping import FiniteDPOptimizer, finite_losses
 from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode, privacy_engine
 from conclave.learning.secure_dpsgd import (PaddedPoissonBatches, SecureAggregation, SecureGroup, SecureSumDPOptimizer,
-                                            broadcast_parameters, trainable_entries)
+                                            broadcast_parameters, row_major, trainable_entries)
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.noise import NoiseSource
@@ -155,7 +155,7 @@ def _poisson_loader(dataset: ArrayDataset, sample_rate: float, steps: int, gener
     shard is empty depends on the records, so it must not stop the run."""
     if len(dataset.x) != len(dataset.y):
         raise ValueError(f"dataset needs matching x and y (got {len(dataset.x)} and {len(dataset.y)})")
-    x, y = torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long)
+    x, y = row_major(torch.as_tensor(dataset.x, dtype=torch.float32)), torch.as_tensor(dataset.y, dtype=torch.long)
     empty = len(y) == 0
     if empty:  # Opacus reads the batch shapes from the first example: a zero row that is never sampled
         x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
@@ -176,7 +176,6 @@ def train_dp(
     progress: bool = False,
     num_examples: int | None = None,
     secure_group: SecureGroup | None = None,
-    records_held: int | None = None,
 ) -> DPTrainResult:
     """Train ``model`` in place with DP-SGD on ``dataset`` (``.x`` float32 [n, ...], ``.y`` int64).
 
@@ -198,8 +197,8 @@ def train_dp(
     rank applies the same noised total divided by qN: central DP-SGD on the union, no rank
     seeing another's clean sum, charged as the Poisson-subsampled Skellam mechanism. Each step
     computes on a batch padded to one public size (``secure_dpsgd.PaddedPoissonBatches``), so
-    when this rank reaches the all-reduce does not tell the others its batch; ``records_held``
-    (public: what this rank's owner declared; default ``num_examples``) sets that size.
+    when this rank reaches the all-reduce does not tell the others its batch; ``num_examples``
+    sets that size.
     """
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
@@ -226,7 +225,7 @@ def train_dp(
     if data_parallel:  # every step of this rank on a batch of one public size (module secure_dpsgd, Timing)
         padded = PaddedPoissonBatches(
             torch.as_tensor(dataset.x, dtype=torch.float32), torch.as_tensor(dataset.y, dtype=torch.long),
-            sample_rate, schedule.steps // config.epochs, records_held or schedule.num_examples,
+            sample_rate, schedule.steps // config.epochs, schedule.num_examples,
             torch_generator(noise), config.max_physical_batch_size)
     model.to(device).train()  # Opacus refuses a module in eval mode (e.g. right after evaluation)
     # Groups by parameter name, so before a data-parallel wrapper prefixes the names.

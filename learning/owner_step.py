@@ -7,8 +7,10 @@ draws a Poisson batch (rate q over its declared records, from OS entropy) padded
 (``secure_dpsgd.PaddedPoissonBatches``: the same arithmetic whatever the draw) and sums the
 per-example gradients clipped to C under ``finite_clipping``'s rule (a non-finite one adds exactly
 0; padding rows have weight 0, so add 0 too). Per-example gradients come from ``torch.func`` (a vmap
-of the gradient). The sum never leaves as it is: the caller quantizes, noises and masks it
-(``privacy.secure_sum``).
+of the gradient). A sparse fine-tuning trains only some entries (``learning.trained_entries``): the
+gradients are taken for the trained parameters alone and cut to their trained entries before the
+norms, so the sum has d entries and frozen ones add nothing to a norm. The sum never leaves as it
+is: the caller quantizes, noises and masks it (``privacy.secure_sum``).
 
 ``OwnerEmbeddings`` is NearPrivate's private side (``learning.embedding_stats``'s sums) under a DP
 checkpoint's weights (public): each record embedded and scored on its own, over the declared records
@@ -29,6 +31,7 @@ from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.finite_clipping import clip_factors, finite_losses, rows
 from conclave.learning.secure_dpsgd import PaddedPoissonBatches
 from conclave.learning.selection.entropy import logit_entropy
+from conclave.learning.trained_entries import TrainedEntries
 from conclave.learning.training import embed, predict_logits
 
 
@@ -41,34 +44,49 @@ def load_parameters(model: nn.Module, weights: Sequence[np.ndarray]) -> None:
 
 class OwnerSteps:
     """Steps on ``x``, ``y`` (the owner's records) with ``model``: at most ``steps`` Poisson batches
-    at ``sample_rate`` over ``records`` (declared) draws, each clipped to ``max_grad_norm``."""
+    at ``sample_rate`` over ``records`` (declared) draws, each clipped to ``max_grad_norm``, of the
+    gradients of the ``trained`` entries (None: every entry of every parameter)."""
 
     def __init__(self, model: nn.Module, x: np.ndarray, y: np.ndarray, sample_rate: float, steps: int, records: int,
-                 max_grad_norm: float) -> None:
+                 max_grad_norm: float, trained: TrainedEntries | None = None) -> None:
         self.model, self.max_grad_norm = model, max_grad_norm
+        self.trained = trained or TrainedEntries.every(model)
         self._names = [name for name, _ in model.named_parameters()]
         self.shapes = tuple(tuple(p.shape) for p in model.parameters())
-        self.dimension = sum(p.numel() for p in model.parameters())
+        if self.trained.shapes != self.shapes:
+            raise ValueError("the trained entries are of another model's parameters")
+        self.dimension = self.trained.dimension
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._batches = iter(PaddedPoissonBatches(torch.from_numpy(x), torch.from_numpy(y), sample_rate, steps,
                                                   records, generator))
 
     def clipped_sum(self, weights: Sequence[np.ndarray]) -> np.ndarray:
-        """The next batch's clipped per-example gradient sum at ``weights`` (``shapes``, in order), flat."""
+        """The next batch's clipped per-example gradient sum at ``weights`` (``shapes``, in order), flat [d]."""
         load_parameters(self.model, weights)
+        return self._clipped_sum()
+
+    def clipped_sum_at(self, trained: np.ndarray) -> np.ndarray:
+        """The same with only the trained entries' values sent ([d]); every other entry as loaded before
+        (a sparse run's public pre-trained weights)."""
+        self.trained.write(list(self.model.parameters()), trained)
+        return self._clipped_sum()
+
+    def _clipped_sum(self) -> np.ndarray:
         params = {name: p.detach() for name, p in self.model.named_parameters()}
         buffers = {name: b.detach() for name, b in self.model.named_buffers()}
+        trained = [self._names[index] for index in self.trained.indices]
+        frozen = {name: value for name, value in params.items() if name not in trained}
 
         def loss(values: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            logits = functional_call(self.model, (values, buffers), (x.unsqueeze(0),))
+            logits = functional_call(self.model, (values, frozen, buffers), (x.unsqueeze(0),))
             return finite_losses(F.cross_entropy(logits, y.unsqueeze(0), reduction="none")).sum()
 
         per_example = vmap(grad(loss), in_dims=(None, 0, 0), randomness="different")
         total = torch.zeros(self.dimension, dtype=torch.float64)
         self.model.train()
         for x, y, weight in next(self._batches):
-            grads = per_example(params, x, y)
-            flat = torch.cat([grads[name].reshape(len(x), -1) for name in self._names], dim=1)
+            grads = per_example({name: params[name] for name in trained}, x, y)
+            flat = self.trained.gather([grads[name] for name in trained])  # frozen entries: not in any norm
             factors = clip_factors(flat.norm(2, dim=1), self.max_grad_norm) * weight
             flat = rows(flat, factors > 0)  # a dropped or padding row adds exactly 0, NaN and inf included
             total += (factors.unsqueeze(1) * flat).sum(dim=0).double()

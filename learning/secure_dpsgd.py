@@ -62,6 +62,15 @@ class SecureAggregation:
 OVERFLOW = 1e-9  # the chance per step that a rank's Poisson batch passes its padded size
 
 
+def row_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with row-major strides. A one-channel image array viewed from numpy carries strides
+    torch reads as channels_last (a size-1 dimension's stride is free), every convolution then
+    runs channels_last, and Opacus's per-example gradients of each convolution after the first
+    come out wrong (each still reads its own example only, so the privacy holds, not the training)."""
+    strides = tuple(math.prod(x.shape[i + 1:]) for i in range(x.dim()))
+    return x if x.stride() == strides else x.clone(memory_format=torch.contiguous_format)
+
+
 def padded_batch_size(records: int, sample_rate: float, overflow: float = OVERFLOW) -> int:
     """The rows each step of a rank computes on: a Poisson batch of ``records`` examples (public:
     declared) at rate ``sample_rate`` passes it with probability at most ``overflow``."""
@@ -85,7 +94,7 @@ class PaddedPoissonBatches:
         self.held = len(y)
         if not self.held:  # a zero row to pad with, never sampled
             x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
-        self.x, self.y = x, y
+        self.x, self.y = row_major(x), y
         self.sample_rate, self.steps, self.generator = sample_rate, steps, generator
         self.draws = max(records, self.held)
         padded = padded_batch_size(records, sample_rate)

@@ -77,7 +77,7 @@ class TeacherTerms(_message.Message):
     def __init__(self, model: _Optional[str] = ..., teachers: _Optional[int] = ..., epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DpsgdTerms(_message.Message):
-    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records", "standardiser", "near_private")
+    __slots__ = ("model", "max_grad_norm", "noise_multiplier", "sample_rate", "steps", "seed", "parties", "records", "standardiser", "near_private", "arguments", "sparse")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class DpsgdTerms(_message.Message):
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     STANDARDISER_FIELD_NUMBER: _ClassVar[int]
     NEAR_PRIVATE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_grad_norm: float
     noise_multiplier: float
@@ -98,7 +100,35 @@ class DpsgdTerms(_message.Message):
     records: int
     standardiser: Standardiser
     near_private: NearPrivateTerms
-    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ..., standardiser: _Optional[_Union[Standardiser, _Mapping]] = ..., near_private: _Optional[_Union[NearPrivateTerms, _Mapping]] = ...) -> None: ...
+    arguments: _containers.RepeatedCompositeFieldContainer[ModelArgument]
+    sparse: SparseTerms
+    def __init__(self, model: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., sample_rate: _Optional[float] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., parties: _Optional[_Iterable[str]] = ..., records: _Optional[int] = ..., standardiser: _Optional[_Union[Standardiser, _Mapping]] = ..., near_private: _Optional[_Union[NearPrivateTerms, _Mapping]] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., sparse: _Optional[_Union[SparseTerms, _Mapping]] = ...) -> None: ...
+
+class ModelArgument(_message.Message):
+    __slots__ = ("name", "integer", "real")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_FIELD_NUMBER: _ClassVar[int]
+    REAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    integer: int
+    real: float
+    def __init__(self, name: _Optional[str] = ..., integer: _Optional[int] = ..., real: _Optional[float] = ...) -> None: ...
+
+class SparseTerms(_message.Message):
+    __slots__ = ("pretrained", "trained")
+    PRETRAINED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    pretrained: _containers.RepeatedCompositeFieldContainer[Tensor]
+    trained: _containers.RepeatedCompositeFieldContainer[TrainedEntries]
+    def __init__(self, pretrained: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trained: _Optional[_Iterable[_Union[TrainedEntries, _Mapping]]] = ...) -> None: ...
+
+class TrainedEntries(_message.Message):
+    __slots__ = ("parameter", "entries")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    parameter: int
+    entries: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parameter: _Optional[int] = ..., entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NearPrivateTerms(_message.Message):
     __slots__ = ("pca_epsilon", "support_epsilon", "delta")
@@ -237,16 +267,18 @@ class VotesReply(_message.Message):
     def __init__(self, share: _Optional[_Union[Tensor, _Mapping]] = ..., epsilon_spent: _Optional[float] = ..., charges: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("run", "round", "weights", "parties")
+    __slots__ = ("run", "round", "weights", "parties", "trained")
     RUN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     PARTIES_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
     run: str
     round: int
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     parties: _containers.RepeatedCompositeFieldContainer[SignedKey]
-    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ...) -> None: ...
+    trained: Tensor
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., parties: _Optional[_Iterable[_Union[SignedKey, _Mapping]]] = ..., trained: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("share", "epsilon_spent", "charges")

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,20 @@ _opened: list[str] | None = None  # the running test's record of opened files, i
 
 def _record_open(event: str, args: tuple) -> None:
     if _opened is not None and event == "open" and args and isinstance(args[0], str):
-        _opened.append(args[0])
+        if not threading.current_thread().name.startswith(GATEWAY_THREADS):
+            _opened.append(args[0])
+
+
+# The threads of an owner's gateway that a run starts in its own process (owners named by their
+# data): they are the owner's, and read its files; the driver's are every other.
+GATEWAY_THREADS = "gateway_"  # grpc server threads of cluster.gateway.server (the coordinator's: "gateways_")
 
 
 @pytest.fixture
 def driver_opens():
-    """The files this process (the driver) opens while the test runs, as resolved paths. An
-    audit hook sees every ``open`` but cannot be removed, so one is installed once and
-    records only for the test that asks."""
+    """The files this process's driver opens while the test runs (not the owners' gateways a run
+    starts in it: ``GATEWAY_THREADS``), as resolved paths. An audit hook sees every ``open`` but
+    cannot be removed, so one is installed once and records only for the test that asks."""
     global _opened
     if not getattr(sys, "_conclave_open_hook", False):
         sys.addaudithook(_record_open)
@@ -97,16 +104,14 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session.
-    Its node declares the owners' resources of configs/hospitals.yaml, as ``conclave run``
-    grants them when it starts the embedded Ray for that config."""
+    """A real embedded Ray cluster (2 CPUs, loopback only), started once per test session."""
     import ray
 
     from conclave.cluster.ray_runtime import start_ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp_dir
-    start_ray(num_cpus=2, temp_dir=temp_dir, resources={"hospital_a": 1, "hospital_b": 1, "hospital_c": 1})
+    start_ray(num_cpus=2, temp_dir=temp_dir)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)  # its logs and sockets: 20 MB a session
@@ -114,32 +119,29 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def trained_teachers(tmp_path_factory) -> Path:
-    """The ``teachers`` fixture's saved models, kept for the session once a module trained them."""
+    """The ``teachers`` fixture's saved models, for pools of the same teachers that restore them."""
     return tmp_path_factory.mktemp("trained-teachers")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def teachers(ray_session, trained_teachers, tmp_path_factory):
-    """Four real digits-CNN teachers on one Ray actor, a fresh pool per test module that asks
-    (module scope: a session-long actor would hold CPU that other modules' actors need). The
-    first module trains them; later ones restore the same seeded models from their checkpoints
-    (the pool's own restore path), so the session trains them once."""
+    """Four real digits-CNN teachers on one Ray actor, trained once and shared by every module that
+    asks (one actor start a session, not one a module). The actor reserves no CPU: it idles between
+    those modules, and a reservation held all session would keep CPU from other tests' actors; it
+    votes with one torch thread either way."""
     from conclave.actors.teacher import TeacherPool, TeacherSource
     from conclave.learning.train_config import TrainConfig
 
     folder = tmp_path_factory.mktemp("teachers")
-    for saved in trained_teachers.glob("teacher-*.pt"):
-        shutil.copy(saved, folder)
     # The whole digits train set in 4 shards (public_size only cuts the test set).
     source = TeacherSource("digits", None, public_size=100, num_teachers=4, seed=0)
     pool = TeacherPool.of_source(
         source, 4, "digits_cnn", TrainConfig(epochs=2, batch_size=16, lr=1e-2),
-        num_actors=1, seed=0, num_cpus_per_actor=0.5, checkpoint_dir=str(folder),
+        num_actors=1, seed=0, num_cpus_per_actor=0.0, checkpoint_dir=str(folder),
     )
     pool.train(progress=False)
-    if not any(trained_teachers.glob("teacher-*.pt")):
-        for saved in folder.glob("teacher-*.pt"):
-            shutil.copy(saved, trained_teachers)
+    for saved in folder.glob("teacher-*.pt"):
+        shutil.copy(saved, trained_teachers)
     yield pool
     pool.shutdown()
 

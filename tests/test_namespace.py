@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import conclave
 
@@ -29,3 +30,13 @@ def test_version_names_the_distribution(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"conclave {conclave.__version__} ({conclave.DISTRIBUTION})"
+
+
+def test_every_module_lies_at_the_path_its_name_spells():
+    """``conclave.privacy.noise`` is conclave/privacy/noise.py, a link into privacy/: a tool that
+    resolves imports by path, not through the installed package, finds every module in its layer."""
+    root = Path(__file__).resolve().parents[1]
+    for folder in FOLDERS:
+        for path in (root / folder).rglob("*.py"):
+            spelled = root / "conclave" / path.relative_to(root)
+            assert spelled.resolve() == path.resolve(), spelled

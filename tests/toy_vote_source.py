@@ -44,7 +44,7 @@ class ToySource(VoteSource[TeacherStudentConfig]):
     def serving(self, pool: Any) -> str:
         return f"toy votes, {self.section.copies} per teacher"
 
-    def start(self, config: TeacherStudentConfig, public: PublicData, embedded: bool, progress: bool) -> Any:
+    def start(self, config: TeacherStudentConfig, public: PublicData, progress: bool) -> Any:
         raise NotImplementedError("the toy source starts nothing")
 
     def gateway_terms(self, config: TeacherStudentConfig) -> tuple[Any, float, bool]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from conclave.cluster.config import ConfigError
-from conclave.cluster.tracking import TrackingFailed, add_flag, with_flag
+from conclave.cluster.api import ConfigError, TrackingFailed, add_flag, with_flag
 from conclave.errors import fail
 
 

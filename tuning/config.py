@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from conclave.cluster.config import from_dict, load_yaml
-from conclave.cluster.tracking import TrackingConfig
+from conclave.cluster.api import TrackingConfig, from_dict, load_yaml
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -22,7 +22,7 @@ import copy
 import math
 from typing import Any
 
-from conclave.cluster.config import ConfigError
+from conclave.cluster.api import ConfigError
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint", "simplex")
 _TINY = 1e-12  # keeps −log u finite

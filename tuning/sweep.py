@@ -20,9 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conclave.cluster.config import ConfigError
-from conclave.cluster.api import Pipeline, RunDirectory, gpus_available, start_ray
-from conclave.cluster.tracking import MlflowLog
+from conclave.cluster.api import ConfigError, MlflowLog, Pipeline, RunDirectory, gpus_available, start_ray
 from conclave.privacy.accounting.tuning_cost import TruncatedNegativeBinomial, sweep_cost
 from conclave.tuning import report, spaces
 from conclave.tuning.config import TuneConfig

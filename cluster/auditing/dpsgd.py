@@ -2,8 +2,9 @@
 NeurIPS 2023): canaries in, one training run through the pipeline's own shard actors, a
 membership guess per canary from the released model, and the lower bound on ε.
 
-The audit is a run of its own, charged to a temporary run ledger and the owners' ledgers; only
-the final DP-SGD checkpoint is scored. docs/privacy.md, "The one-run audit".
+The audit is a run of its own, charged to a temporary run ledger; only the final DP-SGD checkpoint
+is scored. Its canaries go into the private records, so it audits a config of the benchmark
+(``data``): owners keep theirs behind their gateways. docs/privacy.md, "The one-run audit".
 """
 from __future__ import annotations
 
@@ -114,27 +115,18 @@ def guesses_from(scores: np.ndarray, count: int) -> np.ndarray:
     return guesses
 
 
-def with_canary_records(config: ActiveLearningConfig, canaries: int) -> tuple[ActiveLearningConfig, int]:
-    """(the config whose declared records cover the canaries, that declared size): the first
-    owner declares ``canaries`` more records; a benchmark's private split is unchanged and the
-    schedule is that of its size plus ``canaries``."""
-    if not config.owners:
-        return config, config.private_size + canaries
-    first, *rest = config.owners
-    owners = (dataclasses.replace(first, records=first.records + canaries), *rest)
-    audited = dataclasses.replace(config, owners=owners)
-    return audited, audited.private_size
-
-
 def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
     """The one-run audit of ``config``'s DP-SGD (module docstring)."""
     from conclave.actors.dp_trainer import ShardGroup, ShardPlan
-    from conclave.cluster.owners import owner_resources
+    from conclave.cluster.config import ConfigError
     from conclave.cluster.ray_runtime import start_ray
     from conclave.learning.dp_schedule import dp_schedule
 
     m = settings.canaries
     r = default_guesses(m) if settings.guesses is None else settings.guesses
+    if config.owners:
+        raise ConfigError("audit: it plants canaries in the owners' records, which stay behind their gateways: "
+                          "audit a config of the benchmark (its data section)")
     if m < 1 or not 1 <= r <= m:
         raise ValueError(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {m} and {r}")
     if config.checkpoints_from is not None:
@@ -147,25 +139,21 @@ def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
         policy = dataclasses.replace(policy, noise_scale=settings.broken_noise)
     unsound = (policy.unsound_reason,) if policy.unsound_reason else ()
 
-    owners = config.owners  # as declared: their lifetime ledgers know the data by these
-    config, declared = with_canary_records(config, m)
-    embedded = start_ray(None, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
-                         models=config.models)
+    declared = config.private_size + m  # the schedule covers the canaries too
+    start_ray(None, runtime_env=config.runtime_env, models=config.models)
     public = public_side(config, np.random.default_rng(config.seed))
     spec = public.model_spec(config)
     canaries = make_canaries(public.test, m, SECURE.source("audit-canaries").rng)
     inclusion = SecretInclusion(m)
-    plans = shard_plans(config, public.classes, embedded, public.reading)
+    plans = shard_plans(config)
     holder = plans[0]
-    plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids,
-                         holder.placement, holder.num_actors_sharing)
+    plans[0] = ShardPlan(CanarySource(holder.source, canaries.subset(inclusion.members(np.arange(m)))), holder.shard_ids)
 
     dp = config.dpsgd.dp_config(config.privacy.delta)
     schedule = dp_schedule(declared, dp, secure=config.secure_training)
     dp = dataclasses.replace(dp, noise_multiplier=schedule.noise_multiplier, target_epsilon=None)
     with tempfile.TemporaryDirectory(prefix="conclave-audit-") as folder:
         ledger = config.privacy.open_ledger(Path(folder) / "ledger.sqlite", schedule.charge)
-        ledger = config.privacy.with_owners(ledger, schedule.charge, owners, run_name)
         group = None
         try:
             group = ShardGroup(plans, spec, config.torch_threads, num_cpus=config.dpsgd.cpus_per_worker,
@@ -189,6 +177,5 @@ def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
     correct = inclusion.correct(guesses)
     guarantee = report.guarantee.marked(unsound)
     bound = epsilon_lower_bound(m, r, correct, guarantee.delta, settings.confidence)
-    holder_name = f"owner {holder.source.owner}'s data" if config.owners else "the private split"
-    return AuditResult(PIPELINE, run_name, bound, guarantee, m, r, correct, METHOD.format(holder=holder_name),
+    return AuditResult(PIPELINE, run_name, bound, guarantee, m, r, correct, METHOD.format(holder="the private split"),
                        unsound)

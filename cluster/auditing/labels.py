@@ -4,7 +4,9 @@ aggregator, the released labels as membership guesses, and the lower bound on ε
 
 A canary moves one teacher's vote, so ``choose_design`` builds base data that puts every canary
 query at the mechanism's decision boundary; the audit is a run of its own, charged to a temporary
-run ledger and the owners' ledgers. The argument: docs/privacy.md, "The one-run audit".
+run ledger. Its canaries go into the teachers' data, so it audits a config of the benchmark
+(``data``): owners' records stay behind their gateways. The argument: docs/privacy.md, "The
+one-run audit".
 ``AuditSettings.broken_noise`` (tests only) scales the mechanism's noise while the charge keeps σ.
 """
 from __future__ import annotations
@@ -226,11 +228,9 @@ class Share:
 
 
 def layout(config: TeacherStudentConfig) -> list[Share]:
-    """The owners' shares as ``cluster.teaching.ensemble.owner_shares`` cuts them: each owner's
-    teachers keyed with the run's seed, or the benchmark's ``teachers.count``."""
-    counts = [owner.teachers for owner in config.owners] or [config.teachers.count]
-    offsets = np.cumsum([0, *counts])
-    return [Share(count, config.seed, count, int(offset)) for count, offset in zip(counts, offsets)]
+    """The teachers' shares as ``cluster.teaching.ensemble.teacher_pool`` cuts them: the benchmark's
+    ``teachers.count``, keyed with the run's seed."""
+    return [Share(config.teachers.count, config.seed, config.teachers.count, 0)]
 
 
 @dataclass(frozen=True)
@@ -304,10 +304,9 @@ def audit_records(canaries: PlacedCanaries, inclusion: SecretInclusion, design: 
 @dataclass(frozen=True)
 class AuditSource:
     """A teacher source with the audit's records added, each to the shard its keyed hash picks
-    (``learning.data.shard``, as for any record), after the source's own cut: an owner's declared
-    cap applies to its own records only."""
+    (``learning.data.shard``, as for any record), after the source's own cut."""
 
-    inner: Any  # actors.teacher.TeacherSource | actors.owners.OwnerSource (picklable)
+    inner: Any  # actors.teacher.TeacherSource (picklable)
     records: Dataset = field(repr=False)
 
     @property
@@ -374,10 +373,13 @@ def affordable(config: TeacherStudentConfig, wanted: int) -> int:
 
 def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
     """The one-run audit of ``config``'s label aggregator (module docstring)."""
-    from conclave.cluster.owners import owner_resources
+    from conclave.cluster.config import ConfigError
     from conclave.cluster.ray_runtime import start_ray
     from conclave.cluster.teaching.ensemble import checked_public, resolved
 
+    if config.owners:
+        raise ConfigError("audit: it plants canaries in the teachers' records, which owners keep behind their "
+                          "gateways: audit a config of the benchmark (its data section)")
     if settings.canaries < 1 or (settings.guesses is not None and not 1 <= settings.guesses <= settings.canaries):
         raise ValueError(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {settings.canaries} "
                          f"and {settings.guesses}")
@@ -408,12 +410,11 @@ def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
     inclusion = SecretInclusion(m)
     records = audit_records(canaries, inclusion, design, shares, patterns, classes, rng)
 
-    embedded = start_ray(None, resources=owner_resources(audited.owners), runtime_env=audited.runtime_env,
-                         models=audited.models)
+    start_ray(None, runtime_env=audited.runtime_env, models=audited.models)
     mechanism = audited.answering_mechanism()  # it answers the canaries: its own copy
     if settings.broken_noise is not None:
         mechanism = ScaledNoise(mechanism, settings.broken_noise)
-    released, report = ask_canaries(audited, public, embedded, shares, records, mechanism, policy, canaries.x)
+    released, report = ask_canaries(audited, public, shares, records, mechanism, policy, canaries.x)
 
     # Guesses from the released labels alone; the inclusion draw is read only after.
     guesses = guesses_from(released, r, SECURE.source("audit-guesses").rng)
@@ -424,10 +425,10 @@ def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
     return AuditResult(PIPELINE, audited.name, bound, guarantee, m, r, correct, method, unsound)
 
 
-def ask_canaries(config: TeacherStudentConfig, public: PublicData, embedded: bool, shares: Sequence[Share],
+def ask_canaries(config: TeacherStudentConfig, public: PublicData, shares: Sequence[Share],
                  records: Sequence[Dataset], mechanism: VoteMechanism | SecureVoteMechanism | ScaledNoise,
                  policy: NoisePolicy, queries: np.ndarray) -> tuple[np.ndarray, RunPrivacy]:
-    """Train the teachers on the owners' data plus ``records``, serve them through the real
+    """Train the teachers on the benchmark's data plus ``records``, serve them through the real
     aggregator with ``mechanism`` and the noise ``policy``, ask ``queries`` over gRPC as any client
     would; returns (the released labels, the run's privacy report)."""
     from conclave.actors.aggregator import AggregatorServer, ServerSettings
@@ -440,16 +441,15 @@ def ask_canaries(config: TeacherStudentConfig, public: PublicData, embedded: boo
         cut = [(share.source.num_teachers, share.source.seed, share.num_teachers) for share in owner_shares]
         if cut != [(share.modulus, share.seed, share.used) for share in shares]:
             raise RuntimeError("the teachers' shards are not cut as the audit placed its records")
-        return [OwnerShare(AuditSource(share.source, added), share.num_teachers, share.num_actors, share.placement)
+        return [OwnerShare(AuditSource(share.source, added), share.num_teachers, share.num_actors)
                 for share, added in zip(owner_shares, records)]
 
-    pool = teacher_pool(config, public, embedded=embedded, with_records=with_records)
+    pool = teacher_pool(config, public, with_records=with_records)
     try:
         pool.train(progress=False)
         with tempfile.TemporaryDirectory(prefix="conclave-audit-") as folder:
             planned = config.planned()
-            ledger = config.privacy.with_owners(config.privacy.open_ledger(Path(folder) / "ledger.sqlite", planned),
-                                                planned, config.owners, config.name)
+            ledger = config.privacy.open_ledger(Path(folder) / "ledger.sqlite", planned)
             try:
                 reserve_estimates(config, ledger)
                 token = secrets.token_urlsafe(24)

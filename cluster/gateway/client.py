@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +22,15 @@ import numpy as np
 
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
+from conclave.cluster.run_privacy import GatewayAccount
+from conclave.errors import ConclaveError
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.sources import PublicReading
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
+from conclave.privacy.accounting.ledger import BudgetExceeded
+from conclave.privacy.accounting.owner_policy import OwnerRefused
 from conclave.privacy.mechanisms.private_knn import KNN_LEMMA
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
 from conclave.privacy.noise import NoisePolicy
@@ -233,13 +237,15 @@ class GatewayVoteSource:
             wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
                      in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
             raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
+        budgets = self._each(lambda index, gateway: gateway.budget(), "did not report its budget", admitting=True)
+        self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         pool = float_tensor(public_pool) if public_pool is not None else None
         requests = [owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch, rounds=rounds,
                                            lifetime_epsilon=lifetime_epsilon or 0.0, classes=list(classes),
                                            reading=reading_message(reading), public_pool=pool, **fields)
                     for fields in terms.admitted([d.records for d in described])]
         self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
-                                   "did not admit the run")
+                                   "did not admit the run", admitting=True)
         # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
         self.votes_per_query = sum(int(a.cell_bound) for a in self.admitted) if terms.teachers_vote else None
         self.num_teachers = self.votes_per_query  # the owners' teachers in all (None: records vote)
@@ -279,6 +285,13 @@ class GatewayVoteSource:
         shares = [_share(reply, plan.dimension) for reply in replies]
         return release.total(shares, plan, batch)
 
+    def accounts(self, budget_sources: Mapping[str, str] | None = None) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
+        owner's budget comes from, where the run knows it)."""
+        replies = self._each(lambda index, gateway: gateway.budget(), "did not report its budget")
+        return {owner: account_of(reply, self.charges_before[owner], (budget_sources or {}).get(owner))
+                for owner, reply in zip(self.owners, replies)}
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for gateway in self._gateways:
@@ -295,9 +308,10 @@ class GatewayVoteSource:
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the round is aborted; nothing was released or charged") from None
 
-    def _each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None) -> list:
-        """``call(index, gateway)`` on every gateway in parallel, answers in order; ``OwnerDropout``
-        naming the first owner that failed (``failure``: what it did not do)."""
+    def _each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None,
+              admitting: bool = False) -> list:
+        """``call(index, gateway)`` on every gateway in parallel, answers in order; the first owner's
+        failure as ``gateway_failure`` says (``failure``: what it did not do)."""
         futures = [self._pool.submit(call, index, gateway) for index, gateway in enumerate(self._gateways)]
         answers = []
         for who, future in zip(self.owners, futures):
@@ -306,8 +320,27 @@ class GatewayVoteSource:
             except FutureTimeout:
                 raise OwnerDropout(f"owner {who} {failure} (no answer within {self.round_timeout_s:g} s)") from None
             except grpc.RpcError as err:
-                raise OwnerDropout(f"owner {who} {failure}: {err.code().name}: {err.details()}") from None
+                raise gateway_failure(who, failure, err, admitting) from None
         return answers
+
+
+def account_of(reply: owner_pb2.BudgetReply, charges_before: int, budget_source: str | None) -> GatewayAccount:
+    """An owner's lifetime account from its gateway's ``Budget`` reply."""
+    return GatewayAccount(reply.owner, reply.epsilon_limit, reply.delta, reply.epsilon_spent, int(reply.charges),
+                          charges_before, budget_source)
+
+
+def gateway_failure(who: str, failure: str, err: grpc.RpcError, admitting: bool = False) -> ConclaveError:
+    """What a gateway's refusal means to the run, in one line naming the owner: its budget refusing
+    (``BudgetExceeded``); while admitting, its policy or its ledger refusing the run (``OwnerRefused``);
+    anything else, the owner dropping out of the run (``OwnerDropout``; ``failure``: what it did not do)."""
+    code, line = err.code(), str(err.details() or "").strip()
+    named = line if line.startswith(f"owner {who}") else f"owner {who}: {line}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return BudgetExceeded(named)
+    if admitting and code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+        return OwnerRefused(named)
+    return OwnerDropout(f"owner {who} {failure}: {code.name}: {line}")
 
 
 def _left(deadline: float) -> float:

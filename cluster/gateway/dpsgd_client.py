@@ -9,6 +9,10 @@ noised total decoded on the plan the signed terms fix, divided by the run's expe
 the optimizer's step on the coordinator's copy of the model. It never holds a clean gradient; a
 gateway that fails a step aborts the run, ``OwnerDropout`` naming the owner.
 
+A sparse fine-tuning (``DpsgdTerms.sparse``) sends the public pre-trained weights and the public
+mask of the entries that train once, at admission; each step then sends those entries' values and
+decodes their d-entry total alone (``learning.trained_entries``): frozen entries get no gradient.
+
 A run admitted with NearPrivate's releases (``DpsgdTerms.near_private``) then offers them as a
 ``PrivateSupport`` (``GatewaySupport``): each release keyed at every gateway like a step, refused before
 any key when the coordinator's ledger cannot afford it, charged there once the keys are in (each owner's
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -26,28 +30,58 @@ import grpc
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from conclave.actors.dp_trainer import DPCheckpoint
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import OwnerGateway, float_tensor, reading_message
+from conclave.cluster.gateway.client import OwnerGateway, account_of, float_tensor, gateway_failure, reading_message
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
+from conclave.cluster.run_privacy import GatewayAccount
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import PublicReading
+from conclave.learning.dp_schedule import dp_step_charge
 from conclave.learning.secure_dpsgd import SecureAggregation
+from conclave.learning.trained_entries import TrainedEntries
+from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded, ChargeGate, Ledger
 from conclave.privacy.secure_release import summed_shares
 from conclave.privacy.secure_sum import SecureSumPlan, decode
+from conclave.progress import COUNTS as COUNTS_BAR  # not NearPrivate's COUNTS
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, eq=False)
+class SparseTerms:
+    """A sparse fine-tuning's public start: every parameter's ``pretrained`` weights (the new
+    classifier's included), fixed for the run, and the ``trained`` entries (the variant's public mask)."""
+
+    pretrained: tuple[np.ndarray, ...]
+    trained: TrainedEntries
+
+    @classmethod
+    def of(cls, model: nn.Module, masks: Mapping[str, torch.Tensor]) -> SparseTerms:
+        """``model`` as it is now, training its parameters with ``requires_grad`` inside ``masks``
+        (a ``learning.sparse.SparsePlan``'s)."""
+        pretrained = tuple(p.detach().cpu().numpy().astype(np.float32) for p in model.parameters())
+        return cls(pretrained, TrainedEntries.of_masks(model, masks))
+
+    def message(self) -> owner_pb2.SparseTerms:
+        return owner_pb2.SparseTerms(pretrained=[float_tensor(w) for w in self.pretrained], trained=[
+            owner_pb2.TrainedEntries(parameter=index, entries=[] if flat is None else flat.tolist())
+            for index, flat in self.trained.entries])
+
+
 @dataclass(frozen=True)
 class DpsgdTerms:
-    """A DP-SGD run through the gateways: a registered ``model``, clip bound, noise multiplier z,
-    Poisson rate q (the same at every owner), the most ``steps``, and the model's ``seed``;
-    ``near_private``: NearPrivate's two releases after the steps, admitted with them (None: none)."""
+    """A DP-SGD run through the gateways: a registered ``model`` (with its own keyword ``arguments``,
+    numbers), clip bound, noise multiplier z, Poisson rate q (the same at every owner), the most
+    ``steps``, and the model's ``seed``; ``near_private``: NearPrivate's two releases after the steps,
+    admitted with them (None: none); ``sparse``: a sparse fine-tuning's public start (None: every
+    entry of the model trains)."""
 
     model: str
     max_grad_norm: float
@@ -56,14 +90,8 @@ class DpsgdTerms:
     steps: int
     seed: int = 0
     near_private: NearPrivateReleases | None = None
-
-
-@dataclass(frozen=True)
-class OwnerSpend:
-    """What an owner's gateway said of its lifetime ledger after the latest step."""
-
-    epsilon_spent: float
-    charges: int
+    arguments: tuple[tuple[str, int | float], ...] = ()
+    sparse: SparseTerms | None = None
 
 
 class GatewayDpsgd:
@@ -91,6 +119,8 @@ class GatewayDpsgd:
         if len(set(self.owners)) != len(self.owners):
             raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
         self.declared = tuple(int(d.records) for d in described)  # public
+        budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget", admitting=True)
+        self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         self.records = sum(self.declared)
         self.expected_batch = terms.sample_rate * self.records
         request = owner_pb2.AdmitRequest(run=run, mechanism=DPSGD, lifetime_epsilon=lifetime_epsilon or 0.0,
@@ -99,49 +129,71 @@ class GatewayDpsgd:
                                              noise_multiplier=terms.noise_multiplier, sample_rate=terms.sample_rate,
                                              steps=terms.steps, seed=terms.seed, parties=list(self.owners),
                                              records=self.records, standardiser=_standardiser(standardiser),
-                                             near_private=terms.near_private and terms.near_private.message()),
+                                             near_private=terms.near_private and terms.near_private.message(),
+                                             arguments=[_argument(name, value) for name, value in terms.arguments],
+                                             sparse=terms.sparse and terms.sparse.message()),
                                          reading=reading_message(reading))
-        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run")
+        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run",
+                                   admitting=True)
         self._step = 0
-        self.spend: dict[str, OwnerSpend] = {}
         log.info("DP-SGD run '%s' admitted by %s", run, ", ".join(
             f"{owner} (planned ε {a.planned_epsilon:.3g})" for owner, a in zip(self.owners, self.admitted)))
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """One step: the noised clipped gradient sum of every owner's Poisson batch at ``model``'s
-        weights, over q·N, as ``model``'s gradient, then ``optimizer.step()``."""
+        weights, over q·N, as ``model``'s gradient, then ``optimizer.step()``. A sparse run sends and
+        decodes its trained entries alone; the others get no gradient."""
         parameters = list(model.parameters())
-        dimension = sum(p.numel() for p in parameters)
-        plan = SecureAggregation(self.owners, dimension).plan(self.terms.max_grad_norm, self.terms.noise_multiplier,
-                                                              self.records, self.terms.steps)
+        sparse = self.terms.sparse
+        trained = sparse.trained if sparse is not None else TrainedEntries.every(model)
+        plan = SecureAggregation(self.owners, trained.dimension).plan(
+            self.terms.max_grad_norm, self.terms.noise_multiplier, self.records, self.terms.steps)
         self._step += 1
         step = self._step
         deadline = time.monotonic() + self.step_timeout_s
         keys = self._keyed(step, 1, plan, self.terms.noise_multiplier, "a DP-SGD step", deadline)
         if self._ledger is not None:
             self._ledger.charge(self._step_charge)
-        request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys,
-                                        weights=[float_tensor(p.detach().cpu().numpy()) for p in parameters])
+        request = owner_pb2.StepRequest(run=self.run, round=step, parties=keys)
+        if sparse is not None:
+            request.trained.CopyFrom(float_tensor(trained.values(parameters)))
+        else:
+            request.weights.extend(float_tensor(p.detach().cpu().numpy()) for p in parameters)
         replies = self._each(lambda gateway: gateway.step(request, _left(deadline)),
                              "sent no share of a DP-SGD step: the run is aborted; its shares were asked, so it was "
                              "charged; nothing of it is decoded", deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
-        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
-                      for owner, reply in zip(self.owners, replies)}
         gradient = torch.from_numpy(decode(summed_shares(shares, plan), plan) / self.expected_batch)
-        offset = 0
-        for parameter in parameters:
-            size = parameter.numel()
-            parameter.grad = gradient[offset:offset + size].to(parameter.device, parameter.dtype).view_as(parameter)
-            offset += size
+        trained.set_gradients(parameters, gradient)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     def train(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int | None = None) -> nn.Module:
-        """``steps`` steps (None: every admitted step left); ``model``, trained. ``spend``: each owner's charges."""
+        """``steps`` steps (None: every admitted step left); ``model``, trained."""
         for _ in range(self.terms.steps - self._step if steps is None else steps):
             self.step(model, optimizer)
         return model
+
+    def checkpoints(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, epochs: int, delta: float,
+                    progress: bool = True) -> list[DPCheckpoint]:
+        """Every admitted step, in ``epochs`` epochs of equal steps (``scheduler`` stepped after each step),
+        and one checkpoint per epoch: ``model``'s state and its worst-case ε at ``delta``."""
+        terms = self.terms
+        if terms.steps % epochs:
+            raise ValueError(f"{terms.steps} steps do not make {epochs} epochs of equal steps")
+        per_epoch, checkpoints = terms.steps // epochs, []
+        bar = tqdm(range(1, epochs + 1), desc="DP-SGD", unit="epochs", bar_format=COUNTS_BAR, disable=not progress)
+        for epoch in bar:
+            for _ in range(per_epoch):
+                self.step(model, optimizer)
+                scheduler.step()
+            steps = per_epoch * epoch
+            charge = dp_step_charge(terms.sample_rate, terms.noise_multiplier, steps, DPSGD, True)
+            state = {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}
+            checkpoints.append(DPCheckpoint(epoch, float(worst_case_guarantee(charge, delta).epsilon), delta,
+                                            terms.sample_rate, terms.noise_multiplier, steps, state, secure=True))
+        return checkpoints
 
     def support(self, weights: Sequence[np.ndarray], dimension: int, gate: ChargeGate) -> GatewaySupport:
         """NearPrivate's releases under ``weights`` (a DP checkpoint's parameters, in the model's order;
@@ -168,9 +220,14 @@ class GatewayDpsgd:
         replies = self._each(lambda gateway: gateway.near_private(request, _left(deadline)),
                              f"sent no share of NearPrivate's {kind}: the run is aborted; its shares were asked, "
                              "so it was charged; nothing of it is decoded", deadline)
-        self.spend = {owner: OwnerSpend(reply.epsilon_spent, int(reply.charges))
-                      for owner, reply in zip(self.owners, replies)}
         return [_share(reply, plan.dimension) for reply in replies]
+
+    def accounts(self, budget_sources: Mapping[str, str] | None = None) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
+        owner's budget comes from, where the run knows it)."""
+        replies = self._each(lambda gateway: gateway.budget(), "did not report its budget")
+        return {owner: account_of(reply, self.charges_before[owner], (budget_sources or {}).get(owner))
+                for owner, reply in zip(self.owners, replies)}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -200,9 +257,10 @@ class GatewayDpsgd:
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the run is aborted; nothing was released or charged") from None
 
-    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None) -> list:
-        """``call(gateway)`` on every gateway in parallel, answers in order; ``OwnerDropout`` naming
-        the first owner that failed (``failure``: what it did not do)."""
+    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None,
+              admitting: bool = False) -> list:
+        """``call(gateway)`` on every gateway in parallel, answers in order; the first owner's failure as
+        ``gateway_failure`` says (``failure``: what it did not do)."""
         futures = [self._pool.submit(call, gateway) for gateway in self._gateways]
         answers = []
         for who, future in zip(self.owners, futures):
@@ -211,12 +269,18 @@ class GatewayDpsgd:
             except FutureTimeout:
                 raise OwnerDropout(f"owner {who} {failure} (no answer within {self.step_timeout_s:g} s)") from None
             except grpc.RpcError as err:
-                raise OwnerDropout(f"owner {who} {failure}: {err.code().name}: {err.details()}") from None
+                raise gateway_failure(who, failure, err, admitting) from None
         return answers
 
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+
+
+def _argument(name: str, value: int | float) -> owner_pb2.ModelArgument:
+    if isinstance(value, int):
+        return owner_pb2.ModelArgument(name=name, integer=value)
+    return owner_pb2.ModelArgument(name=name, real=value)
 
 
 def _standardiser(standardiser: Standardiser | None) -> owner_pb2.Standardiser | None:

@@ -20,7 +20,7 @@ from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import Identity, Verifier
 from conclave.cluster.gateway.servicer import OwnerServicer, Refused, parse
 from conclave.cluster.tls import check_server_files
-from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused
+from conclave.privacy.accounting.owner_policy import OwnerBudget, OwnerPolicy, OwnerRefused
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,15 @@ class GatewayServer:
         self.servicer.stop()
 
 
-def start_gateway(declaration: Declaration, cpus_per_actor: float = 1.0) -> GatewayServer:
-    """The owner's gateway serving (Ray must be running: the owner's own)."""
-    policy = owner_policy(declaration.name)
+def start_gateway(declaration: Declaration, cpus_per_actor: float = 1.0,
+                  asked: OwnerBudget | None = None) -> GatewayServer:
+    """The owner's gateway serving (Ray must be running: the owner's own). ``asked``: the budget a run
+    that starts the gateway itself on the owner's machine declares for it (``cluster.gateway.local``),
+    which stands where the owner wrote no policy; without it, a policy is required."""
+    policy = owner_policy(declaration.name) if asked is None else OwnerPolicy.load(declaration.name)
     tls = declaration.tls
     servicer = OwnerServicer(declaration, policy, Identity(Path(tls.certificate), Path(tls.key)),
-                             Verifier(Path(tls.ca)), cpus_per_actor)
+                             Verifier(Path(tls.ca)), cpus_per_actor, asked)
     server = GatewayServer(servicer, declaration)
     server.start()
     log.info("owner %s: gateway serving on %s", declaration.name, server.address)

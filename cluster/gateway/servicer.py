@@ -14,7 +14,9 @@ for a round is refused. Every refusal is one line with a gRPC status, and nothin
 
 ``Admit`` with DP-SGD terms plans the run's secure sum from public numbers and admits its whole
 schedule; each ``Step`` (keyed by ``Keys`` as a round is) is charged one step, then answers with the
-masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``). With NearPrivate's
+masked share of the owner's noised clipped gradient sum (``cluster.gateway.steps``). A sparse
+fine-tuning's terms bring the public pre-trained weights and the public mask of the entries that
+train: its steps send those entries' values only, and its sum is over them alone. With NearPrivate's
 terms, the two rounds after the steps are its releases, each charged, then answered by ``NearPrivate``
 with one masked share (``cluster.gateway.near_private``).
 
@@ -22,6 +24,7 @@ One run at a time: admitting a new run ends the previous one (its actors stop, i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -31,27 +34,30 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from google.protobuf.message import DecodeError, Message
 
 from conclave.actors.cluster_votes import ClusterVoteSource
 from conclave.actors.knn_votes import KnnVoteSource
-from conclave.actors.owners import OwnerSource
+from conclave.actors.owners import OwnerDataError, OwnerSource
 from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.actors.vote_parties import RecordShare
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, RoundKey, StepKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, PCA, NearPrivateReleases
-from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, AdmittedSteps, StepTerms, schedule_charge,
-                                             signed_step_key, step_key_of)
-from conclave.errors import ConclaveError
+from conclave.cluster.gateway.steps import (DPSGD, DPSGD_PIPELINE, SPARSE_PIPELINE, AdmittedSteps, StepTerms,
+                                             schedule_charge, signed_step_key, step_key_of)
+from conclave.errors import ConclaveError, first_line
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.embeddings import EMBEDDINGS, fit_embedding
-from conclave.learning.models import build_model, check_model
-from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps
+from conclave.learning.models import build_model, check_model, factory_of
+from conclave.learning.models.contract import HINTS, declared_parameters
+from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps, load_parameters
 from conclave.learning.secure_dpsgd import SecureAggregation
+from conclave.learning.trained_entries import TrainedEntries
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
@@ -81,6 +87,8 @@ MAX_POOL = 200_000  # public inputs an embedding is fitted on
 MAX_COLUMNS, MAX_IMAGE_SIDE = 100_000, 16_384  # the most a public reading may name
 MAX_CLIP = 1e6  # the largest clip bound a DP-SGD run may ask
 MAX_RECORDS = 10**12  # the most records a DP-SGD run may declare, all owners together
+MAX_PARAMETERS = 16 * 2**20  # a model's weights travel in one message (64 MiB of float32): no larger model is built
+MAX_ARGUMENTS = 16  # the most keyword arguments a run may give a registered model
 INPUTS_DTYPE, SHARE_DTYPE = "float32", "int64"
 
 
@@ -159,24 +167,71 @@ def check_run_name(run: str) -> None:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "run: name the run (printable, at most 200 characters)")
 
 
-def decode_weights(tensors: Sequence[owner_pb2.Tensor], shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
-    """The model's parameters as sent: float32 tensors of exactly ``shapes``, in order, finite."""
+def decode_weights(tensors: Sequence[owner_pb2.Tensor], shapes: tuple[tuple[int, ...], ...],
+                   what: str = "weights") -> list[np.ndarray]:
+    """The model's parameters as sent (``what``: the field): float32 tensors of exactly ``shapes``, in
+    order, finite."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     if len(tensors) != len(shapes):
-        raise Refused(invalid, f"weights: {len(tensors)} tensors, but the model has {len(shapes)} parameters")
+        raise Refused(invalid, f"{what}: {len(tensors)} tensors, but the model has {len(shapes)} parameters")
     weights = []
     for index, (tensor, shape) in enumerate(zip(tensors, shapes)):
         sent = tuple(int(d) for d in tensor.shape)
         if tensor.dtype != INPUTS_DTYPE:
-            raise Refused(invalid, f"weights[{index}]: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
+            raise Refused(invalid, f"{what}[{index}]: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
         if sent != shape or len(tensor.data) != math.prod(shape) * 4:
-            raise Refused(invalid, f"weights[{index}]: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not the "
+            raise Refused(invalid, f"{what}[{index}]: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not the "
                                    f"model's {list(shape)} of float32")
         values = np.frombuffer(tensor.data, dtype="<f4").reshape(shape)
         if not np.isfinite(values).all():
-            raise Refused(invalid, f"weights[{index}]: NaN or infinity")
+            raise Refused(invalid, f"{what}[{index}]: NaN or infinity")
         weights.append(values)
     return weights
+
+
+def decode_vector(tensor: owner_pb2.Tensor, what: str, size: int) -> np.ndarray:
+    """A float32 vector of ``size`` finite values."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    sent = tuple(int(d) for d in tensor.shape)
+    if tensor.dtype != INPUTS_DTYPE:
+        raise Refused(invalid, f"{what}: dtype {tensor.dtype[:20]!r} is not accepted; send float32")
+    if sent != (size,) or len(tensor.data) != size * 4:
+        raise Refused(invalid, f"{what}: shape {list(sent)[:8]} ({len(tensor.data)} bytes) is not [{size}] of float32")
+    values = np.frombuffer(tensor.data, dtype="<f4")
+    if not np.isfinite(values).all():
+        raise Refused(invalid, f"{what}: NaN or infinity")
+    return values
+
+
+def decode_arguments(terms: owner_pb2.DpsgdTerms) -> dict[str, int | float]:
+    """The registered model's own keyword arguments (numbers, each one it declares beyond the contract's)."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    declared = set(declared_parameters(factory_of(terms.model))) - {"num_classes", *HINTS}
+    if len(terms.arguments) > MAX_ARGUMENTS:
+        raise Refused(invalid, f"dpsgd.arguments: at most {MAX_ARGUMENTS}")
+    arguments: dict[str, int | float] = {}
+    for argument in terms.arguments:
+        kind = argument.WhichOneof("value")
+        if argument.name not in declared or argument.name in arguments:
+            takes = ", ".join(sorted(declared)) or "none"
+            raise Refused(invalid, f"dpsgd.arguments: model {terms.model} takes {takes}, each once; not "
+                                   f"{argument.name[:40]!r}")
+        value = argument.integer if kind == "integer" else argument.real
+        if kind is None or not math.isfinite(value):
+            raise Refused(invalid, f"dpsgd.arguments: {argument.name} needs a finite number")
+        arguments[argument.name] = value
+    return arguments
+
+
+def decode_trained(sparse: owner_pb2.SparseTerms, shapes: tuple[tuple[int, ...], ...]) -> TrainedEntries:
+    """The public mask of a sparse run, within the model's shapes."""
+    entries = tuple((int(t.parameter), np.array(t.entries, dtype=np.int64) if t.entries else None)
+                    for t in sparse.trained)
+    try:
+        return TrainedEntries(shapes, entries)
+    except ValueError as err:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sparse.trained: {err}") from None
+
 
 @dataclass
 class AdmittedRun:
@@ -203,11 +258,18 @@ class AdmittedRun:
 
 class OwnerServicer:
     """The Owner service's calls for one owner (``declaration``), its policy on this machine, its
-    signing ``identity`` and the consortium CA's ``verifier``. Ray must be running (the owner's)."""
+    signing ``identity`` and the consortium CA's ``verifier``. Ray must be running (the owner's).
 
-    def __init__(self, declaration: Declaration, policy: OwnerPolicy, identity: Identity, verifier: Verifier,
-                 cpus_per_actor: float = 1.0) -> None:
-        self.declaration, self.policy = declaration, policy
+    ``asked``: the budget that a run which started this gateway itself, on the owner's machine
+    (``cluster.gateway.local``), declares for the owner: the budget where no policy is written here
+    (``policy`` None), else a request for less that the policy checks (never more, nor another ledger
+    folder). None: the policy alone decides, and there must be one."""
+
+    def __init__(self, declaration: Declaration, policy: OwnerPolicy | None, identity: Identity, verifier: Verifier,
+                 cpus_per_actor: float = 1.0, asked: OwnerBudget | None = None) -> None:
+        if policy is None and asked is None:
+            raise OwnerRefused(f"owner {declaration.name} has no policy on this machine")
+        self.declaration, self.policy, self._asked = declaration, policy, asked
         self._identity, self._verifier, self._cpus = identity, verifier, cpus_per_actor
         self._lock = threading.Lock()  # one call changes the state at a time
         self._run: AdmittedRun | AdmittedSteps | None = None
@@ -215,12 +277,17 @@ class OwnerServicer:
 
     # --- the calls ------------------------------------------------------------------------
 
+    @property
+    def lifetime(self) -> OwnerBudget:
+        """The lifetime budget in force: the policy's, else the one the run that started this gateway declares."""
+        return self.policy.budget() if self.policy is not None else self._asked
+
     def describe(self, request: owner_pb2.DescribeRequest) -> owner_pb2.Description:
-        declaration, policy = self.declaration, self.policy
+        declaration, policy, lifetime = self.declaration, self.policy, self.lifetime
+        mechanisms, ceiling = (policy.mechanisms, policy.max_run_epsilon) if policy is not None else ((), None)
         return owner_pb2.Description(owner=declaration.name, records=declaration.records,
-                                     vote_sources=list(declaration.vote_sources), mechanisms=list(policy.mechanisms),
-                                     max_run_epsilon=policy.max_run_epsilon or 0.0, epsilon=policy.epsilon,
-                                     delta=policy.delta)
+                                     vote_sources=list(declaration.vote_sources), mechanisms=list(mechanisms),
+                                     max_run_epsilon=ceiling or 0.0, epsilon=lifetime.epsilon, delta=lifetime.delta)
 
     def admit(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         with self._lock:
@@ -239,8 +306,11 @@ class OwnerServicer:
                 self._run.stop()
                 self._run = None
             try:
-                self._open(ledger, planned, request.run)
+                self._open(ledger, planned, request.run, record_charge(release, 1, request.mechanism))
                 source = self._start_source(kind, request, pool, data)
+            except OwnerDataError as err:  # its file as declared (missing, not its format, a column): no record
+                ledger.close()
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, first_line(err)) from None
             except BaseException:
                 ledger.close()
                 raise
@@ -249,10 +319,10 @@ class OwnerServicer:
                                     len(request.classes), source, cell_bound, ledger,
                                     cell_bound if kind == "teachers" else None)
             self._seen_runs.add(request.run)
-            epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
+            epsilon = worst_case_guarantee(planned, self.lifetime.delta).epsilon
             log.info("run '%s' admitted: %s votes, %s at σ %g, up to %d rounds of %d (planned ε %.4g)", request.run,
                      kind, request.mechanism, request.sigma, request.rounds, request.max_batch, epsilon)
-            return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+            return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.lifetime.delta,
                                         cell_bound=cell_bound)
 
     def keys(self, request: owner_pb2.KeysRequest) -> owner_pb2.SignedKey:
@@ -314,11 +384,14 @@ class OwnerServicer:
                                         epsilon_spent=report.epsilon_spent, charges=report.charges)
 
     def budget(self, request: owner_pb2.BudgetRequest) -> owner_pb2.BudgetReply:
-        policy = self.policy
-        reply = owner_pb2.BudgetReply(owner=policy.owner, epsilon_limit=policy.epsilon, delta=policy.delta)
-        path = policy.budget().ledger_path(policy.owner)
+        owner, lifetime = self.declaration.name, self.lifetime
+        reply = owner_pb2.BudgetReply(owner=owner, epsilon_limit=lifetime.epsilon, delta=lifetime.delta)
+        path = lifetime.ledger_path(owner)
         if path.exists():
-            snapshot = read_ledger(path)
+            try:
+                snapshot = read_ledger(path)
+            except LedgerDamaged as err:  # its owner's to repair; the line names the ledger and what is wrong
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
             spent = snapshot.spent
             reply.epsilon_spent = epsilon_from_rdp(spent.orders, spent.rdp, snapshot.delta)[0] if snapshot.charges else 0.0
             reply.charges = snapshot.charges
@@ -411,40 +484,49 @@ class OwnerServicer:
 
     def _admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge,
                           pipeline: str = PIPELINE, releases: tuple[str, ...] = ()) -> OwnerLedger:
-        """The owner's ledger for the run, once its policy admits the run as asked (refused otherwise).
-        The policy is read again: the owner may have changed it (``conclave owner raise``) meanwhile."""
+        """The owner's ledger for the run, once its policy (else the budget ``asked`` at the start) admits
+        the run as asked (refused otherwise). The policy is read again: the owner may have changed it
+        (``conclave owner raise``) meanwhile."""
+        owner = self.declaration.name
         try:
-            policy = OwnerPolicy.load(self.policy.owner)
+            policy = OwnerPolicy.load(owner)
         except OwnerRefused as err:  # unreadable
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        if policy is None:
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {self.policy.owner} has no policy on its machine "
-                                                             "any more: it admits no run")
+        if policy is None and self._asked is None:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"owner {owner} has no policy on its machine any more: "
+                                                             "it admits no run")
         self.policy = policy
-        if planned.neighbouring != policy.neighbouring:  # as ``OwnerLedger.open`` refuses, before anything ends
+        lifetime = self.lifetime
+        if planned.neighbouring != lifetime.neighbouring:  # as ``OwnerLedger.open`` refuses, before anything ends
             raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                          f"owner {policy.owner}: its policy is for {policy.neighbouring} neighbours; these votes' "
+                          f"owner {owner}: its budget is for {lifetime.neighbouring} neighbours; these releases' "
                           f"charges hold for {planned.neighbouring} neighbours of its records")
-        asked = None
-        if request.lifetime_epsilon:
-            asked = OwnerBudget(request.lifetime_epsilon, policy.delta, policy.neighbouring, policy.order,
-                                policy.reserved_delta, policy.ledger)
+        asked = self._asked
+        if request.lifetime_epsilon:  # the lifetime ε the run asks to stay within, checked as a budget asked
+            asked = dataclasses.replace(asked if asked is not None else lifetime, epsilon=request.lifetime_epsilon)
         data = (self.declaration.data.path,) if self.declaration.data.path else ()
         try:
-            terms = OwnerAdmission(policy.owner, asked, data).admit(
+            terms = OwnerAdmission(owner, asked, data).admit(
                 RunRequest(request.run, pipeline, (request.mechanism, *releases)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        return OwnerLedger(terms, data)  # a policy is in force: terms, never None
+        return OwnerLedger(terms, data)  # a policy or the budget asked is in force: terms, never None
 
     @staticmethod
-    def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str) -> None:
+    def _open(ledger: OwnerLedger, planned: PrivacyCharge, run: str, first: PrivacyCharge) -> None:
+        """Open the run's ledger, which must pay for ``first`` (the least the run releases: one round of one
+        query, or a DP-SGD run's whole schedule) before anything starts or trains: refused otherwise, the
+        ledger closed and nothing charged."""
         try:
             ledger.open(planned, run)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         except (LedgerInUse, LedgerDamaged) as err:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err).splitlines()[0]) from None
+        refused = ledger.refusal(first)
+        if refused is not None:
+            ledger.close()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refused}; nothing was admitted or charged")
 
     def _owner_data(self, reading: PublicReading) -> DataSource:
         """The owner's data as the run reads them (by the pool's columns, at its size): a string
@@ -459,7 +541,8 @@ class OwnerServicer:
         """The owner's vote source on its own Ray over ``data``: its records, with the embedding fitted
         here on the public pool, or its teachers, trained here."""
         if kind == "teachers":
-            return self._trained_teachers(request.teachers, tuple(request.classes), data)
+            return self._trained_teachers(request.teachers, tuple(request.classes), data,
+                                          decode_reading(request.reading))
         declaration, terms = self.declaration, request.clusters if kind == "clusters" else request.knn
         embed = fit_embedding(terms.embedding, pool, int(terms.dims))
         owner = OwnerSource(declaration.name, data, declaration.actors, tuple(request.classes))
@@ -476,7 +559,7 @@ class OwnerServicer:
         return source
 
     def _trained_teachers(self, terms: owner_pb2.TeacherTerms, classes: tuple[str, ...],
-                          data: DataSource) -> TeacherPool:
+                          data: DataSource, reading: PublicReading) -> TeacherPool:
         """The owner's teachers trained on its Ray (its CPUs, or its GPUs where it has them). The shard
         hash is keyed from this machine's entropy, fresh for the run: a record's teacher is a function
         of the record alone, and the coordinator's seed chooses initialisation and batch order only.
@@ -489,6 +572,9 @@ class OwnerServicer:
         teachers = TeacherPool([OwnerShare(owner, int(terms.teachers), declaration.actors)], terms.model, train,
                                num_cpus_per_actor=self._cpus)
         try:
+            if reading.columns and tuple(teachers.input_shape) != (len(reading.columns),):
+                raise OwnerDataError(f"owner {declaration.name}: its records are inputs {list(teachers.input_shape)}, "
+                                     f"but the run's are the public pool's {len(reading.columns)} columns")
             check_model(terms.model, teachers.num_classes, tuple(teachers.input_shape))
             teachers.train(progress=False)
         except ModelContractError as err:
@@ -562,7 +648,7 @@ class OwnerServicer:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"step {request.round} of run '{run.run}' holds no unused key of this gateway (not "
                               "keyed, or answered already): a key serves one step")
-            weights = decode_weights(request.weights, run.owner_steps.shapes)
+            sent = self._sent_weights(run, request)
             mine = run.step_key(self.declaration.name, self.declaration.records, request.round,
                                 private.public_key().public_bytes_raw())
             rank = self._checked_step_parties(run, request, mine)
@@ -572,11 +658,24 @@ class OwnerServicer:
             except BudgetExceeded as err:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; nothing was released") from None
             # Charged: from here the step is a release. The clean sum stays inside ``share``.
-            share = run.share(weights, request.round, rank, private, [p.public_key for p in request.parties])
+            share = run.share(sent, request.round, rank, private, [p.public_key for p in request.parties])
             del private
             return owner_pb2.StepReply(share=owner_pb2.Tensor(shape=[share.size], dtype=SHARE_DTYPE,
                                                                data=share.astype("<i8").tobytes()),
                                        epsilon_spent=report.epsilon_spent, charges=report.charges)
+
+    @staticmethod
+    def _sent_weights(run: AdmittedSteps, request: owner_pb2.StepRequest) -> list[np.ndarray] | np.ndarray:
+        """A step's weights: every parameter, or in a sparse run the trained entries' values [d] alone."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if run.terms.sparse:
+            if request.weights:
+                raise Refused(invalid, "weights: a sparse run's step sends its trained entries' values (trained), "
+                                       "the rest being the admitted pre-trained weights")
+            return decode_vector(request.trained, "trained", run.terms.plan.dimension)
+        if request.HasField("trained"):
+            raise Refused(invalid, "trained: only a sparse run's steps send trained entries; send every weight")
+        return decode_weights(request.weights, run.owner_steps.shapes)
 
     def _admit_steps(self, request: owner_pb2.AdmitRequest) -> owner_pb2.AdmitReply:
         """A DP-SGD run: its terms checked, its whole schedule admitted by the policy, its secure sum
@@ -592,24 +691,36 @@ class OwnerServicer:
         if near_private is not None:  # the whole run: the steps, then both releases
             planned = sum_charges([planned, *near_private.charges], label="planned")
             releases = tuple(charge.label for charge in near_private.charges)
+        sparse = terms.HasField("sparse")
         # the policy's checks: nothing changed yet
-        ledger = self._admitting_ledger(request, planned, DPSGD_PIPELINE, releases)
+        ledger = self._admitting_ledger(request, planned, SPARSE_PIPELINE if sparse else DPSGD_PIPELINE, releases)
         try:
-            dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+            try:
+                dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+            except (OSError, ValueError) as err:  # its file as declared (missing, not its format, a column): no record
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"owner {declaration.name}: {first_line(err)}") from None
             input_shape = tuple(dataset.x.shape[1:])
             standardiser = decode_standardiser(terms, input_shape)
+            arguments = decode_arguments(terms)
+            shapes = self._model_shapes(terms.model, len(classes), input_shape, standardiser, arguments)
+            pretrained, trained = None, None
+            if sparse:  # checked against the model's shapes before it is built
+                pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
+                trained = decode_trained(terms.sparse, shapes)
             try:
-                check_model(terms.model, len(classes), input_shape, standardiser=standardiser)
+                check_model(terms.model, len(classes), input_shape, standardiser=standardiser, **arguments)
             except ModelContractError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
             model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
-                                standardiser=standardiser)
+                                standardiser=standardiser, **arguments)
+            if pretrained is not None:  # the frozen entries' values for the whole run
+                load_parameters(model, pretrained)
             owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
-                                     declaration.records, terms.max_grad_norm)
+                                     declaration.records, terms.max_grad_norm, trained)
             embeddings = None
             if near_private is not None:  # its own copy of the model: the steps' stays theirs
                 embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
-                                                         seed=int(terms.seed), standardiser=standardiser),
+                                                         seed=int(terms.seed), standardiser=standardiser, **arguments),
                                              dataset.x, declaration.records)
             del dataset
             try:
@@ -618,7 +729,7 @@ class OwnerServicer:
             except ValueError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
             step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
-                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan)
+                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan, sparse)
             if near_private is not None:
                 try:  # the covariance's plan is fixed now: refused here rather than after the steps
                     near_private.plan(PCA, embeddings.dimension, step_terms.parties, step_terms.records)
@@ -628,17 +739,18 @@ class OwnerServicer:
                 log.info("run '%s' ends: run '%s' is admitted", self._run.run, request.run)
                 self._run.stop()
                 self._run = None
-            self._open(ledger, planned, request.run)
+            self._open(ledger, planned, request.run, planned)
         except BaseException:
             ledger.close()
             raise
         self._run = AdmittedSteps(request.run, step_terms, owner_steps, ledger, near_private, embeddings)
         self._seen_runs.add(request.run)
-        epsilon = worst_case_guarantee(planned, self.policy.delta).epsilon
-        log.info("run '%s' admitted: DP-SGD on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
-                 request.run, terms.model, plan.dimension, terms.max_grad_norm, terms.noise_multiplier,
-                 terms.sample_rate, terms.steps, ", then NearPrivate" if near_private else "", epsilon)
-        return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.policy.delta,
+        epsilon = worst_case_guarantee(planned, self.lifetime.delta).epsilon
+        log.info("run '%s' admitted: %s on %s (d = %d), clip %g, z %g, q %g, up to %d steps%s (planned ε %.4g)",
+                 request.run, "sparse DP fine-tuning" if sparse else "DP-SGD", terms.model, plan.dimension,
+                 terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate, terms.steps,
+                 ", then NearPrivate" if near_private else "", epsilon)
+        return owner_pb2.AdmitReply(run=request.run, planned_epsilon=epsilon, delta=self.lifetime.delta,
                                     cell_bound=declaration.records)
 
     def _checked_step_terms(self, request: owner_pb2.AdmitRequest
@@ -681,12 +793,33 @@ class OwnerServicer:
         if request.HasField("public_pool"):
             raise Refused(invalid, "public_pool: DP-SGD learns on the owner's records only; send none")
         near_private = None
+        if terms.HasField("near_private") and terms.HasField("sparse"):
+            raise Refused(invalid, "near_private: NearPrivate's releases go with active learning's DP-SGD, not with "
+                                   "a sparse fine-tuning")
         if terms.HasField("near_private"):
             try:
                 near_private = NearPrivateReleases.of(terms.near_private)
             except ValueError as err:
                 raise Refused(invalid, str(err)) from None
         return terms, classes, near_private
+
+    @staticmethod
+    def _model_shapes(model: str, classes: int, input_shape: tuple[int, ...], standardiser: Standardiser | None,
+                      arguments: dict[str, int | float]) -> tuple[tuple[int, ...], ...]:
+        """The registered model's parameter shapes, worked out without memory (on torch's meta device);
+        refused when its weights could not travel in one message."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            with torch.device("meta"):
+                shapes = tuple(tuple(p.shape) for p in build_model(model, classes, input_shape=input_shape,
+                                                                   standardiser=standardiser, **arguments).parameters())
+        except Exception as err:  # noqa: BLE001 - a factory given other arguments may raise anything: one line
+            raise Refused(invalid, f"dpsgd.model: {model} cannot be built with {arguments or 'no arguments'}: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        if sum(math.prod(shape) for shape in shapes) > MAX_PARAMETERS:
+            raise Refused(invalid, f"dpsgd.model: {model} with {arguments or 'no arguments'} has more than "
+                                   f"{MAX_PARAMETERS} parameters, more than a step's weights can carry")
+        return shapes
 
     def _admitted_steps(self, run: str) -> AdmittedSteps:
         if self._run is None or self._run.run != run:

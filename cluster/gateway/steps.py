@@ -8,8 +8,11 @@ its whole schedule, the Poisson-subsampled Skellam at the dominating sensitivity
 charged one step of that curve in the owner's ledger before anything is computed, and answers with
 one masked share: the owner's clipped gradient sum quantized, plus its Skellam noise share from OS
 entropy, plus pairwise masks from the step's own keys (``privacy.secure_release.party_share``).
-A run admitted with NearPrivate's terms then answers its two releases the same way
-(``cluster.gateway.near_private``): rounds steps + 1 and steps + 2, keyed on their own plans.
+A sparse fine-tuning's run (``SparseTerms``: public pre-trained weights and the public mask of the
+entries that train) is planned on those entries alone, d of them; each step sends their values and
+the other entries keep the pre-trained ones. A run admitted with NearPrivate's terms then answers
+its two releases the same way (``cluster.gateway.near_private``): rounds steps + 1 and steps + 2,
+keyed on their own plans.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ DPSGD = "dpsgd"  # the release's name, as policies list it (``cluster.owner_comm
 # The pipeline DP-SGD on owners' records belongs to, as policies name pipelines: the student's
 # DP-SGD of ``active_learning`` is what a coordinator runs through the owners' gateways.
 DPSGD_PIPELINE = "active_learning"
+SPARSE_PIPELINE = "sparse_finetune"  # a run with sparse terms: sparse DP fine-tuning of public weights
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class StepTerms:
     parties: tuple[str, ...]
     records: int  # the run's declared records, all owners together
     plan: SecureSumPlan
+    sparse: bool = False  # steps send the trained entries' values (d of them), the rest being pre-trained
 
     @cached_property
     def step_charge(self) -> PrivacyCharge:
@@ -80,12 +85,14 @@ class AdmittedSteps:
         return StepKey(owner, public_key, records, self.run, round_, plan.dimension, terms.max_grad_norm,
                        plan.scale_bits, multiplier, terms.sample_rate, terms.steps)
 
-    def share(self, weights: list[np.ndarray], step: int, rank: int, private: X25519PrivateKey,
+    def share(self, weights: list[np.ndarray] | np.ndarray, step: int, rank: int, private: X25519PrivateKey,
               public_keys: list[bytes]) -> np.ndarray:
-        """This owner's masked share of the step (charge it first): nothing else of the gradient leaves."""
+        """This owner's masked share of the step at ``weights`` (every parameter; a sparse run's: the
+        trained entries' values) (charge it first): nothing else of the gradient leaves."""
         session = f"conclave/owner-step/{self.run}/{step}"
         masks = MaskKeys(rank, private).pairwise_masks(public_keys, session)
-        clipped = self.owner_steps.clipped_sum(weights)
+        steps = self.owner_steps
+        clipped = steps.clipped_sum_at(weights) if self.terms.sparse else steps.clipped_sum(weights)
         share = party_share(clipped, self.terms.plan, self.terms.parties, masks, SECURE.source(session))
         del clipped
         return share

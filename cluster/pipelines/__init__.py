@@ -25,7 +25,7 @@ from conclave.cluster.config import ConfigError, from_dict, load_yaml
 from conclave.cluster.owners import DataOwner
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy
-from conclave.cluster.teaching.config import TeacherStudentConfig
+from conclave.cluster.teaching.service import Service
 from conclave.learning.data.sources import DataSource
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee
@@ -141,8 +141,8 @@ class Pipeline(ABC, Generic[ConfigT, ResultT]):
     def owners_data(self) -> OwnersData:
         """What ``conclave check-data`` reads of the config."""
 
-    def serving(self) -> TeacherStudentConfig:
-        """The config ``conclave serve`` serves: only a teacher_student pipeline has one."""
+    def service(self, **overrides: Any) -> Service:
+        """What ``conclave serve`` starts: only a teacher_student pipeline has one."""
         raise ConfigError(f"config.pipeline: conclave serve needs a teacher_student config, got {self.name!r}")
 
     def audit(self, settings: AuditSettings) -> AuditResult:

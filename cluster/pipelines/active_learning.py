@@ -5,7 +5,6 @@ A free sweep reuses one run's last DP checkpoint (``released_checkpoint``) and r
 public phase on it (``improve_public``)."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,9 +17,7 @@ from conclave.cluster.auditing import AuditResult, AuditSettings
 from conclave.cluster.config import ConfigError
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_privacy import admitting_owners
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_policy import RunRequest
 
 if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint
@@ -51,10 +48,10 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
         return ("owners", "public", "test", "classes")
 
     def audit(self, settings: AuditSettings) -> AuditResult:
-        """Canaries go into the owners' records, which behind gateways are on their machines only."""
-        if self.config.through_gateways:
-            raise ConfigError("audit: it plants canaries in the owners' records, which owners named by their gateway "
-                              "keep on their machines: audit a config that names their data")
+        """Canaries go into the private records, which owners keep behind their gateways."""
+        if self.config.owners:
+            raise ConfigError("audit: it plants canaries in the owners' records, which stay behind their gateways: "
+                              "audit a config of the benchmark (its data section)")
         return super().audit(settings)
 
     def validate(self) -> ActiveLearning:
@@ -66,14 +63,9 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
 
     def run(self, context: RunContext) -> RunOutcome[ActiveLearningResult]:
         config = self.config
-        planned = self.plan()  # charged whole before training: every owner must pay for all of it first
-        request = RunRequest(context.run_name, self.name,
-                             ("dpsgd", *(release.charge().label for release in config.selection_releases())))
-        # Owners behind gateways admit the run there, each by its own policy (``GatewayDpsgd``).
-        admitted = contextlib.nullcontext() if config.through_gateways else admitting_owners(
-            config, request, planned, planned, context.ray_address)
-        with admitted:
-            result = learn_actively(config, context.results, context.ray_address)
+        # Owners admit the run at their gateways, each by its own policy, which must pay for all of it first
+        # (``GatewayDpsgd``).
+        result = learn_actively(config, context.results, context.ray_address)
         checkpoint_rows, rows, privacy, sel = result.checkpoints, result.rows, result.privacy, config.selection
         context.results.write_json("privacy", privacy.as_dict())
         metrics = {"checkpoints": checkpoint_rows, "results": rows, "public_pool": result.public_pool,

@@ -1,19 +1,19 @@
 """``pipeline: sparse_finetune``: the pipeline over ``cluster.sparse_finetuning`` (sparse DP
 fine-tuning, Luo et al. 2021). It runs ``finetune_sparsely`` and writes ``metrics.json`` and
-``privacy.json``; a sweep pre-trains once (``pretrain``) and runs each trial with ``trial``."""
+``privacy.json``; a sweep pre-trains once (``pretrain``) and runs each trial with ``trial``. Owners
+admit each variant at their gateways (their own, or those the run starts on this machine for owners
+named by their data), by their own policies (``cluster.sparse_gateways``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
-from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.sparse_finetuning import (
     PublicPretraining, SparseConfig, SparseResult, finetune_sparsely, planned_work, pretrain, validate,
 )
 from conclave.privacy.accounting.charge import PrivacyCharge
-from conclave.privacy.accounting.owner_policy import RunRequest
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,21 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
     config: SparseConfig
 
     def plan(self) -> PrivacyCharge:
-        return planned_work(self.config)
+        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
+        config = self.config
+        if config.through_gateways:
+            from conclave.cluster.active_gateways import declared_records
+
+            return planned_work(config, declared_records(config.owners, config.gateways))
+        return planned_work(config)
 
     def unused_settings(self) -> tuple[str, ...]:
-        """The keys this run does not read: beside owners, the benchmark's private split; without
-        owners, the owners' sections."""
-        return ("private",) if self.config.owners else ("owners", "test", "classes")
+        """The keys this run does not read: beside owners, the benchmark's private split and how Opacus
+        would batch (a gateway computes its per-example gradients itself); without owners, the owners'
+        sections."""
+        if self.config.owners:
+            return ("private", "finetune.grad_sample_mode", "finetune.max_physical_batch_size")
+        return ("owners", "test", "classes")
 
     def validate(self) -> SparseFinetune:
         return self.with_config(validate(self.config))
@@ -56,17 +65,14 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
 
     def _run(self, context: RunContext, public: PublicPretraining | None,
              every_epoch: bool) -> RunOutcome[SparseResult]:
-        config = self.config
-        planned = self.plan()  # every variant's schedule: every owner must pay for all of them first
-        with admitting_owners(config, RunRequest(context.run_name, self.name, ("dpsgd",)), planned, planned,
-                              context.ray_address):
-            result = finetune_sparsely(config, context.results, context.ray_address, public, every_epoch)
+        # Owners admit each variant at their gateways, each by its own policy (``GatewayVariants``).
+        result = finetune_sparsely(self.config, context.results, context.ray_address, public, every_epoch)
         variants, privacy, public_accuracy = result.variants, result.privacy, result.public_accuracy
         metrics = {
             "public": {"losses": result.public_losses, "accuracy": result.public_accuracy,
                        "dataset": result.public_dataset},
             "private_test": result.private_test, "variants": result.variants,
-            "shards": {"nodes": result.nodes},  # owner → the Ray nodes its shard actors ran on
+            "shards": {"nodes": result.nodes},  # the benchmark's split → its shard actor's Ray node (owners: none)
         }
         context.results.write_json("metrics", metrics)
         context.results.write_json("privacy", privacy.as_dict())

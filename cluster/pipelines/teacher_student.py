@@ -15,15 +15,14 @@ from typing import Any, ClassVar
 
 from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
 from conclave.cluster.results import RunDirectory
-from conclave.cluster.run_privacy import admitting_owners
 from conclave.cluster.teaching.aggregation import check_port_free, serve
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, checked_public, resolved, train_ensemble
 from conclave.cluster.teaching.rounds import earlier_rounds, with_earlier_rounds, with_lineage
+from conclave.cluster.teaching.service import Service
 from conclave.cluster.teaching.student import StudentResult, train_student
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import BudgetExceeded
-from conclave.privacy.accounting.owner_policy import RunRequest
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +54,26 @@ class TeacherStudent(Pipeline[TeacherStudentConfig, StudentResult]):
         return OwnersData(config.owners, config.public, config.test, config.classes,
                           {owner.name: owner.teachers for owner in config.owners})
 
-    def serving(self) -> TeacherStudentConfig:
-        """The config ``conclave serve`` serves (whose answers are always releases: its noise
-        comes from OS entropy, ``ConfigError`` otherwise). A service publishes no run report, so it
-        releases no smooth-sensitivity estimate and reserves nothing for one."""
+    def service(self, **overrides: Any) -> Service:
+        """What ``conclave serve`` starts: this config served, with ``overrides`` of its server's
+        fields (None: the config's). Its answers are always releases: its noise comes from OS
+        entropy (``ConfigError`` otherwise). A service publishes no run report, so it releases no
+        smooth-sensitivity estimate and reserves nothing for one."""
         config = self.config
         config.privacy.require_os_entropy("serving")
         if config.estimates.smooth_sensitivity:
             log.info("serve publishes no run report: estimates.smooth_sensitivity is not released or charged")
             config = dataclasses.replace(config, estimates=dataclasses.replace(config.estimates,
                                                                               smooth_sensitivity=False))
-        return config
+        return Service(config, overrides)
 
     def run(self, context: RunContext) -> RunOutcome[StudentResult]:
         config = self.config
-        mechanisms = (config.mechanism.name, *(("smooth-sensitivity",) if config.smooth_sensitivity() else ()))
-        request = RunRequest(context.run_name, self.name, mechanisms)
         check_port_free(config.server.host, config.server.port)  # a fixed port taken: found before training
-        # before any teacher trains, every owner can pay for one answer (the student stops at its budget)
-        with admitting_owners(config, request, config.planned(), config.planned(answers=1), context.ray_address):
-            with train_ensemble(config, context.ray_address) as ensemble:
-                return self.teach(ensemble, context.results)
+        # With owners, each owner's gateway admits the run by its policy, and can pay for one round, before
+        # its teachers train (the student stops at a budget).
+        with train_ensemble(config, context.ray_address) as ensemble:
+            return self.teach(ensemble, context.results)
 
     def teach(self, teachers: Ensemble, results: RunDirectory) -> RunOutcome[StudentResult]:
         """Serve ``teachers`` over gRPC, let a student actor learn from them, write the results.

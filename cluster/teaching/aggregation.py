@@ -8,12 +8,13 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from conclave.errors import RunRefused
-from conclave.cluster.run_privacy import SECURE_VOTES, RunPrivacy
+from conclave.cluster.run_privacy import SECURE_VOTES, GatewayAccount, RunPrivacy
 from conclave.cluster.teaching.config import TeacherStudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, resolved
 from conclave.learning.data.dataset import SHARD_LEMMA
@@ -106,13 +107,15 @@ def reserve_estimates(config: TeacherStudentConfig, ledger) -> None:
 
 @dataclass
 class Aggregator:
-    """A running gRPC aggregator over an ensemble, and the ledger every answer is charged to."""
+    """A running gRPC aggregator over an ensemble, and the ledger every answer is charged to;
+    ``owner_accounts``: the owners' lifetime accounts as their gateways report them (none without owners)."""
 
     config: TeacherStudentConfig
     server: Any  # actors.aggregator.AggregatorServer
-    ledger: AnsweringLedger  # the run's or service's, with the owners' lifetime ledgers behind it
+    ledger: AnsweringLedger  # the run's or service's (owners charge their own, behind their gateways)
     address: str  # host:port
     token: str  # the bearer token clients send
+    owner_accounts: Callable[[], Mapping[str, GatewayAccount]] = dict
     _running: bool = field(default=True, repr=False)
 
     def budget(self):
@@ -120,11 +123,14 @@ class Aggregator:
         return self.server.budget()
 
     def privacy_report(self) -> RunPrivacy:
-        """What the run may publish: the guarantee, the spend, and labelled estimates."""
+        """What the run may publish: the guarantee, the spend, labelled estimates, and the owners' lifetime
+        accounts as their gateways report them now."""
         if self.config.secure:  # the aggregator never saw a clean vote: nothing to estimate from
-            return privacy_section(self.config, self.ledger, None, None)
-        votes, answered = self.server.answered_votes()
-        return privacy_section(self.config, self.ledger, votes, answered)
+            report = privacy_section(self.config, self.ledger, None, None)
+        else:
+            votes, answered = self.server.answered_votes()
+            report = privacy_section(self.config, self.ledger, votes, answered)
+        return report.with_owner_accounts(self.owner_accounts())
 
     def stop(self) -> None:
         """Stop serving (the ledger stays open for ``privacy_report``)."""
@@ -159,20 +165,18 @@ def serve(config: TeacherStudentConfig, ensemble: Ensemble, ledger: str | Path |
           token: str | None = None, **server: Any) -> Aggregator:
     """Serve ``ensemble`` with ``config``'s mechanism, every answer charged first to ``ledger`` —
     a path (a run's ledger, started empty: ``aggregator_ledger``) or a ledger already open (a
-    service's, opened before its teachers trained) — and to the owners' lifetime ledgers, opened
-    on their nodes now. ``server``: ``ServerSettings`` fields to override (host, port, TLS...).
-    The ``Aggregator`` closes the ledger; so does a failure to start."""
+    service's, opened before its teachers trained); owners' gateways charge their owners' ledgers
+    themselves, each round before their shares leave. ``server``: ``ServerSettings`` fields to
+    override (host, port, TLS...). The ``Aggregator`` closes the ledger; so does a failure to start."""
     config = resolved(config, ensemble.public)
     if not isinstance(ledger, PrivacyLedger):
         ledger = aggregator_ledger(config, ledger)
-    planned = config.planned()
-    charged = config.privacy.with_owners(ledger, planned, config.owners, config.name)
     token = token or secrets.token_urlsafe(24)
     try:
-        reserve_estimates(config, charged)
-        aggregator, address = start_aggregator(config, ensemble.pool, charged, server_settings(config, token, **server))
+        reserve_estimates(config, ledger)
+        aggregator, address = start_aggregator(config, ensemble.pool, ledger, server_settings(config, token, **server))
     except BaseException:
-        charged.close()
+        ledger.close()
         raise
     log.info("aggregator serving on %s", address)
-    return Aggregator(config, aggregator, charged, address, token)
+    return Aggregator(config, aggregator, ledger, address, token, ensemble.owner_accounts)

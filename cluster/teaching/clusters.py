@@ -69,12 +69,11 @@ class ClustersSource(VoteSource[TeacherStudentConfig]):
     def serving(self, pool: Any) -> str:
         return f"public-cluster votes, each record for its {self.section.votes_per_record} nearest queries of a call"
 
-    def start(self, config: TeacherStudentConfig, public: PublicData, embedded: bool,
-              progress: bool) -> ClusterVoteSource:
+    def start(self, config: TeacherStudentConfig, public: PublicData, progress: bool) -> ClusterVoteSource:
         from conclave.progress import waiting
 
         with waiting(self.starting, progress):
-            return cluster_vote_source(config, public, embedded)
+            return cluster_vote_source(config, public)
 
     def gateway_terms(self, config: TeacherStudentConfig) -> tuple[Any, float, bool]:
         from conclave.cluster.gateway.client import ClusterVotes
@@ -87,13 +86,13 @@ class ClustersSource(VoteSource[TeacherStudentConfig]):
         return records_described(self, pool)
 
 
-def cluster_vote_source(config: TeacherStudentConfig, public: PublicData, embedded: bool = True) -> ClusterVoteSource:
+def cluster_vote_source(config: TeacherStudentConfig, public: PublicData) -> ClusterVoteSource:
     """The owners' cluster-vote actors of ``config``'s clusters section, each holding its owner's
     records embedded on its node (Ray must be running)."""
     from conclave.actors.cluster_votes import ClusterVoteSource
 
     section = config.vote_source.section
-    records = voting_records(config, section, public, embedded)
+    records = voting_records(config, section, public)
     source = ClusterVoteSource(records.shares, records.embed, section.votes_per_record,
                                num_cpus_per_actor=records.cpus_per_actor)
     if not config.secure:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conclave.cluster.owners import DataOwner, GatewaysConfig, check_gateways, check_owners
+from conclave.cluster.owners import DataOwner, GatewaysConfig, check_behind_gateways, check_gateways, check_owners
 from conclave.cluster.run_privacy import Aggregation, PrivacyConfig
 from conclave.cluster.teaching.vote_source import VOTE_SOURCES, VoteSource, chosen
 from conclave.learning.data.features import check_features
@@ -288,6 +288,9 @@ DEFAULT_TABLE_STUDENT = dataclasses.replace(DEFAULT_STUDENT, semi_supervised=Non
 
 
 AGGREGATIONS = (Aggregation.TRUSTED_AGGREGATOR, Aggregation.SECURE)  # who may add up the votes
+# The mechanism of a config with owners that names none: Confident-GNMax, both rounds at one σ (the
+# owners' gateways admit one σ for every round of a run).
+OWNERS_MECHANISM = MechanismConfig(params={"sigma1": 20.0, "sigma2": 20.0})
 
 
 @dataclass(frozen=True)
@@ -314,14 +317,18 @@ class TeacherStudentConfig:
     clusters: ClustersConfig | None = None
     # Who sees the votes: "trusted-aggregator" (PATE's classic trust: the aggregator adds clean
     # histograms) or "secure" (they meet only in the secure sum with distributed Skellam noise:
-    # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax).
-    aggregation: Aggregation = Aggregation.TRUSTED_AGGREGATOR
+    # privacy/secure_votes.py, docs/privacy.md "Who sees what"; gnmax and confident-gnmax). None:
+    # secure with owners (who vote behind their gateways), else trusted-aggregator.
+    aggregation: Aggregation | None = None
     # The coordinator's certificates for owners named by their gateway (``owners: [{name, gateway}]``).
     gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_aggregation()
         if self.owners:
             self._check_owners()
+            if self.mechanism == MechanismConfig():  # left out: the gateways admit one σ for every round
+                object.__setattr__(self, "mechanism", OWNERS_MECHANISM)
         elif self.public is not None or self.test is not None or self.classes is not None:
             raise ValueError("public, test and classes go with owners (or use the data section alone)")
         # What the config left to the declared counts, filled in once (so config.json says it).
@@ -349,10 +356,19 @@ class TeacherStudentConfig:
         """What votes (``cluster.teaching.VOTE_SOURCES``): the source whose section is set, else teachers."""
         return chosen(self)
 
-    def _check_aggregation(self) -> None:
+    def _resolve_aggregation(self) -> None:
+        """``aggregation`` as an ``Aggregation`` (as read from YAML): left out, secure with owners."""
+        if self.aggregation is None:
+            object.__setattr__(self, "aggregation", Aggregation.SECURE if self.owners else
+                               Aggregation.TRUSTED_AGGREGATOR)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))  # as read from YAML
+        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
+        if self.owners and not self.secure:
+            raise ValueError("owners vote behind their gateways, in secure rounds (only a masked share of each "
+                             "owner's noised votes leaves it): set aggregation: secure, or leave it out")
+
+    def _check_aggregation(self) -> None:
         if self.secure:
             self.vote_mechanism  # a mechanism without a secure variant is refused now, in one line
             if self.estimates.smooth_sensitivity:
@@ -360,17 +376,16 @@ class TeacherStudentConfig:
                                  "never shows the aggregator: turn it off")
 
     def _check_gateways(self) -> None:
-        """Owners named by their gateway vote there, in secure rounds, with what the source needs there."""
+        """Owners vote behind their gateways (their own, or those the run starts on this machine for
+        owners named by their data), with what the source needs there."""
         check_gateways(self.owners, self.gateways)
-        if not self.through_gateways:
-            return
-        if not self.secure:
-            raise ValueError("owners named by their gateway vote there, in secure rounds: set aggregation: secure")
-        self.vote_source.check_gateway(self)
+        if self.owners:
+            self.vote_source.check_gateway(self)
 
     @property
     def through_gateways(self) -> bool:
-        """Whether the owners are reached through their gateways (never their files)."""
+        """Whether the owners are named by their gateways (never their files); owners named by their data
+        vote behind gateways the run starts on this machine (``cluster.gateway.local``)."""
         return self.gateways is not None
 
     def _check_votes(self) -> None:
@@ -390,10 +405,6 @@ class TeacherStudentConfig:
         source.check(self)
         if not source.records_vote:
             return
-        if len(self.owners) > 1 and not self.secure:
-            raise ValueError(f"{source.kind} votes over {len(self.owners)} owners would show the aggregator "
-                             f"{source.clean_votes}: set aggregation: secure (only noised totals leave each owner's "
-                             "node)")
         if self.estimates.smooth_sensitivity:
             raise ValueError(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
 
@@ -408,9 +419,11 @@ class TeacherStudentConfig:
         return self.vote_source.lemma
 
     def _check_owners(self) -> None:
-        check_owners(self.owners, self.test, self.classes, self.public, through_gateways=True)
-        if dataclasses.replace(self.data, features=None) != TeacherStudentData():
-            raise ValueError("with owners, the data section may only set features (the sources say the rest)")
+        check_owners(self.owners, self.test, self.classes, self.public)
+        check_behind_gateways(self.owners)
+        if self.data != TeacherStudentData():
+            raise ValueError("with owners, leave the data section out: the sources say the data, and each owner's "
+                             "gateway reads its records as they are (no data.features)")
         if self.teachers.count not in (None, self.num_teachers):
             # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still
             # carries the count derived from the old ones.

@@ -1,19 +1,21 @@
-"""Teachers on Ray actors, each owner's on its own node, and the driver's public data.
+"""What votes, started: teachers on Ray actors, or the owners behind their gateways; and the driver's public data.
 
-``train_ensemble`` checks what the driver can before Ray starts, starts or joins Ray and trains
-every owner's teachers where its data is; the private data never reaches the driver.
+``train_ensemble`` checks what the driver can before Ray starts, starts or joins Ray, then trains
+the benchmark's teachers (or starts the actors whose records vote) or, with owners, admits the run
+at every owner's gateway: their own, or those it starts on this machine for owners named by their
+data (``cluster.gateway.local``). Owners' teachers train behind their gateways; the private data
+never reaches the driver.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from conclave.cluster.owners import PublicData, check_owner_columns, owner_data, owner_resources
+from conclave.cluster.owners import PublicData, check_owner_columns
 from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, TeacherStudentConfig
 from conclave.learning.data.dataset import StudentSplits
 from conclave.progress import waiting
@@ -23,6 +25,8 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
     from conclave.actors.knn_votes import KnnVoteSource
     from conclave.actors.teacher import OwnerShare, TeacherPool, TeacherSource
     from conclave.cluster.gateway.client import GatewayVoteSource
+    from conclave.cluster.gateway.local import LocalGateways
+    from conclave.cluster.run_privacy import GatewayAccount
 
 
 def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None, progress: bool = True,
@@ -35,19 +39,21 @@ def train_ensemble(config: TeacherStudentConfig, ray_address: str | None = None,
     from conclave.cluster.ray_runtime import start_ray
 
     with waiting("starting Ray", progress):
-        embedded = start_ray(ray_address, resources=owner_resources(config.owners), runtime_env=config.runtime_env,
-                             models=config.models)
-    return train_teachers(config, progress=progress, public=public, embedded=embedded)
+        start_ray(ray_address, runtime_env=config.runtime_env, models=config.models)
+    return train_teachers(config, progress=progress, public=public)
 
 
 @dataclass
 class Ensemble:
     """The started vote source (``pool``, the aggregator's: trained teachers, the actors whose
     records vote, or the owners' gateways) and the driver's public data; the private data stays with the
-    actors, on their owners' nodes. A context manager: leaving it stops the actors."""
+    actors, or behind the owners' gateways. ``local``: the gateways this run started on this machine
+    for owners named by their data (None: none). A context manager: leaving it stops the actors and
+    those gateways."""
 
     public: PublicData
     pool: TeacherPool | KnnVoteSource | ClusterVoteSource | GatewayVoteSource
+    local: LocalGateways | None = None
 
     @property
     def splits(self) -> StudentSplits:
@@ -55,11 +61,23 @@ class Ensemble:
 
     @property
     def nodes(self) -> dict[str, list[str]]:
-        """Owner → the Ray node ids its teachers run on."""
+        """Owner → where its votes are counted: the Ray node ids of its actors, or its gateway's address."""
         return self.pool.placement
 
+    def owner_accounts(self) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (none without owners)."""
+        from conclave.cluster.gateway.client import GatewayVoteSource
+
+        if not isinstance(self.pool, GatewayVoteSource):
+            return {}
+        return self.pool.accounts(self.local.budget_sources if self.local is not None else {})
+
     def shutdown(self) -> None:
-        self.pool.shutdown()
+        try:
+            self.pool.shutdown()
+        finally:
+            if self.local is not None:
+                self.local.stop()
 
     def __enter__(self) -> Ensemble:
         return self
@@ -68,20 +86,29 @@ class Ensemble:
         self.shutdown()
 
 
-def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: PublicData | None = None,
-                   embedded: bool = True) -> Ensemble:
-    """Start the config's vote source (``config.vote_source``: train the teachers on Ray actors,
-    which read their own data, or start the actors whose records vote), or admit the run at the
-    owners' gateways (Ray must be running); ``public``: the driver's data, when already loaded
-    (``checked_public``); ``embedded``: whether this is the embedded one-node Ray (owners' node
-    labels are then not used)."""
+def train_teachers(config: TeacherStudentConfig, progress: bool = True, public: PublicData | None = None) -> Ensemble:
+    """Start the config's vote source (``config.vote_source``: train the benchmark's teachers on Ray
+    actors, or start the actors whose records vote), or admit the run at the owners' gateways, started
+    here first for owners named by their data (Ray must be running); ``public``: the driver's data,
+    when already loaded (``checked_public``)."""
     public = public if public is not None else public_data(config)
-    if config.through_gateways:  # the owners' records vote behind their gateways, on their machines
-        from conclave.cluster.teaching.gateways import gateway_vote_source
+    if not config.owners:
+        return Ensemble(public, config.vote_source.start(config, public, progress))
+    from conclave.cluster.gateway.local import LocalGateways
+    from conclave.cluster.teaching.gateways import gateway_vote_source
 
+    local = None
+    if not config.through_gateways:  # owners named by their data: their gateways on this machine, started here
+        with waiting("starting the owners' gateways on this machine", progress):
+            local = LocalGateways.start(config.owners, max_epochs=config.teachers.train.epochs)
+        config = local.reach(config)
+    try:
         with waiting("admitting the run at the owners' gateways (each starts its own vote actors)", progress):
-            return Ensemble(public, gateway_vote_source(config, public))
-    return Ensemble(public, config.vote_source.start(config, public, embedded, progress))
+            return Ensemble(public, gateway_vote_source(config, public), local)
+    except BaseException:
+        if local is not None:
+            local.stop()
+        raise
 
 
 def student_splits(config: TeacherStudentConfig) -> StudentSplits:
@@ -131,11 +158,15 @@ def check_models(config: TeacherStudentConfig, public: PublicData) -> None:
     from conclave.cluster.config import ConfigError
     from conclave.learning.data.features import features_of
     from conclave.learning.models import check_model
+    from conclave.learning.models.registry import REGISTRY
     from conclave.learning.selection import POOL_ORDER
 
     shape = public.schema.shape
     if config.data.features:  # a fixed transform: its output shape follows from the image shape alone
         shape = features_of(np.zeros((1, *shape), dtype=np.float32), config.data.features).shape[1:]
+    if config.owners and not (isinstance(config.teachers.model, str) and config.teachers.model in REGISTRY):
+        raise ConfigError(f"teachers.model {config.teachers.model!r}: owners' teachers train behind their gateways, "
+                          "which train a registered model (a gateway runs no code a config names)")
     checks = [("teachers.model", config.teachers.model, {})]
     if config.student.selection.strategy != POOL_ORDER:
         checks.append(("student.model", config.student.model,
@@ -179,43 +210,26 @@ def teacher_source(config: TeacherStudentConfig) -> TeacherSource:
                          private_size=config.data.private_size, features=config.data.features)
 
 
-def owner_shares(config: TeacherStudentConfig, public: PublicData, embedded: bool, num_actors: int,
-                 count: int) -> list[OwnerShare]:
-    """Each owner's source (a table read by the public schema's column names), teachers, actors
-    and placement (the benchmark: one share of its first ``count`` teachers on ``num_actors``
-    actors, anywhere)."""
-    from conclave.actors.owners import OwnerSource
-    from conclave.actors.teacher import OwnerShare
-
-    if not config.owners:
-        return [OwnerShare(teacher_source(config), count, num_actors)]
-    # A relative path is the launching directory's (on a cluster, give owners absolute paths).
-    here = os.getcwd()
-    return [OwnerShare(OwnerSource(owner.name, owner_data(owner, public.reading, here),
-                                   owner.teachers, public.classes, config.seed, config.data.features, owner.records),
-                       owner.teachers, owner.actors, owner.placement(embedded))
-            for owner in config.owners]
-
-
 def teacher_pool(config: TeacherStudentConfig, public: PublicData, num_teachers: int | None = None,
-                 embedded: bool = True,
                  with_records: Callable[[list[OwnerShare]], list[OwnerShare]] | None = None) -> TeacherPool:
-    """Untrained teacher actors: the owners' on their nodes, or the benchmark's packed as
-    ``config.teachers`` says (all ``teachers.count``, or the first ``num_teachers`` of them:
-    the benchmark compares a few). Teachers reserve half the CPUs; the student (and the
-    aggregator in the driver) the rest. ``with_records``: an audit run's shares, its records
-    added to the owners' (``cluster.auditing.labels``)."""
+    """Untrained teacher actors of the benchmark (``data``), packed as ``config.teachers`` says (all
+    ``teachers.count``, or the first ``num_teachers`` of them: the benchmark compares a few).
+    Teachers reserve half the CPUs; the student (and the aggregator in the driver) the rest.
+    ``with_records``: an audit run's share, its records added to the benchmark's
+    (``cluster.auditing.labels``). Owners' teachers train behind their gateways instead."""
     import ray
 
     from conclave.actors.placement import cpu_share
-    from conclave.actors.teacher import TeacherPool
+    from conclave.actors.teacher import OwnerShare, TeacherPool
 
+    if config.owners:
+        raise ValueError("owners' teachers train behind their gateways, not in the coordinator's cluster")
     config = resolved(config, public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     count = config.teachers.count if num_teachers is None else num_teachers
     per_actor = config.teachers.per_actor
     num_actors = min(math.ceil(count / per_actor) if per_actor else max(1, int(cpus)), count)
-    shares = owner_shares(config, public, embedded, num_actors, count)
+    shares = [OwnerShare(teacher_source(config), count, num_actors)]
     if with_records is not None:
         shares = with_records(shares)
     total_actors = sum(min(share.num_actors, share.num_teachers) for share in shares)

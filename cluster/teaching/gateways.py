@@ -1,5 +1,6 @@
 """Owners reached through their gateways (``owners: [{name, gateway: HOST:PORT}]`` with
-``gateways:``): the run's vote source is a ``GatewayVoteSource`` that admits the run at every
+``gateways:``, or the gateways a run starts on this machine for owners named by their data,
+``cluster.gateway.local``): the run's vote source is a ``GatewayVoteSource`` that admits the run at every
 owner's gateway with the config's terms. The owners' records, actors and ledgers stay behind their
 gateways, on their machines; the coordinator sends only public data (the pool, how it is read) and
 typed terms, and its run ledger is its view of what each owner's ledger charged first.

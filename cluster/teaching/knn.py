@@ -41,14 +41,14 @@ class KnnSource(VoteSource[TeacherStudentConfig]):
     def serving(self, pool: Any) -> str:
         return f"kNN votes, k {self.section.k} at sample rate {self.section.sample_rate:g}"
 
-    def start(self, config: TeacherStudentConfig, public: PublicData, embedded: bool, progress: bool) -> KnnVoteSource:
+    def start(self, config: TeacherStudentConfig, public: PublicData, progress: bool) -> KnnVoteSource:
         """The owners' kNN shard actors, each holding its owner's records embedded on its node."""
         from conclave.actors.knn_votes import KnnVoteSource
         from conclave.progress import waiting
 
         knn = self.section
         with waiting(self.starting, progress):
-            records = voting_records(config, knn, public, embedded)
+            records = voting_records(config, knn, public)
             source = KnnVoteSource(records.shares, records.embed, knn.k, knn.sample_rate, noise=config.privacy.noise,
                                    num_cpus_per_actor=records.cpus_per_actor, local=config.secure)
         if not config.secure:

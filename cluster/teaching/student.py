@@ -16,7 +16,6 @@ from conclave.cluster.owners import PublicData
 from conclave.cluster.teaching.aggregation import Aggregator
 from conclave.cluster.teaching.config import TeacherStudentConfig, StudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, public_data, resolved
-from conclave.learning.selection import QuerySelection
 
 if TYPE_CHECKING:
     from conclave.learning.embeddings import Embedding, NetworkEmbedding
@@ -105,44 +104,46 @@ class Ceiling:
 
 def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> Ceiling:
     """What a private student could at best reach with this model and pool: ``config``'s student,
-    trained exactly as its runs train it (``Student.train_on``), on all the pool's true labels.
+    trained exactly as its runs train it (its ``StudentTrainer``), on all the pool's true labels.
 
     Reads the public pool's labels only (no private record, no mechanism): it is no private
     release, and no private result either; publish it as a ceiling, without an ε."""
-    from conclave.actors.student import Student
     from conclave.learning.models import model_label
     from conclave.learning.models.averaged import AveragedStudents
+    from conclave.learning.student_training import StudentTrainer
 
     public = public_data(config)
     pool = public.splits.public
     if pool.unlabeled:
         raise ValueError("the non-private ceiling needs a pool with labels")
-    # It asks nothing, so it needs neither an aggregator nor the vote source's clusters.
-    student = _new_student(Student, resolved(config, public), public, _asks_no_one, selection=QuerySelection())
-    model, _ = student.train_on(np.arange(len(pool)), pool.y, progress)
+    config = resolved(config, public)
+    trainer = StudentTrainer(public.splits.public, public.splits.test, config.student.model,
+                             **_training(config, public))
+    model, _ = trainer.train_on(np.arange(len(pool)), pool.y, progress)
     averaged = isinstance(model, AveragedStudents)
-    members = tuple(student.accuracy(member) for member in model.members) if averaged else ()
-    return Ceiling(model=model_label(student.model_name), labelled=len(pool), accuracy=student.accuracy(model),
+    members = tuple(trainer.accuracy(member) for member in model.members) if averaged else ()
+    return Ceiling(model=model_label(trainer.model_name), labelled=len(pool), accuracy=trainer.accuracy(model),
                    member_accuracies=members)
 
 
 def _new_student(construct: Callable[..., Any], config: TeacherStudentConfig, public: PublicData,
                  client_factory: Callable[[], Any], num_threads: int | None = None,
-                 cluster_embedding: Embedding | None = None, selection: QuerySelection | None = None) -> Any:
-    """``construct`` (the ``Student`` class, or a Ray actor's ``remote``) with ``config``'s student
-    settings (``selection``: other than the config's, for a student that asks nothing)."""
-    return construct(
-        public.splits.public, public.splits.test, config.student.model,
-        dataclasses.replace(config.student.train, seed=config.seed), client_factory,
-        num_threads=num_threads, features=config.data.features,
-        pseudo_label_threshold=config.student.pseudo_label_threshold,
-        semi_supervised=config.student.semi_supervised, selection=selection or config.student.selection,
-        standardiser=public.standardiser, label_propagation=config.student.label_propagation,
-        cluster_embedding=cluster_embedding, members=config.student.members, test_views=config.student.test_views)
+                 cluster_embedding: Embedding | None = None) -> Any:
+    """``construct`` (a Ray actor's ``remote`` of ``Student``) with ``config``'s student settings."""
+    from conclave.learning.student_training import StudentTrainer
+
+    trainer = StudentTrainer(public.splits.public, public.splits.test, config.student.model, **_training(config, public))
+    return construct(public.splits.public, trainer, client_factory, num_threads=num_threads,
+                     selection=config.student.selection, cluster_embedding=cluster_embedding)
 
 
-def _asks_no_one() -> Any:
-    raise RuntimeError("this student asks no aggregator")
+def _training(config: TeacherStudentConfig, public: PublicData) -> dict[str, Any]:
+    """How ``config``'s student learns from its answers: ``StudentTrainer``'s settings but the data and model."""
+    student = config.student
+    return {"train": dataclasses.replace(student.train, seed=config.seed), "features": config.data.features,
+            "pseudo_label_threshold": student.pseudo_label_threshold, "semi_supervised": student.semi_supervised,
+            "standardiser": public.standardiser, "label_propagation": student.label_propagation,
+            "members": student.members, "test_views": student.test_views}
 
 
 def _query(student, settings: StudentConfig, progress: bool, batches_per_call: int = 4) -> dict[str, Any]:

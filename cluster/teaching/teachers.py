@@ -1,5 +1,6 @@
 """Teachers' votes (PATE; the ``teachers`` section, the default vote source): one teacher per disjoint
-shard of the owners' records, trained on Ray actors on the owners' nodes (``actors.teacher``)."""
+shard of the records, trained on Ray actors (``actors.teacher``): the benchmark's in the cluster, each
+owner's behind its gateway."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,13 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
 log = logging.getLogger(__name__)
 
 
+def one_sigma(config: TeacherStudentConfig) -> float | None:
+    """The σ the gateways admit for teachers' rounds: GNMax's, or Confident-GNMax's answers' (``sigma2``,
+    or its alias ``sigma``), which its threshold's must equal."""
+    params = config.mechanism.params
+    return params.get("sigma", params.get("sigma2"))
+
+
 class TeachersSource(VoteSource[TeacherStudentConfig]):
     section: TeachersConfig
     kind: ClassVar[str] = "teachers"
@@ -29,17 +37,12 @@ class TeachersSource(VoteSource[TeacherStudentConfig]):
         return config.num_teachers
 
     def check_gateway(self, config: TeacherStudentConfig) -> None:
-        """Teachers trained behind the gateways: a registered model by name (a gateway runs no code
-        a config names), and one σ for every round (the gateways admit one)."""
-        from conclave.learning.models.registry import REGISTRY
-
-        model, params = self.section.model, config.mechanism.params
-        if not isinstance(model, str) or model not in REGISTRY:
-            raise ValueError(f"teachers.model {model!r}: teachers behind gateways train a registered model "
-                             "(a gateway runs no code a config names)")
-        if config.mechanism.name == "confident-gnmax" and params.get("sigma1") != params.get("sigma"):
-            raise ValueError("confident-gnmax through gateways: give sigma1 equal to sigma (the gateways admit "
-                             "one σ for every round)")
+        """Teachers trained behind the gateways: one σ for every round (the gateways admit one); the
+        model, a registered one by name, is checked with the models, before Ray starts (``check_models``:
+        the registry imports torch, which loading a config does not)."""
+        if config.mechanism.name == "confident-gnmax" and config.mechanism.params.get("sigma1") != one_sigma(config):
+            raise ValueError("confident-gnmax through gateways: give sigma1 equal to sigma (sigma2, the answers' σ): the "
+                             "gateways admit one σ for every round")
 
     def work(self, config: TeacherStudentConfig, mechanism: str) -> str:
         student = config.student
@@ -49,12 +52,12 @@ class TeachersSource(VoteSource[TeacherStudentConfig]):
     def serving(self, pool: TeacherPool) -> str:
         return f"{pool.votes_per_query} teachers"
 
-    def start(self, config: TeacherStudentConfig, public: PublicData, embedded: bool, progress: bool) -> TeacherPool:
+    def start(self, config: TeacherStudentConfig, public: PublicData, progress: bool) -> TeacherPool:
         from conclave.cluster.teaching.ensemble import teacher_pool
         from conclave.progress import waiting
 
         with waiting(self.starting, progress):
-            pool = teacher_pool(config, public, embedded=embedded)
+            pool = teacher_pool(config, public)
         try:
             pool.train(progress=progress)
         except BaseException:
@@ -71,7 +74,7 @@ class TeachersSource(VoteSource[TeacherStudentConfig]):
         train = self.section.train
         terms = TeacherVotes(tuple(owner.teachers for owner in config.owners), self.section.model, train.epochs,
                              train.batch_size, train.lr, config.seed)
-        return terms, float(config.mechanism.params["sigma"]), False
+        return terms, float(one_sigma(config)), False
 
     def described(self, config: TeacherStudentConfig, pool: TeacherPool) -> dict[str, Any]:
         from conclave.learning.models import model_label

@@ -74,7 +74,7 @@ class VoteSource(abc.ABC, Generic[C]):
         """``conclave serve``'s few words of what votes, given the started ``pool``."""
 
     @abc.abstractmethod
-    def start(self, config: C, public: PublicData, embedded: bool, progress: bool) -> Any:
+    def start(self, config: C, public: PublicData, progress: bool) -> Any:
         """Its vote actors in the cluster, ready to vote (Ray running): the aggregator's pool."""
 
     @abc.abstractmethod

@@ -1,14 +1,14 @@
 """What the vote sources in which records vote themselves (the ``knn`` and ``clusters`` sections)
-share: the public embedding, the owners' records cut into actor shares, and the rule that clean
-votes never leave the aggregator's node."""
+share: the public embedding, the benchmark's records cut into actor shares, the rule that clean votes
+never leave the aggregator's node, and what behind the owners' gateways (where owners' records vote)
+needs of them."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from conclave.cluster.owners import PublicData, owner_data
+from conclave.cluster.owners import PublicData
 from conclave.cluster.teaching.config import ClustersConfig, KnnConfig, TeacherStudentConfig
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
@@ -21,43 +21,35 @@ if TYPE_CHECKING:  # imported where used: loading a config needs neither torch n
 
 @dataclass(frozen=True)
 class VotingRecords:
-    """The embedding (fitted on the public pool only: free), each owner's share of the vote actors
-    (its records are read and embedded by them, on its node), and the CPUs each actor reserves."""
+    """The embedding (fitted on the public pool only: free), the records' share of the vote actors
+    (read and embedded by them), and the CPUs each actor reserves."""
 
     embed: Embedding
     shares: list[RecordShare]
     cpus_per_actor: float
 
 
-def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersConfig, public: PublicData,
-                   embedded: bool = True) -> VotingRecords:
-    """``config``'s owners (or, without owners, the benchmark's private split cut into one part per
-    actor, each record in exactly one) as record shares for ``section``'s vote actors; half the
-    cluster's CPUs go to them (Ray must be running). ``embedded``: whether this is the embedded
-    one-node Ray (owners' node labels are then not used)."""
+def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersConfig,
+                   public: PublicData) -> VotingRecords:
+    """The benchmark's private split cut into one part per actor (each record in exactly one) as the
+    record share of ``section``'s vote actors; half the cluster's CPUs go to them (Ray must be
+    running). Owners' records vote behind their gateways instead."""
     import ray
 
-    from conclave.actors.owners import OwnerSource
     from conclave.actors.placement import cpu_share
     from conclave.actors.teacher import TeacherSource
     from conclave.actors.vote_parties import RecordShare
     from conclave.learning.embeddings import fit_embedding
 
+    if config.owners:
+        raise ValueError("owners' records vote behind their gateways, not in the coordinator's cluster")
     embed = fit_embedding(section.embedding, public.splits.public.x, section.dims)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    if config.owners:
-        here = os.getcwd()  # a relative path is the launching directory's, as for teachers
-        shares = [RecordShare(OwnerSource(owner.name, owner_data(owner, public.reading, here),
-                                          owner.teachers, public.classes, config.seed), owner.actors,
-                              owner.placement(embedded), declared=owner.records)
-                  for owner in config.owners]
-    else:
-        actors = section.actors or max(1, int(cpus / 2))
-        source = TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
-                               num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
-        shares = [RecordShare(source, actors, declared=config.data.private_size)]
-    total_actors = sum(min(share.num_actors, share.source.num_teachers) for share in shares)
-    return VotingRecords(embed, shares, cpu_share(cpus / 2, total_actors))
+    actors = section.actors or max(1, int(cpus / 2))
+    source = TeacherSource(config.data.name, config.data.root, public_size=config.data.public_size,
+                           num_teachers=actors, seed=config.seed, private_size=config.data.private_size)
+    share = RecordShare(source, actors, declared=config.data.private_size)
+    return VotingRecords(embed, [share], cpu_share(cpus / 2, min(share.num_actors, source.num_teachers)))
 
 
 def check_clean_votes_stay_home(source: KnnVoteSource | ClusterVoteSource, what: str) -> None:

@@ -2,9 +2,10 @@
 
     python examples/hospitals/library.py      # from the repository root
 
-Builds the config in Python (the same shape as configs/hospitals.yaml), trains each
-hospital's teachers where its data is, serves them on 127.0.0.1, lets a student learn from
-the private answers and prints what it learned and the guarantee.
+Builds the config in Python (the same shape as configs/hospitals.yaml), starts each hospital's
+gateway on this machine, which trains its teachers on its records, serves them on 127.0.0.1
+through the secure sum, lets a student learn from the private answers and prints what it
+learned, the guarantee and each hospital's lifetime account.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 from conclave.cluster.api import (
-    DataSource, MechanismConfig, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TeacherStudentConfig,
+    DataSource, MechanismConfig, OwnerBudget, OwnerConfig, PrivacyConfig, StudentConfig, TeachersConfig, TeacherStudentConfig,
     TrainConfig, serve, train_ensemble, train_student,
 )
 
@@ -23,10 +24,10 @@ DATA = ROOT / "examples" / "hospitals" / "data"
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
-    owners = tuple(
+    owners = tuple(  # each declares its records (public) and, with no policy written here, its lifetime budget
         OwnerConfig(name, DataSource("csv", str(DATA / name / "records.csv"), label="diagnosis"), teachers=10,
-                    resources={name: 1})
-        for name in ("hospital_a", "hospital_b", "hospital_c"))
+                    records=records, budget=OwnerBudget(20.0))
+        for name, records in (("hospital_a", 100), ("hospital_b", 100), ("hospital_c", 99)))
     config = TeacherStudentConfig(
         name="hospitals-library", owners=owners,
         public=DataSource("csv", str(DATA / "public" / "unlabeled.csv")),
@@ -38,13 +39,14 @@ def main() -> None:
                               train=TrainConfig(epochs=60, batch_size=8, lr=0.05), pseudo_label_threshold=0.9),
     )
     with train_ensemble(config, progress=False) as ensemble:
-        print(f"teachers: {ensemble.pool.num_teachers} on nodes {ensemble.nodes}")
+        print(f"teachers: {ensemble.pool.num_teachers} behind the gateways {ensemble.nodes}")
         with serve(config, ensemble, ROOT / "results" / config.name / "ledger.sqlite") as aggregator:
             student = train_student(config, ensemble, aggregator, progress=False)
             aggregator.stop()
-            report = aggregator.privacy_report()  # RunPrivacy: the guarantee first
+            report = aggregator.privacy_report()  # RunPrivacy: the guarantee first, the owners' accounts too
     print(f"student: {student.accuracy:.3f} test accuracy from {student.answered} of {student.asked} answered")
     print(report.headline())
+    print(f"owners (lifetime budgets): {report.owners_line()}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import scipy.io
 
 from conclave.learning.data.dataset import DataFormatError, Dataset
 
@@ -19,6 +18,8 @@ def _load_part(root: Path, part: str) -> Dataset:
     path = root / FILES[part]
     if not path.is_file():
         raise FileNotFoundError(f"SVHN file {FILES[part]} not found in {root}")
+    import scipy.io  # here, not at the top: every actor imports this module, few read SVHN
+
     try:
         mat = scipy.io.loadmat(path)
     except Exception as err:  # scipy raises several types on a damaged file

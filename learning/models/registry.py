@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from conclave.errors import ConclaveError, first_line
-from conclave.registry import MissingAttribute, Registry, imported
+from conclave.registry import MissingAttribute, Registry, import_path, imported
 
 
 class ModelContractError(ConclaveError, ValueError):
@@ -44,7 +44,7 @@ def model_label(model: str | Callable[..., Any]) -> str:
     ``module:qualname`` (a name a later run can import it by, unless it lives in ``__main__``)."""
     if not callable(model):
         return model
-    return f"{getattr(model, '__module__', None) or '?'}:{getattr(model, '__qualname__', type(model).__name__)}"
+    return import_path(model)
 
 
 def factory_of(name: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -5,15 +5,15 @@ cluster's medoid — the pool input nearest its centre — is the query the owne
 and a label released for a medoid is then given to every member of its cluster, or each pool input
 takes the weighted vote of its few nearest answered medoids' labels, which corrects a medoid whose
 noised label is wrong (post-processing of released labels and public inputs: free). Largest
-clusters first, so a budget that ends early labels the most inputs.
+clusters first, so a budget that ends early labels the most inputs. scikit-learn is imported
+where it is used: every student actor imports this module, and the import (with SciPy) took
+1.3 s of CPU at its start, for students that never cluster.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.cluster import KMeans
-from sklearn.metrics import pairwise_distances, pairwise_distances_argmin
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,7 +40,11 @@ class PoolClusters:
         answered = np.asarray([int(m) for m in self.medoids if int(m) in labels_of_medoids], dtype=np.int64)
         if not len(answered):
             return {}
+        from sklearn.metrics import pairwise_distances
+
         labels = np.asarray([labels_of_medoids[int(m)] for m in answered], dtype=np.int64)
+        from sklearn.metrics import pairwise_distances
+
         ranked = np.argsort(pairwise_distances(self.embedded, self.embedded[answered]), axis=1,
                             kind="stable")[:, :nearest]
         weights = decay ** np.arange(ranked.shape[1], dtype=np.float64)
@@ -55,9 +59,17 @@ class PoolClusters:
 def cluster_pool(embedded: np.ndarray, count: int, seed: int) -> PoolClusters:
     """``count`` k-means clusters of the embedded pool ``[n, d]`` and their medoids (distinct:
     a pool input nearest two centres goes to the larger cluster, the other takes its next nearest)."""
+    # scikit-learn is imported where it is used: every student actor imports this module, and most
+    # never cluster (the import costs about a second of CPU in each such process).
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import pairwise_distances_argmin
+
     embedded = np.asarray(embedded, dtype=np.float64)
     if not 1 <= count <= len(embedded):
         raise ValueError(f"clusters must be in [1, {len(embedded)}] (the pool), got {count}")
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import pairwise_distances_argmin
+
     kmeans = KMeans(n_clusters=count, random_state=seed, n_init=1).fit(embedded)
     order = np.argsort(-np.bincount(kmeans.labels_, minlength=count), kind="stable")
     centres = kmeans.cluster_centers_[order]

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 THEOREM = "Steinke, Nasr & Jagielski, NeurIPS 2023, Thm 3.1 (one-run audit, (eps, delta)-DP)"
 
@@ -58,6 +58,8 @@ def one_run_tail(epsilon: float, delta: float, m: int, r: int, v: int) -> float:
         raise ValueError(f"epsilon must be finite and >= 0, got {epsilon!r}")
     if v == 0:
         return 1.0
+    from scipy import stats  # here: every CLI process imports this module (through the pipelines), few audit
+
     p = float(special.expit(epsilon))
     tail = float(stats.binom.sf(v - 1, r, p))  # f(v)
     if delta == 0.0:

@@ -2,10 +2,10 @@
 
 ``ChargeGate`` is what a release is checked against and charged to: any ``Ledger``, or several
 as one (NearPrivate's run and model ledgers, ``cluster.active_learning.BothLedgers``). ``Ledger``
-is the one protocol of a run's or a service's ledger (``PrivacyLedger``), an owner's lifetime
-ledger (``owner_ledger.OwnerLedger``) and a run's with its owners' behind it
-(``run_ledger.RunLedger``): ask (``refusal``), charge (``charge``: recorded durably before anything
-is released, or refused with ``BudgetExceeded``, recording nothing), read (``report``, ``spent``).
+is the one protocol of a run's or a service's ledger (``PrivacyLedger``) and an owner's lifetime
+ledger (``owner_ledger.OwnerLedger``, kept by its gateway): ask (``refusal``), charge (``charge``:
+recorded durably before anything is released, or refused with ``BudgetExceeded``, recording
+nothing), read (``report``, ``spent``).
 ``AnsweringLedger`` adds the answers a labelling service repeats, free. As in dp_accounting's
 ``PrivacyAccountant`` and Opacus's ``IAccountant``, the math is kept apart from the state.
 

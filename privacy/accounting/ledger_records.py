@@ -12,8 +12,7 @@ row N is not the row the record saw is refused (``LedgerDamaged``), before anyth
 
 What it does not defend: someone who rewrites both the file and its record, or deletes both.
 The checksums have no key, so whoever can write this machine's Conclave folder and the ledger
-can forge a consistent pair; the owners' ledgers are further held by the records other machines
-keep of them (``privacy.accounting.ledger_identity``), which a forger would have to reach too.
+can forge a consistent pair.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""An owner's lifetime Rényi ledger on its node: every release from its data, in every run.
+"""An owner's lifetime Rényi ledger on its machine: every release from its data, in every run.
 
-Every release from the owner's data, in any run, is charged here first: a Rényi filter across
-runs at the order fixed when the file is created (Feldman & Zrnic 2021, Thm 3.1). The terms come
-from the owner's policy (``owner_policy``), who may have seen the file from ``ledger_identity``,
-the data's fingerprint from ``data_fingerprint``. docs/privacy.md, "An owner's lifetime budget".
+Every release from the owner's data, in any run, is charged here first, by its gateway: a Rényi
+filter across runs at the order fixed when the file is created (Feldman & Zrnic 2021, Thm 3.1). The
+terms come from the owner's policy (``owner_policy``), the data's fingerprint from
+``data_fingerprint``. docs/privacy.md, "An owner's lifetime budget".
 """
 from __future__ import annotations
 
@@ -15,29 +15,28 @@ from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.data_fingerprint import data_fingerprint
 from conclave.privacy.accounting.filter import RenyiFilter, order_index, rdp_budget
 from conclave.privacy.accounting.ledger import BudgetExceeded, BudgetReport, PrivacyLedger
-from conclave.privacy.accounting.ledger_identity import LedgerIdentity
 from conclave.privacy.accounting.owner_policy import OwnerRefused, OwnerTerms
 
 
 
 class OwnerLedger:
-    """One owner's lifetime ledger, on the owner's node, for one run under the ``terms`` its node
+    """One owner's lifetime ledger, on the owner's machine, for one run under the ``terms`` its gateway
     admitted (``owner_policy.OwnerAdmission``): once ``open``, a ``Ledger`` whose refusals name the
     owner. ``data_paths``: the owner's files, whose fingerprint goes with each charge."""
 
     def __init__(self, terms: OwnerTerms, data_paths: tuple[str, ...] = ()) -> None:
         self.owner, self.terms, self._data_paths = terms.owner, terms, data_paths
-        self.path = terms.budget.ledger_path(terms.owner)  # resolved here, on the owner's node
+        self.path = terms.budget.ledger_path(terms.owner)  # resolved here, on the owner's machine
         self._ledger: PrivacyLedger | None = None
         self._cap: float | None = None  # the lower lifetime ε this run asked to stay within
         self._run = ""
         self._fingerprint = ""
         self.last_refusal: str | None = None  # the latest refusal's line
 
-    def open(self, planned: PrivacyCharge, run: str) -> LedgerIdentity:
+    def open(self, planned: PrivacyCharge, run: str) -> None:
         """Open (or create, with the lifetime filter fixed from ``planned``) the ledger for
         ``run``. A file whose budget is not the one in force is refused: a lifetime budget
-        changes only by its owner, on its node (``owner_policy.change_budget``)."""
+        changes only by its owner, on its machine (``owner_policy.change_budget``)."""
         budget = self.terms.budget
         if planned.neighbouring != budget.neighbouring:
             raise OwnerRefused(f"owner {self.owner}: its budget is for {budget.neighbouring} neighbours, the run's "
@@ -56,14 +55,6 @@ class OwnerLedger:
             self._cap = self.terms.cap
         self._ledger, self._run = ledger, run
         self._fingerprint = data_fingerprint(self.owner, self.path, self._data_paths)
-        return self.identity()
-
-    def identity(self) -> LedgerIdentity | None:
-        """This owner's ledger as it is now (None: no file), read without writing."""
-        if self._ledger is None:
-            return LedgerIdentity.on_disk(self.owner, self.path)
-        report = self._ledger.report()
-        return LedgerIdentity(self.owner, str(self.path), self._ledger.ledger_id, report.charges + len(report.changes))
 
     # --- the Ledger protocol (``privacy.accounting.ledger``), once open ---------------------
 
@@ -100,8 +91,8 @@ class OwnerLedger:
         """Record ``charge`` durably, tagged with the run and the data's fingerprint, or raise
         ``BudgetExceeded`` with the refusal in one line (naming the owner and what its lifetime
         budget has left) when spent + ``worst_case`` would pass the budget — nothing is
-        recorded then. (The actor on the owner's node answers the driver with the line as a
-        value, ``actors.owner_ledger``.)"""
+        recorded then. (The owner's gateway answers the coordinator with the line:
+        ``cluster.gateway.servicer``.)"""
         capped = _cap_refusal(self.owner, self._cap, self._open(), worst_case if worst_case is not None else charge)
         if capped is not None:
             self.last_refusal = capped

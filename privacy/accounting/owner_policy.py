@@ -176,23 +176,14 @@ class RunRequest:
 
 @dataclass(frozen=True)
 class OwnerTerms:
-    """An owner's terms for one run, as its node decided them (public): the budget in force and
-    where it comes from (``source``: "policy" on the owner's node, or the run's "config" where
-    the node has none), the lower lifetime ε this run asked to stay within (``cap``, None: the
-    budget itself), and the policy's public part."""
+    """An owner's terms for one run, as its gateway decided them: the budget in force and where it
+    comes from (``source``: "policy" on the owner's machine, or the run's "config" where it has
+    none), and the lower lifetime ε this run asked to stay within (``cap``, None: the budget itself)."""
 
     owner: str
     source: str
     budget: OwnerBudget
     cap: float | None = None
-    policy: dict[str, Any] | None = None
-
-    @property
-    def statement(self) -> str:
-        if self.source == "policy":
-            return "the owner's policy on its node decides this budget; a run's config may ask for less, never more"
-        return ("no policy on the owner's node: the run's config declares this budget, so whoever writes the config "
-                "chooses it (the owner sets one with `conclave owner init` on its node)")
 
     def cap_within(self, declared: RenyiFilter | None, path: Path) -> float | None:
         """The run's cap (the lower lifetime ε it asked for, None: none), once these terms are
@@ -217,6 +208,14 @@ class OwnerTerms:
         return budget.epsilon if budget.epsilon < declared.epsilon else None
 
 
+def budget_statement(source: str) -> str:
+    """What it means that an owner's budget comes from ``source``: its "policy", or the run's "config"."""
+    if source == "policy":
+        return "the owner's policy on its node decides this budget; a run's config may ask for less, never more"
+    return ("no policy on the owner's node: the run's config declares this budget, so whoever writes the config "
+            "chooses it (the owner sets one with `conclave owner init` on its node)")
+
+
 class OwnerAdmission:
     """Whether ``owner``'s policy on this node admits a run, and on which terms. ``asked``: the
     budget the run's config declares for the owner (None: none); ``data_paths``: the paths of
@@ -234,7 +233,7 @@ class OwnerAdmission:
         if policy is None:
             return None if self.asked is None else OwnerTerms(self.owner, "config", self.asked)
         self._check_admitted(policy, request, planned)
-        return OwnerTerms(self.owner, "policy", policy.budget(), self._asked_within(policy), policy.terms())
+        return OwnerTerms(self.owner, "policy", policy.budget(), self._asked_within(policy))
 
     def _check_data_is_its_own(self) -> None:
         """Refuse a run that names another owner's data (a path its policy on this node guards)

@@ -30,15 +30,12 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conclave.actors.aggregator import (
-    OWNERS_CHARGED_ONLY, RECORD_UNWRITABLE, STORAGE_FULL, AggregatorServer, ServerSettings, _peer_address, _StreamSlots, storage_full,
-)
+from conclave.actors.aggregator import RECORD_UNWRITABLE, STORAGE_FULL, AggregatorServer, ServerSettings, storage_full
+from conclave.actors.aggregator.gatekeeper import _peer_address, _StreamSlots
 from conclave.actors.labeller import RateLimitedLog
 from conclave.cluster.client import AggregatorClient
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.ledger import PrivacyLedger
-from conclave.privacy.accounting.ledger_identity import DriverRecords
-from conclave.privacy.accounting.run_ledger import RunLedger
 from conclave.privacy.mechanisms import build_mechanism
 from conclave.protos import aggregator_pb2, aggregator_pb2_grpc
 from tests.aggregators import DELTA, INPUT_SHAPE, budget_for, serving, wait_for
@@ -347,58 +344,6 @@ def test_a_ledger_record_that_cannot_be_written_refuses_calls_with_nothing_charg
         assert server.labeller.ledger.report().charges == charges + 5  # once each
         assert all((client.label(inputs[i:i + 1]) == answered[i - 1]).all() for i in range(1, 6))  # repeats: free
         assert server.labeller.ledger.report().charges == charges + 5
-
-
-class CountingOwners:
-    """Owners' lifetime ledgers (``run_ledger.LifetimeLedgers``) that take every charge and count them."""
-
-    nodes: dict[str, str] = {}
-    terms: dict = {}
-
-    def __init__(self) -> None:
-        self.charges = 0
-
-    def refusal(self, charge):
-        return None
-
-    def charge(self, charge, worst_case=None) -> None:
-        self.charges += 1
-
-    def reports(self) -> dict:
-        return {}
-
-    def identities(self) -> list:
-        return []
-
-    def close(self) -> None:
-        return None
-
-
-def test_owners_charged_before_the_runs_ledger_failed_are_told_as_charged(tmp_path, monkeypatch):
-    # Before: the owners' ledgers took the charge, the run's ledger then refused (its record unwritable),
-    # and the client read "nothing was released or charged" while every owner had paid.
-    monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
-    mechanism, owners = build_mechanism("gnmax", sigma=2.0), CountingOwners()
-    run = PrivacyLedger(tmp_path / "ledger.sqlite", DELTA, budget_for(mechanism, 50.0), keep_record=True)
-    ledger = RunLedger(run, owners, DriverRecords(tmp_path / "driver.json"))
-    server = AggregatorServer(InstantTeachers(), mechanism, ledger, INPUT_SHAPE, ServerSettings())
-    inputs = fresh_inputs(3, 5)
-    try:
-        with AggregatorClient(server.start(), timeout=10) as client:
-            client.label(inputs[:1])
-            assert owners.charges == 1 and run.report().charges == 1
-            (record,) = (tmp_path / "home" / "ledgers").glob("*.json")
-            record.unlink()
-            record.parent.rmdir()
-            record.parent.write_text("a file where the records' folder should be")
-            with pytest.raises(grpc.RpcError) as refused:
-                client.label(inputs[1:2])
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert refused.value.details() == OWNERS_CHARGED_ONLY and "owners' ledgers were charged" in OWNERS_CHARGED_ONLY
-            assert owners.charges == 2 and run.report().charges == 1  # what the client was told
-    finally:
-        server.stop()
-        ledger.close()
 
 
 def test_a_charge_whose_record_is_not_put_in_place_answers_and_the_next_is_refused(tmp_path, monkeypatch):

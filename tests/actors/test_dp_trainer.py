@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conclave.actors.dp_trainer import ModelSpec, OwnerShards, PrivateSource, ShardGroup, ShardPlan, ShardSupport
-from conclave.actors.owners import OwnerSource
+from conclave.actors.dp_trainer import ModelSpec, PrivateSource, ShardGroup, ShardPlan, ShardSupport
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.dpsgd import train_dp
 from conclave.learning.embedding_stats import covariance_sum, support_counts
@@ -213,15 +213,23 @@ HOSPITALS = Path(__file__).resolve().parents[2] / "examples" / "hospitals" / "da
 CLASSES = ("benign", "malignant")
 
 
+@dataclass(frozen=True)
+class HospitalTable:
+    """One hospital's table as a shard actor's source (a ``ShardSource``): its name tells its rank apart."""
+
+    owner: str
+
+    def load(self, shard_ids):
+        return DataSource("csv", str(HOSPITALS / self.owner / "records.csv"), label="diagnosis").read(CLASSES)
+
+
 @pytest.fixture(scope="module")
 def hospitals(ray_session):
-    """Two owners with tables of their own (owner names tell their ranks apart), one actor each;
+    """Two shard actors with tables of their own (their names tell their ranks apart), one each;
     every test resumes the actors it stops."""
     public = DataSource("csv", str(HOSPITALS / "public" / "test.csv"), label="diagnosis").read(CLASSES)
     spec = ModelSpec("logistic_regression", 2, input_shape=(30,), standardiser=Standardiser.of_public(public))
-    plans = [ShardPlan(OwnerShards(OwnerSource(name, DataSource("csv", str(HOSPITALS / name / "records.csv"),
-                                                                 label="diagnosis"), 1, CLASSES)), (0,))
-             for name in ("hospital_a", "hospital_b")]
+    plans = [ShardPlan(HospitalTable(name), (0,)) for name in ("hospital_a", "hospital_b")]
     with ShardGroup(plans, spec, num_cpus=0.5) as pair:
         yield pair
 

@@ -23,10 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conclave.actors.aggregator import AggregatorServer, ServerSettings
 from conclave.actors.labeller import input_keys, labeller_for
 from conclave.actors.owners import OwnerDropout
-from conclave.actors.teacher import TeacherPool
+from conclave.actors.owners import OwnerSource
+from conclave.actors.teacher import OwnerShare, TeacherPool
 from conclave.cluster.client import AggregatorClient
 from conclave.cluster.config import load_yaml
-from conclave.cluster.teaching.ensemble import checked_public, resolved, teacher_pool
+from conclave.cluster.owners import PublicData, owner_data
 from conclave.cluster.pipelines import load_pipeline
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.accounting.filter import filter_for
@@ -34,6 +35,7 @@ from conclave.privacy.accounting.ledger import PrivacyLedger
 from conclave.privacy.mechanisms import SecureGNMax
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_votes import SkellamVotes
+from conclave.learning.train_config import TrainConfig
 
 from tests.aggregators import wait_for
 
@@ -42,21 +44,18 @@ DELTA = 1e-5
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _hospitals(teachers: int):
-    """configs/hospitals.yaml with ``teachers`` per owner (three owners, one actor each)."""
-    raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")
-    raw.update(owners=[{**owner, "teachers": teachers} for owner in raw["owners"]], aggregation="secure")
-    return load_pipeline(raw).config
-
-
 @pytest.fixture(scope="module")
 def hospitals(ray_session):
-    """Two teachers per hospital, on one actor each; and the public pool's rows."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(PROJECT_ROOT)  # the config's paths are the project root's
-        config = _hospitals(2)
-        public = checked_public(config)
-        pool = teacher_pool(resolved(config, public), public)
+    """Two teachers per hospital (configs/hospitals.yaml's three CSVs), on one actor each, each actor a party
+    of the secure sum; and the public pool's rows."""
+    config = load_pipeline(load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")).config
+    public = PublicData.read(config.public.anchored(str(PROJECT_ROOT)), config.test.anchored(str(PROJECT_ROOT)),
+                             config.classes)
+    shares = [OwnerShare(OwnerSource(owner.name, owner_data(owner, public.reading, str(PROJECT_ROOT)), 2,
+                                     public.classes, records=owner.records), 2)
+              for owner in config.owners]
+    pool = TeacherPool(shares, "logistic_regression", TrainConfig(epochs=40, batch_size=8, lr=0.05),
+                       num_cpus_per_actor=0.3, standardiser=public.standardiser)
     pool.train(progress=False)
     yield pool, public.splits.public.x.astype(np.float32)
     pool.shutdown()
@@ -204,8 +203,7 @@ def test_a_secure_batch_fits_within_the_clients_deadline():
 
 
 def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_charged(hospitals, tmp_path, caplog):
-    """Last in this module: it kills hospital_b's actor (each owner's custom resource admits one
-    pool at a time on the test node, so the module's pool is the one to break)."""
+    """Last in this module: it kills hospital_b's actor (the module's pool is the one to break)."""
     pool, inputs = hospitals
     mechanism = SecureGNMax(3.0)
     planned = mechanism.worst_case_charge(40).for_records(Neighbouring.ADD_REMOVE, "one teacher per record")

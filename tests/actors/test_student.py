@@ -17,6 +17,7 @@ from conclave.learning.label_propagation import LabelPropagationConfig
 from conclave.learning.selection import QuerySelection
 from conclave.learning.selection.cold_start import kmeans_cold_start
 from conclave.learning.semi_supervised import FixMatchConfig
+from conclave.learning.student_training import StudentTrainer
 from conclave.learning.train_config import TrainConfig
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import PrivacyLedger
@@ -25,6 +26,13 @@ from conclave.privacy.mechanisms import build_mechanism
 
 TOKEN = "student-test-token"
 STUDENT_TRAIN = TrainConfig(epochs=25, batch_size=32, lr=3e-3, seed=0)
+
+
+def a_student(public: Dataset, test: Dataset, model: str, train: TrainConfig, factory, num_threads: int | None = None,
+              selection: QuerySelection = QuerySelection(), cluster_embedding=None, **training) -> Student:
+    """A ``Student`` of ``public`` whose ``StudentTrainer`` has these settings."""
+    return Student(public, StudentTrainer(public, test, model, train, **training), factory, num_threads, selection,
+                   cluster_embedding)
 
 
 class RecordingClient(AggregatorClient):
@@ -86,7 +94,8 @@ def serve(world, tmp_path):
 def test_student_actor_learns_from_answers_over_grpc(ray_session, world, serve):
     splits, _ = world
     server, ledger, factory = serve(build_mechanism("gnmax", sigma=1.0))
-    student = StudentActor.remote(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = StudentActor.remote(splits.public, StudentTrainer(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN),
+                                  factory)
     queried = ray_session.get(student.query.remote(150, 40, (40, 100), False))
     assert queried["asked"] == 150 and queried["answered"] == 150  # GNMax always answers
     assert not queried["budget_exhausted"]
@@ -107,7 +116,7 @@ def test_student_trains_only_on_answered_labels(world, serve):
     """A threshold no histogram of 5 teachers can pass: everything abstains, nothing to learn."""
     splits, _ = world
     _, _, factory = serve(build_mechanism("confident-gnmax", threshold=1000.0, sigma1=1.0, sigma2=1.0))
-    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(60, 30, progress=False)
     assert queried["asked"] == 60 and queried["answered"] == 0
     assert (student.labels[:60] == -1).all()
@@ -119,10 +128,10 @@ def test_student_trains_only_on_answered_labels(world, serve):
 def test_a_student_on_features_asks_about_images_and_learns_on_their_features(world, serve):
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))  # validates (1, 8, 8) images
-    student = Student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering")
+    student = a_student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering")
     assert student.query(150, 50, progress=False)["answered"] == 150
     student.close()
-    assert student.test.input_shape == (81, 2, 2)
+    assert student.trainer.test.input_shape == (81, 2, 2)
     assert student.fit_and_evaluate()["accuracy"] > 0.6  # chance is 0.1
 
 
@@ -134,7 +143,7 @@ def test_a_student_with_test_views_reports_the_accuracy_of_its_view_averaged_pre
 
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
-    student = Student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering",
+    student = a_student(splits.public, splits.test, "scatternet_cnn", STUDENT_TRAIN, factory, features="scattering",
                       test_views=4)
     student.query(150, 50, progress=False)
     student.close()
@@ -149,7 +158,7 @@ def test_test_views_are_refused_for_table_inputs(world):
     splits, _ = world
     table = Dataset(splits.test.x.reshape(len(splits.test), -1), splits.test.y, 10, "table")
     with pytest.raises(ValueError, match="test_views"):
-        Student(table, table, "logistic_regression", STUDENT_TRAIN, lambda: None, test_views=2)
+        a_student(table, table, "logistic_regression", STUDENT_TRAIN, lambda: None, test_views=2)
 
 
 def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses(world, serve):
@@ -158,7 +167,7 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
     # The pool's true labels are replaced by zeros: were they ever used for training, the
     # student would learn "always 0" (10% test accuracy).
     blind = Dataset(splits.public.x, np.zeros(len(splits.public), dtype=np.int64), 10, "blind-pool")
-    student = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9)
+    student = a_student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9)
     student.query(60, 30, progress=False)
     student.close()
     spent = ledger.report().epsilon_spent
@@ -167,7 +176,7 @@ def test_self_training_labels_the_rest_of_the_pool_with_the_students_own_guesses
     assert result["accuracy"] > 0.6 and result["supervised_accuracy"] > 0.4  # chance is 0.1
     assert ledger.report().epsilon_spent == spent  # post-processing: nothing more was asked
     with pytest.raises(ValueError, match="pseudo_label_threshold"):
-        Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=1.5)
+        a_student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=1.5)
 
 
 def room_for(answers: float) -> RenyiFilter:
@@ -180,7 +189,7 @@ def test_student_asks_what_the_budget_pays_for_and_stops_without_a_refusal(world
     budget = room_for(110.5)  # five batches of 20, a last one of 10: all the budget an answer can use
     server, ledger, _ = serve(build_mechanism("gnmax", sigma=2.0), budget)
     factory, clients = recording(RecordingClient, server.address)
-    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(200, 20, progress=False)
     (client,) = clients
     assert client.sent == [20, 20, 20, 20, 20, 10]  # the tail in a smaller batch; then no call at 0
@@ -211,7 +220,7 @@ def test_a_budget_spent_by_another_client_meanwhile_ends_the_student_with_its_an
             return super().label_reply(inputs)
 
     factory, clients = recording(Outpaced, server.address)
-    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     queried = student.query(200, 20, progress=False)
     rival.close()
     assert clients[0].sent == [20, 20]  # the budget paid for 30 more when the student read it
@@ -225,7 +234,7 @@ def test_a_budget_spent_by_another_client_meanwhile_ends_the_student_with_its_an
 def test_query_in_stretches_resumes_where_it_stopped(world, serve):
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
-    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     progress = []
     while not progress or progress[-1] < 100:
         progress.append(student.query(100, 20, (50,), progress=False, max_batches=2)["asked"])
@@ -238,7 +247,7 @@ def test_query_in_stretches_resumes_where_it_stopped(world, serve):
 def test_query_rejects_impossible_requests(world, serve):
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
-    student = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    student = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     with pytest.raises(ValueError, match="pool size"):
         student.query(len(splits.public) + 1)
     with pytest.raises(ValueError, match="batch_size"):
@@ -249,10 +258,10 @@ def test_query_rejects_impossible_requests(world, serve):
 def test_the_semi_supervised_student_beats_the_supervised_one_on_the_same_answers(world, serve):
     splits, _ = world
     _, _, factory = serve(build_mechanism("gnmax", sigma=0.1))  # (nearly) the plurality: same labels every run
-    supervised = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    supervised = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     supervised.query(30, 30, progress=False)
     supervised.close()
-    semi = Student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory,
+    semi = a_student(splits.public, splits.test, "digits_cnn", STUDENT_TRAIN, factory,
                    semi_supervised=FixMatchConfig(epochs=60, batch_size=32, threshold=0.9))
     semi.labels, semi.asked_order = supervised.labels.copy(), list(supervised.asked_order)  # the same answers
     base, better = supervised.fit_and_evaluate(), semi.fit_and_evaluate()
@@ -265,7 +274,7 @@ def test_the_semi_supervised_student_beats_the_supervised_one_on_the_same_answer
 def test_chosen_queries_are_pool_inputs_never_asked_twice(world, serve, strategy, cold_start):
     splits, _ = world
     server, _, factory = serve(build_mechanism("gnmax", sigma=1.0))
-    student = Student(splits.public, splits.test, "digits_cnn", dataclasses.replace(STUDENT_TRAIN, epochs=3),
+    student = a_student(splits.public, splits.test, "digits_cnn", dataclasses.replace(STUDENT_TRAIN, epochs=3),
                       factory, selection=QuerySelection(strategy=strategy, round_size=25, cold_start=cold_start))
     for _ in range(4):  # in stretches of three calls of 10: rounds of 25 and calls cross each other
         student.query(100, 10, progress=False, max_batches=3)
@@ -317,13 +326,13 @@ def test_label_propagation_spreads_the_answers_over_the_pool_at_no_privacy_cost(
     _, ledger, factory = serve(build_mechanism("gnmax", sigma=0.1))  # (nearly) the plurality: same labels every run
     # The pool's true labels are zeros here: were they used for training, the student would learn "always 0".
     blind = Dataset(splits.public.x, np.zeros(len(splits.public), dtype=np.int64), 10, "blind-pool")
-    supervised = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
+    supervised = a_student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory)
     supervised.query(30, 30, progress=False)
     supervised.close()
     spent = ledger.report().epsilon_spent
     results = []
     for semi in (None, FixMatchConfig(epochs=60, batch_size=32, threshold=0.9)):
-        student = Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, semi_supervised=semi,
+        student = a_student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, semi_supervised=semi,
                           label_propagation=LabelPropagationConfig())
         student.labels, student.asked_order = supervised.labels.copy(), list(supervised.asked_order)  # the same answers
         results.append(student.fit_and_evaluate())
@@ -334,7 +343,7 @@ def test_label_propagation_spreads_the_answers_over_the_pool_at_no_privacy_cost(
     assert both["accuracy"] > 0.7  # chance is 0.1; 75% and 82% when written
     assert ledger.report().epsilon_spent == spent  # post-processing: nothing more was asked
     with pytest.raises(ValueError, match="pseudo_label_threshold.*label_propagation"):
-        Student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9,
+        a_student(blind, splits.test, "digits_cnn", STUDENT_TRAIN, factory, pseudo_label_threshold=0.9,
                 label_propagation=LabelPropagationConfig())
 
 
@@ -351,11 +360,11 @@ def test_members_are_trained_from_consecutive_seeds_and_answer_with_their_mean_p
     splits, _ = world
     keep, labels = np.arange(60), splits.public.y[:60]
     train = dataclasses.replace(STUDENT_TRAIN, epochs=2)
-    single = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised)
-    averaged = Student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised,
+    single = a_student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised)
+    averaged = a_student(splits.public, splits.test, "digits_cnn", train, None, semi_supervised=semi_supervised,
                        members=3)
-    alone, _ = single.train_on(keep, labels)
-    model, _ = averaged.train_on(keep, labels)
+    alone, _ = single.trainer.train_on(keep, labels)
+    model, _ = averaged.trainer.train_on(keep, labels)
     assert isinstance(model, AveragedStudents) and len(model.members) == 3
     weights = [torch.cat([p.flatten() for p in member.parameters()]) for member in model.members]
     assert torch.equal(weights[0], torch.cat([p.flatten() for p in alone.parameters()]))
@@ -366,4 +375,4 @@ def test_members_are_trained_from_consecutive_seeds_and_answer_with_their_mean_p
     averaged._last_model = model
     assert averaged.network().state.keys() == {k for k in model.first.state_dict()}
     with pytest.raises(ValueError, match="members must be >= 1"):
-        Student(splits.public, splits.test, "digits_cnn", train, None, members=0)
+        a_student(splits.public, splits.test, "digits_cnn", train, None, members=0)

@@ -76,33 +76,6 @@ def _private_data_in(value) -> list[str]:
     return [found for item in items for found in _private_data_in(item)]
 
 
-def test_the_driver_never_loads_private_shards(ray_session, digits, monkeypatch, capsys, caplog):
-    """A real pool built from the spec trains and votes while every way of reading a dataset
-    is a tripwire in this (the driver's) process; the actors run in their own processes,
-    unpatched, and load their shards there. The pool keeps no data either, and its progress bar
-    and log lines say how many teachers trained, never how long they took."""
-    splits, source = digits
-
-    def tripwire(*args, **kwargs):
-        raise AssertionError("the driver read a dataset")
-
-    monkeypatch.setattr(TeacherSource, "load", tripwire)
-    monkeypatch.setattr(learning_data, "load_dataset", tripwire)
-    pool = TeacherPool.of_source(source, 3, "digits_cnn", dataclasses.replace(TRAIN, epochs=2), num_actors=2,
-                       num_cpus_per_actor=0.5)
-    try:
-        assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
-        caplog.set_level("INFO", logger="conclave")
-        assert pool.train() is None  # nothing about the training comes back
-        bar = capsys.readouterr().err
-        assert "3/3 teachers" in bar and not re.search(r"/s|\d:\d\d|\d s\b", bar + caplog.text), bar + caplog.text
-        votes = pool.votes(splits.public.x[:50])
-        assert (votes.sum(axis=1) == 3).all()
-        assert _private_data_in(vars(pool)) == []
-    finally:
-        pool.shutdown()
-
-
 def test_a_group_keeps_its_shards_as_features_and_reports_the_image_shape(digits):
     _, source = digits
     group = TeacherGroup(dataclasses.replace(source, features="scattering"), 0, 2, "scatternet_cnn", TRAIN)
@@ -111,10 +84,21 @@ def test_a_group_keeps_its_shards_as_features_and_reports_the_image_shape(digits
     assert (info.num_classes, info.input_shape) == (10, (1, 8, 8))
 
 
-def test_teachers_on_scattering_features_take_images(ray_session, digits, tmp_path):
-    """Each actor computes the features of its shards and of every query itself, so the pool
-    takes images, reports the image shape, and the aggregator validates images against it."""
+def test_teachers_on_scattering_features_take_images_and_the_driver_never_loads_private_shards(
+        ray_session, digits, tmp_path, monkeypatch, capsys, caplog):
+    """A real pool built from the spec trains and votes while every way of reading a dataset is a
+    tripwire in this (the driver's) process; the actors run in their own processes, unpatched, and
+    load their shards there. The pool keeps no data either, and its progress bar and log lines say
+    how many teachers trained, never how long they took. Each actor computes the features of its
+    shards and of every query itself, so the pool takes images, reports the image shape, and the
+    aggregator validates images against it."""
     splits, source = digits
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the driver read a dataset")
+
+    monkeypatch.setattr(TeacherSource, "load", tripwire)
+    monkeypatch.setattr(learning_data, "load_dataset", tripwire)
     pool = TeacherPool.of_source(dataclasses.replace(source, features="scattering"), 3, "scatternet_cnn",
                        dataclasses.replace(TRAIN, epochs=15), num_actors=2, num_cpus_per_actor=0.5)
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite", 1e-5)
@@ -122,10 +106,14 @@ def test_teachers_on_scattering_features_take_images(ray_session, digits, tmp_pa
                               ServerSettings(host="127.0.0.1", port=0, token="t"))
     try:
         assert (pool.num_classes, pool.input_shape) == (10, (1, 8, 8))
-        pool.train(progress=False)
+        caplog.set_level("INFO", logger="conclave")
+        assert pool.train() is None  # nothing about the training comes back
+        bar = capsys.readouterr().err
+        assert "3/3 teachers" in bar and not re.search(r"/s|\d:\d\d|\d s\b", bar + caplog.text), bar + caplog.text
         votes = pool.votes(splits.public.x)
         assert votes.shape == (200, 10) and (votes.sum(axis=1) == 3).all()
         assert (votes.argmax(axis=1) == splits.public.y).mean() > 0.7  # chance is 0.1
+        assert _private_data_in(vars(pool)) == []
         with AggregatorClient(server.start(), "t") as client:
             assert client.label(splits.public.x[:20]).shape == (20,)
             with pytest.raises(grpc.RpcError) as refused:  # features are not what clients send

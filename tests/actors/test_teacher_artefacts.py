@@ -58,47 +58,11 @@ def _dead_process() -> tuple[int, float]:
     return child.pid, create_time
 
 
-def test_a_pools_checkpoints_are_private_survive_a_restart_and_are_gone_after_shutdown(ray_session):
-    pool = TeacherPool.of_source(SOURCE, 2, "digits_cnn", TRAIN, num_actors=2, num_cpus_per_actor=0.25)
-    folder = Path(pool.checkpoint_dir)
-    try:
-        pool.train(progress=False)
-        assert folder.parent == run_folder.base_folder() and _mode(folder.parent) == _mode(folder) == 0o700
-        assert sorted(p.name for p in folder.glob("*.pt")) == ["teacher-0.pt", "teacher-1.pt"]
-        assert len(list(folder.glob(".owner-*.json"))) == 2  # one marker per actor process
-        inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
-        before = pool.votes(inputs)
-        old_pid = _pid(pool._actors[0])
-        ray.kill(pool._actors[0], no_restart=False)  # Ray restarts it; it reloads its teacher from the folder
-        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the new process, then readiness
-        while not (_pid(pool._actors[0]) not in (None, old_pid) and pool.ready()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _pid(pool._actors[0]) not in (None, old_pid) and pool.ready()
-        np.testing.assert_array_equal(pool.votes(inputs), before)
-        assert len(list(folder.glob(".owner-*.json"))) == 2  # the dead process's marker went with it
-    finally:
-        pool.shutdown()
-    assert not folder.exists()
-
-
-def test_a_teacher_actor_past_its_restarts_is_started_again_from_its_saved_teachers(ray_session):
-    pool = TeacherPool.of_source(SOURCE, 2, "digits_cnn", TRAIN, num_actors=2, num_cpus_per_actor=0.25)
-    try:
-        pool.train(progress=False)
-        inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
-        before = pool.votes(inputs)
-        gone = pool._actors[0]
-        ray.kill(gone, no_restart=True)  # as after its last restart: Ray will not bring it back
-        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the replacement, then readiness
-        while not (pool.ready() and pool._actors[0] is not gone) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert pool._actors[0] is not gone and pool.ready()
-        np.testing.assert_array_equal(pool.votes(inputs), before)  # the same teachers, not retrained
-    finally:
-        pool.shutdown()
-
-
-def test_a_start_removes_what_a_killed_run_left_and_nothing_in_use(ray_session):
+def test_a_pools_start_clears_a_killed_runs_folder_and_its_checkpoints_are_private_survive_restarts_and_go(
+        ray_session):
+    """One pool's life: its start removes what a killed run left (and nothing in use); its
+    checkpoints sit in a 0700 folder; an actor Ray restarts, and one past its restarts that the
+    pool starts again, both reload their teachers from it; shutdown removes it."""
     base = run_folder.base_folder()
     base.mkdir(mode=0o700, exist_ok=True)
     me = psutil.Process()
@@ -108,16 +72,42 @@ def test_a_start_removes_what_a_killed_run_left_and_nothing_in_use(ray_session):
     elsewhere = _left_by(base / names["elsewhere"], *_dead_process(), host="another-host.invalid")
     unmarked = base / names["unmarked"]
     unmarked.mkdir(mode=0o700)
-    pool = None
+    pool = folder = None
     try:
-        pool = TeacherPool.of_source(SOURCE, 1, "digits_cnn", TRAIN, num_actors=1, num_cpus_per_actor=0.25)
+        pool = TeacherPool.of_source(SOURCE, 2, "digits_cnn", TRAIN, num_actors=2, num_cpus_per_actor=0.25)
         assert not dead.exists()  # its process is gone: the private model went with the folder
         assert live.is_dir() and elsewhere.is_dir() and unmarked.is_dir()  # in use, not this host's, not ours
+
+        folder = Path(pool.checkpoint_dir)
+        pool.train(progress=False)
+        assert folder.parent == run_folder.base_folder() and _mode(folder.parent) == _mode(folder) == 0o700
+        assert sorted(p.name for p in folder.glob("*.pt")) == ["teacher-0.pt", "teacher-1.pt"]
+        assert len(list(folder.glob(".owner-*.json"))) == 2  # one marker per actor process
+        inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
+        before = pool.votes(inputs)
+
+        old_pid = _pid(pool._actors[0])
+        ray.kill(pool._actors[0], no_restart=False)  # Ray restarts it; it reloads its teacher from the folder
+        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the new process, then readiness
+        while not (_pid(pool._actors[0]) not in (None, old_pid) and pool.ready()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _pid(pool._actors[0]) not in (None, old_pid) and pool.ready()
+        np.testing.assert_array_equal(pool.votes(inputs), before)
+        assert len(list(folder.glob(".owner-*.json"))) == 2  # the dead process's marker went with it
+
+        gone = pool._actors[0]
+        ray.kill(gone, no_restart=True)  # as after its last restart: Ray will not bring it back
+        deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the replacement, then readiness
+        while not (pool.ready() and pool._actors[0] is not gone) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool._actors[0] is not gone and pool.ready()
+        np.testing.assert_array_equal(pool.votes(inputs), before)  # the same teachers, not retrained
     finally:
         if pool is not None:
             pool.shutdown()
-        for folder in (dead, live, elsewhere, unmarked):
-            shutil.rmtree(folder, ignore_errors=True)
+        for planted in (dead, live, elsewhere, unmarked):
+            shutil.rmtree(planted, ignore_errors=True)
+    assert not folder.exists()
 
 
 def test_a_folder_is_released_by_its_last_holder_and_a_reused_pid_is_not_its_process(tmp_path, monkeypatch):

@@ -159,7 +159,7 @@ def test_query_command_gives_the_class_names_of_the_config_the_server_runs(teach
     source = {"format": "npz", "path": str(tmp_path / "unused.npz"), "label": "y"}  # classes given: not read
     config = tmp_path / "served.yaml"
     config.write_text(json.dumps({"pipeline": "teacher_student", "classes": names, "public": source, "test": source,
-                                  "owners": [{"name": "clinic", "data": source}]}))
+                                  "owners": [{"name": "clinic", "data": source, "records": 100}]}))
     inputs = tmp_path / "inputs.npy"
     np.save(inputs, digits[1].x[:12])
     with serving(teachers, tmp_path) as address:

@@ -51,9 +51,8 @@ def test_a_batch_of_medoids_is_planned_as_one_release_with_its_exact_gaussian_cu
 
 def test_several_owners_vote_for_clusters_only_through_the_secure_sum():
     raw = load_yaml(HOSPITALS)
-    raw.pop("aggregation")
-    with pytest.raises(ValueError, match="clusters votes over 3 owners would show the aggregator each owner's vote "
-                                         "histogram: set aggregation: secure"):
+    raw["aggregation"] = "trusted-aggregator"
+    with pytest.raises(ValueError, match="owners vote behind their gateways, in secure rounds"):
         load_pipeline(raw)
 
 
@@ -92,7 +91,7 @@ def test_digits_vote_for_the_medoids_once_and_the_clusters_are_labelled(ray_sess
 
 
 @pytest.mark.slow
-def test_three_hospitals_vote_for_clusters_on_their_nodes(ray_session, run_config_opening, tmp_path, monkeypatch):
+def test_three_hospitals_vote_for_clusters_behind_their_gateways(ray_session, run_config_opening, tmp_path, monkeypatch):
     monkeypatch.setenv("CONCLAVE_HOME", str(tmp_path / "home"))
     opened = run_config_opening(HOSPITALS)
     raw = load_yaml(HOSPITALS)

@@ -86,7 +86,8 @@ def test_each_owner_pays_one_subsampled_skellam_charge_per_step(consortium, trai
         # The dominating Δ₁ = Δ₂ = 1 + 1/0.05 = 21 of every plan, at μ = (z·21)², q, one step each.
         one = subsampled_skellam_charge(Q, 21.0, 21.0, (Z * 21.0) ** 2, 1, orders=snapshot.orders)
         np.testing.assert_allclose(snapshot.by_label["dpsgd"].rdp, TRAINED * one.rdp, rtol=1e-9)
-        assert run.spend[owner].charges == snapshot.charges == consortium.gateway(owner).budget().charges
+        account = run.accounts()[owner]  # as its gateway reports it
+        assert account.charges == snapshot.charges and account.charges_before_run == before[owner]
 
 
 @pytest.fixture

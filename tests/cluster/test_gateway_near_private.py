@@ -88,7 +88,7 @@ def test_each_owner_pays_each_release_once_beside_its_steps(consortium, released
         assert snapshot.charges == released["before"][owner] + STEPS + 2
         for label, release in (("dp-pca", RELEASES.pca), ("noisy-counts", RELEASES.counts)):
             np.testing.assert_allclose(snapshot.by_label[label].rdp, release.charge().rdp, rtol=1e-9)
-        assert released["run"].spend[owner].charges == snapshot.charges
+        assert released["run"].accounts()[owner].charges == snapshot.charges
 
 
 @pytest.fixture

@@ -216,13 +216,9 @@ def test_a_party_outside_the_declared_peers_is_refused(attack, tmp_path):
         attack.votes("hospital_a", round_, [keys[0], keys[1], keys[1]])
 
 
-def test_a_round_past_the_lifetime_the_run_asked_is_refused_unreleased(attack):
-    # Last: admitting this run ends the one above at hospital_a.
+def test_a_run_whose_first_round_the_lifetime_it_asked_cannot_pay_is_refused_before_it_starts(attack):
+    # Last: a refused Admit ends the run above at hospital_a (it was admitted until the ledger was opened).
     stub = attack.stubs["hospital_a"]
-    stub.Admit(admit_request(attack, "capped", lifetime_epsilon=0.2), timeout=120)
-    [key] = [stub.Keys(owner_pb2.KeysRequest(run="capped", round=1, batch=BATCH), timeout=30)]
-    request = owner_pb2.VotesRequest(run="capped", round=1, inputs=float_tensor(attack.consortium.queries[:BATCH]),
-                                     parties=[key])
-    with refused(attack, Code.RESOURCE_EXHAUSTED, "hospital_a", "nothing was released"):
-        stub.Votes(request, timeout=30)
+    with refused(attack, Code.RESOURCE_EXHAUSTED, "hospital_a", "within ε 0.2", "nothing was admitted or charged"):
+        stub.Admit(admit_request(attack, "capped", lifetime_epsilon=0.2), timeout=120)
     assert not np.isnan(stub.Budget(owner_pb2.BudgetRequest(), timeout=30).epsilon_spent)

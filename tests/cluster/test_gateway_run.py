@@ -80,8 +80,8 @@ def test_dpsgd_active_learning_through_three_gateways_charges_each_owner_every_r
         assert ledger["charges"] == 32 and sorted(ledger["labels"]) == ["dp-pca", "dpsgd", "noisy-counts"], owner
         assert ledger["epsilon_spent"] == pytest.approx(guarantee["epsilon"], rel=1e-9), owner
         earlier = runs["clusters"]["owners"][owner]["charges"] + runs["teachers"]["owners"][owner]["charges"]
-        lifetime = privacy["dpsgd"]["owners_at_gateways"][owner]  # the owner's ledger after the run: all three runs
-        assert lifetime["charges"] == earlier + 32, owner
+        lifetime = privacy["owners"][owner]["spent"]  # the owner's ledger after the run: all three runs
+        assert lifetime["charges"] == earlier + 32 and lifetime["charges_before_run"] == earlier, owner
     metrics = json.loads((results / "metrics.json").read_text())
     assert [c["epoch"] for c in metrics["checkpoints"]] == [1, 2, 3]
     assert {row["strategy"] for row in metrics["results"]} == {"random", "near_private"}

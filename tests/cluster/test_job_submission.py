@@ -1,24 +1,28 @@
-"""Pipelines run as Ray jobs: a real head on 127.0.0.1 with its dashboard, the Jobs API,
-and the cluster launcher config that `ray up` reads.
+"""Pipelines run as Ray jobs, and drivers joining a head with --address: a real head on 127.0.0.1
+started as docs/cluster-and-tuning.md starts it, with its dashboard and the Jobs API; and the
+cluster launcher config that `ray up` reads.
 
 The head is a `ray start --head --block` child in its own process group, with its own temp
 dir and free ports, so it never touches the session's embedded Ray (`ray stop` would stop
-every Ray on the machine); stopping it means signalling the processes this test started.
+every Ray on the machine); stopping it means signalling the processes this module started.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
+
+from tests.ray_heads import running_head
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
@@ -31,40 +35,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class LocalHead:
-    """A Ray head on loopback, dashboard (Jobs API) included, owned by this test."""
+# what a shell that followed the docs has not set: the join must find them out itself
+UNSET = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
 
-    def __init__(self, temp_dir: str) -> None:
-        self.temp_dir = temp_dir
-        self.dashboard_address = ""
-        self._process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LocalHead":
-        dashboard_port = _free_port()
-        self.dashboard_address = f"http://127.0.0.1:{dashboard_port}"
-        bin_dir = str(Path(sys.executable).parent)
-        env = dict(
-            os.environ,
-            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every listener on 127.0.0.1 (STACK.md)
-            RAY_TMPDIR=self.temp_dir,
-            PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),  # jobs find this venv's python/conclave
-        )
-        env.pop("RAY_ADDRESS", None)
-        command = [
-            str(Path(bin_dir) / "ray"), "start", "--head", "--block",
-            "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-            # explicit free ports: the defaults could collide with another Ray on this machine
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}",
-            f"--temp-dir={self.temp_dir}", "--num-cpus=1", "--disable-usage-stats",
-        ]
-        log = open(Path(self.temp_dir) / "head.log", "w")
-        self._process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        return self
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    return {**env, **extra}
+
+
+@dataclass(frozen=True)
+class Head:
+    address: str  # the GCS, as --address takes it
+    dashboard: str  # the Jobs API
 
     def client(self):
         """A JobSubmissionClient, once the dashboard answers."""
@@ -72,33 +55,36 @@ class LocalHead:
 
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            assert self._process is not None and self._process.poll() is None, self._log_tail()
             try:
-                return JobSubmissionClient(self.dashboard_address)
+                return JobSubmissionClient(self.dashboard)
             except Exception as err:  # not up yet: connection refused or dashboard still starting
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"dashboard never came up ({err!r}):\n" + self._log_tail())
+                    raise AssertionError(f"dashboard never came up ({err!r})")
                 time.sleep(1)
 
-    def _log_tail(self) -> str:
-        return (Path(self.temp_dir) / "head.log").read_text()[-3000:]
 
-    def __exit__(self, *exc) -> None:
-        if self._process is None:
-            return
-        # SIGTERM makes `ray start --block` shut down the processes it started; whatever
-        # is left in its process group (which only this test created) is then killed.
-        self._process.send_signal(signal.SIGTERM)
-        try:
-            self._process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self._process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._process.wait(timeout=30)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    """A head started as docs/cluster-and-tuning.md starts it (loopback, dashboard for the Jobs
+    API), on free ports and a temp dir of its own, from a shell that set nothing else; this
+    module's tests join it and submit a job to it (one head for both: suite time)."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-jobtest-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port, dashboard_port = _free_port(), _free_port()
+    bin_dir = Path(sys.executable).parent
+    command = [
+        str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        # explicit free ports: the defaults could collide with another Ray on this machine
+        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--temp-dir={temp_dir}", "--num-cpus=1", "--disable-usage-stats",
+    ]
+    env = _clean_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every listener on 127.0.0.1 (STACK.md)
+                     RAY_TMPDIR=temp_dir,
+                     PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))  # jobs find this venv's conclave
+    with running_head(command, env, Path(temp_dir) / "head.log", Path(temp_dir)):
+        yield Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}")
 
 
 def _submit(client, entrypoint: str, working_dir: Path) -> str:
@@ -133,7 +119,7 @@ privacy: {budget: 2.0, delta: 1.0e-5}
 """
 
 
-def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(tmp_path, monkeypatch):
+def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(head, tmp_path, monkeypatch):
     from ray._raylet import Config
     from ray.job_submission import JobStatus
 
@@ -146,13 +132,11 @@ def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(tmp_
     working_dir.mkdir()
     (working_dir / "tiny.yaml").write_text(TINY_RUN)
     results = tmp_path / "results"
-    head_dir = tempfile.mkdtemp(prefix="ray-jobtest-", dir="/tmp")  # short: Ray's socket paths
-    with LocalHead(head_dir) as head:
-        client = head.client()
-        job_id = _submit(client, f"conclave run tiny.yaml --results-dir {results}", working_dir)
-        status = _wait(client, job_id)
-        logs = client.get_job_logs(job_id)
-        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    client = head.client()
+    job_id = _submit(client, f"conclave run tiny.yaml --results-dir {results}", working_dir)
+    status = _wait(client, job_id)
+    logs = client.get_job_logs(job_id)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
     assert "sparse_finetune run 'job-tiny' finished" in logs
     run = results / "job-tiny"
     config = json.loads((run / "config.json").read_text())
@@ -163,6 +147,22 @@ def test_conclave_run_submitted_as_a_job_to_a_local_head_leaves_its_results(tmp_
     # one DP fine-tuning at ε target 1.0, composed by the job's own ledger, under a budget of 2
     assert 0.5 < privacy["guarantee"]["epsilon"] <= 1.0 + 1e-6 and privacy["spent"]["charges"] == 1
     assert privacy["budget"]["epsilon"] == 2.0 and privacy["sound"]
+
+
+JOINING_DRIVER = """
+import sys, ray
+from conclave.cluster.ray_runtime import start_ray, stop_ray
+assert start_ray(sys.argv[1]) is False  # joined, not embedded
+print(ray.get(ray.put(41)) + 1, ray.nodes()[0]["NodeManagerAddress"])
+stop_ray()
+"""
+
+
+def test_the_docs_head_is_joined_from_a_shell_that_set_nothing(head, tmp_path):
+    result = subprocess.run([sys.executable, "-c", JOINING_DRIVER, head.address], cwd=PROJECT_ROOT,
+                            env=_clean_env(RAY_TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["42", "127.0.0.1"]
 
 
 def test_cluster_launcher_config_is_valid_for_ray_up():

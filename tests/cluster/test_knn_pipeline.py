@@ -78,6 +78,7 @@ class _TeacherVotes:
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, "disjoint shards"
     votes_per_query, batch_coupled, num_classes, local = None, False, 3, False
+    sample_rate = votes_per_record = None
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         return np.zeros((len(inputs), 3), dtype=np.int64)
@@ -133,7 +134,7 @@ def test_digits_knn_runs_end_to_end_within_its_declared_budget_then_a_round_on_i
     assert second_privacy["guarantee"]["epsilon"] > max(4.0, second_privacy["rounds"]["this_run"]["epsilon"]) - 1e-9
 
 
-def test_three_owners_vote_by_knn_on_their_nodes_and_meet_only_in_the_secure_sum(ray_session, run_config_opening,
+def test_three_owners_vote_by_knn_behind_their_gateways_and_meet_only_in_the_secure_sum(ray_session, run_config_opening,
                                                                                  tmp_path):
     opened = run_config_opening(HOSPITALS_KNN)
     raw = load_yaml(HOSPITALS_KNN)
@@ -148,10 +149,12 @@ def test_three_owners_vote_by_knn_on_their_nodes_and_meet_only_in_the_secure_sum
     assert metrics["queries_answered"] > 0
 
 
-def test_several_owners_never_merge_clean_distances(tmp_path):
-    """kNN (or public-cluster) votes of several owners without the secure sum are refused in one line."""
+def test_owners_never_merge_clean_distances(tmp_path):
+    """Owners' votes (kNN, public clusters, teachers) meet only in the secure sum: left out, it is the
+    aggregation; a trusted aggregator is refused in one line."""
     raw = load_yaml(HOSPITALS_KNN)
     raw.pop("aggregation")
-    with pytest.raises(ValueError, match="knn votes over 3 owners would show the aggregator their neighbours' "
-                                         "distances: set aggregation: secure"):
+    assert load_pipeline(raw).config.secure
+    raw["aggregation"] = "trusted-aggregator"
+    with pytest.raises(ValueError, match="owners vote behind their gateways, in secure rounds"):
         load_pipeline(raw)

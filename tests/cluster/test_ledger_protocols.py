@@ -1,15 +1,12 @@
 """Every ledger-like type is the protocol it is used as: NearPrivate's two ledgers as one are a
-``ChargeGate``, the owners' ledgers of a run are ``LifetimeLedgers``, each member with the
-protocol's arguments."""
+``ChargeGate``, each member with the protocol's arguments."""
 from __future__ import annotations
 
 import inspect
 
-from conclave.actors.owner_ledger import OwnerLedgers
 from conclave.cluster.active_learning import BothLedgers
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import ChargeGate, PrivacyLedger
-from conclave.privacy.accounting.run_ledger import LifetimeLedgers
 
 
 def has_members_of(value: object, protocol: type) -> bool:
@@ -31,7 +28,3 @@ def test_near_privates_two_ledgers_are_a_charge_gate(tmp_path):
     finally:
         run.close()
         model.close()
-
-
-def test_the_owners_ledgers_of_a_run_are_lifetime_ledgers():
-    assert has_members_of(OwnerLedgers({}, {}), LifetimeLedgers)

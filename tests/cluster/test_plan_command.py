@@ -126,7 +126,7 @@ def test_the_runs_an_owners_lifetime_budget_pays_for_are_what_its_real_ledger_ad
         runs += 1
     ledger.close()
     owners = {o["name"]: o for o in plan["counts"]["owners"]}
-    assert owners["hospital_a"]["lifetime"] == 20.0 and owners["hospital_a"]["runs_per_lifetime"] == runs == 13
+    assert owners["hospital_a"]["lifetime"] == 20.0 and owners["hospital_a"]["runs_per_lifetime"] == runs == 12
 
 
 def test_epochs_that_fit_the_budget_match_the_ledger(tmp_path):
@@ -160,7 +160,7 @@ def _hospitals_with(mechanism: dict) -> dict:
 def test_a_threshold_above_the_teachers_is_warned(tmp_path):
     # Above the 30 teachers (the issue: the old default threshold 30 on 20–30 teachers abstained).
     plan = _plan(_hospitals_with({"name": "confident-gnmax",
-                                  "params": {"threshold": 40.0, "sigma1": 20.0, "sigma2": 12.0}}), tmp_path)
+                                  "params": {"threshold": 40.0, "sigma1": 12.0, "sigma2": 12.0}}), tmp_path)
     (warning,) = [w for w in plan["warnings"] if "threshold" in w]
     assert "133% of the 30 teachers" in warning and "abstain" in warning
     noisy = _plan(_hospitals_with({"name": "gnmax", "params": {"sigma": 45.0}}), tmp_path)
@@ -168,7 +168,7 @@ def test_a_threshold_above_the_teachers_is_warned(tmp_path):
 
 
 def test_defaults_are_derived_from_the_declared_counts(tmp_path):
-    raw = _hospitals_with({"name": "confident-gnmax", "params": {"sigma1": 12.0, "sigma2": 8.0}})
+    raw = _hospitals_with({"name": "confident-gnmax", "params": {"sigma1": 12.0, "sigma2": 12.0}})  # one σ: gateways
     config = load_pipeline(raw).config
     # The owners' 10 teachers each, not the benchmark default of 50; the threshold 0.6 × 30.
     resolved = dataclasses.asdict(config)

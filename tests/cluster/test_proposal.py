@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conclave.cluster import cli
-from conclave.cluster.config import load_yaml
+from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import load_pipeline
 from conclave.cluster.proposal import (
     CHOICES, DPSGD, DPSGD_RECORDS_PER_PARAMETER, LOCALITY, SOURCES, VOTE_MARGIN, ProposalError, PublicFigures, choose,
@@ -172,7 +172,7 @@ def test_smallest_sigma_is_the_least_noise_that_fits(tiny, proposals):
 
 def test_only_public_figures_and_a_budget_make_a_proposal(tiny, tmp_path):
     undeclared = {**tiny, "owners": [{k: v for k, v in o.items() if k != "records"} for o in tiny["owners"]]}
-    with pytest.raises(ProposalError, match="declare no records"):
+    with pytest.raises(ConfigError, match="owner o0: declare its records"):  # the config itself refuses it
         propose(undeclared)
     with pytest.raises(ProposalError, match="privacy.budget"):
         propose({**tiny, "privacy": {"budget": None}})
@@ -218,11 +218,11 @@ def test_an_active_learning_config_gets_a_proposal_too(tiny):
     assert load_config(proposed_config(active, clusters.sections)).clusters is not None
 
 
-def test_one_owner_keeps_its_aggregation_and_its_noise_is_sigma(tmp_path):
+def test_one_owner_votes_through_its_gateway_and_its_noise_is_sigma(tmp_path):
     raw = tiny_table(tmp_path, owners=1, records=150)
     proposal = propose(raw, "clusters")
-    assert "aggregation" not in proposal.sections and proposal.figures.noise_factor == 1.0
-    assert not load_config(proposed_config(raw, proposal.sections)).secure
+    assert proposal.figures.noise_factor == 1.0  # one party's share carries all the noise
+    assert load_config(proposed_config(raw, proposal.sections)).secure
     assert "on the owner's records" in propose(raw).rule
 
 

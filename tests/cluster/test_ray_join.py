@@ -1,10 +1,8 @@
-"""Joining a head with --address (cluster/ray_runtime.py): the docs' local head is joined as it
-was started, an address nobody answers at fails in one line within a minute, and the embedded
-start waits longer than Ray's fixed 30 s for its node, saying how long it has waited.
-
-The head is a `ray start --head --block` child in its own process group, with its own temp dir
-and free ports; stopping it signals only the processes this test started (`ray stop` would stop
-every Ray on the machine).
+"""Joining a head with --address (cluster/ray_runtime.py): an address nobody answers at fails in
+one line within a minute, a join waits 30 s unless told otherwise, and the embedded start waits
+longer than Ray's fixed 30 s for its node, saying how long it has waited. Joining the docs' local
+head from a shell that set nothing is checked in test_job_submission.py, on the head its job runs
+on (one head for both).
 """
 from __future__ import annotations
 
@@ -13,15 +11,12 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conclave.cluster import ray_runtime
-from tests.ray_heads import running_head
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # what a shell that followed the docs has not set: the join must find them out itself
@@ -37,42 +32,6 @@ def _free_port() -> int:
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     return {**env, **extra}
-
-
-@pytest.fixture
-def docs_head() -> Iterator[str]:
-    """A head started as docs/cluster-and-tuning.md starts it (loopback, its own ports and temp
-    dir; no dashboard, which joining does not need); yields its address."""
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = _free_port()
-    bin_dir = Path(sys.executable).parent
-    command = [
-        str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-        "--include-dashboard=false", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-        f"--temp-dir={temp_dir}", "--num-cpus=1", "--disable-usage-stats",
-    ]
-    env = _clean_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=temp_dir,
-                     PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
-    with running_head(command, env, Path(temp_dir) / "head.log", Path(temp_dir)):
-        yield f"127.0.0.1:{port}"
-
-
-JOINING_DRIVER = """
-import sys, ray
-from conclave.cluster.ray_runtime import start_ray, stop_ray
-assert start_ray(sys.argv[1]) is False  # joined, not embedded
-print(ray.get(ray.put(41)) + 1, ray.nodes()[0]["NodeManagerAddress"])
-stop_ray()
-"""
-
-
-def test_the_docs_head_is_joined_from_a_shell_that_set_nothing(docs_head, tmp_path):
-    result = subprocess.run([sys.executable, "-c", JOINING_DRIVER, docs_head], cwd=PROJECT_ROOT,
-                            env=_clean_env(RAY_TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["42", "127.0.0.1"]
 
 
 def test_an_address_nobody_answers_at_fails_in_one_line_within_a_minute(tmp_path):

@@ -136,12 +136,16 @@ def test_rerunning_past_the_budget_is_one_line_and_keeps_the_first_run(ray_sessi
     assert json.loads((folder / "privacy.json").read_text())["spent"]["charges"] >= 1
 
 
-def test_a_damaged_durable_ledger_is_refused_in_one_line_before_ray_starts(tmp_path, capsys):
+def test_a_damaged_durable_ledger_is_refused_in_one_line_before_ray_starts(tmp_path, capsys, monkeypatch):
     """The durable ledger a run would charge, one stored charge edited: exit 2, one line, no Ray."""
     import sqlite3
-    import subprocess
-    import sys
 
+    import conclave.cluster.ray_runtime as ray_runtime
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a run on a damaged ledger")
+
+    monkeypatch.setattr(ray_runtime, "start_ray", no_ray)
     raw = yaml.safe_load((CONFIGS / "digits-active.yaml").read_text())
     path = tmp_path / "digits-active.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -153,18 +157,10 @@ def test_a_damaged_durable_ledger_is_refused_in_one_line_before_ray_starts(tmp_p
     with sqlite3.connect(ledger_file) as db:  # 8 bytes of the stored curve set to zero
         (curve,) = db.execute("SELECT rdp FROM charges WHERE id = 1").fetchone()
         db.execute("UPDATE charges SET rdp = ? WHERE id = 1", (bytes(8) + curve[8:],))
-    code = f"""
-import sys
-from conclave.cluster.cli import main
-code = main(["run", {str(path)!r}, "--results-dir", {str(tmp_path / "results")!r}])
-print("ray" in sys.modules and sys.modules["ray"].is_initialized(), file=sys.stderr)
-sys.exit(code)
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and lines[-1] == "False", result.stderr  # Ray never started
+    code = main(["run", str(path), "--results-dir", str(tmp_path / "results")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("conclave: run 'digits-active' refused: ledger ") and "is damaged" in lines[0]
-    assert len(lines) == 2
 
 
 def test_serve_on_a_port_another_server_holds_or_a_ledger_another_serve_holds_fails_before_ray(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Tables by column name in a run: the public pool's columns are the schema, and the test table
-and every owner's file are read by those names on their own nodes; image folders need no label.
+and every owner's file are read by those names behind its gateway; image folders need no label.
 The hospitals example (configs/hospitals.yaml) with hospital_b's columns shuffled is the
-end-to-end case: its teachers vote exactly as the unshuffled ones do."""
+end-to-end case: its records are read exactly as the unshuffled ones are, and the run scores as
+the example does."""
 from __future__ import annotations
 
 import dataclasses
@@ -93,7 +94,7 @@ def test_an_image_folder_test_split_needs_no_label_and_owners_are_read_at_the_po
             Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(tmp_path / folder / f"{i}.png")
     raw = {"pipeline": "teacher_student", "name": "images",
            "owners": [{"name": "clinic", "data": {"format": "images", "path": str(tmp_path / "owner")},
-                       "teachers": 2}],
+                       "teachers": 2, "records": 6}],
            "public": {"format": "images", "path": str(tmp_path / "pool")},
            "test": {"format": "images", "path": str(tmp_path / "test")},
            "student": {"queries": 3, "batch_size": 3, "checkpoints": []}}
@@ -131,7 +132,7 @@ def test_an_owner_missing_a_column_is_one_line_naming_the_owner_and_the_column(r
     monkeypatch.chdir(PROJECT_ROOT)
     assert cli.main(["run", config_file(tmp_path, lacking), "--results-dir", str(tmp_path / "results")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"conclave: owner hospital_b: {lacking}: no column(s) ['worst_area']; "
+    assert err == (f"conclave: run 'hospitals' refused: owner hospital_b: {lacking}: no column(s) ['worst_area']; "
                    "not among the table's 31 columns")
 
 
@@ -139,25 +140,23 @@ def test_an_owner_missing_a_column_is_one_line_naming_the_owner_and_the_column(r
 def test_an_owner_with_its_columns_shuffled_teaches_as_it_would_unshuffled(ray_session, tmp_path, capsys,
                                                                            monkeypatch):
     """Before tables were read by name, hospital_b's teachers trained silently on scrambled
-    features. Now its actors load the same records: the ensemble's votes on the public pool
-    are identical (training is seeded; the DP noise, from OS entropy, comes only after), and a
-    whole run with the shuffled file scores as the example does."""
+    features. Now its gateway's actors load the same records, shard for shard (``OwnerSource``, as
+    the gateway reads the owner's file by the pool's columns), and a whole run with the shuffled
+    file scores as the example does."""
+    from conclave.actors.owners import OwnerSource
     from conclave.cluster import cli
-    from conclave.cluster.teaching.ensemble import public_data, teacher_pool
+    from conclave.cluster.teaching.ensemble import public_data
 
     monkeypatch.chdir(PROJECT_ROOT)
-    votes = {}
+    shards = {}
     for name, change in (("plain", lambda t: t), ("shuffled", shuffled)):
         config = load_pipeline(load_yaml(config_file(tmp_path, hospital_b_as(tmp_path, name, change)))).config
         public = public_data(config)
-        pool = teacher_pool(config, public)
-        try:
-            pool.train(progress=False)
-            votes[name] = pool.votes(public.splits.public.x)
-        finally:
-            pool.shutdown()
-    np.testing.assert_array_equal(votes["shuffled"], votes["plain"])
-    assert (votes["plain"].max(axis=1) >= 20).mean() > 0.8  # 30 teachers that mostly agree: real features
+        owner = config.owners[1]
+        shards[name] = OwnerSource(owner.name, owner.data.read_as(public.reading), 10, public.classes).load(range(10))
+    for plain, mixed in zip(shards["plain"], shards["shuffled"]):
+        np.testing.assert_array_equal(mixed.x, plain.x)
+        np.testing.assert_array_equal(mixed.y, plain.y)
 
     path = config_file(tmp_path, hospital_b_as(tmp_path, "run", shuffled))
     assert cli.main(["run", path, "--results-dir", str(tmp_path / "results")]) == 0, capsys.readouterr().err

@@ -41,15 +41,21 @@ TINY = {
 }
 
 
-def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
+def test_cli_run_end_to_end_on_digits_logged_to_mlflow(ray_session, tmp_path, capsys, monkeypatch):
+    """One run, checked for its results and for what ``--mlflow`` logged of them (one run for
+    both: suite time)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)  # MLflow's own default place for artefacts would be ./mlruns
     config_file = tmp_path / "tiny.yaml"
     config_file.write_text(yaml.safe_dump(TINY))
-    assert cli_main(["run", str(config_file), "--results-dir", str(tmp_path / "results")]) == 0
+    results = tmp_path / "results"
+    assert cli_main(["run", str(config_file), "--results-dir", str(results), "--mlflow"]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "student_accuracy" in printed and "queries_answered" in printed and "guarantee ε =" in printed
+    assert "mlflow: run " in printed
     assert "smooth-sensitivity estimate ε =" in printed and "(not a DP guarantee)" in printed
 
-    run_dir = tmp_path / "results" / "tiny"
+    run_dir = results / "tiny"
     for name in ("config.json", "metrics.json", "privacy.json", "student_accuracy.png", "epsilon_spent.png"):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -86,6 +92,38 @@ def test_cli_run_end_to_end_on_digits(ray_session, tmp_path, capsys):
     assert "smooth_sensitivity" not in estimate and "noise_std" not in estimate
     # Nothing computed from the private votes or the teachers' training leaves.
     assert "clean_vote_accuracy" not in metrics and "mean_last_epoch_loss" not in metrics["teachers"]
+
+    # What --mlflow logged, read back with MLflow's own client on the default store (SQLite beside
+    # the runs), as docs/cluster-and-tuning.md reads it: no switch to set.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    logged = run.data.metrics
+    assert logged["student_accuracy"] == pytest.approx(metrics["student_accuracy"])
+    assert logged["queries_answered"] == metrics["queries_answered"]
+    assert logged["guarantee.epsilon"] == pytest.approx(privacy["guarantee"]["epsilon"])
+    assert logged["guarantee.delta"] == pytest.approx(1e-5)
+    assert run.data.tags["guarantee.basis"] == privacy["guarantee"]["basis"]
+    assert run.data.tags["guarantee.sound"] == "true"
+    # a list of metrics.json is a series: the student's accuracy at each checkpoint
+    history = client.get_metric_history(run.info.run_id, "curve.accuracy")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
+        [p["accuracy"] for p in metrics["curve"]])
+    # params: the resolved config, flattened
+    assert run.data.params["teachers.count"] == "10" and run.data.params["pipeline"] == "teacher_student"
+    assert run.data.params["privacy.budget"] == "1000.0"
+    # metrics come from metrics.json (and the guarantee) only: nothing else is logged as a number
+    assert {k.split(".")[0] for k in logged} <= set(metrics) | {"guarantee"}
+    artefacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.json", "metrics.json", "privacy.json", "student_accuracy.png"} <= artefacts
+    assert not any(a.startswith("ledger") for a in artefacts)
+    assert run.info.status == "FINISHED" and run.info.start_time == run.info.end_time  # no run time
+    assert {m.timestamp for k in logged for m in client.get_metric_history(run.info.run_id, k)} == {
+        run.info.start_time}
+    assert (results / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    # the params the run read: no owners' sections in a benchmark-data run
+    assert not {"owners", "public", "test", "classes"} & set(run.data.params)
 
 
 def test_teachers_and_student_learn_on_scattering_features_of_images(ray_session, tmp_path):

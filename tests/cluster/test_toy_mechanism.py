@@ -5,11 +5,8 @@ budget note read from its class alone."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +19,6 @@ from conclave.cluster.client import AggregatorClient
 from conclave.learning.data import load_dataset
 from conclave.privacy.accounting.ledger import read_history
 from conclave.privacy.mechanisms import MECHANISMS, register
-from tests.terminal import foreground
 from tests.toy_mechanism import ToyMax
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +33,6 @@ TOY = {
     "student": {"queries": 40, "batch_size": 40, "model": "digits_cnn",
                 "train": {"epochs": 1, "batch_size": 32, "lr": 0.003}},
 }
-# ``conclave serve`` in a process of its own, which registers the toy first: the one line.
-SERVE = ("import sys; from conclave.privacy.mechanisms import register; from tests.toy_mechanism import ToyMax; "
-         "register(ToyMax); from conclave.cluster.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 @pytest.fixture
@@ -90,20 +83,27 @@ def test_run_answers_with_the_toy_and_charges_what_it_describes(ray_session, toy
     assert asked == TOY["student"]["queries"]  # every asked query paid, answered or not
 
 
-def test_serve_labels_over_grpc_with_the_toy(toy, tmp_path):
-    serve = foreground(
-        [sys.executable, "-c", SERVE, "serve", str(toy), "--ledger", str(tmp_path / "serve.sqlite"), "--port", "0"],
-        cwd=ROOT, env={**os.environ, "CONCLAVE_TOKEN": "t"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    printed = []
+def test_serve_labels_over_grpc_with_the_toy(toy, ray_session, tmp_path, monkeypatch, capsys):
+    """``conclave serve`` in this process (where the toy is registered), on the session's Ray, and a
+    real client over gRPC on 127.0.0.1."""
+    from conclave.cluster import serve_command
+    from conclave.cluster.cli import build_parser
+
+    monkeypatch.setenv("CONCLAVE_TOKEN", "t")
+    args = build_parser("serve").parse_args(["serve", str(toy), "--ledger", str(tmp_path / "serve.sqlite"),
+                                             "--port", "0"])
+    stop, status = threading.Event(), []
+    serving = threading.Thread(target=lambda: status.append(serve_command.main(args, stop)), daemon=True)
+    serving.start()
+    printed, deadline = "", time.monotonic() + 600
     try:
-        deadline = time.monotonic() + 600
-        for line in serve.stdout:
-            printed.append(line)
-            if line.startswith("press Ctrl-C") or time.monotonic() > deadline:
-                break
-        address = re.search(r"aggregator serving on (\S+)", "".join(printed))
-        assert address, "".join(printed)
+        while "press Ctrl-C" not in printed:
+            captured = capsys.readouterr()
+            printed += captured.out
+            assert serving.is_alive() and time.monotonic() < deadline, printed + captured.err
+            time.sleep(0.05)
+        address = re.search(r"aggregator serving on (\S+)", printed)
+        assert address, printed
         test = load_dataset("digits")[1]
         with AggregatorClient(address.group(1), token="t") as client:
             label = client.label(test.x[:1].astype(np.float32))
@@ -111,12 +111,9 @@ def test_serve_labels_over_grpc_with_the_toy(toy, tmp_path):
         assert label.shape == (1,) and -1 <= label[0] < 10
         assert budget["mechanism"] == "toy-max"
         assert budget["queries_answered"] + budget["queries_abstained"] == 1
-        os.killpg(serve.pid, signal.SIGINT)
-        rest, _ = serve.communicate(timeout=120)
     finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait()
-    output = "".join(printed) + rest
-    assert serve.returncode == 0 and "stopped; realised spend" in output, output
+        stop.set()
+        serving.join(120)
+    printed += capsys.readouterr().out
+    assert status == [0] and "stopped; realised spend" in printed, printed
     assert [entry.label for entry in read_history(tmp_path / "serve.sqlite")] == ["toy-max"]

@@ -1,14 +1,13 @@
-"""`conclave run --mlflow`: a real small run logged to a real MLflow store (the default SQLite one),
-read back with MLflow's own client as the docs say — its metrics, its guarantee and its published
-files, nothing else, and no time but the run's start."""
+"""`conclave run --mlflow`: what an owners' run logs, the tracking section and the flag, and each
+way tracking fails before a run. A real small run logged to the default SQLite store and read
+back with MLflow's own client is checked with the main job's end-to-end run
+(test_teacher_student_pipeline.py: one run for both)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from conclave.cluster.cli import main as cli_main
@@ -33,47 +32,6 @@ def _client(results: Path):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-
-
-def test_a_run_with_mlflow_logs_its_metrics_guarantee_and_files(ray_session, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    monkeypatch.chdir(tmp_path)  # MLflow's own default place for artefacts would be ./mlruns
-    config_file = tmp_path / "tracked.yaml"
-    config_file.write_text(yaml.safe_dump(TINY))
-    results = tmp_path / "results"
-    assert cli_main(["run", str(config_file), "--results-dir", str(results), "--mlflow"]) == 0, capsys.readouterr().err
-    assert "mlflow: run " in capsys.readouterr().out
-    metrics = json.loads((results / "tracked" / "metrics.json").read_text())
-    privacy = json.loads((results / "tracked" / "privacy.json").read_text())
-
-    client = _client(results)  # the default store: SQLite beside the runs
-    experiment = client.get_experiment_by_name("tracked")
-    (run,) = client.search_runs([experiment.experiment_id])
-    logged = run.data.metrics
-    assert logged["student_accuracy"] == pytest.approx(metrics["student_accuracy"])
-    assert logged["queries_answered"] == metrics["queries_answered"]
-    assert logged["guarantee.epsilon"] == pytest.approx(privacy["guarantee"]["epsilon"])
-    assert logged["guarantee.delta"] == pytest.approx(1e-5)
-    assert run.data.tags["guarantee.basis"] == privacy["guarantee"]["basis"]
-    assert run.data.tags["guarantee.sound"] == "true"
-    # a list of metrics.json is a series: the student's accuracy at each checkpoint
-    history = client.get_metric_history(run.info.run_id, "curve.accuracy")
-    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
-        [p["accuracy"] for p in metrics["curve"]])
-    # params: the resolved config, flattened
-    assert run.data.params["teachers.count"] == "10" and run.data.params["pipeline"] == "teacher_student"
-    assert run.data.params["privacy.budget"] == "1000.0"
-    # metrics come from metrics.json (and the guarantee) only: nothing else is logged as a number
-    assert {k.split(".")[0] for k in logged} <= set(metrics) | {"guarantee"}
-    artefacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.json", "metrics.json", "privacy.json", "student_accuracy.png"} <= artefacts
-    assert not any(a.startswith("ledger") for a in artefacts)
-    assert run.info.status == "FINISHED" and run.info.start_time == run.info.end_time  # no run time
-    assert {m.timestamp for k in logged for m in client.get_metric_history(run.info.run_id, k)} == {
-        run.info.start_time}
-    assert (results / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
-    # the params the run read: no owners' sections in a benchmark-data run
-    assert not {"owners", "public", "test", "classes"} & set(run.data.params)
 
 
 def test_an_owners_run_logs_each_owners_lifetime_spend_and_no_data_keys_it_did_not_read(tmp_path):

@@ -29,10 +29,15 @@ import os
 with open({log!r}, "a") as log:
     log.write(f"{{os.getpid()}} {{__file__}}\\n")
 '''
-# Its models: the shared factories, and one with logits but neither .features nor .classifier.
+# Its models: the shared factories, one with logits but neither .features nor .classifier, and one
+# with a logit too many.
 MODELS = FACTORIES + '''
 def bare(num_classes, in_channels, input_size):  # logits, but neither .features nor .classifier
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * input_size * input_size, num_classes))
+
+
+def one_too_many(num_classes, in_channels, input_size):
+    return Pictures(in_channels, input_size, num_classes + 1)
 '''
 
 
@@ -47,13 +52,24 @@ def write_package(folder: Path) -> str:
     return name
 
 
-def hospitals(model: str) -> dict:
-    """configs/hospitals.yaml with absolute paths, ``model`` for teachers and student, and few epochs and queries."""
+def teachers_digits(model: str) -> dict:
+    """Two teachers on scikit-learn's digits, ``model`` for them and the student, few epochs and queries
+    (owners' teachers train behind their gateways, which run registered models only)."""
+    train = {"epochs": 2, "batch_size": 32, "lr": 0.003}
+    return {"pipeline": "teacher_student", "name": "teachers", "data": {"name": "digits", "public_size": 100},
+            "teachers": {"count": 2, "model": model, "train": train},
+            "mechanism": {"name": "gnmax", "params": {"sigma": 2.0}}, "privacy": {"budget": 1000.0, "delta": 1e-5},
+            "student": {"queries": 10, "batch_size": 10, "checkpoints": [], "model": model, "train": train,
+                        "semi_supervised": None, "label_propagation": None}}
+
+
+def hospitals_with(model: str) -> dict:
+    """configs/hospitals.yaml with absolute paths and ``model`` for its teachers: owners' teachers train
+    behind their gateways, which refuse it."""
     raw = load_yaml(PROJECT_ROOT / "configs" / "hospitals.yaml")
     for section in [owner["data"] for owner in raw["owners"]] + [raw["public"], raw["test"]]:
         section["path"] = str(PROJECT_ROOT / section["path"])
-    raw["teachers"].update(model=model, train={"epochs": 5, "batch_size": 8, "lr": 0.05})
-    raw["student"].update(model=model, queries=10, checkpoints=[], train={"epochs": 5, "batch_size": 8, "lr": 0.05})
+    raw["teachers"]["model"] = model
     return raw
 
 
@@ -106,11 +122,10 @@ def test_a_users_package_joins_py_modules_beside_what_the_user_gave(tmp_path, mo
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["teacher_student", "active_learning", "sparse_finetune"])
 def test_a_users_model_by_import_path_runs_in_every_pipeline_from_the_working_directory(tmp_path, ray_dir, pipeline):
-    """``model: clinic.models:table`` (rows, taking only num_classes and input_shape) or
-    ``clinic.models:image`` (with .features and .classifier): ``conclave run`` finds the
+    """``model: clinic.models:image`` (with .features and .classifier): ``conclave run`` finds the
     package in its working directory and ships it to the workers; nothing else is set up."""
     package = write_package(tmp_path)
-    raw = {"teacher_student": lambda: hospitals(f"{package}.models:table"),
+    raw = {"teacher_student": lambda: teachers_digits(f"{package}.models:image"),
            "active_learning": lambda: active_digits(f"{package}.models:image"),
            "sparse_finetune": lambda: sparse_digits(f"{package}.models:image")}[pipeline]()
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
@@ -120,7 +135,7 @@ def test_a_users_model_by_import_path_runs_in_every_pipeline_from_the_working_di
     metrics = json.loads((folder / "metrics.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     if pipeline == "teacher_student":
-        assert config["teachers"]["model"] == config["student"]["model"] == f"{package}.models:table"
+        assert config["teachers"]["model"] == config["student"]["model"] == f"{package}.models:image"
         assert metrics["queries_answered"] > 0
     elif pipeline == "active_learning":
         assert config["model"] == f"{package}.models:image" and len(metrics["results"]) == 2
@@ -151,15 +166,15 @@ def _bad(tmp_path: Path, package: str, case: str) -> tuple[list[str], dict, str]
     """(command, config, the one line expected after 'conclave: ') of a bad factory ``case``."""
     p = package
     cases = {
-        "arguments": (["run"], hospitals(f"{p}.models:needs_hidden"),
+        "arguments": (["run"], teachers_digits(f"{p}.models:needs_hidden"),
                       f"teachers.model: model '{p}.models:needs_hidden' cannot be called as the contract calls it "
                       "(missing a required argument: 'hidden'): the contract passes num_classes and any of "
-                      "in_channels, input_size, input_shape, standardiser the factory declares (here: num_classes=2, "
-                      "input_shape=(30,)); the factory declares num_classes, input_shape, hidden"),
-        "output": (["run"], hospitals(f"{p}.models:wrong_shape"),
-                   f"teachers.model: model '{p}.models:wrong_shape' maps a batch of shape [2, 30] to [2, 3]; the "
-                   "contract wants logits [batch, num_classes] = [2, 2]"),
-        "import": (["run"], hospitals(f"{p}.broken:build"),
+                      "in_channels, input_size, input_shape, standardiser the factory declares (here: num_classes=10, "
+                      "input_shape=(1, 8, 8)); the factory declares num_classes, input_shape, hidden"),
+        "output": (["run"], teachers_digits(f"{p}.models:one_too_many"),
+                   f"teachers.model: model '{p}.models:one_too_many' maps a batch of shape [2, 1, 8, 8] to [2, 11]; "
+                   "the contract wants logits [batch, num_classes] = [2, 10]"),
+        "import": (["run"], teachers_digits(f"{p}.broken:build"),
                    f"teachers.model: model '{p}.broken:build' cannot be imported here: module '{p}.broken': "
                    "ModuleNotFoundError: No module named 'not_an_installed_dependency' (modules are found from the "
                    "working directory and the installed packages)"),
@@ -169,14 +184,17 @@ def _bad(tmp_path: Path, package: str, case: str) -> tuple[list[str], dict, str]
         "classifier": (["run"], sparse_digits(f"{p}.models:bare"),
                        f"model.name: model '{p}.models:bare' has no .classifier (the last nn.Linear), which sparse "
                        "fine-tuning replaces for the private task"),
-        "serve": (["serve"], hospitals(f"{p}.models:wrong_shape"),
-                  f"teachers.model: model '{p}.models:wrong_shape' maps a batch of shape [2, 30] to [2, 3]; the "
-                  "contract wants logits [batch, num_classes] = [2, 2]"),
+        "serve": (["serve"], teachers_digits(f"{p}.models:one_too_many"),
+                  f"teachers.model: model '{p}.models:one_too_many' maps a batch of shape [2, 1, 8, 8] to [2, 11]; "
+                  "the contract wants logits [batch, num_classes] = [2, 10]"),
+        "owners": (["run"], hospitals_with(f"{p}.models:table"),
+                   f"teachers.model '{p}.models:table': owners' teachers train behind their gateways, which train a "
+                   "registered model (a gateway runs no code a config names)"),
     }
     return cases[case]
 
 
-@pytest.mark.parametrize("case", ["arguments", "output", "import", "features", "classifier", "serve"])
+@pytest.mark.parametrize("case", ["arguments", "output", "import", "features", "classifier", "serve", "owners"])
 def test_a_bad_factory_is_one_line_and_exit_2_before_ray_starts(tmp_path, monkeypatch, capsys, case):
     import ray
 
@@ -213,12 +231,12 @@ def test_the_console_script_stops_a_bad_factory_before_any_ray_process(tmp_path,
     """The real command from the user's folder: one line, exit 2, and Ray never started (its
     temporary folder stays empty)."""
     package = write_package(tmp_path)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(hospitals(f"{package}.models:wrong_shape")))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(teachers_digits(f"{package}.models:one_too_many")))
     started = time.perf_counter()
     run = conclave(["run", "config.yaml", "--results-dir", "out"], tmp_path, ray_dir, timeout=300)
     elapsed = time.perf_counter() - started
     assert run.returncode == 2, run.stderr[-3000:]
-    assert run.stderr == (f"conclave: teachers.model: model '{package}.models:wrong_shape' maps a batch of shape "
-                          "[2, 30] to [2, 3]; the contract wants logits [batch, num_classes] = [2, 2]\n")
+    assert run.stderr == (f"conclave: teachers.model: model '{package}.models:one_too_many' maps a batch of shape "
+                          "[2, 1, 8, 8] to [2, 11]; the contract wants logits [batch, num_classes] = [2, 10]\n")
     assert os.listdir(ray_dir) == [] and not (tmp_path / "out").exists()
     assert elapsed < 120  # imports only (a few seconds on an idle machine): no Ray start, no training

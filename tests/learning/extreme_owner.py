@@ -39,7 +39,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
     # Every record in every batch (q = 1), so that each step holds the extreme one.
     config = DPSGDConfig(epochs=2, batch_size=25, lr=0.5, noise_multiplier=1.0, grad_sample_mode="hooks")
     result = train_dp(model, owner_data(rank), config, SECURE.source(f"dpsgd-{rank}"), num_examples=25,
-                      secure_group=SecureGroup(("a", "b"), keys, tuple(public)), records_held=20 if rank == 0 else 5)
+                      secure_group=SecureGroup(("a", "b"), keys, tuple(public)))
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
     np.savez(f"{out}/rank{rank}.npz", weights=weights, epsilon=result.epsilon, steps=result.steps)
     dist.destroy_process_group()

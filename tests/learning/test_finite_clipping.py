@@ -140,16 +140,15 @@ def test_dpsgd_with_one_extreme_record_publishes_the_same_guarantee_and_a_finite
 def test_secure_dpsgd_with_one_extreme_record_ends_with_the_same_finite_model_on_every_rank(tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
-
     from conclave.learning.dp_schedule import dp_schedule
     from conclave.privacy.accounting.rdp import epsilon_from_rdp
     from tests.learning.extreme_owner import run_rank
+    from tests.learning.ranks import run_ranks
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.start_processes(run_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    run_ranks(run_rank, (port, str(tmp_path)))
     a, b = np.load(tmp_path / "rank0.npz"), np.load(tmp_path / "rank1.npz")
     assert np.isfinite(a["weights"]).all() and np.array_equal(a["weights"], b["weights"])
     schedule = dp_schedule(25, DPSGDConfig(epochs=2, batch_size=25, noise_multiplier=1.0), secure=True)

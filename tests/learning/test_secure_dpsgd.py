@@ -8,10 +8,10 @@ import socket
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conclave.learning.secure_dpsgd import PaddedPoissonBatches, padded_batch_size
 from tests.learning.curious_owner import RECORD_B, run_rank
+from tests.learning.ranks import run_ranks
 
 
 def _free_port() -> int:
@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 def test_a_curious_owner_holds_only_the_noised_total_of_the_other_owners_clipped_sums(tmp_path):
-    mp.start_processes(run_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_ranks(run_rank, (_free_port(), str(tmp_path)))
     a, b = np.load(tmp_path / "rank0.npz"), np.load(tmp_path / "rank1.npz")
     modulus, scale, variance = int(a["modulus"]), float(a["scale"]), float(a["noise_variance"])
     steps = len(a["total"])
@@ -115,3 +115,33 @@ def test_padding_rows_add_nothing_to_the_clipped_sum_and_the_sampled_rows_keep_t
                          torch.cat([torch.ones(4), torch.zeros(5)]))
     for a, b in zip(plain, padded):
         torch.testing.assert_close(a, b)
+
+
+def test_one_channel_images_viewed_from_numpy_give_opacus_each_examples_own_gradient():
+    """Digits' [n, 1, 8, 8] array has strides torch reads as channels_last; the padded batches
+    hand the model row-major ones, so Opacus's per-example gradient of every convolution (the
+    second one was off by up to 0.05 before) is the example's own gradient."""
+    from opacus import GradSampleModule
+
+    from conclave.learning.data.digits import load_digits
+    from conclave.learning.models.registry import factory_of
+
+    train, _ = load_digits()
+    x, y = torch.from_numpy(train.x[:8]), torch.from_numpy(train.y[:8])
+    assert x.is_contiguous(memory_format=torch.channels_last)  # the layout that misled Opacus
+    batches = PaddedPoissonBatches(x, y, 1.0, 1, records=8, generator=torch.Generator().manual_seed(0))
+    [[(inputs, labels, _)]] = list(batches)
+    torch.manual_seed(0)
+    model = factory_of("digits_cnn")(num_classes=10, in_channels=1)
+    for module in model.modules():  # dropout off, so both passes see one function
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    torch.nn.functional.cross_entropy(wrapped(inputs), labels, reduction="sum").backward()
+    per_example = {name: p.grad_sample.clone() for name, p in model.named_parameters()}
+    wrapped._close()
+    for i in range(len(labels)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1], reduction="sum").backward()
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(per_example[name][i], parameter.grad, rtol=1e-4, atol=1e-5)

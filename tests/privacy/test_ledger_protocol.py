@@ -1,6 +1,6 @@
-"""One ``Ledger`` protocol: the run's ledger, an owner's lifetime ledger and a run's with its owners
-behind it have every member of it, with its arguments, and behave alike — a charge past the budget
-raises ``BudgetExceeded``, records nothing and leaves its line in ``last_refusal``."""
+"""One ``Ledger`` protocol: the run's ledger and an owner's lifetime ledger have every member of it,
+with its arguments, and behave alike — a charge past the budget raises ``BudgetExceeded``, records
+nothing and leaves its line in ``last_refusal``."""
 from __future__ import annotations
 
 import inspect
@@ -10,10 +10,8 @@ import pytest
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger import AnsweringLedger, BudgetExceeded, Ledger, PrivacyLedger
-from conclave.privacy.accounting.ledger_identity import DriverRecords, LedgerIdentity
 from conclave.privacy.accounting.owner_policy import OwnerBudget
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
-from conclave.privacy.accounting.run_ledger import LifetimeLedgers, RunLedger
 from tests.owner_ledgers import opened
 
 DELTA = 1e-5
@@ -21,28 +19,6 @@ DELTA = 1e-5
 
 def gaussian(sigma: float) -> PrivacyCharge:
     return PrivacyCharge(DEFAULT_ORDERS, DEFAULT_ORDERS / (2 * sigma**2), label="gnmax")
-
-
-class NoOwnerRefuses:
-    """Owners' lifetime ledgers (``run_ledger.LifetimeLedgers``) that take every charge."""
-
-    nodes: dict[str, str] = {}
-    terms: dict = {}
-
-    def refusal(self, charge: PrivacyCharge) -> None:
-        return None
-
-    def charge(self, charge: PrivacyCharge, worst_case: PrivacyCharge | None = None) -> None:
-        return None
-
-    def reports(self) -> dict:
-        return {}
-
-    def identities(self) -> list[LedgerIdentity]:
-        return []
-
-    def close(self) -> None:
-        return None
 
 
 def members(protocol: type) -> dict[str, object]:
@@ -58,10 +34,7 @@ def ledgers(tmp_path):
     run = PrivacyLedger(tmp_path / "run.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0))
     owner = opened("hospital_a", OwnerBudget(epsilon=1.0, delta=DELTA, order=32.0, directory=str(tmp_path / "node_a")),
                    gaussian(10.0), "run-1")
-    assert isinstance(NoOwnerRefuses(), LifetimeLedgers)
-    both = RunLedger(PrivacyLedger(tmp_path / "both.sqlite", DELTA, RenyiFilter(1.0, DELTA, 32.0)),
-                     NoOwnerRefuses(), DriverRecords(tmp_path / "driver.json"))
-    return {"run": run, "owner": owner, "run with owners": both}
+    return {"run": run, "owner": owner}
 
 
 @pytest.fixture(autouse=True)

@@ -58,3 +58,22 @@ def test_a_plan_with_other_than_gaussian_releases_keeps_its_rdp_figure():
     assert worst_case_guarantee(mixed, DELTA).theorem == WORST_CASE_THEOREM
     twice = gaussian_charge(5.0, count=10).scaled(2)
     assert twice.pld == (pld.GaussianSteps(5.0, 20),) and gaussian_charge(5.0).scaled(0).is_free
+
+
+def test_a_schedules_checkpoints_compose_bit_for_bit_as_dp_accounting_does():
+    """``_composed`` builds each release's PLD once and self-composes it per count: every figure
+    is the accountant's own, to the bit, for checkpoints of one schedule (a cached release) and for
+    plans that mix whole-data and sampled steps."""
+    def accountant(steps) -> float:
+        events = []
+        for step in steps:
+            event = dp_accounting.GaussianDpEvent(step.noise_multiplier)
+            events.append((event if step.sample_rate == 1 else dp_accounting.PoissonSampledDpEvent(step.sample_rate,
+                                                                                                    event), step.count))
+        return _dp_accounting(*events)
+
+    checkpoints = [(pld.GaussianSteps(2.0, 20 * epoch, 0.05),) for epoch in (1, 2, 3)]
+    mixed = [(pld.GaussianSteps(20.0, 1), pld.GaussianSteps(2.0, 40, 0.05)),
+             (pld.GaussianSteps(3.0, 40, 0.1), pld.GaussianSteps(2.0, 60, 0.05), pld.GaussianSteps(3.0, 10, 0.1))]
+    for steps in checkpoints + mixed:
+        assert pld._composed(steps, DELTA) == accountant(steps), steps

@@ -54,15 +54,28 @@ def _sparse_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs
     return sampled_gaussian_rdp(DEFAULT_ORDERS, 1 / steps_per_epoch, noise_multiplier, epochs * steps_per_epoch)
 
 
-def _sparse_trials_pld_epsilon(noise_multiplier: float, examples: int, batch: int, epochs: int, trials: int) -> float:
-    """dp_accounting's PLD of ``trials`` such trials' Poisson-sampled Gaussian steps, at δ 1e-5."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
+def _secure_trial_rdp(noise_multiplier: float, examples: int, batch: int, epochs: int) -> np.ndarray:
+    """One trial's steps through the owners' gateways: the secure sum's Poisson-subsampled Skellam, one
+    step's curve times the steps (each step is charged on its own in the owners' ledgers)."""
+    from conclave.learning.dp_schedule import secure_charge
 
     steps_per_epoch = math.ceil(examples / batch)
-    step = dp_accounting.PoissonSampledDpEvent(1 / steps_per_epoch, dp_accounting.GaussianDpEvent(noise_multiplier))
-    event = dp_accounting.SelfComposedDpEvent(step, trials * epochs * steps_per_epoch)
-    return pld_privacy_accountant.PLDAccountant().compose(event).get_epsilon(1e-5)
+    return epochs * steps_per_epoch * secure_charge(1 / steps_per_epoch, noise_multiplier, 1, "dpsgd").rdp
+
+
+def _tracked(store: Path) -> dict:
+    """A sweep's tracking section: logged to a real MLflow file store at ``store``, read back with
+    MLflow's own client (``_mlflow``). The sweeps below are checked for what they log too: one
+    sweep for both (suite time)."""
+    return {"mlflow": True, "tracking_uri": store.as_uri(), "experiment": "sweep"}
+
+
+def _mlflow(store: Path):
+    """MLflow's client on ``store`` and the sweep's runs there."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.as_uri())
+    return client, client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
 
 
 def _digits_5_to_9_train_size() -> int:
@@ -71,10 +84,40 @@ def _digits_5_to_9_train_size() -> int:
     return len(load_split(DataSpec("digits", classes=(5, 6, 7, 8, 9)), 0)[0])
 
 
-def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
-    config = _config("tune-digits-sparsity.yaml", **{
-        "base/pretrain/epochs": 1, "base/finetune/epochs": 2,
-        "space": {"finetune.variants": {"grid": [["classifier"], ["all"]]}},
+OWNER_RECORDS = 600
+
+
+def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
+    """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
+    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget (each
+    trial starts its gateway on this machine)."""
+    from conclave.learning.data import load_digits
+
+    train, test = load_digits()
+    np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
+    np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
+    owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
+             "records": OWNER_RECORDS,
+             "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
+    raw = _raw("tune-digits-sparsity.yaml", **{
+        "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
+        "scheduler": {"name": "fifo"}, "space": {"finetune.fraction": {"grid": [0.01, 0.1]}}, **changes})
+    del raw["base"]["private"]
+    raw["base"].update(owners=[owner], test={"format": "npz", "path": str(tmp_path / "test.npz"), "label": "y"})
+    return from_dict(TuneConfig, raw)
+
+
+def test_a_sweep_over_owners_with_asha_composes_every_trial_charges_their_ledgers_and_logs_each_trial(
+        ray_session, tmp_path, monkeypatch):
+    """One sweep checked three ways (one sweep for all: suite time): what it publishes, what the
+    owner's lifetime ledger was charged, and what it logged to MLflow."""
+    from conclave.privacy.accounting.ledger import read_ledger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = tmp_path / "mlruns"
+    config = _owner_sparsity_config(tmp_path, **{
+        "base/finetune/epochs": 2, "scheduler": _raw("tune-digits-sparsity.yaml")["scheduler"],  # ASHA
+        "space": {"finetune.variants": {"grid": [["classifier"], ["all"]]}}, "tracking": _tracked(store),
     })
     summary = run_sweep(config, tmp_path, verbose=0)
     sweep, rows = _read(summary)
@@ -87,24 +130,50 @@ def test_sparsity_sweep_with_asha_composes_every_trial(ray_session, tmp_path):
     assert best["accuracy"] == pytest.approx(max(float(r["accuracy"]) for r in rows), abs=1e-4)
     assert best["accuracy"] > 0.3  # 5 classes: chance is 0.2
     assert best["epsilon_trial"] <= 1.0 + 1e-6  # the ε target of each trial
-    # Two trials with the same DP-SGD schedule: RDP twice the trial's, converted at δ, or the PLD
-    # of both schedules' steps where smaller (the trials' settings come from a fixed grid).
+    # Two trials with the same DP-SGD schedule through the owner's gateway: RDP twice the trial's
+    # secure-sum charge, converted at δ (the trials' settings come from a fixed grid).
     sigma = float(rows[0]["noise_multiplier"])
-    trial = _sparse_trial_rdp(sigma, _digits_5_to_9_train_size(), 128, 2)
-    by_rdp, _ = epsilon_from_rdp(DEFAULT_ORDERS, 2 * trial, 1e-5)
-    expected = min(by_rdp, _sparse_trials_pld_epsilon(sigma, _digits_5_to_9_train_size(), 128, 2, trials=2))
+    trial = _secure_trial_rdp(sigma, OWNER_RECORDS, 128, 2)  # the owner's declared records: 5 steps an epoch
+    expected, _ = epsilon_from_rdp(DEFAULT_ORDERS, 2 * trial, 1e-5)
     assert sweep["tuning_cost"]["method"] == "composition" and not sweep["tuning_cost"]["free"]
     assert best["epsilon_with_tuning"] == pytest.approx(expected, rel=1e-9)
     assert best["epsilon_with_tuning"] > best["epsilon_trial"]
     assert any("including the tuning" in line for line in summary_lines(summary))
 
+    # Every trial runs the pipeline, so the owner's gateway admits it and its lifetime ledger is
+    # charged each trial's every step, as for ``conclave run``.
+    owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
+    assert owner.charges == 2 * 10  # two trials of 2 epochs of 5 steps
+    np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
 
-def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_session, tmp_path, caplog, capfd,
-                                                                      monkeypatch):
+    # MLflow: a sweep that publishes every trial logs each as a child run of one summary run
+    client, runs = _mlflow(store)
+    (parent,) = [r for r in runs if r.data.tags.get("conclave.kind") == "sweep"]
+    trials = [r for r in runs if r.data.tags.get("conclave.kind") == "trial"]
+    assert len(runs) == 3 and len(trials) == 2  # Ray Tune's MLflow callback: one run per trial
+    assert all(t.data.tags["mlflow.parentRunId"] == parent.info.run_id for t in trials)
+    assert sorted(t.data.metrics["accuracy"] for t in trials) == pytest.approx(
+        sorted(r["accuracy"] for r in sweep["rows"]))
+    # the summary run: the sweep's guarantee (the composition of both trials) and its winner
+    assert parent.data.metrics["guarantee.epsilon"] == pytest.approx(sweep["tuning_cost"]["epsilon"])
+    assert parent.data.metrics["best.accuracy"] == pytest.approx(sweep["best"]["accuracy"])
+    assert parent.data.tags["guarantee.basis"] == "composition"
+    assert parent.data.params["best.finetune.variants"] == json.dumps(sweep["best"]["values"]["finetune.variants"])
+    assert parent.data.params["num_samples"] == "1" and parent.data.params["base.finetune.epochs"] == "2"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {
+        "sweep.json", "trials.csv", "accuracy_vs_epsilon.png"}
+    # TensorBoard for free: Tune writes each trial's event file under ray/ (tensorboardX)
+    assert len(list((summary.path / "ray").rglob("events.out.tfevents.*"))) == 2
+
+
+def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2_and_logs_the_winner_alone(
+        ray_session, tmp_path, caplog, capfd, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = tmp_path / "mlruns"
     config = _config("tune-digits-sparsity.yaml", **{
         "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "scheduler": {"name": "fifo"},
         "cost": {"method": "random-repetition", "eta": 1.0, "gamma": 0.5}, "seed": 3,
-        "space": {"finetune.fraction": {"uniform": [0.01, 0.2]}},
+        "space": {"finetune.fraction": {"uniform": [0.01, 0.2]}}, "tracking": _tracked(store),
     })
     # K = 3 (drawn otherwise as the sweep draws it), so the winner has a place among others to hide;
     # the spy keeps the Ray trial ids, which must then appear nowhere.
@@ -155,38 +224,30 @@ def test_sparsity_sweep_with_a_random_number_of_trials_uses_theorem_2(ray_sessio
     assert sweep["best"]["epsilon_with_tuning"] == pytest.approx(epsilon_from_rdp(DEFAULT_ORDERS, bound, 1e-5)[0],
                                                                  rel=1e-9)
 
-
-def _owner_sparsity_config(tmp_path: Path, **changes) -> TuneConfig:
-    """tune-digits-sparsity.yaml with one owner instead of the benchmark's private split: the
-    owner holds digits 5–9 as an .npz file, declares its records and asks for a lifetime budget."""
-    from conclave.learning.data import load_digits
-
-    train, test = load_digits()
-    np.savez(tmp_path / "clinic.npz", x=train.x[train.y >= 5], y=train.y[train.y >= 5])
-    np.savez(tmp_path / "test.npz", x=test.x[test.y >= 5], y=test.y[test.y >= 5])
-    owner = {"name": "clinic", "data": {"format": "npz", "path": str(tmp_path / "clinic.npz"), "label": "y"},
-             "records": 600, "resources": {"hospital_a": 1},
-             "budget": {"epsilon": 50.0, "directory": str(tmp_path / "clinic-node")}}
-    raw = _raw("tune-digits-sparsity.yaml", **{
-        "base/pretrain/epochs": 1, "base/finetune/epochs": 1, "base/finetune/variants": ["classifier"],
-        "scheduler": {"name": "fifo"}, "space": {"finetune.fraction": {"grid": [0.01, 0.1]}}, **changes})
-    del raw["base"]["private"]
-    raw["base"].update(owners=[owner], test={"format": "npz", "path": str(tmp_path / "test.npz"), "label": "y"})
-    return from_dict(TuneConfig, raw)
-
-
-def test_a_sweep_over_owners_charges_each_trial_to_their_ledgers(ray_session, tmp_path):
-    """Every trial runs the pipeline, so the owner's node admits it and its lifetime ledger is
-    charged each trial's whole schedule, as for ``conclave run``."""
-    from conclave.privacy.accounting.ledger import read_ledger
-
-    summary = run_sweep(_owner_sparsity_config(tmp_path), tmp_path / "results", verbose=0)
-    sweep, rows = _read(summary)
-    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
-    owner = read_ledger(tmp_path / "clinic-node" / "clinic.sqlite")
-    assert owner.charges == 2  # one per trial
-    trial = _sparse_trial_rdp(float(rows[0]["noise_multiplier"]), 600, 128, 1)  # the declared records
-    np.testing.assert_allclose(owner.spent.rdp, 2 * trial, rtol=1e-9)
+    # MLflow: one run, with the winner and the sweep's guarantee
+    client, (run,) = _mlflow(store)  # no run per trial
+    data = run.data
+    assert data.metrics["guarantee.epsilon"] == pytest.approx(sweep["tuning_cost"]["epsilon"])
+    assert data.metrics["best.accuracy"] == pytest.approx(sweep["best"]["accuracy"])
+    assert data.tags["guarantee.basis"] == "random-repetition" and "Thm. 2" in data.tags["guarantee.statement"]
+    assert float(data.params["best.finetune.fraction"]) == pytest.approx(sweep["best"]["values"]["finetune.fraction"])
+    # nothing counts the trials: no count, no num_samples, no series longer than the winner's one row
+    assert not {"trials", "failed", "num_samples", "seed"} & {*data.metrics, *data.params}
+    for key in data.metrics:
+        assert len(client.get_metric_history(run.info.run_id, key)) == 1, key
+    logged = [*data.params.values(), *data.tags.values(), *data.params, *data.metrics, *data.tags]
+    assert not any(i in text for i in ray_ids for text in logged)
+    assert not any(re.search(r"_\d{5}\b", text) for text in logged)
+    # its times are the results folder's one time, taken before the trials: none says when they ended
+    when = int(path.stat().st_mtime * 1000)
+    assert run.info.start_time == run.info.end_time == pytest.approx(when, abs=1)
+    assert {m.timestamp for k in data.metrics for m in client.get_metric_history(run.info.run_id, k)} == {
+        run.info.start_time}
+    run_dir = store / run.info.experiment_id / run.info.run_id
+    assert len({p.stat().st_mtime for p in [run_dir, *run_dir.rglob("*")]}) == 1
+    assert run_dir.stat().st_mtime == pytest.approx(path.stat().st_mtime)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
+        "sweep.json", "trials.csv", "accuracy_vs_epsilon.png"}
 
 
 def test_a_sweep_over_owners_refuses_random_repetition(tmp_path):
