@@ -12,8 +12,9 @@ a labelled public test table, drawn by ``make_table`` from scikit-learn's make_c
   2% missing cells, two owners holding 4 classes each.
 
 For each table and budget ε (4 and 1) the benchmark does what a user would: writes the config a
-consortium writes first (its owners' files, declared ``records``, the budget, nothing else), runs
-``conclave plan consortium.yaml --propose proposed.yaml`` (public figures only) and ``conclave run
+consortium writes first (its owners' files, declared ``records``, each owner's lifetime ``budget``
+— its gateway releases nothing without one — the run's budget, nothing else), runs ``conclave
+plan consortium.yaml --propose proposed.yaml`` (public figures only) and ``conclave run
 proposed.yaml`` three times, each run's DP noise its own. Beside them, without privacy: scikit-learn's
 MLP and gradient boosting on the owners' rows pooled — trained on a public twin (as many rows again,
 drawn as the owners' are, in the public role), so no published figure is computed from rows in the
@@ -41,7 +42,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,11 +174,14 @@ def write_table(table: Table, folder: Path) -> dict[str, Path]:
     return paths
 
 
-def user_config(paths: dict[str, Path], owners: dict[str, int], budget: float, name: str) -> dict:
-    """The config a consortium writes first: its owners' files and declared records, a budget, the rest default."""
+def user_config(paths: dict[str, Path], owners: dict[str, int], budget: float, name: str, lifetime: float) -> dict:
+    """The config a consortium writes first: its owners' files, declared records and lifetime budgets
+    (``lifetime``: each owner's ε, kept by the gateway the run starts for it), the run's budget, the
+    rest default."""
     return {"pipeline": "teacher_student", "name": name,
             "owners": [{"name": owner, "data": {"format": "csv", "path": str(paths[owner]), "label": "label"},
-                        "records": records} for owner, records in owners.items()],
+                        "records": records, "budget": {"epsilon": lifetime, "delta": DELTA}}
+                       for owner, records in owners.items()],
             "public": {"format": "csv", "path": str(paths["public"])},
             "test": {"format": "csv", "path": str(paths["test"]), "label": "label"},
             "privacy": {"budget": budget, "delta": DELTA}}
@@ -219,8 +222,10 @@ def pool_ceiling(user: dict, paths: dict[str, Path]) -> dict:
 # --- plan's proposal, run -------------------------------------------------------------------
 
 
-def conclave(*argv: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "conclave", *argv], cwd=ROOT, capture_output=True, text=True)
+def conclave(*argv: str, home: Path) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it, the owners' ledgers in ``home`` (``CONCLAVE_HOME``)."""
+    result = subprocess.run([sys.executable, "-m", "conclave", *argv], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "CONCLAVE_HOME": str(home)})
     if result.returncode:
         raise RuntimeError(f"conclave {' '.join(argv)} exited {result.returncode}: {result.stderr[-2000:]}")
     return result
@@ -231,22 +236,26 @@ RESULT_ACCURACY = {"teacher_student": lambda metrics: metrics["student_accuracy"
                    "active_learning": lambda metrics: metrics["checkpoints"][-1]["test_accuracy"]}
 
 
-def run_proposed(config: Path, pipeline: str, results: Path, run_name: str) -> dict:
+def run_proposed(config: Path, pipeline: str, results: Path, run_name: str, home: Path) -> dict:
     """``conclave run`` of the proposed config; what its results folder states."""
-    conclave("run", str(config), "--results-dir", str(results), "--run-name", run_name)
+    conclave("run", str(config), "--results-dir", str(results), "--run-name", run_name, home=home)
     metrics = json.loads((results / run_name / "metrics.json").read_text())
     privacy = json.loads((results / run_name / "privacy.json").read_text())
     guarantee = privacy["guarantee"]
     return {"run": run_name, "test_accuracy": RESULT_ACCURACY[pipeline](metrics),
             "label_accuracy": metrics.get("label_accuracy"),
             "guarantee": {key: guarantee[key] for key in ("epsilon", "delta", "basis", "theorem")},
+            "owners_lifetime_spent_epsilon": {owner: round(account["spent"]["epsilon"], 4)
+                                              for owner, account in privacy["owners"].items()},
             "sound": privacy["sound"], "unsound_reasons": privacy["unsound_reasons"]}
 
 
 def propose_and_run(user: Path, work: Path, run_prefix: str, repeats: int, source: str | None) -> dict:
-    """``conclave plan --propose`` for ``user`` (``--source``, if given), then ``repeats`` runs of it."""
+    """``conclave plan --propose`` for ``user`` (``--source``, if given), then ``repeats`` runs of it,
+    the table's owners' ledgers in ``work``/home."""
     proposed = work / f"{run_prefix}-proposed.yaml"
-    conclave("plan", str(user), "--propose", str(proposed), *(("--source", source) if source else ()))
+    home = work / "home"
+    conclave("plan", str(user), "--propose", str(proposed), *(("--source", source) if source else ()), home=home)
     sections = yaml.safe_load(proposed.read_text())
     pipeline = sections["pipeline"]
     shown = ("model", "dpsgd", "clusters", "knn", "mechanism", "aggregation", "student")
@@ -255,7 +264,7 @@ def propose_and_run(user: Path, work: Path, run_prefix: str, repeats: int, sourc
                     "proposal_comment": [line[2:] for line in proposed.read_text().splitlines() if line.startswith("# ")],
                     "runs": []}
     for repeat in range(repeats):
-        run = run_proposed(proposed, pipeline, work / "runs", f"{run_prefix}-{repeat + 1}")
+        run = run_proposed(proposed, pipeline, work / "runs", f"{run_prefix}-{repeat + 1}", home)
         result["runs"].append(run)
         log.info("%s run %d: test accuracy %.4f, guarantee ε %.4g", run_prefix, repeat + 1, run["test_accuracy"],
                  run["guarantee"]["epsilon"])
@@ -282,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if "CONCLAVE_HOME" not in os.environ:  # the synthetic owners' lifetime ledgers, not the user's
-        os.environ["CONCLAVE_HOME"] = tempfile.mkdtemp(prefix="conclave-bench-home-")
     bench_dir = RunDirectory(args.results_dir, "bench")
     work = bench_dir.path / "consortium"  # data, configs and runs: local only (results/bench/*/ is not committed)
     shutil.rmtree(work, ignore_errors=True)  # fresh: a run's folder keeps a durable ledger of what it spent
@@ -291,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                  "goal": "every run of plan's proposal within 10 points of the best non-private baseline at a "
                          "guaranteed ε ≤ 4, and within 15 at ε ≤ 1", "tables": {}}
     diagnostics: dict = {}
+    # each synthetic owner's lifetime ε pays for every run the benchmark makes of its table (a sum: the
+    # gateways' Rényi filters compose them for less); its ledger is the table's own, under work/<table>/home
+    lifetime = args.repeats * sum(args.budgets) * (1 + len(args.sources))
     for name in args.tables:
         spec, seed = TABLES[name], BENCH_SEEDS[name]
         table = make_table(spec, seed)
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "test_accuracy_by_seed": references, "best_mean": best},
                        "budgets": {}}
         for budget in args.budgets:
-            config = user_config(paths, owners, budget, f"{name}-eps{budget:g}")
+            config = user_config(paths, owners, budget, f"{name}-eps{budget:g}", lifetime)
             user = work / name / f"consortium-eps{budget:g}.yaml"
             user.write_text(yaml.safe_dump(config, sort_keys=False))
             if "ceiling" not in entry:

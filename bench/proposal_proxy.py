@@ -288,7 +288,7 @@ def measure(name: str, table: Table, folder: Path, sources: list[str]) -> dict:
     out: dict = {"owners": owners, "classes": classes, "columns": int(table.pool[0].shape[1]),
                  "pool": len(table.pool[1]), "budgets": {}}
     for budget in BUDGETS:
-        raw = user_config(paths, owners, budget, name)
+        raw = user_config(paths, owners, budget, name, lifetime=budget)
         choice = propose(raw)
         cell: dict = {"choice": choice.choice, "reason": choice.reason}
         dpsgd = propose(raw, DPSGD)
