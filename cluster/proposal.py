@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
 from conclave.privacy.mechanisms.public_clusters import PublicClusterVotes
 
 if TYPE_CHECKING:
+    from conclave.cluster.owners import DataOwner
     from conclave.cluster.pipelines import Pipeline
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def public_figures(raw: dict[str, Any]) -> PublicFigures:
                             "declare no records (a public upper bound of what each holds)")
     if config.privacy.budget is None:
         raise ProposalError("--propose fits the noise to privacy.budget: declare one (the ε the run may spend)")
+    _started_gateways_admit(config.owners)
     try:
         public = PublicData.read(config.public, config.test, config.classes)
     except (ValueError, OSError) as err:
@@ -166,6 +168,20 @@ def public_figures(raw: dict[str, Any]) -> PublicFigures:
                          len(public.splits.public), public.schema.kind == "table", math.prod(public.schema.shape),
                          float(config.privacy.budget),
                          config.privacy.delta, config.server.max_batch, config.secure or several)
+
+
+def _started_gateways_admit(owners: Sequence[DataOwner]) -> None:
+    """The owners named by their data have a budget (a policy on this machine or the config's), as
+    the gateways a run starts for them require: else the proposal would not run as written."""
+    from conclave.cluster.gateway.local import budget_source
+    from conclave.privacy.accounting.owner_policy import OwnerRefused
+
+    for owner in owners:
+        if owner.data is not None:
+            try:
+                budget_source(owner)
+            except OwnerRefused as err:
+                raise ProposalError(f"{err} (conclave run refuses it)") from None
 
 
 def choose(figures: PublicFigures) -> tuple[str, str]:

@@ -42,7 +42,7 @@ def tiny_table(folder: Path, owners: int = 3, records: int = 60, pool: int = 40,
         frame.to_csv(frames[name], index=False)
     return {"pipeline": "teacher_student", "name": "tiny",
             "owners": [{"name": f"o{i}", "data": {"format": "csv", "path": str(frames[f"o{i}"]), "label": "label"},
-                        "records": records} for i in range(owners)],
+                        "records": records, "budget": {"epsilon": 10.0, "delta": 1e-5}} for i in range(owners)],
             "public": {"format": "csv", "path": str(frames["public"])},
             "test": {"format": "csv", "path": str(frames["test"]), "label": "label"},
             "privacy": {"budget": 4.0, "delta": 1e-5}}
@@ -176,6 +176,10 @@ def test_only_public_figures_and_a_budget_make_a_proposal(tiny, tmp_path):
         propose(undeclared)
     with pytest.raises(ProposalError, match="privacy.budget"):
         propose({**tiny, "privacy": {"budget": None}})
+    unbudgeted = {**tiny, "owners": [{k: v for k, v in o.items() if k != "budget"} for o in tiny["owners"]]}
+    with pytest.raises(ProposalError, match=r"^owner o0: no policy on this machine and no budget in the config: .*"
+                                            r"\(conclave run refuses it\)$"):  # the gateways a run starts refuse it
+        propose(unbudgeted)
     with pytest.raises(ProposalError, match="names no owners"):
         propose(load_yaml(PROJECT_ROOT / "configs" / "digits-teachers.yaml"))
     with pytest.raises(ProposalError, match="teacher_student or active_learning"):
