@@ -1,34 +1,34 @@
 """Proxy measurements behind ``conclave plan --propose`` (``cluster/proposal.py``): public data only.
 
-Each proxy is a table split among three owners, a pool and a labelled test table, all public:
-the consortium benchmark's generator at other seeds (``PROXY_SEEDS``; never ``BENCH_SEED``), and
-scikit-learn's breast-cancer and digits tables. For each, at the budget ε = 4:
+Each proxy is a table split among owners, a pool and a labelled test table, all public: the
+consortium benchmark's three shapes (``bench/consortium.py``'s ``TABLES``) at other seeds
+(``PROXY_SEEDS``; never its ``BENCH_SEEDS``), and scikit-learn's breast-cancer and digits tables
+split among three owners. For each, at the budgets ε 4 and 1:
 
-* ``sources``: the real ``propose()`` sizes each vote source (public clusters, kNN votes,
-  teachers) from the proxy's public figures, and its votes are replayed here in one process with
-  those settings — the same embedding, clustering, nearest-query, sampling and answer code as the
-  owners' actors and the mechanisms — then a student as ``actors/student.py`` trains it (the
-  table MLP, self-training at 0.9) and is tested;
-* ``clusters_grid``: public clusters at other counts and votes per record, σ calibrated to the same
-  ε, to see where the proposal's pick falls;
-* ``clusters_screening``: the proposed clusters with answers screened (a threshold of 2 and 3
-  noise deviations, a purity of 0.5): fewer, more accurate labels;
-* ``noiseless``: what no private run can give, for scale: the MLP trained on all the records (the
-  non-private reference), the student on the pool's true labels, on the labels of a noiseless kNN
-  over the records (k 20), and on the proposed clusters' votes without noise.
+* ``choice``: what ``propose()`` chooses from the proxy's public figures, and why;
+* ``dpsgd``: the real ``propose(raw, "dpsgd")`` sizes DP-SGD across the owners, and it is replayed
+  here in one process on the owners' rows pooled — the same model, ``learning.dpsgd.train_dp``, full
+  batch, the proposed σ, steps and learning rate — and its model is tested, beside a student (as
+  below) trained on the DP model's labels of the pool (free post-processing); ``dpsgd_models``: the
+  same with each of the proposal's table models, σ calibrated alike, to see where the rule's pick falls;
+* ``clusters``: the real ``propose(raw, "clusters")``, its votes replayed with the same embedding,
+  clustering and nearest-medoid code as the owners' actors, then a student as ``actors/student.py``
+  trains it (the table MLP, self-training at 0.9) and is tested; ``--sources knn teachers`` replays
+  those sources too (below public clusters on every proxy when last measured);
+* ``nonprivate``: what no private run can give, for scale: scikit-learn's MLP and gradient
+  boosting on the owners' rows pooled, and the student on the pool's true labels.
 
 What this is not: a run. The releases are simulated — Gaussian noise of the secure total's
-variance (O/(O − 1)·σ² with O owners) stands in for the secure sum's Skellam noise, drawn by
-numpy — and the noiseless figures read the proxies' records without a mechanism, so the file is
-``sound: false`` by design. Its figures chose the rules' constants; no benchmark row is read.
+variance stands in for the secure sum's Skellam noise — and the non-private figures read the
+proxies' records without a mechanism, so the file is ``sound: false`` by design. Its figures chose
+the rules' constants; no benchmark row is read.
 
-    python bench/proposal_proxy.py                   # every proxy (about ten minutes on 2 cores)
-    python bench/proposal_proxy.py --only breast-cancer
+    python bench/proposal_proxy.py                   # every proxy (about half an hour on 2 cores)
+    python bench/proposal_proxy.py --only a-seed101 breast-cancer
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import sys
@@ -44,22 +44,22 @@ from conclave.learning.threads import share_cores  # noqa: E402  (before torch l
 
 share_cores()
 
-from bench.consortium import OWNERS, Table, make_table, user_config, write_table  # noqa: E402
+from bench.consortium import (  # noqa: E402
+    TABLES, Table, make_table, owner_names, sklearn_references, user_config, write_table,
+)
 from bench.soundness import soundness  # noqa: E402
 from conclave.cluster.api import (  # noqa: E402
-    SOURCES, MechanismConfig, Proposal, RunDirectory, load_pipeline, proposed_config, propose, smallest_sigma,
+    DPSGD, TABLE_MODELS, Proposal, load_pipeline, proposed_config, propose, smallest_sigma,
 )
 
 log = logging.getLogger("bench.proposal_proxy")
 PROXY_SEEDS = (101, 202)
-BUDGET = 4.0
-GRID_COUNTS = (8, 4, 2, 1)  # the pool's size over these
-GRID_VOTES = (3, 10, 20, 40)
+BUDGETS = (4.0, 1.0)
 SELF_TRAINING = 0.9
-NOISELESS_K = 20
 UNSOUND = ["simulated releases: Gaussian noise of the secure total's variance stands in for the secure sum's "
            "Skellam noise, drawn by numpy, not a run's OS-entropy noise",
-           "the noiseless references read the proxies' records (public data in the owners' role) without a mechanism"]
+           "the non-private references read the proxies' records (public data in the owners' role) without a "
+           "mechanism"]
 
 
 def sklearn_table(name: str, records: int, pool: int, seed: int = 0) -> Table:
@@ -69,17 +69,31 @@ def sklearn_table(name: str, records: int, pool: int, seed: int = 0) -> Table:
     x, y = (load_breast_cancer if name == "breast-cancer" else load_digits)(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(y))
     x, y = x[order].astype(np.float32), y[order].astype(np.int64)
-    cuts = np.cumsum([records] * len(OWNERS) + [pool])
+    cuts = np.cumsum([records] * 3 + [pool])
     parts = [(x[a:b], y[a:b]) for a, b in zip([0, *cuts[:-1]], cuts)]
     rest = (x[cuts[-1]:], y[cuts[-1]:])
-    return Table(dict(zip(OWNERS, parts)), parts[-1], rest, rest)
+    twin = (np.concatenate([x for x, _ in parts[:3]]), np.concatenate([y for _, y in parts[:3]]))
+    return Table(dict(zip(owner_names(TABLES["a"]), parts)), parts[-1], rest, twin,
+                 tuple(f"class_{i}" for i in range(int(y.max()) + 1)))
 
 
 def proxies(only: list[str] | None) -> dict[str, Table]:
-    tables = {f"consortium-seed{seed}": lambda seed=seed: make_table(seed) for seed in PROXY_SEEDS}
+    tables = {f"{shape}-seed{seed}": lambda shape=shape, seed=seed: make_table(TABLES[shape], seed)
+              for shape in TABLES for seed in PROXY_SEEDS}
     tables["breast-cancer"] = lambda: sklearn_table("breast-cancer", 100, 120)
     tables["digits"] = lambda: sklearn_table("digits", 430, 300)
     return {name: make() for name, make in tables.items() if not only or name in only}
+
+
+def filled(table: Table) -> Table:
+    """``table`` with every missing cell given the pool's column mean, as a run reads its tables."""
+    means = np.nanmean(table.pool[0], axis=0)
+
+    def fill(part: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return np.where(np.isnan(part[0]), means, part[0]).astype(np.float32), part[1]
+
+    return Table({name: fill(part) for name, part in table.owners.items()}, fill(table.pool), fill(table.test),
+                 fill(table.twin), table.classes)
 
 
 # --- the student (actors/student.py with pseudo_label_threshold) ---------------------------
@@ -103,15 +117,6 @@ class Student:
         model = build_model("mlp", self.classes, input_shape=(x.shape[1],), standardiser=self.standardiser, seed=0)
         fit(model, Dataset(x, y, self.classes, "student"), DEFAULT_TABLE_STUDENT.train)
         return model
-
-    def reference(self) -> float:
-        """The student's model trained without privacy on every owner's records: test accuracy."""
-        from conclave.learning.data import Dataset
-        from conclave.learning.training import evaluate
-
-        x = np.concatenate([x for x, _ in self.table.owners.values()])
-        y = np.concatenate([y for _, y in self.table.owners.values()])
-        return round(evaluate(self._fit(x, y), Dataset(*self.table.test, self.classes, "test")), 4)
 
     def accuracy(self, keep: np.ndarray, labels: np.ndarray) -> float | None:
         """Trained on the pool rows ``keep`` labelled ``labels``, then self-trained on the rest; test accuracy."""
@@ -226,76 +231,99 @@ def replay_teachers(table: Table, student: Student, settings: dict) -> dict:
     return _outcome(table, student, asked, labels, asked=queries, teachers=teachers)
 
 
+# --- DP-SGD across the owners, replayed ----------------------------------------------------
+
+
+def replay_dpsgd(table: Table, student: Student, settings: dict, with_student: bool = False) -> dict:
+    """The proposed DP-SGD (``settings``: its sections) on the owners' rows pooled, one process:
+    the model's test accuracy; ``with_student``: also a student's trained on the DP model's labels
+    of the pool (free post-processing)."""
+    from conclave.learning.data import Dataset
+    from conclave.learning.dp_schedule import DPSGDConfig
+    from conclave.learning.dpsgd import train_dp
+    from conclave.learning.models import build_model
+    from conclave.learning.training import evaluate
+    from conclave.privacy.noise import SECURE
+
+    section = settings["dpsgd"]
+    x = np.concatenate([x for x, _ in table.owners.values()])
+    y = np.concatenate([y for _, y in table.owners.values()])
+    model = build_model(settings["model"], student.classes, input_shape=(x.shape[1],),
+                        standardiser=student.standardiser, seed=0)
+    config = DPSGDConfig(epochs=section["epochs"], batch_size=section["batch_size"], lr=section["lr"],
+                         momentum=section["momentum"], max_grad_norm=section["max_grad_norm"],
+                         noise_multiplier=section["noise_multiplier"], lr_schedule=section["lr_schedule"],
+                         grad_sample_mode="hooks")
+    train_dp(model, Dataset(x, y, student.classes, "owners"), config, SECURE.source("proxy-dpsgd"),
+             num_examples=section["batch_size"])
+    out = {"model": settings["model"], "sigma": section["noise_multiplier"], "steps": section["epochs"],
+           "test_accuracy": round(evaluate(model, Dataset(*table.test, student.classes, "test")), 4)}
+    if with_student:
+        from conclave.learning.training import predict
+
+        out["student_on_its_pool_labels"] = student.accuracy(np.arange(len(table.pool[1])), predict(model, table.pool[0]))
+    return out
+
+
+def with_model(raw: dict, proposal: Proposal, model: str, budget: float) -> dict:
+    """The DP-SGD proposal's sections with ``model`` instead, σ calibrated to ``budget`` alike."""
+    sections = {**proposal.sections, "model": model}
+
+    def build(sigma: float):
+        return load_pipeline(proposed_config(raw, {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}}))
+
+    sigma = smallest_sigma(build, budget, high=1e4)
+    return {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}}
+
+
 # --- one proxy ---------------------------------------------------------------------------
 
 
-def measure(name: str, table: Table, folder: Path) -> dict:
-    from sklearn.neighbors import KNeighborsClassifier
-
-    from conclave.learning.embeddings import fit_embedding
-
-    classes = int(max(table.test[1].max(), table.pool[1].max(), *(y.max() for _, y in table.owners.values())) + 1)
-    student = Student(table, classes)
+def measure(name: str, table: Table, folder: Path, sources: list[str]) -> dict:
+    classes = len(table.classes)
     paths = write_table(table, folder / name)
-    records = len(next(iter(table.owners.values()))[1])
-    raw = user_config(paths, OWNERS, records, BUDGET, name)
-    proposals: dict[str, Proposal] = {source: propose(raw, source) for source in SOURCES}
-    out: dict = {"owners": len(table.owners), "records": records * len(table.owners), "classes": classes,
-                 "pool": len(table.pool[1]), "budget": BUDGET, "sources": {}}
-    for source, proposal in proposals.items():
-        settings = proposal.sections
-        if source == "clusters":
-            section, params = settings["clusters"], settings["mechanism"]["params"]
-            result = replay_clusters(table, student, section["count"], section["votes_per_record"], params["sigma"],
-                                     proposal.figures.secure, dims=section["dims"])
-        else:
-            result = (replay_knn if source == "knn" else replay_teachers)(table, student, settings)
-        out["sources"][source] = {"rule": proposal.rule, "planned_epsilon": proposal.planned_worst_case, **result}
-        log.info("%s %s: %s", name, source, out["sources"][source])
-
-    # the grid: σ of each m as the proposal calibrates it (one release: the count does not change it)
-    base = load_pipeline(proposed_config(raw, proposals["clusters"].sections)).config
-    pool = len(table.pool[1])
-    out["clusters_grid"] = []
-    for m in GRID_VOTES:
-        config = dataclasses.replace(base, clusters=dataclasses.replace(base.clusters, votes_per_record=m),
-                                     mechanism=MechanismConfig("public-clusters", {"sigma": 1.0}))
-        sigma = smallest_sigma(lambda s: dataclasses.replace(config, mechanism=MechanismConfig("public-clusters",
-                                                                                               {"sigma": s})),
-                               BUDGET, high=1e4)
-        for count in sorted({max(2 * m, min(pool // divisor, base.server.max_batch)) for divisor in GRID_COUNTS}):
-            cell = replay_clusters(table, student, count, m, sigma, proposals["clusters"].figures.secure)
-            out["clusters_grid"].append(cell)
-            log.info("%s grid: %s", name, cell)
-
-    chosen = proposals["clusters"]
-    section, sigma = chosen.sections["clusters"], chosen.sections["mechanism"]["params"]["sigma"]
-    deviation = _noise_sd(sigma, len(table.owners), chosen.figures.secure)
-
-    def proposed(sigma: float = sigma, **screening: float) -> dict:
-        return replay_clusters(table, student, section["count"], section["votes_per_record"], sigma,
-                               chosen.figures.secure, dims=section["dims"], **screening)
-
-    out["clusters_screening"] = [{"threshold_deviations": 2, **proposed(threshold=2 * deviation)},
-                                 {"threshold_deviations": 3, **proposed(threshold=3 * deviation)},
-                                 {"purity": 0.5, **proposed(purity=0.5)}]
-    log.info("%s screening: %s", name, out["clusters_screening"])
-    embed = fit_embedding("standardised-pca", table.pool[0], table.pool[0].shape[1])
-    x = np.concatenate([x for x, _ in table.owners.values()])
-    y = np.concatenate([y for _, y in table.owners.values()])
-    knn_labels = KNeighborsClassifier(NOISELESS_K).fit(embed(x), y).predict(embed(table.pool[0]))
-    everything = np.arange(pool)
-    out["noiseless"] = {"mlp_on_all_records": student.reference(),
-                        "proposed_clusters_without_noise": proposed(sigma=0.0),
-                        "student_on_true_pool_labels": student.accuracy(everything, table.pool[1]),
-                        f"knn{NOISELESS_K}_label_accuracy": round(float((knn_labels == table.pool[1]).mean()), 4),
-                        f"student_on_knn{NOISELESS_K}_labels": student.accuracy(everything, knn_labels)}
+    table = filled(table)
+    student = Student(table, classes)
+    owners = {owner: len(y) for owner, (_, y) in table.owners.items()}
+    out: dict = {"owners": owners, "classes": classes, "columns": int(table.pool[0].shape[1]),
+                 "pool": len(table.pool[1]), "budgets": {}}
+    for budget in BUDGETS:
+        raw = user_config(paths, owners, budget, name, lifetime=budget)
+        choice = propose(raw)
+        cell: dict = {"choice": choice.choice, "reason": choice.reason}
+        dpsgd = propose(raw, DPSGD)
+        dp_raw = proposed_config(raw, {"pipeline": dpsgd.sections["pipeline"]})
+        cell["dpsgd"] = {"rule": dpsgd.rule, "planned_epsilon": dpsgd.planned_worst_case,
+                         **replay_dpsgd(table, student, dpsgd.sections, with_student=True)}
+        cell["dpsgd_models"] = [replay_dpsgd(table, student, with_model(dp_raw, dpsgd, model, budget))
+                                for model in TABLE_MODELS if model != dpsgd.sections["model"]]
+        log.info("%s ε %g dpsgd: %s, other models %s", name, budget, cell["dpsgd"], cell["dpsgd_models"])
+        clusters = propose(raw, "clusters")
+        section, params = clusters.sections["clusters"], clusters.sections["mechanism"]["params"]
+        cell["clusters"] = {"rule": clusters.rule, "planned_epsilon": clusters.planned_worst_case,
+                            **replay_clusters(table, student, section["count"], section["votes_per_record"],
+                                              params["sigma"], clusters.figures.secure, dims=section["dims"])}
+        log.info("%s ε %g clusters: %s", name, budget, cell["clusters"])
+        for source in sources:
+            proposal = propose(raw, source)
+            replay = replay_knn if source == "knn" else replay_teachers
+            cell[source] = {"rule": proposal.rule, **replay(table, student, proposal.sections)}
+        out["budgets"][f"{budget:g}"] = cell
+    references = sklearn_references(tuple(np.concatenate(part) for part in zip(*table.owners.values())),
+                                    table.pool[0], table.test, 0)
+    out["nonprivate"] = {**{key: round(value, 4) for key, value in references.items()},
+                         "student_on_true_pool_labels": student.accuracy(np.arange(len(table.pool[1])), table.pool[1])}
+    log.info("%s non-private: %s", name, out["nonprivate"])
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    from conclave.cluster.api import RunDirectory
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="these proxies only")
+    parser.add_argument("--sources", nargs="*", choices=("knn", "teachers"), default=[],
+                        help="also replay these vote sources")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -303,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "proxies": {}}
     with tempfile.TemporaryDirectory(prefix="conclave-proxy-") as folder:
         for name, table in proxies(args.only).items():
-            out["proxies"][name] = measure(name, table, Path(folder))
+            out["proxies"][name] = measure(name, table, Path(folder), args.sources)
             bench_dir.write_json("proposal_proxy", {**out, **soundness(UNSOUND)})
     return 0
 

@@ -96,6 +96,9 @@ class ActiveLearningDPSGD(DPSGDConfig):
 
 @dataclass(frozen=True)
 class SelectionConfig:
+    """Which strategies buy public labels, and how many. ``strategies: []``: none are bought, the
+    DP-SGD model is the result (``conclave plan --propose`` proposes this for tables)."""
+
     strategies: tuple[str, ...] = STRATEGY_NAMES
     sizes: tuple[int, ...] = (50, 100, 200)  # N_labeled values
     components: int = 16  # p, for DiversePublic's PCA and NearPrivate's DP-PCA
@@ -107,7 +110,7 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.strategies) - set(STRATEGY_NAMES))
-        if unknown or not self.strategies:
+        if unknown:
             raise ValueError(f"selection.strategies: unknown {unknown}; choose from {list(STRATEGY_NAMES)}")
         if not self.sizes or min(self.sizes) < 1:
             raise ValueError("selection.sizes must be a non-empty list of positive label budgets")
@@ -230,6 +233,11 @@ class ActiveLearningConfig:
         if self.through_gateways:
             raise ValueError("owners named by their gateway declare their records there, not in the config")
         return sum(owner.records for owner in self.owners) if self.owners else self.data.private_size
+
+    @property
+    def buys_labels(self) -> bool:
+        """Whether strategies buy public labels after DP-SGD (else the DP model is the result)."""
+        return bool(self.selection.strategies)
 
     @property
     def secure_training(self) -> bool:
@@ -355,7 +363,7 @@ def public_side(config: ActiveLearningConfig, rng: np.random.Generator) -> Publi
         read = PublicData.read(config.public, config.test, config.classes)
         public, test, classes, standardiser = read.splits.public, read.splits.test, read.classes, read.standardiser
         columns = read.schema.columns
-        if public.unlabeled and config.annotator.kind == "oracle":
+        if public.unlabeled and config.annotator.kind == "oracle" and config.buys_labels:
             raise ValueError("public: the oracle annotator reveals the pool's labels, and it has none; name its "
                              "label, or label with a running aggregator (annotator.kind: aggregator)")
     else:
@@ -380,7 +388,7 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
         if config.owners:
             check_registered(config.model)
             public = public_side(config, np.random.default_rng(config.seed))
-            if max(config.selection.sizes) > len(public.pool_inputs):
+            if config.buys_labels and max(config.selection.sizes) > len(public.pool_inputs):
                 raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
                                  f"{len(public.pool_inputs)} points")
         elif config.model is None:
@@ -552,7 +560,7 @@ def _learn_actively(config: ActiveLearningConfig, results: RunDirectory, ray_add
         token = os.environ.get(config.annotator.token_env) if config.annotator.token_env else None
         client = AggregatorClient(config.annotator.address, token=token, root_cert=config.annotator.root_cert)
         annotator = aggregator_annotator(public.pool_images, client, config.annotator.batch)  # teachers see images
-    if max(sel.sizes) > len(pool_inputs):
+    if config.buys_labels and max(sel.sizes) > len(pool_inputs):
         raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
     records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
@@ -700,6 +708,8 @@ def improve(config: ActiveLearningConfig, checkpoints: list, shards: PrivateShar
     from conclave.progress import COUNTS
 
     sel, delta = config.selection, config.privacy.delta
+    if not config.buys_labels:  # the DP model is the result
+        return [], {}, {}
     releases = config.selection_releases()  # the planned ones: what the budget was fixed from
     near_start = _near_private_start(config, checkpoints, [r.charge() for r in releases]) if releases else None
     noise = config.privacy.noise

@@ -40,7 +40,8 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "conclave.cluster.teaching.clusters": ("cluster_vote_source",),
     "conclave.cluster.teaching.aggregation": ("Aggregator", "serve"),
     "conclave.cluster.teaching.student": ("StudentResult", "non_private_ceiling", "train_student"),
-    "conclave.cluster.proposal": ("SOURCES", "Proposal", "propose", "proposed_config", "smallest_sigma"),
+    "conclave.cluster.proposal": (
+        "CHOICES", "DPSGD", "SOURCES", "TABLE_MODELS", "Proposal", "propose", "proposed_config", "smallest_sigma"),
     # Active learning and sparse fine-tuning.
     "conclave.cluster.active_learning": (
         "ActiveLearningConfig", "ActiveLearningData", "ActiveLearningDPSGD", "ActiveLearningResult", "AnnotatorConfig",

@@ -19,6 +19,7 @@ coordinator reaches it through the same owner protocol.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -192,8 +193,9 @@ class PublicData:
 
     @classmethod
     def read(cls, public: DataSource, test: DataSource, classes: tuple[str, ...] | None) -> PublicData:
-        """The ``public`` and ``test`` sources, the test table read by the pool's column names;
-        the class list is ``classes`` or the test labels' (never an owner's)."""
+        """The ``public`` and ``test`` sources, the test table read by the pool's column names, a
+        missing cell of either given the pool's column mean (as an owner's is, ``reading``); the
+        class list is ``classes`` or the test labels' (never an owner's)."""
         from conclave.learning.data.sources import MissingColumns, class_names
 
         columns = public.input_columns()  # the run's inputs, by name (None: not a table)
@@ -201,6 +203,9 @@ class PublicData:
             test = test.by_name(columns)
         except ValueError as err:
             raise ValueError(f"test: {err}") from None
+        if columns is not None:  # public values only: the pool's own means over its finite cells
+            means = public.by_name(columns).column_means()
+            public, test = (dataclasses.replace(source, fill=means) for source in (public, test))
         try:
             if not classes:
                 labels = test.read_raw().labels

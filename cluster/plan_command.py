@@ -19,7 +19,7 @@ from typing import Any
 
 from conclave.cluster.config import ConfigError, load_yaml
 from conclave.cluster.pipelines import Pipeline, load_pipeline
-from conclave.cluster.proposal import SOURCES, propose, render
+from conclave.cluster.proposal import CHOICES, propose, render
 from conclave.cluster.teaching.config import MechanismConfig
 from conclave.cluster.results import _jsonable
 from conclave.errors import ConclaveError, fail
@@ -107,10 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "plan") -> Non
     parser.add_argument("config", help="a run's YAML config (see configs/); nothing it names is read")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--propose", nargs="?", const="-", default=None, metavar="FILE",
-                        help="propose settings from public figures (declared records, classes, the public pool's "
-                             "size, the budget) and print the complete config (or write it to FILE) for conclave run")
-    parser.add_argument("--source", choices=SOURCES, default=None,
-                        help="with --propose: the vote source to size (default: public clusters)")
+                        help="propose a pipeline and its settings from public figures (declared records, classes, "
+                             "columns, the public pool's size, the budget) and print the complete config (or write "
+                             "it to FILE) for conclave run")
+    parser.add_argument("--source", choices=CHOICES, default=None,
+                        help="with --propose: size this one instead of plan's choice: dpsgd (DP-SGD across the "
+                             "owners) or a vote source (clusters, knn, teachers)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -141,7 +143,7 @@ def _propose(args: argparse.Namespace, raw: dict[str, Any]) -> int:
             Path(args.propose).write_text(text)
         except OSError as err:
             raise PlanError(f"--propose {args.propose}: {err.strerror or err}") from err
-        print(f"{args.propose}: {proposal.source}: {proposal.rule}; planned guarantee ε "
+        print(f"{args.propose}: {proposal.choice} ({proposal.reason}): {proposal.rule}; planned guarantee ε "
               f"{proposal.guarantee.epsilon:.4g} (conclave run {args.propose})")
     for warning in proposal.warnings:
         print(f"conclave: warning: {warning}", file=sys.stderr)

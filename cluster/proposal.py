@@ -1,24 +1,28 @@
-"""Settings proposed for a user's teacher/student config, from public figures alone
-(``conclave plan CONFIG --propose``).
+"""Settings proposed for a consortium's run, from public figures alone (``conclave plan CONFIG --propose``).
 
 It reads the config and the public tables' sizes, never an owner's file, so the proposal releases
-nothing. Public-cluster votes by default (on public proxies, ``bench/proposal_proxy.py``, their
-students beat kNN votes' and teachers'); every noise level is calibrated by the accounting a run
-uses, so the proposed run is never cut short by its own filter. The sizing rules are the
-constants below, each with its reason.
+nothing, and the same declared figures always give the same proposal. It chooses the pipeline
+(``choose``): for tables, DP-SGD across the owners (their model is the result) wherever the
+declared records pay for its model's parameters at the budget, else public-cluster votes; for
+images, public-cluster votes. On public proxies (``bench/proposal_proxy.py``: the consortium
+benchmark's shapes at other seeds, scikit-learn's breast-cancer and digits) DP-SGD's model beat the
+student of public clusters, the best vote source, by 8–23 points on the consortium shapes at ε 1 and
+4, and was level with it or above on the small tables. ``--source`` sizes another. Every noise level is calibrated
+by the accounting a run uses, so the proposed run is never cut short by its own filter. The sizing
+rules are the constants below, each with its reason.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from conclave.cluster.config import ConfigError, from_dict
+from conclave.cluster.config import ConfigError
 from conclave.cluster.teaching.config import TeacherStudentConfig, MechanismConfig
 from conclave.privacy.accounting.filter import order_index
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
@@ -27,9 +31,18 @@ from conclave.privacy.mechanisms.gnmax import GNMax
 from conclave.privacy.mechanisms.private_knn import PrivateKnnMechanism
 from conclave.privacy.mechanisms.public_clusters import PublicClusterVotes
 
+if TYPE_CHECKING:
+    from conclave.cluster.owners import DataOwner
+    from conclave.cluster.pipelines import Pipeline
+
 log = logging.getLogger(__name__)
 
-SOURCES = ("clusters", "knn", "teachers")
+DPSGD = "dpsgd"  # DP-SGD across the owners (pipeline: active_learning, no labels bought): its model is the result
+SOURCES = ("clusters", "knn", "teachers")  # the teacher_student vote sources
+CHOICES = (DPSGD, *SOURCES)  # what a proposal may be (``--source`` names one)
+TEACHER_STUDENT, ACTIVE_LEARNING = "teacher_student", "active_learning"
+# What every pipeline's config says alike: the consortium's declaration, carried into any proposal.
+DECLARATION = ("name", "seed", "owners", "public", "test", "classes", "privacy", "runtime_env", "tracking")
 # Public clusters: a medoid's expected votes at least this many noise deviations ...
 VOTE_MARGIN = 10.0
 # ... and at most the records per class over this (its voters a small part of one class).
@@ -52,7 +65,15 @@ MAX_TEACHERS = 250
 TEACHER_NOISE_SHARE = 1 / 3  # σ at most this share of the teachers
 MIN_QUERIES = 20
 BATCH_SIZE = 20  # the student's calls (teachers, kNN): the budget's tail is spent in small batches
-PROPOSED = "-proposed"  # the proposed config's name: the config's, with "-<source>" and this
+# DP-SGD across the owners (``_dpsgd``), each setting measured on public proxies (bench/proposal_proxy.py)
+DPSGD_RECORDS_PER_PARAMETER = 2.0  # declared records × ε per model parameter: below it, the noise swamps the model
+# Full-batch noised steps: 25 per unit of ε, within [50, 100]. More steps converge further, each at
+# more noise: replayed on the proxies, 100 beat 50 at ε 4 (by 1–4 points) and lost to it at ε 1 (by
+# 1–4); 30 or 40 at ε 1, learning rates 0.5–2 and other scalings of the products were level.
+DPSGD_STEPS_PER_EPSILON, DPSGD_STEPS = 25, (50, 100)
+DPSGD_LR, DPSGD_MOMENTUM, DPSGD_CLIP = 1.0, 0.9, 1.0  # with a cosine decay to 0 (averages the late noise away)
+TABLE_MODELS = ("quadratic", "logistic_regression")  # the richest the records pay for first
+PROPOSED = "-proposed"  # the proposed config's name: the config's, with "-<choice>" and this
 SIGMA_DIGITS = 3  # σ rounded up to this many significant digits (up: ε only falls)
 
 
@@ -91,29 +112,44 @@ class Proposal:
     values) and what they plan: the guarantee ``privacy.json`` would state, and the planned work's
     worst case, both at most the budget."""
 
-    source: str
+    choice: str  # one of CHOICES
     figures: PublicFigures
     sections: dict[str, Any]
     guarantee: Guarantee
     planned_worst_case: float
     rule: str  # the sizes and why, in a sentence
+    reason: str  # why this pipeline, in a sentence
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
-def load_config(raw: dict[str, Any]) -> TeacherStudentConfig:
-    """The teacher/student ``TeacherStudentConfig`` of a parsed YAML mapping, read as a run reads it (its
-    ``tracking`` section says how a run is recorded, not what it does)."""
-    if raw.get("pipeline") != "teacher_student":
-        raise ProposalError(f"--propose sizes vote sources of the teacher_student pipeline, not {raw.get('pipeline')}")
-    return from_dict(TeacherStudentConfig,
-                     {key: value for key, value in raw.items() if key not in ("pipeline", "tracking")})
+def load_config(raw: dict[str, Any]) -> Any:
+    """The config of a parsed YAML mapping (``teacher_student`` or ``active_learning``), read as a run
+    reads it (its ``tracking`` section says how a run is recorded, not what it does)."""
+    from conclave.cluster.pipelines import load_pipeline
+
+    if raw.get("pipeline") not in (TEACHER_STUDENT, ACTIVE_LEARNING):
+        raise ProposalError(f"--propose sizes a consortium's teacher_student or active_learning config, not "
+                            f"{raw.get('pipeline')}")
+    return load_pipeline(raw).config
 
 
-def public_figures(config: TeacherStudentConfig) -> PublicFigures:
-    """The figures of ``config`` (owners with declared records), reading only its public pool and
-    test tables (their row count, kind and class list)."""
+def as_pipeline(raw: dict[str, Any], pipeline: str) -> dict[str, Any]:
+    """``raw`` as a config of ``pipeline``: itself, or its declaration (``DECLARATION``: the owners,
+    public data and budget) under the other pipeline's name, each owner without its teachers."""
+    if raw.get("pipeline") == pipeline:
+        return raw
+    declared = {key: raw[key] for key in DECLARATION if key in raw}
+    owners = [{key: value for key, value in owner.items() if key != "teachers"} for owner in raw.get("owners") or ()]
+    return {"pipeline": pipeline, **declared, **({"owners": owners} if owners else {})}
+
+
+def public_figures(raw: dict[str, Any]) -> PublicFigures:
+    """The figures of the config ``raw`` (owners with declared records), reading only its public
+    pool and test tables (their row count, kind and class list)."""
     from conclave.cluster.owners import PublicData
 
+    load_config(raw)  # a config a run would refuse is refused here, in one line
+    config: TeacherStudentConfig = load_config(as_pipeline(raw, TEACHER_STUDENT))
     if not config.owners:
         raise ProposalError("--propose sizes a run from its owners' declared records: the config names no owners")
     undeclared = [owner.name for owner in config.owners if owner.records is None]
@@ -122,6 +158,7 @@ def public_figures(config: TeacherStudentConfig) -> PublicFigures:
                             "declare no records (a public upper bound of what each holds)")
     if config.privacy.budget is None:
         raise ProposalError("--propose fits the noise to privacy.budget: declare one (the ε the run may spend)")
+    _started_gateways_admit(config.owners)
     try:
         public = PublicData.read(config.public, config.test, config.classes)
     except (ValueError, OSError) as err:
@@ -133,37 +170,77 @@ def public_figures(config: TeacherStudentConfig) -> PublicFigures:
                          config.privacy.delta, config.server.max_batch, config.secure or several)
 
 
-def propose(raw: dict[str, Any], source: str | None = None) -> Proposal:
-    """Settings for the teacher/student config ``raw`` (a parsed YAML mapping with owners), for
-    ``source`` (one of ``SOURCES``; None: public clusters, module docstring)."""
-    source = source or "clusters"
-    if source not in SOURCES:
-        raise ProposalError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
-    config = load_config(raw)
-    figures = public_figures(config)
-    sections, rule, warnings = {"clusters": _clusters, "knn": _knn, "teachers": _teachers}[source](raw, figures)
-    sections = {"name": proposed_name(config.name, source), **sections}  # its own results folder beside the config's
-    proposed = load_config(proposed_config(raw, sections))  # as `conclave run` will read it
-    planned = proposed.planned()
+def _started_gateways_admit(owners: Sequence[DataOwner]) -> None:
+    """The owners named by their data have a budget (a policy on this machine or the config's), as
+    the gateways a run starts for them require: else the proposal would not run as written."""
+    from conclave.cluster.gateway.local import budget_source
+    from conclave.privacy.accounting.owner_policy import OwnerRefused
+
+    for owner in owners:
+        if owner.data is not None:
+            try:
+                budget_source(owner)
+            except OwnerRefused as err:
+                raise ProposalError(f"{err} (conclave run refuses it)") from None
+
+
+def choose(figures: PublicFigures) -> tuple[str, str]:
+    """The pipeline for ``figures`` (one of ``CHOICES``) and why, from public figures alone
+    (module docstring; the proxies' figures are in ``results/bench/proposal_proxy.json``)."""
+    if not figures.table:
+        return "clusters", ("images: public-cluster votes in a HOG embedding, one release labelling the whole pool "
+                            "(DP-SGD from scratch on images learns far less at these budgets)")
+    model = dpsgd_model(figures)
+    if model is None:
+        return "clusters", (f"a table whose {figures.records} declared records pay at ε {figures.epsilon:g} for no "
+                            f"DP-SGD model's parameters ({DPSGD_RECORDS_PER_PARAMETER:g} records × ε each): public-"
+                            "cluster votes, one release whatever the model")
+    return DPSGD, ("a table: DP-SGD across the owners, whose model was well above the best vote source's student "
+                   "(public clusters) on public proxies of consortium tables and level with it or above on small ones "
+                   "(bench/proposal_proxy.py), wherever the declared records paid for its parameters")
+
+
+def propose(raw: dict[str, Any], choice: str | None = None) -> Proposal:
+    """Settings for the consortium's config ``raw`` (a parsed YAML mapping with owners, of the
+    ``teacher_student`` or ``active_learning`` pipeline) as ``choice`` (one of ``CHOICES``; None:
+    ``choose``'s, from the public figures)."""
+    if choice is not None and choice not in CHOICES:
+        raise ProposalError(f"source must be one of {', '.join(CHOICES)}, got {choice!r}")
+    figures = public_figures(raw)
+    reason = f"asked for (--source {choice})" if choice else ""
+    if choice is None:
+        choice, reason = choose(figures)
+    pipeline = ACTIVE_LEARNING if choice == DPSGD else TEACHER_STUDENT
+    base = as_pipeline(raw, pipeline)
+    size = {DPSGD: _dpsgd, "clusters": _clusters, "knn": _knn, "teachers": _teachers}[choice]
+    sections, rule, warnings = size(base, figures)
+    # its own results folder beside the config's; the pipeline named where it is not the user's
+    sections = {**({"pipeline": pipeline} if base is not raw else {}),
+                "name": proposed_name(str(raw.get("name", pipeline)), choice), **sections}
+    proposed = _base(base, sections)  # as `conclave run` will read it
+    planned = proposed.plan()
     worst = worst_case_guarantee(planned, figures.delta).epsilon
     if not (worst <= figures.epsilon and _admitted(proposed)):  # the calibration's promise, checked as a run would
-        raise ProposalError(f"the proposed {source} settings plan ε {worst:.4g}, past the budget {figures.epsilon:g}")
-    log.debug("proposed %s for %s: %s", source, raw.get("name"), rule)
-    return Proposal(source, figures, sections, proposed.privacy.guarantee(planned), worst, rule, tuple(warnings))
+        raise ProposalError(f"the proposed {choice} settings plan ε {worst:.4g}, past the budget {figures.epsilon:g}")
+    log.debug("proposed %s for %s: %s", choice, raw.get("name"), rule)
+    return Proposal(choice, figures, sections, proposed.config.privacy.guarantee(planned), worst, rule, reason,
+                    tuple(warnings))
 
 
-def proposed_name(name: str, source: str) -> str:
-    """The proposed run's name: ``<name>-<source>-proposed``, so that each source's proposal has
-    its own results folder; proposing again for a proposed config replaces its source."""
-    for known in SOURCES:
+def proposed_name(name: str, choice: str) -> str:
+    """The proposed run's name: ``<name>-<choice>-proposed``, so that each choice's proposal has
+    its own results folder; proposing again for a proposed config replaces its choice."""
+    for known in CHOICES:
         if name.endswith(f"-{known}{PROPOSED}"):
             name = name[:-len(f"-{known}{PROPOSED}")]
             break
-    return f"{name}-{source}{PROPOSED}"
+    return f"{name}-{choice}{PROPOSED}"
 
 
 def proposed_config(raw: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the proposal's sections in place of its own (and no other vote source's)."""
+    """``raw`` as the proposal's pipeline (``as_pipeline``) with the proposal's sections in place of
+    its own (and no other vote source's)."""
+    raw = as_pipeline(raw, sections.get("pipeline", raw.get("pipeline")))
     merged = {key: value for key, value in raw.items() if key not in ("knn", "clusters", *sections)}
     return {**merged, **sections}
 
@@ -177,8 +254,10 @@ def render(raw: dict[str, Any], proposal: Proposal, source_path: str) -> str:
     owners = ", ".join(f"{name} {records}" for name, records in figures.owners)
     header = [f"# Proposed by `conclave plan {source_path} --propose` from public figures only:",
               f"#   declared records {owners} ({figures.records} in all), {figures.classes} classes,",
-              f"#   a public pool of {figures.pool} rows, budget ε {figures.epsilon:g} at δ {figures.delta:g}.",
-              f"# {proposal.source}: {proposal.rule}",
+              f"#   {figures.width} {'columns' if figures.table else 'values per input'}, a public pool of "
+              f"{figures.pool} rows, budget ε {figures.epsilon:g} at δ {figures.delta:g}.",
+              f"# Why {proposal.choice}: {proposal.reason}.",
+              f"# {proposal.choice}: {proposal.rule}",
               f"# Planned guarantee: ε {proposal.guarantee.epsilon:.4g} ({proposal.guarantee.basis}); the planned "
               f"work's worst case ε {proposal.planned_worst_case:.4g}.",
               *(f"# warning: {warning}" for warning in proposal.warnings)]
@@ -190,30 +269,30 @@ def render(raw: dict[str, Any], proposal: Proposal, source_path: str) -> str:
 # --- calibration -------------------------------------------------------------------------
 
 
-def _admitted(config: TeacherStudentConfig) -> bool:
+def _admitted(pipeline: Pipeline) -> bool:
     """Whether the run's own Rényi filter (if it declares a budget) admits all its planned work."""
-    planned = config.planned()
-    budget = config.privacy.budget_filter(planned)
+    planned = pipeline.plan()
+    budget = pipeline.config.privacy.budget_filter(planned)
     if budget is None:
         return True
     return budget.admits(float(planned.rdp[order_index(budget.order, planned.orders)]), planned.extra_delta)
 
 
-def _fits(build: Callable[[Any], TeacherStudentConfig], value: Any, epsilon: float) -> bool:
+def _fits(build: Callable[[Any], Pipeline], value: Any, epsilon: float) -> bool:
     """Whether ``build(value)`` plans at most ``epsilon`` and its filter admits its planned work (a
     budget too small for any of the filter's orders refuses the config: it does not fit)."""
     try:
-        config = build(value)
+        pipeline = build(value)
     except ValueError:
         return False
-    return worst_case_guarantee(config.planned(), config.privacy.delta).epsilon <= epsilon and _admitted(config)
+    return (worst_case_guarantee(pipeline.plan(), pipeline.config.privacy.delta).epsilon <= epsilon
+            and _admitted(pipeline))
 
 
-def smallest_sigma(build: Callable[[float], TeacherStudentConfig], epsilon: float, high: float,
-                   low: float = 1e-2) -> float:
-    """The smallest σ in [low, high] (to ``SIGMA_DIGITS`` significant digits, rounded up) whose config
-    ``build(σ)`` plans at most ``epsilon`` and whose filter admits its planned work: bisection, ε
-    falling in σ. ``high`` bounds the search (the sampled accountants' work grows with σ)."""
+def smallest_sigma(build: Callable[[float], Pipeline], epsilon: float, high: float, low: float = 1e-2) -> float:
+    """The smallest σ in [low, high] (to ``SIGMA_DIGITS`` significant digits, rounded up) whose run
+    ``build(σ)`` (a pipeline) plans at most ``epsilon`` and whose filter admits its planned work:
+    bisection, ε falling in σ. ``high`` bounds the search (the sampled accountants' work grows with σ)."""
     if not _fits(build, high, epsilon):
         raise ProposalError(f"no noise up to σ {high:.3g} fits the budget ε {epsilon:g}: too little budget for "
                             "this vote source (a larger budget, or another source)")
@@ -228,15 +307,18 @@ def _round_up(value: float) -> float:
     return float(f"{math.ceil(value / scale - 1e-9) * scale:.{SIGMA_DIGITS}g}")  # the decimal shown, exactly
 
 
-def _base(raw: dict[str, Any], sections: dict[str, Any]) -> TeacherStudentConfig:
+def _base(raw: dict[str, Any], sections: dict[str, Any]) -> Pipeline:
+    """The pipeline ``raw`` with ``sections`` runs (through the front door: its plan is what a run charges)."""
+    from conclave.cluster.pipelines import load_pipeline
+
     try:
-        return load_config(proposed_config(raw, sections))
+        return load_pipeline(proposed_config(raw, sections))
     except ValueError as err:  # ConfigError included: a setting the figures cannot make valid
         raise ProposalError(f"the proposal does not fit this config: {err}") from err
 
 
-def _with_mechanism(config: TeacherStudentConfig, name: str, params: dict[str, float]) -> TeacherStudentConfig:
-    return dataclasses.replace(config, mechanism=MechanismConfig(name, params))
+def _with_mechanism(pipeline: Pipeline, name: str, params: dict[str, float]) -> Pipeline:
+    return pipeline.with_config(dataclasses.replace(pipeline.config, mechanism=MechanismConfig(name, params)))
 
 
 def _aggregation(figures: PublicFigures) -> dict[str, Any]:
@@ -312,7 +394,7 @@ def _clusters(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, An
 # --- kNN votes ---------------------------------------------------------------------------
 
 
-def _largest_queries(build: Callable[[int], TeacherStudentConfig], epsilon: float, cap: int) -> int:
+def _largest_queries(build: Callable[[int], Pipeline], epsilon: float, cap: int) -> int:
     """The most queries in [1, cap] whose config fits ``epsilon`` (0 if none): fitting holds up to
     some number and not beyond."""
     if not _fits(build, 1, epsilon):
@@ -404,3 +486,56 @@ def _teachers(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, An
             f"{figures.records // total} declared records each), GNMax on {queries} queries at σ {sigma:g}, the most "
             "the budget pays for with σ at most a third of the teachers")
     return sections(queries, sigma), rule, warnings
+
+
+# --- DP-SGD across the owners ------------------------------------------------------------
+
+
+def model_parameters(model: str, width: int, classes: int) -> int:
+    """The trained parameters of table model ``model`` (one of ``TABLE_MODELS``) on ``width``
+    columns: a linear classifier over its features (``quadratic``: the columns and their pairwise
+    products, ``learning.models.table.quadratic_features``)."""
+    features = {"quadratic": width + width * (width + 1) // 2, "logistic_regression": width}[model]
+    return classes * (features + 1)
+
+
+def dpsgd_model(figures: PublicFigures) -> str | None:
+    """The richest of ``TABLE_MODELS`` whose parameters the declared records pay for at the budget
+    (``DPSGD_RECORDS_PER_PARAMETER``); None when none is paid for."""
+    for model in TABLE_MODELS:
+        if figures.records * figures.epsilon >= DPSGD_RECORDS_PER_PARAMETER * model_parameters(
+                model, figures.width, figures.classes):
+            return model
+    return None
+
+
+def _dpsgd(raw: dict[str, Any], figures: PublicFigures) -> tuple[dict[str, Any], str, list[str]]:
+    """DP-SGD across the owners (pipeline active_learning, no labels bought): full batch, so the
+    secure sum's noise needs no subsampling bound (at q ≤ 0.5 its general bound costs 2–4× the
+    noise the Gaussian's tight one does), a convex table model, σ calibrated to the budget."""
+    records, warnings = figures.records, []
+    model = dpsgd_model(figures)
+    if model is None:
+        model = TABLE_MODELS[-1]
+        warnings.append(f"the declared records are too few for this ε: {records} × ε {figures.epsilon:g} is under "
+                        f"{DPSGD_RECORDS_PER_PARAMETER:g} per parameter of {model}; the model will be noisy (more "
+                        "records, or a larger budget)")
+    parameters = model_parameters(model, figures.width, figures.classes)
+    steps = int(min(max(round(DPSGD_STEPS_PER_EPSILON * figures.epsilon), DPSGD_STEPS[0]), DPSGD_STEPS[1]))
+
+    def sections(sigma: float) -> dict[str, Any]:
+        return {"model": model,
+                "dpsgd": {"epochs": steps, "batch_size": records, "lr": DPSGD_LR, "momentum": DPSGD_MOMENTUM,
+                          "max_grad_norm": DPSGD_CLIP, "lr_schedule": "cosine", "noise_multiplier": sigma},
+                "selection": {"strategies": []},
+                "privacy": {**(raw.get("privacy") or {}), "budget": figures.epsilon}}
+
+    sigma = smallest_sigma(lambda s: _base(raw, sections(s)), figures.epsilon, high=CLUSTER_SIGMA_MAX)
+    across = f"across the {len(figures.owners)} owners through the secure sum" if len(figures.owners) > 1 else \
+        "on the owner's records"
+    rule = (f"DP-SGD {across}, model {model} ({parameters} parameters: {records} declared records × ε "
+            f"{figures.epsilon:g} = {records * figures.epsilon / parameters:.3g} per parameter), every declared "
+            f"record in each of {steps} steps (q = 1), lr {DPSGD_LR:g} with momentum {DPSGD_MOMENTUM:g} "
+            f"decaying to 0, clip {DPSGD_CLIP:g}, noise multiplier {sigma:g} (calibrated to the budget); no labels "
+            "bought: the DP model is the result")
+    return sections(sigma), rule, warnings

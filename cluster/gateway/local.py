@@ -62,7 +62,7 @@ class LocalGateways:
         from conclave.cluster.tls import create_authority, issue
 
         base = base or os.getcwd()
-        sources = {owner.name: _budget_source(owner) for owner in owners}
+        sources = {owner.name: budget_source(owner) for owner in owners}
         if cpus_per_actor is None:
             cpus_per_actor = _cpus_per_actor(owners)
         folder = Path(tempfile.mkdtemp(prefix="conclave-gateways-"))  # 0700: the keys stay the user's
@@ -120,8 +120,9 @@ class LocalGateways:
         self.stop()
 
 
-def _budget_source(owner: DataOwner) -> str:
-    """Where ``owner``'s budget comes from on this machine; refused without one, or without declared records."""
+def budget_source(owner: DataOwner) -> str:
+    """Where ``owner``'s budget comes from on this machine; refused without one, or without declared
+    records (``conclave plan --propose`` refuses such a config alike: its proposal would not run)."""
     if owner.data is None:
         raise ValueError(f"owner {owner.name} is named by its gateway: it is not started here")
     if owner.records is None:

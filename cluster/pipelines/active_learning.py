@@ -73,10 +73,11 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
                    "shards": {"nodes": result.nodes}}  # owner → the Ray nodes its shard actors ran on
         context.results.write_json("metrics", metrics)
         final_epsilon = checkpoint_rows[-1]["epsilon"]
-        curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
-        curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
-        context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)",
-                             "test accuracy")
+        if config.buys_labels:
+            curves = {name: [r["accuracy"] for r in rows if r["strategy"] == name] for name in sel.strategies}
+            curves[f"DP checkpoint (ε={final_epsilon:.2f})"] = [checkpoint_rows[-1]["test_accuracy"]] * len(sel.sizes)
+            context.results.plot("accuracy_vs_labels", sorted(sel.sizes), curves, "N_labeled (public labels bought)",
+                                 "test accuracy")
         summary = {"dp_checkpoint_accuracy": round(checkpoint_rows[-1]["test_accuracy"], 4),
                    "epsilon_dp": round(final_epsilon, 3), "guarantee": privacy.headline()}
         for name in sel.strategies:

@@ -210,6 +210,19 @@ class DataSource:
         self._check_exists()
         return imported(TABLE_HEADER)(self)
 
+    def column_means(self) -> tuple[float, ...] | None:
+        """A table's mean per input column over its finite cells (the public pool's fill every
+        table's missing cells in a run: ``cluster.owners.PublicData.read``); None for data that is
+        not a table. A column without one finite cell is a ``DataFormatError``."""
+        if self.format not in TABLE_FORMATS:
+            return None
+        x = replace(self, fill=None).read_raw().x.astype(np.float64)
+        finite = np.isfinite(x)
+        empty = [name for name, any_ in zip(self.input_columns() or (), finite.any(axis=0)) if not any_]
+        if empty or not len(x):
+            raise DataFormatError(f"{self.describes}: no usable value in column(s) {empty or 'any'}")
+        return tuple(float(value) for value in np.where(finite, x, 0.0).sum(axis=0) / finite.sum(axis=0))
+
     @property
     def labelled_by_layout(self) -> bool:
         """Whether the labels come with the data (class folders, a benchmark), not from ``label``."""

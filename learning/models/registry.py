@@ -27,6 +27,7 @@ REGISTRY: Registry[Callable[..., Any]] = Registry("model", {
     "gn_cnn": "conclave.learning.models.resnet:gn_cnn",            # small GroupNorm CNN for 32×32
     "mlp": "conclave.learning.models.table:mlp",                   # table rows [n, d]
     "logistic_regression": "conclave.learning.models.table:logistic_regression",  # table rows [n, d]
+    "quadratic": "conclave.learning.models.table:quadratic",       # table rows: columns and their products
 })
 
 

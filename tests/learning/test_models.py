@@ -189,6 +189,32 @@ def test_table_models_standardise_with_the_given_public_statistics_and_train_und
         build_model("mlp", 2, input_shape=(1, 8, 8))
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+def test_quadratic_model_is_logistic_regression_on_the_clamped_columns_and_their_products():
+    from conclave.learning.models.table import QUADRATIC_CLAMP, quadratic_features
+
+    model = build_model("quadratic", 3, input_shape=(2,), seed=0)
+    features = model.features(torch.tensor([[1.0, -2.0], [100.0, 0.5]]))  # no standardiser: the values as they are
+    half = 2 ** -0.5
+    assert torch.allclose(features, torch.tensor([[1.0, -2.0, half, -2 * half, 4 * half],
+                                                  [QUADRATIC_CLAMP, 0.5, 16 * half, 2 * half, 0.25 * half]]))
+    assert quadratic_features(15) == 135 and count(build_model("quadratic", 6, input_shape=(15,))) == 6 * 136
+    assert not model.classifier.weight.any()  # convex: it starts at zero
+    assert ModuleValidator.validate(model, strict=True) == []
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.classifier.weight.normal_()
+    model.load_state_dict(reference.state_dict())
+    x, y = torch.randn(3, 2) * 3, torch.tensor([0, 2, 1])
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    nn.functional.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    for i in range(3):  # Opacus's per-example gradients are those of separate backward passes
+        reference.zero_grad()
+        nn.functional.cross_entropy(reference(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad_sample[i], q.grad, atol=1e-5)
+
+
 def test_a_users_model_by_import_path_gets_the_same_arguments():
     model = build_model("conclave.learning.models.table:logistic_regression", 4, input_shape=(5,), seed=1)
     assert model(torch.zeros(2, 5)).shape == (2, 4)
