@@ -276,7 +276,8 @@ class GatewayAccount:
     budget_source: str | None = None
 
     def headline(self) -> str:
-        return (f"ε {self.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {self.charges} charges "
+        charges = f"{self.charges} charge" + ("" if self.charges == 1 else "s")
+        return (f"ε {self.epsilon:g} lifetime, {self.spent_epsilon:.3g} spent over {charges} "
                 f"({self.charges_before_run} before this run)")
 
     def as_dict(self) -> dict[str, Any]:

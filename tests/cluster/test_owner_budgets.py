@@ -29,6 +29,7 @@ def small_hospitals(tmp_path, lifetime: dict[str, float]):
         owner["teachers"] = 5
         owner["budget"] = {"epsilon": lifetime[owner["name"]], "delta": 1e-5,
                            "directory": str(tmp_path / "nodes" / owner["name"])}
+    raw["mechanism"]["params"]["sigma"] = 10.0
     raw["student"].update(queries=20, batch_size=10, checkpoints=[10])
     raw["teachers"]["train"]["epochs"] = 1
     raw["student"]["train"]["epochs"] = 1
