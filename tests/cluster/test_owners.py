@@ -119,6 +119,7 @@ def _as_printed(text: str) -> str:
     lines = [re.sub(r"\d+(?:\.\d+)?", "#", re.sub(r"\s*\[[^\]]*\]$", "", line) if "%|" in line else line)
              for line in lines]
     lines = [re.sub(r"-[0-9a-f#]{8}\b", "-RUN", line) for line in lines]  # the run's id at the gateways: fresh
+    lines = [re.sub(r"# charge\b", "# charges", line) for line in lines]  # a noun's number follows the count
     return "\n".join(line for line, _ in itertools.groupby(lines))
 
 
