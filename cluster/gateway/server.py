@@ -18,7 +18,8 @@ from google.protobuf.message import Message
 
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import Identity, Verifier
-from conclave.cluster.gateway.servicer import OwnerServicer, Refused, parse
+from conclave.cluster.gateway.servicer import OwnerServicer
+from conclave.cluster.gateway.wire import Refused, parse
 from conclave.cluster.tls import check_server_files
 from conclave.privacy.accounting.owner_policy import OwnerBudget, OwnerPolicy, OwnerRefused
 from conclave.protos import owner_pb2

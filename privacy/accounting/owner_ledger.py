@@ -92,7 +92,7 @@ class OwnerLedger:
         ``BudgetExceeded`` with the refusal in one line (naming the owner and what its lifetime
         budget has left) when spent + ``worst_case`` would pass the budget — nothing is
         recorded then. (The owner's gateway answers the coordinator with the line:
-        ``cluster.gateway.servicer``.)"""
+        ``cluster.gateway.vote_runs``, ``cluster.gateway.dpsgd_runs``.)"""
         capped = _cap_refusal(self.owner, self._cap, self._open(), worst_case if worst_case is not None else charge)
         if capped is not None:
             self.last_refusal = capped

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from conclave.cluster.gateway.client import ClusterVotes, GatewayVoteSource, float_tensor
 from conclave.cluster.gateway.identity import Identity, RoundKey
-from conclave.cluster.gateway.servicer import signed
+from conclave.cluster.gateway.vote_runs import signed_round_key
 from conclave.cluster.tls import issue, load_authority
 from conclave.protos import owner_pb2
 from tests.gateways import CLASSES, OWNERS, Consortium, gateways_serving, make_consortium
@@ -201,14 +201,16 @@ def test_a_party_outside_the_declared_peers_is_refused(attack, tmp_path):
     outsider = RoundKey("mallory", X25519PrivateKey.generate().public_key().public_bytes_raw(), 400, RUN, round_, BATCH,
                         len(CLASSES), SIGMA)
     with refused(attack, Code.PERMISSION_DENIED, "mallory", "not a declared peer"):
-        attack.votes("hospital_a", round_, [*keys, signed(outsider, identity.certificate_pem, identity.sign(outsider))])
+        forged = signed_round_key(outsider, identity.certificate_pem, identity.sign(outsider))
+        attack.votes("hospital_a", round_, [*keys, forged])
 
     round_ = next(attack.rounds)
     keys = attack.keys(round_)[:2]
     posing = RoundKey("hospital_c", X25519PrivateKey.generate().public_key().public_bytes_raw(), 400, RUN, round_,
                       BATCH, len(CLASSES), SIGMA)  # mallory's certificate, claiming hospital_c
     with refused(attack, Code.PERMISSION_DENIED, "claims owner hospital_c"):
-        attack.votes("hospital_a", round_, [*keys, signed(posing, identity.certificate_pem, identity.sign(posing))])
+        forged = signed_round_key(posing, identity.certificate_pem, identity.sign(posing))
+        attack.votes("hospital_a", round_, [*keys, forged])
 
     round_ = next(attack.rounds)
     keys = attack.keys(round_)
