@@ -33,8 +33,9 @@ def test_version_names_the_distribution(tmp_path):
 
 
 def test_every_module_lies_at_the_path_its_name_spells():
-    """``conclave.privacy.noise`` is conclave/privacy/noise.py, a link into privacy/: a tool that
-    resolves imports by path, not through the installed package, finds every module in its layer."""
+    """``conclave.privacy.noise`` is the file conclave/privacy/noise.py (the root's privacy/ is a
+    link to conclave/privacy/): a tool that resolves imports by path, not through the installed
+    package, finds every module in its layer."""
     root = Path(__file__).resolve().parents[1]
     for folder in FOLDERS:
         for path in (root / folder).rglob("*.py"):
