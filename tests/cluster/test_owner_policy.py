@@ -47,9 +47,10 @@ def node(ray_session, tmp_path, monkeypatch, capsys):
 
 
 def small_hospitals(tmp_path, budgets: dict[str, dict | None], owners: tuple[str, ...] = ("hospital_a",)) -> Path:
-    """The shipped hospitals config, small (2 teachers an owner, 10 queries), of ``owners`` alone (hospital_a:
-    a refusal by it stops the run before any other gateway admits it), with ``budgets`` per owner (None:
-    none in the config); hospital_b's and c's ledgers in this test's folders."""
+    """The shipped hospitals config, small (2 teachers an owner, 10 queries at GNMax σ 10: a round
+    hospital_a's ε 1 policy pays for), of ``owners`` alone (hospital_a: a refusal by it stops the run
+    before any other gateway admits it), with ``budgets`` per owner (None: none in the config);
+    hospital_b's and c's ledgers in this test's folders."""
     raw = load_yaml(HOSPITALS)
     raw["owners"] = [owner for owner in raw["owners"] if owner["name"] in owners]
     for owner in raw["owners"]:
@@ -59,6 +60,7 @@ def small_hospitals(tmp_path, budgets: dict[str, dict | None], owners: tuple[str
         if asked is not None:
             owner["budget"] = asked
     raw["teachers"]["train"]["epochs"] = 2
+    raw["mechanism"]["params"]["sigma"] = 10.0
     raw["student"].update(queries=10, batch_size=10, checkpoints=[10])
     raw["student"]["train"]["epochs"] = 2
     path = tmp_path / "hospitals.yaml"

@@ -21,11 +21,11 @@ def hospitals(**changes) -> dict:
 
 def test_secure_aggregation_plans_the_skellam_charge_of_the_secure_variant():
     config = load_pipeline(hospitals(aggregation="secure")).config
-    assert config.vote_mechanism == SecureGNMax(10.0)
+    assert config.vote_mechanism == SecureGNMax(5.0)
     planned = config.planned()
-    expected = SecureGNMax(10.0).run_charge(40, 40)
+    expected = SecureGNMax(5.0).run_charge(10, 10)
     assert planned.neighbouring == "add-remove" and (planned.rdp == expected.rdp).all()
-    assert load_pipeline(hospitals()).config.vote_mechanism == SecureGNMax(10.0)  # with owners, left out: secure
+    assert load_pipeline(hospitals()).config.vote_mechanism == SecureGNMax(5.0)  # with owners, left out: secure
 
 
 @pytest.mark.parametrize("changes, named", [
