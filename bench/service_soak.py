@@ -885,12 +885,14 @@ def partial_batch(outcome: Outcome, serve: Serve) -> None:
 # kNN votes on digits (no teachers to train), with room for every call the scenario makes.
 KNN_CONFIG = {**yaml.safe_load((ROOT / "configs" / "digits-knn.yaml").read_text()), "name": "soak-knn",
               "privacy": {"budget": 100.0, "delta": 1.0e-5}, "server": {"max_batch": 64}}
-# The three hospitals with aggregation: secure, 3 teachers each; room for every call, in the run's
-# budget and in each owner's lifetime one (their ledgers under the bench's own CONCLAVE_HOME).
+# The three hospitals with aggregation: secure, 3 teachers each; room for every call, in the rounds
+# the owners admit (each call one round), in the run's budget and in each owner's lifetime one
+# (their ledgers under the bench's own CONCLAVE_HOME).
 _HOSPITALS = yaml.safe_load((ROOT / "configs" / "hospitals.yaml").read_text())
 SECURE_CONFIG = {**_HOSPITALS, "name": "soak-secure", "aggregation": "secure",
                  "owners": [{**owner, "teachers": 3, "budget": {"epsilon": 1000.0, "delta": 1.0e-5}}
                             for owner in _HOSPITALS["owners"]],
+                 "student": {**_HOSPITALS["student"], "queries": 120, "batch_size": 1},  # 120 rounds of 1
                  "privacy": {"budget": 200.0, "delta": 1.0e-5}, "server": {"max_batch": 64}}
 STORAGE_FULL = "the aggregator cannot write its privacy ledger (disk full)"
 
@@ -922,9 +924,10 @@ def signed_zero_reask(outcome: Outcome, serve: Serve) -> None:
 
 class Callers:
     """``clients`` threads asking fresh single inputs (``next_input``) with the clients' 30 s
-    deadline until stopped; each call's start, duration and status."""
+    deadline until stopped, each ``pause`` s apart; each call's start, duration and status."""
 
-    def __init__(self, serve: Serve, next_input, clients: int) -> None:
+    def __init__(self, serve: Serve, next_input, clients: int, pause: float = 0.0) -> None:
+        self._pause = pause
         self.calls: list[tuple[float, float, str]] = []
         self.answered_inputs = 0
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -946,8 +949,7 @@ class Callers:
                 with self._lock:
                     self.calls.append((started, time.monotonic() - started, code))
                     self.answered_inputs += code == "OK"
-                if code != "OK":
-                    time.sleep(0.2)  # a client backs off a little
+                time.sleep(self._pause if code == "OK" else max(self._pause, 0.2))  # a client backs off a little
 
     def stop(self) -> int:
         """Stop asking; how many callers were still in a call after their deadline and 5 s."""
@@ -1039,7 +1041,7 @@ def stopped_secure_owner(outcome: Outcome, serve: Serve, stop_for: float = 20.0,
     with AggregatorClient(serve.address, token=TOKEN, timeout=DEADLINE) as client:
         client.label(next_input())
         start, facts_before = client.budget(), secure_ledger_facts(serve.ledger)
-        callers = Callers(serve, next_input, clients)
+        callers = Callers(serve, next_input, clients, pause=1.0)  # 4 calls/s: the owners admit 120 rounds
         time.sleep(3.0)  # rounds in flight: the stop lands in one or between two
         before = client.budget()
         victim = max(serve.teacher_pids())  # the last owner's actor

@@ -328,8 +328,8 @@ class PrivateLabeller:
                 with self._lock:
                     on_record = any(key in self._answers for key in keys)
                 if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
-                    refused = self.ledger.refusal(self._worst_case(len(fresh))) or str(err)  # ours, or an owner's
-                    raise self._exhausted(refused, len(fresh)) from None
+                    ours = self.ledger.refusal(self._worst_case(len(fresh)))  # else an owner's, or its admission's
+                    raise self._exhausted(len(fresh), elsewhere=None if ours else str(err)) from None
                 break
             newly_answered += answered
             # Calls earlier in the group may have taken what was left: try again alone while the
@@ -340,7 +340,7 @@ class PrivateLabeller:
             labels = np.array([self._answers.get(key, ABSTAIN) for key in keys], dtype=np.int64)
             refused = np.array([key not in self._answers for key in keys], dtype=bool)
             if refused.all() and newly_answered == 0:
-                raise self._exhausted(self.ledger.refusal(self._worst_case(len(keys))) or "", len(set(keys)))
+                raise self._exhausted(len(set(keys)))
             self._counters.cache_hits += len(keys) - newly_answered - int(refused.sum())
         return LabelOutcome(labels, refused)
 
@@ -411,17 +411,18 @@ class PrivateLabeller:
         """``affordable(count)``, or ``BudgetExceeded`` when not one new input fits."""
         paid = self.affordable(count)
         if paid == 0:
-            raise self._exhausted(self.ledger.refusal(self._worst_case(count)) or "", count)
+            raise self._exhausted(count)
         if paid < count:
             log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
         return paid
 
-    def _exhausted(self, refused: str, count: int) -> BudgetExceeded:
+    def _exhausted(self, count: int, elsewhere: str | None = None) -> BudgetExceeded:
         """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
-        how many other clients asked meanwhile)."""
+        how many other clients asked meanwhile); ``elsewhere``: why, where this ledger did not refuse
+        (an owner's lifetime budget at its gateway, or the rounds the owners admitted, all used)."""
         inputs = f"{count} new input{'' if count == 1 else 's'}"
-        if refused.startswith("owner "):  # an owner's lifetime budget, refusing at its gateway
-            return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {refused}")
+        if elsewhere is not None:
+            return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {elsewhere}")
         report = self.ledger.report()
         return BudgetExceeded(
             f"privacy budget exhausted: labelling {inputs} could cost more than the budget "

@@ -10,7 +10,7 @@ import pytest
 
 from conclave.actors.labeller import SecureLabeller
 from conclave.cluster.gateway.client import ClusterVotes, GatewayVoteSource, KnnVotes
-from conclave.privacy.accounting.ledger import PrivacyLedger, read_ledger
+from conclave.privacy.accounting.ledger import BudgetExceeded, PrivacyLedger, read_ledger
 from conclave.privacy.accounting.owner_policy import OwnerPolicy
 from conclave.privacy.accounting.sampled_skellam import sampled_skellam_vote_charge
 from conclave.privacy.accounting.skellam import skellam_charge
@@ -70,7 +70,15 @@ def test_knn_votes_through_the_gateways(consortium, tmp_path):
     try:
         mechanism = SecurePrivateKnn(sigma1=SIGMA, threshold=0.0, sigma2=SIGMA, sample_rate=rate)
         with PrivacyLedger(tmp_path / "coordinator.sqlite", 1e-5, None) as ledger:
-            outcome = SecureLabeller(source, mechanism, ledger).label(consortium.queries[:batch])
+            labeller = SecureLabeller(source, mechanism, ledger)
+            outcome = labeller.label(consortium.queries[:batch])
+            # the one admitted round is used: the next is refused as spent for good, not "retry later"
+            with pytest.raises(BudgetExceeded, match=r"^privacy budget exhausted: labelling 12 new inputs: the "
+                                                     r"owners admitted run 'knn-run' for 1 round\(s\) of at "
+                                                     r"most 12 queries, all used: nothing was asked, released or "
+                                                     r"charged$"):
+                labeller.label(consortium.queries[batch : 2 * batch])
+            assert ledger.report().charges == 1
         accuracy = float((outcome.labels == consortium.truth[:batch]).mean())
         assert accuracy > 0.5, accuracy
     finally:

@@ -209,7 +209,7 @@ class GatewayVoteSource:
         self.embed = embed
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
-        self._round = 0
+        self._round, self.rounds, self.max_batch = 0, rounds, max_batch  # the admitted plan's rounds
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
         if terms.takes_pool != (public_pool is not None):
             raise ValueError("give a public pool for the records' embedding, and none for teachers")
@@ -267,6 +267,9 @@ class GatewayVoteSource:
         draw their noise from their own OS entropy: ``noise`` is the coordinator's and unused."""
         if release.sigma != self.sigma:
             raise ValueError(f"the gateways admitted σ {self.sigma:g}; this round asks σ {release.sigma:g}")
+        if self._round >= self.rounds:  # every gateway would refuse the round's keys: not "retry later"
+            raise BudgetExceeded(f"the owners admitted run '{self.run}' for {self.rounds} round(s) of at most "
+                                 f"{self.max_batch} queries, all used: nothing was asked, released or charged")
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
         self._round += 1
         round_, batch = self._round, len(inputs)

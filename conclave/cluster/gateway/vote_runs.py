@@ -134,6 +134,9 @@ class VoteRuns:
         if not 1 <= request.batch <= run.max_batch:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"batch {request.batch} is outside the admitted [1, {run.max_batch}]")
+        if not run.source.ready():  # asked again before the charge (votes): the coordinator charges once keyed
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"owner {self.declaration.name}'s actors cannot answer "
+                                                       f"round {request.round} now: nothing was charged")
         private = X25519PrivateKey.generate()  # its rank is known once the round's parties are
         run.keys[request.round], run.last_keyed = private, request.round
         key = run.round_key(self.declaration.name, request.round, request.batch,
