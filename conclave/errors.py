@@ -35,6 +35,16 @@ class RunRefused(ConclaveError):
         return f"run '{run}' refused: {first_line(self)}"
 
 
+class InvalidValue(ConclaveError, ValueError):
+    """An argument, a setting or an input the code cannot take; the message names it. A
+    ``ValueError`` too, so callers that catch one still do."""
+
+    exit_code = 2
+
+    def run_line(self, run: str) -> str:
+        return f"run '{run}' failed: {first_line(self)}"
+
+
 class ClusterLost(ConclaveError):
     """Ray could not run an actor or a task (a node or worker died, out of resources)."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast
+from conclave.errors import InvalidValue
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ class Registry(Mapping[str, str], Generic[T]):
     def __init__(self, kind: str, paths: Mapping[str, str], about: Mapping[str, str] | None = None) -> None:
         undescribed = sorted(set(about or {}) - set(paths))
         if undescribed:
-            raise ValueError(f"{kind} registry: descriptions of unregistered names {undescribed}")
+            raise InvalidValue(f"{kind} registry: descriptions of unregistered names {undescribed}")
         self.kind = kind
         self._paths = dict(paths)
         self._about = dict(about or {})

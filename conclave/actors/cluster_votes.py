@@ -24,6 +24,7 @@ from conclave.actors.owner_records import EmbeddedRecords
 from conclave.actors.owners import OwnerSource, describe_all, nodes_of
 from conclave.actors.teacher import TeacherSource
 from conclave.actors.vote_parties import RecordShare, VoteParties, plan_parties
+from conclave.errors import InvalidValue
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.cluster_histogram import cluster_histogram
@@ -74,9 +75,9 @@ class ClusterVoteSource(VoteParties):
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, votes_per_record: int,
                  num_cpus_per_actor: float = 1.0) -> None:
         if not shares:
-            raise ValueError("public-cluster votes need at least one owner")
+            raise InvalidValue("public-cluster votes need at least one owner")
         if votes_per_record < 1:
-            raise ValueError(f"votes_per_record must be >= 1, got {votes_per_record}")
+            raise InvalidValue(f"votes_per_record must be >= 1, got {votes_per_record}")
         self.embed, self.votes_per_record = embed, votes_per_record
         spawns, owners, self._bounds = [], [], []
         for plan in plan_parties(shares, num_cpus_per_actor, "cluster-vote shards"):

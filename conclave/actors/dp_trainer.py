@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerDropout, describe_all, nodes_of
 from conclave.actors.placement import cpu_share, release, require_node
+from conclave.errors import InvalidValue
 from conclave.learning.annotation import split_private_public
 from conclave.learning.data import Dataset, load_dataset, shard
 from conclave.learning.data.features import apply_features
@@ -94,7 +95,7 @@ class PrivateSource:
         private, _ = split_private_public(train, self.private_size, self.seed)
         shards = shard(private, self.num_shards, self.seed)
         if not shard_ids or any(not 0 <= i < self.num_shards for i in shard_ids):
-            raise ValueError(f"shard ids must be in [0, {self.num_shards}), got {list(shard_ids)}")
+            raise InvalidValue(f"shard ids must be in [0, {self.num_shards}), got {list(shard_ids)}")
         held = _union([shards[i] for i in shard_ids], f"{private.name}/shards{list(shard_ids)}")
         return apply_features(held, self.features)
 
@@ -224,7 +225,7 @@ class ShardHolder(ReleaseKeys):
         far it is, meanwhile."""
         recipe = recipe or self._spec
         if recipe is None:
-            raise ValueError("nothing to train: this shard actor has no model spec, so give a recipe")
+            raise InvalidValue("nothing to train: this shard actor has no model spec, so give a recipe")
         model, masks = recipe.prepare()
         snapshots: list[dict[str, np.ndarray]] = []
         rank = group.rank if group else 0
@@ -401,15 +402,15 @@ class ShardSupport:
                  records: int) -> None:
         self._actors, self._owners = list(actors), tuple(owners)
         if not self._actors or len(self._owners) != len(self._actors):
-            raise ValueError(f"expected one owner per shard actor, got {len(self._owners)} for {len(self._actors)}")
+            raise InvalidValue(f"expected one owner per shard actor, got {len(self._owners)} for {len(self._actors)}")
         self.secure = len(self._actors) > 1
         expected = (SecureAnalyzeGauss, SkellamCounts) if self.secure else (AnalyzeGauss, LaplaceCounts)
         if not (isinstance(pca, expected[0]) and isinstance(counts, expected[1])):
-            raise ValueError(f"{len(self._actors)} shard actor(s) release through {expected[0].__name__} and "
+            raise InvalidValue(f"{len(self._actors)} shard actor(s) release through {expected[0].__name__} and "
                              f"{expected[1].__name__}, got {type(pca).__name__} and {type(counts).__name__}: "
                              "the ledger would be charged for another mechanism than the one that runs")
         if records < 1:
-            raise ValueError(f"records must be >= 1, got {records}")
+            raise InvalidValue(f"records must be >= 1, got {records}")
         self._pca, self._counts, self._ledger, self._noise, self._records = pca, counts, ledger, noise, records
 
     def dp_projection(self, components: int) -> np.ndarray:
@@ -486,7 +487,7 @@ class ShardGroup:
                  num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0,
                  input_shape: tuple[int, ...] | None = None) -> None:
         if not plans:
-            raise ValueError("a shard group needs at least one shard actor")
+            raise InvalidValue("a shard group needs at least one shard actor")
         # They train as one group, so all must run at once: no more CPU each than an even share.
         num_cpus = min(num_cpus, cpu_share(float(ray.cluster_resources().get("CPU", 1.0)), len(plans)))
         require_node("the DP-SGD shard actors", num_cpus, num_gpus)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+from conclave.errors import InvalidValue
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -43,7 +44,7 @@ class GroupCommit(Generic[Item, Result]):
     def __init__(self, work: Callable[[list[Item]], Sequence[Result | BaseException]], limit: int,
                  size: Callable[[Item], int] = lambda item: 1, merge: bool = True) -> None:
         if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+            raise InvalidValue(f"limit must be >= 1, got {limit}")
         self._work, self._limit, self._size, self._merge = work, limit, size, merge
         self._lock = threading.Lock()
         self._queue: deque[_Waiting[Item, Result]] = deque()

@@ -20,6 +20,7 @@ from conclave.actors.owner_records import EmbeddedRecords
 from conclave.actors.owners import OwnerSource, describe_all, nodes_of
 from conclave.actors.teacher import TeacherSource
 from conclave.actors.vote_parties import INLINE_INPUT_BYTES, RecordShare, VoteParties, declared_share, plan_parties
+from conclave.errors import InvalidValue
 from conclave.learning.embeddings import Embedding
 from conclave.privacy.accounting.charge import Neighbouring
 from conclave.privacy.exact_distances import nearest_records
@@ -131,11 +132,11 @@ class KnnVoteSource(VoteParties):
     def __init__(self, shares: Sequence[RecordShare], embed: Embedding, k: int, sample_rate: float,
                  noise: NoisePolicy = SECURE, num_cpus_per_actor: float = 1.0, local: bool = False) -> None:
         if not shares:
-            raise ValueError("kNN votes need at least one owner")
+            raise InvalidValue("kNN votes need at least one owner")
         if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+            raise InvalidValue(f"k must be >= 1, got {k}")
         if not 0.0 < sample_rate <= 1.0 or not math.isfinite(sample_rate):
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+            raise InvalidValue(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         self.embed, self.k, self.sample_rate, self.local = embed, k, sample_rate, local
         plans = plan_parties(shares, num_cpus_per_actor, "kNN shards")
         self.party_k = party_k([(plan.share, plan.blocks) for plan in plans], k) if local else None

@@ -23,7 +23,7 @@ import numpy as np
 
 from conclave.actors.group_commit import GroupCommit
 from conclave.actors.owners import OwnerDropout
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, InvalidValue
 from conclave.learning.data.schema import InputSchema
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Guarantee, unbounded_guarantee
@@ -110,11 +110,11 @@ def check_pairing(vote_source: VoteSource | SecureVoteSource,
     for attribute in mechanism.paired_with:  # a source without the setting (None: teachers) is a mismatch too
         wanted, held = getattr(mechanism, attribute), getattr(vote_source, attribute)
         if held != wanted:
-            raise ValueError(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
+            raise InvalidValue(f"mechanism {mechanism.name} is charged for votes with {attribute} {wanted:g}; this vote "
                              f"source has {attribute} {held if held is not None else 'unset'}: pair it with a vote "
                              "source of that setting")
     if vote_source.local and not isinstance(mechanism, SecureVoteMechanism):
-        raise ValueError(f"owner-local votes meet only in secure rounds; mechanism {mechanism.name} needs clean "
+        raise InvalidValue(f"owner-local votes meet only in secure rounds; mechanism {mechanism.name} needs clean "
                          "histograms: use aggregation: secure")
 
 
@@ -395,7 +395,7 @@ class PrivateLabeller:
         the budget reply already publishes, and a client learns the same from which inputs of a
         ``limit``-batch are refused: it reveals nothing new."""
         if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+            raise InvalidValue(f"limit must be >= 1, got {limit}")
         if self.ledger.can_afford(self._worst_case(limit)):
             return limit
         paid, unpaid = 0, limit

@@ -22,7 +22,7 @@ import numpy as np
 import ray
 
 from conclave.actors.placement import PlacementError
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, InvalidValue
 from conclave.learning.data import Dataset, shard
 from conclave.learning.data.dataset import cap_shard, shard_cap
 from conclave.learning.data.sources import DataSource
@@ -55,14 +55,14 @@ class OwnerSource:
 
     def __post_init__(self) -> None:
         if self.num_teachers < 1:
-            raise ValueError(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
+            raise InvalidValue(f"owner {self.owner}: teachers must be >= 1, got {self.num_teachers}")
 
     def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
         dataset, _ = self.data.read_private(self.classes, name=self.owner)  # what was dropped stays here
         if dataset.unlabeled:  # the source has no labels at all: its schema, not a record
             fix = "put its images in one folder per class" if self.data.format == "images" else \
                 "name its label (column, key or file)"
-            raise ValueError(f"{self.data.describes} has no labels: {fix}")
+            raise InvalidValue(f"{self.data.describes} has no labels: {fix}")
         shards = [shard(dataset, self.num_teachers, self.seed)[i] for i in teacher_ids]
         if self.records is None:
             return shards

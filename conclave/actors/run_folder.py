@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import psutil
+from conclave.errors import InvalidValue
 
 _MARKER = ".owner-{pid}.json"
 _MARKERS = ".owner-*.json"
@@ -36,7 +37,7 @@ def claim(run: str) -> Path:
     marker in it; first removes what killed runs left here. ``OSError`` (one line) if the
     folder, or the one holding it, is not this user's alone."""
     if not _RUN_ID.fullmatch(run):
-        raise ValueError(f"run id must be 1-64 letters, digits, '-' or '_', got {run!r}")
+        raise InvalidValue(f"run id must be 1-64 letters, digits, '-' or '_', got {run!r}")
     base = _private_directory(base_folder())
     reclaim(base, keep=run)
     folder = _private_directory(base / run)

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.learning.models import build_model
 from conclave.learning.sparse import SparsePlan, plan_variant, replace_classifier, transfer_split
@@ -38,7 +39,7 @@ class TransferSource:
 
     def load(self, shard_ids: Sequence[int] = (0,)) -> Dataset:
         if list(shard_ids) != [0]:
-            raise ValueError(f"a transfer set is one shard (0), got {list(shard_ids)}")
+            raise InvalidValue(f"a transfer set is one shard (0), got {list(shard_ids)}")
         train, _ = transfer_split(self.dataset, self.root, self.classes, self.size, self.seed)
         return train
 

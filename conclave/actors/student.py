@@ -19,6 +19,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.learning.embeddings import Embedding, NetworkEmbedding
 from conclave.learning.selection import QuerySelection
@@ -85,9 +86,9 @@ class Student:
         it stopped (so a driver can show progress while the student runs in an actor).
         """
         if not 1 <= num_queries <= len(self.public):
-            raise ValueError(f"num_queries must be in [1, {len(self.public)}] (pool size), got {num_queries}")
+            raise InvalidValue(f"num_queries must be in [1, {len(self.public)}] (pool size), got {num_queries}")
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise InvalidValue(f"batch_size must be >= 1, got {batch_size}")
         stops = sorted({c for c in checkpoints if 0 < c < num_queries} | {num_queries})
         if self._client is None:
             self._client = self.client_factory()

@@ -27,6 +27,7 @@ from conclave.actors import run_folder
 from conclave.actors.owners import GroupInfo, OwnerDataError, OwnerSource, describe_all, nodes_of
 from conclave.actors.placement import require_node
 from conclave.actors.vote_parties import VoteParties, VoteParty, party_blocks
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset, make_splits, shard
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.features import apply_features, features_of
@@ -74,12 +75,12 @@ class TeacherSource:
 
     def __post_init__(self) -> None:
         if self.num_teachers < 1:
-            raise ValueError(f"num_teachers must be >= 1, got {self.num_teachers}")
+            raise InvalidValue(f"num_teachers must be >= 1, got {self.num_teachers}")
 
     def load(self, teacher_ids: Sequence[int]) -> list[Dataset]:
         """The shards of the global teachers ``teacher_ids``, in that order."""
         if not teacher_ids or any(not 0 <= i < self.num_teachers for i in teacher_ids):
-            raise ValueError(f"teacher ids must be a non-empty subset of [0, {self.num_teachers}), "
+            raise InvalidValue(f"teacher ids must be a non-empty subset of [0, {self.num_teachers}), "
                              f"got {list(teacher_ids)}")
         splits = make_splits(self.dataset, self.root, public_size=self.public_size, seed=self.seed,
                              private_size=self.private_size)
@@ -280,9 +281,9 @@ class OwnerShare:
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_teachers <= self.source.num_teachers:
-            raise ValueError(f"num_teachers must be in [1, {self.source.num_teachers}], got {self.num_teachers}")
+            raise InvalidValue(f"num_teachers must be in [1, {self.source.num_teachers}], got {self.num_teachers}")
         if self.num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
+            raise InvalidValue(f"num_actors must be >= 1, got {self.num_actors}")
 
 
 class TeacherPool(VoteParties):
@@ -328,7 +329,7 @@ class TeacherPool(VoteParties):
         standardiser: Standardiser | None = None,
     ) -> None:
         if not shares:
-            raise ValueError("an ensemble needs at least one owner")
+            raise InvalidValue("an ensemble needs at least one owner")
         if seed is not None:
             train = dataclasses.replace(train, seed=seed)
         self.num_teachers = sum(share.num_teachers for share in shares)

@@ -31,6 +31,7 @@ import ray
 
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.placement import release, require_node
+from conclave.errors import InvalidValue
 from conclave.privacy.noise import NoisePolicy
 from conclave.privacy.secure_release import ReleaseKeys
 from conclave.privacy.secure_sum import SecureSumPlan
@@ -69,14 +70,14 @@ class RecordShare:
 
     def __post_init__(self) -> None:
         if self.num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
+            raise InvalidValue(f"num_actors must be >= 1, got {self.num_actors}")
         if self.declared is not None and self.declared < 1:
-            raise ValueError(f"owner {self.source.owner}: declared records must be >= 1, got {self.declared}")
+            raise InvalidValue(f"owner {self.source.owner}: declared records must be >= 1, got {self.declared}")
         if self.source.records is not None:
-            raise ValueError(f"owner {self.source.owner}: leave records unset when records vote (a cap replaces "
+            raise InvalidValue(f"owner {self.source.owner}: leave records unset when records vote (a cap replaces "
                              "records; Poisson sampling covers any number held)")
         if self.source.features is not None:
-            raise ValueError(f"owner {self.source.owner}: give the representation as the embedding, "
+            raise InvalidValue(f"owner {self.source.owner}: give the representation as the embedding, "
                              f"not as source features ({self.source.features!r})")
 
     def declared_rows(self, first: int, last: int) -> int | None:
@@ -163,7 +164,7 @@ class VoteParties(abc.ABC):
     def checked(self, inputs: np.ndarray) -> np.ndarray:
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
         if inputs.shape[1:] != self.input_shape:
-            raise ValueError(f"inputs of shape {inputs.shape[1:]} per example; the owners' data are {self.input_shape}")
+            raise InvalidValue(f"inputs of shape {inputs.shape[1:]} per example; the owners' data are {self.input_shape}")
         return inputs
 
     def _next_session(self, kind: str) -> str:

@@ -26,6 +26,7 @@ from conclave.cluster.owners import (DataOwner, GatewaysConfig, PublicData, chec
                                      check_owner_columns, check_owners)
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
+from conclave.errors import InvalidValue
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.dp_schedule import DPSGDConfig
@@ -56,11 +57,11 @@ class ActiveLearningData:
     def __post_init__(self) -> None:
         check_features(self.features, "data.features")
         if self.private_size < 1 or self.num_shards < 1:
-            raise ValueError("data.private_size and data.num_shards must be >= 1")
+            raise InvalidValue("data.private_size and data.num_shards must be >= 1")
         if self.public_size is not None and self.public_size < 1:
-            raise ValueError(f"data.public_size must be >= 1 or null, got {self.public_size}")
+            raise InvalidValue(f"data.public_size must be >= 1 or null, got {self.public_size}")
         if not 0 <= self.pollution <= 1:
-            raise ValueError(f"data.pollution must be in [0, 1], got {self.pollution}")
+            raise InvalidValue(f"data.pollution must be in [0, 1], got {self.pollution}")
 
 
 DEFAULT_NOISE_MULTIPLIER = 1.1  # σ where a config gives neither σ nor a target ε
@@ -87,7 +88,7 @@ class ActiveLearningDPSGD(DPSGDConfig):
             object.__setattr__(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER)
         super().__post_init__()
         if self.distributed and self.grad_sample_mode not in ("auto", "hooks"):
-            raise ValueError("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
+            raise InvalidValue("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
 
     def dp_config(self, delta: float) -> DPSGDConfig:
         """The DP-SGD run this section describes, at the run's δ."""
@@ -111,11 +112,11 @@ class SelectionConfig:
     def __post_init__(self) -> None:
         unknown = sorted(set(self.strategies) - set(STRATEGY_NAMES))
         if unknown:
-            raise ValueError(f"selection.strategies: unknown {unknown}; choose from {list(STRATEGY_NAMES)}")
+            raise InvalidValue(f"selection.strategies: unknown {unknown}; choose from {list(STRATEGY_NAMES)}")
         if not self.sizes or min(self.sizes) < 1:
-            raise ValueError("selection.sizes must be a non-empty list of positive label budgets")
+            raise InvalidValue("selection.sizes must be a non-empty list of positive label budgets")
         if self.epsilon_pca <= 0 or self.epsilon_support <= 0:
-            raise ValueError("selection.epsilon_pca and selection.epsilon_support must be > 0")
+            raise InvalidValue("selection.epsilon_pca and selection.epsilon_support must be > 0")
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class FinetuneConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.epochs < 1 or self.replay < 0:
-            raise ValueError("finetune: epochs must be >= 1 and replay >= 0")
+            raise InvalidValue("finetune: epochs must be >= 1 and replay >= 0")
 
     def train_config(self, seed: int) -> TrainConfig:
         """How each model is fine-tuned, with the run's seed."""
@@ -160,9 +161,9 @@ class AnnotatorConfig:
 
     def __post_init__(self) -> None:
         if self.kind == "aggregator" and not self.address:
-            raise ValueError("annotator.address is required when annotator.kind is aggregator")
+            raise InvalidValue("annotator.address is required when annotator.kind is aggregator")
         if self.batch < 1:
-            raise ValueError(f"annotator.batch must be >= 1, got {self.batch}")
+            raise InvalidValue(f"annotator.batch must be >= 1, got {self.batch}")
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class ActiveLearningConfig:
     def __post_init__(self) -> None:
         if not self.owners:
             if self.public is not None or self.test is not None or self.classes is not None:
-                raise ValueError("public, test and classes go with owners (or use the data section alone)")
+                raise InvalidValue("public, test and classes go with owners (or use the data section alone)")
             check_gateways(self.owners, self.gateways)
             return
         check_gateways(self.owners, self.gateways)
@@ -202,18 +203,18 @@ class ActiveLearningConfig:
         self._check_gateways()
         allowed = ActiveLearningData(public_size=self.data.public_size)
         if self.data != allowed:
-            raise ValueError("with owners, the data section may only set public_size (the sources say the rest)")
+            raise InvalidValue("with owners, the data section may only set public_size (the sources say the rest)")
 
     def _check_gateways(self) -> None:
         """DP-SGD at the owners' gateways: on the owners' records as they are, noise from OS entropy, and
         only releases a gateway has a call for (the model, a registered one by name, is checked with the
         public data: ``validate``)."""
         if self.checkpoints_from is not None:
-            raise ValueError("checkpoints_from: owners named by their gateway train there; reuse no checkpoints")
+            raise InvalidValue("checkpoints_from: owners named by their gateway train there; reuse no checkpoints")
         if self.data.features is not None:
-            raise ValueError("data.features: a gateway reads its owner's records as they are; leave it out")
+            raise InvalidValue("data.features: a gateway reads its owner's records as they are; leave it out")
         if self.privacy.insecure_noise_seed is not None:
-            raise ValueError("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
+            raise InvalidValue("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
 
     @property
     def through_gateways(self) -> bool:
@@ -231,7 +232,7 @@ class ActiveLearningConfig:
         """The private records DP-SGD's schedule is computed from: declared, never counted. Owners
         behind gateways declare theirs there (``active_gateways.declared_records``)."""
         if self.through_gateways:
-            raise ValueError("owners named by their gateway declare their records there, not in the config")
+            raise InvalidValue("owners named by their gateway declare their records there, not in the config")
         return sum(owner.records for owner in self.owners) if self.owners else self.data.private_size
 
     @property
@@ -364,7 +365,7 @@ def public_side(config: ActiveLearningConfig, rng: np.random.Generator) -> Publi
         public, test, classes, standardiser = read.splits.public, read.splits.test, read.classes, read.standardiser
         columns = read.schema.columns
         if public.unlabeled and config.annotator.kind == "oracle" and config.buys_labels:
-            raise ValueError("public: the oracle annotator reveals the pool's labels, and it has none; name its "
+            raise InvalidValue("public: the oracle annotator reveals the pool's labels, and it has none; name its "
                              "label, or label with a running aggregator (annotator.kind: aggregator)")
     else:
         train, test = load_dataset(data.name, data.root)
@@ -389,7 +390,7 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
             check_registered(config.model)
             public = public_side(config, np.random.default_rng(config.seed))
             if config.buys_labels and max(config.selection.sizes) > len(public.pool_inputs):
-                raise ValueError(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
+                raise InvalidValue(f"selection.sizes go up to {max(config.selection.sizes)} but the public pool has "
                                  f"{len(public.pool_inputs)} points")
         elif config.model is None:
             return config  # a benchmark's files are known, and so is the model its inputs choose
@@ -412,7 +413,7 @@ def check_registered(model: str | None) -> None:
     from conclave.learning.models.registry import REGISTRY
 
     if model is not None and model not in REGISTRY:
-        raise ValueError(f"model {model!r}: DP-SGD behind gateways trains a registered model (a gateway runs no code "
+        raise InvalidValue(f"model {model!r}: DP-SGD behind gateways trains a registered model (a gateway runs no code "
                          "a config names)")
 
 
@@ -561,7 +562,7 @@ def _learn_actively(config: ActiveLearningConfig, results: RunDirectory, ray_add
         client = AggregatorClient(config.annotator.address, token=token, root_cert=config.annotator.root_cert)
         annotator = aggregator_annotator(public.pool_images, client, config.annotator.batch)  # teachers see images
     if config.buys_labels and max(sel.sizes) > len(pool_inputs):
-        raise ValueError(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
+        raise InvalidValue(f"selection.sizes go up to {max(sel.sizes)} but the public pool has {len(pool_inputs)} points")
     spec = public.model_spec(config)
     records = declared_records(config.owners, config.gateways) if config.through_gateways else config.private_size
     shards = (GatewayOwners(config, spec, public.classes, public.reading, records, budget_sources)
@@ -641,7 +642,7 @@ def _reused_checkpoints(config: ActiveLearningConfig) -> list:
 
     files = sorted((Path(config.checkpoints_from) / "checkpoints").glob("epoch-*.pt"))
     if not files:
-        raise ValueError(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")
+        raise InvalidValue(f"checkpoints_from: no checkpoints/epoch-*.pt under {config.checkpoints_from}")
     return [DPCheckpoint.load(f) for f in files]
 
 
@@ -687,7 +688,7 @@ def _near_private_start(config: ActiveLearningConfig, checkpoints: list, extra: 
     sel = config.selection
     if sel.near_private_epoch is not None:
         if not 1 <= sel.near_private_epoch <= len(checkpoints):
-            raise ValueError(f"selection.near_private_epoch must be in [1, {len(checkpoints)}]")
+            raise InvalidValue(f"selection.near_private_epoch must be in [1, {len(checkpoints)}]")
         return checkpoints[sel.near_private_epoch - 1]
     target = _epsilon([checkpoints[-1].charge()], config.privacy.delta)
     matching = [c for c in checkpoints if _epsilon([c.charge(), *extra], config.privacy.delta) <= target + 1e-9]

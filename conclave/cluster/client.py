@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, NamedTuple
 import grpc
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.protos import BUDGET_REASON, REASON_KEY, aggregator_pb2, aggregator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,9 @@ class AggregatorClient:
         retry_unavailable: float = 0.0,
     ) -> None:
         if (client_cert is None) != (client_key is None):
-            raise ValueError("mutual TLS needs both client_cert and client_key")
+            raise InvalidValue("mutual TLS needs both client_cert and client_key")
         if client_cert is not None and root_cert is None:
-            raise ValueError("a client certificate needs TLS: give root_cert too")
+            raise InvalidValue("a client certificate needs TLS: give root_cert too")
         self.address = address
         self.timeout = timeout
         self.retry_unavailable = retry_unavailable

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from conclave.errors import InvalidValue
 
 # What a policy can admit besides the vote mechanisms (``privacy.mechanisms.MECHANISMS``): the
 # other releases a pipeline makes from an owner's data, by the names the pipelines ask with.
@@ -188,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_names(kind: str, given: list[str], known: list[str]) -> None:
     unknown = [name for name in given if name not in known]
     if unknown:
-        raise ValueError(f"unknown {kind}(s) {unknown}; known: {', '.join(known)}")
+        raise InvalidValue(f"unknown {kind}(s) {unknown}; known: {', '.join(known)}")
 
 
 def _listed(value) -> str:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
 from conclave.learning.data.sources import DataSource, PublicReading
@@ -55,16 +56,16 @@ class DataOwner:
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
+            raise InvalidValue(f"owner name {self.name!r}: use letters, digits, '-' and '_'")
         if self.gateway is not None:
             self._check_gateway()
             return
         if self.data is None:
-            raise ValueError(f"owner {self.name}: give its data (or its gateway, host:port)")
+            raise InvalidValue(f"owner {self.name}: give its data (or its gateway, host:port)")
         if self.actors < 1:
-            raise ValueError(f"owner {self.name}: actors must be >= 1")
+            raise InvalidValue(f"owner {self.name}: actors must be >= 1")
         if self.records is not None and self.records < self.actors:
-            raise ValueError(f"owner {self.name}: {self.actors} actors need at least as many records "
+            raise InvalidValue(f"owner {self.name}: {self.actors} actors need at least as many records "
                              f"(it declares {self.records})")
 
     def _check_gateway(self) -> None:
@@ -72,11 +73,11 @@ class DataOwner:
                  if value]
         given += ["actors"] if self.actors != 1 else []
         if given:
-            raise ValueError(f"owner {self.name}: an owner reached by its gateway is named by name and gateway only, "
+            raise InvalidValue(f"owner {self.name}: an owner reached by its gateway is named by name and gateway only, "
                              f"not {', '.join(given)} (its own file, on its machine, says them)")
         host, _, port = self.gateway.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"owner {self.name}: gateway must be host:port, got {self.gateway!r}")
+            raise InvalidValue(f"owner {self.name}: gateway must be host:port, got {self.gateway!r}")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class GatewaysConfig:
 
     def __post_init__(self) -> None:
         if self.lifetime_epsilon is not None and not self.lifetime_epsilon > 0:
-            raise ValueError(f"gateways.lifetime_epsilon must be > 0 or null, got {self.lifetime_epsilon}")
+            raise InvalidValue(f"gateways.lifetime_epsilon must be > 0 or null, got {self.lifetime_epsilon}")
 
 
 def check_gateways(owners: Sequence[DataOwner], gateways: GatewaysConfig | None) -> None:
@@ -101,13 +102,13 @@ def check_gateways(owners: Sequence[DataOwner], gateways: GatewaysConfig | None)
     reached = [owner.name for owner in owners if owner.gateway is not None]
     if not reached:
         if gateways is not None:
-            raise ValueError("gateways: the coordinator's certificates go with owners named by their gateway")
+            raise InvalidValue("gateways: the coordinator's certificates go with owners named by their gateway")
         return
     if len(reached) != len(owners):
-        raise ValueError(f"owners {reached} are named by their gateway and the others by their data: name every "
+        raise InvalidValue(f"owners {reached} are named by their gateway and the others by their data: name every "
                          "owner one way")
     if gateways is None:
-        raise ValueError("owners named by their gateway need gateways: {certificate, key, ca} (the coordinator's "
+        raise InvalidValue("owners named by their gateway need gateways: {certificate, key, ca} (the coordinator's "
                          "certificates, from the consortium's CA)")
 
 
@@ -118,14 +119,14 @@ def check_owners(owners: Sequence[DataOwner], test: DataSource | None, classes: 
     if test is None or (needs_public and public is None):
         needed = "a public pool and a test set: give public and test sources" if needs_public else \
             "a labelled test set: give a test source"
-        raise ValueError(f"owners need {needed}")
+        raise InvalidValue(f"owners need {needed}")
     if test.label is None and not test.labelled_by_layout:
-        raise ValueError("test: name its label (column, key or file): the models are evaluated on it")
+        raise InvalidValue("test: name its label (column, key or file): the models are evaluated on it")
     names = [owner.name for owner in owners]
     if len(set(names)) != len(names):
-        raise ValueError(f"owner names must be distinct, got {names}")
+        raise InvalidValue(f"owner names must be distinct, got {names}")
     if classes is not None and len(set(classes)) != len(classes):
-        raise ValueError(f"classes must be distinct, got {list(classes)}")
+        raise InvalidValue(f"classes must be distinct, got {list(classes)}")
 
 
 def check_behind_gateways(owners: Sequence[DataOwner]) -> None:
@@ -134,7 +135,7 @@ def check_behind_gateways(owners: Sequence[DataOwner]) -> None:
     sum (and DP-SGD's sampling rate and steps, which are released with the model)."""
     for owner in owners:
         if owner.gateway is None and owner.records is None:
-            raise ValueError(f"owner {owner.name}: declare its records (a public upper bound, never checked against "
+            raise InvalidValue(f"owner {owner.name}: declare its records (a public upper bound, never checked against "
                              "its data): its gateway sizes its share of every secure sum by them")
 
 
@@ -145,12 +146,12 @@ def owner_data(owner: DataOwner, reading: PublicReading, base: str) -> DataSourc
     driver never opens an owner's path. An explicit ``columns`` or ``size`` other than the public
     ones is a ``ValueError``, as is an owner named by its gateway (its data are on its machine)."""
     if owner.data is None:
-        raise ValueError(f"owner {owner.name} is named by its gateway: its data are declared on its own machine, in "
+        raise InvalidValue(f"owner {owner.name} is named by its gateway: its data are declared on its own machine, in "
                          "its own file, not in this config")
     try:
         return owner.data.anchored(base).read_as(reading)
     except ValueError as err:
-        raise ValueError(f"owner {owner.name}: {err}") from None
+        raise InvalidValue(f"owner {owner.name}: {err}") from None
 
 
 def check_owner_columns(owners: Sequence[DataOwner], reading: PublicReading) -> None:
@@ -202,7 +203,7 @@ class PublicData:
         try:
             test = test.by_name(columns)
         except ValueError as err:
-            raise ValueError(f"test: {err}") from None
+            raise InvalidValue(f"test: {err}") from None
         if columns is not None:  # public values only: the pool's own means over its finite cells
             means = public.by_name(columns).column_means()
             public, test = (dataclasses.replace(source, fill=means) for source in (public, test))
@@ -210,7 +211,7 @@ class PublicData:
             if not classes:
                 labels = test.read_raw().labels
                 if labels is None:
-                    raise ValueError(f"test: {test.describes} has no labels: the models are evaluated on them")
+                    raise InvalidValue(f"test: {test.describes} has no labels: the models are evaluated on them")
                 classes = class_names(labels)
             splits = StudentSplits(public=public.read(classes, "public"), test=test.read(classes, "test"))
         except MissingColumns as err:
@@ -222,6 +223,6 @@ class PublicData:
                                  f"table {test.path} (every table is read by the pool's columns): drop them from "
                                  "the pool, or add them to the test table", pooled) from None
         if splits.public.input_shape != splits.test.input_shape:
-            raise ValueError(f"public inputs {list(splits.public.input_shape)} and test inputs "
+            raise InvalidValue(f"public inputs {list(splits.public.input_shape)} and test inputs "
                              f"{list(splits.test.input_shape)} differ in shape")
         return cls.of(splits, classes, columns)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from conclave.cluster.config import ConfigError
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, filter_for
 from conclave.privacy.accounting.guarantee import Estimate, Guarantee, covers, run_guarantee, worst_case_guarantee
@@ -46,9 +47,9 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         if self.budget is not None and not (self.budget > 0 and math.isfinite(self.budget)):
-            raise ValueError(f"privacy.budget must be a finite number > 0 or null, got {self.budget}")
+            raise InvalidValue(f"privacy.budget must be a finite number > 0 or null, got {self.budget}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")
+            raise InvalidValue(f"privacy.delta must be in (0, 1), got {self.delta}")
 
     @property
     def noise(self) -> NoisePolicy:
@@ -67,7 +68,7 @@ class PrivacyConfig:
         try:
             return filter_for(planned, self.budget, self.delta)
         except ValueError as err:
-            raise ValueError(f"privacy.budget: {err}") from None
+            raise InvalidValue(f"privacy.budget: {err}") from None
 
     def open_ledger(self, path: str | Path, planned: PrivacyCharge, durable: bool = False) -> PrivacyLedger:
         """The run's ledger, its budget (if any) fixed now from ``planned``, before any data is read.
@@ -202,7 +203,7 @@ class RunPrivacy:
         """This report with more estimates, per-model guarantees and releases. An estimate
         computed from private data without a mechanism never goes into a run's report."""
         if any(e.private for e in estimates):
-            raise ValueError("a run's privacy report holds public estimates only")
+            raise InvalidValue("a run's privacy report holds public estimates only")
         return dataclasses.replace(self, estimates=self.estimates + tuple(estimates),
                                    per_model={**self.per_model, **(per_model or {})},
                                    releases={**self.releases, **releases})

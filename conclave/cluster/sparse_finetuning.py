@@ -33,6 +33,7 @@ from conclave.cluster.config import as_base
 from conclave.cluster.owners import DataOwner, GatewaysConfig, check_behind_gateways, check_gateways, check_owners
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy, dp_sgd_trust
+from conclave.errors import InvalidValue
 from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.learning.dp_schedule import DPSGDConfig
 from conclave.learning.sparse_variants import VARIANTS
@@ -70,9 +71,9 @@ class DataSpec:
 
     def __post_init__(self) -> None:
         if self.size is not None and self.size < 1:
-            raise ValueError(f"size must be >= 1 or null, got {self.size}")
+            raise InvalidValue(f"size must be >= 1 or null, got {self.size}")
         if len(set(self.classes)) != len(self.classes):
-            raise ValueError(f"classes must be distinct, got {list(self.classes)}")
+            raise InvalidValue(f"classes must be distinct, got {list(self.classes)}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class PretrainConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.epochs < 1 or self.checkpoint_every < 1:
-            raise ValueError("pretrain.epochs and pretrain.checkpoint_every must be >= 1")
+            raise InvalidValue("pretrain.epochs and pretrain.checkpoint_every must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -112,16 +113,16 @@ class DPFinetuneConfig(DPSGDConfig):
         super().__post_init__()
         unknown = [v for v in self.variants if v not in VARIANTS]
         if not self.variants or unknown:
-            raise ValueError(f"finetune.variants must be a non-empty list of {list(VARIANTS)}, got {list(self.variants)}")
+            raise InvalidValue(f"finetune.variants must be a non-empty list of {list(VARIANTS)}, got {list(self.variants)}")
         if not 0 < self.fraction <= 1:
-            raise ValueError(f"finetune.fraction must be in (0, 1], got {self.fraction}")
+            raise InvalidValue(f"finetune.fraction must be in (0, 1], got {self.fraction}")
         if self.classifier_lr is not None and self.classifier_lr <= 0:
-            raise ValueError(f"finetune.classifier_lr must be > 0 or null, got {self.classifier_lr}")
+            raise InvalidValue(f"finetune.classifier_lr must be > 0 or null, got {self.classifier_lr}")
         if self.classifier_lr is not None and any(p.startswith("classifier.") for p, _ in self.lr_overrides):
-            raise ValueError("finetune: classifier_lr sets the classifier's rate; to set it in lr_overrides, "
+            raise InvalidValue("finetune: classifier_lr sets the classifier's rate; to set it in lr_overrides, "
                              "set classifier_lr: null")
         if "all" in self.variants and self.grad_sample_mode in ("ghost", "bk"):
-            raise ValueError("finetune: the all variant's masks act on per-example gradients: "
+            raise InvalidValue("finetune: the all variant's masks act on per-example gradients: "
                              "set grad_sample_mode: hooks or auto")
 
     def dp_config(self, delta: float) -> DPSGDConfig:
@@ -160,13 +161,13 @@ class SparseConfig:
         check_gateways(self.owners, self.gateways)
         if not self.owners:
             if self.test is not None or self.classes is not None:
-                raise ValueError("test and classes go with owners (or use the private section alone)")
+                raise InvalidValue("test and classes go with owners (or use the private section alone)")
             return
         check_owners(self.owners, self.test, self.classes, None, needs_public=False)
         check_behind_gateways(self.owners)
         self._check_gateways()
         if self.private != DEFAULT_PRIVATE:
-            raise ValueError("with owners, leave the private section out (the owners' sources are the private data)")
+            raise InvalidValue("with owners, leave the private section out (the owners' sources are the private data)")
 
     def _check_gateways(self) -> None:
         """Fine-tuning at the owners' gateways (their own, or those the run starts on this machine): a
@@ -175,13 +176,13 @@ class SparseConfig:
         from conclave.learning.models.registry import REGISTRY
 
         if self.model.name not in REGISTRY:
-            raise ValueError(f"model.name {self.model.name!r}: sparse fine-tuning behind gateways trains a registered "
+            raise InvalidValue(f"model.name {self.model.name!r}: sparse fine-tuning behind gateways trains a registered "
                              "model (a gateway runs no code a config names)")
         for key, value in self.model.kwargs.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"model.kwargs.{key}: a gateway builds its model with numbers only, got {value!r}")
+                raise InvalidValue(f"model.kwargs.{key}: a gateway builds its model with numbers only, got {value!r}")
         if self.privacy.insecure_noise_seed is not None:
-            raise ValueError("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
+            raise InvalidValue("privacy.insecure_noise_seed: the gateways draw noise from OS entropy only; remove it")
 
     @property
     def through_gateways(self) -> bool:
@@ -202,7 +203,7 @@ class SparseConfig:
         its files (a split of public files: treated as public). Owners behind gateways declare
         theirs there (``active_gateways.declared_records``)."""
         if self.through_gateways:
-            raise ValueError("owners named by their gateway declare their records there, not in the config")
+            raise InvalidValue("owners named by their gateway declare their records there, not in the config")
         if self.owners:
             return sum(owner.records for owner in self.owners)
         if self.private.size is not None:

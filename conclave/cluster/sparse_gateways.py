@@ -23,6 +23,7 @@ from conclave.actors.dp_trainer import DPCheckpoint
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.sparse_trainer import SparseVariant
 from conclave.cluster.active_gateways import coordinator_tls
+from conclave.errors import InvalidValue
 from conclave.learning.data.sources import PublicReading
 from conclave.learning.dp_schedule import DPSchedule, DPSGDConfig
 
@@ -61,7 +62,7 @@ class GatewayVariants:
 
         config, files = self._config, self._config.gateways
         if not schedule.secure:
-            raise ValueError("the gateways' steps are secure sums: charge their schedule as one")
+            raise InvalidValue("the gateways' steps are secure sums: charge their schedule as one")
         model, plan = recipe.planned()
         terms = DpsgdTerms(recipe.public.name, dp_config.max_grad_norm, schedule.noise_multiplier,
                            schedule.sample_rate, schedule.steps, config.seed,

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from conclave.cluster.config import ConfigError, from_dict
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, InvalidValue
 
 INSTALL_HINT = "MLflow tracking needs mlflow-skinny: pip install 'conclave-ray[tracking]'"
 ARTEFACT_SUFFIXES = (".json", ".csv", ".png")  # what a results folder publishes (not ledgers, not checkpoints)
@@ -45,7 +45,7 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         if self.tracking_uri == "" or self.experiment == "":
-            raise ValueError("tracking.tracking_uri and tracking.experiment must be non-empty or null")
+            raise InvalidValue("tracking.tracking_uri and tracking.experiment must be non-empty or null")
 
 
 class TrackingFailed(ConclaveError, RuntimeError):

@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 
 UNLABELED = -1
@@ -29,9 +30,9 @@ class Annotator(Protocol):
 def _check_indices(indices: np.ndarray, size: int) -> np.ndarray:
     indices = np.asarray(indices)
     if indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer):
-        raise ValueError("indices must be a 1-D integer array")
+        raise InvalidValue("indices must be a 1-D integer array")
     if len(indices) and (indices.min() < 0 or indices.max() >= size):
-        raise ValueError(f"indices must be in [0, {size}) (the public pool)")
+        raise InvalidValue(f"indices must be in [0, {size}) (the public pool)")
     return indices
 
 
@@ -61,7 +62,7 @@ class CallableAnnotator:
         self.bought += len(indices)
         labels = np.asarray(self._label_fn(self._inputs[indices]), dtype=np.int64)
         if labels.shape != indices.shape:
-            raise ValueError(f"annotator returned {labels.shape} labels for {indices.shape} points")
+            raise InvalidValue(f"annotator returned {labels.shape} labels for {indices.shape} points")
         return labels
 
 
@@ -74,7 +75,7 @@ def split_private_public(train: Dataset, private_size: int, seed: int) -> tuple[
     """Active-learning split of one training set: a seeded ``private_size`` subset is the
     private data, the disjoint rest is the public pool (whose labels only an annotator reveals)."""
     if not 0 < private_size < len(train):
-        raise ValueError(f"private_size must be in [1, {len(train) - 1}] so that the public pool "
+        raise InvalidValue(f"private_size must be in [1, {len(train) - 1}] so that the public pool "
                          f"is not empty ({train.name} has {len(train)} examples), got {private_size}")
     order = np.random.default_rng(seed).permutation(len(train))
     return (train.subset(np.sort(order[:private_size]), f"{train.name}/private"),

@@ -16,6 +16,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from conclave.errors import InvalidValue
 from conclave.learning.finite_clipping import clip_factors, rows
 
 
@@ -28,10 +29,10 @@ class BookKeeping:
         self.layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
         unsupported = [type(m).__name__ for m in self.layers if type(m) not in LAYERS]
         if unsupported:
-            raise ValueError(f"book-keeping clips {', '.join(t.__name__ for t in LAYERS)} layers only; "
+            raise InvalidValue(f"book-keeping clips {', '.join(t.__name__ for t in LAYERS)} layers only; "
                              f"this model trains {unsupported}")
         if any(type(m) is nn.Conv2d and (m.padding_mode != "zeros" or isinstance(m.padding, str)) for m in self.layers):
-            raise ValueError("book-keeping clips Conv2d layers with numeric zero padding only")
+            raise InvalidValue("book-keeping clips Conv2d layers with numeric zero padding only")
         self.params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
         self._recorded: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self._handles: list[RemovableHandle] = [m.register_forward_hook(self._record) for m in self.layers]
@@ -40,9 +41,9 @@ class BookKeeping:
         if not torch.is_grad_enabled():
             return
         if module in self._recorded:  # a shared layer's per-example gradient is a sum of uses
-            raise ValueError(f"book-keeping needs each layer used once per forward; {type(module).__name__} ran twice")
+            raise InvalidValue(f"book-keeping needs each layer used once per forward; {type(module).__name__} ran twice")
         if isinstance(module, nn.Linear) and inputs[0].dim() != 2:
-            raise ValueError("book-keeping clips Linear layers on [n, d] rows only")
+            raise InvalidValue("book-keeping clips Linear layers on [n, d] rows only")
         self._recorded[module] = (inputs[0].detach(), output)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> "ClippedLoss":
@@ -53,11 +54,11 @@ class BookKeeping:
         """Set ``.grad`` of every trainable parameter to Σ_b clip_C(∇ loss_b), an example whose loss
         or norm is not finite adding exactly 0."""
         if per_example_losses.dim() != 1:
-            raise ValueError("book-keeping needs one loss per example")
+            raise InvalidValue("book-keeping needs one loss per example")
         recorded, self._recorded = self._recorded, {}
         modules = [m for m in self.layers if m in recorded]
         if len(modules) != len(self.layers):
-            raise ValueError("a trainable layer took no part in the forward pass")
+            raise InvalidValue("a trainable layer took no part in the forward pass")
         outputs = [recorded[m][1] for m in modules]
         # Gradients of the summed loss with respect to the layers' outputs only: autograd
         # skips the parameters' gradients, which the clipped sums below replace.

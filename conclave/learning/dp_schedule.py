@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, sampled_gaussian_charge, sampled_gaussian_rdp
 from conclave.privacy.accounting.skellam import subsampled_skellam_charge
@@ -62,29 +63,29 @@ class DPSGDConfig:
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+            raise InvalidValue("give exactly one of noise_multiplier and target_epsilon")
         if self.noise_multiplier is not None and self.noise_multiplier <= 0:
-            raise ValueError(f"noise_multiplier must be > 0, got {self.noise_multiplier}")
+            raise InvalidValue(f"noise_multiplier must be > 0, got {self.noise_multiplier}")
         if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+            raise InvalidValue(f"target_epsilon must be > 0, got {self.target_epsilon}")
         if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+            raise InvalidValue(f"epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise InvalidValue(f"batch_size must be >= 1, got {self.batch_size}")
         if self.lr <= 0 or any(lr <= 0 for _, lr in self.lr_overrides):
-            raise ValueError("learning rates must be > 0")
+            raise InvalidValue("learning rates must be > 0")
         if self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+            raise InvalidValue(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+            raise InvalidValue(f"delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+            raise InvalidValue(f"momentum must be in [0, 1), got {self.momentum}")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
+            raise InvalidValue(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
         if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
-            raise ValueError(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size}")
+            raise InvalidValue(f"max_physical_batch_size must be >= 1, got {self.max_physical_batch_size}")
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+            raise InvalidValue(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd", se
     ``config.epochs`` epochs is at most ``target_epsilon``: as Opacus's RDP accountant does, or
     across owners (``secure``) with the secure sum's own accounting."""
     if num_examples < 1:
-        raise ValueError("cannot train on an empty dataset")
+        raise InvalidValue("cannot train on an empty dataset")
     steps_per_epoch = math.ceil(num_examples / config.batch_size)
     sample_rate = 1 / steps_per_epoch
     steps = steps_per_epoch * config.epochs
@@ -172,7 +173,7 @@ def gaussian_noise_multiplier(target_epsilon: float, delta: float, sample_rate: 
         sigma_high *= 2
         eps_high = _opacus_epsilon(sigma_high, sample_rate, steps, delta)
         if sigma_high > OPACUS_MAX_SIGMA:
-            raise ValueError(f"target_epsilon {target_epsilon:g} needs a noise multiplier above {OPACUS_MAX_SIGMA:g}")
+            raise InvalidValue(f"target_epsilon {target_epsilon:g} needs a noise multiplier above {OPACUS_MAX_SIGMA:g}")
     while target_epsilon - eps_high > CALIBRATION_TOLERANCE:
         sigma = (sigma_low + sigma_high) / 2
         eps = _opacus_epsilon(sigma, sample_rate, steps, delta)

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from conclave.errors import InvalidValue
 from conclave.learning.dp_schedule import DPSGDConfig, DPSchedule, dp_schedule  # torch-free: `conclave plan` uses it
 from conclave.learning.finite_clipping import FiniteDPOptimizer, finite_losses
 from conclave.learning.grad_sample_modes import PROBED, clipped, fastest_mode, privacy_engine
@@ -71,7 +72,7 @@ class MaskedDPOptimizer(FiniteDPOptimizer):
         managed = {id(p) for p in self.params}
         for p in masks:
             if id(p) not in managed:
-                raise ValueError("a mask was given for a parameter this optimizer does not train")
+                raise InvalidValue("a mask was given for a parameter this optimizer does not train")
         self._masks = {id(p): m.to(device=p.device, dtype=p.dtype) for p, m in masks.items()}
 
     def _mask_of(self, p: nn.Parameter) -> torch.Tensor | None:
@@ -126,7 +127,7 @@ def param_groups(model: nn.Module, config: DPSGDConfig) -> list[dict]:
         lr = next((lr for prefix, lr in config.lr_overrides if name.startswith(prefix)), config.lr)
         groups.setdefault(lr, []).append(p)
     if not groups:
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+        raise InvalidValue("the model has no trainable parameters (all have requires_grad=False)")
     return [{"params": params, "lr": lr} for lr, params in groups.items()]
 
 
@@ -135,14 +136,14 @@ def _check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[nn.Pa
     resolved = {}
     for name, mask in masks.items():
         if name not in params:
-            raise ValueError(f"mask for unknown parameter {name!r}")
+            raise InvalidValue(f"mask for unknown parameter {name!r}")
         p = params[name]
         if not p.requires_grad:
-            raise ValueError(f"mask for frozen parameter {name!r} (requires_grad=False)")
+            raise InvalidValue(f"mask for frozen parameter {name!r} (requires_grad=False)")
         if tuple(mask.shape) != tuple(p.shape):
-            raise ValueError(f"mask for {name!r} has shape {tuple(mask.shape)}, parameter has {tuple(p.shape)}")
+            raise InvalidValue(f"mask for {name!r} has shape {tuple(mask.shape)}, parameter has {tuple(p.shape)}")
         if not torch.all((mask == 0) | (mask == 1)):
-            raise ValueError(f"mask for {name!r} must contain only 0 and 1")
+            raise InvalidValue(f"mask for {name!r} must contain only 0 and 1")
         resolved[p] = mask.detach().clone()
     return resolved
 
@@ -154,7 +155,7 @@ def _poisson_loader(dataset: ArrayDataset, sample_rate: float, steps: int, gener
     A rank holding no examples still takes every step (pure noise on its part): whether a
     shard is empty depends on the records, so it must not stop the run."""
     if len(dataset.x) != len(dataset.y):
-        raise ValueError(f"dataset needs matching x and y (got {len(dataset.x)} and {len(dataset.y)})")
+        raise InvalidValue(f"dataset needs matching x and y (got {len(dataset.x)} and {len(dataset.y)})")
     x, y = row_major(torch.as_tensor(dataset.x, dtype=torch.float32)), torch.as_tensor(dataset.y, dtype=torch.long)
     empty = len(y) == 0
     if empty:  # Opacus reads the batch shapes from the first example: a zero row that is never sampled
@@ -203,11 +204,11 @@ def train_dp(
     masks = masks or {}
     resolved_masks = _check_masks(model, masks)
     if config.grad_sample_mode in ("ghost", "bk") and resolved_masks:
-        raise ValueError(f"masks need per-example gradients before clipping: use grad_sample_mode 'hooks', "
+        raise InvalidValue(f"masks need per-example gradients before clipping: use grad_sample_mode 'hooks', "
                          f"not {config.grad_sample_mode!r}")
     data_parallel = secure_group is not None
     if data_parallel and config.grad_sample_mode not in ("auto", "hooks"):
-        raise ValueError("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
+        raise InvalidValue("data-parallel DP-SGD runs with grad_sample_mode 'hooks'")
     schedule = dp_schedule(len(dataset.y) if num_examples is None else num_examples, config, secure=data_parallel)
     sample_rate, sigma = schedule.sample_rate, schedule.noise_multiplier
     loader = _poisson_loader(dataset, sample_rate, schedule.steps // config.epochs, torch_generator(noise))
@@ -255,7 +256,7 @@ def train_dp(
     # The σ Opacus draws with: σ, except in an audit's deliberately broken build (test-only
     # ``NoisePolicy.noise_scale``, read here alone), which must still be accounted, and is charged, at σ.
     if noise.noise_scale != 1.0 and data_parallel:
-        raise ValueError("a noise_scale other than 1 acts on Opacus's Gaussian noise, not on the secure sum's")
+        raise InvalidValue("a noise_scale other than 1 acts on Opacus's Gaussian noise, not on the secure sum's")
     drawn = sigma * noise.noise_scale
     dp_optimizer.noise_multiplier = drawn
     steps = 0

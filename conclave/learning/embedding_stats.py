@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.counts import LaplaceCounts
 from conclave.privacy.exact_distances import exact_projection, nearest_queries
@@ -32,7 +33,7 @@ def support_counts(embeddings: np.ndarray, entropy: np.ndarray, projection: np.n
     counts at most once, for a public point chosen from its own row alone (ties by index), which
     gives the counts L1 sensitivity 1."""
     if len(embeddings) != len(entropy):
-        raise ValueError(f"{len(embeddings)} embeddings but {len(entropy)} entropies")
+        raise InvalidValue(f"{len(embeddings)} embeddings but {len(entropy)} entropies")
     voters = np.asarray(entropy) >= threshold
     if not len(embeddings):
         return np.zeros(len(public_points), dtype=np.int64)

@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.exact_distances import exact_projection
 
 
@@ -108,7 +109,7 @@ class PublicPCA(NamedEmbedding):
     def fit(cls, public_inputs: np.ndarray, dims: int) -> PublicPCA:
         flat = _represent(public_inputs, cls.projects).astype(np.float64)
         if not 1 <= dims <= min(flat.shape):
-            raise ValueError(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
+            raise InvalidValue(f"dims must be in [1, {min(flat.shape)}] for {flat.shape[0]} public inputs of "
                              f"{flat.shape[1]} values, got {dims}")
         mean = flat.mean(axis=0)
         spread = flat.std(axis=0)
@@ -192,7 +193,7 @@ def check_embedding(name: str, where: str = "embedding") -> None:
     module, _, function = name.partition(":")
     if not (module and function and all(part.isidentifier() for part in module.split("."))
             and function.isidentifier()):
-        raise ValueError(f"{where} must be one of {list(EMBEDDINGS)}, 'network:PATH' or 'package.module:function', "
+        raise InvalidValue(f"{where} must be one of {list(EMBEDDINGS)}, 'network:PATH' or 'package.module:function', "
                          f"got {name!r}")
 
 
@@ -235,7 +236,7 @@ class NetworkEmbedding:
             return cls(saved["model"], int(saved["num_classes"]), tuple(saved["input_shape"]), saved["features"],
                        {k: v.numpy() for k, v in saved["state_dict"].items()}, tuple(saved.get("lineage", ())))
         except (OSError, KeyError, RuntimeError) as err:
-            raise ValueError(f"network checkpoint {path}: {str(err).splitlines()[0]}") from err
+            raise InvalidValue(f"network checkpoint {path}: {str(err).splitlines()[0]}") from err
 
     @functools.cached_property
     def _network(self) -> Any:
@@ -297,5 +298,5 @@ def fit_embedding(name: str, public_inputs: np.ndarray, dims: int) -> Embedding:
     try:
         factory = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"embedding {name!r}: {err}") from err
+        raise InvalidValue(f"embedding {name!r}: {err}") from err
     return UserEmbedding(factory(public_inputs, dims))

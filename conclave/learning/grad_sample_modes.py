@@ -33,6 +33,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conclave.errors import InvalidValue
 from conclave.learning.bookkeeping import BookKeeping, private_optimizer
 from conclave.learning.finite_clipping import FiniteDPOptimizer, GhostClipping, cross_entropy
 
@@ -50,7 +51,7 @@ def fastest_mode(model: nn.Module, example_shape: Sequence[int], batch_size: int
     examples of ``example_shape``, the best of ``repetitions`` timed steps after a warm-up.
     A mode that fails on this model is skipped; if all but one fail, that one is chosen."""
     if not candidates:
-        raise ValueError("no grad_sample_mode to choose from")
+        raise InvalidValue("no grad_sample_mode to choose from")
     if len(candidates) == 1:
         return candidates[0]
     device = device or torch.device("cpu")
@@ -69,7 +70,7 @@ def fastest_mode(model: nn.Module, example_shape: Sequence[int], batch_size: int
             except Exception as err:  # noqa: BLE001 - a mode Opacus cannot run on this model is not a candidate
                 log.debug("grad_sample_mode %s does not run on this model: %s", mode, err)
     if not seconds:
-        raise ValueError(f"none of the grad_sample_modes {list(candidates)} runs on this model")
+        raise InvalidValue(f"none of the grad_sample_modes {list(candidates)} runs on this model")
     chosen = min(seconds, key=seconds.__getitem__)
     log.info("grad_sample_mode auto: %s (%s per step at batch %d)", chosen,
              ", ".join(f"{mode} {1e3 * s:.1f} ms" for mode, s in seconds.items()), batch_size)

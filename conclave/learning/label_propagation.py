@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,13 @@ class LabelPropagationConfig:
 
     def __post_init__(self) -> None:
         if self.neighbours < 1:
-            raise ValueError(f"label_propagation.neighbours must be >= 1, got {self.neighbours}")
+            raise InvalidValue(f"label_propagation.neighbours must be >= 1, got {self.neighbours}")
         if not 0 < self.alpha < 1:
-            raise ValueError(f"label_propagation.alpha must be in (0, 1), got {self.alpha}")
+            raise InvalidValue(f"label_propagation.alpha must be in (0, 1), got {self.alpha}")
         if self.components is not None and self.components < 1:
-            raise ValueError(f"label_propagation.components must be >= 1 or null, got {self.components}")
+            raise InvalidValue(f"label_propagation.components must be >= 1 or null, got {self.components}")
         if not 0 < self.threshold <= 1:
-            raise ValueError(f"label_propagation.threshold must be in (0, 1], got {self.threshold}")
+            raise InvalidValue(f"label_propagation.threshold must be in (0, 1], got {self.threshold}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,10 +74,10 @@ def propagate(inputs: np.ndarray, answered: np.ndarray, labels: np.ndarray, num_
     n = len(inputs)
     answered, labels = np.asarray(answered, dtype=np.int64), np.asarray(labels, dtype=np.int64)
     if len(answered) != len(labels) or not len(answered):
-        raise ValueError(f"label propagation needs one label per answered index, got {len(answered)} "
+        raise InvalidValue(f"label propagation needs one label per answered index, got {len(answered)} "
                          f"indices and {len(labels)} labels")
     if answered.min() < 0 or answered.max() >= n or labels.min() < 0 or labels.max() >= num_classes:
-        raise ValueError(f"label propagation: answered indices must lie in [0, {n}) and labels in [0, {num_classes})")
+        raise InvalidValue(f"label propagation: answered indices must lie in [0, {n}) and labels in [0, {num_classes})")
     points = inputs.reshape(n, -1).astype(np.float64)
     if config.components is not None and config.components < min(points.shape):
         points = PCA(n_components=config.components, svd_solver="full").fit_transform(points)

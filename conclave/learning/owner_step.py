@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from conclave.errors import InvalidValue
 from conclave.learning.embedding_stats import covariance_sum, support_counts
 from conclave.learning.finite_clipping import clip_factors, finite_losses, rows
 from conclave.learning.secure_dpsgd import PaddedPoissonBatches
@@ -54,7 +55,7 @@ class OwnerSteps:
         self._names = [name for name, _ in model.named_parameters()]
         self.shapes = tuple(tuple(p.shape) for p in model.parameters())
         if self.trained.shapes != self.shapes:
-            raise ValueError("the trained entries are of another model's parameters")
+            raise InvalidValue("the trained entries are of another model's parameters")
         self.dimension = self.trained.dimension
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._batches = iter(PaddedPoissonBatches(torch.from_numpy(x), torch.from_numpy(y), sample_rate, steps,

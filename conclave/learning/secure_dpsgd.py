@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.finite_clipping import FiniteDPOptimizer
 from conclave.privacy.accounting.skellam import skellam_charge
 from conclave.privacy.noise import NoiseSource
@@ -44,7 +45,7 @@ class SecureAggregation:
 
     def __post_init__(self) -> None:
         if not self.owners or self.dimension < 1:
-            raise ValueError(f"a secure sum needs ranks and a dimension, got {len(self.owners)} ranks, "
+            raise InvalidValue(f"a secure sum needs ranks and a dimension, got {len(self.owners)} ranks, "
                              f"d = {self.dimension}")
 
     def plan(self, max_grad_norm: float, noise_multiplier: float, num_examples: int, steps: int) -> SecureSumPlan:
@@ -90,7 +91,7 @@ class PaddedPoissonBatches:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, sample_rate: float, steps: int, records: int,
                  generator: torch.Generator, max_rows: int | None = None) -> None:
         if len(x) != len(y):
-            raise ValueError(f"dataset needs matching x and y (got {len(x)} and {len(y)})")
+            raise InvalidValue(f"dataset needs matching x and y (got {len(x)} and {len(y)})")
         self.held = len(y)
         if not self.held:  # a zero row to pad with, never sampled
             x, y = torch.zeros((1, *x.shape[1:])), torch.zeros(1, dtype=torch.long)
@@ -149,14 +150,14 @@ class SecureSumDPOptimizer(FiniteDPOptimizer):
         super().__init__(optimizer, **kwargs)
         self._rank = dist.get_rank()
         if dist.get_world_size() != len(aggregation.owners) or group.keys.rank != self._rank:
-            raise ValueError(f"the gloo group (rank {self._rank} of {dist.get_world_size()}) is not the secure "
+            raise InvalidValue(f"the gloo group (rank {self._rank} of {dist.get_world_size()}) is not the secure "
                              f"sum's ({group.keys.rank} of {len(aggregation.owners)})")
         self._plan, self._noise = plan, noise
         self._variance = plan.party_variances(aggregation.owners)[self._rank]
         masks = masks or {}
         self._masks = {id(p): masks[p].to(device=p.device, dtype=torch.bool) for p in masks}
         if sum(self._size(p) for p in self.params) != plan.dimension:
-            raise ValueError("the trained entries differ from the plan's dimension")
+            raise InvalidValue("the trained entries differ from the plan's dimension")
         self._pairwise = group.keys.pairwise_masks(list(group.public_keys), session)
         self._round = 0
 

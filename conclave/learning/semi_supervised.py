@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 if TYPE_CHECKING:  # a config must load without torch; training imports it
     from torch import nn
@@ -50,15 +51,15 @@ class FixMatchConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.unlabelled_ratio < 1:
-            raise ValueError("epochs, batch_size and unlabelled_ratio must be >= 1")
+            raise InvalidValue("epochs, batch_size and unlabelled_ratio must be >= 1")
         if not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+            raise InvalidValue(f"threshold must be in (0, 1], got {self.threshold}")
         if not (self.lr > 0 and self.unlabelled_weight >= 0 and self.weight_decay >= 0 and 0 <= self.momentum < 1):
-            raise ValueError("lr must be > 0, unlabelled_weight and weight_decay >= 0, momentum in [0, 1)")
+            raise InvalidValue("lr must be > 0, unlabelled_weight and weight_decay >= 0, momentum in [0, 1)")
         if self.views is not None and self.views < 1:
-            raise ValueError(f"views must be >= 1 or None, got {self.views}")
+            raise InvalidValue(f"views must be >= 1 or None, got {self.views}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
+            raise InvalidValue(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 
 
 Represent = Callable[[Any], Any]  # torch batch of images → the batch the model reads
@@ -80,9 +81,9 @@ def fixmatch(model: nn.Module, images: np.ndarray, labels: np.ndarray, unlabelle
 
     weak, strong = weak or WEAK, strong or STRONG
     if len(images) == 0:
-        raise ValueError("FixMatch needs at least one labelled image")
+        raise InvalidValue("FixMatch needs at least one labelled image")
     if len(unlabelled) == 0:
-        raise ValueError("FixMatch needs unlabelled images")
+        raise InvalidValue("FixMatch needs unlabelled images")
     represent = represent or (lambda batch: batch)
     generator = torch.Generator().manual_seed(config.seed)
     x_labelled, y_labelled = torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels.astype(np.int64))

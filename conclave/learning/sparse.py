@@ -26,6 +26,7 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset, load_dataset
 from conclave.learning.sparse_variants import VARIANTS
 
@@ -35,7 +36,7 @@ GROUPS = ("conv", "norm", "classifier", "other")
 def parameter_groups(model: nn.Module) -> dict[str, str]:
     """Parameter name → "conv" (Conv2d weight), "norm" (GroupNorm), "classifier" or "other"."""
     if not isinstance(getattr(model, "classifier", None), nn.Linear):
-        raise ValueError("the model needs a `.classifier` nn.Linear (the layer replaced for the new task)")
+        raise InvalidValue("the model needs a `.classifier` nn.Linear (the layer replaced for the new task)")
     classifier = {id(p) for p in model.classifier.parameters()}
     kinds: dict[int, str] = {}
     for module in model.modules():
@@ -54,9 +55,9 @@ def select_classes(dataset: Dataset, classes: tuple[int, ...], name: str | None 
     """The examples of ``classes``, relabelled 0..k-1 in the given order (a transfer task such
     as MNIST digits 5–9 → five new classes)."""
     if not classes or len(set(classes)) != len(classes):
-        raise ValueError(f"classes must be distinct and non-empty, got {classes}")
+        raise InvalidValue(f"classes must be distinct and non-empty, got {classes}")
     if any(not 0 <= c < dataset.num_classes for c in classes):
-        raise ValueError(f"classes must lie in [0, {dataset.num_classes}) for {dataset.name}, got {classes}")
+        raise InvalidValue(f"classes must lie in [0, {dataset.num_classes}) for {dataset.name}, got {classes}")
     lookup = np.full(dataset.num_classes, -1, dtype=np.int64)
     lookup[list(classes)] = np.arange(len(classes))
     keep = np.flatnonzero(lookup[dataset.y] >= 0)
@@ -94,11 +95,11 @@ def magnitude_masks(model: nn.Module, fraction: float) -> dict[str, torch.Tensor
     with no selected entry are left out of the result.
     """
     if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        raise InvalidValue(f"fraction must be in (0, 1], got {fraction}")
     groups = parameter_groups(model)
     convs = {name: p.detach() for name, p in model.named_parameters() if groups[name] == "conv"}
     if not convs:
-        raise ValueError("the model has no convolution weights to mask")
+        raise InvalidValue("the model has no convolution weights to mask")
     flat = torch.cat([p.abs().flatten() for p in convs.values()])
     keep = math.ceil(fraction * flat.numel())
     chosen = torch.zeros(flat.numel(), dtype=torch.bool)
@@ -130,7 +131,7 @@ class SparsePlan:
 def plan_variant(model: nn.Module, variant: str, fraction: float = 0.01) -> SparsePlan:
     """Set ``requires_grad`` on ``model`` for ``variant`` and return its plan (masks only for "all")."""
     if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+        raise InvalidValue(f"unknown variant {variant!r}; choose one of {VARIANTS}")
     groups = parameter_groups(model)
     allowed = {
         "classifier": {"classifier"},
@@ -171,7 +172,7 @@ def noise_to_gradient_ratio(
     groups = parameter_groups(work)
     names = [name for name, p in work.named_parameters() if p.requires_grad]
     if not names:
-        raise ValueError("no trainable parameters")
+        raise InvalidValue("no trainable parameters")
     wrapped = GradSampleModule(work, loss_reduction="sum")
     work.train()
     loss = nn.functional.cross_entropy(wrapped(x), y, reduction="sum")

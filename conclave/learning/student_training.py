@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.learning.data.features import apply_features, batch_transform
 from conclave.learning.data.schema import Standardiser
@@ -61,18 +62,18 @@ class StudentTrainer:
         test_views: int = 0,
     ) -> None:
         if semi_supervised is not None and not public.is_image:
-            raise ValueError("FixMatch (semi_supervised) augments images; for table inputs use "
+            raise InvalidValue("FixMatch (semi_supervised) augments images; for table inputs use "
                              "pseudo_label_threshold or neither")
         if pseudo_label_threshold is not None and not 0 < pseudo_label_threshold <= 1:
-            raise ValueError(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
+            raise InvalidValue(f"pseudo_label_threshold must be in (0, 1] or None, got {pseudo_label_threshold}")
         if pseudo_label_threshold is not None and semi_supervised is not None:
-            raise ValueError("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
+            raise InvalidValue("choose self-training (pseudo_label_threshold) or FixMatch (semi_supervised), not both")
         if pseudo_label_threshold is not None and label_propagation is not None:
-            raise ValueError("choose self-training (pseudo_label_threshold) or label_propagation, not both")
+            raise InvalidValue("choose self-training (pseudo_label_threshold) or label_propagation, not both")
         if members < 1:
-            raise ValueError(f"members must be >= 1, got {members}")
+            raise InvalidValue(f"members must be >= 1, got {members}")
         if test_views < 0 or (test_views and not test.is_image):
-            raise ValueError(f"test_views averages augmented images: it must be 0 for table inputs and >= 0, "
+            raise InvalidValue(f"test_views averages augmented images: it must be 0 for table inputs and >= 0, "
                              f"got {test_views}")
         self.public = public
         self.test = apply_features(test, features)

@@ -3,6 +3,7 @@ that name it load without torch (``conclave plan``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from conclave.errors import InvalidValue
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -19,12 +20,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
-            raise ValueError(f"epochs must be ≥ 0, got {self.epochs}")
+            raise InvalidValue(f"epochs must be ≥ 0, got {self.epochs}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be ≥ 1, got {self.batch_size}")
+            raise InvalidValue(f"batch_size must be ≥ 1, got {self.batch_size}")
         if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise InvalidValue(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0 or self.momentum < 0:
-            raise ValueError("weight_decay and momentum must be ≥ 0")
+            raise InvalidValue("weight_decay and momentum must be ≥ 0")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise InvalidValue(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")

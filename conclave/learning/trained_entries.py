@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from conclave.errors import InvalidValue
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,18 +32,18 @@ class TrainedEntries:
     def __post_init__(self) -> None:
         indices = [index for index, _ in self.entries]
         if not indices:
-            raise ValueError("no parameter trains: name at least one")
+            raise InvalidValue("no parameter trains: name at least one")
         if any(b <= a for a, b in zip(indices, indices[1:])) or not 0 <= indices[0] or indices[-1] >= len(self.shapes):
-            raise ValueError(f"trained parameters {indices[:8]} must be strictly increasing indices of the model's "
+            raise InvalidValue(f"trained parameters {indices[:8]} must be strictly increasing indices of the model's "
                              f"{len(self.shapes)} parameters")
         for index, flat in self.entries:
             if flat is None:
                 continue
             size = math.prod(self.shapes[index])
             if flat.ndim != 1 or not len(flat):
-                raise ValueError(f"parameter {index}: give its trained entries (flat indices), or none for all")
+                raise InvalidValue(f"parameter {index}: give its trained entries (flat indices), or none for all")
             if (np.diff(flat) <= 0).any() or flat[0] < 0 or flat[-1] >= size:
-                raise ValueError(f"parameter {index}: its entries must be strictly increasing flat indices below its "
+                raise InvalidValue(f"parameter {index}: its entries must be strictly increasing flat indices below its "
                                  f"{size} entries (shape {list(self.shapes[index])})")
 
     @classmethod

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.learning.train_config import TrainConfig
 
@@ -39,7 +40,7 @@ def _make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 def fit(model: nn.Module, dataset: Dataset, config: TrainConfig, progress: bool = False) -> list[float]:
     """Train ``model`` in place with cross-entropy; returns the mean loss of each epoch."""
     if len(dataset) == 0:
-        raise ValueError(f"cannot train on {dataset.name}: it is empty")
+        raise InvalidValue(f"cannot train on {dataset.name}: it is empty")
     device = default_device()
     model.to(device).train()
     optimizer = _make_optimizer(model, config)
@@ -70,7 +71,7 @@ def _batched(model: nn.Module, x: np.ndarray, batch_size: int,
     """Apply ``fn(model, batch)`` over ``x`` in eval mode without gradients, as float32 numpy."""
     x = np.asarray(x)
     if x.ndim not in (2, 4) or not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"inputs must be a float array [n, C, H, W] or [n, d], got {x.dtype} {x.shape}")
+        raise InvalidValue(f"inputs must be a float array [n, C, H, W] or [n, d], got {x.dtype} {x.shape}")
     model.eval()
     device = _model_device(model)
     outputs = []
@@ -79,7 +80,7 @@ def _batched(model: nn.Module, x: np.ndarray, batch_size: int,
             batch = torch.tensor(np.asarray(x[start:start + batch_size], dtype=np.float32))  # own, aligned memory
             outputs.append(fn(model, batch.to(device)).flatten(1).float().cpu().numpy())
     if not outputs:
-        raise ValueError("inputs are empty")
+        raise InvalidValue("inputs are empty")
     return np.concatenate(outputs)
 
 

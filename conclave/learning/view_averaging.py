@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.augment import WEAK
 from conclave.learning.training import predict_logits
 
@@ -24,7 +25,7 @@ def predict_with_views(model: nn.Module, images: np.ndarray, represent: Callable
     ``views`` weak views of it, each shown to ``model`` as ``represent`` makes it (its features).
     ``seed`` draws the views (public inputs only), so a prediction is repeatable."""
     if views < 0:
-        raise ValueError(f"test views must be >= 0, got {views}")
+        raise InvalidValue(f"test views must be >= 0, got {views}")
     generator = torch.Generator().manual_seed(seed)
     classes = []
     for start in range(0, len(images), batch_size):

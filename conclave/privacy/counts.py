@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import pure_epsilon_charge
 from conclave.privacy.accounting.skellam import skellam_charge
@@ -42,7 +43,7 @@ class LaplaceCounts:
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and np.isfinite(self.epsilon)):
-            raise ValueError(f"epsilon must be a positive finite number, got {self.epsilon}")
+            raise InvalidValue(f"epsilon must be a positive finite number, got {self.epsilon}")
 
     @property
     def scale(self) -> float:
@@ -99,7 +100,7 @@ class SkellamCounts(CalibratedRelease):
 def _checked_counts(counts: np.ndarray) -> np.ndarray:
     counts = np.asarray(counts)
     if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
-        raise ValueError(f"expected a 1-D vector of integer counts, got {counts.dtype} {counts.shape}")
+        raise InvalidValue(f"expected a 1-D vector of integer counts, got {counts.dtype} {counts.shape}")
     if np.any(counts < 0):
-        raise ValueError("counts must be non-negative")
+        raise InvalidValue("counts must be non-negative")
     return counts

@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 INSECURE_REASON = (
     "DP noise was drawn from the public seed privacy.insecure_noise_seed={seed}: anyone with the seed "
@@ -31,7 +32,7 @@ class NoisePolicy:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.noise_scale < float("inf"):
-            raise ValueError(f"noise_scale must be finite and >= 0, got {self.noise_scale!r}")
+            raise InvalidValue(f"noise_scale must be finite and >= 0, got {self.noise_scale!r}")
 
     @property
     def sound(self) -> bool:
@@ -76,9 +77,9 @@ class NoiseSource:
         """Integer ``counts`` plus discrete Laplace noise, P(z) ∝ exp(−|z|/scale): ε = Δ₁/scale."""
         values = np.asarray(counts)
         if not np.issubdtype(values.dtype, np.integer) or values.ndim != 1:
-            raise ValueError(f"expected a 1-D integer vector of counts, got {values.dtype} {values.shape}")
+            raise InvalidValue(f"expected a 1-D integer vector of counts, got {values.dtype} {values.shape}")
         if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale}")
+            raise InvalidValue(f"scale must be > 0, got {scale}")
         if self.secure:
             return np.asarray(_opendp_laplace_ints(float(scale))(values.astype(np.int64).tolist()), dtype=np.int64)
         # Difference of two geometric variables is discrete Laplace (insecure path only).
@@ -89,9 +90,9 @@ class NoiseSource:
         """Float ``values`` plus N(0, σ²) noise, sampled exactly and rounded once (no low-bit leak)."""
         array = np.asarray(values, dtype=np.float64)
         if not np.isfinite(array).all():
-            raise ValueError("values to be released must be finite")
+            raise InvalidValue("values to be released must be finite")
         if not sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
+            raise InvalidValue(f"sigma must be > 0, got {sigma}")
         if self.secure:
             flat = _opendp_gaussian_floats(float(sigma))(array.reshape(-1).tolist())
             return np.asarray(flat, dtype=np.float64).reshape(array.shape)

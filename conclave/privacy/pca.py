@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_charge, gaussian_rdp
 from conclave.privacy.accounting.skellam import skellam_charge
@@ -27,7 +28,7 @@ def normalise_rows(x: np.ndarray) -> np.ndarray:
     """Each row scaled to unit L2 norm (rows of zeros stay zero): the sensitivity bound needs ‖x‖ ≤ 1."""
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
-        raise ValueError(f"expected a 2-D array [n, d], got shape {x.shape}")
+        raise InvalidValue(f"expected a 2-D array [n, d], got shape {x.shape}")
     norms = np.sqrt(exact_squared(x, np.zeros_like(x)))[:, None]  # each row's own, bit for bit
     return x / np.where(norms > 0, norms, 1.0)
 
@@ -42,7 +43,7 @@ def upper_triangle(matrix: np.ndarray) -> np.ndarray:
     """The entries on and above the diagonal of a square matrix, row by row (d(d+1)/2 of them)."""
     matrix = np.asarray(matrix, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"expected a square matrix, got shape {matrix.shape}")
+        raise InvalidValue(f"expected a square matrix, got shape {matrix.shape}")
     return matrix[np.triu_indices(matrix.shape[0])]
 
 
@@ -51,7 +52,7 @@ def symmetric_from_upper(upper: np.ndarray) -> np.ndarray:
     upper = np.asarray(upper, dtype=np.float64)
     d = (math.isqrt(8 * upper.size + 1) - 1) // 2
     if upper.ndim != 1 or d * (d + 1) // 2 != upper.size:
-        raise ValueError(f"{upper.size} entries are not the upper triangle of a square matrix")
+        raise InvalidValue(f"{upper.size} entries are not the upper triangle of a square matrix")
     matrix = np.zeros((d, d))
     matrix[np.triu_indices(d)] = upper
     return matrix + np.triu(matrix, 1).T
@@ -61,7 +62,7 @@ def top_components(matrix: np.ndarray, components: int) -> np.ndarray:
     """Top-``components`` eigenvectors of a symmetric matrix, as columns of a [d, p] projection."""
     d = matrix.shape[0]
     if not 1 <= components <= d:
-        raise ValueError(f"components must be in [1, {d}], got {components}")
+        raise InvalidValue(f"components must be in [1, {d}], got {components}")
     values, vectors = np.linalg.eigh(matrix)
     order = np.argsort(values)[::-1][:components]
     return vectors[:, order]
@@ -71,9 +72,9 @@ def gaussian_noise_for_epsilon(epsilon: float, delta: float, orders: np.ndarray 
                                conversion: str = "tight") -> float:
     """Smallest noise multiplier z (sensitivity 1) whose Gaussian RDP gives ε ≤ ``epsilon`` at ``delta``."""
     if epsilon <= 0 or not np.isfinite(epsilon):
-        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
+        raise InvalidValue(f"epsilon must be a positive finite number, got {epsilon}")
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in (0, 1), got {delta}")
     orders = DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
 
     def eps_of(z: float) -> float:
@@ -83,7 +84,7 @@ def gaussian_noise_for_epsilon(epsilon: float, delta: float, orders: np.ndarray 
     while eps_of(high) > epsilon:  # ε falls as z grows: find a bracket, then bisect
         low, high = high, high * 2
         if high > 1e6:
-            raise ValueError(f"no noise multiplier reaches epsilon={epsilon} at delta={delta}")
+            raise InvalidValue(f"no noise multiplier reaches epsilon={epsilon} at delta={delta}")
     for _ in range(100):
         mid = (low + high) / 2
         if eps_of(mid) > epsilon:
@@ -119,7 +120,7 @@ class AnalyzeGauss:
         under Gaussian noise and mirrored below."""
         total = np.asarray(total, dtype=np.float64)
         if total.ndim != 2 or total.shape[0] != total.shape[1]:
-            raise ValueError(f"expected a square summed covariance, got shape {total.shape}")
+            raise InvalidValue(f"expected a square summed covariance, got shape {total.shape}")
         upper = np.triu_indices(total.shape[0])
         released = np.zeros_like(total)
         released[upper] = noise.gaussian(total[upper], self.noise_multiplier)
@@ -129,7 +130,7 @@ class AnalyzeGauss:
         """Top-``components`` eigenvectors of the noisy matrix, as columns of a [d, p] projection."""
         d = np.asarray(total).shape[0]
         if not 1 <= components <= d:
-            raise ValueError(f"components must be in [1, {d}], got {components}")
+            raise InvalidValue(f"components must be in [1, {d}], got {components}")
         return top_components(self.noisy_covariance(total, noise), components)
 
 
@@ -171,7 +172,7 @@ class SecureAnalyzeGauss(CalibratedRelease):
         """The secure sum of d×d covariances (``dimension`` d) over parties ``owners[rank]``, each
         holding at most ``norm_bound`` rows (public: the declared records)."""
         if not isinstance(dimension, int) or dimension < 1:
-            raise ValueError(f"dimension must be a positive integer, got {dimension!r}")
+            raise InvalidValue(f"dimension must be a positive integer, got {dimension!r}")
         return release_plan(self.charge(), dimension=dimension * (dimension + 1) // 2, owners=owners,
                             norm_bound=norm_bound, noise_multiplier=self.noise_multiplier, integer_inputs=False,
                             what="secure DP-PCA")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import epsilon_from_rdp
 from conclave.privacy.accounting.skellam import skellam_rdp
@@ -33,9 +34,9 @@ def skellam_multiplier_for_epsilon(charge_of: Callable[[float], PrivacyCharge], 
     bisection on a bracket applies, as ``learning.dp_schedule.calibrated_noise_multiplier``.
     """
     if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
+        raise InvalidValue(f"epsilon must be a positive finite number, got {epsilon}")
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in (0, 1), got {delta}")
 
     def epsilon_of(z: float) -> float:
         charge = charge_of(z)
@@ -45,7 +46,7 @@ def skellam_multiplier_for_epsilon(charge_of: Callable[[float], PrivacyCharge], 
     while epsilon_of(high) > epsilon:
         low, high = high, high * 2
         if high > 1e6:
-            raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon {epsilon} at delta {delta}")
+            raise InvalidValue(f"no noise multiplier up to 1e6 reaches epsilon {epsilon} at delta {delta}")
     while high / low > 1 + CALIBRATION_PRECISION:
         middle = math.sqrt(low * high)
         low, high = (middle, high) if epsilon_of(middle) > epsilon else (low, middle)
@@ -88,7 +89,7 @@ def release_plan(charge: PrivacyCharge, *, dimension: int, owners: Sequence[str]
                          integer_inputs=integer_inputs)
     cost = skellam_rdp(charge.orders, plan.l1_sensitivity, plan.l2_sensitivity, plan.noise_variance)
     if np.any(cost > charge.rdp * (1 + 1e-12)):
-        raise ValueError(f"{what}: the secure sum of {dimension} entries over {len(owners)} parties fits its ring "
+        raise InvalidValue(f"{what}: the secure sum of {dimension} entries over {len(owners)} parties fits its ring "
                          f"only at scale 2^{plan.scale_bits}, where it would cost more than its charge; "
                          "declare fewer records")
     return plan
@@ -136,12 +137,12 @@ def party_share(vector: np.ndarray, plan: SecureSumPlan, owners: Sequence[str], 
 def summed_shares(shares: Sequence[np.ndarray], plan: SecureSumPlan) -> np.ndarray:
     """The int64 sum of one share per party (W·m < 2^63: no overflow); refuses a missing share."""
     if len(shares) != plan.parties:
-        raise ValueError(f"expected one share from each of the {plan.parties} parties, got {len(shares)}: "
+        raise InvalidValue(f"expected one share from each of the {plan.parties} parties, got {len(shares)}: "
                          "without every share the total is noise, so nothing is released")
     stacked = np.asarray(shares)
     if stacked.shape != (plan.parties, plan.dimension) or not np.issubdtype(stacked.dtype, np.integer):
-        raise ValueError(f"expected {plan.parties} integer shares of length {plan.dimension}, got "
+        raise InvalidValue(f"expected {plan.parties} integer shares of length {plan.dimension}, got "
                          f"{stacked.dtype} {stacked.shape}")
     if stacked.min() < 0 or stacked.max() >= plan.modulus:
-        raise ValueError("a share lies outside the ring [0, m)")
+        raise InvalidValue("a share lies outside the ring [0, m)")
     return stacked.astype(np.int64).sum(axis=0)

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from conclave.errors import InvalidValue
 from conclave.privacy.noise import NoiseSource
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class SecureSumPlan:
         fitting = [g for g in range(target, -1, -1) if self._fits(g)]
         if not fitting:
             needed = (2 * (self._max_abs_total(0) + 1) - 1).bit_length()
-            raise ValueError(
+            raise InvalidValue(
                 f"secure sum of a vector of d={self.dimension} (norm bound {self.norm_bound}, noise multiplier "
                 f"{self.noise_multiplier}) with W={self.parties} parties needs {needed} bits at scale 1; "
                 f"the ring has {modulus_bits} (W·m < 2^63)")
@@ -102,7 +103,7 @@ class SecureSumPlan:
         self._set_noise(fitting[0])
         draws = math.ceil(self.owner_variance / 2 / POISSON_LAMBDA_MAX)
         if draws > MAX_POISSON_DRAWS:
-            raise ValueError(f"noise variance {self.owner_variance:.3g} per owner needs {draws} Poisson draws per "
+            raise InvalidValue(f"noise variance {self.owner_variance:.3g} per owner needs {draws} Poisson draws per "
                              f"coordinate (at most {MAX_POISSON_DRAWS}); lower the noise multiplier or raise "
                              "rounding_inflation")
 
@@ -126,9 +127,9 @@ class SecureSumPlan:
         Each owner's ``owner_variance`` is split evenly across its parties.
         """
         if len(owner_of) != self.parties:
-            raise ValueError(f"owner_of names {len(owner_of)} parties, the plan has {self.parties}")
+            raise InvalidValue(f"owner_of names {len(owner_of)} parties, the plan has {self.parties}")
         if len(set(owner_of)) != self.owners:
-            raise ValueError(f"owner_of names {len(set(owner_of))} owners, the plan has {self.owners}")
+            raise InvalidValue(f"owner_of names {len(set(owner_of))} owners, the plan has {self.owners}")
         counts = {owner: list(owner_of).count(owner) for owner in set(owner_of)}
         return tuple(self.owner_variance / counts[owner] for owner in owner_of)
 
@@ -136,17 +137,17 @@ class SecureSumPlan:
         for name in ("dimension", "parties", "owners", "rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidValue(f"{name} must be a positive integer, got {value!r}")
         if self.owners > self.parties:
-            raise ValueError(f"owners ({self.owners}) cannot outnumber parties ({self.parties})")
+            raise InvalidValue(f"owners ({self.owners}) cannot outnumber parties ({self.parties})")
         for name in ("norm_bound", "sensitivity", "noise_multiplier", "rounding_inflation"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+                raise InvalidValue(f"{name} must be a positive finite number, got {value!r}")
         if not 0 < self.wrap_probability < 1:
-            raise ValueError(f"wrap_probability must be in (0, 1), got {self.wrap_probability}")
+            raise InvalidValue(f"wrap_probability must be in (0, 1), got {self.wrap_probability}")
         if self.dimension * 8 > 64 * 2**32:
-            raise ValueError(f"dimension {self.dimension} exceeds one ChaCha20 stream (2^35 entries)")
+            raise InvalidValue(f"dimension {self.dimension} exceeds one ChaCha20 stream (2^35 entries)")
 
     def _target_scale_bits(self) -> int:
         """Smallest g with √d ≤ rounding_inflation · 2^g · c."""
@@ -198,14 +199,14 @@ def quantize(v: np.ndarray, plan: SecureSumPlan) -> np.ndarray:
     """One party's vector in the integer domain: project onto the R-ball, scale by γ, round to nearest."""
     array = np.asarray(v)
     if array.shape != (plan.dimension,):
-        raise ValueError(f"expected a vector of shape ({plan.dimension},), got {array.shape}")
+        raise InvalidValue(f"expected a vector of shape ({plan.dimension},), got {array.shape}")
     if plan.integer_inputs:
         if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"the plan expects integer vectors, got {array.dtype}")
+            raise InvalidValue(f"the plan expects integer vectors, got {array.dtype}")
         return array.astype(np.int64)
     array = array.astype(np.float64)
     if not np.isfinite(array).all():
-        raise ValueError("the vector to be summed must be finite")
+        raise InvalidValue("the vector to be summed must be finite")
     return np.rint(project(array, plan.norm_bound) * plan.scale).astype(np.int64)
 
 
@@ -220,11 +221,11 @@ def skellam_noise(shape: int | tuple[int, ...], variance: float,
     """
     generator = rng.rng if isinstance(rng, NoiseSource) else rng
     if not (math.isfinite(variance) and variance >= 0):
-        raise ValueError(f"variance must be a finite number ≥ 0, got {variance}")
+        raise InvalidValue(f"variance must be a finite number ≥ 0, got {variance}")
     lam = variance / 2
     draws = max(1, math.ceil(lam / POISSON_LAMBDA_MAX))
     if draws > MAX_POISSON_DRAWS:
-        raise ValueError(f"variance {variance:.3g} needs {draws} Poisson draws per coordinate "
+        raise InvalidValue(f"variance {variance:.3g} needs {draws} Poisson draws per coordinate "
                          f"(at most {MAX_POISSON_DRAWS})")
     noise = np.zeros(shape, dtype=np.int64)
     for _ in range(draws):
@@ -253,11 +254,11 @@ class PairwiseMasks:
     def mask(self, round_number: int, plan: SecureSumPlan) -> np.ndarray:
         """This party's mask for ``round_number``, as int64 in [0, m); refuses a round already used."""
         if not isinstance(round_number, int) or not 0 <= round_number < 2**64:
-            raise ValueError(f"round must be an integer in [0, 2^64), got {round_number!r}")
+            raise InvalidValue(f"round must be an integer in [0, 2^64), got {round_number!r}")
         if round_number <= self._last_round:
-            raise ValueError(f"round {round_number} is not after round {self._last_round}: masks are never reused")
+            raise InvalidValue(f"round {round_number} is not after round {self._last_round}: masks are never reused")
         if self.parties != plan.parties:
-            raise ValueError(f"these masks are for {self.parties} parties, the plan has {plan.parties}")
+            raise InvalidValue(f"these masks are for {self.parties} parties, the plan has {plan.parties}")
         self._last_round = round_number
         total = np.zeros(plan.dimension, dtype=np.uint64)
         for peer, key in self.pair_keys.items():
@@ -288,7 +289,7 @@ class MaskKeys:
 
     def __init__(self, rank: int, private_key: X25519PrivateKey | None = None) -> None:
         if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+            raise InvalidValue(f"rank must be a non-negative integer, got {rank!r}")
         self.rank = rank
         self._private_key = private_key if private_key is not None else X25519PrivateKey.generate()
         self.public_bytes = self._private_key.public_key().public_bytes_raw()
@@ -296,11 +297,11 @@ class MaskKeys:
     def pairwise_masks(self, public_keys: Sequence[bytes], session: str) -> PairwiseMasks:
         """Pair keys with every other rank, given ``public_keys[rank]`` for all ranks (this one included)."""
         if not session:
-            raise ValueError("session must name this sequence of rounds (e.g. run id and purpose)")
+            raise InvalidValue("session must name this sequence of rounds (e.g. run id and purpose)")
         if self.rank >= len(public_keys) or public_keys[self.rank] != self.public_bytes:
-            raise ValueError(f"public_keys[{self.rank}] is not this party's public key")
+            raise InvalidValue(f"public_keys[{self.rank}] is not this party's public key")
         if len(set(public_keys)) != len(public_keys):
-            raise ValueError("two ranks published the same public key")
+            raise InvalidValue("two ranks published the same public key")
         pair_keys = {}
         for peer, peer_public in enumerate(public_keys):
             if peer == self.rank:
@@ -320,7 +321,7 @@ def masked_share(v_int: np.ndarray, noise_int: np.ndarray, masks: PairwiseMasks,
     values, noise = np.asarray(v_int), np.asarray(noise_int)
     for name, array in (("v_int", values), ("noise_int", noise)):
         if array.shape != (plan.dimension,) or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{name} must be an integer vector of shape ({plan.dimension},), "
+            raise InvalidValue(f"{name} must be an integer vector of shape ({plan.dimension},), "
                              f"got {array.dtype} {array.shape}")
     share = values.astype(np.int64).view(np.uint64) + noise.astype(np.int64).view(np.uint64)
     share += masks.mask(round_number, plan).view(np.uint64)  # two's complement: all of this is mod 2^64
@@ -343,10 +344,10 @@ def secure_sum(vectors: Sequence[np.ndarray], plan: SecureSumPlan, rngs: Sequenc
     """Reference run of one round in one process (tests): every party quantizes, draws its noise
     share, masks; the int64 shares are summed as the all-reduce would; the total is decoded."""
     if not len(vectors) == len(rngs) == len(masks) == plan.parties:
-        raise ValueError(f"expected {plan.parties} vectors, generators and masks, got "
+        raise InvalidValue(f"expected {plan.parties} vectors, generators and masks, got "
                          f"{len(vectors)}, {len(rngs)}, {len(masks)}")
     if [m.rank for m in masks] != list(range(plan.parties)):
-        raise ValueError("masks[rank] must be the masks of that rank")
+        raise InvalidValue("masks[rank] must be the masks of that rank")
     variances = plan.party_variances(owner_of)
     total = np.zeros(plan.dimension, dtype=np.int64)
     for party in range(plan.parties):

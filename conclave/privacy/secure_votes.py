@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.sampled_skellam import VOTE_SHIFT_L1, VOTE_SHIFT_L2, sampled_skellam_vote_charge
 from conclave.privacy.accounting.skellam import skellam_charge
@@ -42,11 +43,11 @@ class VoteBound:
 
     def __post_init__(self) -> None:
         if not (self.l1 >= self.l2 > 0):
-            raise ValueError(f"a vote bound needs l1 >= l2 > 0, got {self.l1}, {self.l2}")
+            raise InvalidValue(f"a vote bound needs l1 >= l2 > 0, got {self.l1}, {self.l2}")
         if not 0 < self.sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+            raise InvalidValue(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.sample_rate < 1 and (not self.per_query or (self.l1, self.l2) != (VOTE_SHIFT_L1, VOTE_SHIFT_L2)):
-            raise ValueError("a sampled vote bound is the kNN lemma's: per query, l1 = 2, l2 = √2")
+            raise InvalidValue("a sampled vote bound is the kNN lemma's: per query, l1 = 2, l2 = √2")
 
     def round_sensitivity(self, batch: int) -> tuple[float, float]:
         """(Δ₁, Δ₂) of a whole round of ``batch`` queries."""
@@ -98,7 +99,7 @@ class SkellamVotes:
 
     def __post_init__(self) -> None:
         if not (self.sigma > 0 and math.isfinite(self.sigma)):
-            raise ValueError(f"secure votes: sigma must be a positive finite number, got {self.sigma}")
+            raise InvalidValue(f"secure votes: sigma must be a positive finite number, got {self.sigma}")
 
     def charge(self, count: int, label: str, orders=None) -> PrivacyCharge:
         """What releasing ``count`` noised histograms at this σ costs."""
@@ -109,10 +110,10 @@ class SkellamVotes:
         ``rank`` counting at most ``cell_bounds[rank]`` votes in one cell (public: its teachers, its
         k nearest, its declared records); refused if it would cost more than the unsampled charge."""
         if len(cell_bounds) != len(owners) or min(cell_bounds, default=0) < 1:
-            raise ValueError(f"secure votes: expected a positive count bound for each of the {len(owners)} "
+            raise InvalidValue(f"secure votes: expected a positive count bound for each of the {len(owners)} "
                              f"parties, got {list(cell_bounds)}")
         if batch < 1 or classes < 2:
-            raise ValueError(f"secure votes: a round needs queries and at least two classes, got batch {batch}, "
+            raise InvalidValue(f"secure votes: a round needs queries and at least two classes, got batch {batch}, "
                              f"{classes} classes")
         l2 = self.bound.round_sensitivity(batch)[1]
         return release_plan(self.bound.unsampled_charge(self.sigma, batch, "secure votes"), dimension=batch * classes,
@@ -125,7 +126,7 @@ class SkellamVotes:
         plus its Skellam noise share, masked (uniform on the ring on its own)."""
         counts = np.asarray(votes)
         if counts.ndim != 2 or counts.size != plan.dimension or not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"expected integer partial histograms of {plan.dimension} counts in all, got "
+            raise InvalidValue(f"expected integer partial histograms of {plan.dimension} counts in all, got "
                              f"{counts.dtype} {counts.shape}")
         return party_share(counts.reshape(-1), plan, owners, masks, noise)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from conclave.cluster.api import TrackingConfig, from_dict, load_yaml
+from conclave.errors import InvalidValue
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -25,7 +26,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.grace_period < 1 or self.reduction_factor <= 1:
-            raise ValueError("scheduler.grace_period must be >= 1 and scheduler.reduction_factor > 1")
+            raise InvalidValue("scheduler.grace_period must be >= 1 and scheduler.reduction_factor > 1")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ResourcesConfig:
 
     def __post_init__(self) -> None:
         if self.cpu <= 0 or self.gpu < 0:
-            raise ValueError(f"resources.cpu must be > 0 and resources.gpu >= 0, got {self.cpu}, {self.gpu}")
+            raise InvalidValue(f"resources.cpu must be > 0 and resources.gpu >= 0, got {self.cpu}, {self.gpu}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         if not self.eta > -1 or not 0 < self.gamma < 1:
-            raise ValueError(f"cost: eta must be > -1 and gamma in (0, 1), got {self.eta}, {self.gamma}")
+            raise InvalidValue(f"cost: eta must be > -1 and gamma in (0, 1), got {self.eta}, {self.gamma}")
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,13 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+            raise InvalidValue(f"num_samples must be >= 1, got {self.num_samples}")
         if self.max_concurrent_trials is not None and self.max_concurrent_trials < 1:
-            raise ValueError(f"max_concurrent_trials must be >= 1 or null, got {self.max_concurrent_trials}")
+            raise InvalidValue(f"max_concurrent_trials must be >= 1 or null, got {self.max_concurrent_trials}")
         if not self.space:
-            raise ValueError("space: a sweep needs at least one key to vary")
+            raise InvalidValue("space: a sweep needs at least one key to vary")
         if "pipeline" not in self.base:
-            raise ValueError("base: missing required key 'pipeline' (the run config of the kind's pipeline)")
+            raise InvalidValue("base: missing required key 'pipeline' (the run config of the kind's pipeline)")
 
 
 def load_tune_config(path: str | Path) -> TuneConfig:

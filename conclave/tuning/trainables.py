@@ -20,6 +20,7 @@ import numpy as np
 import ray
 
 from conclave.cluster.api import Pipeline, PublicPretraining, RunContext, RunDirectory, RunOutcome, load_pipeline
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
@@ -87,7 +88,7 @@ def charge_from_fields(metrics: dict[str, Any]) -> PrivacyCharge:
     """The charge a trial reported (inverse of ``charge_fields``)."""
     rdp = np.asarray(metrics["rdp"], dtype=float)
     if rdp.shape != DEFAULT_ORDERS.shape:
-        raise ValueError("a trial reported its charge on a different grid of orders")
+        raise InvalidValue("a trial reported its charge on a different grid of orders")
     plan = metrics.get("gaussian_plan")
     return PrivacyCharge(DEFAULT_ORDERS, rdp, extra_delta=float(metrics["extra_delta"]),
                          unbounded=bool(metrics["unbounded"]), reason="a trial had no finite guarantee"
@@ -137,7 +138,7 @@ def _teacher_ensemble(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> Non
 def _near_private(pipeline: Pipeline, prepared: Any, trial_dir: Path) -> None:
     selection = pipeline.config.selection
     if tuple(selection.strategies) != ("near_private",) or len(selection.sizes) != 1:
-        raise ValueError("near_private sweeps need selection.strategies [near_private] and one N_labeled "
+        raise InvalidValue("near_private sweeps need selection.strategies [near_private] and one N_labeled "
                          "(selection.sizes: [N])")
     outcome, charge = _pipeline_outside_trial(pipeline, trial_dir)
     for row in outcome.result.checkpoints:  # the DP-SGD model alone, epoch by epoch
@@ -151,7 +152,7 @@ def _sparsity(pipeline: Pipeline, prepared: PublicPretraining, trial_dir: Path) 
     """One variant of the sparse_finetune pipeline on the sweep's public model, reported every epoch."""
     variants = pipeline.config.finetune.variants
     if len(variants) != 1:
-        raise ValueError("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
+        raise InvalidValue("a sparsity trial fine-tunes one variant: sweep finetune.variants over "
                          "one-element lists, e.g. {choice: [[classifier], [all]]}")
     # every trial draws its own fresh noise (independent trials, as Papernot & Steinke's Thm 2 needs)
     outcome, charge = _pipeline_outside_trial(pipeline, trial_dir, lambda context: pipeline.trial(context, prepared))

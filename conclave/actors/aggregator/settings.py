@@ -5,6 +5,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from conclave.errors import InvalidValue
 
 
 @dataclass(frozen=True)
@@ -36,29 +37,29 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+            raise InvalidValue(f"port must be in 0..65535, got {self.port}")
         if self.max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+            raise InvalidValue(f"max_batch must be at least 1, got {self.max_batch}")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TLS needs both tls_cert and tls_key (PEM files), or neither")
+            raise InvalidValue("TLS needs both tls_cert and tls_key (PEM files), or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+            raise InvalidValue("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name}: no such file {path}")
+                raise InvalidValue(f"{name}: no such file {path}")
         if self.token is not None and not self.token:
-            raise ValueError("token must be non-empty (or None for no authentication)")
+            raise InvalidValue("token must be non-empty (or None for no authentication)")
         if not self.tls_cert and not self.allow_plaintext and not is_loopback(self.host):
-            raise ValueError(f"host {self.host!r} is reachable from other machines: serve it with TLS "
+            raise InvalidValue(f"host {self.host!r} is reachable from other machines: serve it with TLS "
                              "(tls_cert, tls_key), or allow plaintext explicitly")
         for name in ("label_workers", "max_streams", "max_unauthenticated"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise InvalidValue(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+            raise InvalidValue(f"max_queued must be >= 0, got {self.max_queued}")
         if self.stream_idle_timeout <= 0 or self.health_interval <= 0:
-            raise ValueError("stream_idle_timeout and health_interval must be positive")
+            raise InvalidValue("stream_idle_timeout and health_interval must be positive")
 
     @property
     def tls(self) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from conclave.cluster.active_learning import ActiveLearningConfig, public_side, shard_plans
 from conclave.cluster.auditing import AuditResult, AuditSettings, SecretInclusion
 from conclave.cluster.run_privacy import dp_sgd_trust
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.privacy.accounting.audit import epsilon_lower_bound
 from conclave.privacy.noise import SECURE
@@ -65,7 +66,7 @@ def make_canaries(test: Dataset, count: int, rng: np.random.Generator) -> Canary
     which gives the loss score more power than a mislabelled real record (its true class is
     learnt from its neighbours) and more than uniform noise on tables."""
     if len(test) < 1:
-        raise ValueError("the audit makes its canaries from the test split, and it is empty")
+        raise InvalidValue("the audit makes its canaries from the test split, and it is empty")
     flat = test.x.reshape(len(test), -1)
     picks = rng.integers(0, len(test), size=(count, flat.shape[1]))
     x = np.take_along_axis(flat, picks, axis=0).reshape(count, *test.x.shape[1:]).astype(np.float32)
@@ -128,11 +129,11 @@ def audit(config: ActiveLearningConfig, settings: AuditSettings) -> AuditResult:
         raise ConfigError("audit: it plants canaries in the owners' records, which stay behind their gateways: "
                           "audit a config of the benchmark (its data section)")
     if m < 1 or not 1 <= r <= m:
-        raise ValueError(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {m} and {r}")
+        raise InvalidValue(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {m} and {r}")
     if config.checkpoints_from is not None:
-        raise ValueError("checkpoints_from: an audit trains its own DP-SGD run with the canaries; remove it")
+        raise InvalidValue("checkpoints_from: an audit trains its own DP-SGD run with the canaries; remove it")
     if settings.broken_noise is not None and config.secure_training:
-        raise ValueError("broken_noise scales Opacus's Gaussian noise; this config trains through the secure sum")
+        raise InvalidValue("broken_noise scales Opacus's Gaussian noise; this config trains through the secure sum")
     run_name = f"{config.name}-audit"
     policy = config.privacy.noise
     if settings.broken_noise is not None:

@@ -27,6 +27,7 @@ from conclave.cluster.auditing import AuditResult, AuditSettings, SecretInclusio
 from conclave.cluster.owners import PublicData
 from conclave.cluster.run_privacy import RunPrivacy
 from conclave.cluster.teaching.config import TeacherStudentConfig
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset, shard
 from conclave.learning.data.dataset import record_hashes
 from conclave.learning.data.schema import InputSchema, Standardiser
@@ -138,7 +139,7 @@ def choose_design(mechanism: VoteMechanism, teachers: int, classes: int, draws: 
     and a tenth of it (a partly broken build) hide least, summed; all splits are ranked so when
     none separates. Public parameters only."""
     if classes < 2:
-        raise ValueError(f"the label audit needs at least 2 classes, the data has {classes}")
+        raise InvalidValue(f"the label audit needs at least 2 classes, the data has {classes}")
     splits = [(canary, third) for third in range(min(1, classes - 2) + 1) for canary in range(teachers - third)]
     quiet, rng = ScaledNoise(mechanism, 0.0), np.random.default_rng(0)
     separating = [(canary, third) for canary, third in splits
@@ -381,16 +382,16 @@ def audit(config: TeacherStudentConfig, settings: AuditSettings) -> AuditResult:
         raise ConfigError("audit: it plants canaries in the teachers' records, which owners keep behind their "
                           "gateways: audit a config of the benchmark (its data section)")
     if settings.canaries < 1 or (settings.guesses is not None and not 1 <= settings.guesses <= settings.canaries):
-        raise ValueError(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {settings.canaries} "
+        raise InvalidValue(f"an audit needs canaries >= 1 and 1 <= guesses <= canaries, got {settings.canaries} "
                          f"and {settings.guesses}")
     if settings.broken_noise is not None and config.secure:
-        raise ValueError("broken_noise scales the aggregator's noise; with aggregation: secure the teachers draw it")
+        raise InvalidValue("broken_noise scales the aggregator's noise; with aggregation: secure the teachers draw it")
     public = checked_public(config)
     config = resolved(config, public)
     pool_size = len(public.splits.public)
     m = affordable(config, min(settings.canaries, pool_size))
     if m < 1:
-        raise ValueError("privacy.budget pays for no query in the worst case: nothing to audit")
+        raise InvalidValue("privacy.budget pays for no query in the worst case: nothing to audit")
     if m < settings.canaries:
         log.warning("label audit: %d canaries, not %d: no more fit the budget's worst case and the public pool "
                     "(%d inputs)", m, settings.canaries, pool_size)

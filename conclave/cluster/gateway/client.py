@@ -23,7 +23,7 @@ import numpy as np
 from conclave.actors.owners import OwnerDropout
 from conclave.actors.vote_parties import declared_share
 from conclave.cluster.run_privacy import GatewayAccount
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, InvalidValue
 from conclave.cluster.gateway.identity import ForgedKey, RoundKey, Verifier
 from conclave.learning.data.dataset import SHARD_LEMMA
 from conclave.learning.data.sources import PublicReading
@@ -164,7 +164,7 @@ class TeacherVotes:
         if isinstance(self.teachers, int):
             return declared_share(self.teachers, records)
         if len(self.teachers) != len(records):
-            raise ValueError(f"{len(self.teachers)} teacher counts for {len(records)} gateways: give one per gateway")
+            raise InvalidValue(f"{len(self.teachers)} teacher counts for {len(records)} gateways: give one per gateway")
         return list(self.teachers)
 
 
@@ -202,7 +202,7 @@ class GatewayVoteSource:
                  embed: Embedding | None = None, names: Sequence[str] | None = None,
                  admit_timeout_s: float = 120.0, input_shape: Sequence[int] | None = None) -> None:
         if not gateways:
-            raise ValueError("a gateway vote source needs at least one owner's gateway")
+            raise InvalidValue("a gateway vote source needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
         # the public inputs' shape (the queries'): the pool's, or as given where no pool goes (teachers)
         self.input_shape = tuple(input_shape) if input_shape is not None else tuple(np.shape(public_pool)[1:])
@@ -212,7 +212,7 @@ class GatewayVoteSource:
         self._round, self.rounds, self.max_batch = 0, rounds, max_batch  # the admitted plan's rounds
         self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
         if terms.takes_pool != (public_pool is not None):
-            raise ValueError("give a public pool for the records' embedding, and none for teachers")
+            raise InvalidValue("give a public pool for the records' embedding, and none for teachers")
         # What ``actors.labeller`` reads: the record-level relation and why it holds, as the in-cluster
         # sources declare them, and what ``check_pairing`` compares with the mechanism's.
         self.neighbouring, self.neighbouring_lemma = Neighbouring.ADD_REMOVE, terms.lemma
@@ -232,7 +232,7 @@ class GatewayVoteSource:
         described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
-            raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+            raise InvalidValue(f"the gateways name owners {list(self.owners)}: one gateway per owner")
         if names is not None and tuple(names) != self.owners:
             wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
                      in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
@@ -266,7 +266,7 @@ class GatewayVoteSource:
         """One secure round through the gateways (``SecureVoteSource.noised_votes``). The gateways
         draw their noise from their own OS entropy: ``noise`` is the coordinator's and unused."""
         if release.sigma != self.sigma:
-            raise ValueError(f"the gateways admitted σ {self.sigma:g}; this round asks σ {release.sigma:g}")
+            raise InvalidValue(f"the gateways admitted σ {self.sigma:g}; this round asks σ {release.sigma:g}")
         if self._round >= self.rounds:  # every gateway would refuse the round's keys: not "retry later"
             raise BudgetExceeded(f"the owners admitted run '{self.run}' for {self.rounds} round(s) of at most "
                                  f"{self.max_batch} queries, all used: nothing was asked, released or charged")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
+from conclave.errors import InvalidValue
 from conclave.learning.data.sources import DataSource
 
 VOTE_SOURCES = ("clusters", "knn", "teachers")  # what a gateway can run
@@ -36,7 +37,7 @@ class RaySettings:
 
     def __post_init__(self) -> None:
         if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+            raise InvalidValue(f"num_cpus must be >= 1, got {self.num_cpus}")
 
 
 @dataclass(frozen=True)
@@ -62,27 +63,27 @@ class Declaration:
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"name {self.name!r}: use letters, digits, '-' and '_'")
+            raise InvalidValue(f"name {self.name!r}: use letters, digits, '-' and '_'")
         if self.records < 1:
-            raise ValueError(f"records must be >= 1, got {self.records}")
+            raise InvalidValue(f"records must be >= 1, got {self.records}")
         if not 1 <= self.actors <= self.records:
-            raise ValueError(f"actors must be in [1, records], got {self.actors}")
+            raise InvalidValue(f"actors must be in [1, records], got {self.actors}")
         if self.name in self.peers or len(set(self.peers)) != len(self.peers):
-            raise ValueError(f"peers must be distinct owners other than {self.name}, got {list(self.peers)}")
+            raise InvalidValue(f"peers must be distinct owners other than {self.name}, got {list(self.peers)}")
         if self.max_teachers is not None and not 1 <= self.max_teachers <= self.records:
-            raise ValueError(f"max_teachers must be in [1, records], got {self.max_teachers}")
+            raise InvalidValue(f"max_teachers must be in [1, records], got {self.max_teachers}")
         if self.max_epochs < 1:
-            raise ValueError(f"max_epochs must be >= 1, got {self.max_epochs}")
+            raise InvalidValue(f"max_epochs must be >= 1, got {self.max_epochs}")
         unknown = sorted(set(self.vote_sources) - set(VOTE_SOURCES))
         if unknown:
-            raise ValueError(f"vote_sources {unknown} are not known; known: {list(VOTE_SOURCES)}")
+            raise InvalidValue(f"vote_sources {unknown} are not known; known: {list(VOTE_SOURCES)}")
         self.host_port  # a bad listen address: an error now
 
     @property
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+            raise InvalidValue(f"listen must be host:port, got {self.listen!r}")
         return host.strip("[]"), int(port)
 
     @property

@@ -39,6 +39,7 @@ from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
 from conclave.cluster.run_privacy import GatewayAccount
+from conclave.errors import InvalidValue
 from conclave.learning.data.schema import Standardiser
 from conclave.learning.data.sources import PublicReading
 from conclave.learning.dp_schedule import dp_step_charge
@@ -107,7 +108,7 @@ class GatewayDpsgd:
                  step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0, release_rate_s: float = 0.01,
                  reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
-            raise ValueError("DP-SGD through gateways needs at least one owner's gateway")
+            raise InvalidValue("DP-SGD through gateways needs at least one owner's gateway")
         self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
         self._release_rate_s = release_rate_s  # a NearPrivate share's time per declared record
@@ -117,7 +118,7 @@ class GatewayDpsgd:
         described = self._each(lambda gateway: gateway.describe(), "did not describe itself")
         self.owners = tuple(d.owner for d in described)
         if len(set(self.owners)) != len(self.owners):
-            raise ValueError(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+            raise InvalidValue(f"the gateways name owners {list(self.owners)}: one gateway per owner")
         self.declared = tuple(int(d.records) for d in described)  # public
         budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget", admitting=True)
         self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
@@ -181,7 +182,7 @@ class GatewayDpsgd:
         and one checkpoint per epoch: ``model``'s state and its worst-case ε at ``delta``."""
         terms = self.terms
         if terms.steps % epochs:
-            raise ValueError(f"{terms.steps} steps do not make {epochs} epochs of equal steps")
+            raise InvalidValue(f"{terms.steps} steps do not make {epochs} epochs of equal steps")
         per_epoch, checkpoints = terms.steps // epochs, []
         bar = tqdm(range(1, epochs + 1), desc="DP-SGD", unit="epochs", bar_format=COUNTS_BAR, disable=not progress)
         for epoch in bar:
@@ -199,7 +200,7 @@ class GatewayDpsgd:
         """NearPrivate's releases under ``weights`` (a DP checkpoint's parameters, in the model's order;
         ``dimension``: the width of its embeddings), charged to ``gate`` before their shares are asked."""
         if self.terms.near_private is None:
-            raise ValueError(f"run '{self.run}' was admitted without NearPrivate's releases")
+            raise InvalidValue(f"run '{self.run}' was admitted without NearPrivate's releases")
         return GatewaySupport(self, [np.asarray(w, dtype=np.float32) for w in weights], dimension, gate)
 
     def release(self, kind: str, batch: int, plan: SecureSumPlan, weights: list[np.ndarray], gate: ChargeGate,

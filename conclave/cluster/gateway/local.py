@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from conclave.cluster.owners import DataOwner, GatewaysConfig
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.owner_policy import OwnerPolicy, OwnerRefused
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def budget_source(owner: DataOwner) -> str:
     """Where ``owner``'s budget comes from on this machine; refused without one, or without declared
     records (``conclave plan --propose`` refuses such a config alike: its proposal would not run)."""
     if owner.data is None:
-        raise ValueError(f"owner {owner.name} is named by its gateway: it is not started here")
+        raise InvalidValue(f"owner {owner.name} is named by its gateway: it is not started here")
     if owner.records is None:
         raise OwnerRefused(f"owner {owner.name}: declare its records (a public upper bound): its gateway sizes its "
                            "share of every secure sum by them")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.counts import SkellamCounts
 from conclave.privacy.pca import SecureAnalyzeGauss
@@ -37,9 +38,9 @@ class NearPrivateReleases:
         for name in ("pca_epsilon", "support_epsilon"):
             value = getattr(terms, name)
             if not 0 < value <= MAX_EPSILON:
-                raise ValueError(f"near_private.{name} must be in (0, {MAX_EPSILON:g}], got {value:g}")
+                raise InvalidValue(f"near_private.{name} must be in (0, {MAX_EPSILON:g}], got {value:g}")
         if not 0 < terms.delta < 1:
-            raise ValueError(f"near_private.delta must be in (0, 1), got {terms.delta:g}")
+            raise InvalidValue(f"near_private.delta must be in (0, 1), got {terms.delta:g}")
         return cls(SecureAnalyzeGauss(terms.pca_epsilon, terms.delta), SkellamCounts(terms.support_epsilon, terms.delta))
 
     def message(self) -> owner_pb2.NearPrivateTerms:

@@ -13,6 +13,7 @@ from conclave.cluster.teaching.config import ClustersConfig, StudentConfig, Teac
 from conclave.cluster.teaching.vote_source import VoteSource
 from conclave.cluster.teaching.voting_records import (check_clean_votes_stay_home, check_gateway_embedding,
                                                       records_described, voting_records)
+from conclave.errors import InvalidValue
 from conclave.learning.selection import CLUSTERS
 from conclave.privacy.mechanisms import MECHANISMS
 from conclave.privacy.mechanisms.public_clusters import CLUSTER_LEMMA
@@ -41,14 +42,14 @@ class ClustersSource(VoteSource[TeacherStudentConfig]):
     def check(self, config: TeacherStudentConfig) -> None:
         if not set(self.paired) <= set(config.mechanism.paired_with):
             paired = [name for name, cls in MECHANISMS.items() if set(self.paired) <= set(cls.paired_with)]
-            raise ValueError(f"clusters votes are charged once per batch by mechanism {', '.join(paired)}, not "
+            raise InvalidValue(f"clusters votes are charged once per batch by mechanism {', '.join(paired)}, not "
                              f"{config.mechanism.name}")
 
     def asked(self, config: TeacherStudentConfig) -> StudentConfig:
         """The student asks the ``clusters.count`` medoids in one call (one release), then learns."""
         count = self.section.count
         if count > config.server.max_batch:
-            raise ValueError(f"clusters.count ({count}) exceeds server.max_batch ({config.server.max_batch}): the "
+            raise InvalidValue(f"clusters.count ({count}) exceeds server.max_batch ({config.server.max_batch}): the "
                              "medoids are asked in one batch")
         student = config.student
         asked = dataclasses.replace(student, queries=count, batch_size=count, checkpoints=(),

@@ -13,6 +13,7 @@ from typing import Any
 from conclave.cluster.owners import DataOwner, GatewaysConfig, check_behind_gateways, check_gateways, check_owners
 from conclave.cluster.run_privacy import Aggregation, PrivacyConfig
 from conclave.cluster.teaching.vote_source import VOTE_SOURCES, VoteSource, chosen
+from conclave.errors import InvalidValue
 from conclave.learning.data.features import check_features
 from conclave.learning.data.sources import DataSource
 from conclave.learning.embeddings import HogPCA, ScatteringPCA, check_embedding
@@ -42,9 +43,9 @@ class TeacherStudentData:
     def __post_init__(self) -> None:
         check_features(self.features, "data.features")
         if self.public_size < 1:
-            raise ValueError(f"data.public_size must be >= 1, got {self.public_size}")
+            raise InvalidValue(f"data.public_size must be >= 1, got {self.public_size}")
         if self.private_size is not None and self.private_size < 1:
-            raise ValueError(f"data.private_size must be >= 1 or null, got {self.private_size}")
+            raise InvalidValue(f"data.private_size must be >= 1 or null, got {self.private_size}")
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ class OwnerConfig(DataOwner):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.teachers < 1:
-            raise ValueError(f"owner {self.name}: teachers must be >= 1")
+            raise InvalidValue(f"owner {self.name}: teachers must be >= 1")
         if self.records is not None and self.records < self.teachers:
-            raise ValueError(f"owner {self.name}: {self.teachers} teachers need at least as many records "
+            raise InvalidValue(f"owner {self.name}: {self.teachers} teachers need at least as many records "
                              f"(it declares {self.records})")
 
 
@@ -76,9 +77,9 @@ class TeachersConfig:
 
     def __post_init__(self) -> None:
         if self.count is not None and self.count < 1:
-            raise ValueError(f"teachers.count must be >= 1, got {self.count}")
+            raise InvalidValue(f"teachers.count must be >= 1, got {self.count}")
         if self.per_actor is not None and self.per_actor < 1:
-            raise ValueError(f"teachers.per_actor must be >= 1 or null, got {self.per_actor}")
+            raise InvalidValue(f"teachers.per_actor must be >= 1 or null, got {self.per_actor}")
 
 
 DEFAULT_TEACHERS = 50  # without owners and without teachers.count
@@ -120,7 +121,7 @@ class MechanismConfig:
         try:
             return build_mechanism(self.name, **self.params)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"mechanism {self.name!r} with params {self.params}: {err}") from err
+            raise InvalidValue(f"mechanism {self.name!r} with params {self.params}: {err}") from err
 
     @functools.cached_property
     def instance(self) -> VoteMechanism:
@@ -152,11 +153,11 @@ class KnnConfig:
     def __post_init__(self) -> None:
         check_embedding(self.embedding, "knn.embedding")
         if self.k < 1 or self.dims < 1:
-            raise ValueError(f"knn.k and knn.dims must be >= 1, got {self.k}, {self.dims}")
+            raise InvalidValue(f"knn.k and knn.dims must be >= 1, got {self.k}, {self.dims}")
         if not 0 < self.sample_rate <= 1:
-            raise ValueError(f"knn.sample_rate must be in (0, 1], got {self.sample_rate}")
+            raise InvalidValue(f"knn.sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.actors is not None and self.actors < 1:
-            raise ValueError(f"knn.actors must be >= 1 or null, got {self.actors}")
+            raise InvalidValue(f"knn.actors must be >= 1 or null, got {self.actors}")
 
 
 @dataclass(frozen=True)
@@ -178,10 +179,10 @@ class ClustersConfig:
     def __post_init__(self) -> None:
         check_embedding(self.embedding, "clusters.embedding")
         if self.count < 1 or self.votes_per_record < 1 or self.dims < 1:
-            raise ValueError(f"clusters.count, clusters.votes_per_record and clusters.dims must be >= 1, got "
+            raise InvalidValue(f"clusters.count, clusters.votes_per_record and clusters.dims must be >= 1, got "
                              f"{self.count}, {self.votes_per_record}, {self.dims}")
         if self.actors is not None and self.actors < 1:
-            raise ValueError(f"clusters.actors must be >= 1 or null, got {self.actors}")
+            raise InvalidValue(f"clusters.actors must be >= 1 or null, got {self.actors}")
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class EstimatesConfig:
     def __post_init__(self) -> None:
         fixed = (self.order, self.beta, self.sigma_ss)
         if any(v is not None for v in fixed) and any(v is None for v in fixed):
-            raise ValueError("estimates: order, beta and sigma_ss go together (or none, for the defaults)")
+            raise InvalidValue("estimates: order, beta and sigma_ss go together (or none, for the defaults)")
         if all(v is not None for v in fixed):
             SmoothSensitivityParameters(*fixed)  # a bad value is a config error now
 
@@ -241,21 +242,21 @@ class StudentConfig:
 
     def __post_init__(self) -> None:
         if self.pseudo_label_threshold is not None and self.semi_supervised is not None:
-            raise ValueError("student: choose pseudo_label_threshold (self-training) or semi_supervised (FixMatch)")
+            raise InvalidValue("student: choose pseudo_label_threshold (self-training) or semi_supervised (FixMatch)")
         if self.pseudo_label_threshold is not None and self.label_propagation is not None:
-            raise ValueError("student: choose pseudo_label_threshold (self-training) or label_propagation")
+            raise InvalidValue("student: choose pseudo_label_threshold (self-training) or label_propagation")
         if self.pseudo_label_threshold is not None and not 0 < self.pseudo_label_threshold <= 1:
-            raise ValueError(f"student.pseudo_label_threshold must be in (0, 1] or null, "
+            raise InvalidValue(f"student.pseudo_label_threshold must be in (0, 1] or null, "
                              f"got {self.pseudo_label_threshold}")
         if self.queries < 1 or self.batch_size < 1:
-            raise ValueError(f"student.queries and student.batch_size must be >= 1, got "
+            raise InvalidValue(f"student.queries and student.batch_size must be >= 1, got "
                              f"{self.queries}, {self.batch_size}")
         if self.members < 1:
-            raise ValueError(f"student.members must be >= 1, got {self.members}")
+            raise InvalidValue(f"student.members must be >= 1, got {self.members}")
         if self.test_views < 0:
-            raise ValueError(f"student.test_views must be >= 0, got {self.test_views}")
+            raise InvalidValue(f"student.test_views must be >= 0, got {self.test_views}")
         if any(c < 1 for c in self.checkpoints):
-            raise ValueError(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
+            raise InvalidValue(f"student.checkpoints must be positive, got {list(self.checkpoints)}")
 
 
 @dataclass(frozen=True)
@@ -272,9 +273,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+            raise InvalidValue(f"server.port must be in [0, 65535], got {self.port}")
         if self.max_batch < 1:
-            raise ValueError(f"server.max_batch must be >= 1, got {self.max_batch}")
+            raise InvalidValue(f"server.max_batch must be >= 1, got {self.max_batch}")
 
 
 # The demo's student: typical inputs first (k-means centres of the pool), its answers spread over
@@ -330,7 +331,7 @@ class TeacherStudentConfig:
             if self.mechanism == MechanismConfig():  # left out: the gateways admit one σ for every round
                 object.__setattr__(self, "mechanism", OWNERS_MECHANISM)
         elif self.public is not None or self.test is not None or self.classes is not None:
-            raise ValueError("public, test and classes go with owners (or use the data section alone)")
+            raise InvalidValue("public, test and classes go with owners (or use the data section alone)")
         # What the config left to the declared counts, filled in once (so config.json says it).
         count = self.num_teachers if self.owners else (self.teachers.count or DEFAULT_TEACHERS)
         object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
@@ -339,13 +340,13 @@ class TeacherStudentConfig:
         self._check_votes()
         object.__setattr__(self, "student", source.asked(self))
         if not self.owners and self.student.queries > self.data.public_size:
-            raise ValueError(f"student.queries ({self.student.queries}) exceeds the public pool "
+            raise InvalidValue(f"student.queries ({self.student.queries}) exceeds the public pool "
                              f"(data.public_size = {self.data.public_size})")
         if self.student.batch_size > self.server.max_batch:
-            raise ValueError(f"student.batch_size ({self.student.batch_size}) exceeds "
+            raise InvalidValue(f"student.batch_size ({self.student.batch_size}) exceeds "
                              f"server.max_batch ({self.server.max_batch})")
         if not self.mechanism.instance.describe().bounded and self.privacy.budget is not None:
-            raise ValueError(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
+            raise InvalidValue(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
                              "it: set privacy.budget to null (the run records its spend and reports it unbounded)")
         self._check_aggregation()
         self._check_gateways()
@@ -362,17 +363,17 @@ class TeacherStudentConfig:
             object.__setattr__(self, "aggregation", Aggregation.SECURE if self.owners else
                                Aggregation.TRUSTED_AGGREGATOR)
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+            raise InvalidValue(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
         if self.owners and not self.secure:
-            raise ValueError("owners vote behind their gateways, in secure rounds (only a masked share of each "
+            raise InvalidValue("owners vote behind their gateways, in secure rounds (only a masked share of each "
                              "owner's noised votes leaves it): set aggregation: secure, or leave it out")
 
     def _check_aggregation(self) -> None:
         if self.secure:
             self.vote_mechanism  # a mechanism without a secure variant is refused now, in one line
             if self.estimates.smooth_sensitivity:
-                raise ValueError("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
+                raise InvalidValue("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
                                  "never shows the aggregator: turn it off")
 
     def _check_gateways(self) -> None:
@@ -396,17 +397,17 @@ class TeacherStudentConfig:
         for attr in self.mechanism.paired_with:
             if attr not in supplied:
                 sections = [kind for kind, cls in VOTE_SOURCES.items() if attr in cls.paired]
-                raise ValueError(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add a "
+                raise InvalidValue(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add a "
                                  f"{' or '.join(sections)} section")
             if self.mechanism.params[attr] != supplied[attr]:
-                raise ValueError(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
+                raise InvalidValue(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
                                  f"vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the section "
                                  "sets it)")
         source.check(self)
         if not source.records_vote:
             return
         if self.estimates.smooth_sensitivity:
-            raise ValueError(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
+            raise InvalidValue(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
 
     @property
     def records_vote(self) -> KnnConfig | ClustersConfig | None:
@@ -422,7 +423,7 @@ class TeacherStudentConfig:
         check_owners(self.owners, self.test, self.classes, self.public)
         check_behind_gateways(self.owners)
         if self.data != TeacherStudentData():
-            raise ValueError("with owners, leave the data section out: the sources say the data, and each owner's "
+            raise InvalidValue("with owners, leave the data section out: the sources say the data, and each owner's "
                              "gateway reads its records as they are (no data.features)")
         if self.teachers.count not in (None, self.num_teachers):
             # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still

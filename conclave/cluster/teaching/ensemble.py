@@ -17,6 +17,7 @@ import numpy as np
 
 from conclave.cluster.owners import PublicData, check_owner_columns
 from conclave.cluster.teaching.config import DEFAULT_STUDENT, DEFAULT_TABLE_STUDENT, TeacherStudentConfig
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import StudentSplits
 from conclave.progress import waiting
 
@@ -129,7 +130,7 @@ def public_data(config: TeacherStudentConfig) -> PublicData:
         return PublicData.of(splits, tuple(str(c) for c in range(splits.test.num_classes)))
     public = PublicData.read(config.public, config.test, config.classes)
     if config.student.queries > len(public.splits.public):
-        raise ValueError(f"student.queries ({config.student.queries}) exceeds the public pool "
+        raise InvalidValue(f"student.queries ({config.student.queries}) exceeds the public pool "
                          f"({len(public.splits.public)} inputs)")
     return public
 
@@ -193,7 +194,7 @@ def resolved(config: TeacherStudentConfig, public: PublicData) -> TeacherStudent
     student = config.student
     if kind == "table" and student.semi_supervised is not None:
         if student != DEFAULT_STUDENT:
-            raise ValueError("student.semi_supervised (FixMatch) augments images; for table inputs "
+            raise InvalidValue("student.semi_supervised (FixMatch) augments images; for table inputs "
                              "use pseudo_label_threshold or neither")
         student = DEFAULT_TABLE_STUDENT
     return dataclasses.replace(config, teachers=dataclasses.replace(config.teachers, model=teacher_model),
@@ -223,7 +224,7 @@ def teacher_pool(config: TeacherStudentConfig, public: PublicData, num_teachers:
     from conclave.actors.teacher import OwnerShare, TeacherPool
 
     if config.owners:
-        raise ValueError("owners' teachers train behind their gateways, not in the coordinator's cluster")
+        raise InvalidValue("owners' teachers train behind their gateways, not in the coordinator's cluster")
     config = resolved(config, public)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     count = config.teachers.count if num_teachers is None else num_teachers

@@ -16,6 +16,7 @@ from conclave.cluster.owners import PublicData
 from conclave.cluster.teaching.aggregation import Aggregator
 from conclave.cluster.teaching.config import TeacherStudentConfig, StudentConfig
 from conclave.cluster.teaching.ensemble import Ensemble, public_data, resolved
+from conclave.errors import InvalidValue
 
 if TYPE_CHECKING:
     from conclave.learning.embeddings import Embedding, NetworkEmbedding
@@ -115,7 +116,7 @@ def non_private_ceiling(config: TeacherStudentConfig, progress: bool = True) -> 
     public = public_data(config)
     pool = public.splits.public
     if pool.unlabeled:
-        raise ValueError("the non-private ceiling needs a pool with labels")
+        raise InvalidValue("the non-private ceiling needs a pool with labels")
     config = resolved(config, public)
     trainer = StudentTrainer(public.splits.public, public.splits.test, config.student.model,
                              **_training(config, public))

@@ -10,6 +10,7 @@ from conclave.cluster.owners import PublicData
 from conclave.cluster.run_privacy import TRUSTED_AGGREGATOR
 from conclave.cluster.teaching.config import TeachersConfig, TeacherStudentConfig
 from conclave.cluster.teaching.vote_source import VoteSource
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import SHARD_LEMMA
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
@@ -41,7 +42,7 @@ class TeachersSource(VoteSource[TeacherStudentConfig]):
         model, a registered one by name, is checked with the models, before Ray starts (``check_models``:
         the registry imports torch, which loading a config does not)."""
         if config.mechanism.name == "confident-gnmax" and config.mechanism.params.get("sigma1") != one_sigma(config):
-            raise ValueError("confident-gnmax through gateways: give sigma1 equal to sigma (sigma2, the answers' σ): the "
+            raise InvalidValue("confident-gnmax through gateways: give sigma1 equal to sigma (sigma2, the answers' σ): the "
                              "gateways admit one σ for every round")
 
     def work(self, config: TeacherStudentConfig, mechanism: str) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from conclave.cluster.run_privacy import TrustModel
+from conclave.errors import InvalidValue
 
 if TYPE_CHECKING:  # loading a config needs neither torch nor Ray
     from conclave.cluster.owners import PublicData
@@ -57,7 +58,7 @@ class VoteSource(abc.ABC, Generic[C]):
         """The student's settings (``StudentConfig``) with this source: the config's by default."""
         selection = config.student.selection
         if selection.spread_medoids > 1 or selection.spread_margin > 0:
-            raise ValueError("student.selection.spread_medoids spreads public-cluster votes' labels: it needs a "
+            raise InvalidValue("student.selection.spread_medoids spreads public-cluster votes' labels: it needs a "
                              "clusters section")
         return config.student
 
@@ -129,6 +130,6 @@ def chosen(config: C) -> VoteSource[C]:
                 if f.name in VOTE_SOURCES and f.name != DEFAULT_SOURCE}
     given = [kind for kind, section in sections.items() if section is not None]
     if len(given) > 1:
-        raise ValueError(f"choose one vote source: {' or '.join(sections)}")
+        raise InvalidValue(f"choose one vote source: {' or '.join(sections)}")
     kind = given[0] if given else DEFAULT_SOURCE
     return VOTE_SOURCES[kind](getattr(config, kind))

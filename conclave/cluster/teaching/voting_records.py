@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from conclave.cluster.owners import PublicData
 from conclave.cluster.teaching.config import ClustersConfig, KnnConfig, TeacherStudentConfig
+from conclave.errors import InvalidValue
 
 if TYPE_CHECKING:  # imported where used: loading a config needs neither torch nor Ray
     from conclave.actors.cluster_votes import ClusterVoteSource
@@ -42,7 +43,7 @@ def voting_records(config: TeacherStudentConfig, section: KnnConfig | ClustersCo
     from conclave.learning.embeddings import fit_embedding
 
     if config.owners:
-        raise ValueError("owners' records vote behind their gateways, not in the coordinator's cluster")
+        raise InvalidValue("owners' records vote behind their gateways, not in the coordinator's cluster")
     embed = fit_embedding(section.embedding, public.splits.public.x, section.dims)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     actors = section.actors or max(1, int(cpus / 2))
@@ -73,7 +74,7 @@ def check_gateway_embedding(source: VoteSource) -> None:
     from conclave.learning.embeddings import EMBEDDINGS
 
     if source.section.embedding not in EMBEDDINGS:
-        raise ValueError(f"{source.kind}.embedding {source.section.embedding!r}: a gateway fits only a registered "
+        raise InvalidValue(f"{source.kind}.embedding {source.section.embedding!r}: a gateway fits only a registered "
                          f"embedding ({', '.join(EMBEDDINGS)})")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.cifar import load_cifar
 from conclave.learning.data.dataset import DataFormatError, Dataset, Splits, StudentSplits, shard, split_datasets
 from conclave.learning.data.digits import load_digits
@@ -22,9 +23,9 @@ def load_dataset(name: str, root: str | Path | None = None) -> tuple[Dataset, Da
     if name == "digits":
         return load_digits()
     if name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
+        raise InvalidValue(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     if root is None:
-        raise ValueError(f"dataset {name!r} is read from files: give the directory that holds them")
+        raise InvalidValue(f"dataset {name!r} is read from files: give the directory that holds them")
     if name == "mnist":
         return load_mnist(root)
     if name == "svhn":

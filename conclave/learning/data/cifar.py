@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import DataFormatError, Dataset
 
 LAYOUT = {
@@ -87,7 +88,7 @@ def _load_part(directory: Path, names: list[str], label_key: bytes, num_classes:
 def load_cifar(root: str | Path, num_classes: int = 10) -> tuple[Dataset, Dataset]:
     """(train, test) images [n, 3, 32, 32] in [0, 1]; ``num_classes`` is 10 or 100."""
     if num_classes not in LAYOUT:
-        raise ValueError(f"CIFAR comes with 10 or 100 classes, not {num_classes}")
+        raise InvalidValue(f"CIFAR comes with 10 or 100 classes, not {num_classes}")
     folder, train_names, test_names, label_key = LAYOUT[num_classes]
     directory = _resolve_root(Path(root), folder)
     return (_load_part(directory, train_names, label_key, num_classes, "train"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from conclave.errors import ConclaveError
+from conclave.errors import ConclaveError, InvalidValue
 
 
 UNLABELED = -1  # the label of every example of a pool that has none
@@ -35,24 +35,24 @@ class Dataset:
 
     def __post_init__(self) -> None:
         if not isinstance(self.x, np.ndarray) or self.x.dtype != np.float32 or self.x.ndim not in (2, 4):
-            raise ValueError(f"{self.name}: x must be a float32 array [n, C, H, W] or [n, d], got "
+            raise InvalidValue(f"{self.name}: x must be a float32 array [n, C, H, W] or [n, d], got "
                              f"{getattr(self.x, 'dtype', type(self.x))} {getattr(self.x, 'shape', '')}")
         if not isinstance(self.y, np.ndarray) or self.y.dtype != np.int64 or self.y.ndim != 1:
-            raise ValueError(f"{self.name}: y must be an int64 array [n], got "
+            raise InvalidValue(f"{self.name}: y must be an int64 array [n], got "
                              f"{getattr(self.y, 'dtype', type(self.y))} {getattr(self.y, 'shape', '')}")
         # NaN fails both comparisons, so this also rejects non-finite pixels
         if self.is_image and self.x.size and not (self.x.min() >= 0.0 and self.x.max() <= 1.0):
-            raise ValueError(f"{self.name}: pixel values must be finite and in [0, 1], "
+            raise InvalidValue(f"{self.name}: pixel values must be finite and in [0, 1], "
                              f"got [{self.x.min()}, {self.x.max()}]")
         if not self.is_image and not np.isfinite(self.x).all():
-            raise ValueError(f"{self.name}: {f'{self.features} features' if self.features else 'table values'} "
+            raise InvalidValue(f"{self.name}: {f'{self.features} features' if self.features else 'table values'} "
                              "must be finite")
         if len(self.x) != len(self.y):
-            raise ValueError(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
+            raise InvalidValue(f"{self.name}: {len(self.x)} images but {len(self.y)} labels")
         if self.num_classes < 1:
-            raise ValueError(f"{self.name}: num_classes must be positive, got {self.num_classes}")
+            raise InvalidValue(f"{self.name}: num_classes must be positive, got {self.num_classes}")
         if len(self.y) and not self.unlabeled and (self.y.min() < 0 or self.y.max() >= self.num_classes):
-            raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}) (or all be "
+            raise InvalidValue(f"{self.name}: labels must lie in [0, {self.num_classes}) (or all be "
                              f"UNLABELED), got [{self.y.min()}, {self.y.max()}]")
 
     def __len__(self) -> int:
@@ -113,10 +113,10 @@ def split_datasets(train: Dataset, test: Dataset, *, public_size: int, seed: int
     test = the rest of ``test``. Same inputs and seed → same splits.
     """
     if not 0 < public_size < len(test):
-        raise ValueError(f"public_size must be in [1, {len(test) - 1}] so that the test split "
+        raise InvalidValue(f"public_size must be in [1, {len(test) - 1}] so that the test split "
                          f"is not empty ({test.name} has {len(test)} examples), got {public_size}")
     if private_size is not None and not 0 < private_size <= len(train):
-        raise ValueError(f"private_size must be in [1, {len(train)}] ({train.name} has "
+        raise InvalidValue(f"private_size must be in [1, {len(train)}] ({train.name} has "
                          f"{len(train)} examples), got {private_size}")
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(test))
@@ -156,7 +156,7 @@ def shard(dataset: Dataset, num_shards: int, seed: int) -> list[Dataset]:
     whether it happens depends on the records); records keep their source order within a shard.
     """
     if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        raise InvalidValue(f"num_shards must be >= 1, got {num_shards}")
     assignment = record_hashes(dataset, seed) % np.uint64(num_shards)
     return [dataset.subset(np.flatnonzero(assignment == i), f"{dataset.name}/shard{i}") for i in range(num_shards)]
 

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 from tqdm import tqdm
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ def scatter(images: np.ndarray, scales: int = 2, orientations: int = 8, batch_si
 
     n, _, height, width = images.shape
     if n == 0:
-        raise ValueError(f"{label}: no images to transform")
+        raise InvalidValue(f"{label}: no images to transform")
     if height % 2**scales or width % 2**scales:
-        raise ValueError(f"scattering with J={scales} needs sides divisible by {2**scales}, "
+        raise InvalidValue(f"scattering with J={scales} needs sides divisible by {2**scales}, "
                          f"got {height}×{width} ({label})")
     transform = _scattering_transform(scales, (height, width), orientations)
     parts = []
@@ -63,7 +64,7 @@ def scatter(images: np.ndarray, scales: int = 2, orientations: int = 8, batch_si
 def scattering(dataset: Dataset, progress: bool = False, **options) -> Dataset:
     """``dataset``'s images as scattering coefficients (``scatter``), labels unchanged."""
     if dataset.features is not None:
-        raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
+        raise InvalidValue(f"{dataset.name} already holds {dataset.features} features, not images")
     x = scatter(dataset.x, progress=progress, label=dataset.name, **options)
     return Dataset(x, dataset.y, dataset.num_classes, f"{dataset.name}/scattering", features="scattering")
 
@@ -77,7 +78,7 @@ def hog_batch(batch):
 
     gray = batch.mean(dim=1)
     if gray.shape[-1] % HOG_CELL or gray.shape[-2] % HOG_CELL:
-        raise ValueError(f"HOG needs sides divisible by {HOG_CELL}, got {tuple(gray.shape[-2:])}")
+        raise InvalidValue(f"HOG needs sides divisible by {HOG_CELL}, got {tuple(gray.shape[-2:])}")
     gx, gy = torch.zeros_like(gray), torch.zeros_like(gray)
     gx[..., :, 1:-1] = gray[..., :, 2:] - gray[..., :, :-2]
     gy[..., 1:-1, :] = gray[..., 2:, :] - gray[..., :-2, :]
@@ -111,7 +112,7 @@ def hog(images: np.ndarray, batch_size: int = 4096) -> np.ndarray:
 def check_features(name: str | None, where: str = "features") -> None:
     """Refuse an unknown representation name, saying where it came from (e.g. a config key)."""
     if name is not None and name not in FEATURES:
-        raise ValueError(f"unknown feature representation {name!r} for {where}; "
+        raise InvalidValue(f"unknown feature representation {name!r} for {where}; "
                          f"choose one of {list(FEATURES)} or null")
 
 
@@ -123,7 +124,7 @@ def apply_features(dataset: Dataset, name: str | None, progress: bool = False) -
     log.info("computing %s features of %s (%d examples)", name, dataset.name, len(dataset))
     if name == "hog":
         if dataset.features is not None:
-            raise ValueError(f"{dataset.name} already holds {dataset.features} features, not images")
+            raise InvalidValue(f"{dataset.name} already holds {dataset.features} features, not images")
         return Dataset(hog(dataset.x), dataset.y, dataset.num_classes, f"{dataset.name}/hog", features="hog")
     return scattering(dataset, progress=progress)
 

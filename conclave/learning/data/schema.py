@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import Dataset
 
 
@@ -30,9 +31,9 @@ class InputSchema:
 
     def __post_init__(self) -> None:
         if not self.shape or any(int(d) < 1 for d in self.shape):
-            raise ValueError(f"input shape must be non-empty and positive, got {self.shape}")
+            raise InvalidValue(f"input shape must be non-empty and positive, got {self.shape}")
         if self.columns is not None and (self.kind != "table" or tuple(self.shape) != (len(self.columns),)):
-            raise ValueError(f"{len(self.columns)} column names do not fit {self.kind} inputs of shape {self.shape}")
+            raise InvalidValue(f"{len(self.columns)} column names do not fit {self.kind} inputs of shape {self.shape}")
 
     @classmethod
     def of(cls, dataset: Dataset, columns: tuple[str, ...] | None = None) -> InputSchema:
@@ -75,11 +76,11 @@ class Standardiser:
     def of_public(cls, public: Dataset) -> Standardiser:
         """Column statistics of the public pool (a constant column gets scale 1)."""
         if public.x.ndim != 2:
-            raise ValueError(f"a standardiser is for table rows [n, d], got {public.x.shape}")
+            raise InvalidValue(f"a standardiser is for table rows [n, d], got {public.x.shape}")
         mean = public.x.mean(axis=0, dtype=np.float64)
         scale = public.x.std(axis=0, dtype=np.float64)
         return cls(mean.astype(np.float32), np.where(scale > 0, scale, 1.0).astype(np.float32))
 
     def __post_init__(self) -> None:
         if self.mean.shape != self.scale.shape or self.mean.ndim != 1 or not (self.scale > 0).all():
-            raise ValueError("standardiser: mean and scale must be [d] arrays with scale > 0")
+            raise InvalidValue("standardiser: mean and scale must be [d] arrays with scale > 0")

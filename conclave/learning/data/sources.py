@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import UNLABELED, DataFormatError, Dataset
 from conclave.registry import Registry, imported
 
@@ -137,15 +138,15 @@ class DataSource:
     def __post_init__(self) -> None:
         FORMATS.path(self.format)  # an unknown format: ``UnknownName``, a ValueError naming the known ones
         if self.path is None and self.format != "digits":
-            raise ValueError(f"data format {self.format!r} needs a path")
+            raise InvalidValue(f"data format {self.format!r} needs a path")
         if self.channels not in (1, 3):
-            raise ValueError(f"channels must be 1 or 3, got {self.channels}")
+            raise InvalidValue(f"channels must be 1 or 3, got {self.channels}")
         if self.split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {self.split!r}")
+            raise InvalidValue(f"split must be 'train' or 'test', got {self.split!r}")
         if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
-            raise ValueError(f"size is an image's [height, width], got {list(self.size)}")
+            raise InvalidValue(f"size is an image's [height, width], got {list(self.size)}")
         if self.fill is not None and (self.format not in TABLE_FORMATS or not all(map(math.isfinite, self.fill))):
-            raise ValueError("fill is a table's finite public value per input column")
+            raise InvalidValue("fill is a table's finite public value per input column")
 
     def anchored(self, base: str) -> DataSource:
         """The same source with relative paths taken from ``base`` (a string operation: no
@@ -163,7 +164,7 @@ class DataSource:
         if columns is None or self.format not in TABLE_FORMATS:
             return self
         if self.columns is not None and set(self.columns) != set(columns):
-            raise ValueError(f"columns {list(self.columns)} are not the public pool's {list(columns)}: "
+            raise InvalidValue(f"columns {list(self.columns)} are not the public pool's {list(columns)}: "
                              "leave columns out (inputs are read by name) or list the same ones")
         return replace(self, columns=tuple(columns))
 
@@ -184,7 +185,7 @@ class DataSource:
             return self
         size = (int(size[0]), int(size[1]))
         if self.size is not None and tuple(self.size) != size:
-            raise ValueError(f"size {list(self.size)} is not the public pool's {list(size)}: leave size out "
+            raise InvalidValue(f"size {list(self.size)} is not the public pool's {list(size)}: leave size out "
                              "(an owner's images are read at the pool's) or give the same one")
         return replace(self, size=size)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from conclave.errors import InvalidValue
 
 
 class AveragedStudents(nn.Module):
@@ -20,7 +21,7 @@ class AveragedStudents(nn.Module):
     def __init__(self, members: Sequence[nn.Module]) -> None:
         super().__init__()
         if not members:
-            raise ValueError("AveragedStudents needs at least one member")
+            raise InvalidValue("AveragedStudents needs at least one member")
         self.members = nn.ModuleList(members)
 
     @property

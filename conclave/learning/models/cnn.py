@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.models.pooling import MaxPool2d
 
 
@@ -38,7 +39,7 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh}
 def activation_named(name: str) -> type[nn.Module]:
     """The activation a factory's ``activation`` argument names (one line when it names none)."""
     if name not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+        raise InvalidValue(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
     return ACTIVATIONS[name]
 
 
@@ -52,7 +53,7 @@ def tutorial_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 
     size = _conv_out(_conv_out(input_size, 8, 2, 3), 2)          # 28 → 14 → 13
     size = _conv_out(_conv_out(size, 4, 2), 2)                   # 13 → 5 → 4
     if size < 1:
-        raise ValueError(f"tutorial_cnn needs inputs of at least 16×16, got {input_size}×{input_size}")
+        raise InvalidValue(f"tutorial_cnn needs inputs of at least 16×16, got {input_size}×{input_size}")
     body = nn.Sequential(
         nn.Conv2d(in_channels, 16, 8, stride=2, padding=3), act(), MaxPool2d(2, 1),
         nn.Conv2d(16, 32, 4, stride=2), act(), MaxPool2d(2, 1),
@@ -74,7 +75,7 @@ def digits_cnn(num_classes: int = 10, in_channels: int = 1, input_size: int = 8,
     """A small CNN for scikit-learn's 8×8 digits: two 3×3 convs (``width``, 2·``width``) →
     max-pool 2 → fc 4·``width`` → fc k. For 8×8×1 and 10 classes: 38,282 parameters."""
     if input_size % 2 or input_size < 2:
-        raise ValueError(f"digits_cnn needs an even input size, got {input_size}")
+        raise InvalidValue(f"digits_cnn needs an even input size, got {input_size}")
     size = input_size // 2
     body = nn.Sequential(
         nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.models.pooling import window_max
 
 IN_PLACE_ACTIVATIONS: dict[type[nn.Module], object] = {nn.ReLU: torch.relu_, nn.Tanh: torch.tanh_}
@@ -83,9 +84,9 @@ class StackedEnsemble:
 
     def __init__(self, models: Sequence[nn.Module], block: int = 4, chunk: int = 64) -> None:
         if not stackable(models):
-            raise ValueError("these models cannot be stacked; StackedEnsemble.of answers None for them")
+            raise InvalidValue("these models cannot be stacked; StackedEnsemble.of answers None for them")
         if block < 1 or chunk < 1:
-            raise ValueError(f"block and chunk must be >= 1, got {block} and {chunk}")
+            raise InvalidValue(f"block and chunk must be >= 1, got {block} and {chunk}")
         self._layers = [_pool_before_relu(layers_of(model)) for model in models]
         self.num_models = len(models)
         self.block = block
@@ -139,7 +140,7 @@ class StackedEnsemble:
         """int64 [models, n]: each model's predicted class for every input."""
         x = torch.as_tensor(np.ascontiguousarray(inputs, dtype=np.float32)).to(self.device)
         if len(x) == 0:
-            raise ValueError("inputs are empty")
+            raise InvalidValue("inputs are empty")
         out = torch.empty((self.num_models, len(x)), dtype=torch.int64)
         with torch.no_grad():
             for start in range(0, len(x), self.chunk):

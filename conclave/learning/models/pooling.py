@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from conclave.errors import InvalidValue
 
 
 class MaxPool2d(nn.MaxPool2d):
@@ -31,7 +32,7 @@ def window_max(x: torch.Tensor, dim: int, kernel: int, stride: int) -> torch.Ten
     """Maximum over windows of ``kernel`` along ``dim``, one every ``stride``: one pass per offset."""
     windows = (x.shape[dim] - kernel) // stride + 1
     if windows < 1:
-        raise ValueError(f"max-pool kernel {kernel} is larger than the input ({x.shape[dim]})")
+        raise InvalidValue(f"max-pool kernel {kernel} is larger than the input ({x.shape[dim]})")
     index = [slice(None)] * x.dim()
 
     def shifted(offset: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conclave.errors import InvalidValue
 from conclave.learning.models.pooling import MaxPool2d
 
 
@@ -54,9 +55,9 @@ class GNResNet18(nn.Module):
     def __init__(self, num_classes: int, in_channels: int = 3, width: float = 1.0) -> None:
         super().__init__()
         if width <= 0:
-            raise ValueError(f"width must be > 0, got {width}")
+            raise InvalidValue(f"width must be > 0, got {width}")
         if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+            raise InvalidValue(f"num_classes must be >= 2, got {num_classes}")
         channels = [max(2, round(c * width)) for c in (64, 128, 256, 512)]
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, channels[0], 3, padding=1, bias=False), group_norm(channels[0]), nn.ReLU()
@@ -85,9 +86,9 @@ class GNCNN(nn.Module):
     def __init__(self, num_classes: int, in_channels: int = 1, channels: int = 16) -> None:
         super().__init__()
         if channels < 2:
-            raise ValueError(f"channels must be >= 2, got {channels}")
+            raise InvalidValue(f"channels must be >= 2, got {channels}")
         if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+            raise InvalidValue(f"num_classes must be >= 2, got {num_classes}")
         widths = (channels, 2 * channels, 4 * channels)
         layers: list[nn.Module] = []
         previous = in_channels

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.models.cnn import FeatureClassifier, activation_named
 from conclave.learning.models.pooling import MaxPool2d
 
@@ -32,7 +33,7 @@ def scatternet_cnn(num_classes: int = 10, in_channels: int = SCATTERING_COEFFICI
     act = activation_named(activation)
     pooled = input_size // 2
     if pooled < 1:
-        raise ValueError(f"scatternet_cnn needs feature maps of at least 2×2, got {input_size}×{input_size}")
+        raise InvalidValue(f"scatternet_cnn needs feature maps of at least 2×2, got {input_size}×{input_size}")
     body = nn.Sequential(
         _norm(in_channels),
         nn.Conv2d(in_channels, width, 3, padding=1), act(), MaxPool2d(2),

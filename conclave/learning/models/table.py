@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conclave.errors import InvalidValue
 from conclave.learning.data.schema import Standardiser
 
 
@@ -26,7 +27,7 @@ class Standardise(nn.Module):
         mean = torch.zeros(width) if standardiser is None else torch.tensor(standardiser.mean)
         scale = torch.ones(width) if standardiser is None else torch.tensor(standardiser.scale)
         if mean.shape != (width,):
-            raise ValueError(f"standardiser has {mean.shape[0]} columns, the inputs {width}")
+            raise InvalidValue(f"standardiser has {mean.shape[0]} columns, the inputs {width}")
         self.register_buffer("mean", mean.float())
         self.register_buffer("scale", scale.float())
 
@@ -48,7 +49,7 @@ class TableModel(nn.Module):
 
 def _width(input_shape: tuple[int, ...]) -> int:
     if len(input_shape) != 1:
-        raise ValueError(f"table models take rows [n, d]; got inputs of shape {list(input_shape)}")
+        raise InvalidValue(f"table models take rows [n, d]; got inputs of shape {list(input_shape)}")
     return int(input_shape[0])
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.registry import Registry
 
 
@@ -24,9 +25,9 @@ class PublicPool:
 
     def __post_init__(self) -> None:
         if self.logits.ndim != 2 or self.embeddings.ndim != 2:
-            raise ValueError("logits and embeddings must be 2-D arrays")
+            raise InvalidValue("logits and embeddings must be 2-D arrays")
         if len(self.logits) != len(self.embeddings):
-            raise ValueError(f"{len(self.logits)} logits but {len(self.embeddings)} embeddings")
+            raise InvalidValue(f"{len(self.logits)} logits but {len(self.embeddings)} embeddings")
 
     def __len__(self) -> int:
         return len(self.logits)
@@ -44,9 +45,9 @@ def check_sizes(pool: PublicPool, sizes: Sequence[int]) -> list[int]:
     """Budgets sorted ascending; each must be in [1, len(pool)]."""
     sizes = sorted(int(s) for s in sizes)
     if not sizes:
-        raise ValueError("no label budgets given")
+        raise InvalidValue("no label budgets given")
     if sizes[0] < 1 or sizes[-1] > len(pool):
-        raise ValueError(f"label budgets must be in [1, {len(pool)}] (the public pool), got {sizes}")
+        raise InvalidValue(f"label budgets must be in [1, {len(pool)}] (the public pool), got {sizes}")
     return sizes
 
 
@@ -94,17 +95,17 @@ class QuerySelection:
     def __post_init__(self) -> None:
         usable = sorted(set(STRATEGIES) - {"near_private"})
         if self.strategy not in (POOL_ORDER, CLUSTERS) and self.strategy not in usable:
-            raise ValueError(f"selection strategy must be {POOL_ORDER!r}, {CLUSTERS!r} or one of {usable}, got "
+            raise InvalidValue(f"selection strategy must be {POOL_ORDER!r}, {CLUSTERS!r} or one of {usable}, got "
                              f"{self.strategy!r}")
         if self.round_size < 1:
-            raise ValueError(f"round_size must be >= 1, got {self.round_size}")
+            raise InvalidValue(f"round_size must be >= 1, got {self.round_size}")
         if self.cold_start not in COLD_STARTS:
-            raise ValueError(f"cold_start must be one of {list(COLD_STARTS)}, got {self.cold_start!r}")
+            raise InvalidValue(f"cold_start must be one of {list(COLD_STARTS)}, got {self.cold_start!r}")
         if self.spread_medoids < 1 or not 0 < self.spread_decay <= 1 or not 0 <= self.spread_margin < 1:
-            raise ValueError(f"spread_medoids must be >= 1, spread_decay in (0, 1] and spread_margin in [0, 1), got "
+            raise InvalidValue(f"spread_medoids must be >= 1, spread_decay in (0, 1] and spread_margin in [0, 1), got "
                              f"{self.spread_medoids}, {self.spread_decay}, {self.spread_margin}")
         if self.spread_margin > 0 and self.spread_medoids == 1:
-            raise ValueError("spread_margin weighs the votes of several medoids: set spread_medoids above 1")
+            raise InvalidValue("spread_margin weighs the votes of several medoids: set spread_medoids above 1")
 
 
 def build_strategy(name: str, **params: Any) -> SelectionStrategy:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +67,7 @@ def cluster_pool(embedded: np.ndarray, count: int, seed: int) -> PoolClusters:
 
     embedded = np.asarray(embedded, dtype=np.float64)
     if not 1 <= count <= len(embedded):
-        raise ValueError(f"clusters must be in [1, {len(embedded)}] (the pool), got {count}")
+        raise InvalidValue(f"clusters must be in [1, {len(embedded)}] (the pool), got {count}")
     from sklearn.cluster import KMeans
     from sklearn.metrics import pairwise_distances_argmin
 

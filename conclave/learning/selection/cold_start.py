@@ -9,6 +9,7 @@ is imported when a cold start runs: every student actor imports this module, mos
 from __future__ import annotations
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 MAX_DIMS = 50  # k-means in a few dozen PCA dimensions: the pixels' noise left out, fast on large pools
 
@@ -24,7 +25,7 @@ def kmeans_cold_start(pool: np.ndarray, candidates: np.ndarray, size: int, seed:
 
     candidates = np.asarray(candidates, dtype=np.int64)
     if not 1 <= size <= len(candidates):
-        raise ValueError(f"size must be in [1, {len(candidates)}] (the candidates), got {size}")
+        raise InvalidValue(f"size must be in [1, {len(candidates)}] (the candidates), got {size}")
     from sklearn.cluster import KMeans
     from sklearn.decomposition import PCA
     from sklearn.metrics import pairwise_distances

@@ -15,6 +15,7 @@ import numpy as np
 from sklearn.cluster import KMeans
 from sklearn.decomposition import PCA
 
+from conclave.errors import InvalidValue
 from conclave.learning.selection import PublicPool, check_sizes
 from conclave.learning.selection.entropy import most_uncertain
 
@@ -28,9 +29,9 @@ class DiversePublic:
 
     def __post_init__(self) -> None:
         if self.components < 1 or self.n_each < 1:
-            raise ValueError("components and n_each must be >= 1")
+            raise InvalidValue("components and n_each must be >= 1")
         if self.uncertain_factor < 1:
-            raise ValueError("uncertain_factor must be >= 1 (k must be at least N)")
+            raise InvalidValue("uncertain_factor must be >= 1 (k must be at least N)")
 
     def select(self, pool: PublicPool, sizes: Sequence[int], rng: np.random.Generator) -> dict[int, np.ndarray]:
         sizes = check_sizes(pool, sizes)

@@ -6,13 +6,14 @@ from typing import Sequence
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.selection import PublicPool, check_sizes
 
 
 def top_two_difference(logits: np.ndarray) -> np.ndarray:
     """Largest logit minus the second largest, per row; smaller = more uncertain."""
     if logits.shape[1] < 2:
-        raise ValueError("the margin needs at least two classes")
+        raise InvalidValue("the margin needs at least two classes")
     top2 = np.partition(np.asarray(logits, dtype=np.float64), -2, axis=1)[:, -2:]
     return top2[:, 1] - top2[:, 0]
 

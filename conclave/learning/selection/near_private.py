@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.selection import PublicPool, check_sizes
 from conclave.learning.selection.entropy import logit_entropy
 from conclave.privacy.pca import normalise_rows
@@ -50,9 +51,9 @@ class NearPrivate:
 
     def __post_init__(self) -> None:
         if self.components < 1:
-            raise ValueError("components must be >= 1")
+            raise InvalidValue("components must be >= 1")
         if self.uncertain_factor < 1:
-            raise ValueError("uncertain_factor must be >= 1 (k must be at least N)")
+            raise InvalidValue("uncertain_factor must be >= 1 (k must be at least N)")
 
     def select(self, pool: PublicPool, sizes: Sequence[int], rng: np.random.Generator) -> dict[int, np.ndarray]:
         sizes = check_sizes(pool, sizes)
@@ -64,6 +65,6 @@ class NearPrivate:
         public_points = normalise_rows(pool.embeddings[candidates]) @ projection
         noisy = np.asarray(self.support.noisy_support(projection, public_points, threshold))
         if noisy.shape != (k,):
-            raise ValueError(f"private support returned shape {noisy.shape}, expected ({k},)")
+            raise InvalidValue(f"private support returned shape {noisy.shape}, expected ({k},)")
         order = candidates[np.argsort(-noisy, kind="stable")]
         return {n: order[:n] for n in sizes}

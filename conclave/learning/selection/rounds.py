@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.learning.data import Dataset
 from conclave.learning.embeddings import Embedding
 from conclave.learning.selection import CLUSTERS, POOL_ORDER, PublicPool, QuerySelection, build_strategy
@@ -31,7 +32,7 @@ class QueryRounds:
     def __init__(self, public: Dataset, selection: QuerySelection, trainer: StudentTrainer,
                  cluster_embedding: Embedding | None = None) -> None:
         if selection.strategy == CLUSTERS and cluster_embedding is None:
-            raise ValueError("clusters selection needs the vote source's public embedding (cluster_embedding)")
+            raise InvalidValue("clusters selection needs the vote source's public embedding (cluster_embedding)")
         self.public = public
         self.selection = selection
         self.trainer = trainer

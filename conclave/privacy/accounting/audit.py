@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import special
+from conclave.errors import InvalidValue
 
 THEOREM = "Steinke, Nasr & Jagielski, NeurIPS 2023, Thm 3.1 (one-run audit, (eps, delta)-DP)"
 
@@ -39,14 +40,14 @@ class AuditBound:
 def _check_counts(m: int, r: int, v: int) -> None:
     for name, value in (("m", m), ("r", r), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"audit counts must be integers, got {name}={value!r}")
+            raise InvalidValue(f"audit counts must be integers, got {name}={value!r}")
     if not 0 <= v <= r <= m:
-        raise ValueError(f"audit counts need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
+        raise InvalidValue(f"audit counts need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
 
 
 def _check_delta(delta: float) -> None:
     if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+        raise InvalidValue(f"delta must be in [0, 1), got {delta!r}")
 
 
 def one_run_tail(epsilon: float, delta: float, m: int, r: int, v: int) -> float:
@@ -55,7 +56,7 @@ def one_run_tail(epsilon: float, delta: float, m: int, r: int, v: int) -> float:
     _check_counts(m, r, v)
     _check_delta(delta)
     if not 0.0 <= epsilon < math.inf:
-        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon!r}")
+        raise InvalidValue(f"epsilon must be finite and >= 0, got {epsilon!r}")
     if v == 0:
         return 1.0
     from scipy import stats  # here: every CLI process imports this module (through the pipelines), few audit
@@ -81,7 +82,7 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float 
     _check_counts(m, r, v)
     _check_delta(delta)
     if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+        raise InvalidValue(f"confidence must be in (0, 1), got {confidence!r}")
     beta = 1.0 - confidence
 
     def bound(epsilon: float) -> AuditBound:

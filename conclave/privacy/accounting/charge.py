@@ -20,6 +20,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.pld import GaussianSteps
 
 
@@ -46,7 +47,7 @@ class Neighbouring(StrEnum):
             return cls(value)
         except ValueError:
             known = sorted(n.value for n in cls)
-            raise ValueError(f"unknown neighbouring relation {value!r}; one of {known}") from None
+            raise InvalidValue(f"unknown neighbouring relation {value!r}; one of {known}") from None
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,13 @@ class PrivacyCharge:
         orders = np.asarray(self.orders, dtype=float)
         rdp = np.asarray(self.rdp, dtype=float)
         if orders.ndim != 1 or rdp.shape != orders.shape:
-            raise ValueError(f"rdp {rdp.shape} must align with orders {orders.shape}")
+            raise InvalidValue(f"rdp {rdp.shape} must align with orders {orders.shape}")
         if np.any(orders <= 1):
-            raise ValueError("RDP orders must be > 1")
+            raise InvalidValue("RDP orders must be > 1")
         if np.any(rdp < 0) or np.any(np.isnan(rdp)):
-            raise ValueError("RDP values must be non-negative numbers")
+            raise InvalidValue("RDP values must be non-negative numbers")
         if self.extra_delta < 0:
-            raise ValueError("extra_delta must be non-negative")
+            raise InvalidValue("extra_delta must be non-negative")
         object.__setattr__(self, "orders", orders)
         object.__setattr__(self, "rdp", rdp)
 
@@ -99,7 +100,7 @@ class PrivacyCharge:
         """``count`` independent repetitions of this release (RDP composition, Mironov 2017, Prop. 1;
         δ's add up); zero repetitions cost nothing."""
         if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
+            raise InvalidValue(f"count must be >= 0, got {count}")
         if count == 0:
             return replace(self, rdp=np.zeros_like(self.rdp), extra_delta=0.0, unbounded=False, reason="", pld=())
         pld = None if self.pld is None else tuple(step.times(count) for step in self.pld)
@@ -112,7 +113,7 @@ class PrivacyCharge:
         ``why`` states the lemma (e.g. shards assigned by a keyed hash of each record).
         """
         if self.neighbouring != Neighbouring.ONE_VOTE:
-            raise ValueError(f"charge {self.label!r} holds for '{self.neighbouring}', not for one vote")
+            raise InvalidValue(f"charge {self.label!r} holds for '{self.neighbouring}', not for one vote")
         if not why:
-            raise ValueError("restating a vote-level charge for records must say why it holds")
+            raise InvalidValue("restating a vote-level charge for records must say why it holds")
         return replace(self, neighbouring=relation, details={**self.details, "neighbouring_lemma": why})

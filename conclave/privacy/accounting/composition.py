@@ -26,6 +26,7 @@ import numpy as np
 
 from typing import Any
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, worst_case_guarantee
@@ -83,7 +84,7 @@ class PublishedRun:
 def composed_guarantee(runs: Sequence[PublishedRun], delta: float) -> Guarantee:
     """The (ε, ``delta``) guarantee of publishing all of ``runs`` (on the same private data)."""
     if not runs:
-        raise ValueError("no runs to compose")
+        raise InvalidValue("no runs to compose")
     total = sum_charges([dataclasses.replace(run.bound(), pld=None) for run in runs], label="published together")
     guarantee = worst_case_guarantee(total, delta)
     if guarantee.basis != "worst-case":  # unbounded: say which run makes it so

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 
@@ -36,15 +37,15 @@ class RenyiFilter:
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            raise ValueError(f"a budget needs a finite epsilon > 0, got {self.epsilon}")
+            raise InvalidValue(f"a budget needs a finite epsilon > 0, got {self.epsilon}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+            raise InvalidValue(f"delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.reserved_delta < self.delta:
-            raise ValueError(f"reserved_delta must be in [0, delta), got {self.reserved_delta}")
+            raise InvalidValue(f"reserved_delta must be in [0, delta), got {self.reserved_delta}")
         if not (self.order > 1 and math.isfinite(self.order)):
-            raise ValueError(f"the filter's order must be a finite number > 1, got {self.order}")
+            raise InvalidValue(f"the filter's order must be a finite number > 1, got {self.order}")
         if not self.rdp_budget > 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"epsilon={self.epsilon:g} at delta={self.delta:g} leaves no RDP budget at order {self.order:g}"
             )
 
@@ -88,7 +89,7 @@ def order_index(order: float, orders: np.ndarray = DEFAULT_ORDERS) -> int:
     """Position of ``order`` on the grid ``orders`` (the filter's order must be a grid order)."""
     matches = np.flatnonzero(np.asarray(orders) == order)
     if matches.size != 1:
-        raise ValueError(f"the filter's order {order:g} is not on the ledger's grid of orders")
+        raise InvalidValue(f"the filter's order {order:g} is not on the ledger's grid of orders")
     return int(matches[0])
 
 
@@ -100,21 +101,21 @@ def choose_order(planned: PrivacyCharge, epsilon: float, delta: float) -> float:
     ``extra_delta`` is reserved out of δ.
     """
     if planned.unbounded:
-        raise ValueError(f"no budget can hold an unbounded workload ({planned.reason})")
+        raise InvalidValue(f"no budget can hold an unbounded workload ({planned.reason})")
     curve_delta = delta - planned.extra_delta
     if not curve_delta > 0:
-        raise ValueError(f"the planned workload's δ outside its RDP curve ({planned.extra_delta:g}) "
+        raise InvalidValue(f"the planned workload's δ outside its RDP curve ({planned.extra_delta:g}) "
                          f"leaves nothing of delta={delta:g}")
     orders, rdp = planned.orders, planned.rdp
     if not np.any(rdp > 0):
-        raise ValueError("the planned workload costs nothing: plan at least one release")
+        raise InvalidValue("the planned workload costs nothing: plan at least one release")
     budgets = np.array([rdp_budget(epsilon, curve_delta, lam) for lam in orders])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(rdp > 0, budgets / rdp, np.inf)
     ratio = np.where(np.isfinite(rdp) & (budgets > 0), ratio, -np.inf)
     best = int(np.argmax(ratio))
     if not ratio[best] > 0:
-        raise ValueError(f"epsilon={epsilon:g} at delta={delta:g} leaves no RDP budget at any order")
+        raise InvalidValue(f"epsilon={epsilon:g} at delta={delta:g} leaves no RDP budget at any order")
     return float(orders[best])
 
 

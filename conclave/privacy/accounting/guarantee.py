@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import THEOREM as FILTER_THEOREM
 from conclave.privacy.accounting.filter import RenyiFilter
@@ -106,7 +107,7 @@ def covers(planned: PrivacyCharge, charged: PrivacyCharge) -> bool:
     """Whether the worst case of ``planned`` covers ``charged`` (what a run's ledger holds, each
     charge at its worst case): at every order, in δ outside the curves, and in boundedness."""
     if not np.array_equal(planned.orders, charged.orders) or planned.neighbouring != charged.neighbouring:
-        raise ValueError("a run's plan and its charges must share RDP orders and the neighbouring relation")
+        raise InvalidValue("a run's plan and its charges must share RDP orders and the neighbouring relation")
     if planned.unbounded:
         return True
     if charged.unbounded:
@@ -138,9 +139,9 @@ def best(*guarantees: Guarantee | None) -> Guarantee:
     """The smallest ε among guarantees of the same run at the same δ (each holds, so the minimum does)."""
     candidates = [g for g in guarantees if g is not None]
     if not candidates:
-        raise ValueError("no guarantee to choose from")
+        raise InvalidValue("no guarantee to choose from")
     if len({(g.delta, g.neighbouring) for g in candidates}) != 1:
-        raise ValueError("guarantees of one run must share δ and the neighbouring relation")
+        raise InvalidValue("guarantees of one run must share δ and the neighbouring relation")
     bounded = [g for g in candidates if math.isfinite(g.epsilon)]
     if not bounded:
         return candidates[0]

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from conclave.errors import ConclaveError, first_line
+from conclave.errors import ConclaveError, InvalidValue, first_line
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
@@ -229,15 +229,15 @@ class PrivacyLedger:
                  neighbouring: Neighbouring = Neighbouring.ADD_REMOVE, orders=DEFAULT_ORDERS,
                  keep_record: bool = False) -> None:
         if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
+            raise InvalidValue(f"delta must be in (0, 1), got {delta}")
         if budget is not None and budget.delta != delta:
-            raise ValueError(f"the budget's delta {budget.delta:g} differs from the ledger's {delta:g}")
+            raise InvalidValue(f"the budget's delta {budget.delta:g} differs from the ledger's {delta:g}")
         self.path = Path(path)
         self.delta = float(delta)
         self.neighbouring = Neighbouring.of(neighbouring)
         self.orders = np.asarray(orders, dtype=float)
         if self.orders.ndim != 1 or self.orders.size == 0 or np.any(self.orders <= 1):
-            raise ValueError("orders must be a non-empty 1-D list of numbers > 1")
+            raise InvalidValue("orders must be a non-empty 1-D list of numbers > 1")
         self._budget_index = None if budget is None else order_index(budget.order, self.orders)
         self._lock = threading.Lock()
         self._cached_report: tuple[int, BudgetReport] | None = None
@@ -268,13 +268,13 @@ class PrivacyLedger:
         charge pays for."""
         self._check_charge(charge)
         if charge.label == BUDGET_CHANGE:
-            raise ValueError(f"{BUDGET_CHANGE!r} labels the budget's changes, not a charge")
+            raise InvalidValue(f"{BUDGET_CHANGE!r} labels the budget's changes, not a charge")
         if worst_case is not None:
             self._check_charge(worst_case)
             if np.any(charge.rdp > worst_case.rdp * (1 + 1e-9) + 1e-15) or charge.extra_delta > worst_case.extra_delta * (
                 1 + 1e-9
             ) or (charge.unbounded and not worst_case.unbounded):
-                raise ValueError(f"charge {charge.label!r} exceeds the worst case it was checked against")
+                raise InvalidValue(f"charge {charge.label!r} exceeds the worst case it was checked against")
         with self._lock:
             self._store.check_open()
             refused = self._refusal(worst_case if worst_case is not None else charge)
@@ -293,7 +293,7 @@ class PrivacyLedger:
         chain: only the data's owner does this (``conclave owner raise`` / ``lower``). The
         filter refuses past the new limit; the guarantee stays the largest budget declared."""
         if self.budget is None:
-            raise ValueError(f"ledger {self.path} records only: it has no budget to change")
+            raise InvalidValue(f"ledger {self.path} records only: it has no budget to change")
         new = dataclasses.replace(self.budget, epsilon=float(epsilon))  # a limit with no RDP budget: ValueError
         with self._lock:
             self._store.check_open()
@@ -373,9 +373,9 @@ class PrivacyLedger:
 
     def _check_charge(self, charge: PrivacyCharge) -> None:
         if not np.array_equal(charge.orders, self.orders):
-            raise ValueError(f"charge {charge.label!r} is not on this ledger's RDP orders")
+            raise InvalidValue(f"charge {charge.label!r} is not on this ledger's RDP orders")
         if charge.neighbouring != self.neighbouring:
-            raise ValueError(
+            raise InvalidValue(
                 f"charge {charge.label!r} holds for '{charge.neighbouring}' neighbours, this ledger composes "
                 f"'{self.neighbouring}': bounds for different relations do not compose as one"
             )

@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from conclave.errors import InvalidValue
 
 HOME_VARIABLE = "CONCLAVE_HOME"  # where Conclave keeps state on a machine (default ~/.conclave)
 
@@ -60,7 +61,7 @@ class LedgerRecords:
         try:
             record = LedgerRecord(**json.loads(target.read_text()))
         except (OSError, TypeError, ValueError) as err:
-            raise ValueError(f"the record of ledger {ledger} ({target}) cannot be read ({type(err).__name__}); "
+            raise InvalidValue(f"the record of ledger {ledger} ({target}) cannot be read ({type(err).__name__}); "
                              "refusing to use the ledger without it") from None
         return record
 

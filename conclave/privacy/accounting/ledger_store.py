@@ -37,7 +37,7 @@ from typing import IO
 
 import numpy as np
 
-from conclave.errors import ConclaveError, RunRefused
+from conclave.errors import ConclaveError, InvalidValue, RunRefused
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter
 from conclave.privacy.accounting.ledger_records import LedgerRecord, LedgerRecords, StagedRecord
@@ -420,7 +420,7 @@ class LedgerStore:
             return StoredLedger(meta, [], {}, _Heads(meta["checksum"], meta["checksum"], 0))
         for key, value in declared.items():
             if contents.meta[key] != value:
-                raise ValueError(
+                raise InvalidValue(
                     f"ledger {self.path} was created with {key} = {_short(contents.meta[key])}, not "
                     f"{_short(value)}: a budget is declared once, before the run; open the file with the settings "
                     "it was created with, or start a new ledger file"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conclave.errors import RunRefused, first_line
+from conclave.errors import InvalidValue, RunRefused, first_line
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, choose_order
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
@@ -54,13 +54,13 @@ class OwnerBudget:
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            raise ValueError(f"budget.epsilon must be a finite number > 0, got {self.epsilon}")
+            raise InvalidValue(f"budget.epsilon must be a finite number > 0, got {self.epsilon}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"budget.delta must be in (0, 1), got {self.delta}")
+            raise InvalidValue(f"budget.delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.reserved_delta < self.delta:
-            raise ValueError(f"budget.reserved_delta must be in [0, delta), got {self.reserved_delta}")
+            raise InvalidValue(f"budget.reserved_delta must be in [0, delta), got {self.reserved_delta}")
         if self.neighbouring not in set(Neighbouring):
-            raise ValueError(f"budget.neighbouring must be one of {sorted(n.value for n in Neighbouring)}, got "
+            raise InvalidValue(f"budget.neighbouring must be one of {sorted(n.value for n in Neighbouring)}, got "
                              f"{self.neighbouring!r}")
         object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))  # as read from YAML or JSON
         if self.order is not None:
@@ -108,10 +108,10 @@ class OwnerPolicy:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "neighbouring", self.budget().neighbouring)  # the budget's own checks, then typed
         if not Path(self.ledger).is_absolute():
-            raise ValueError(f"owner {self.owner}: its policy's ledger folder must be an absolute path, got "
+            raise InvalidValue(f"owner {self.owner}: its policy's ledger folder must be an absolute path, got "
                              f"{self.ledger!r}")
         if self.max_run_epsilon is not None and not (self.max_run_epsilon > 0 and math.isfinite(self.max_run_epsilon)):
-            raise ValueError(f"owner {self.owner}: max_run_epsilon must be a finite number > 0")
+            raise InvalidValue(f"owner {self.owner}: max_run_epsilon must be a finite number > 0")
 
     def budget(self) -> OwnerBudget:
         return OwnerBudget(self.epsilon, self.delta, self.neighbouring, self.order, self.reserved_delta, self.ledger)

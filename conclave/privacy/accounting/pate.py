@@ -12,6 +12,7 @@ import math
 import numpy as np
 from scipy import special
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import rdp as rdp_lib
 from conclave.privacy.accounting.guarantee import Estimate
 
@@ -23,7 +24,7 @@ def log1mexp(x: np.ndarray | float) -> np.ndarray:
     """log(1 − eˣ) for x ≤ 0, stable at both ends (−inf at x = 0, 0 at x = −inf)."""
     x = np.asarray(x, dtype=float)
     if np.any(x > 0):
-        raise ValueError("log1mexp needs x <= 0")
+        raise InvalidValue("log1mexp needs x <= 0")
     with np.errstate(divide="ignore"):
         # log1p(−eˣ) is accurate for very negative x, log(−expm1(x)) near 0.
         return np.where(x < -math.log(2), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))
@@ -37,7 +38,7 @@ def _log_normal_tail(x: np.ndarray | float, scale: float) -> np.ndarray:
 def _as_orders(orders: np.ndarray | list[float] | float) -> np.ndarray:
     orders = np.atleast_1d(np.asarray(orders, dtype=float))
     if orders.ndim != 1 or orders.size == 0 or np.any(orders <= 1):
-        raise ValueError("RDP orders must be a non-empty list of numbers > 1")
+        raise InvalidValue("RDP orders must be a non-empty list of numbers > 1")
     return orders
 
 
@@ -46,7 +47,7 @@ def _as_votes(votes: np.ndarray) -> np.ndarray:
     if votes.ndim == 1:
         votes = votes[None, :]
     if votes.ndim != 2 or votes.shape[1] == 0:
-        raise ValueError(f"votes must be [queries, classes], got shape {votes.shape}")
+        raise InvalidValue(f"votes must be [queries, classes], got shape {votes.shape}")
     return votes.astype(float)
 
 
@@ -72,7 +73,7 @@ def _logq_union(log_terms: np.ndarray, votes: np.ndarray) -> np.ndarray:
 def lnmax_epsilon0(laplace_scale: float) -> float:
     """Pure ε of one LNMax answer: 2γ = 2/b (PATE 2017, Thm 2; the histogram moves in 2 places)."""
     if laplace_scale <= 0:
-        raise ValueError("laplace_scale must be > 0")
+        raise InvalidValue("laplace_scale must be > 0")
     return 2.0 / laplace_scale
 
 
@@ -90,7 +91,7 @@ def lnmax_logq(votes: np.ndarray, laplace_scale: float) -> np.ndarray:
     """
     votes = _as_votes(votes)
     if laplace_scale <= 0:
-        raise ValueError("laplace_scale must be > 0")
+        raise InvalidValue("laplace_scale must be > 0")
     gamma = 1.0 / laplace_scale
     gaps = gamma * (votes.max(axis=1, keepdims=True) - votes)
     log_terms = np.log(2.0 + gaps) - math.log(4.0) - gaps
@@ -107,7 +108,7 @@ def lnmax_rdp(logq: np.ndarray | float, laplace_scale: float, orders) -> np.ndar
     orders = _as_orders(orders)
     logq = np.atleast_1d(np.asarray(logq, dtype=float))[:, None]
     if np.any(logq > 0):
-        raise ValueError("log q must be <= 0")
+        raise InvalidValue("log q must be <= 0")
     eps0 = lnmax_epsilon0(laplace_scale)
     bound = np.broadcast_to(lnmax_rdp_data_independent(laplace_scale, orders), (logq.shape[0], orders.size)).copy()
     applies = (logq <= -math.log1p(math.exp(eps0)))[:, 0]  # q ≤ 1/(e^ε₀ + 1)
@@ -129,7 +130,7 @@ def lnmax_rdp(logq: np.ndarray | float, laplace_scale: float, orders) -> np.ndar
 def gnmax_rdp_data_independent(sigma: float, orders) -> np.ndarray:
     """PATE 2018 Proposition 8: GNMax with noise N(0, σ²) is (λ, λ/σ²)-RDP."""
     if sigma <= 0:
-        raise ValueError("sigma must be > 0")
+        raise InvalidValue("sigma must be > 0")
     return _as_orders(orders) / sigma**2
 
 
@@ -137,7 +138,7 @@ def gnmax_logq(votes: np.ndarray, sigma: float) -> np.ndarray:
     """PATE 2018 Proposition 7: q ≤ Σ_{j≠j*} Pr[N(0, 2σ²) ≥ n_j* − n_j], capped at 1 − 1/k."""
     votes = _as_votes(votes)
     if sigma <= 0:
-        raise ValueError("sigma must be > 0")
+        raise InvalidValue("sigma must be > 0")
     gaps = votes.max(axis=1, keepdims=True) - votes
     log_terms = _log_normal_tail(gaps, math.sqrt(2.0) * sigma)
     return _cap_logq(_logq_union(log_terms, votes), votes.shape[1])
@@ -197,7 +198,7 @@ def gnmax_rdp(logq: np.ndarray | float, sigma: float, orders) -> np.ndarray:
     orders = _as_orders(orders)
     logq = np.atleast_1d(np.asarray(logq, dtype=float))
     if np.any(logq > 0):
-        raise ValueError("log q must be <= 0")
+        raise InvalidValue("log q must be <= 0")
     bound = np.tile(gnmax_rdp_data_independent(sigma, orders), (logq.size, 1))
     applies = gnmax_theorem6_applies(logq, sigma, orders)
     rows = np.any(applies, axis=1)
@@ -216,7 +217,7 @@ def threshold_logq(votes: np.ndarray, threshold: float, sigma1: float) -> np.nda
     """log q for the threshold step: the less likely of its two outcomes, min(log p, log(1 − p))."""
     votes = _as_votes(votes)
     if sigma1 <= 0:
-        raise ValueError("sigma1 must be > 0")
+        raise InvalidValue("sigma1 must be > 0")
     gap = threshold - votes.max(axis=1)
     return np.minimum(_log_normal_tail(gap, sigma1), _log_normal_tail(-gap, sigma1))
 

@@ -21,6 +21,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from conclave.errors import InvalidValue
 
 THEOREM = ("privacy-loss distribution of the fixed plan (Koskela et al. 2020; dp_accounting's PLD accountant, "
            "pessimistic connect-the-dots discretisation, both directions of add/remove)")
@@ -37,11 +38,11 @@ class GaussianSteps:
 
     def __post_init__(self) -> None:
         if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a positive finite number, got {self.noise_multiplier}")
+            raise InvalidValue(f"noise_multiplier must be a positive finite number, got {self.noise_multiplier}")
         if self.count < 0:
-            raise ValueError(f"count must be >= 0, got {self.count}")
+            raise InvalidValue(f"count must be >= 0, got {self.count}")
         if not 0 < self.sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+            raise InvalidValue(f"sample_rate must be in (0, 1], got {self.sample_rate}")
 
     def times(self, count: int) -> GaussianSteps:
         return GaussianSteps(self.noise_multiplier, self.count * count, self.sample_rate)
@@ -53,7 +54,7 @@ def pld_epsilon(plan: Sequence[GaussianSteps], delta: float) -> float:
     Releases on the whole data compose exactly into one Gaussian (Σ countᵢ/zᵢ² is the combined
     1/z², Dong, Roth & Su 2022, Cor. 3.3), so only sampled steps need the numerical composition."""
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in (0, 1), got {delta}")
     whole = sum(step.count / step.noise_multiplier**2 for step in plan if step.sample_rate == 1)
     sampled = tuple(step for step in plan if step.sample_rate < 1 and step.count > 0)
     if not sampled:

@@ -19,6 +19,7 @@ import math
 import numpy as np
 from scipy import special
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 
@@ -40,7 +41,7 @@ CONVERSIONS = ("tight", "classic")
 def _orders(orders) -> np.ndarray:
     grid = DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     if grid.ndim != 1 or grid.size == 0 or np.any(grid <= 1):
-        raise ValueError("orders must be a non-empty 1-D list of numbers > 1")
+        raise InvalidValue("orders must be a non-empty 1-D list of numbers > 1")
     return grid
 
 
@@ -52,13 +53,13 @@ def epsilon_from_rdp(orders, rdp, delta: float, conversion: str = "tight") -> tu
     (0, 0)-DP and returns ε = 0 with order NaN. An infinite curve returns (inf, NaN).
     """
     if conversion not in CONVERSIONS:
-        raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
+        raise InvalidValue(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
     lam = DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     values = np.asarray(rdp, dtype=float)
     if values.shape != lam.shape:
-        raise ValueError(f"rdp {values.shape} must align with orders {lam.shape}")
+        raise InvalidValue(f"rdp {values.shape} must align with orders {lam.shape}")
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in (0, 1), got {delta}")
     # ε(λ) = RDP(λ) + offset(λ) + log(1/δ)·slope(λ); the terms of the orders are worked out
     # once per grid (the ledger converts after every charge, and this was half its cost).
     offset, slope = _conversion_terms(lam.tobytes(), conversion)
@@ -89,7 +90,7 @@ def _conversion_terms(grid: bytes, conversion: str) -> tuple[np.ndarray, np.ndar
 def gaussian_rdp(orders, noise_multiplier: float) -> np.ndarray:
     """Gaussian mechanism with noise σ = z·Δ₂: (λ, λ/(2z²))-RDP (Mironov 2017, Prop. 7)."""
     if not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+        raise InvalidValue(f"noise_multiplier must be > 0, got {noise_multiplier}")
     lam = _orders(orders)
     return lam / (2 * noise_multiplier**2)
 
@@ -101,7 +102,7 @@ def pure_dp_rdp(orders, epsilon: float) -> np.ndarray:
     ε-DP implies ½ε²-zCDP (Bun & Steinke 2016, Prop. 3.3), i.e. (λ, λε²/2)-RDP.
     """
     if not epsilon >= 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+        raise InvalidValue(f"epsilon must be >= 0, got {epsilon}")
     lam = _orders(orders)
     return np.minimum(epsilon, lam * epsilon**2 / 2)
 
@@ -157,15 +158,15 @@ def sampled_gaussian_rdp(orders, sample_rate: float, noise_multiplier: float, st
     """
     lam = _orders(orders)
     if not 0 <= sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
+        raise InvalidValue(f"sample_rate must be in [0, 1], got {sample_rate}")
     if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
+        raise InvalidValue(f"steps must be >= 0, got {steps}")
     if sample_rate == 0 or steps == 0:
         return np.zeros_like(lam)
     if noise_multiplier == 0:
         return np.full_like(lam, np.inf)
     if not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        raise InvalidValue(f"noise_multiplier must be >= 0, got {noise_multiplier}")
     if sample_rate == 1:
         return steps * gaussian_rdp(lam, noise_multiplier)
     return steps * _sampled_gaussian_step(lam.tobytes(), float(sample_rate), float(noise_multiplier))
@@ -242,7 +243,7 @@ def approximate_dp_charge(
     and the ledger converts the curve at its δ and adds the extra δ's on top.
     """
     if not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in [0, 1), got {delta}")
     lam = _orders(orders)
     return PrivacyCharge(
         lam,
@@ -258,7 +259,7 @@ def unbounded_charge(reason: str, label: str = "", orders=None,
                      neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """A release with no finite DP guarantee (e.g. NZC); a ledger with a budget refuses it."""
     if not reason:
-        raise ValueError("an unbounded charge must say why")
+        raise InvalidValue("an unbounded charge must say why")
     lam = _orders(orders)
     return PrivacyCharge(lam, np.full_like(lam, np.inf), unbounded=True, reason=reason, label=label,
                          neighbouring=neighbouring)
@@ -267,13 +268,13 @@ def unbounded_charge(reason: str, label: str = "", orders=None,
 def sum_charges(charges: list[PrivacyCharge], label: str = "") -> PrivacyCharge:
     """Compose charges on the same orders: curves add (Mironov 2017, Prop. 1), δ's add."""
     if not charges:
-        raise ValueError("nothing to compose")
+        raise InvalidValue("nothing to compose")
     lam = charges[0].orders
     for charge in charges[1:]:
         if not np.array_equal(charge.orders, lam):
-            raise ValueError("charges are on different orders")
+            raise InvalidValue("charges are on different orders")
         if charge.neighbouring != charges[0].neighbouring:
-            raise ValueError(f"charges hold for different neighbouring relations ('{charges[0].neighbouring}', "
+            raise InvalidValue(f"charges hold for different neighbouring relations ('{charges[0].neighbouring}', "
                              f"'{charge.neighbouring}'); they do not compose as one")
     reasons = "; ".join(dict.fromkeys(c.reason for c in charges if c.unbounded))  # one reason once, however often
     plans = [c.pld for c in charges]

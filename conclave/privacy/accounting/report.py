@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import rdp as rdp_lib
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.filter import filter_for, order_index
@@ -43,7 +44,7 @@ def checked_votes(votes: np.ndarray, answered: np.ndarray | None) -> tuple[np.nd
     """(votes int64 [queries, k], answered bool [queries]) of a non-empty run, or ValueError."""
     array = np.asarray(votes)
     if array.size == 0:
-        raise ValueError(f"votes is empty (shape {array.shape})")
+        raise InvalidValue(f"votes is empty (shape {array.shape})")
     checked = check_votes(array)
     return checked, check_answered(answered, len(checked))
 
@@ -116,9 +117,9 @@ def vote_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarra
     drawing on ``noise`` (whose soundness the caller folds into ``guarantee``).
     """
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+        raise InvalidValue(f"delta must be in (0, 1), got {delta}")
     if conversion not in rdp_lib.CONVERSIONS:
-        raise ValueError(f"conversion must be one of {rdp_lib.CONVERSIONS}, got {conversion!r}")
+        raise InvalidValue(f"conversion must be one of {rdp_lib.CONVERSIONS}, got {conversion!r}")
     votes, mask = checked_votes(votes, answered)
     grid = rdp_lib.DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     estimates = list(mechanism.estimates(votes, mask, delta, grid, conversion))
@@ -128,7 +129,7 @@ def vote_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.ndarra
                 "available": False, "reason": f"PATE 2018's smooth-sensitivity analysis does not cover {mechanism.name}"}))
         else:
             if noise is None:
-                raise ValueError("a smooth-sensitivity release needs a noise source")
+                raise InvalidValue("a smooth-sensitivity release needs a noise source")
             terms = mechanism.smooth_sensitivity_terms(votes, mask, smooth.order)
             estimates.append(release_estimate(terms, smooth, delta, conversion, noise))
     return PrivacyReport(mechanism.describe(), len(votes), int(mask.sum()), int(votes.sum(axis=1).max()),
@@ -141,24 +142,24 @@ def ledger_checks(ledger: LedgerSnapshot, mechanism: VoteMechanism, queries: int
     where = f"ledger {ledger.path}"
     budget = ledger.budget
     if budget is None:
-        raise ValueError(f"{where} declares no budget (a record-only run): no filter was in force, so it backs "
+        raise InvalidValue(f"{where} declares no budget (a record-only run): no filter was in force, so it backs "
                          "no guarantee")
     at = order_index(budget.order, ledger.orders)
     spent = ledger.spent
     if spent.unbounded or not budget.admits(float(spent.rdp[at]), spent.extra_delta):
-        raise ValueError(f"{where} records more than its declared budget: it is not a filter's record")
+        raise InvalidValue(f"{where} records more than its declared budget: it is not a filter's record")
     expected = mechanism.run_charge(queries, answered)
     charged = ledger.by_label.get(mechanism.name)
     if charged is None:
-        raise ValueError(f"{where} has no {mechanism.name!r} charges: these votes were not answered by its run")
+        raise InvalidValue(f"{where} has no {mechanism.name!r} charges: these votes were not answered by its run")
     same = (np.array_equal(charged.orders, expected.orders)
             and np.allclose(charged.rdp, expected.rdp, rtol=1e-9, atol=0)  # summed per batch: rounding only
             and math.isclose(charged.extra_delta, expected.extra_delta, rel_tol=1e-9))
     if not same:
-        raise ValueError(f"{where}: its {mechanism.name!r} charges are not what these mechanism settings charge for "
+        raise InvalidValue(f"{where}: its {mechanism.name!r} charges are not what these mechanism settings charge for "
                          f"{queries} queries with {answered} answered (other settings, other votes or another mask)")
     if ledger.answers != queries:
-        raise ValueError(f"{where} records {ledger.answers} released answers, the votes file has {queries} queries")
+        raise InvalidValue(f"{where} records {ledger.answers} released answers, the votes file has {queries} queries")
     return [
         f"the ledger declares a budget: epsilon={budget.epsilon:g} at delta={budget.delta:g}, order {budget.order:g}",
         f"its charges stay within it (RDP {float(spent.rdp[at]):.4g} of {budget.rdp_budget:.4g} at order "
@@ -189,11 +190,11 @@ def analysis_report(mechanism: VoteMechanism, votes: np.ndarray, answered: np.nd
     """
     votes, mask = checked_votes(votes, answered)
     if ledger is not None and delta != ledger.delta:
-        raise ValueError(f"delta {delta:g} differs from the ledger's {ledger.delta:g}")
+        raise InvalidValue(f"delta {delta:g} differs from the ledger's {ledger.delta:g}")
     if ledger is not None and smooth is not None:
-        raise ValueError("a smooth-sensitivity release made now is not paid for by the run's ledger")
+        raise InvalidValue("a smooth-sensitivity release made now is not paid for by the run's ledger")
     if ledger is not None and budget_check is not None:
-        raise ValueError("a ledger's declared budget is the guarantee; a would-have-fitted budget check is for votes "
+        raise InvalidValue("a ledger's declared budget is the guarantee; a would-have-fitted budget check is for votes "
                          "without one")
     planned = planned_charge(mechanism, len(votes), smooth)  # on the ledger's grid, whatever ``orders`` says
     worst = worst_case_guarantee(planned, delta)

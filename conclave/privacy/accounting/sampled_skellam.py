@@ -13,6 +13,7 @@ import math
 import numpy as np
 from scipy import special
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import _orders
 from conclave.privacy.accounting.skellam import at_integer_orders, poisson_subsampled_rdp, skellam_integer_rdp
@@ -27,9 +28,9 @@ def sampled_skellam_vote_rdp(orders, sample_rate: float, variance: float) -> np.
     """RDP of one sampled Skellam vote release (module docstring) at ``orders``."""
     lam = _orders(orders)
     if not 0 <= sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
+        raise InvalidValue(f"sample_rate must be in [0, 1], got {sample_rate}")
     if not (variance > 0 and math.isfinite(variance)):
-        raise ValueError(f"variance must be a finite number > 0, got {variance}")
+        raise InvalidValue(f"variance must be a finite number > 0, got {variance}")
     base = skellam_integer_rdp(VOTE_SHIFT_L1, VOTE_SHIFT_L2, float(variance))
     general = poisson_subsampled_rdp(lam, sample_rate, base)  # Zhu & Wang's Thm. 6: valid, looser where it counts
     if sample_rate == 0:
@@ -51,7 +52,7 @@ def sampled_skellam_vote_charge(sample_rate: float, variance: float, count: int 
     """``count`` sampled Skellam vote releases, each on a fresh sample with fresh noise (they compose
     by adding curves, Mironov 2017, Prop. 1); one record added or removed."""
     if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+        raise InvalidValue(f"count must be >= 0, got {count}")
     lam = _orders(orders)
     return PrivacyCharge(lam, count * sampled_skellam_vote_rdp(lam, sample_rate, variance), label=label,
                          details={"sample_rate": sample_rate, "variance": variance, "count": count},

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import _orders
 
@@ -67,7 +68,7 @@ def poisson_subsampled_rdp(orders, sample_rate: float, base: IntegerRdp) -> np.n
     """
     lam = _orders(orders)
     if not 0 <= sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
+        raise InvalidValue(f"sample_rate must be in [0, 1], got {sample_rate}")
     if sample_rate == 0:
         return np.zeros_like(lam)
     if sample_rate == 1:
@@ -88,7 +89,7 @@ def subsampled_skellam_rdp(
     lam = _orders(orders)
     l1, l2, mu = _check_skellam(l1_sensitivity, l2_sensitivity, variance)
     if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
+        raise InvalidValue(f"steps must be >= 0, got {steps}")
     return steps * poisson_subsampled_rdp(lam, sample_rate, skellam_integer_rdp(l1, l2, mu))  # always finite
 
 
@@ -99,7 +100,7 @@ def skellam_charge(l1_sensitivity: float, l2_sensitivity: float, variance: float
                    orders=None, neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> PrivacyCharge:
     """``count`` full-batch secure sums with Skellam noise (DP-PCA covariances, counts)."""
     if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+        raise InvalidValue(f"count must be >= 0, got {count}")
     lam = _orders(orders)
     return PrivacyCharge(
         lam,
@@ -132,11 +133,11 @@ def subsampled_skellam_charge(
 
 def _check_skellam(l1: float, l2: float, variance: float) -> tuple[float, float, float]:
     if not variance > 0 or not math.isfinite(variance):
-        raise ValueError(f"variance must be a finite number > 0, got {variance}")
+        raise InvalidValue(f"variance must be a finite number > 0, got {variance}")
     if not l2 >= 0 or not math.isfinite(l2):
-        raise ValueError(f"l2_sensitivity must be a finite number >= 0, got {l2}")
+        raise InvalidValue(f"l2_sensitivity must be a finite number >= 0, got {l2}")
     if not l1 >= l2 or not math.isfinite(l1):  # ‖v‖₁ ≥ ‖v‖₂ for every vector: catches swapped arguments
-        raise ValueError(f"l1_sensitivity must be finite and >= l2_sensitivity ({l2}), got {l1}")
+        raise InvalidValue(f"l1_sensitivity must be finite and >= l2_sensitivity ({l2}), got {l1}")
     return float(l1), float(l2), float(variance)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import pate
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
@@ -133,7 +134,7 @@ def gnmax_local_sensitivity_by_distance(votes: np.ndarray, num_teachers: int, si
     votes = np.asarray(votes, dtype=float)
     queries, num_classes = votes.shape
     if np.any(votes.sum(axis=1) > num_teachers):
-        raise ValueError(f"vote histograms count more than num_teachers={num_teachers} votes")
+        raise InvalidValue(f"vote histograms count more than num_teachers={num_teachers} votes")
     if num_classes < 2:
         return np.zeros((queries, num_teachers + 1))
     logq0 = gnmax_logq0(sigma, order)
@@ -181,7 +182,7 @@ def threshold_local_sensitivity_by_distance(
 
     current = np.rint(np.asarray(votes, dtype=float).max(axis=1)).astype(int)
     if np.any(current > num_teachers):
-        raise ValueError(f"a vote count exceeds num_teachers={num_teachers}")
+        raise InvalidValue(f"a vote count exceeds num_teachers={num_teachers}")
     distances = np.arange(num_teachers + 1)
     up = current[:, None] + distances[None, :]
     down = current[:, None] - distances[None, :]
@@ -205,7 +206,7 @@ def smooth_sensitivity(ls_by_distance: np.ndarray, beta: float) -> float:
 def gnss_rdp(beta: float, sigma_ss: float, order: float) -> float:
     """PATE 2018 Theorem 23: RDP at λ of releasing f + SS_β·N(0, σ_ss²), valid for 1 < λ < 1/(2β)."""
     if beta <= 0 or not 1 < order < 1 / (2 * beta):
-        raise ValueError(f"GNSS needs beta > 0 and 1 < order < 1/(2 beta); got beta={beta}, order={order}")
+        raise InvalidValue(f"GNSS needs beta > 0 and 1 < order < 1/(2 beta); got beta={beta}, order={order}")
     if math.isinf(sigma_ss):
         return 0.0
     return order * math.exp(2 * beta) / sigma_ss**2 + (beta * order - 0.5 * math.log1p(-2 * order * beta)) / (order - 1)
@@ -271,7 +272,7 @@ class SmoothTerms:
     def __post_init__(self) -> None:
         ls = np.asarray(self.ls_by_distance)
         if ls.ndim != 1 or not ls.size or np.any(np.diff(ls) < 0):
-            raise ValueError("ls_by_distance must be a non-empty, non-decreasing 1-d array: LS^(d) is a "
+            raise InvalidValue("ls_by_distance must be a non-empty, non-decreasing 1-d array: LS^(d) is a "
                              "maximum over the histograms within distance d")
 
     def __add__(self, other: SmoothTerms) -> SmoothTerms:
@@ -330,10 +331,10 @@ class SmoothSensitivityParameters:
 
     def __post_init__(self) -> None:
         if not (self.beta > 0 and 1 < self.order < 1 / (2 * self.beta)):
-            raise ValueError(f"smooth sensitivity needs beta > 0 and 1 < order < 1/(2 beta); got order "
+            raise InvalidValue(f"smooth sensitivity needs beta > 0 and 1 < order < 1/(2 beta); got order "
                              f"{self.order}, beta {self.beta}")
         if not self.sigma_ss > 0:
-            raise ValueError(f"sigma_ss must be > 0, got {self.sigma_ss}")
+            raise InvalidValue(f"sigma_ss must be > 0, got {self.sigma_ss}")
 
     @classmethod
     def for_workload(cls, planned: PrivacyCharge, delta: float, share: float = 0.05) -> SmoothSensitivityParameters:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, sampled_gaussian_rdp
@@ -39,14 +40,14 @@ class GaussianRelease:
 
     def __post_init__(self) -> None:
         if not (self.sigma > 0 and self.sensitivity > 0):
-            raise ValueError(f"a Gaussian release needs sigma > 0 and sensitivity > 0, got {self.sigma}, "
+            raise InvalidValue(f"a Gaussian release needs sigma > 0 and sensitivity > 0, got {self.sigma}, "
                              f"{self.sensitivity}")
 
 
 def shared_sample_noise_multiplier(releases: Sequence[GaussianRelease]) -> float:
     """The noise multiplier of ``releases`` made on one sample, as one whitened Gaussian release."""
     if not releases:
-        raise ValueError("no releases to combine")
+        raise InvalidValue("no releases to combine")
     return 1.0 / math.sqrt(sum((r.sensitivity / r.sigma) ** 2 for r in releases))
 
 
@@ -59,7 +60,7 @@ def poisson_sampled_gaussian_charge(sample_rate: float, releases: Sequence[Gauss
     bound holds for one record added or removed, directly (no per-teacher vote in between).
     """
     if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+        raise InvalidValue(f"count must be >= 0, got {count}")
     lam = DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=float)
     multiplier = shared_sample_noise_multiplier(releases)
     return PrivacyCharge(

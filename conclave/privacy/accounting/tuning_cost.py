@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.guarantee import PLD_THEOREM, worst_case_guarantee
 from conclave.privacy.accounting.rdp import sum_charges
@@ -36,9 +37,9 @@ class TruncatedNegativeBinomial:
 
     def __post_init__(self) -> None:
         if not self.eta > -1:
-            raise ValueError(f"eta must be > -1, got {self.eta}")
+            raise InvalidValue(f"eta must be > -1, got {self.eta}")
         if not 0 < self.gamma < 1:
-            raise ValueError(f"gamma must be in (0, 1), got {self.gamma}")
+            raise InvalidValue(f"gamma must be in (0, 1), got {self.gamma}")
 
     def expected_trials(self) -> float:
         """E[K], the sweep's expected number of trials."""
@@ -95,16 +96,16 @@ def random_repetition_charge(
     δ outside it (Theorem 2 is stated for RDP); otherwise this raises rather than guess.
     """
     if not trial_charges:
-        raise ValueError("a sweep needs at least one trial's charge")
+        raise InvalidValue("a sweep needs at least one trial's charge")
     first = trial_charges[0]
     for charge in trial_charges:
         if charge.unbounded:
-            raise ValueError(f"a trial has no finite guarantee ({charge.reason}); no selection bound applies")
+            raise InvalidValue(f"a trial has no finite guarantee ({charge.reason}); no selection bound applies")
         if charge.extra_delta > 0:
-            raise ValueError("the random-repetition bound needs pure RDP trials "
+            raise InvalidValue("the random-repetition bound needs pure RDP trials "
                              "(a trial spends δ outside its RDP curve)")
         if not (np.array_equal(charge.orders, first.orders) and np.allclose(charge.rdp, first.rdp, rtol=1e-9, atol=0)):
-            raise ValueError(
+            raise InvalidValue(
                 "the random-repetition bound needs every trial to be the same algorithm Q; these trials "
                 "differ in privacy cost (a privacy setting was swept): use composition instead"
             )
@@ -157,18 +158,18 @@ def sweep_cost(
     """
     if method == "free":
         if release_charge is None:
-            raise ValueError("a free sweep needs the charge of the one release its trials post-process")
+            raise InvalidValue("a free sweep needs the charge of the one release its trials post-process")
         charge = release_charge
     elif method == "composition":
         if not trial_charges:
-            raise ValueError("a sweep needs at least one trial's charge")
+            raise InvalidValue("a sweep needs at least one trial's charge")
         charge = sum_charges(list(trial_charges), label="sweep")
     elif method == "random-repetition":
         if distribution is None:
-            raise ValueError("the random-repetition bound needs the distribution K was drawn from")
+            raise InvalidValue("the random-repetition bound needs the distribution K was drawn from")
         charge = random_repetition_charge(trial_charges, distribution)
     else:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise InvalidValue(f"method must be one of {METHODS}, got {method!r}")
     epsilon, order, theorem = _to_epsilon(charge, delta)
     statement = STATEMENTS[method] if theorem != PLD_THEOREM else f"{STATEMENTS[method]}; ε by the {theorem}"
     return SweepCost(method, epsilon, delta, order, len(trial_charges), statement)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from conclave.errors import InvalidValue
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, SecureVoteMechanism,
                                               VoteMechanism, parameters_of)
 from conclave.privacy.mechanisms.confident_gnmax import ConfidentGNMax, SecureConfidentGNMax
@@ -107,18 +108,18 @@ def build_mechanism(name: str, **params) -> VoteMechanism:
     or a missing one.
     """
     if name not in MECHANISMS:
-        raise ValueError(f"unknown mechanism {name!r}; choose one of {', '.join(MECHANISMS)}")
+        raise InvalidValue(f"unknown mechanism {name!r}; choose one of {', '.join(MECHANISMS)}")
     accepted = parameter_names(name)
     given = {key: value for key, value in params.items() if value is not None}
     unknown = sorted(set(given) - set(accepted))
     if unknown:
-        raise ValueError(f"{name} does not take {', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
+        raise InvalidValue(f"{name} does not take {', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
     kwargs = {accepted[key]: value for key, value in given.items()}
     required = [f.name for f in dataclasses.fields(MECHANISMS[name])
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [p for p in required if p not in kwargs]
     if missing:
-        raise ValueError(f"{name}: missing parameter(s) {', '.join(missing)}")
+        raise InvalidValue(f"{name}: missing parameter(s) {', '.join(missing)}")
     return MECHANISMS[name](**kwargs)
 
 
@@ -126,6 +127,6 @@ def secure_mechanism(mechanism: VoteMechanism) -> SecureVoteMechanism:
     """The variant of ``mechanism`` over secure-sum vote totals, with the same parameters; ValueError
     (one line naming the mechanisms that have one) when it needs clean histograms."""
     if mechanism.secure_variant is None:
-        raise ValueError(f"mechanism {mechanism.name} needs clean vote histograms, which aggregation: secure never "
+        raise InvalidValue(f"mechanism {mechanism.name} needs clean vote histograms, which aggregation: secure never "
                          f"shows the aggregator; use one of {', '.join(SECURE_MECHANISMS)}")
     return mechanism.secure_variant(**parameters_of(mechanism))

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import pate
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
@@ -31,9 +32,9 @@ THRESHOLD_TOO_LOW = 0.3  # ... below this share the threshold screens out little
 
 def _check(sigma1: float, threshold: float, sigma2: float) -> None:
     if not (sigma1 > 0 and sigma2 > 0):
-        raise ValueError(f"confident-gnmax: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
+        raise InvalidValue(f"confident-gnmax: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
     if not np.isfinite(threshold):
-        raise ValueError(f"confident-gnmax: threshold must be a finite number, got {threshold}")
+        raise InvalidValue(f"confident-gnmax: threshold must be a finite number, got {threshold}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import pate
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
@@ -39,7 +40,7 @@ class SecureGNMax(SecureVoteMechanism):
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:
-            raise ValueError(f"gnmax: sigma must be > 0, got {self.sigma}")
+            raise InvalidValue(f"gnmax: sigma must be > 0, got {self.sigma}")
 
     def answer(self, noised: NoisedVotes, batch_size: int) -> np.ndarray:
         return np.argmax(noised(np.arange(batch_size), self.sigma), axis=1).astype(np.int64)
@@ -71,7 +72,7 @@ class GNMax(VoteMechanism):
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:
-            raise ValueError(f"gnmax: sigma must be > 0, got {self.sigma}")
+            raise InvalidValue(f"gnmax: sigma must be > 0, got {self.sigma}")
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         counts = check_votes(votes).astype(float)

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting import pate
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
@@ -31,7 +32,7 @@ class LNMax(VoteMechanism):
 
     def __post_init__(self) -> None:
         if not self.laplace_scale > 0:
-            raise ValueError(f"lnmax: laplace_scale must be > 0, got {self.laplace_scale}")
+            raise InvalidValue(f"lnmax: laplace_scale must be > 0, got {self.laplace_scale}")
 
     @property
     def epsilon_per_query(self) -> float:

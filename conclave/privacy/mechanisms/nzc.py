@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.guarantee import Estimate
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp, gaussian_rdp, unbounded_charge
@@ -60,12 +61,12 @@ class NZC(VoteMechanism):
 
     def __post_init__(self) -> None:
         if (self.laplace_scale is None) == (self.sigma is None):
-            raise ValueError("nzc: give exactly one of laplace_scale or sigma (Laplace or Gaussian noise)")
+            raise InvalidValue("nzc: give exactly one of laplace_scale or sigma (Laplace or Gaussian noise)")
         scale = self.laplace_scale if self.sigma is None else self.sigma
         if not scale > 0:
-            raise ValueError(f"nzc: noise scale must be > 0, got {scale}")
+            raise InvalidValue(f"nzc: noise scale must be > 0, got {scale}")
         if not (self.constant >= 0 and math.isfinite(self.constant)):
-            raise ValueError(f"nzc: constant must be a finite number >= 0, got {self.constant}")
+            raise InvalidValue(f"nzc: constant must be a finite number >= 0, got {self.constant}")
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
         counts = check_votes(votes).astype(float)

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.subsampled import GaussianRelease, poisson_sampled_gaussian_charge
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
@@ -25,11 +26,11 @@ KNN_LEMMA = ("each record is one candidate neighbour: adding or removing it chan
 
 def _check(sigma1: float, threshold: float, sigma2: float, sample_rate: float) -> None:
     if not (sigma1 > 0 and sigma2 > 0):
-        raise ValueError(f"private-knn: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
+        raise InvalidValue(f"private-knn: sigma1 and sigma2 must be > 0, got {sigma1}, {sigma2}")
     if not np.isfinite(threshold):
-        raise ValueError(f"private-knn: threshold must be a finite number, got {threshold}")
+        raise InvalidValue(f"private-knn: threshold must be a finite number, got {threshold}")
     if not 0 < sample_rate <= 1:
-        raise ValueError(f"private-knn: sample_rate must be in (0, 1], got {sample_rate}")
+        raise InvalidValue(f"private-knn: sample_rate must be in (0, 1], got {sample_rate}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class SecurePrivateKnn(SecureVoteMechanism):
     def __post_init__(self) -> None:
         _check(self.sigma1, self.threshold, self.sigma2, self.sample_rate)
         if self.sigma1 != self.sigma2:
-            raise ValueError(f"secure private-knn screens and answers on one noised total, so it has one noise: set "
+            raise InvalidValue(f"secure private-knn screens and answers on one noised total, so it has one noise: set "
                              f"sigma1 = sigma2 (got {self.sigma1:g} and {self.sigma2:g})")
 
     @property
@@ -137,7 +138,7 @@ class PrivateKnnMechanism(VoteMechanism):
     def run_charge(self, asked: int, answered: int) -> PrivacyCharge:
         """Every asked query pays screening and argmax together, answered or not (class docstring)."""
         if not 0 <= answered <= asked:
-            raise ValueError(f"private-knn: answered must be in [0, asked], got {answered} of {asked}")
+            raise InvalidValue(f"private-knn: answered must be in [0, asked], got {answered} of {asked}")
         return poisson_sampled_gaussian_charge(self.sample_rate, self.releases, count=asked, label=self.name)
 
     def describe(self) -> Description:

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import gaussian_charge
 from conclave.privacy.mechanisms.base import (ABSTAIN, Description, MechanismResult, NoisedVotes,
@@ -34,13 +35,13 @@ CLUSTER_LEMMA = ("each record votes, with its label, for its m nearest queries o
 
 def _check(sigma: float, votes_per_record: int, threshold: float, purity: float) -> None:
     if not (sigma > 0 and math.isfinite(sigma)):
-        raise ValueError(f"public-clusters: sigma must be a positive finite number, got {sigma}")
+        raise InvalidValue(f"public-clusters: sigma must be a positive finite number, got {sigma}")
     if not (isinstance(votes_per_record, int) and votes_per_record >= 1):
-        raise ValueError(f"public-clusters: votes_per_record must be an integer >= 1, got {votes_per_record!r}")
+        raise InvalidValue(f"public-clusters: votes_per_record must be an integer >= 1, got {votes_per_record!r}")
     if not math.isfinite(threshold):
-        raise ValueError(f"public-clusters: threshold must be a finite number, got {threshold}")
+        raise InvalidValue(f"public-clusters: threshold must be a finite number, got {threshold}")
     if not 0 <= purity < 1:
-        raise ValueError(f"public-clusters: purity must be in [0, 1), got {purity}")
+        raise InvalidValue(f"public-clusters: purity must be in [0, 1), got {purity}")
 
 
 def cluster_answers(noised: np.ndarray, threshold: float, purity: float) -> np.ndarray:

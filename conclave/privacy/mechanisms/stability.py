@@ -17,6 +17,7 @@ from typing import ClassVar
 import numpy as np
 from scipy import optimize
 
+from conclave.errors import InvalidValue
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.rdp import approximate_dp_charge
 from conclave.privacy.mechanisms.base import ABSTAIN, Description, MechanismResult, VoteMechanism, parameters_of
@@ -95,11 +96,11 @@ class Stability(VoteMechanism):
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            raise ValueError(f"stability: epsilon must be a finite number > 0, got {self.epsilon}")
+            raise InvalidValue(f"stability: epsilon must be a finite number > 0, got {self.epsilon}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"stability: delta must be in (0, 1), got {self.delta}")
+            raise InvalidValue(f"stability: delta must be in (0, 1), got {self.delta}")
         if self.max_unstable < 1 or (self.max_queries is not None and self.max_queries < 1):
-            raise ValueError("stability: max_unstable and max_queries must be >= 1")
+            raise InvalidValue("stability: max_unstable and max_queries must be >= 1")
 
     # --- calibration, public -------------------------------------------------------------
 

@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import numpy as np
+from conclave.errors import InvalidValue
 
 
 def check_votes(votes: np.ndarray) -> np.ndarray:
     """``votes`` as int64 [batch, k], or ValueError naming what is wrong with it."""
     array = np.asarray(votes)
     if array.ndim != 2:
-        raise ValueError(f"votes must be 2-D [batch, classes], got shape {array.shape}")
+        raise InvalidValue(f"votes must be 2-D [batch, classes], got shape {array.shape}")
     if array.shape[1] == 0:
-        raise ValueError("votes must have at least one class column")
+        raise InvalidValue("votes must have at least one class column")
     if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"votes must be integers, got dtype {array.dtype}")
+        raise InvalidValue(f"votes must be integers, got dtype {array.dtype}")
     if np.any(array < 0):
-        raise ValueError("votes must be non-negative counts")
+        raise InvalidValue("votes must be non-negative counts")
     return array.astype(np.int64, copy=False)
 
 
@@ -24,7 +25,7 @@ def check_answered(answered: np.ndarray | None, queries: int) -> np.ndarray:
         return np.ones(queries, dtype=bool)
     mask = np.asarray(answered)
     if mask.dtype != bool:
-        raise ValueError(f"answered mask must be boolean, got dtype {mask.dtype}")
+        raise InvalidValue(f"answered mask must be boolean, got dtype {mask.dtype}")
     if mask.shape != (queries,):
-        raise ValueError(f"answered mask must have shape ({queries},) to match the votes, got {mask.shape}")
+        raise InvalidValue(f"answered mask must have shape ({queries},) to match the votes, got {mask.shape}")
     return mask
