@@ -234,7 +234,7 @@ class BudgetStatus:
     queries_answered: int  # distinct inputs answered with a label
     queries_abstained: int  # distinct inputs the mechanism declined to label
     cache_hits: int  # repeated inputs answered from the record at no cost
-    affordable_queries: int  # new inputs the budget pays for now in the worst case (``PrivateLabeller.affordable``)
+    affordable_queries: int  # new inputs the budget pays for now in the worst case (``Pricing.affordable``)
 
     @property
     def sound(self) -> bool:
@@ -265,11 +265,147 @@ class _Asked:
 
 @dataclass
 class _Counters:
+    """The counts the budget reply publishes, and the histograms the run's privacy report analyses."""
+
     answered: int = 0
     abstained: int = 0
     cache_hits: int = 0
     votes: list[np.ndarray] = field(default_factory=list)  # histograms the mechanism answered, in order
     labels: list[np.ndarray] = field(default_factory=list)  # what it released for them (ABSTAIN included)
+
+    @classmethod
+    def on_record(cls, answers: dict[bytes, int]) -> _Counters:
+        """Counters of distinct inputs that survive a restart: counted from the answers on record."""
+        labels = np.fromiter(answers.values(), dtype=np.int64, count=len(answers))
+        abstained = int((labels == ABSTAIN).sum())
+        return cls(answered=len(labels) - abstained, abstained=abstained)
+
+    def count(self, labels: np.ndarray) -> None:
+        """Count a batch's released labels (ABSTAIN included)."""
+        self.labels.append(labels)
+        self.answered += int((labels != ABSTAIN).sum())
+        self.abstained += int((labels == ABSTAIN).sum())
+
+
+def _unanswered(keys: list[bytes], answers: dict[bytes, int]) -> dict[bytes, int]:
+    """First row index of each distinct key not answered yet (dedupes within the batch)."""
+    fresh: dict[bytes, int] = {}
+    for row, key in enumerate(keys):
+        if key not in answers and key not in fresh:
+            fresh[key] = row
+    return fresh
+
+
+def _checked_votes(vote_source: VoteSource, inputs: np.ndarray, count: int, failures: RateLimitedLog) -> np.ndarray:
+    """The vote source's int64 histograms of ``count`` inputs, or ``TeachersUnavailable`` when it fails,
+    returns malformed histograms, or a partial ensemble voted."""
+    try:
+        votes = np.asarray(vote_source.votes(inputs))
+    except Exception as err:  # teachers' failures must not leak their details to clients
+        # A missed deadline (``TeacherPool.vote_timeout_s``) says which; other errors only their type.
+        failures("votes", "vote source failed: %s", err if isinstance(err, TimeoutError)
+                 else type(err).__name__, level=logging.WARNING)
+        raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
+    if votes.ndim != 2 or votes.shape[0] != count or not np.issubdtype(votes.dtype, np.integer) or (votes < 0).any():
+        failures("malformed", "vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count,
+                 level=logging.ERROR)
+        raise TeachersUnavailable("teachers returned malformed vote histograms")
+    whole = vote_source.votes_per_query
+    if whole is not None and (votes.sum(axis=1) != whole).any():
+        # The charges assume the whole ensemble voted; a partial one must never answer.
+        failures("partial", "vote histograms count %s votes, not %d",
+                 np.unique(votes.sum(axis=1)).tolist(), whole, level=logging.ERROR)
+        raise TeachersUnavailable("not every teacher voted; retry later")
+    return votes.astype(np.int64)
+
+
+class Pricing:
+    """What the ledger pays for, as the labeller asks it: the worst case of a count of new inputs
+    restated for the ledger's record-level relation, how many of them fit the budget, the refusal
+    when none does, and the guarantee the ledger backs. Reads the ledger; never charges it."""
+
+    def __init__(self, vote_source: VoteSource | SecureVoteSource, mechanism: VoteMechanism | SecureVoteMechanism,
+                 ledger: AnsweringLedger, noise: NoisePolicy) -> None:
+        self._vote_source, self._mechanism, self._ledger, self._noise = vote_source, mechanism, ledger, noise
+        self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
+        self._guarantee: Guarantee | None = None
+
+    def worst_case(self, count: int) -> PrivacyCharge:
+        """The ledger-ready worst case of ``count`` new inputs, computed once per count when the
+        mechanism is stateless (the accounting was a third of a single-input call)."""
+        if not self._mechanism.stateless:
+            return self.for_ledger(self._mechanism.worst_case_charge(count))
+        if count not in self._worst_cases:
+            self._worst_cases[count] = self.for_ledger(self._mechanism.worst_case_charge(count))
+        return self._worst_cases[count]
+
+    def for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
+        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
+        if charge.neighbouring == self._ledger.neighbouring:
+            return charge
+        relation = self._vote_source.neighbouring
+        if relation != self._ledger.neighbouring:
+            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
+                               f"'{self._ledger.neighbouring}' neighbours")
+        return charge.for_records(relation, self._vote_source.neighbouring_lemma)
+
+    def guarantee(self) -> Guarantee:
+        """What this service can back: its ledger's budget, declared in advance (none without one).
+        Fixed for the ledger's life, so worked out once."""
+        if self._guarantee is None:
+            self._guarantee = self._backed_guarantee()
+        return self._guarantee
+
+    def _backed_guarantee(self) -> Guarantee:
+        report = self._ledger.report()
+        reasons = (self._noise.unsound_reason,) if self._noise.unsound_reason else ()
+        if report.guarantee is None:
+            return unbounded_guarantee(report.delta, report.neighbouring,
+                                       "no budget was declared: an open-ended service has no guarantee "
+                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
+        return report.guarantee.marked(reasons)
+
+    def affordable(self, limit: int) -> int:
+        """How many new inputs, in [0, ``limit``], the ledger (with the owners' lifetime budgets it
+        checks) pays for now in the worst case: the longest prefix a batch gets answered; ``limit``
+        without a declared budget. Worst cases depend on the count alone and grow with it, so a
+        bisection on the count finds it. It reads only the ledger's charges, whose realised spend
+        the budget reply already publishes, and a client learns the same from which inputs of a
+        ``limit``-batch are refused: it reveals nothing new."""
+        if limit < 1:
+            raise InvalidValue(f"limit must be >= 1, got {limit}")
+        if self._ledger.can_afford(self.worst_case(limit)):
+            return limit
+        paid, unpaid = 0, limit
+        while unpaid - paid > 1:
+            middle = (paid + unpaid) // 2
+            if self._ledger.can_afford(self.worst_case(middle)):
+                paid = middle
+            else:
+                unpaid = middle
+        return paid
+
+    def fit(self, count: int) -> int:
+        """``affordable(count)``, or ``BudgetExceeded`` when not one new input fits."""
+        paid = self.affordable(count)
+        if paid == 0:
+            raise self.exhausted(count)
+        if paid < count:
+            log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
+        return paid
+
+    def exhausted(self, count: int, elsewhere: str | None = None) -> BudgetExceeded:
+        """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
+        how many other clients asked meanwhile); ``elsewhere``: why, where this ledger did not refuse
+        (an owner's lifetime budget at its gateway, or the rounds the owners admitted, all used)."""
+        inputs = f"{count} new input{'' if count == 1 else 's'}"
+        if elsewhere is not None:
+            return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {elsewhere}")
+        report = self._ledger.report()
+        return BudgetExceeded(
+            f"privacy budget exhausted: labelling {inputs} could cost more than the budget "
+            f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
+        )
 
 
 class PrivateLabeller:
@@ -291,18 +427,14 @@ class PrivateLabeller:
         # One lock around the charge step: record check, mechanism (may be stateful), ledger, record write.
         self._lock = threading.Lock()
         self._answers: dict[bytes, int] = ledger.answers()
-        self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
-        self._guarantee: Guarantee | None = None
+        self.pricing = Pricing(vote_source, mechanism, ledger, noise)
         self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
         # Votes coupled across the batch (public clusters): each call its own batch and release,
         # so that a call's labels depend on its own inputs alone, never on another client's.
         self._groups: GroupCommit[_Asked, int] = GroupCommit(self._label_group, limit=group_limit,
                                                              size=lambda asked: len(asked.fresh),
                                                              merge=not vote_source.batch_coupled)
-        # Counters of distinct inputs survive a restart: they are counted from the answers on record.
-        on_record = np.fromiter(self._answers.values(), dtype=np.int64, count=len(self._answers))
-        abstained = int((on_record == ABSTAIN).sum())
-        self._counters = _Counters(answered=len(on_record) - abstained, abstained=abstained)
+        self._counters = _Counters.on_record(self._answers)
         if self._answers:
             log.info("%d answers on record in %s: repeated inputs get them again, free", len(self._answers), ledger.path)
 
@@ -319,7 +451,7 @@ class PrivateLabeller:
         newly_answered = 0
         while True:
             with self._lock:
-                fresh = self._unanswered(keys)
+                fresh = _unanswered(keys, self._answers)
             if not fresh:
                 break
             try:
@@ -328,19 +460,19 @@ class PrivateLabeller:
                 with self._lock:
                     on_record = any(key in self._answers for key in keys)
                 if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
-                    ours = self.ledger.refusal(self._worst_case(len(fresh)))  # else an owner's, or its admission's
-                    raise self._exhausted(len(fresh), elsewhere=None if ours else str(err)) from None
+                    ours = self.ledger.refusal(self.pricing.worst_case(len(fresh)))  # else an owner's, or its admission's
+                    raise self.pricing.exhausted(len(fresh), elsewhere=None if ours else str(err)) from None
                 break
             newly_answered += answered
             # Calls earlier in the group may have taken what was left: try again alone while the
             # budget pays for one more input (a data-independent check), else refuse the rest.
-            if answered or not self.ledger.can_afford(self._worst_case(1)):
+            if answered or not self.ledger.can_afford(self.pricing.worst_case(1)):
                 break
         with self._lock:
             labels = np.array([self._answers.get(key, ABSTAIN) for key in keys], dtype=np.int64)
             refused = np.array([key not in self._answers for key in keys], dtype=bool)
             if refused.all() and newly_answered == 0:
-                raise self._exhausted(len(set(keys)))
+                raise self.pricing.exhausted(len(set(keys)))
             self._counters.cache_hits += len(keys) - newly_answered - int(refused.sum())
         return LabelOutcome(labels, refused)
 
@@ -373,81 +505,11 @@ class PrivateLabeller:
         """Answer the inputs not on record (the row of each key), up to what the budget pays;
         returns the keys answered."""
         # Data-independent early sizing: no point asking teachers for votes we may not release.
-        count = self._affordable(len(fresh))
+        count = self.pricing.fit(len(fresh))
         fresh = dict(itertools.islice(fresh.items(), count))
-        fresh_votes = self._teacher_votes(inputs[list(fresh.values())], count)
+        fresh_votes = _checked_votes(self.vote_source, inputs[list(fresh.values())], count, self._failures)
         with self._lock:
             return self._answer_fresh(fresh, fresh_votes)
-
-    def _unanswered(self, keys: list[bytes]) -> dict[bytes, int]:
-        """First row index of each distinct key not answered yet (dedupes within the batch)."""
-        fresh: dict[bytes, int] = {}
-        for row, key in enumerate(keys):
-            if key not in self._answers and key not in fresh:
-                fresh[key] = row
-        return fresh
-
-    def affordable(self, limit: int) -> int:
-        """How many new inputs, in [0, ``limit``], the ledger (with the owners' lifetime budgets it
-        checks) pays for now in the worst case: the longest prefix a batch gets answered; ``limit``
-        without a declared budget. Worst cases depend on the count alone and grow with it, so a
-        bisection on the count finds it. It reads only the ledger's charges, whose realised spend
-        the budget reply already publishes, and a client learns the same from which inputs of a
-        ``limit``-batch are refused: it reveals nothing new."""
-        if limit < 1:
-            raise InvalidValue(f"limit must be >= 1, got {limit}")
-        if self.ledger.can_afford(self._worst_case(limit)):
-            return limit
-        paid, unpaid = 0, limit
-        while unpaid - paid > 1:
-            middle = (paid + unpaid) // 2
-            if self.ledger.can_afford(self._worst_case(middle)):
-                paid = middle
-            else:
-                unpaid = middle
-        return paid
-
-    def _affordable(self, count: int) -> int:
-        """``affordable(count)``, or ``BudgetExceeded`` when not one new input fits."""
-        paid = self.affordable(count)
-        if paid == 0:
-            raise self._exhausted(count)
-        if paid < count:
-            log.debug("budget pays for %d of %d new inputs in a batch: the rest are refused", paid, count)
-        return paid
-
-    def _exhausted(self, count: int, elsewhere: str | None = None) -> BudgetExceeded:
-        """The refusal of ``count`` new inputs (the caller's own: never a group's, which would tell it
-        how many other clients asked meanwhile); ``elsewhere``: why, where this ledger did not refuse
-        (an owner's lifetime budget at its gateway, or the rounds the owners admitted, all used)."""
-        inputs = f"{count} new input{'' if count == 1 else 's'}"
-        if elsewhere is not None:
-            return BudgetExceeded(f"privacy budget exhausted: labelling {inputs}: {elsewhere}")
-        report = self.ledger.report()
-        return BudgetExceeded(
-            f"privacy budget exhausted: labelling {inputs} could cost more than the budget "
-            f"ε={report.epsilon_limit:.4g} at δ={report.delta:g} has left (realised spend ε={report.epsilon_spent:.4g})"
-        )
-
-    def _teacher_votes(self, inputs: np.ndarray, count: int) -> np.ndarray:
-        try:
-            votes = np.asarray(self.vote_source.votes(inputs))
-        except Exception as err:  # teachers' failures must not leak their details to clients
-            # A missed deadline (``TeacherPool.vote_timeout_s``) says which; other errors only their type.
-            self._failures("votes", "vote source failed: %s", err if isinstance(err, TimeoutError)
-                           else type(err).__name__, level=logging.WARNING)
-            raise TeachersUnavailable(f"teachers failed to vote ({type(err).__name__}); retry later") from err
-        if votes.ndim != 2 or votes.shape[0] != count or not np.issubdtype(votes.dtype, np.integer) or (votes < 0).any():
-            self._failures("malformed", "vote source returned %s %s for %d inputs", votes.dtype, votes.shape, count,
-                           level=logging.ERROR)
-            raise TeachersUnavailable("teachers returned malformed vote histograms")
-        whole = self.vote_source.votes_per_query
-        if whole is not None and (votes.sum(axis=1) != whole).any():
-            # The charges assume the whole ensemble voted; a partial one must never answer.
-            self._failures("partial", "vote histograms count %s votes, not %d",
-                           np.unique(votes.sum(axis=1)).tolist(), whole, level=logging.ERROR)
-            raise TeachersUnavailable("not every teacher voted; retry later")
-        return votes.astype(np.int64)
 
     def _answer_fresh(self, fresh: dict[bytes, int], fresh_votes: np.ndarray) -> set[bytes]:
         """Mechanism → ledger (with the answers) → release, for inputs still unanswered, up to
@@ -457,16 +519,16 @@ class PrivateLabeller:
         keep = [i for i, key in enumerate(fresh) if key not in self._answers]
         if not keep:
             return set()
-        keep = keep[: self._affordable(len(keep))]
+        keep = keep[: self.pricing.fit(len(keep))]
         keys = [key for key in fresh if key not in self._answers][: len(keep)]
         votes = fresh_votes[keep]
-        worst = self._worst_case(len(keep))
+        worst = self.pricing.worst_case(len(keep))
         result = self.mechanism(votes, self._rng)
         labels = np.asarray(result.labels, dtype=np.int64)
         if labels.shape != (len(keep),):
             raise RuntimeError(f"mechanism {self.mechanism.name} returned {labels.shape} labels for {len(keep)} inputs")
         answers = dict(zip(keys, labels.tolist()))
-        charge = self._for_ledger(result.charge)
+        charge = self.pricing.for_ledger(result.charge)
         if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
             self.ledger.record_answers(answers)
         else:  # raises only with nothing recorded (BudgetExceeded, a ledger it cannot write): nothing released
@@ -474,49 +536,13 @@ class PrivateLabeller:
         # Recorded: kept at once, so that whatever follows, a retry gets these labels again, free.
         self._answers.update(answers)
         self._counters.votes.append(votes)
-        self._count(labels)
+        self._counters.count(labels)
         result.commit()
         return set(answers)
 
-    def _count(self, labels: np.ndarray) -> None:
-        self._counters.labels.append(labels)
-        self._counters.answered += int((labels != ABSTAIN).sum())
-        self._counters.abstained += int((labels == ABSTAIN).sum())
-
-    def _worst_case(self, count: int) -> PrivacyCharge:
-        """The ledger-ready worst case of ``count`` new inputs, computed once per count when the
-        mechanism is stateless (the accounting was a third of a single-input call)."""
-        if not self.mechanism.stateless:
-            return self._for_ledger(self.mechanism.worst_case_charge(count))
-        if count not in self._worst_cases:
-            self._worst_cases[count] = self._for_ledger(self.mechanism.worst_case_charge(count))
-        return self._worst_cases[count]
-
-    def _for_ledger(self, charge: PrivacyCharge) -> PrivacyCharge:
-        """The mechanism's one-vote charge restated for the ledger's record-level relation."""
-        if charge.neighbouring == self.ledger.neighbouring:
-            return charge
-        relation = self.vote_source.neighbouring
-        if relation != self.ledger.neighbouring:
-            raise RuntimeError(f"the vote source does not say how one-vote charges hold for the ledger's "
-                               f"'{self.ledger.neighbouring}' neighbours")
-        return charge.for_records(relation, self.vote_source.neighbouring_lemma)
-
     def guarantee(self) -> Guarantee:
-        """What this service can back: its ledger's budget, declared in advance (none without one).
-        Fixed for the ledger's life, so worked out once."""
-        if self._guarantee is None:
-            self._guarantee = self._backed_guarantee()
-        return self._guarantee
-
-    def _backed_guarantee(self) -> Guarantee:
-        report = self.ledger.report()
-        reasons = (self.noise.unsound_reason,) if self.noise.unsound_reason else ()
-        if report.guarantee is None:
-            return unbounded_guarantee(report.delta, report.neighbouring,
-                                       "no budget was declared: an open-ended service has no guarantee "
-                                       "(epsilon_spent is the realised spend, not a bound)").marked(reasons)
-        return report.guarantee.marked(reasons)
+        """What this service can back (``Pricing.guarantee``)."""
+        return self.pricing.guarantee()
 
     def answered_votes(self) -> tuple[np.ndarray, np.ndarray]:
         """(votes int64 [m, k], answered bool [m]) for every input the mechanism saw in this
@@ -534,7 +560,7 @@ class PrivateLabeller:
             answered, abstained, hits = counters.answered, counters.abstained, counters.cache_hits
         report = self.ledger.report()
         return BudgetStatus(report.epsilon_spent, report.delta, report.epsilon_limit, self.mechanism.name,
-                            self.guarantee(), answered, abstained, hits, self.affordable(limit))
+                            self.guarantee(), answered, abstained, hits, self.pricing.affordable(limit))
 
 
 class _Rounds:
@@ -613,10 +639,10 @@ class SecureLabeller(PrivateLabeller):
                 keys = [key for key in fresh if key not in self._answers]
             if not keys:
                 return set()
-            keys = keys[: self._affordable(len(keys))]
+            keys = keys[: self.pricing.fit(len(keys))]
             rounds = _Rounds(self.vote_source, inputs[[fresh[key] for key in keys]], self.noise, self.mechanism.name,
-                             lambda charge, worst: self.ledger.charge(self._for_ledger(charge),
-                                                                      worst_case=self._for_ledger(worst)),
+                             lambda charge, worst: self.ledger.charge(self.pricing.for_ledger(charge),
+                                                                      worst_case=self.pricing.for_ledger(worst)),
                              self._failures,
                              self.mechanism.vote_bound)
             try:
@@ -633,7 +659,7 @@ class SecureLabeller(PrivateLabeller):
             answers = dict(zip(keys, labels.tolist()))
             with self._lock:  # paid for round by round, as each was asked: kept at once, for repeats
                 self._answers.update(answers)
-                self._count(labels)
+                self._counters.count(labels)
             try:
                 self.ledger.record_answers(answers)
             except Exception as err:  # noqa: BLE001 - charged already: released all the same, never "nothing charged"
