@@ -89,11 +89,11 @@ class ClusterVoteSource(VoteParties):
                 owners.append(share.source.owner)
                 self._bounds.append(rows or 1)  # a cell counts at most this party's declared records
         self._track(spawns, owners, num_cpus_per_actor)
-        described = describe_all(self._actors, self._owners, self.shutdown)
+        described = describe_all(self.roster.actors, self.roster.owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
-        self.placement = nodes_of(self._owners, described)
+        self.placement = nodes_of(self.roster.owners, described)
         log.info("public-cluster votes over %d owner(s) on %d actors (each record votes for %d queries)", len(shares),
-                 len(self._actors), votes_per_record)
+                 len(self.roster.actors), votes_per_record)
 
     def queries(self, inputs: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.embed(inputs), dtype=np.float64).reshape(len(inputs), -1)

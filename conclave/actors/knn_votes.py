@@ -150,17 +150,17 @@ class KnnVoteSource(VoteParties):
                                                 len(spawns), noise, rows=share.declared_rows(a, b)))
                 owners.append(share.source.owner)
         self._track(spawns, owners, num_cpus_per_actor)
-        described = describe_all(self._actors, self._owners, self.shutdown)
+        described = describe_all(self.roster.actors, self.roster.owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
-        self.placement = nodes_of(self._owners, described)
+        self.placement = nodes_of(self.roster.owners, described)
         log.info("kNN votes over %d owner(s) on %d actors (k=%d%s, sample rate %g)", len(shares),
-                 len(self._actors), k, f" shared as {self.party_k}" if local else "", sample_rate)
+                 len(self.roster.actors), k, f" shared as {self.party_k}" if local else "", sample_rate)
 
     def queries(self, inputs: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.embed(inputs), dtype=np.float64).reshape(len(inputs), -1)
 
     def cell_bounds(self) -> list[int]:
-        return list(self.party_k or [self.k] * len(self._actors))
+        return list(self.party_k or [self.k] * len(self.roster.actors))
 
     def neighbours(self, inputs: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each actor's answer for one round: squared distances ``float64[batch, k]`` and labels
@@ -170,11 +170,11 @@ class KnnVoteSource(VoteParties):
         queries = self.queries(self.checked(inputs))
         shared = ray.put(queries) if queries.nbytes > INLINE_INPUT_BYTES else queries
         self._rounds += 1
-        calls = [actor.neighbours.remote(shared, self._rounds) for actor in self._actors]
+        calls = [actor.neighbours.remote(shared, self._rounds) for actor in self.roster.actors]
         try:
             return ray.get(calls, timeout=self.vote_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self._abandon(calls)
+            self.roster.abandon(calls)
             calls.clear()
             raise TimeoutError(f"the kNN shards gave no neighbours within {self.vote_timeout_s:g} s") from None
 

@@ -13,9 +13,9 @@ queries, on its node. What leaves it depends on the trust the run asks for:
   driver adds them — only where every record belongs to one owner whose node also runs the
   aggregator (the classic PATE mode), which the configs check.
 
-The driver also watches the parties' health (``ready``): a party that died past Ray's restarts
-is started again as it was first started, so a service recovers, and calls abandoned past
-their deadline are cancelled with every reference dropped.
+The driver also watches the parties' health (``ready``, through ``ActorRoster``): a party that
+died past Ray's restarts is started again as it was first started, so a service recovers, and
+calls abandoned past their deadline are cancelled with every reference dropped.
 """
 from __future__ import annotations
 
@@ -109,10 +109,11 @@ class VoteParty(ReleaseKeys, abc.ABC):
 
 
 class VoteParties(abc.ABC):
-    """The driver's handle on one vote source's parties: health, recovery and secure rounds.
+    """The driver's handle on one vote source's parties: their votes and secure rounds, their
+    health and recovery kept by an ``ActorRoster``.
 
-    A subclass starts its parties with ``_track`` (one spawn per party: how to start it again),
-    keeps ``_owners`` (each party's owner), ``num_classes`` and ``input_shape``, and says how
+    A subclass starts its parties with ``_track`` (one spawn per party: how to start it again,
+    and each party's owner), keeps ``num_classes`` and ``input_shape``, and says how
     inputs become the parties' queries (``queries``), how a party's health is probed (``_probe``),
     and the most each party can count in one cell of a histogram (``cell_bounds``: public, it
     sizes the secure sum's ring).
@@ -137,17 +138,12 @@ class VoteParties(abc.ABC):
     def _track(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float) -> None:
         """Start one party per spawn, owned by ``owners[i]`` and reserving ``cpus_each`` CPUs, and
         keep how to start it again."""
-        self._spawns, self._owners, self._cpus_each = spawns, owners, cpus_each
-        self._actors = [spawn() for spawn in spawns]
-        self._replaced = [0] * len(spawns)
+        self.roster = ActorRoster(spawns, owners, cpus_each, self.actor_kind, self.restart_note, self.max_replacements)
         self._rounds = 0  # rounds so far: each names its key session and its parties' random streams
-        # Markers queued behind calls abandoned past their deadline: an actor whose marker has
-        # not run is still busy with an abandoned call (e.g. stopped), and cannot vote yet.
-        self._late: set[ray.ObjectRef] = set()
 
     @property
     def num_actors(self) -> int:
-        return len(self._actors)
+        return len(self.roster.actors)
 
     @abc.abstractmethod
     def queries(self, inputs: np.ndarray) -> np.ndarray:
@@ -176,11 +172,12 @@ class VoteParties(abc.ABC):
         queries = self.queries(self.checked(inputs))
         shared = ray.put(queries) if queries.nbytes > INLINE_INPUT_BYTES else queries
         stream = self._next_session("votes")
-        calls = [actor.partial_votes.remote(shared, f"{stream}/{rank}") for rank, actor in enumerate(self._actors)]
+        calls = [actor.partial_votes.remote(shared, f"{stream}/{rank}")
+                 for rank, actor in enumerate(self.roster.actors)]
         try:
             return ray.get(calls, timeout=self.vote_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self._abandon(calls)
+            self.roster.abandon(calls)
             calls.clear()
             raise TimeoutError(f"the {self.actor_kind}s gave no votes within {self.vote_timeout_s:g} s") from None
 
@@ -208,46 +205,46 @@ class VoteParties(abc.ABC):
         """
         queries = self.queries(self.checked(inputs))
         session = self._next_session("secure-votes")  # fresh key pairs every round; names the noise streams
-        owners = tuple(self._owners)
+        actors, owners = self.roster.actors, tuple(self.roster.owners)
         plan = release.plan(len(queries), self.num_classes, owners, self.cell_bounds())
         deadline = time.monotonic() + self.share_timeout_s
-        public_keys = self._gather([actor.mask_key.remote(rank) for rank, actor in enumerate(self._actors)],
-                                   deadline, "no key for", "no share was asked, so nothing was released or charged")
+        public_keys = self.roster.gather([actor.mask_key.remote(rank) for rank, actor in enumerate(actors)],
+                                         deadline, self.share_timeout_s, "no key for",
+                                         "no share was asked, so nothing was released or charged")
         charge()
         shared = ray.put(queries)
         refs = [actor.vote_share.remote(shared, release, plan, owners, tuple(public_keys), session, noise)
-                for actor in self._actors]
+                for actor in actors]
         del shared
-        shares = self._gather(refs, deadline, "no share of",
-                              "its shares were asked, so it was charged; nothing of it is decoded")
+        shares = self.roster.gather(refs, deadline, self.share_timeout_s, "no share of",
+                                    "its shares were asked, so it was charged; nothing of it is decoded")
         return release.total(shares, plan, len(queries))
 
-    def _gather(self, refs: list[ray.ObjectRef], deadline: float, missing: str, outcome: str) -> list:
-        """Every party's answer to one step of a secure round by ``deadline``, or ``OwnerDropout``
-        naming the owner who sent ``missing`` the round (``outcome``: what that leaves). On the way
-        out the calls not done are cancelled and ``refs`` is emptied: no reference is kept."""
-        try:
-            done, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-            late = [owner for owner, ref in zip(self._owners, refs) if ref in pending]
-            done.clear()
-            pending.clear()
-            if late:
-                self._abandon(refs)
-                raise OwnerDropout(f"owner {late[0]} sent {missing} a secure vote round within "
-                                   f"{self.share_timeout_s:g} s: the round is aborted; {outcome}")
-            answers = []
-            for owner, ref in zip(self._owners, refs):
-                try:
-                    answers.append(ray.get(ref))
-                except ray.exceptions.RayActorError:
-                    raise OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the "
-                                       f"round is aborted; {outcome}") from None
-            return answers
-        finally:
-            refs.clear()
-
     def ready(self, timeout: float = 2.0) -> bool:
-        """Whether every party is up and can vote (False while one restarts). The probe has its
+        """Whether every party is up and can vote (``ActorRoster.ready``)."""
+        return self.roster.ready(self._probe, timeout)
+
+    def stop(self) -> None:
+        """Stop the actors (what they hold goes with them) and wait for their CPUs to be free."""
+        self.roster.stop()
+
+
+class ActorRoster:
+    """The live actors of one vote source, each with its owner: whether they can vote, starting
+    again one that died past Ray's restarts, giving up calls past their deadline, and stopping."""
+
+    def __init__(self, spawns: list[Callable[[], ray.actor.ActorHandle]], owners: list[str], cpus_each: float,
+                 kind: str, restart_note: str, max_replacements: int) -> None:
+        self._spawns, self.owners, self._cpus_each = spawns, owners, cpus_each
+        self._kind, self._restart_note, self._max_replacements = kind, restart_note, max_replacements
+        self.actors = [spawn() for spawn in spawns]
+        self._replaced = [0] * len(spawns)
+        # Markers queued behind calls abandoned past their deadline: an actor whose marker has
+        # not run is still busy with an abandoned call (e.g. stopped), and cannot vote yet.
+        self._late: set[ray.ObjectRef] = set()
+
+    def ready(self, probe: Callable[[ray.actor.ActorHandle], ray.ObjectRef], timeout: float) -> bool:
+        """Whether every party is up and can vote (False while one restarts). The ``probe`` has its
         own thread in each actor, so a long vote does not delay it; a call abandoned past its
         deadline and still running means that actor is hung (e.g. stopped) until it ends."""
         if self._late:
@@ -255,14 +252,14 @@ class VoteParties(abc.ABC):
             self._late.difference_update(done)
             if self._late:
                 return False
-        probes = [self._probe(actor) for actor in self._actors]
+        probes = [probe(actor) for actor in self.actors]
         answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout)
         if len(answered) < len(probes):
             return False
         alive = True
-        for index, probe in enumerate(probes):
+        for index, answer in enumerate(probes):
             try:
-                alive = bool(ray.get(probe)) and alive
+                alive = bool(ray.get(answer)) and alive
             except ray.exceptions.ActorDiedError:  # beyond its restarts: a new actor, started as the first
                 self._replace(index)
                 alive = False
@@ -274,30 +271,56 @@ class VoteParties(abc.ABC):
         """Start actor ``index`` again as it was first started (``restart_note`` says what it
         reloads). At most ``max_replacements`` times per actor: one that keeps dying stays down
         (NOT_SERVING)."""
-        if self._replaced[index] >= self.max_replacements:
+        if self._replaced[index] >= self._max_replacements:
             return
         self._replaced[index] += 1
-        log.warning("%s %d is gone for good (past its restarts); starting it again%s (%d of %d)", self.actor_kind,
-                    index, self.restart_note, self._replaced[index], self.max_replacements)
-        ray.kill(self._actors[index], no_restart=True)
-        self._actors[index] = self._spawns[index]()
+        log.warning("%s %d is gone for good (past its restarts); starting it again%s (%d of %d)", self._kind,
+                    index, self._restart_note, self._replaced[index], self._max_replacements)
+        ray.kill(self.actors[index], no_restart=True)
+        self.actors[index] = self._spawns[index]()
 
-    def _abandon(self, calls: list[ray.ObjectRef]) -> None:
+    def abandon(self, calls: list[ray.ObjectRef]) -> None:
         """Give up calls past their deadline, one per actor: cancel those not done (a queued call
         never runs; a running one's result is never delivered, ``TaskCancelledError``) and queue a
         marker behind each, which ``ready`` waits for. The caller drops its references to the
         calls: nothing of an abandoned call reaches this process later."""
         done, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
         finished = set(done)
-        for actor, call in zip(self._actors, calls):
+        for actor, call in zip(self.actors, calls):
             if call not in finished:
                 ray.cancel(call)
                 self._late.add(actor.describe.remote())  # runs once the abandoned call has ended
 
     def stop(self) -> None:
         """Stop the actors (what they hold goes with them) and wait for their CPUs to be free."""
-        actors, self._actors = self._actors, []
+        actors, self.actors = self.actors, []
         release(actors, self._cpus_each)
+
+    def gather(self, refs: list[ray.ObjectRef], deadline: float, timeout_s: float, missing: str,
+               outcome: str) -> list:
+        """Every party's answer to one step of a secure round by ``deadline`` (the round's
+        ``timeout_s`` after it began), or ``OwnerDropout`` naming the owner who sent ``missing`` the
+        round (``outcome``: what that leaves). On the way out the calls not done are cancelled and
+        ``refs`` is emptied: no reference is kept."""
+        try:
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            late = [owner for owner, ref in zip(self.owners, refs) if ref in pending]
+            done.clear()
+            pending.clear()
+            if late:
+                self.abandon(refs)
+                raise OwnerDropout(f"owner {late[0]} sent {missing} a secure vote round within "
+                                   f"{timeout_s:g} s: the round is aborted; {outcome}")
+            answers = []
+            for owner, ref in zip(self.owners, refs):
+                try:
+                    answers.append(ray.get(ref))
+                except ray.exceptions.RayActorError:
+                    raise OwnerDropout(f"owner {owner} dropped out of a secure vote round (its actor died): the "
+                                       f"round is aborted; {outcome}") from None
+            return answers
+        finally:
+            refs.clear()
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def test_a_stopped_teacher_fails_calls_fast_with_unavailable_and_charges_nothing
     # Before: with one teacher actor stopped, 16 of 24 calls waited out their client deadline.
     public = fresh_inputs(40, 1)
     teachers.vote_timeout_s = 1.0
-    pid = ray.get(teachers._actors[0].__ray_call__.remote(lambda group: os.getpid()))
+    pid = ray.get(teachers.roster.actors[0].__ray_call__.remote(lambda group: os.getpid()))
     try:
         with serving(teachers, tmp_path / "ledger.sqlite", health_interval=0.3) as (server, address), \
                 AggregatorClient(address, timeout=30) as client, grpc.insecure_channel(address) as channel:

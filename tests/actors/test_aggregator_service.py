@@ -257,7 +257,7 @@ def test_a_killed_teacher_turns_health_not_serving_then_recovers_without_retrain
                 AggregatorClient(address, timeout=20) as client, grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             before = client.label(public[:8])
-            victim = pool._actors[0]
+            victim = pool.roster.actors[0]
             os.kill(ray.get(victim.__ray_call__.remote(lambda group: os.getpid())), signal.SIGKILL)
             wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING, 20, every=0.05)
             wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == SERVING, 60)

@@ -214,4 +214,4 @@ def test_the_vote_sources_start_each_party_on_its_declared_rows(cluster_source, 
     declares nothing works on what it holds (100 records each)."""
     for source, rows in ((cluster_source, [250, 100, 100]), (local_knn, list(LOCAL_DECLARED))):
         assert ray.get([actor.__ray_call__.remote(lambda party: len(party._labels))
-                        for actor in source._actors]) == rows
+                        for actor in source.roster.actors]) == rows

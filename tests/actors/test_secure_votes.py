@@ -152,7 +152,7 @@ def test_a_stalled_owner_fails_the_call_unavailable_before_the_clients_deadline_
     cancel = ray.cancel
     monkeypatch.setattr(ray, "cancel", lambda ref, **kwargs: (cancelled.append(ref.hex()), cancel(ref, **kwargs)))
     server = AggregatorServer(pool, mechanism, ledger, pool.input_shape, ServerSettings(token="t", health_interval=0.3))
-    victim = pool._actors[2]  # hospital_c's only teacher actor
+    victim = pool.roster.actors[2]  # hospital_c's only teacher actor
     try:
         with AggregatorClient(server.start(), token="t") as client, grpc.insecure_channel(server.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -213,7 +213,7 @@ def test_an_owner_whose_actor_dies_aborts_the_batch_with_nothing_released_or_cha
         with AggregatorClient(server.start(), token="t") as client:
             assert client.label(inputs[40:50]).shape == (10,)
             before = ledger.report()
-            ray.kill(pool._actors[1], no_restart=True)  # hospital_b's only teacher actor
+            ray.kill(pool.roster.actors[1], no_restart=True)  # hospital_b's only teacher actor
             with caplog.at_level(logging.WARNING, logger="conclave.actors.labeller"), \
                     pytest.raises(grpc.RpcError) as refused:
                 client.label(inputs[50:60])

@@ -139,7 +139,7 @@ def test_the_health_probe_is_answered_while_a_long_vote_runs(pool, digits):
     import ray
 
     many = np.tile(digits[0].public.x, (1000, 1, 1, 1))  # 200,000 inputs: seconds of voting
-    actor = pool._actors[0]
+    actor = pool.roster.actors[0]
     voting = actor.votes.remote(ray.put(many))
     assert ray.get(actor.is_trained.remote(), timeout=30)
     assert ray.wait([voting], timeout=0)[1] == [voting]  # the probe came back first

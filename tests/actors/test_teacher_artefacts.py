@@ -86,21 +86,21 @@ def test_a_pools_start_clears_a_killed_runs_folder_and_its_checkpoints_are_priva
         inputs = make_splits("digits", public_size=200, seed=0).public.x[:4]
         before = pool.votes(inputs)
 
-        old_pid = _pid(pool._actors[0])
-        ray.kill(pool._actors[0], no_restart=False)  # Ray restarts it; it reloads its teacher from the folder
+        old_pid = _pid(pool.roster.actors[0])
+        ray.kill(pool.roster.actors[0], no_restart=False)  # Ray restarts it; it reloads its teacher from the folder
         deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the new process, then readiness
-        while not (_pid(pool._actors[0]) not in (None, old_pid) and pool.ready()) and time.monotonic() < deadline:
+        while not (_pid(pool.roster.actors[0]) not in (None, old_pid) and pool.ready()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _pid(pool._actors[0]) not in (None, old_pid) and pool.ready()
+        assert _pid(pool.roster.actors[0]) not in (None, old_pid) and pool.ready()
         np.testing.assert_array_equal(pool.votes(inputs), before)
         assert len(list(folder.glob(".owner-*.json"))) == 2  # the dead process's marker went with it
 
-        gone = pool._actors[0]
+        gone = pool.roster.actors[0]
         ray.kill(gone, no_restart=True)  # as after its last restart: Ray will not bring it back
         deadline = time.monotonic() + 120  # ray.kill returns at once: wait for the replacement, then readiness
-        while not (pool.ready() and pool._actors[0] is not gone) and time.monotonic() < deadline:
+        while not (pool.ready() and pool.roster.actors[0] is not gone) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert pool._actors[0] is not gone and pool.ready()
+        assert pool.roster.actors[0] is not gone and pool.ready()
         np.testing.assert_array_equal(pool.votes(inputs), before)  # the same teachers, not retrained
     finally:
         if pool is not None:

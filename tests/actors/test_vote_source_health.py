@@ -80,7 +80,7 @@ def test_a_killed_knn_actor_turns_health_not_serving_then_serving_and_labels_are
             AggregatorClient(address) as client, grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         assert client.label(public[offset:offset + 4]).shape == (4,)
-        victim = source._actors[0]
+        victim = source.roster.actors[0]
         if past_restarts:
             ray.kill(victim, no_restart=True)  # as after Ray's last restart: the source starts it anew
         else:
@@ -91,7 +91,7 @@ def test_a_killed_knn_actor_turns_health_not_serving_then_serving_and_labels_are
         assert up[-1] == SERVING, up
         labels = client.label(public[offset + 4:offset + 12])
         assert labels.shape == (8,) and client.budget()["queries_answered"] + client.budget()["queries_abstained"] == 12
-    assert (source._actors[0] is not victim) == past_restarts  # replaced only when Ray had given up
+    assert (source.roster.actors[0] is not victim) == past_restarts  # replaced only when Ray had given up
     assert source.ready(timeout=30)
 
 
