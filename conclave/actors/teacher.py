@@ -92,6 +92,71 @@ class TeacherSource:
         return f"{self.dataset} (private split)"
 
 
+class TeacherCheckpoints:
+    """One group's trained teachers saved on its node, a file each named by its ensemble-wide index
+    (``first_teacher`` + index in the group): written whole or not at all, read back by a restarted
+    actor, deleted when the pool shuts down. No folder: nothing is saved.
+
+    ``private_run`` (without ``folder``): keep them in that run's private folder on this node
+    (``run_folder.claim``), which ``forget`` releases.
+    """
+
+    def __init__(self, folder: str | None, first_teacher: int, private_run: str | None) -> None:
+        self.folder = folder
+        self._first_teacher = first_teacher
+        self._private_run = private_run if folder is None else None
+
+    def claim(self) -> None:
+        """Take the run's private folder, where there is one: before any model exists; it also clears
+        what killed runs left on this node."""
+        if self._private_run is not None:
+            self.folder = str(run_folder.claim(self._private_run))
+
+    def path(self, local_index: int) -> str | None:
+        if self.folder is None:
+            return None
+        return os.path.join(self.folder, f"teacher-{self._first_teacher + local_index}.pt")
+
+    def save(self, local_index: int, model: torch.nn.Module) -> None:
+        path = self.path(local_index)
+        if path is None:
+            return
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)  # private models: owner only
+        torch.save(model.state_dict(), path + ".partial")
+        os.replace(path + ".partial", path)  # a crash mid-write leaves no half checkpoint
+
+    def load(self, local_index: int, new_model: Callable[[int], torch.nn.Module]) -> torch.nn.Module | None:
+        """The saved teacher ``local_index`` in a model from ``new_model``, or None where none was saved."""
+        path = self.path(local_index)
+        if path is None or not os.path.exists(path):
+            return None
+        model = new_model(local_index)
+        model.load_state_dict(torch.load(path, weights_only=True))
+        model.eval()
+        return model
+
+    def forget(self, count: int) -> None:
+        """Delete the checkpoints of the group's ``count`` teachers, and the run's private folder
+        once no other group holds it."""
+        for i in range(count):
+            path = self.path(i)
+            if path is not None and os.path.exists(path):
+                os.remove(path)
+        if self._private_run is not None and self.folder is not None:
+            run_folder.release(self.folder)
+        elif self.folder is not None and os.path.isdir(self.folder) and not os.listdir(self.folder):
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def ensemble_predictor(models: list[torch.nn.Module]) -> Callable[[np.ndarray], np.ndarray]:
+    """Every teacher's classes for a batch: stacked into one wide network where the
+    architecture allows (``learning.models.ensemble``), else teacher by teacher."""
+    stacked = StackedEnsemble.of(models)
+    if stacked is not None:
+        return stacked.predict
+    return lambda inputs: np.stack([predict(model, inputs) for model in models])
+
+
 class TeacherGroup(VoteParty):
     """Teachers ``first``..``last - 1`` of ``source`` in one process, on shards it loads
     itself from ``source`` — in an actor, the private data is read where it stays.
@@ -104,8 +169,7 @@ class TeacherGroup(VoteParty):
     With ``source.features`` the shards are kept in that representation only, and ``votes``
     transforms its image inputs the same way before the teachers predict.
 
-    ``private_run`` (without ``checkpoint_dir``): keep the checkpoints in that run's private
-    folder on this node (``run_folder.claim``), which ``forget`` releases.
+    ``checkpoint_dir`` and ``private_run``: where the teachers are saved (``TeacherCheckpoints``).
     """
 
     neighbouring, neighbouring_lemma = Neighbouring.ADD_REMOVE, SHARD_LEMMA  # one record moves at most one vote
@@ -134,13 +198,11 @@ class TeacherGroup(VoteParty):
         self.first_teacher = teacher_offset + first
         self.model_name = model_name
         self.standardiser = standardiser
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoints = TeacherCheckpoints(checkpoint_dir, self.first_teacher, private_run)
         self.load_error: str | None = None
         self._predict_all: Callable[[np.ndarray], np.ndarray] | None = None  # built at the first vote
-        self._private = checkpoint_dir is None and private_run is not None
         try:
-            if self._private:  # before any model exists; also clears what killed runs left on this node
-                self.checkpoint_dir = str(run_folder.claim(private_run))
+            self.checkpoints.claim()
             raw = source.load(range(first, last))
         except (OSError, ValueError) as err:  # the owner's file: a missing path, a bad format; a folder not ours
             self.load_error = f"owner {self.owner}: {err}".splitlines()[0]
@@ -149,7 +211,8 @@ class TeacherGroup(VoteParty):
         self.input_shape = raw[0].input_shape  # what queries look like, whatever the teachers learn on
         self.shards = [apply_features(shard, self.features) for shard in raw]
         self.num_classes = self.shards[0].num_classes
-        self.models: list[torch.nn.Module | None] = [self._load(i) for i in range(len(self.shards))]
+        self.models: list[torch.nn.Module | None] = [self.checkpoints.load(i, self._new_model)
+                                                     for i in range(len(self.shards))]
         restored = sum(model is not None for model in self.models)
         if restored:
             log.info("teachers %d..%d: %d restored from %s", first, last - 1, restored, checkpoint_dir)
@@ -176,35 +239,13 @@ class TeacherGroup(VoteParty):
         if len(shard):
             fit(model, shard, dataclasses.replace(self.train_config, seed=seed))
         model.eval()
-        self._save(local_index, model)
+        self.checkpoints.save(local_index, model)
         self.models[local_index] = model
 
     def _new_model(self, local_index: int) -> torch.nn.Module:
         seed = teacher_seed(self.train_config.seed, self.first_teacher + local_index)
         return build_model(self.model_name, self.num_classes, input_shape=self.shards[local_index].input_shape,
                            standardiser=self.standardiser, seed=seed)
-
-    def _checkpoint(self, local_index: int) -> str | None:
-        if self.checkpoint_dir is None:
-            return None
-        return os.path.join(self.checkpoint_dir, f"teacher-{self.first_teacher + local_index}.pt")
-
-    def _save(self, local_index: int, model: torch.nn.Module) -> None:
-        path = self._checkpoint(local_index)
-        if path is None:
-            return
-        os.makedirs(self.checkpoint_dir, mode=0o700, exist_ok=True)  # private models: owner only
-        torch.save(model.state_dict(), path + ".partial")
-        os.replace(path + ".partial", path)  # a crash mid-write leaves no half checkpoint
-
-    def _load(self, local_index: int) -> torch.nn.Module | None:
-        path = self._checkpoint(local_index)
-        if path is None or not os.path.exists(path):
-            return None
-        model = self._new_model(local_index)
-        model.load_state_dict(torch.load(path, weights_only=True))
-        model.eval()
-        return model
 
     @ray.method(concurrency_group="probe")
     def is_trained(self) -> bool:
@@ -222,29 +263,12 @@ class TeacherGroup(VoteParty):
         return len(self.models)
 
     def forget(self) -> None:
-        """Delete this group's checkpoints (the pool is shutting down), and the run's private
-        folder once no other group holds it."""
-        for i in range(len(self.models)):
-            path = self._checkpoint(i)
-            if path is not None and os.path.exists(path):
-                os.remove(path)
-        if self._private and self.checkpoint_dir is not None:
-            run_folder.release(self.checkpoint_dir)
-        elif (self.checkpoint_dir is not None and os.path.isdir(self.checkpoint_dir)
-              and not os.listdir(self.checkpoint_dir)):
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        """Delete this group's checkpoints: the pool is shutting down (``TeacherCheckpoints.forget``)."""
+        self.checkpoints.forget(len(self.models))
 
     def train_all(self) -> None:
         for i in range(len(self.models)):
             self.train_teacher(i)
-
-    def _ensemble_predictor(self) -> Callable[[np.ndarray], np.ndarray]:
-        """Every teacher's classes for a batch: stacked into one wide network where the
-        architecture allows (``learning.models.ensemble``), else teacher by teacher."""
-        stacked = StackedEnsemble.of(self.models)
-        if stacked is not None:
-            return stacked.predict
-        return lambda inputs: np.stack([predict(model, inputs) for model in self.models])
 
     def votes(self, inputs: np.ndarray) -> np.ndarray:
         """Histogram ``int64[batch, k]`` of this group's teachers' predicted classes for images
@@ -253,7 +277,7 @@ class TeacherGroup(VoteParty):
             raise RuntimeError("teachers must be trained before they vote")
         inputs = features_of(inputs, self.features)
         if self._predict_all is None:  # once: every teacher is trained now, and none changes afterwards
-            self._predict_all = self._ensemble_predictor()
+            self._predict_all = ensemble_predictor(self.models)
         predicted = self._predict_all(inputs)  # int64 [teachers, batch]
         cells = np.arange(len(inputs)) * self.num_classes + predicted  # (input, class) of every vote
         return np.bincount(cells.ravel(), minlength=len(inputs) * self.num_classes).reshape(len(inputs), -1)
@@ -362,11 +386,11 @@ class TeacherPool(VoteParties):
         self._track(spawns, owners, num_cpus_per_actor)
         # Waits until every actor has loaded its shards (a missing data file fails here, not
         # mid-training), learns the input shape queries must have and where each owner runs.
-        described = describe_all(self._actors, self._owners, self.shutdown)
+        described = describe_all(self.roster.actors, self.roster.owners, self.shutdown)
         self.num_classes, self.input_shape = described[0].num_classes, described[0].input_shape
-        self.placement = nodes_of(self._owners, described)
+        self.placement = nodes_of(self.roster.owners, described)
         log.info("%d teachers of %d owner(s) on %d actors (%s CPU, %s GPU each)", self.num_teachers,
-                 len(shares), len(self._actors), num_cpus_per_actor, num_gpus)
+                 len(shares), len(self.roster.actors), num_cpus_per_actor, num_gpus)
 
     @classmethod
     def of_source(cls, source: TeacherSource | OwnerSource, num_teachers: int, model_name: str,
@@ -379,7 +403,7 @@ class TeacherPool(VoteParties):
         """Train every teacher (actors in parallel). A teacher whose actor died is asked
         again of the restarted actor (which keeps what it saved) up to ``retries`` times."""
         tasks = {actor.train_teacher.remote(local): (actor, local, 0)
-                 for actor, (first, last) in zip(self._actors, self._blocks) for local in range(last - first)}
+                 for actor, (first, last) in zip(self.roster.actors, self._blocks) for local in range(last - first)}
         with tqdm(total=self.num_teachers, desc="training teachers", unit="teachers", bar_format=COUNTS,
                   disable=not progress) as bar:
             while tasks:
@@ -412,7 +436,7 @@ class TeacherPool(VoteParties):
     def shutdown(self) -> None:
         """Stop the actors (their models and shards go with them, their checkpoints are deleted)."""
         try:
-            ray.get([actor.forget.remote() for actor in self._actors], timeout=30)
+            ray.get([actor.forget.remote() for actor in self.roster.actors], timeout=30)
         except ray.exceptions.RayError as err:  # includes GetTimeoutError
             log.warning("teacher checkpoints under %s may remain: %s", self.checkpoint_dir, type(err).__name__)
         self.stop()
