@@ -28,7 +28,7 @@ from conclave.cluster.owners import DataOwner
 from conclave.cluster.pipelines import OwnersData, load_pipeline
 from conclave.errors import ConclaveError, fail
 from conclave.learning.data.dataset import shard_cap
-from conclave.learning.data.sources import PublicReading
+from conclave.learning.data.sources import PublicReading, image_size, input_columns
 
 
 class RowsDropped(ConclaveError):
@@ -122,11 +122,11 @@ def _reading(declared: OwnersData, classes: tuple[str, ...]) -> PublicReading:
     try:
         if public is None:  # e.g. sparse_finetune's public data is a benchmark: images at the test data's size
             test = declared.test
-            return PublicReading(size=None if test is None else test.anchored(here).image_size())
+            return PublicReading(size=None if test is None else image_size(test.anchored(here)))
         public = public.anchored(here)
-        columns = public.input_columns()
+        columns = input_columns(public)
         if columns is None:
-            return PublicReading(size=public.image_size())
+            return PublicReading(size=image_size(public))
         pool = public.by_name(columns).read(classes, "public")
         return PublicReading(columns, fill=tuple(Standardiser.of_public(pool).mean.tolist()))
     except OSError as err:

@@ -27,7 +27,7 @@ from typing import Sequence
 from conclave.errors import InvalidValue
 from conclave.learning.data.dataset import StudentSplits
 from conclave.learning.data.schema import InputSchema, Standardiser
-from conclave.learning.data.sources import DataSource, PublicReading
+from conclave.learning.data.sources import DataSource, PublicReading, column_means, input_columns
 from conclave.privacy.accounting.owner_policy import OwnerBudget
 
 
@@ -199,13 +199,13 @@ class PublicData:
         class list is ``classes`` or the test labels' (never an owner's)."""
         from conclave.learning.data.sources import MissingColumns, class_names
 
-        columns = public.input_columns()  # the run's inputs, by name (None: not a table)
+        columns = input_columns(public)  # the run's inputs, by name (None: not a table)
         try:
             test = test.by_name(columns)
         except ValueError as err:
             raise InvalidValue(f"test: {err}") from None
         if columns is not None:  # public values only: the pool's own means over its finite cells
-            means = public.by_name(columns).column_means()
+            means = column_means(public.by_name(columns))
             public, test = (dataclasses.replace(source, fill=means) for source in (public, test))
         try:
             if not classes:

@@ -8,7 +8,7 @@ import pytest
 
 from conclave.learning.data.dataset import DataFormatError, Dataset
 from conclave.learning.data.schema import InputSchema
-from conclave.learning.data.sources import DataSource
+from conclave.learning.data.sources import DataSource, input_columns
 
 CLASSES = ("benign", "malignant")
 
@@ -31,7 +31,7 @@ def test_a_table_with_its_columns_permuted_reads_to_the_same_array(tmp_path, fmt
     plain = write(frame, tmp_path / f"plain.{fmt}", fmt)
     shuffled = frame[["diagnosis", "c", "a", "d", "b"]].assign(patient_id=np.arange(len(frame)) + 1000)
     other = write(shuffled, tmp_path / f"shuffled.{fmt}", fmt)
-    columns = DataSource(fmt, plain, label="diagnosis").input_columns()  # the header alone
+    columns = input_columns(DataSource(fmt, plain, label="diagnosis"))  # the header alone
     assert columns == ("a", "b", "c", "d")
     want = DataSource(fmt, plain, label="diagnosis").by_name(columns).read(CLASSES)
     got, check = DataSource(fmt, other, label="diagnosis").by_name(columns).read_private(CLASSES)
@@ -57,9 +57,9 @@ def test_explicit_columns_must_be_the_schemas_and_are_read_in_its_order(tmp_path
     with pytest.raises(ValueError, match=r"columns \['a', 'b'\] are not the public pool's \['a', 'b', 'c', 'd'\]"):
         DataSource("csv", "t.csv", columns=("a", "b")).by_name(schema)
     arrays = DataSource("npz", "t.npz", label="y")
-    assert arrays.by_name(schema) is arrays and arrays.input_columns() is None  # arrays have no names
+    assert arrays.by_name(schema) is arrays and input_columns(arrays) is None  # arrays have no names
     path = write(records(), tmp_path / "t.csv", "csv")
-    assert DataSource("csv", path, label="diagnosis", columns=("b", "a")).input_columns() == ("b", "a")
+    assert input_columns(DataSource("csv", path, label="diagnosis", columns=("b", "a"))) == ("b", "a")
 
 
 def test_the_input_schema_carries_a_tables_column_names():

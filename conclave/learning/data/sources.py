@@ -189,41 +189,6 @@ class DataSource:
                              "(an owner's images are read at the pool's) or give the same one")
         return replace(self, size=size)
 
-    def image_size(self) -> tuple[int, int] | None:
-        """The size (height, width) of public images: an image folder's declared ``size`` or its
-        first image's (public images must all be of one size), an array's or a benchmark's
-        images' as read; None for tables."""
-        if self.format in TABLE_FORMATS:
-            return None
-        if self.size is not None:
-            return (int(self.size[0]), int(self.size[1]))
-        self._check_exists()
-        if self.format == "images":
-            return imported(IMAGE_SIZE)(self)
-        x = self.read_raw().x
-        return (x.shape[-2], x.shape[-1]) if x.ndim == 4 else None
-
-    def input_columns(self) -> tuple[str, ...] | None:
-        """A table's input columns as read (``columns``, or every column but the label in file
-        order), from its header alone; None for data that is not a table."""
-        if self.format not in TABLE_FORMATS:
-            return None
-        self._check_exists()
-        return imported(TABLE_HEADER)(self)
-
-    def column_means(self) -> tuple[float, ...] | None:
-        """A table's mean per input column over its finite cells (the public pool's fill every
-        table's missing cells in a run: ``cluster.owners.PublicData.read``); None for data that is
-        not a table. A column without one finite cell is a ``DataFormatError``."""
-        if self.format not in TABLE_FORMATS:
-            return None
-        x = replace(self, fill=None).read_raw().x.astype(np.float64)
-        finite = np.isfinite(x)
-        empty = [name for name, any_ in zip(self.input_columns() or (), finite.any(axis=0)) if not any_]
-        if empty or not len(x):
-            raise DataFormatError(f"{self.describes}: no usable value in column(s) {empty or 'any'}")
-        return tuple(float(value) for value in np.where(finite, x, 0.0).sum(axis=0) / finite.sum(axis=0))
-
     @property
     def labelled_by_layout(self) -> bool:
         """Whether the labels come with the data (class folders, a benchmark), not from ``label``."""
@@ -233,13 +198,9 @@ class DataSource:
     def describes(self) -> str:
         return f"{self.format} {self.path}" if self.path else self.format
 
-    def _check_exists(self) -> None:
-        if self.path is not None and not Path(self.path).exists():
-            raise FileNotFoundError(f"{self.path}: no such file or folder")
-
     def read_raw(self) -> RawData:
         reader = FORMATS.load(self.format)
-        self._check_exists()
+        _check_exists(self)
         raw = reader(self)
         if raw.x.dtype != np.float32 or raw.x.ndim not in (2, 4):
             raise DataFormatError(f"{self.describes}: read {raw.x.dtype} {raw.x.shape}; expected a "
@@ -252,7 +213,7 @@ class DataSource:
         """Public data as a ``Dataset`` whose labels index ``classes`` (all ``UNLABELED`` when it
         has none). Every row must be usable: an empty source, an unusable value or a label outside
         ``classes`` is an error naming the rows."""
-        dataset, check = self._read(classes, name)
+        dataset, check = _read(self, classes, name)
         if not check.rows:
             raise DataFormatError(f"{self.describes}: no records")
         if check.problems:
@@ -267,21 +228,69 @@ class DataSource:
         if self.format == "images" and self.size is None:
             raise DataFormatError(f"{self.describes}: an owner's image folder is read at a given size "
                                   "(the public pool's, or its own size: [height, width])")
-        return self._read(classes, name)
+        return _read(self, classes, name)
 
-    def _read(self, classes: tuple[str, ...], name: str | None) -> tuple[Dataset, RowCheck]:
-        raw = self.read_raw()
-        problems = {**unfit_rows(raw.x), **raw.unusable}  # the reader's reason names more (a column)
-        if raw.labels is None:
-            y = np.full(len(raw.x), UNLABELED, dtype=np.int64)
-        else:
-            y, label_problems = label_indices(raw.labels, classes)
-            problems = {**label_problems, **problems}  # an unusable input is the first thing to fix
-        keep = np.ones(len(raw.x), dtype=bool)
-        keep[list(problems)] = False
-        dataset = Dataset(raw.x[keep], y[keep], len(classes), name or self.describes)
-        filled = {row: why for row, why in raw.filled.items() if row not in problems}
-        return dataset, RowCheck(self.describes, len(raw.x), problems, filled)
+
+# What public data says about how a run reads every owner's (``PublicReading``), read from its files.
+
+
+def image_size(source: DataSource) -> tuple[int, int] | None:
+    """The size (height, width) of ``source``'s public images: an image folder's declared ``size``
+    or its first image's (public images must all be of one size), an array's or a benchmark's
+    images' as read; None for tables."""
+    if source.format in TABLE_FORMATS:
+        return None
+    if source.size is not None:
+        return (int(source.size[0]), int(source.size[1]))
+    _check_exists(source)
+    if source.format == "images":
+        return imported(IMAGE_SIZE)(source)
+    x = source.read_raw().x
+    return (x.shape[-2], x.shape[-1]) if x.ndim == 4 else None
+
+
+def input_columns(source: DataSource) -> tuple[str, ...] | None:
+    """A table's input columns as read (``columns``, or every column but the label in file order),
+    from its header alone; None for data that is not a table."""
+    if source.format not in TABLE_FORMATS:
+        return None
+    _check_exists(source)
+    return imported(TABLE_HEADER)(source)
+
+
+def column_means(source: DataSource) -> tuple[float, ...] | None:
+    """A table's mean per input column over its finite cells (the public pool's fill every
+    table's missing cells in a run: ``cluster.owners.PublicData.read``); None for data that is
+    not a table. A column without one finite cell is a ``DataFormatError``."""
+    if source.format not in TABLE_FORMATS:
+        return None
+    x = replace(source, fill=None).read_raw().x.astype(np.float64)
+    finite = np.isfinite(x)
+    empty = [name for name, any_ in zip(input_columns(source) or (), finite.any(axis=0)) if not any_]
+    if empty or not len(x):
+        raise DataFormatError(f"{source.describes}: no usable value in column(s) {empty or 'any'}")
+    return tuple(float(value) for value in np.where(finite, x, 0.0).sum(axis=0) / finite.sum(axis=0))
+
+
+def _check_exists(source: DataSource) -> None:
+    if source.path is not None and not Path(source.path).exists():
+        raise FileNotFoundError(f"{source.path}: no such file or folder")
+
+
+def _read(source: DataSource, classes: tuple[str, ...], name: str | None) -> tuple[Dataset, RowCheck]:
+    """Every row of ``source`` that a ``Dataset`` takes, and what was wrong with the others."""
+    raw = source.read_raw()
+    problems = {**unfit_rows(raw.x), **raw.unusable}  # the reader's reason names more (a column)
+    if raw.labels is None:
+        y = np.full(len(raw.x), UNLABELED, dtype=np.int64)
+    else:
+        y, label_problems = label_indices(raw.labels, classes)
+        problems = {**label_problems, **problems}  # an unusable input is the first thing to fix
+    keep = np.ones(len(raw.x), dtype=bool)
+    keep[list(problems)] = False
+    dataset = Dataset(raw.x[keep], y[keep], len(classes), name or source.describes)
+    filled = {row: why for row, why in raw.filled.items() if row not in problems}
+    return dataset, RowCheck(source.describes, len(raw.x), problems, filled)
 
 
 def unfit_rows(x: np.ndarray) -> dict[int, str]:
