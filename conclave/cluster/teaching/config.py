@@ -325,9 +325,9 @@ class TeacherStudentConfig:
     gateways: GatewaysConfig | None = None
 
     def __post_init__(self) -> None:
-        self._resolve_aggregation()
+        object.__setattr__(self, "aggregation", _aggregation(self))
         if self.owners:
-            self._check_owners()
+            _check_owners(self)
             if self.mechanism == MechanismConfig():  # left out: the gateways admit one σ for every round
                 object.__setattr__(self, "mechanism", OWNERS_MECHANISM)
         elif self.public is not None or self.test is not None or self.classes is not None:
@@ -337,7 +337,7 @@ class TeacherStudentConfig:
         object.__setattr__(self, "teachers", dataclasses.replace(self.teachers, count=count))
         source = self.vote_source
         object.__setattr__(self, "mechanism", self.mechanism.filled(source.votes_per_query(self), source.supplies()))
-        self._check_votes()
+        _check_votes(self)
         object.__setattr__(self, "student", source.asked(self))
         if not self.owners and self.student.queries > self.data.public_size:
             raise InvalidValue(f"student.queries ({self.student.queries}) exceeds the public pool "
@@ -348,8 +348,8 @@ class TeacherStudentConfig:
         if not self.mechanism.instance.describe().bounded and self.privacy.budget is not None:
             raise InvalidValue(f"mechanism {self.mechanism.name} has no finite DP guarantee, so no budget can gate "
                              "it: set privacy.budget to null (the run records its spend and reports it unbounded)")
-        self._check_aggregation()
-        self._check_gateways()
+        _check_aggregation(self)
+        _check_gateways(self)
         self.privacy.budget_filter(self.planned())  # a budget too small for any order is a config error now
 
     @functools.cached_property
@@ -357,57 +357,11 @@ class TeacherStudentConfig:
         """What votes (``cluster.teaching.VOTE_SOURCES``): the source whose section is set, else teachers."""
         return chosen(self)
 
-    def _resolve_aggregation(self) -> None:
-        """``aggregation`` as an ``Aggregation`` (as read from YAML): left out, secure with owners."""
-        if self.aggregation is None:
-            object.__setattr__(self, "aggregation", Aggregation.SECURE if self.owners else
-                               Aggregation.TRUSTED_AGGREGATOR)
-        if self.aggregation not in AGGREGATIONS:
-            raise InvalidValue(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
-        if self.owners and not self.secure:
-            raise InvalidValue("owners vote behind their gateways, in secure rounds (only a masked share of each "
-                             "owner's noised votes leaves it): set aggregation: secure, or leave it out")
-
-    def _check_aggregation(self) -> None:
-        if self.secure:
-            self.vote_mechanism  # a mechanism without a secure variant is refused now, in one line
-            if self.estimates.smooth_sensitivity:
-                raise InvalidValue("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
-                                 "never shows the aggregator: turn it off")
-
-    def _check_gateways(self) -> None:
-        """Owners vote behind their gateways (their own, or those the run starts on this machine for
-        owners named by their data), with what the source needs there."""
-        check_gateways(self.owners, self.gateways)
-        if self.owners:
-            self.vote_source.check_gateway(self)
-
     @property
     def through_gateways(self) -> bool:
         """Whether the owners are named by their gateways (never their files); owners named by their data
         vote behind gateways the run starts on this machine (``cluster.gateway.local``)."""
         return self.gateways is not None
-
-    def _check_votes(self) -> None:
-        """The vote source and the mechanism charged for it go together, at one setting; across
-        owners, records that vote themselves meet only in the secure sum."""
-        source = self.vote_source
-        supplied = source.supplies()
-        for attr in self.mechanism.paired_with:
-            if attr not in supplied:
-                sections = [kind for kind, cls in VOTE_SOURCES.items() if attr in cls.paired]
-                raise InvalidValue(f"mechanism {self.mechanism.name} is charged for votes with its {attr}: add a "
-                                 f"{' or '.join(sections)} section")
-            if self.mechanism.params[attr] != supplied[attr]:
-                raise InvalidValue(f"mechanism {self.mechanism.name} has {attr} {self.mechanism.params[attr]:g} but the "
-                                 f"vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the section "
-                                 "sets it)")
-        source.check(self)
-        if not source.records_vote:
-            return
-        if self.estimates.smooth_sensitivity:
-            raise InvalidValue(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
 
     @property
     def records_vote(self) -> KnnConfig | ClustersConfig | None:
@@ -418,18 +372,6 @@ class TeacherStudentConfig:
     def vote_lemma(self) -> str:
         """Why one record moves what the charges assume: disjoint shards, kNN, or public clusters."""
         return self.vote_source.lemma
-
-    def _check_owners(self) -> None:
-        check_owners(self.owners, self.test, self.classes, self.public)
-        check_behind_gateways(self.owners)
-        if self.data != TeacherStudentData():
-            raise InvalidValue("with owners, leave the data section out: the sources say the data, and each owner's "
-                             "gateway reads its records as they are (no data.features)")
-        if self.teachers.count not in (None, self.num_teachers):
-            # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still
-            # carries the count derived from the old ones.
-            log.warning("teachers.count %d is replaced by the owners' %d teachers (with owners it is their sum: "
-                        "leave it out)", self.teachers.count, self.num_teachers)
 
     @property
     def models(self) -> tuple[str | Callable[..., Any] | None, ...]:
@@ -471,3 +413,69 @@ class TeacherStudentConfig:
         if planned.neighbouring == Neighbouring.ADD_REMOVE:
             return planned
         return planned.for_records(Neighbouring.ADD_REMOVE, self.vote_lemma)
+
+
+def _aggregation(config: TeacherStudentConfig) -> Aggregation:
+    """``config.aggregation`` as an ``Aggregation`` (as read from YAML): left out, secure with owners."""
+    aggregation = config.aggregation
+    if aggregation is None:
+        aggregation = Aggregation.SECURE if config.owners else Aggregation.TRUSTED_AGGREGATOR
+    if aggregation not in AGGREGATIONS:
+        raise InvalidValue(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    aggregation = Aggregation(aggregation)
+    if config.owners and aggregation != Aggregation.SECURE:
+        raise InvalidValue("owners vote behind their gateways, in secure rounds (only a masked share of each "
+                         "owner's noised votes leaves it): set aggregation: secure, or leave it out")
+    return aggregation
+
+
+def _check_aggregation(config: TeacherStudentConfig) -> None:
+    """With ``aggregation: secure``: a mechanism with a secure variant, no analysis of clean votes."""
+    if config.secure:
+        config.vote_mechanism  # a mechanism without a secure variant is refused now, in one line
+        if config.estimates.smooth_sensitivity:
+            raise InvalidValue("estimates.smooth_sensitivity analyses the clean votes, which aggregation: secure "
+                             "never shows the aggregator: turn it off")
+
+
+def _check_gateways(config: TeacherStudentConfig) -> None:
+    """Owners vote behind their gateways (their own, or those the run starts on this machine for
+    owners named by their data), with what the source needs there."""
+    check_gateways(config.owners, config.gateways)
+    if config.owners:
+        config.vote_source.check_gateway(config)
+
+
+def _check_votes(config: TeacherStudentConfig) -> None:
+    """The vote source and the mechanism charged for it go together, at one setting; across
+    owners, records that vote themselves meet only in the secure sum."""
+    source = config.vote_source
+    supplied = source.supplies()
+    for attr in config.mechanism.paired_with:
+        if attr not in supplied:
+            sections = [kind for kind, cls in VOTE_SOURCES.items() if attr in cls.paired]
+            raise InvalidValue(f"mechanism {config.mechanism.name} is charged for votes with its {attr}: add a "
+                             f"{' or '.join(sections)} section")
+        if config.mechanism.params[attr] != supplied[attr]:
+            raise InvalidValue(f"mechanism {config.mechanism.name} has {attr} {config.mechanism.params[attr]:g} but "
+                               f"the vote source's is {supplied[attr]:g}: leave the mechanism's {attr} out (the "
+                               "section sets it)")
+    source.check(config)
+    if not source.records_vote:
+        return
+    if config.estimates.smooth_sensitivity:
+        raise InvalidValue(f"estimates.smooth_sensitivity is not analysed for {source.kind} votes: turn it off")
+
+
+def _check_owners(config: TeacherStudentConfig) -> None:
+    """Owners' data, said by their sources and read behind their gateways: no data section, no other count."""
+    check_owners(config.owners, config.test, config.classes, config.public)
+    check_behind_gateways(config.owners)
+    if config.data != TeacherStudentData():
+        raise InvalidValue("with owners, leave the data section out: the sources say the data, and each owner's "
+                         "gateway reads its records as they are (no data.features)")
+    if config.teachers.count not in (None, config.num_teachers):
+        # Replaced, not refused: a config rebuilt with other owners (dataclasses.replace) still
+        # carries the count derived from the old ones.
+        log.warning("teachers.count %d is replaced by the owners' %d teachers (with owners it is their sum: "
+                    "leave it out)", config.teachers.count, config.num_teachers)
