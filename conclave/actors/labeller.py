@@ -460,7 +460,8 @@ class PrivateLabeller:
                 with self._lock:
                     on_record = any(key in self._answers for key in keys)
                 if not on_record:  # refuse it whole, counting this call's inputs: the group's are others' too
-                    ours = self.ledger.refusal(self.pricing.worst_case(len(fresh)))  # else an owner's, or its admission's
+                    # why this ledger refuses it; None: an owner's budget or its admission did
+                    ours = self.ledger.refusal(self.pricing.worst_case(len(fresh)))
                     raise self.pricing.exhausted(len(fresh), elsewhere=None if ours else str(err)) from None
                 break
             newly_answered += answered
