@@ -186,6 +186,38 @@ def _tensors(state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
 
+@dataclass(frozen=True)
+class HeldEmbeddings:
+    """NearPrivate's clean aggregates of the held points under a public checkpoint, which never leave
+    the actor (only a DP release of them, or a masked share): Σ x xᵀ of their unit-normalised
+    embeddings, and per projected public point the held points with entropy ≥ the threshold
+    nearest to it."""
+
+    embeddings: np.ndarray
+    entropy: np.ndarray
+
+    @classmethod
+    def of(cls, model: nn.Module, x: np.ndarray) -> HeldEmbeddings:
+        # one record at a time: each record's embedding and entropy its own, bit for bit (a batch's
+        # kernels round a row by its neighbours), so its vote is a function of it alone
+        return cls(embed(model, x, batch_size=1), logit_entropy(predict_logits(model, x, batch_size=1)))
+
+    def covariance(self) -> np.ndarray:
+        return covariance_sum(self.embeddings)
+
+    def support(self, projection: np.ndarray, public_points: np.ndarray, threshold: float) -> np.ndarray:
+        return support_counts(self.embeddings, self.entropy, projection, public_points, threshold)
+
+
+def _join(group: DataParallelGroup) -> None:
+    """Join ``group``'s gloo process group as its rank."""
+    if group.address.startswith("tcp://127."):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster stays on loopback
+    torch.distributed.init_process_group("gloo", init_method=group.address, rank=group.rank,
+                                         world_size=group.world,
+                                         timeout=datetime.timedelta(seconds=group.timeout_s))
+
+
 class ShardHolder(ReleaseKeys):
     """Holds private shards; trains on them and answers with DP output or aggregates only.
     A source that cannot be read is kept as an error that ``describe`` raises (one line,
@@ -195,8 +227,7 @@ class ShardHolder(ReleaseKeys):
                  torch_threads: int = 1) -> None:
         torch.set_num_threads(max(1, torch_threads))
         self._spec = model  # what ``train_dp`` trains unless given a recipe, and NearPrivate embeds with
-        self._embeddings: np.ndarray | None = None
-        self._entropy: np.ndarray | None = None
+        self._held: HeldEmbeddings | None = None  # NearPrivate's, from ``set_weights``
         self._load_error: str | None = None
         self._epochs_done = 0  # of the current ``train_dp``, for the driver's progress bar
         try:
@@ -241,7 +272,7 @@ class ShardHolder(ReleaseKeys):
         secure = None
         if group is not None:
             secure = SecureGroup(group.owners, self._take_mask_keys(group.public_keys), group.public_keys)
-            self._join(group)
+            _join(group)
         try:
             result = train_dp(model, self._data, config, noise.source(f"dpsgd-{rank}"), masks=masks,
                               on_epoch=on_epoch, num_examples=num_examples, secure_group=secure)
@@ -260,65 +291,50 @@ class ShardHolder(ReleaseKeys):
         sum each step's time is fixed by its padded batch, ``learning.secure_dpsgd``)."""
         return self._epochs_done
 
-    @staticmethod
-    def _join(group: DataParallelGroup) -> None:
-        if group.address.startswith("tcp://127."):
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster stays on loopback
-        torch.distributed.init_process_group("gloo", init_method=group.address, rank=group.rank,
-                                             world_size=group.world,
-                                             timeout=datetime.timedelta(seconds=group.timeout_s))
-
     def set_weights(self, state: dict[str, np.ndarray]) -> None:
         """Use a DP checkpoint's weights (public) for the embeddings and uncertainties below."""
         model = self._spec.build()
         model.load_state_dict(_tensors(state))
-        # one record at a time: each record's embedding and entropy its own, bit for bit (a batch's
-        # kernels round a row by its neighbours), so its vote is a function of it alone
-        self._embeddings = embed(model, self._data.x, batch_size=1)
-        self._entropy = logit_entropy(predict_logits(model, self._data.x, batch_size=1))
+        self._held = HeldEmbeddings.of(model, self._data.x)
 
-    # NearPrivate's sums. The clean aggregates (Σ x xᵀ of the unit-normalised embeddings of the
-    # held points; per projected public point, the held points with entropy ≥ the threshold
-    # nearest to it) never leave the actor: only a DP release (one holder) or a masked share.
+    # NearPrivate's sums (``HeldEmbeddings``): only a DP release (one holder) or a masked share leaves.
 
     def embedding_dimension(self) -> int:
         """d of the embeddings (public: the width of the model's features, fixed by its architecture)."""
-        self._require_weights()
-        return int(self._embeddings.shape[1])
+        return int(self._weighted().embeddings.shape[1])
 
     def release_projection(self, mechanism: AnalyzeGauss, components: int, noise: NoisePolicy) -> np.ndarray:
         """DP-PCA of the held points' covariance sum, noised here (this actor holds all private data)."""
-        self._require_weights()
-        return mechanism.release(covariance_sum(self._embeddings), components, noise.source("dp-pca"))
+        return mechanism.release(self._weighted().covariance(), components, noise.source("dp-pca"))
 
     def release_counts(self, mechanism: LaplaceCounts, projection: np.ndarray, public_points: np.ndarray,
                        threshold: float, noise: NoisePolicy) -> np.ndarray:
         """Noisy counts of the held voters nearest each public point, noised here (one holder)."""
-        self._require_weights()
-        counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        counts = self._weighted().support(projection, public_points, threshold)
         return mechanism.release(counts, noise.source("support-counts"))
 
     def covariance_share(self, mechanism: SecureAnalyzeGauss, plan: SecureSumPlan, owners: tuple[str, ...],
                          public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy) -> np.ndarray:
         """This actor's masked share of the secure covariance sum (keys from ``mask_key`` just before)."""
-        self._require_weights()
+        held = self._weighted()
         keys = self._take_mask_keys(public_keys)
-        return mechanism.share(covariance_sum(self._embeddings), plan, owners,
+        return mechanism.share(held.covariance(), plan, owners,
                                keys.pairwise_masks(public_keys, session), noise.source(f"{session}-{keys.rank}"))
 
     def counts_share(self, mechanism: SkellamCounts, plan: SecureSumPlan, owners: tuple[str, ...],
                      public_keys: tuple[bytes, ...], session: str, noise: NoisePolicy, projection: np.ndarray,
                      public_points: np.ndarray, threshold: float) -> np.ndarray:
         """This actor's masked share of the secure sum of support counts."""
-        self._require_weights()
+        held = self._weighted()
         keys = self._take_mask_keys(public_keys)
-        counts = support_counts(self._embeddings, self._entropy, projection, public_points, threshold)
+        counts = held.support(projection, public_points, threshold)
         return mechanism.share(counts, plan, owners, keys.pairwise_masks(public_keys, session),
                                noise.source(f"{session}-{keys.rank}"))
 
-    def _require_weights(self) -> None:
-        if self._embeddings is None:
+    def _weighted(self) -> HeldEmbeddings:
+        if self._held is None:
             raise RuntimeError("call set_weights(checkpoint.state) before asking for private sums")
+        return self._held
 
 
 ShardActor = ray.remote(ShardHolder)
