@@ -274,7 +274,7 @@ class GatewayVoteSource:
         self._round += 1
         round_, batch = self._round, len(inputs)
         deadline = time.monotonic() + self.round_timeout_s
-        keys = self._each(lambda index, gateway: gateway.keys(self.run, round_, batch, _left(deadline)),
+        keys = self._each(lambda index, gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
                           "sent no key for a secure vote round: the round is aborted; no share was asked, so nothing "
                           "was released or charged", deadline=deadline)
         for owner, key in zip(self.owners, keys):
@@ -282,7 +282,7 @@ class GatewayVoteSource:
         plan = release.plan(batch, self.num_classes, self.owners, [int(key.cell_bound) for key in keys])
         charge()
         request = owner_pb2.VotesRequest(run=self.run, round=round_, inputs=float_tensor(inputs), parties=keys)
-        replies = self._each(lambda index, gateway: gateway.votes(request, _left(deadline)),
+        replies = self._each(lambda index, gateway: gateway.votes(request, time_left(deadline)),
                              "sent no share of a secure vote round: the round is aborted; its shares were asked, so "
                              "it was charged; nothing of it is decoded", deadline=deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
@@ -313,18 +313,27 @@ class GatewayVoteSource:
 
     def _each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None,
               admitting: bool = False) -> list:
-        """``call(index, gateway)`` on every gateway in parallel, answers in order; the first owner's
-        failure as ``gateway_failure`` says (``failure``: what it did not do)."""
-        futures = [self._pool.submit(call, index, gateway) for index, gateway in enumerate(self._gateways)]
-        answers = []
-        for who, future in zip(self.owners, futures):
-            try:
-                answers.append(future.result(timeout=None if deadline is None else _left(deadline)))
-            except FutureTimeout:
-                raise OwnerDropout(f"owner {who} {failure} (no answer within {self.round_timeout_s:g} s)") from None
-            except grpc.RpcError as err:
-                raise gateway_failure(who, failure, err, admitting) from None
-        return answers
+        """``call(index, gateway)`` on every gateway (``ask_every_gateway``)."""
+        return ask_every_gateway(self._pool, self._gateways, self.owners, call, failure, self.round_timeout_s,
+                                 deadline, admitting)
+
+
+def ask_every_gateway(pool: ThreadPoolExecutor, gateways: Sequence[OwnerGateway], owners: Sequence[str],
+                      call: Callable[[int, OwnerGateway], object], failure: str, timeout_s: float,
+                      deadline: float | None = None, admitting: bool = False) -> list:
+    """``call(index, gateway)`` on every gateway in parallel on ``pool``, answers in order (by
+    ``deadline``, the ``timeout_s`` after a round began, where there is one); the first owner's
+    failure as ``gateway_failure`` says (``failure``: what it did not do)."""
+    futures = [pool.submit(call, index, gateway) for index, gateway in enumerate(gateways)]
+    answers = []
+    for who, future in zip(owners, futures):
+        try:
+            answers.append(future.result(timeout=None if deadline is None else time_left(deadline)))
+        except FutureTimeout:
+            raise OwnerDropout(f"owner {who} {failure} (no answer within {timeout_s:g} s)") from None
+        except grpc.RpcError as err:
+            raise gateway_failure(who, failure, err, admitting) from None
+    return answers
 
 
 def account_of(reply: owner_pb2.BudgetReply, charges_before: int, budget_source: str | None) -> GatewayAccount:
@@ -346,7 +355,8 @@ def gateway_failure(who: str, failure: str, err: grpc.RpcError, admitting: bool 
     return OwnerDropout(f"owner {who} {failure}: {code.name}: {line}")
 
 
-def _left(deadline: float) -> float:
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic``), at least a millisecond: a call's timeout."""
     return max(0.001, deadline - time.monotonic())
 
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 from torch import nn
@@ -34,7 +33,8 @@ from tqdm.auto import tqdm
 
 from conclave.actors.dp_trainer import DPCheckpoint
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import OwnerGateway, account_of, float_tensor, gateway_failure, reading_message
+from conclave.cluster.gateway.client import (OwnerGateway, account_of, ask_every_gateway, float_tensor,
+                                             reading_message, time_left)
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
@@ -160,7 +160,7 @@ class GatewayDpsgd:
             request.trained.CopyFrom(float_tensor(trained.values(parameters)))
         else:
             request.weights.extend(float_tensor(p.detach().cpu().numpy()) for p in parameters)
-        replies = self._each(lambda gateway: gateway.step(request, _left(deadline)),
+        replies = self._each(lambda gateway: gateway.step(request, time_left(deadline)),
                              "sent no share of a DP-SGD step: the run is aborted; its shares were asked, so it was "
                              "charged; nothing of it is decoded", deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
@@ -218,7 +218,7 @@ class GatewayDpsgd:
         gate.charge(cost)
         request = owner_pb2.NearPrivateRequest(run=self.run, round=round_, parties=keys,
                                                weights=[float_tensor(w) for w in weights], **support)
-        replies = self._each(lambda gateway: gateway.near_private(request, _left(deadline)),
+        replies = self._each(lambda gateway: gateway.near_private(request, time_left(deadline)),
                              f"sent no share of NearPrivate's {kind}: the run is aborted; its shares were asked, "
                              "so it was charged; nothing of it is decoded", deadline)
         return [_share(reply, plan.dimension) for reply in replies]
@@ -238,7 +238,7 @@ class GatewayDpsgd:
     def _keyed(self, round_: int, batch: int, plan: SecureSumPlan, multiplier: float, what: str,
                deadline: float) -> list[owner_pb2.SignedKey]:
         """Every gateway's key for ``round_``, each checked against the round's plan and multiplier."""
-        keys = self._each(lambda gateway: gateway.keys(self.run, round_, batch, _left(deadline)),
+        keys = self._each(lambda gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
                           f"sent no key for {what}: the run is aborted; no share was asked, so nothing was "
                           "released or charged", deadline)
         for owner, key in zip(self.owners, keys):
@@ -260,22 +260,9 @@ class GatewayDpsgd:
 
     def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None,
               admitting: bool = False) -> list:
-        """``call(gateway)`` on every gateway in parallel, answers in order; the first owner's failure as
-        ``gateway_failure`` says (``failure``: what it did not do)."""
-        futures = [self._pool.submit(call, gateway) for gateway in self._gateways]
-        answers = []
-        for who, future in zip(self.owners, futures):
-            try:
-                answers.append(future.result(timeout=None if deadline is None else _left(deadline)))
-            except FutureTimeout:
-                raise OwnerDropout(f"owner {who} {failure} (no answer within {self.step_timeout_s:g} s)") from None
-            except grpc.RpcError as err:
-                raise gateway_failure(who, failure, err, admitting) from None
-        return answers
-
-
-def _left(deadline: float) -> float:
-    return max(0.001, deadline - time.monotonic())
+        """``call(gateway)`` on every gateway (``client.ask_every_gateway``)."""
+        return ask_every_gateway(self._pool, self._gateways, self.owners, lambda _, gateway: call(gateway), failure,
+                                 self.step_timeout_s, deadline, admitting)
 
 
 def _argument(name: str, value: int | float) -> owner_pb2.ModelArgument:
