@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from conclave.cluster.auditing import AuditResult, AuditSettings, run_audit
 from conclave.cluster.config import ConfigError, from_dict, load_yaml
-from conclave.cluster.owners import DataOwner
+from conclave.cluster.owners import DataOwner, GatewaysConfig
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.run_privacy import PrivacyConfig, RunPrivacy
 from conclave.cluster.teaching.service import Service
@@ -153,6 +153,28 @@ class Pipeline(ABC, Generic[ConfigT, ResultT]):
     def as_dict(self) -> dict[str, Any]:
         """The config as ``config.json`` holds it: ``pipeline`` first, then its sections."""
         return {"pipeline": self.name, **dataclasses.asdict(self.config)}  # type: ignore[call-overload]
+
+
+class OwnersDpsgdConfig(PipelineConfig, Protocol):
+    """A config whose DP-SGD runs on the owners' records (active learning, sparse fine-tuning)."""
+
+    @property
+    def through_gateways(self) -> bool: ...
+
+    @property
+    def gateways(self) -> GatewaysConfig | None: ...
+
+
+def planned_on_declared(config: OwnersDpsgdConfig,
+                        planned_work: Callable[[OwnersDpsgdConfig, int | None], PrivacyCharge]) -> PrivacyCharge:
+    """A DP-SGD pipeline's ``plan``: ``planned_work`` of the config on the records its owners declare.
+    Behind gateways, the owners declare their records there: each gateway is asked (``Describe``);
+    else the config's count (None)."""
+    if config.through_gateways:
+        from conclave.cluster.active_gateways import declared_records
+
+        return planned_work(config, declared_records(config.owners, config.gateways))
+    return planned_work(config, None)
 
 
 def load_pipeline(raw: Mapping[str, Any]) -> Pipeline:

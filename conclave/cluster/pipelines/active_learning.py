@@ -15,7 +15,7 @@ from conclave.cluster.active_learning import (ActiveLearningConfig, ActiveLearni
                                               planned_work, public_side, validate)
 from conclave.cluster.auditing import AuditResult, AuditSettings
 from conclave.cluster.config import ConfigError
-from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
+from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome, planned_on_declared
 from conclave.cluster.results import RunDirectory
 from conclave.privacy.accounting.charge import PrivacyCharge
 
@@ -32,13 +32,7 @@ class ActiveLearning(Pipeline[ActiveLearningConfig, ActiveLearningResult]):
     config: ActiveLearningConfig
 
     def plan(self) -> PrivacyCharge:
-        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
-        config = self.config
-        if config.through_gateways:
-            from conclave.cluster.active_gateways import declared_records
-
-            return planned_work(config, declared_records(config.owners, config.gateways))
-        return planned_work(config)
+        return planned_on_declared(self.config, planned_work)
 
     def unused_settings(self) -> tuple[str, ...]:
         """The keys this run does not read: beside owners, the benchmark's data keys

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome
+from conclave.cluster.pipelines import OwnersData, Pipeline, RunContext, RunOutcome, planned_on_declared
 from conclave.cluster.results import RunDirectory
 from conclave.cluster.sparse_finetuning import (
     PublicPretraining, SparseConfig, SparseResult, finetune_sparsely, planned_work, pretrain, validate,
@@ -25,13 +25,7 @@ class SparseFinetune(Pipeline[SparseConfig, SparseResult]):
     config: SparseConfig
 
     def plan(self) -> PrivacyCharge:
-        """Behind gateways, the owners declare their records there: each gateway is asked (``Describe``)."""
-        config = self.config
-        if config.through_gateways:
-            from conclave.cluster.active_gateways import declared_records
-
-            return planned_work(config, declared_records(config.owners, config.gateways))
-        return planned_work(config)
+        return planned_on_declared(self.config, planned_work)
 
     def unused_settings(self) -> tuple[str, ...]:
         """The keys this run does not read: beside owners, the benchmark's private split and how Opacus
