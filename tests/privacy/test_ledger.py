@@ -28,7 +28,7 @@ from conclave.privacy.accounting.ledger import (
     PrivacyLedger,
     read_ledger,
 )
-from conclave.privacy.accounting.ledger_store import _settings_checksum
+from conclave.privacy.accounting.ledger_format import settings_checksum
 from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
@@ -541,7 +541,7 @@ def test_editing_the_budget_in_meta_breaks_the_chain(tmp_path):
         PrivacyLedger.open_existing(path)
     # Recomputing the settings' checksum is not enough: the first charge is chained to it.
     settings = dict(sqlite3.connect(path).execute("SELECT key, value FROM meta").fetchall())
-    edit(path, ("UPDATE meta SET value = ? WHERE key = 'checksum'", (_settings_checksum(settings),)))
+    edit(path, ("UPDATE meta SET value = ? WHERE key = 'checksum'", (settings_checksum(settings),)))
     with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
         PrivacyLedger.open_existing(path)
     with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):

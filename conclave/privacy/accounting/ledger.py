@@ -29,10 +29,12 @@ from conclave.errors import ConclaveError, InvalidValue, first_line
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
-from conclave.privacy.accounting.ledger_store import (
-    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, LedgerUnwritable,
-    StoredCharge, WorstCase, read_entries, read_stored,
+from conclave.privacy.accounting.ledger_check import read_entries, read_stored
+from conclave.privacy.accounting.ledger_format import (
+    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerSettings, StoredCharge, WorstCase,
 )
+from conclave.privacy.accounting.ledger_lock import LedgerInUse
+from conclave.privacy.accounting.ledger_store import LedgerStore, LedgerUnwritable
 from conclave.privacy.accounting.pld import GaussianSteps
 from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
