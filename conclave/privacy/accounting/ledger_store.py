@@ -57,9 +57,9 @@ class LedgerStore:
         in_memory = str(path) == ":memory:"
         # An in-memory ledger has no file another writer could open, nor one to keep a record of.
         self._file_lock: IO[str] | None = None if in_memory else hold_lock(self.path)
-        self._records = None if in_memory else LedgerRecords()
+        records = None if in_memory else LedgerRecords()
         try:
-            record = None if self._records is None else self._records.get(self.path)
+            record = None if records is None else records.get(self.path)
             if record is not None and record.entries:  # before SQLite could make an empty file a new ledger
                 check_record(self.path, read_or_none(self.path), record)
             # autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE for writes).
@@ -69,7 +69,7 @@ class LedgerStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
             with self._transaction():
-                contents = self._create_or_check()
+                contents = _create_or_check(self._connection(), self.path, settings)
             check_record(self.path, contents, record)
         except BaseException as error:
             self.close()
@@ -81,13 +81,12 @@ class LedgerStore:
         self.ledger_id = contents.ledger_id  # random, fixed at creation: tells this file from a new one
         self.entries = contents.entries
         self._heads = contents.heads
-        self._keep_record = keep_record or record is not None
-        self._record_behind = False  # a committed entry's record could not be placed (``_appended``)
+        self._record = _ChainRecord(self.path, self.ledger_id, records, keep_record or record is not None)
         try:
-            self._note_record()
+            self._record.note(self.entries, self._heads.charge)
         except OSError as error:
             self.close()
-            raise self._unwritable(error) from error
+            raise self._record.unwritable(error) from error
 
     def append_charge(self, charge: PrivacyCharge, answers: dict[bytes, int], worst: WorstCase | None = None) -> None:
         """Write ``charge``, the ``worst`` case it was checked against (where it exceeds the
@@ -123,7 +122,8 @@ class LedgerStore:
             batch_id = self._heads.batches + 1
             row = (batch_id, time.time())
             checksum = chain_checksum("answer batch", self._heads.batch, row, paid)
-            self._insert("answer_batches (id, created, checksum) VALUES (?, ?, ?)", (*row, checksum), batch_id)
+            _insert(self._connection(), self.path, "answer_batches (id, created, checksum) VALUES (?, ?, ?)",
+                    (*row, checksum), batch_id)
             self._connection().executemany("INSERT INTO answers (key, answer, batch_id) VALUES (?, ?, ?)",
                                            [(key, answer, batch_id) for key, answer in paid])
             self._heads = Heads(self._heads.charge, checksum, batch_id)
@@ -161,87 +161,29 @@ class LedgerStore:
         the entry with nothing written, and what follows the commit cannot fail."""
         row_id, staged = row[0], None
         try:
-            if self._record_behind:  # the last entry's record was not placed: in place first, or no entry
-                self._note_record()
+            if self._record.behind:  # the last entry's record was not placed: in place first, or no entry
+                self._record.note(self.entries, self._heads.charge)
             with self._transaction():
                 paid = self._not_on_record(answers)
                 checksum = chain_checksum("charge", self._heads.charge, row, paid)
-                self._insert(_INSERT_ENTRY, (*row, checksum), row_id)
+                _insert(self._connection(), self.path, _INSERT_ENTRY, (*row, checksum), row_id)
                 self._connection().executemany(
                     "INSERT INTO answers (key, answer, charge_id) VALUES (?, ?, ?)",
                     [(key, answer, row_id) for key, answer in paid])
-                staged = self._stage_record(row_id, checksum)
+                staged = self._record.stage(row_id, checksum)
         except BaseException as error:
             if staged is not None:  # staged, then the commit failed
                 staged.discard()
             if isinstance(error, OSError):
-                raise self._unwritable(error) from error
+                raise self._record.unwritable(error) from error
             raise
-        self._appended(checksum, staged)
-
-    def _appended(self, checksum: str, staged: StagedRecord | None) -> None:
-        """An entry was committed: the chain moves on, and so does its record outside the file.
-        Placing the record is a rename in a folder just written; should it fail all the same, the
-        entry stands (it is committed) and the record stays one entry behind — which accepts the
-        file, never refuses it — until the next entry puts it in place first, or is refused."""
-        self.entries += 1
+        self.entries += 1  # committed: the chain moves on, and so does its record outside the file
         self._heads = Heads(checksum, self._heads.batch, self._heads.batches)
-        if staged is None:
-            return
-        try:
-            staged.place()
-        except OSError as error:
-            self._record_behind = True
-            log.error("ledger %s: entry %d is committed, but its record %s could not be put in place (%s); the "
-                      "next entry puts it in place first, or is refused", self.path, self.entries, staged.target,
-                      error)
-            return
-        self._record_behind = False
-
-    def _stage_record(self, entries: int, head: str) -> StagedRecord | None:
-        """The record of the chain at ``entries`` rows ending in ``head``, staged (None: none kept)."""
-        if not (self._keep_record and self._records is not None):
-            return None
-        return self._records.stage(LedgerRecord(str(self.path), self.ledger_id, entries, head))
-
-    def _note_record(self) -> None:
-        """Keep the chain's length and last checksum outside the file (after a commit, so a
-        record is never ahead of the file it describes)."""
-        staged = self._stage_record(self.entries, self._heads.charge)
         if staged is not None:
-            staged.place()
-            self._record_behind = False
-
-    def _unwritable(self, error: OSError) -> LedgerUnwritable:
-        folder = self._records.folder if self._records is not None else self.path.parent
-        return LedgerUnwritable(f"ledger {self.path}: its record in {folder} cannot be written "
-                                f"({error.strerror or error}); nothing was charged")
+            self._record.placed(staged, self.entries)
 
     def _transaction(self, write: bool = True) -> _Transaction:
         return _Transaction(self._connection(), write)
-
-    def _create_or_check(self) -> StoredLedger:
-        """Set up a new file with these settings, or check an existing one: its chain, then its
-        settings (a file written with other settings is refused)."""
-        db = self._connection()
-        if not table_exists(db, "charges"):
-            for statement in SCHEMA:
-                db.execute(statement)
-        contents = verified(self.path, db)
-        declared = self.settings.meta()
-        if contents is None:  # a new file: declare the budget, once
-            meta = {**declared, "ledger_id": secrets.token_hex(16)}
-            meta["checksum"] = settings_checksum(meta)
-            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
-            return StoredLedger(meta, [], {}, Heads(meta["checksum"], meta["checksum"], 0))
-        for key, value in declared.items():
-            if contents.meta[key] != value:
-                raise InvalidValue(
-                    f"ledger {self.path} was created with {key} = {_short(contents.meta[key])}, not "
-                    f"{_short(value)}: a budget is declared once, before the run; open the file with the settings "
-                    "it was created with, or start a new ledger file"
-                )
-        return contents
 
     def _not_on_record(self, answers: dict[bytes, int]) -> list[tuple[bytes, int]]:
         """The answers whose keys are not on record yet (an answer, once released, stays), in
@@ -251,12 +193,50 @@ class LedgerStore:
                  if db.execute("SELECT 1 FROM answers WHERE key = ?", (key,)).fetchone() is None]
         return sorted(fresh, key=lambda item: field_bytes(item[0]))
 
-    def _insert(self, into: str, values: tuple, row_id: int) -> None:
+
+class _ChainRecord:
+    """The chain's length and last checksum, kept outside the file (``ledger_records``) in step
+    with its commits: staged before a commit, put in place after it (``keep``: a record is kept;
+    ``records``: None for an in-memory ledger). ``behind``: a committed entry's record could not
+    be put in place."""
+
+    def __init__(self, path: Path, ledger_id: str, records: LedgerRecords | None, keep: bool) -> None:
+        self.path, self.ledger_id = path, ledger_id
+        self._records, self._keep = records, keep
+        self.behind = False
+
+    def stage(self, entries: int, head: str) -> StagedRecord | None:
+        """The record of the chain at ``entries`` rows ending in ``head``, staged (None: none kept)."""
+        if not (self._keep and self._records is not None):
+            return None
+        return self._records.stage(LedgerRecord(str(self.path), self.ledger_id, entries, head))
+
+    def note(self, entries: int, head: str) -> None:
+        """Keep the chain's length and last checksum outside the file now (after a commit, so a
+        record is never ahead of the file it describes)."""
+        staged = self.stage(entries, head)
+        if staged is not None:
+            staged.place()
+            self.behind = False
+
+    def placed(self, staged: StagedRecord, entries: int) -> None:
+        """Put ``staged`` in place once entry ``entries`` is committed. Placing the record is a
+        rename in a folder just written; should it fail all the same, the entry stands (it is
+        committed) and the record stays one entry behind — which accepts the file, never refuses
+        it — until the next entry puts it in place first, or is refused."""
         try:
-            self._connection().execute("INSERT INTO " + into, values)
-        except sqlite3.IntegrityError:  # only a row this writer did not write can hold the next id
-            raise LedgerDamaged(damaged(self.path, f"row {row_id} of {into.split()[0]} was written by something "
-                                                   "other than this ledger while it was open")) from None
+            staged.place()
+        except OSError as error:
+            self.behind = True
+            log.error("ledger %s: entry %d is committed, but its record %s could not be put in place (%s); the "
+                      "next entry puts it in place first, or is refused", self.path, entries, staged.target, error)
+            return
+        self.behind = False
+
+    def unwritable(self, error: OSError) -> LedgerUnwritable:
+        folder = self._records.folder if self._records is not None else self.path.parent
+        return LedgerUnwritable(f"ledger {self.path}: its record in {folder} cannot be written "
+                                f"({error.strerror or error}); nothing was charged")
 
 
 class _Transaction:
@@ -284,6 +264,37 @@ class _Transaction:
         # "no transaction is active" and hide the error that caused it.
         if self.db.in_transaction:
             self.db.execute("ROLLBACK")
+
+
+def _create_or_check(db: sqlite3.Connection, path: Path, settings: LedgerSettings) -> StoredLedger:
+    """Set up a new file with ``settings``, or check an existing one: its chain, then its
+    settings (a file written with other settings is refused)."""
+    if not table_exists(db, "charges"):
+        for statement in SCHEMA:
+            db.execute(statement)
+    contents = verified(path, db)
+    declared = settings.meta()
+    if contents is None:  # a new file: declare the budget, once
+        meta = {**declared, "ledger_id": secrets.token_hex(16)}
+        meta["checksum"] = settings_checksum(meta)
+        db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
+        return StoredLedger(meta, [], {}, Heads(meta["checksum"], meta["checksum"], 0))
+    for key, value in declared.items():
+        if contents.meta[key] != value:
+            raise InvalidValue(
+                f"ledger {path} was created with {key} = {_short(contents.meta[key])}, not "
+                f"{_short(value)}: a budget is declared once, before the run; open the file with the settings "
+                "it was created with, or start a new ledger file"
+            )
+    return contents
+
+
+def _insert(db: sqlite3.Connection, path: Path, into: str, values: tuple, row_id: int) -> None:
+    try:
+        db.execute("INSERT INTO " + into, values)
+    except sqlite3.IntegrityError:  # only a row this writer did not write can hold the next id
+        raise LedgerDamaged(damaged(path, f"row {row_id} of {into.split()[0]} was written by something "
+                                          "other than this ledger while it was open")) from None
 
 
 def _short(text: str) -> str:
