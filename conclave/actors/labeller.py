@@ -290,7 +290,7 @@ class PrivateLabeller:
         self._rng = noise.source("aggregator").rng
         # One lock around the charge step: record check, mechanism (may be stateful), ledger, record write.
         self._lock = threading.Lock()
-        self._answers: dict[bytes, int] = ledger.answers()
+        self._answers: dict[bytes, int] = ledger.answers.read()
         self._worst_cases: dict[int, PrivacyCharge] = {}  # by batch size, for stateless mechanisms
         self._guarantee: Guarantee | None = None
         self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
@@ -468,7 +468,7 @@ class PrivateLabeller:
         answers = dict(zip(keys, labels.tolist()))
         charge = self._for_ledger(result.charge)
         if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
-            self.ledger.record_answers(answers)
+            self.ledger.answers.record(answers)
         else:  # raises only with nothing recorded (BudgetExceeded, a ledger it cannot write): nothing released
             self.ledger.charge(charge, worst_case=worst, answers=answers)
         # Recorded: kept at once, so that whatever follows, a retry gets these labels again, free.
@@ -635,7 +635,7 @@ class SecureLabeller(PrivateLabeller):
                 self._answers.update(answers)
                 self._count(labels)
             try:
-                self.ledger.record_answers(answers)
+                self.ledger.answers.record(answers)
             except Exception as err:  # noqa: BLE001 - charged already: released all the same, never "nothing charged"
                 # Repeated from memory; a restart that cannot repeat them pays for them again (more, never less).
                 self._failures("record", "the answers of a charged batch were not recorded, only kept in memory: %s",
