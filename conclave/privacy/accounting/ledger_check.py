@@ -1,4 +1,5 @@
-"""Reading a ledger file and checking it, without writing or locking it.
+"""Reading a ledger file and checking it: what its writer checks when it opens it, and what
+readers read without writing or locking it.
 
 Every row is checked against its chain (``ledger_format``) and SQLite's ``sqlite_sequence``, which
 remembers the last id issued: an edited, deleted or truncated row, edited settings or a file older
