@@ -106,7 +106,7 @@ def answer_rate(votes: np.ndarray, truth: np.ndarray, runs: int) -> dict:
         share = answered / (runs * len(votes))
         if share > best["answered"]:
             best = {"answered": share, "cap": cap, "accuracy": correct / answered if answered else None,
-                    "threshold": Stability(EPSILON, DELTA, cap).threshold}
+                    "threshold": Stability(EPSILON, DELTA, cap).calibration.threshold}
     return best
 
 

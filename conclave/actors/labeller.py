@@ -426,7 +426,7 @@ class PrivateLabeller:
         self._rng = noise.source("aggregator").rng
         # One lock around the charge step: record check, mechanism (may be stateful), ledger, record write.
         self._lock = threading.Lock()
-        self._answers: dict[bytes, int] = ledger.answers()
+        self._answers: dict[bytes, int] = ledger.answers.read()
         self.pricing = Pricing(vote_source, mechanism, ledger, noise)
         self._failures = RateLimitedLog(log)  # every call fails alike when the teachers do
         # Votes coupled across the batch (public clusters): each call its own batch and release,
@@ -531,7 +531,7 @@ class PrivateLabeller:
         answers = dict(zip(keys, labels.tolist()))
         charge = self.pricing.for_ledger(result.charge)
         if charge.is_free:  # e.g. inside an open stability run, paid for when it opened
-            self.ledger.record_answers(answers)
+            self.ledger.answers.record(answers)
         else:  # raises only with nothing recorded (BudgetExceeded, a ledger it cannot write): nothing released
             self.ledger.charge(charge, worst_case=worst, answers=answers)
         # Recorded: kept at once, so that whatever follows, a retry gets these labels again, free.
@@ -662,7 +662,7 @@ class SecureLabeller(PrivateLabeller):
                 self._answers.update(answers)
                 self._counters.count(labels)
             try:
-                self.ledger.record_answers(answers)
+                self.ledger.answers.record(answers)
             except Exception as err:  # noqa: BLE001 - charged already: released all the same, never "nothing charged"
                 # Repeated from memory; a restart that cannot repeat them pays for them again (more, never less).
                 self._failures("record", "the answers of a charged batch were not recorded, only kept in memory: %s",

@@ -71,7 +71,7 @@ def test_a_batch_is_answered_up_to_what_the_budget_pays_and_the_rest_refused(tea
         assert client.budget()["queries_answered"] == 7
     with PrivacyLedger.open_existing(path) as ledger:
         report = ledger.report()
-        assert len(ledger.answers()) == 7
+        assert len(ledger.answers.read()) == 7
     assert report.rdp_at_budget_order == pytest.approx(7 * PER_ANSWER) and report.rdp_at_budget_order <= budget.rdp_budget
 
 

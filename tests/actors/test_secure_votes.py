@@ -185,7 +185,7 @@ def test_a_stalled_owner_fails_the_call_unavailable_before_the_clients_deadline_
                 assert (after.charges, after.epsilon_spent) == (before.charges, before.epsilon_spent)
                 assert len(cancelled) == 1  # its key call
             assert server.budget().queries_answered == 2  # nothing recorded as answered
-            assert not set(input_keys(inputs[62:71])) & set(ledger.answers())
+            assert not set(input_keys(inputs[62:71])) & set(ledger.answers.read())
             wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING, 60)
             assert not [ref for ref in cancelled if ref in _references()]  # no reference to it is left
             assert client.label(inputs[62:67]).shape == (5,)
@@ -256,7 +256,7 @@ def test_a_charged_batch_whose_answers_cannot_be_recorded_is_answered_and_repeat
         def full_disk(answers):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(ledger, "record_answers", full_disk)
+        monkeypatch.setattr(ledger.answers, "record", full_disk)
         inputs = np.random.default_rng(5).random((3, 4), dtype=np.float32)
         labels = labeller.label(inputs).labels
         charges = ledger.report().charges

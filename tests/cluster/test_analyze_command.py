@@ -163,7 +163,7 @@ def answered_by_a_run(folder: Path, votes: np.ndarray, epsilon: float | None,
             result = mechanism(votes[start:start + 16], rng)
             answers = {f"input-{start + row}".encode(): label for row, label in enumerate(result.labels.tolist())}
             if result.charge.is_free:  # inside an open stability run, paid for when it opened
-                ledger.record_answers(answers)
+                ledger.answers.record(answers)
             else:
                 ledger.charge(result.charge.for_records(Neighbouring.ADD_REMOVE, LEMMA), answers=answers)
             result.commit()

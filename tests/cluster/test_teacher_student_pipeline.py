@@ -289,7 +289,7 @@ def test_serve_over_tls_answers_outside_clients_and_repeats_answers_after_a_rest
     with PrivacyLedger.open_existing(tmp_path / "serve-ledger.sqlite") as reopened:
         assert reopened.report().epsilon_spent == pytest.approx(budget["epsilon_spent"])
         assert reopened.report().budget.epsilon == 1000.0
-        assert len(reopened.answers()) == 20
+        assert len(reopened.answers.read()) == 20
 
 
 def test_serve_refuses_a_public_host_without_tls_before_starting_anything(tmp_path, capsys):

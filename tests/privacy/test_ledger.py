@@ -28,7 +28,7 @@ from conclave.privacy.accounting.ledger import (
     PrivacyLedger,
     read_ledger,
 )
-from conclave.privacy.accounting.ledger_store import _settings_checksum
+from conclave.privacy.accounting.ledger_format import settings_checksum
 from conclave.privacy.accounting.rdp import (
     DEFAULT_ORDERS,
     approximate_dp_charge,
@@ -396,10 +396,10 @@ def test_answers_are_stored_with_their_charge_and_survive_a_reopening(tmp_path):
         ledger.charge(gaussian_charge(10.0, label="gnmax"), answers={b"a": 3, b"b": -1})
         with pytest.raises(BudgetExceeded):
             ledger.charge(gaussian_charge(0.5, label="gnmax"), answers={b"c": 7})
-        assert ledger.answers() == {b"a": 3, b"b": -1}  # the refused charge's answers were not written
-        ledger.record_answers({b"d": 2})  # paid for earlier (e.g. by an open stability run)
+        assert ledger.answers.read() == {b"a": 3, b"b": -1}  # the refused charge's answers were not written
+        ledger.answers.record({b"d": 2})  # paid for earlier (e.g. by an open stability run)
     with PrivacyLedger(path, DELTA, budget(1.0)) as reopened:
-        assert reopened.answers() == {b"a": 3, b"b": -1, b"d": 2} and reopened.report().charges == 1
+        assert reopened.answers.read() == {b"a": 3, b"b": -1, b"d": 2} and reopened.report().charges == 1
     with sqlite3.connect(path) as db:  # each answer points at the charge that paid for it
         assert db.execute("SELECT COUNT(*) FROM answers JOIN charges ON charges.id = answers.charge_id").fetchone()[0] == 2
 
@@ -411,7 +411,7 @@ def test_read_ledger_reads_the_declared_budget_and_the_charges_without_writing(t
         ledger.charge(gaussian_charge(20.0, count=3, label="gnmax", neighbouring=Neighbouring.ONE_VOTE),
                       answers={b"a": 1, b"b": 0})
         ledger.charge(approximate_dp_charge(0.1, 1e-8, label="stability", neighbouring=Neighbouring.ONE_VOTE))
-        ledger.record_answers({b"c": 2})
+        ledger.answers.record({b"c": 2})
         snapshot = read_ledger(path)  # while the run still holds it open
         report, spent = ledger.report(), ledger.spent()
     before = path.read_bytes()
@@ -454,7 +454,7 @@ def small_ledger(path, answers: bool = True) -> None:
         ledger.charge(gaussian_charge(25.0, count=4, label="gnmax"))
         ledger.charge(pure_epsilon_charge(0.05, label="counts"))
         if answers:
-            ledger.record_answers({b"c": 2})
+            ledger.answers.record({b"c": 2})
 
 
 def refused(path, message: str) -> None:
@@ -541,7 +541,7 @@ def test_editing_the_budget_in_meta_breaks_the_chain(tmp_path):
         PrivacyLedger.open_existing(path)
     # Recomputing the settings' checksum is not enough: the first charge is chained to it.
     settings = dict(sqlite3.connect(path).execute("SELECT key, value FROM meta").fetchall())
-    edit(path, ("UPDATE meta SET value = ? WHERE key = 'checksum'", (_settings_checksum(settings),)))
+    edit(path, ("UPDATE meta SET value = ? WHERE key = 'checksum'", (settings_checksum(settings),)))
     with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
         PrivacyLedger.open_existing(path)
     with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
@@ -609,7 +609,7 @@ def test_rows_written_behind_the_writers_back_are_refused(tmp_path):
         ledger.charge(gaussian_charge(20.0, label="gnmax"), answers={b"a": 1})
         edit(path, "UPDATE answers SET answer = 4")  # the lock is advisory: sqlite3 itself can still write
         with pytest.raises(LedgerDamaged, match="charge 1's checksum does not match"):
-            ledger.answers()
+            ledger.answers.read()
         edit(path, "INSERT INTO charges SELECT 2, label, rdp, extra_delta, unbounded, reason, details, "
                    "neighbouring, created, checksum FROM charges WHERE id = 1")
         with pytest.raises(LedgerDamaged, match="row 2 of charges was written by something other than this ledger"):

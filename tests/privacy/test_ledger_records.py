@@ -186,13 +186,13 @@ def test_a_record_that_cannot_be_written_refuses_the_charge_with_nothing_charged
                 ledger.charge(CHARGE, answers={b"input": 8})
             line = str(refused.value)
             assert "\n" not in line and line.endswith("nothing was charged") and "cannot be written" in line, line
-        assert ledger.report().charges == 5 and ledger.answers() == {}
+        assert ledger.report().charges == 5 and ledger.answers.read() == {}
         home.joinpath("ledgers").unlink()  # the operator mends the folder: the same charge is taken, once
         home.joinpath("ledgers").mkdir()
         for name, data in saved.items():
             home.joinpath("ledgers", name).write_bytes(data)
         ledger.charge(CHARGE, answers={b"input": 8})
-        assert ledger.report().charges == 6 and ledger.answers() == {b"input": 8}
+        assert ledger.report().charges == 6 and ledger.answers.read() == {b"input": 8}
     assert read_ledger(path).charges == 6 and LedgerRecords().get(path).entries == 6
     assert not list((home / "ledgers").glob("*.tmp"))  # no staged record left behind
 
@@ -205,10 +205,10 @@ def test_a_record_not_put_in_place_after_the_commit_keeps_the_charge_and_stops_t
         record.unlink()
         record.mkdir()  # a folder in the record's place: staging works, the rename after the commit fails
         ledger.charge(CHARGE, answers={b"input": 8})  # committed: the charge stands, no error after it
-        assert ledger.report().charges == 3 and ledger.answers() == {b"input": 8}
+        assert ledger.report().charges == 3 and ledger.answers.read() == {b"input": 8}
         with pytest.raises(LedgerUnwritable, match="nothing was charged"):  # the record first, or no charge
             ledger.charge(CHARGE, answers={b"other": 1})
-        assert ledger.report().charges == 3 and ledger.answers() == {b"input": 8}
+        assert ledger.report().charges == 3 and ledger.answers.read() == {b"input": 8}
         record.rmdir()
         ledger.charge(CHARGE, answers={b"other": 1})
         assert ledger.report().charges == 4

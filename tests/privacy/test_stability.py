@@ -55,22 +55,23 @@ def test_laplace_difference_tail_matches_monte_carlo():
 def test_calibration_meets_the_stated_guarantee(epsilon, delta, cap):
     mechanism = Stability(epsilon, delta, cap)
     epsilon1 = epsilon / (1 + (2 * cap) ** (2 / 3))  # Lyu et al.'s allocation between ρ and ν
-    assert mechanism.threshold_scale == pytest.approx(1 / epsilon1)
-    assert mechanism.query_scale == pytest.approx(2 * cap / (epsilon - epsilon1))
-    assert cap * mechanism.failure_probability <= delta  # the union over c segments
-    assert cap * mechanism.failure_probability >= 0.999 * delta  # and not wastefully low
+    assert mechanism.calibration.threshold_scale == pytest.approx(1 / epsilon1)
+    assert mechanism.calibration.query_scale == pytest.approx(2 * cap / (epsilon - epsilon1))
+    assert cap * mechanism.calibration.failure_probability <= delta  # the union over c segments
+    assert cap * mechanism.calibration.failure_probability >= 0.999 * delta  # and not wastefully low
 
 
 def test_threshold_at_one_abstention():
     # ε = 1, δ = 1e-5, c = 1: ρ ~ Lap(2.587), ν ~ Lap(3.260); Pr[ν − ρ ≥ w] = δ at w ≈ 38.4
     # (about 79 votes of margin), where a union over 1,000 queries needed w ≈ 75.
     mechanism = Stability(1.0, 1e-5, 1)
-    assert mechanism.threshold == pytest.approx(38.415, abs=0.01)
+    assert mechanism.calibration.threshold == pytest.approx(38.415, abs=0.01)
 
 
 def pass_probability(mechanism: Stability, distance: int) -> float:
     """P[d + ν ≥ w + ρ] for the first query of a fresh instance."""
-    return laplace_difference_tail(mechanism.threshold - distance, mechanism.query_scale, mechanism.threshold_scale)
+    scales = mechanism.calibration
+    return laplace_difference_tail(scales.threshold - distance, scales.query_scale, scales.threshold_scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,10 +124,11 @@ def test_neighbouring_histograms_respect_the_bound(first, second):
 
 def test_a_distance_zero_query_passes_with_at_most_the_failure_probability():
     mechanism = Stability(1.0, 0.2, 1)
-    assert pass_probability(mechanism, 0) == pytest.approx(mechanism.failure_probability)
+    assert pass_probability(mechanism, 0) == pytest.approx(mechanism.calibration.failure_probability)
     counts = single_query_outcomes(np.array([125, 125]), 11)
     assert counts[1] == 0  # never the other class: on a tie class 0 is the plurality
-    assert counts[0] / RUNS == pytest.approx(mechanism.failure_probability, abs=4 * math.sqrt(0.1 * 0.9 / RUNS))
+    assert counts[0] / RUNS == pytest.approx(mechanism.calibration.failure_probability,
+                                             abs=4 * math.sqrt(0.1 * 0.9 / RUNS))
 
 
 def test_propose_test_release_fails_at_most_c_times_p0():
@@ -134,7 +136,7 @@ def test_propose_test_release_fails_at_most_c_times_p0():
     stable ones: the share of runs in which some distance-0 query passed stays within c·p₀."""
     cap = 4
     mechanism_of = lambda: Stability(1.0, 0.4, cap)  # p₀ = δ/c = 0.1
-    p0 = mechanism_of().failure_probability
+    p0 = mechanism_of().calibration.failure_probability
     stream = np.array([[120, 0], [5, 5]] * 20)  # d = 59, then d = 0, twenty times
     runs, failed = 3000, 0
     rng = np.random.default_rng(7)

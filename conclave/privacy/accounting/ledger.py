@@ -9,15 +9,15 @@ nothing), read (``report``, ``spent``).
 ``AnsweringLedger`` adds the answers a labelling service repeats, free. As in dp_accounting's
 ``PrivacyAccountant`` and Opacus's ``IAccountant``, the math is kept apart from the state.
 
-A ``PrivacyLedger`` is three parts behind the protocol: the filter's math (``filter.RenyiFilter``:
-refuse what would pass the budget at one fixed Rényi order), the durable store (``ledger_store``:
-one SQLite file, one writer, a checksum chain, its length kept outside the file) and the answer
-record (the answers a charge pays for, written in the same transaction as the charge).
+A ``PrivacyLedger`` is three parts behind the protocol: the math (``ledger_totals``: what the charges
+compose to, and ``filter.RenyiFilter``: refuse what would pass the budget at one fixed Rényi order),
+the durable store (``ledger_store``: one SQLite file, one writer, a checksum chain, its length kept
+outside the file) and the answer record (``AnswerRecord``: the answers a charge pays for, written in
+the same transaction as the charge).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,19 +29,20 @@ from conclave.errors import ConclaveError, InvalidValue, first_line
 from conclave.privacy.accounting.charge import Neighbouring, PrivacyCharge
 from conclave.privacy.accounting.filter import RenyiFilter, order_index
 from conclave.privacy.accounting.guarantee import Guarantee, filter_guarantee
-from conclave.privacy.accounting.ledger_store import (
-    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerInUse, LedgerSettings, LedgerStore, LedgerUnwritable,
-    StoredCharge, WorstCase, read_entries, read_stored,
+from conclave.privacy.accounting.ledger_check import read_entries, read_stored
+from conclave.privacy.accounting.ledger_format import (
+    BUDGET_CHANGE, BudgetChange, LedgerDamaged, LedgerSettings, StoredCharge, WorstCase,
 )
-from conclave.privacy.accounting.pld import GaussianSteps
-from conclave.privacy.accounting.rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from conclave.privacy.accounting.ledger_lock import LedgerInUse
+from conclave.privacy.accounting.ledger_store import LedgerStore, LedgerUnwritable
+from conclave.privacy.accounting.ledger_totals import BudgetReport, LedgerTotals, current_budget, largest_budget
+from conclave.privacy.accounting.rdp import DEFAULT_ORDERS
 
-# The store's entry label and errors belong to the ledger's contract: callers catch them here.
+# The store's entry label and errors, and the report, belong to the ledger's contract: callers find them here.
 __all__ = [
-    "BUDGET_CHANGE", "AnsweringLedger", "BudgetChange", "BudgetExceeded", "BudgetReport", "ChargeGate", "ChargeRecord",
-    "Ledger",
-    "LedgerDamaged", "LedgerInUse", "LedgerSnapshot", "LedgerUnwritable", "PrivacyLedger", "current_budget",
-    "largest_budget", "read_history", "read_ledger",
+    "BUDGET_CHANGE", "AnswerRecord", "AnsweringLedger", "BudgetChange", "BudgetExceeded", "BudgetReport", "ChargeGate",
+    "ChargeRecord", "Ledger", "LedgerDamaged", "LedgerInUse", "LedgerSnapshot", "LedgerUnwritable", "PrivacyLedger",
+    "current_budget", "largest_budget", "read_history", "read_ledger",
 ]
 
 
@@ -55,44 +56,6 @@ class BudgetExceeded(ConclaveError):
         where = ("" if line.startswith("owner ") else
                  " (the ledger in its results folder keeps what earlier runs on the same data spent)")
         return f"run '{run}' refused by a privacy ledger: {line}{where}"
-
-
-@dataclass(frozen=True)
-class BudgetReport:
-    """What a ledger holds now. ``epsilon_spent`` composes the charges at their best order with the
-    tight conversion (Balle et al. 2020, Thm 21) at δ − Σ extra δ: a function of what was
-    released, so it may be shown, but an odometer reading, not the guarantee (``guarantee``)."""
-
-    epsilon_spent: float  # realised spend at its best order (inf once an unbounded charge was accepted)
-    delta: float  # total δ: curve δ + Σ extra δ (= the configured δ)
-    order: float | None  # RDP order attaining epsilon_spent; None when nothing or something unbounded was spent
-    charges: int
-    bounded: bool  # False once an unbounded charge (e.g. NZC) has been recorded
-    by_label: dict[str, float]  # ε each label would cost alone, at the same δ split
-    neighbouring: Neighbouring
-    budget: RenyiFilter | None  # None: a record-only ledger
-    rdp_at_budget_order: float | None  # the filter's running sum (None without a budget)
-    extra_delta: float  # δ spent outside RDP curves so far
-    changes: tuple[BudgetChange, ...] = ()  # the budget's changes since it was declared, in order
-
-    @property
-    def epsilon_limit(self) -> float:
-        """The budget's ε now (inf for a record-only ledger)."""
-        return self.budget.epsilon if self.budget is not None else math.inf
-
-    @property
-    def guarantee(self) -> Guarantee | None:
-        """The filter's guarantee — at the largest budget it ever declared — or None without a
-        budget (the run's planned work must give one)."""
-        largest = largest_budget(self.budget, self.changes)
-        return None if largest is None else filter_guarantee(largest, self.neighbouring)
-
-    @property
-    def remaining_rdp(self) -> float | None:
-        """What the filter still admits at its order (None without a budget)."""
-        if self.budget is None or self.rdp_at_budget_order is None:
-            return None
-        return max(0.0, self.budget.rdp_budget - self.rdp_at_budget_order)
 
 
 @runtime_checkable
@@ -164,47 +127,31 @@ class AnsweringLedger(Ledger, Protocol):
         """``Ledger.charge``, writing ``answers`` (key → released value) with it."""
         ...
 
-    def record_answers(self, answers: dict[bytes, int]) -> None:
-        """Record answers an earlier charge already paid for."""
-        ...
-
-    def answers(self) -> dict[bytes, int]:
-        """Every answer on record."""
-        ...
+    answers: AnswerRecord  # every answer on record, and those an earlier charge already paid for
 
     def worst_case_spent(self) -> PrivacyCharge:
         """Every charge recorded so far at the worst case it was checked against, composed."""
         ...
 
 
-class _Totals:
-    """Running sums of the charges read so far, always added in row-id order so that a
-    reopened ledger rebuilds bit-identical totals."""
+class AnswerRecord:
+    """The answers a ledger's charges paid for (key → released value), in its file, so that a
+    restarted service repeats them free and identical. Those a charge pays for are written with it
+    (``PrivacyLedger.charge``); ``record`` adds those an earlier charge already paid for."""
 
-    def __init__(self, size: int) -> None:
-        self.count = 0
-        self.rdp = np.zeros(size)
-        self.extra_delta = 0.0
-        self.unbounded = False
-        self.by_label: dict[str, tuple[np.ndarray, float, bool]] = {}
-        # The Gaussian releases of every charge so far, while each was one (``PrivacyCharge.pld``).
-        self.plan: tuple[GaussianSteps, ...] | None = ()
-        # Every charge at the worst case it was checked against (its own where none was given).
-        self.worst = WorstCase(np.zeros(size), 0.0, False)
+    def __init__(self, store: LedgerStore, lock: threading.Lock) -> None:
+        self._store, self._lock = store, lock
 
-    def add(self, charge: StoredCharge) -> None:
-        self.count += 1
-        worst = charge.worst
-        if worst is None:  # the charge is its own worst case
-            worst = WorstCase(charge.rdp, charge.extra_delta, charge.unbounded)
-        self.worst = WorstCase(self.worst.rdp + worst.rdp, self.worst.extra_delta + worst.extra_delta,
-                               self.worst.unbounded or worst.unbounded)
-        self.plan = None if self.plan is None or charge.plan is None else self.plan + charge.plan
-        self.rdp = self.rdp + charge.rdp
-        self.extra_delta += charge.extra_delta
-        self.unbounded = self.unbounded or charge.unbounded
-        curve, extra, unb = self.by_label.get(charge.label, (np.zeros_like(charge.rdp), 0.0, False))
-        self.by_label[charge.label] = (curve + charge.rdp, extra + charge.extra_delta, unb or charge.unbounded)
+    def record(self, answers: dict[bytes, int]) -> None:
+        """Record answers whose cost an earlier charge already paid (e.g. inside an open
+        stability run), so that a restart repeats them too."""
+        with self._lock:
+            self._store.add_answers(answers)
+
+    def read(self) -> dict[bytes, int]:
+        """Every answer on record (key → released value), checked against the chain."""
+        with self._lock:
+            return self._store.answers()
 
 
 class PrivacyLedger:
@@ -240,12 +187,12 @@ class PrivacyLedger:
             raise InvalidValue("orders must be a non-empty 1-D list of numbers > 1")
         self._budget_index = None if budget is None else order_index(budget.order, self.orders)
         self._lock = threading.Lock()
-        self._cached_report: tuple[int, BudgetReport] | None = None
         self.last_refusal: str | None = None  # the latest refusal's line (why a run stopped)
         self._store = LedgerStore(path, LedgerSettings(self.delta, budget, neighbouring, self.orders), keep_record)
-        self._totals = _Totals(self.orders.size)
+        self._totals = LedgerTotals(self.orders, self.delta, self.neighbouring)
         for stored in self._store.opened.charges:
             self._totals.add(stored)
+        self.answers = AnswerRecord(self._store, self._lock)
         self.ledger_id = self._store.ledger_id  # random, fixed at creation: tells this file from a new one
         self.changes: tuple[BudgetChange, ...] = self._store.opened.changes
         self.budget = current_budget(budget, self.changes)
@@ -266,18 +213,19 @@ class PrivacyLedger:
         report — or raise BudgetExceeded (recording nothing) when spent + ``worst_case``
         (default: the charge) would pass the budget. Call before releasing anything the
         charge pays for."""
-        self._check_charge(charge)
+        _check_fits(charge, self.orders, self.neighbouring)
         if charge.label == BUDGET_CHANGE:
             raise InvalidValue(f"{BUDGET_CHANGE!r} labels the budget's changes, not a charge")
         if worst_case is not None:
-            self._check_charge(worst_case)
+            _check_fits(worst_case, self.orders, self.neighbouring)
             if np.any(charge.rdp > worst_case.rdp * (1 + 1e-9) + 1e-15) or charge.extra_delta > worst_case.extra_delta * (
                 1 + 1e-9
             ) or (charge.unbounded and not worst_case.unbounded):
                 raise InvalidValue(f"charge {charge.label!r} exceeds the worst case it was checked against")
         with self._lock:
             self._store.check_open()
-            refused = self._refusal(worst_case if worst_case is not None else charge)
+            refused = self._totals.refusal(self.budget, self._budget_index,
+                                           worst_case if worst_case is not None else charge)
             if refused is not None:
                 self.last_refusal = refused
                 raise BudgetExceeded(refused)
@@ -286,7 +234,7 @@ class PrivacyLedger:
             # Only after COMMIT succeeded does the new row enter the running totals.
             self._totals.add(StoredCharge(charge.label, np.asarray(charge.rdp, dtype="<f8"), float(charge.extra_delta),
                                           bool(charge.unbounded), charge.pld, worst))
-            return self._report()
+            return self._totals.report(self.budget, self._budget_index, self.changes)
 
     def change_budget(self, epsilon: float) -> BudgetChange:
         """Change the budget's ε from now on (δ, order and reserved δ stay), as an entry of the
@@ -307,10 +255,10 @@ class PrivacyLedger:
 
     def refusal(self, charge: PrivacyCharge) -> str | None:
         """Why ``charge`` would be refused now, in one line, or None (nothing is recorded)."""
-        self._check_charge(charge)
+        _check_fits(charge, self.orders, self.neighbouring)
         with self._lock:
             self._store.check_open()
-            refused = self._refusal(charge)
+            refused = self._totals.refusal(self.budget, self._budget_index, charge)
             if refused is not None:
                 self.last_refusal = refused
             return refused
@@ -318,34 +266,13 @@ class PrivacyLedger:
     def report(self) -> BudgetReport:
         with self._lock:
             self._store.check_open()
-            return self._report()
-
-    def record_answers(self, answers: dict[bytes, int]) -> None:
-        """Record answers whose cost an earlier charge already paid (e.g. inside an open
-        stability run), so that a restart repeats them too."""
-        with self._lock:
-            self._store.add_answers(answers)
-
-    def answers(self) -> dict[bytes, int]:
-        """Every answer on record (key → released value), checked against the chain."""
-        with self._lock:
-            return self._store.answers()
+            return self._totals.report(self.budget, self._budget_index, self.changes)
 
     def spent(self) -> PrivacyCharge:
         """Everything recorded so far as one composed charge (curve, Σ extra δ, unbounded)."""
         with self._lock:
             self._store.check_open()
-            totals = self._totals
-            return PrivacyCharge(
-                self.orders,
-                totals.rdp.copy(),
-                extra_delta=totals.extra_delta,
-                unbounded=totals.unbounded,
-                reason="an unbounded charge was recorded" if totals.unbounded else "",
-                label="spent",
-                neighbouring=self.neighbouring,
-                pld=totals.plan if totals.count else None,
-            )
+            return self._totals.spent()
 
     def worst_case_spent(self) -> PrivacyCharge:
         """Every charge recorded so far at the worst case it was checked against (its own where
@@ -353,11 +280,7 @@ class PrivacyLedger:
         covers what it charged (``guarantee.run_worst_case``)."""
         with self._lock:
             self._store.check_open()
-            worst = self._totals.worst
-            return PrivacyCharge(self.orders, worst.rdp.copy(), extra_delta=worst.extra_delta,
-                                 unbounded=worst.unbounded,
-                                 reason="an unbounded charge was recorded" if worst.unbounded else "",
-                                 label="charged at worst case", neighbouring=self.neighbouring)
+            return self._totals.worst_case()
 
     def close(self) -> None:
         with self._lock:
@@ -369,74 +292,16 @@ class PrivacyLedger:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- internals ------------------------------------------------------------------------
 
-    def _check_charge(self, charge: PrivacyCharge) -> None:
-        if not np.array_equal(charge.orders, self.orders):
-            raise InvalidValue(f"charge {charge.label!r} is not on this ledger's RDP orders")
-        if charge.neighbouring != self.neighbouring:
-            raise InvalidValue(
-                f"charge {charge.label!r} holds for '{charge.neighbouring}' neighbours, this ledger composes "
-                f"'{self.neighbouring}': bounds for different relations do not compose as one"
-            )
-
-    def _refusal(self, charge: PrivacyCharge) -> str | None:
-        """The filter's verdict on ``charge`` after what was spent (None without a budget)."""
-        if self.budget is None:
-            return None
-        spent = self._totals
-        return self.budget.refusal(spent.rdp[self._budget_index], spent.extra_delta, charge)
-
-    def _epsilon(self, rdp: np.ndarray, extra_delta: float, unbounded: bool) -> tuple[float, float | None]:
-        if unbounded or extra_delta >= self.delta:
-            return math.inf, None
-        epsilon, order = epsilon_from_rdp(self.orders, rdp, self.delta - extra_delta, conversion="tight")
-        return epsilon, (None if math.isnan(order) else order)
-
-    def _report(self) -> BudgetReport:
-        """The report for the entries so far; computed once per new entry (the conversions to
-        ε are most of a read's cost, and a label call reads the budget several times)."""
-        spent = self._totals
-        if self._cached_report is not None and self._cached_report[0] == self._store.entries:
-            return self._cached_report[1]
-        epsilon, order = self._epsilon(spent.rdp, spent.extra_delta, spent.unbounded)
-        if len(spent.by_label) == 1:  # the one label's sums are the totals, bit for bit
-            by_label = dict.fromkeys(spent.by_label, epsilon)
-        else:
-            by_label = {
-                label: self._epsilon(curve, extra, unbounded)[0]
-                for label, (curve, extra, unbounded) in spent.by_label.items()
-            }
-        report = BudgetReport(
-            epsilon_spent=epsilon,
-            delta=self.delta,
-            order=order,
-            charges=spent.count,
-            bounded=not spent.unbounded,
-            by_label=by_label,
-            neighbouring=self.neighbouring,
-            budget=self.budget,
-            rdp_at_budget_order=None if self._budget_index is None else float(spent.rdp[self._budget_index]),
-            extra_delta=spent.extra_delta,
-            changes=self.changes,
+def _check_fits(charge: PrivacyCharge, orders: np.ndarray, neighbouring: Neighbouring) -> None:
+    """A charge is composed on a ledger's ``orders`` for its ``neighbouring`` relation, or is an error."""
+    if not np.array_equal(charge.orders, orders):
+        raise InvalidValue(f"charge {charge.label!r} is not on this ledger's RDP orders")
+    if charge.neighbouring != neighbouring:
+        raise InvalidValue(
+            f"charge {charge.label!r} holds for '{charge.neighbouring}' neighbours, this ledger composes "
+            f"'{neighbouring}': bounds for different relations do not compose as one"
         )
-        self._cached_report = (self._store.entries, report)
-        return report
-
-
-def current_budget(declared: RenyiFilter | None, changes: tuple[BudgetChange, ...] | list[BudgetChange]
-                   ) -> RenyiFilter | None:
-    """The limit in force: the budget declared at creation, with its latest change's ε."""
-    if declared is None or not changes:
-        return declared
-    return dataclasses.replace(declared, epsilon=changes[-1].epsilon)
-
-
-def largest_budget(budget: RenyiFilter | None, changes: tuple[BudgetChange, ...]) -> RenyiFilter | None:
-    """The largest budget a ledger ever declared (``budget`` being the one now): its guarantee."""
-    if budget is None or not changes:
-        return budget
-    return dataclasses.replace(budget, epsilon=max(budget.epsilon, *(c.previous for c in changes)))
 
 
 # --- reading a ledger file without writing it ----------------------------------------------
@@ -478,21 +343,13 @@ def read_ledger(path: str | Path) -> LedgerSnapshot:
     path = Path(path)
     contents = read_stored(path)
     declared = LedgerSettings.stored(path, contents.meta)
-    totals = _Totals(declared.orders.size)
+    totals = LedgerTotals(declared.orders, declared.delta, declared.neighbouring)
     for stored in contents.charges:
         totals.add(stored)
-
-    def composed(rdp: np.ndarray, extra: float, unbounded: bool, label: str, plan=None) -> PrivacyCharge:
-        return PrivacyCharge(declared.orders, rdp, extra_delta=extra, unbounded=unbounded,
-                             reason="an unbounded charge was recorded" if unbounded else "", label=label,
-                             neighbouring=declared.neighbouring, pld=plan)
-
     return LedgerSnapshot(
         path, contents.ledger_id, declared.delta, current_budget(declared.budget, contents.changes),
-        declared.neighbouring, declared.orders, totals.count, len(contents.answers),
-        composed(totals.rdp, totals.extra_delta, totals.unbounded, "spent", totals.plan if totals.count else None),
-        {label: composed(*sums, label) for label, sums in totals.by_label.items()},
-        contents.entries, contents.changes,
+        declared.neighbouring, declared.orders, totals.count, len(contents.answers), totals.spent(),
+        totals.label_charges(), contents.entries, contents.changes,
     )
 
 

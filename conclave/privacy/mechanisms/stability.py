@@ -46,9 +46,24 @@ def laplace_difference_tail(t: float, query_scale: float, threshold_scale: float
     return upper if t >= 0 else 1.0 - upper
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The sparse vector's noise and threshold for a run's (ε, δ, c): the math, apart from the
+    mechanism's state."""
+
+    threshold_scale: float  # 1/ε₁, the threshold's Laplace scale
+    query_scale: float  # 2c/ε₂, each query's Laplace scale
+    threshold: float  # w, in units of distance to instability (about half the vote gap), with c·p₀ ≤ δ
+
+    @property
+    def failure_probability(self) -> float:
+        """p₀ = Pr[a distance-0 query passes]; the run's failure probability is at most c·p₀ ≤ δ."""
+        return laplace_difference_tail(self.threshold, self.query_scale, self.threshold_scale)
+
+
 @functools.lru_cache(maxsize=256)
-def calibrate(epsilon: float, delta: float, max_unstable: int) -> tuple[float, float, float]:
-    """(threshold noise scale 1/ε₁, query noise scale 2c/ε₂, threshold w with c·p₀ ≤ δ)."""
+def calibrate(epsilon: float, delta: float, max_unstable: int) -> Calibration:
+    """The noise scales 1/ε₁ and 2c/ε₂ and the threshold w with c·p₀ ≤ δ for (ε, δ, c)."""
     c = max_unstable
     epsilon1 = epsilon / (1 + (2 * c) ** (2 / 3))
     threshold_scale, query_scale = 1 / epsilon1, 2 * c / (epsilon - epsilon1)
@@ -64,7 +79,7 @@ def calibrate(epsilon: float, delta: float, max_unstable: int) -> tuple[float, f
     threshold = optimize.brentq(excess, 0.0, high, xtol=1e-12)
     while excess(threshold) > 0:  # land on the safe side: p₀ ≤ δ/c
         threshold += 1e-9 * high
-    return threshold_scale, query_scale, threshold
+    return Calibration(threshold_scale, query_scale, threshold)
 
 
 @dataclass(frozen=True)
@@ -102,25 +117,10 @@ class Stability(VoteMechanism):
         if self.max_unstable < 1 or (self.max_queries is not None and self.max_queries < 1):
             raise InvalidValue("stability: max_unstable and max_queries must be >= 1")
 
-    # --- calibration, public -------------------------------------------------------------
-
     @property
-    def threshold_scale(self) -> float:
-        return calibrate(self.epsilon, self.delta, self.max_unstable)[0]
-
-    @property
-    def query_scale(self) -> float:
-        return calibrate(self.epsilon, self.delta, self.max_unstable)[1]
-
-    @property
-    def threshold(self) -> float:
-        """w, in units of distance to instability (about half the vote gap)."""
-        return calibrate(self.epsilon, self.delta, self.max_unstable)[2]
-
-    @property
-    def failure_probability(self) -> float:
-        """p₀ = Pr[a distance-0 query passes]; the run's failure probability is at most c·p₀ ≤ δ."""
-        return laplace_difference_tail(self.threshold, self.query_scale, self.threshold_scale)
+    def calibration(self) -> Calibration:
+        """The noise scales and threshold for this run's (ε, δ, c)."""
+        return calibrate(self.epsilon, self.delta, self.max_unstable)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -138,6 +138,7 @@ class Stability(VoteMechanism):
         return self._state[0].unstable
 
     def __call__(self, votes: np.ndarray, rng: np.random.Generator) -> MechanismResult:
+        calibration = self.calibration
         distances = distance_to_instability(votes)
         plurality = np.argmax(check_votes(votes), axis=1)
         labels = np.full(len(distances), ABSTAIN, dtype=np.int64)
@@ -149,10 +150,10 @@ class Stability(VoteMechanism):
             if unstable >= self.max_unstable or (self.max_queries is not None and queries >= self.max_queries):
                 break
             if noisy_threshold is None:
-                noisy_threshold = self.threshold + rng.laplace(0.0, self.threshold_scale)
+                noisy_threshold = calibration.threshold + rng.laplace(0.0, calibration.threshold_scale)
                 opens = True
             queries += 1
-            if distance + rng.laplace(0.0, self.query_scale) >= noisy_threshold:
+            if distance + rng.laplace(0.0, calibration.query_scale) >= noisy_threshold:
                 labels[row] = plurality[row]
             else:
                 unstable += 1
@@ -179,7 +180,7 @@ class Stability(VoteMechanism):
 
     def describe(self) -> Description:
         return Description(
-            self.name, {**parameters_of(self), "threshold": self.threshold},
+            self.name, {**parameters_of(self), "threshold": self.calibration.threshold},
             "the exact plurality where distance to instability plus noise passes a noisy threshold, else abstain",
             "Lyu, Su & Li 2017, Alg. 1 (sparse vector, c abstentions) + propose-test-release "
             "(failure ≤ c·p₀ = δ): (ε, δ)-DP for the whole run", bounded=True)
