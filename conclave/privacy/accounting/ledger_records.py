@@ -1,6 +1,6 @@
 """A ledger's length and last checksum, kept outside its file: a shorter ledger is refused.
 
-A ledger's checksum chain (``privacy.accounting.ledger``) reveals an edited or damaged row, but a
+A ledger's checksum chain (``privacy.accounting.ledger_format``) reveals an edited or damaged row, but a
 shorter chain is still a valid chain: deleting the file, truncating it to 0 bytes, or deleting its
 last rows and resetting SQLite's sequence leaves a ledger that checks out with less spent — a
 budget reset. So a ledger that must outlive its process (a service's, a run folder's durable one,
