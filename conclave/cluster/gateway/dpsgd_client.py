@@ -274,7 +274,8 @@ def _argument(name: str, value: int | float) -> owner_pb2.ModelArgument:
 def _standardiser(standardiser: Standardiser | None) -> owner_pb2.Standardiser | None:
     if standardiser is None:
         return None
-    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist())
+    keep = [] if standardiser.keep is None else standardiser.keep.tolist()
+    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist(), keep=keep)
 
 
 def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:
