@@ -121,6 +121,9 @@ def logistic_regression(num_classes: int, in_channels: int = 1, *, input_shape: 
 
 
 
+SCREENING_MODEL = "logistic_regression"  # DP column screening's model: one weight column per table column
+
+
 def kept_columns(weight: np.ndarray, share: float) -> np.ndarray:
     """Screening's choice (bool [d]): the columns whose weight column in a logistic regression's
     classifier ``weight`` ([classes, d], on standardised inputs) has an L2 norm over the classes at
