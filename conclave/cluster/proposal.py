@@ -9,8 +9,8 @@ benchmark's shapes at other seeds, scikit-learn's breast-cancer and digits) DP-S
 student of public clusters, the best vote source, by 8–23 points on the consortium shapes at ε 1 and
 4, and was level with it or above on the small tables; on large tables a DP screening run first
 picks the columns the quadratic model reads (``SCREEN_RECORDS``). ``--source`` sizes another.
-Every noise level is calibrated by the accounting a run uses, so the proposed run is never cut short by its own filter. The sizing
-rules are the constants below, each with its reason.
+Every noise level is calibrated by the accounting a run uses, so the proposed run is never cut
+short by its own filter. The sizing rules are the constants below, each with its reason.
 """
 from __future__ import annotations
 
