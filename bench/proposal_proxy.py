@@ -7,10 +7,11 @@ split among three owners. For each, at the budgets ε 4 and 1:
 
 * ``choice``: what ``propose()`` chooses from the proxy's public figures, and why;
 * ``dpsgd``: the real ``propose(raw, "dpsgd")`` sizes DP-SGD across the owners, and it is replayed
-  here in one process on the owners' rows pooled — the same model, ``learning.dpsgd.train_dp``, full
-  batch, the proposed σ, steps and learning rate — and its model is tested, beside a student (as
-  below) trained on the DP model's labels of the pool (free post-processing); ``dpsgd_models``: the
-  same with each of the proposal's table models, σ calibrated alike, to see where the rule's pick falls;
+  here in one process on the owners' rows pooled — its screening run where it has one, the same
+  model, ``learning.dpsgd.train_dp``, full batch, the proposed σ, steps and learning rate — and its
+  model is tested, beside a student (as below) trained on the DP model's labels of the pool (free
+  post-processing); ``dpsgd_models``: the same with each of the proposal's table models without
+  screening, σ calibrated alike, to see where the rule's pick falls;
 * ``clusters``: the real ``propose(raw, "clusters")``, its votes replayed with the same embedding,
   clustering and nearest-medoid code as the owners' actors, then a student as ``actors/student.py``
   trains it (the table MLP, self-training at 0.9) and is tested; ``--sources knn teachers`` replays
@@ -236,27 +237,40 @@ def replay_teachers(table: Table, student: Student, settings: dict) -> dict:
 
 def replay_dpsgd(table: Table, student: Student, settings: dict, with_student: bool = False) -> dict:
     """The proposed DP-SGD (``settings``: its sections) on the owners' rows pooled, one process:
-    the model's test accuracy; ``with_student``: also a student's trained on the DP model's labels
-    of the pool (free post-processing)."""
+    its screening run first where it has one (logistic regression for ``screen_steps`` at the same σ,
+    its weights choosing the columns the model reads), then the model's test accuracy;
+    ``with_student``: also a student's trained on the DP model's labels of the pool (free post-processing)."""
     from conclave.learning.data import Dataset
     from conclave.learning.dp_schedule import DPSGDConfig
     from conclave.learning.dpsgd import train_dp
     from conclave.learning.models import build_model
+    from conclave.learning.models.table import SCREENING_MODEL, kept_columns
     from conclave.learning.training import evaluate
     from conclave.privacy.noise import SECURE
 
     section = settings["dpsgd"]
     x = np.concatenate([x for x, _ in table.owners.values()])
     y = np.concatenate([y for _, y in table.owners.values()])
-    model = build_model(settings["model"], student.classes, input_shape=(x.shape[1],),
-                        standardiser=student.standardiser, seed=0)
-    config = DPSGDConfig(epochs=section["epochs"], batch_size=section["batch_size"], lr=section["lr"],
-                         momentum=section["momentum"], max_grad_norm=section["max_grad_norm"],
-                         noise_multiplier=section["noise_multiplier"], lr_schedule=section["lr_schedule"],
-                         grad_sample_mode="hooks")
-    train_dp(model, Dataset(x, y, student.classes, "owners"), config, SECURE.source("proxy-dpsgd"),
-             num_examples=section["batch_size"])
-    out = {"model": settings["model"], "sigma": section["noise_multiplier"], "steps": section["epochs"],
+    owners = Dataset(x, y, student.classes, "owners")
+
+    def trained(model_name: str, steps: int, standardiser):
+        model = build_model(model_name, student.classes, input_shape=(x.shape[1],), standardiser=standardiser,
+                            seed=0)
+        config = DPSGDConfig(epochs=steps, batch_size=section["batch_size"], lr=section["lr"],
+                             momentum=section["momentum"], max_grad_norm=section["max_grad_norm"],
+                             noise_multiplier=section["noise_multiplier"], lr_schedule=section["lr_schedule"],
+                             grad_sample_mode="hooks")
+        train_dp(model, owners, config, SECURE.source("proxy-dpsgd"), num_examples=section["batch_size"])
+        return model
+
+    standardiser, screened = student.standardiser, {}
+    if section.get("screen_steps"):
+        screening = trained(SCREENING_MODEL, section["screen_steps"], standardiser)
+        keep = kept_columns(screening.classifier.weight.detach().numpy(), section["screen_keep"])
+        standardiser, screened = standardiser.keeping(keep), {"screen_steps": section["screen_steps"],
+                                                              "kept_columns": int(keep.sum())}
+    model = trained(settings["model"], section["epochs"], standardiser)
+    out = {"model": settings["model"], "sigma": section["noise_multiplier"], "steps": section["epochs"], **screened,
            "test_accuracy": round(evaluate(model, Dataset(*table.test, student.classes, "test")), 4)}
     if with_student:
         from conclave.learning.training import predict
@@ -266,8 +280,9 @@ def replay_dpsgd(table: Table, student: Student, settings: dict, with_student: b
 
 
 def with_model(raw: dict, proposal: Proposal, model: str, budget: float) -> dict:
-    """The DP-SGD proposal's sections with ``model`` instead, σ calibrated to ``budget`` alike."""
-    sections = {**proposal.sections, "model": model}
+    """The DP-SGD proposal's sections with ``model`` instead and no screening, σ calibrated to ``budget`` alike."""
+    dpsgd = {key: value for key, value in proposal.sections["dpsgd"].items() if not key.startswith("screen_")}
+    sections = {**proposal.sections, "model": model, "dpsgd": dpsgd}
 
     def build(sigma: float):
         return load_pipeline(proposed_config(raw, {**sections, "dpsgd": {**sections["dpsgd"], "noise_multiplier": sigma}}))
@@ -296,7 +311,8 @@ def measure(name: str, table: Table, folder: Path, sources: list[str]) -> dict:
         cell["dpsgd"] = {"rule": dpsgd.rule, "planned_epsilon": dpsgd.planned_worst_case,
                          **replay_dpsgd(table, student, dpsgd.sections, with_student=True)}
         cell["dpsgd_models"] = [replay_dpsgd(table, student, with_model(dp_raw, dpsgd, model, budget))
-                                for model in TABLE_MODELS if model != dpsgd.sections["model"]]
+                                for model in TABLE_MODELS
+                                if model != dpsgd.sections["model"] or "screen_steps" in dpsgd.sections["dpsgd"]]
         log.info("%s ε %g dpsgd: %s, other models %s", name, budget, cell["dpsgd"], cell["dpsgd_models"])
         clusters = propose(raw, "clusters")
         section, params = clusters.sections["clusters"], clusters.sections["mechanism"]["params"]

@@ -158,12 +158,13 @@ class DPCheckpoint:
     steps: int
     state: dict[str, np.ndarray] = field(repr=False)
     secure: bool = False  # trained across actors through the secure sum (Skellam noise)
+    screen_steps: int = 0  # a screening run's steps at the same q and σ, which chose the columns it reads
 
     def charge(self) -> PrivacyCharge:
-        """The RDP of all steps up to this checkpoint, for the ledger: the sampled Gaussian,
-        or the subsampled Skellam of the secure sum."""
-        return dp_step_charge(self.sample_rate, self.noise_multiplier, self.steps, f"dpsgd-epoch-{self.epoch}",
-                              self.secure)
+        """The RDP of all steps up to this checkpoint (a screening run's included), for the ledger:
+        the sampled Gaussian, or the subsampled Skellam of the secure sum."""
+        return dp_step_charge(self.sample_rate, self.noise_multiplier, self.screen_steps + self.steps,
+                              f"dpsgd-epoch-{self.epoch}", self.secure)
 
     def load_into(self, model: nn.Module) -> nn.Module:
         model.load_state_dict(_tensors(self.state))

@@ -82,6 +82,11 @@ class ActiveLearningDPSGD(DPSGDConfig):
     # With owners it is always a secure sum over the owners' gateways.
     distributed: bool = False
     cpus_per_worker: float = 1.0  # per shard actor (capped so that all fit in the cluster at once)
+    # DP column screening (tables through the owners' gateways): first a run of this many steps of
+    # logistic regression at the same q and σ, charged like the steps; the model then reads only the
+    # columns whose weight norm is at least ``screen_keep`` of the largest (post-processing). 0: off.
+    screen_steps: int = 0
+    screen_keep: float = 0.35
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is None and self.target_epsilon is None:  # a target alone sets σ
@@ -89,6 +94,10 @@ class ActiveLearningDPSGD(DPSGDConfig):
         super().__post_init__()
         if self.distributed and self.grad_sample_mode not in ("auto", "hooks"):
             raise InvalidValue("dpsgd.distributed trains with Opacus's hooks: set grad_sample_mode: hooks")
+        if self.screen_steps < 0:
+            raise InvalidValue(f"dpsgd.screen_steps must be >= 0 (0: no screening), got {self.screen_steps}")
+        if not 0 < self.screen_keep <= 1:
+            raise InvalidValue(f"dpsgd.screen_keep must be in (0, 1], got {self.screen_keep}")
 
     def dp_config(self, delta: float) -> DPSGDConfig:
         """The DP-SGD run this section describes, at the run's δ."""
@@ -195,6 +204,9 @@ class ActiveLearningConfig:
         if not self.owners:
             if self.public is not None or self.test is not None or self.classes is not None:
                 raise InvalidValue("public, test and classes go with owners (or use the data section alone)")
+            if self.dpsgd.screen_steps:
+                raise InvalidValue("dpsgd.screen_steps: screening runs at the owners' gateways, on their tables; "
+                                   "name owners (or set it to 0)")
             check_gateways(self.owners, self.gateways)
             return
         check_gateways(self.owners, self.gateways)
@@ -402,6 +414,9 @@ def validate(config: ActiveLearningConfig) -> ActiveLearningConfig:
         check_owner_columns(config.owners, public.reading)
         spec = public.model_spec(config)
         check_model(spec.name, spec.input_shape, spec.num_classes, spec.standardiser)
+        if config.dpsgd.screen_steps and spec.standardiser is None:
+            raise ConfigError("dpsgd.screen_steps: screening keeps a table's columns, and these inputs are images "
+                              "(set it to 0)")
     else:
         check_model(config.model, *inputs)
     return config
@@ -445,13 +460,14 @@ def check_model(name: str, input_shape: tuple[int, ...], num_classes: int, stand
 
 def planned_work(config: ActiveLearningConfig, records: int | None = None) -> PrivacyCharge:
     """The DP-SGD schedule of the declared private size (``records``: what the owners' gateways
-    declare; None: the config's), or the reused checkpoints' cost, plus NearPrivate's releases."""
+    declare; None: the config's) with its screening steps, or the reused checkpoints' cost, plus
+    NearPrivate's releases."""
     from conclave.learning.dp_schedule import dp_schedule
 
     reused = _reused_checkpoints(config)
     training = reused[-1].charge() if reused else dp_schedule(
         config.private_size if records is None else records, config.dpsgd.dp_config(config.privacy.delta),
-        secure=config.secure_training).charge
+        secure=config.secure_training, screen_steps=config.dpsgd.screen_steps).whole_charge
     return config.planned(training)
 
 

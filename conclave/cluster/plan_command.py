@@ -329,7 +329,8 @@ def _dp_sgd(path: str, pipeline: Pipeline) -> Plan:
     planned = pipeline.plan()
     guarantee = config.privacy.guarantee(planned)
     dp = config.dpsgd if active_learning else config.finetune
-    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training)
+    schedule = dp_schedule(config.private_size, dp.dp_config(config.privacy.delta), secure=config.secure_training,
+                           screen_steps=dp.screen_steps if active_learning else 0)
     counts = Counts(tuple(owner_counts(o, None, config, planned) for o in config.owners), None, config.private_size)
     steps_per_epoch = round(1 / schedule.sample_rate)
     how = f"calibrated to target ε {dp.target_epsilon:g}" if dp.target_epsilon is not None else "configured"
@@ -338,6 +339,9 @@ def _dp_sgd(path: str, pipeline: Pipeline) -> Plan:
             f"1/{steps_per_epoch}, {steps_per_epoch} steps per epoch, {dp.epochs} epochs ({schedule.steps} steps), "
             f"noise multiplier {schedule.noise_multiplier:.4g} ({how}), "
             f"{f'{summed} (Skellam)' if schedule.secure else 'one holder (Gaussian)'}")
+    if schedule.screen_steps:
+        work += (f"; first a screening run of {schedule.screen_steps} steps (logistic regression at the same q and "
+                 f"noise) choosing the columns the model reads")
     if not active_learning:
         work += f"; {len(config.finetune.variants)} variants, one schedule each, on the same records"
     elif config.selection_releases():

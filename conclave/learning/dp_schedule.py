@@ -100,10 +100,26 @@ class DPSchedule:
     charge: PrivacyCharge
     num_examples: int  # the N it was computed from (declared, public)
     secure: bool = False  # across owners through secure aggregation (Skellam noise)
+    # A screening run's steps before these, at the same q and σ (its model picks the columns the
+    # steps' model reads, so every checkpoint depends on it); ``charge`` is the steps' alone.
+    screen_steps: int = 0
+
+    @property
+    def screen_charge(self) -> PrivacyCharge | None:
+        """The screening run's steps (None: no screening)."""
+        if not self.screen_steps:
+            return None
+        return dp_step_charge(self.sample_rate, self.noise_multiplier, self.screen_steps, "dpsgd-screening",
+                              self.secure)
+
+    @property
+    def whole_charge(self) -> PrivacyCharge:
+        """Everything the schedule charges: the screening steps, then the steps."""
+        return self.charge_after(self.steps, self.charge.label)
 
     def charge_after(self, steps: int, label: str) -> PrivacyCharge:
-        """The cost of the first ``steps`` steps (a checkpoint's)."""
-        return dp_step_charge(self.sample_rate, self.noise_multiplier, steps, label, self.secure)
+        """The cost of the screening steps and the first ``steps`` steps (a checkpoint's)."""
+        return dp_step_charge(self.sample_rate, self.noise_multiplier, self.screen_steps + steps, label, self.secure)
 
 
 def dp_step_charge(sample_rate: float, noise_multiplier: float, steps: int, label: str, secure: bool) -> PrivacyCharge:
@@ -113,21 +129,25 @@ def dp_step_charge(sample_rate: float, noise_multiplier: float, steps: int, labe
     return sampled_gaussian_charge(sample_rate, noise_multiplier, steps, label=label)
 
 
-def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd", secure: bool = False) -> DPSchedule:
+def dp_schedule(num_examples: int, config: DPSGDConfig, label: str = "dpsgd", secure: bool = False,
+                screen_steps: int = 0) -> DPSchedule:
     """The schedule ``train_dp`` follows on ``num_examples`` examples: ⌈n/B⌉ steps per epoch
     at rate q = 1/⌈n/B⌉ (Opacus's Poisson loader), σ given or calibrated so that ε after
     ``config.epochs`` epochs is at most ``target_epsilon``: as Opacus's RDP accountant does, or
-    across owners (``secure``) with the secure sum's own accounting."""
+    across owners (``secure``) with the secure sum's own accounting. ``screen_steps``: a screening
+    run's steps before them at the same q and σ (across owners only), which a target ε covers too."""
     if num_examples < 1:
         raise InvalidValue("cannot train on an empty dataset")
+    if screen_steps < 0 or (screen_steps and not secure):
+        raise InvalidValue("screening steps run across owners (secure), zero or more")
     steps_per_epoch = math.ceil(num_examples / config.batch_size)
     sample_rate = 1 / steps_per_epoch
     steps = steps_per_epoch * config.epochs
     if secure:
-        sigma = config.noise_multiplier or calibrated_noise_multiplier(sample_rate, steps, config.target_epsilon,
-                                                                       config.delta)
+        sigma = config.noise_multiplier or calibrated_noise_multiplier(sample_rate, screen_steps + steps,
+                                                                       config.target_epsilon, config.delta)
         return DPSchedule(sigma, sample_rate, steps, secure_charge(sample_rate, sigma, steps, label), num_examples,
-                          secure=True)
+                          secure=True, screen_steps=screen_steps)
     if config.noise_multiplier is not None:
         sigma = float(config.noise_multiplier)
     else:

@@ -141,12 +141,14 @@ class NearPrivateTerms(_message.Message):
     def __init__(self, pca_epsilon: _Optional[float] = ..., support_epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
 class Standardiser(_message.Message):
-    __slots__ = ("mean", "scale")
+    __slots__ = ("mean", "scale", "keep")
     MEAN_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     mean: _containers.RepeatedScalarFieldContainer[float]
     scale: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, mean: _Optional[_Iterable[float]] = ..., scale: _Optional[_Iterable[float]] = ...) -> None: ...
+    keep: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, mean: _Optional[_Iterable[float]] = ..., scale: _Optional[_Iterable[float]] = ..., keep: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("run", "clusters", "knn", "teachers", "dpsgd", "mechanism", "sigma", "max_batch", "rounds", "lifetime_epsilon", "classes", "public_pool", "reading")

@@ -25,3 +25,20 @@ def test_a_target_epsilon_gives_opacus_noise_multiplier(records, batch, epochs, 
     schedule = dp_schedule(records, DPSGDConfig(epochs=epochs, batch_size=batch, target_epsilon=target))
     assert schedule.noise_multiplier == expected and schedule.steps == epochs * math.ceil(records / batch)
 
+
+
+def test_a_screening_runs_steps_are_in_the_schedules_whole_charge_and_its_calibration():
+    from conclave.learning.dp_schedule import secure_charge
+    from conclave.privacy.accounting.guarantee import worst_case_guarantee
+
+    target = DPSGDConfig(epochs=50, batch_size=1000, target_epsilon=1.0, delta=1e-5)
+    alone, screened = dp_schedule(1000, target, secure=True), dp_schedule(1000, target, secure=True, screen_steps=20)
+    assert screened.noise_multiplier > alone.noise_multiplier  # the target covers both runs' 70 steps
+    whole = worst_case_guarantee(screened.whole_charge, 1e-5).epsilon
+    assert whole <= 1.0 and worst_case_guarantee(screened.charge, 1e-5).epsilon < whole
+    expected = secure_charge(1.0, screened.noise_multiplier, 70, "x")
+    for charge in (screened.whole_charge, screened.charge_after(50, "x")):  # a checkpoint's includes the screening
+        assert worst_case_guarantee(charge, 1e-5).epsilon == pytest.approx(worst_case_guarantee(expected, 1e-5).epsilon)
+    assert screened.screen_charge.label == "dpsgd-screening" and alone.screen_charge is None
+    with pytest.raises(ValueError, match="screening steps run across owners"):
+        dp_schedule(1000, target, screen_steps=20)  # one holder: no gateways to screen at

@@ -255,3 +255,38 @@ def test_models_the_stacked_ensemble_cannot_run_are_left_to_the_caller():
     assert StackedEnsemble.of(mixed) is None
     with pytest.raises(ValueError, match="cannot be stacked"):
         StackedEnsemble(mixed)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+def test_a_standardisers_keep_mask_makes_the_output_independent_of_dropped_columns():
+    import numpy as np
+
+    from conclave.learning.data.schema import Standardiser
+    from conclave.learning.models.table import kept_columns
+
+    keep = np.array([True, False, True, False])
+    standardiser = Standardiser(np.ones(4, np.float32), np.full(4, 2.0, np.float32)).keeping(keep)
+    model = build_model("quadratic", 3, input_shape=(4,), standardiser=standardiser, seed=0)
+    nn.init.normal_(model.classifier.weight)  # every weight non-zero, those of dropped columns too
+    x = torch.randn(5, 4)
+    changed = x.clone()
+    changed[:, ~torch.from_numpy(keep)] = torch.tensor([1e6, float("nan")])  # a dropped value reads as exactly 0
+    with torch.no_grad():
+        assert torch.equal(model(x), model(changed))
+    sample = GradSampleModule(model)  # a dropped column's weights (its own and every product's) get exactly 0
+    sample(x).sum().backward()
+    dropped = model.features(x).abs().sum(dim=0) == 0
+    assert dropped.sum() == 2 + 7  # two columns, and the 7 of 10 products with either
+    assert torch.all(model.classifier.weight.grad_sample[:, :, dropped] == 0)
+    assert torch.equal(model.state_dict()["features.0.keep"], torch.from_numpy(keep))  # a checkpoint carries it
+    plain = build_model("quadratic", 3, input_shape=(4,), seed=0)  # no mask: every column, bit for bit
+    assert plain.state_dict()["features.0.keep"].all()
+
+    weight = np.array([[3.0, 0.1, -1.0, 0.0], [4.0, 0.0, 1.0, 0.3]])  # column norms 5, 0.1, 1.41, 0.3
+    assert kept_columns(weight, 0.25).tolist() == [True, False, True, False]
+    assert kept_columns(weight, 1.0).tolist() == [True, False, False, False]
+    assert kept_columns(np.zeros((2, 3)), 0.35).all()  # nothing learnt: nothing dropped
+    with pytest.raises(ValueError, match="share in"):
+        kept_columns(weight, 0.0)
+    with pytest.raises(ValueError, match="keep must be one bool per column"):
+        Standardiser(np.zeros(2, np.float32), np.ones(2, np.float32), np.array([False, False]))

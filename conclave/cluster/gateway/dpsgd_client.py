@@ -223,11 +223,14 @@ class GatewayDpsgd:
                              "so it was charged; nothing of it is decoded", deadline)
         return [_share(reply, plan.dimension) for reply in replies]
 
-    def accounts(self, budget_sources: Mapping[str, str] | None = None) -> dict[str, GatewayAccount]:
+    def accounts(self, budget_sources: Mapping[str, str] | None = None,
+                 charges_before: Mapping[str, int] | None = None) -> dict[str, GatewayAccount]:
         """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
-        owner's budget comes from, where the run knows it)."""
+        owner's budget comes from, where the run knows it; ``charges_before``: each ledger's charges
+        before the run began, where an earlier admitted run of it came first, else before this one's)."""
         replies = self._each(lambda gateway: gateway.budget(), "did not report its budget")
-        return {owner: account_of(reply, self.charges_before[owner], (budget_sources or {}).get(owner))
+        before = charges_before or self.charges_before
+        return {owner: account_of(reply, before[owner], (budget_sources or {}).get(owner))
                 for owner, reply in zip(self.owners, replies)}
 
     def shutdown(self) -> None:
@@ -274,7 +277,8 @@ def _argument(name: str, value: int | float) -> owner_pb2.ModelArgument:
 def _standardiser(standardiser: Standardiser | None) -> owner_pb2.Standardiser | None:
     if standardiser is None:
         return None
-    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist())
+    keep = [] if standardiser.keep is None else standardiser.keep.tolist()
+    return owner_pb2.Standardiser(mean=standardiser.mean.tolist(), scale=standardiser.scale.tolist(), keep=keep)
 
 
 def _share(reply: owner_pb2.StepReply, dimension: int) -> np.ndarray:

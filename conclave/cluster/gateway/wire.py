@@ -87,7 +87,8 @@ def decode_reading(reading: owner_pb2.PublicReading) -> PublicReading:
 
 
 def decode_standardiser(terms: owner_pb2.DpsgdTerms, input_shape: tuple[int, ...]) -> Standardiser | None:
-    """A table model's input scaling (the public pool's column statistics), or None; else a refusal."""
+    """A table model's input scaling (the public pool's column statistics, and the columns it reads),
+    or None; else a refusal."""
     if not terms.HasField("standardiser"):
         return None
     mean, scale = np.array(terms.standardiser.mean), np.array(terms.standardiser.scale)
@@ -97,7 +98,11 @@ def decode_standardiser(terms: owner_pb2.DpsgdTerms, input_shape: tuple[int, ...
                                                         "or none")
     if not (np.isfinite(mean).all() and np.isfinite(scale).all() and (scale > 0).all()):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "dpsgd.standardiser: finite means and scales > 0")
-    return Standardiser(mean.astype(np.float32), scale.astype(np.float32))
+    keep = np.array(terms.standardiser.keep, dtype=bool)
+    if len(keep) and (keep.shape != mean.shape or not keep.any()):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.standardiser.keep: one flag per column "
+                                                        f"({len(mean)}), at least one kept, or none (every column)")
+    return Standardiser(mean.astype(np.float32), scale.astype(np.float32), keep if len(keep) else None)
 
 
 def check_run_name(run: str) -> None:

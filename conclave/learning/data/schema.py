@@ -6,7 +6,8 @@ clients share it. For tables it also names the columns, in order: the public poo
 every table of a run is read (``learning.data.sources.DataSource.by_name``). ``Standardiser``
 centres and scales table columns with statistics of the *public* pool (or given in the
 config): computing them from an owner's records would be a release of private data without a
-mechanism.
+mechanism. Its optional ``keep`` mask drops columns (a DP screening run's choice: post-processing
+of a DP release, ``cluster.active_gateways``).
 """
 from __future__ import annotations
 
@@ -67,10 +68,12 @@ class InputSchema:
 
 @dataclass(frozen=True, eq=False)
 class Standardiser:
-    """Per-column ``(x - mean) / scale`` for table models; statistics of public data only."""
+    """Per-column ``(x - mean) / scale`` for table models; statistics of public data only.
+    ``keep``: which columns the model reads (a dropped one reads as exactly 0); None: every one."""
 
     mean: np.ndarray  # float32 [d]
     scale: np.ndarray  # float32 [d], > 0
+    keep: np.ndarray | None = None  # bool [d], at least one True
 
     @classmethod
     def of_public(cls, public: Dataset) -> Standardiser:
@@ -84,3 +87,10 @@ class Standardiser:
     def __post_init__(self) -> None:
         if self.mean.shape != self.scale.shape or self.mean.ndim != 1 or not (self.scale > 0).all():
             raise InvalidValue("standardiser: mean and scale must be [d] arrays with scale > 0")
+        if self.keep is not None and (self.keep.dtype != np.bool_ or self.keep.shape != self.mean.shape
+                                      or not self.keep.any()):
+            raise InvalidValue("standardiser: keep must be one bool per column, at least one True")
+
+    def keeping(self, keep: np.ndarray) -> Standardiser:
+        """These statistics reading only the columns ``keep`` (bool [d])."""
+        return Standardiser(self.mean, self.scale, np.asarray(keep, dtype=bool))

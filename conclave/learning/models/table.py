@@ -4,7 +4,8 @@ and their pairwise products (``quadratic``) and a small MLP.
 Each starts with a fixed ``Standardise`` layer whose statistics come from public data
 (``learning.data.schema.Standardiser``), so clients send raw column values and nothing about
 an owner's records is baked into the model's input scaling. The layer has buffers, no
-parameters: DP-SGD and the optimiser never touch it.
+parameters: DP-SGD and the optimiser never touch it. Its ``keep`` mask (all columns unless the
+standardiser drops some) sets the dropped columns to 0.
 
 ``quadratic`` is the table model DP-SGD across owners reaches furthest with on our proxies
 (``bench/proposal_proxy.py``): its boundaries are quadrics, as a Gaussian class's are, yet it is
@@ -13,7 +14,7 @@ standardised columns are clamped to ±``QUADRATIC_CLAMP`` so no record's feature
 """
 from __future__ import annotations
 
-
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,17 +23,28 @@ from conclave.learning.data.schema import Standardiser
 
 
 class Standardise(nn.Module):
+    """``(x - mean) / scale``, then the columns the standardiser does not ``keep`` set to exactly 0.
+
+    A dropped column (screening, ``cluster.active_gateways``) then contributes nothing to any feature
+    built from it — its pairwise products are 0 too — so its weights get exactly zero gradient from
+    every record; the DP noise a run adds to those weights changes no prediction (their inputs are
+    0), and only the kept columns' weights carry noise that matters."""
+
     def __init__(self, width: int, standardiser: Standardiser | None) -> None:
         super().__init__()
         mean = torch.zeros(width) if standardiser is None else torch.tensor(standardiser.mean)
         scale = torch.ones(width) if standardiser is None else torch.tensor(standardiser.scale)
         if mean.shape != (width,):
             raise InvalidValue(f"standardiser has {mean.shape[0]} columns, the inputs {width}")
+        keep = None if standardiser is None else standardiser.keep
         self.register_buffer("mean", mean.float())
         self.register_buffer("scale", scale.float())
+        # a buffer, so a checkpoint's state carries the columns its model reads
+        self.register_buffer("keep", torch.ones(width, dtype=torch.bool) if keep is None else torch.tensor(keep))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.scale
+        # where, not a product: a dropped column is 0 even where its value is not finite
+        return torch.where(self.keep, (x - self.mean) / self.scale, 0.0)
 
 
 class TableModel(nn.Module):
@@ -107,3 +119,17 @@ def logistic_regression(num_classes: int, in_channels: int = 1, *, input_shape: 
     return model
 
 
+
+
+SCREENING_MODEL = "logistic_regression"  # DP column screening's model: one weight column per table column
+
+
+def kept_columns(weight: np.ndarray, share: float) -> np.ndarray:
+    """Screening's choice (bool [d]): the columns whose weight column in a logistic regression's
+    classifier ``weight`` ([classes, d], on standardised inputs) has an L2 norm over the classes at
+    least ``share`` of the largest. Applied to a DP model's weights it is post-processing: free."""
+    if weight.ndim != 2 or not 0 < share <= 1:
+        raise InvalidValue(f"kept_columns takes a [classes, d] weight and a share in (0, 1], got "
+                           f"{list(weight.shape)} and {share}")
+    norms = np.linalg.norm(np.asarray(weight, dtype=np.float64), axis=0)
+    return norms >= share * norms.max()  # the largest always: at least one column
