@@ -36,8 +36,7 @@ from conclave.learning.data.sources import PublicReading
 if TYPE_CHECKING:
     from conclave.actors.dp_trainer import DPCheckpoint, ModelSpec
     from conclave.cluster.gateway.client import CoordinatorTls
-    from conclave.cluster.gateway.dpsgd_client import GatewayDpsgd, GatewaySupport
-    from conclave.cluster.gateway.dpsgd_client import DpsgdTerms
+    from conclave.cluster.gateway.dpsgd_client import DpsgdTerms, GatewayDpsgd, GatewaySupport
     from conclave.cluster.run_privacy import GatewayAccount
     from conclave.learning.data.schema import Standardiser
     from conclave.learning.dp_schedule import DPSchedule

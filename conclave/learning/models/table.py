@@ -119,8 +119,6 @@ def logistic_regression(num_classes: int, in_channels: int = 1, *, input_shape: 
     return model
 
 
-
-
 SCREENING_MODEL = "logistic_regression"  # DP column screening's model: one weight column per table column
 
 
