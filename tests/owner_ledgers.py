@@ -13,6 +13,4 @@ def opened(owner: str, asked: OwnerBudget | None, planned: PrivacyCharge, run: s
     terms = OwnerAdmission(owner, asked, data).admit(RunRequest(run), planned)
     if terms is None:
         raise OwnerRefused(f"owner {owner}: no lifetime budget (no policy on its node, none in the config)")
-    ledger = OwnerLedger(terms, data)
-    ledger.open(planned, run)
-    return ledger
+    return OwnerLedger.open(terms, planned, run, data)

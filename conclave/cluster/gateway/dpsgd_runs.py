@@ -68,53 +68,50 @@ class DpsgdRuns:
             releases = tuple(charge.label for charge in near_private.charges)
         sparse = terms.HasField("sparse")
         # the policy's checks: nothing changed yet
-        ledger = self._runs.admitting_ledger(request, planned, SPARSE_PIPELINE if sparse else DPSGD_PIPELINE, releases)
+        owner_terms = self._runs.admitted_terms(request, planned, SPARSE_PIPELINE if sparse else DPSGD_PIPELINE,
+                                                releases)
         try:
-            try:
-                dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
-            except (OSError, ValueError) as err:  # its file as declared (missing, not its format, a column): no record
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"owner {declaration.name}: {first_line(err)}") from None
-            input_shape = tuple(dataset.x.shape[1:])
-            standardiser = decode_standardiser(terms, input_shape)
-            arguments = decode_arguments(terms)
-            shapes = self._model_shapes(terms.model, len(classes), input_shape, standardiser, arguments)
-            pretrained, trained = None, None
-            if sparse:  # checked against the model's shapes before it is built
-                pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
-                trained = decode_trained(terms.sparse, shapes)
-            try:
-                check_model(terms.model, len(classes), input_shape, standardiser=standardiser, **arguments)
-            except ModelContractError as err:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
-            model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
-                                standardiser=standardiser, **arguments)
-            if pretrained is not None:  # the frozen entries' values for the whole run
-                load_parameters(model, pretrained)
-            owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
-                                     declaration.records, terms.max_grad_norm, trained)
-            embeddings = None
-            if near_private is not None:  # its own copy of the model: the steps' stays theirs
-                embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
-                                                         seed=int(terms.seed), standardiser=standardiser, **arguments),
-                                             dataset.x, declaration.records)
-            del dataset
-            try:
-                plan = SecureAggregation(tuple(terms.parties), owner_steps.dimension).plan(
-                    terms.max_grad_norm, terms.noise_multiplier, int(terms.records), int(terms.steps))
+            dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
+        except (OSError, ValueError) as err:  # its file as declared (missing, not its format, a column): no record
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"owner {declaration.name}: {first_line(err)}") from None
+        input_shape = tuple(dataset.x.shape[1:])
+        standardiser = decode_standardiser(terms, input_shape)
+        arguments = decode_arguments(terms)
+        shapes = self._model_shapes(terms.model, len(classes), input_shape, standardiser, arguments)
+        pretrained, trained = None, None
+        if sparse:  # checked against the model's shapes before it is built
+            pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
+            trained = decode_trained(terms.sparse, shapes)
+        try:
+            check_model(terms.model, len(classes), input_shape, standardiser=standardiser, **arguments)
+        except ModelContractError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
+        model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
+                            standardiser=standardiser, **arguments)
+        if pretrained is not None:  # the frozen entries' values for the whole run
+            load_parameters(model, pretrained)
+        owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
+                                 declaration.records, terms.max_grad_norm, trained)
+        embeddings = None
+        if near_private is not None:  # its own copy of the model: the steps' stays theirs
+            embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
+                                                     seed=int(terms.seed), standardiser=standardiser, **arguments),
+                                         dataset.x, declaration.records)
+        del dataset
+        try:
+            plan = SecureAggregation(tuple(terms.parties), owner_steps.dimension).plan(
+                terms.max_grad_norm, terms.noise_multiplier, int(terms.records), int(terms.steps))
+        except ValueError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
+        step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
+                               int(terms.steps), tuple(terms.parties), int(terms.records), plan, sparse)
+        if near_private is not None:
+            try:  # the covariance's plan is fixed now: refused here rather than after the steps
+                near_private.plan(PCA, embeddings.dimension, step_terms.parties, step_terms.records)
             except ValueError as err:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
-            step_terms = StepTerms(terms.model, terms.max_grad_norm, terms.noise_multiplier, terms.sample_rate,
-                                   int(terms.steps), tuple(terms.parties), int(terms.records), plan, sparse)
-            if near_private is not None:
-                try:  # the covariance's plan is fixed now: refused here rather than after the steps
-                    near_private.plan(PCA, embeddings.dimension, step_terms.parties, step_terms.records)
-                except ValueError as err:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err).splitlines()[0]) from None
-            self._runs.end_current(request.run)
-            self._runs.open(ledger, planned, request.run, planned)
-        except BaseException:
-            ledger.close()
-            raise
+        self._runs.end_current(request.run)
+        ledger = self._runs.open(owner_terms, planned, request.run, planned)
         self._runs.admitted(AdmittedSteps(request.run, step_terms, owner_steps, ledger, near_private, embeddings))
         delta = self._runs.lifetime.delta
         epsilon = worst_case_guarantee(planned, delta).epsilon

@@ -20,7 +20,8 @@ from conclave.learning.data.sources import DataSource, PublicReading
 from conclave.privacy.accounting.charge import PrivacyCharge
 from conclave.privacy.accounting.ledger import LedgerDamaged, LedgerInUse
 from conclave.privacy.accounting.owner_ledger import OwnerLedger
-from conclave.privacy.accounting.owner_policy import OwnerAdmission, OwnerBudget, OwnerPolicy, OwnerRefused, RunRequest
+from conclave.privacy.accounting.owner_policy import (OwnerAdmission, OwnerBudget, OwnerPolicy, OwnerRefused, OwnerTerms,
+                                                      RunRequest)
 from conclave.protos import owner_pb2
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class OwnerRuns:
         self.declaration, self.policy, self._asked = declaration, policy, asked
         self.current: AdmittedRun | None = None
         self._seen: set[str] = set()
+        self._data_paths = (declaration.data.path,) if declaration.data.path else ()  # fingerprinted with each charge
 
     @property
     def lifetime(self) -> OwnerBudget:
@@ -66,11 +68,11 @@ class OwnerRuns:
         except ValueError as err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"owner {self.declaration.name}: {err}") from None
 
-    def admitting_ledger(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge, pipeline: str,
-                         releases: tuple[str, ...] = ()) -> OwnerLedger:
-        """The owner's ledger for the run, once its policy (else the budget ``asked`` at the start) admits
-        the run as asked (refused otherwise). The policy is read again: the owner may have changed it
-        (``conclave owner raise``) meanwhile."""
+    def admitted_terms(self, request: owner_pb2.AdmitRequest, planned: PrivacyCharge, pipeline: str,
+                       releases: tuple[str, ...] = ()) -> OwnerTerms:
+        """The terms the owner's policy (else the budget ``asked`` at the start) admits the run under
+        (refused otherwise); nothing is opened or charged. The policy is read again: the owner may have
+        changed it (``conclave owner raise``) meanwhile."""
         owner = self.declaration.name
         try:
             policy = OwnerPolicy.load(owner)
@@ -88,13 +90,12 @@ class OwnerRuns:
         asked = self._asked
         if request.lifetime_epsilon:  # the lifetime ε the run asks to stay within, checked as a budget asked
             asked = dataclasses.replace(asked if asked is not None else lifetime, epsilon=request.lifetime_epsilon)
-        data = (self.declaration.data.path,) if self.declaration.data.path else ()
         try:
-            terms = OwnerAdmission(owner, asked, data).admit(
+            terms = OwnerAdmission(owner, asked, self._data_paths).admit(
                 RunRequest(request.run, pipeline, (request.mechanism, *releases)), planned)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
-        return OwnerLedger(terms, data)  # a policy or the budget asked is in force: terms, never None
+        return terms  # a policy or the budget asked is in force: terms, never None
 
     def end_current(self, admitting: str) -> None:
         """End the run in progress, if any, as run ``admitting`` is admitted."""
@@ -102,13 +103,12 @@ class OwnerRuns:
             log.info("run '%s' ends: run '%s' is admitted", self.current.run, admitting)
             self.stop()
 
-    @staticmethod
-    def open(ledger: OwnerLedger, planned: PrivacyCharge, run: str, first: PrivacyCharge) -> None:
-        """Open the run's ledger, which must pay for ``first`` (the least the run releases: one round of one
-        query, or a DP-SGD run's whole schedule) before anything starts or trains: refused otherwise, the
-        ledger closed and nothing charged."""
+    def open(self, terms: OwnerTerms, planned: PrivacyCharge, run: str, first: PrivacyCharge) -> OwnerLedger:
+        """The run's ledger under the admitted ``terms``, open, once it can pay for ``first`` (the least
+        the run releases: one round of one query, or a DP-SGD run's whole schedule) before anything starts
+        or trains: refused otherwise, the ledger closed and nothing charged."""
         try:
-            ledger.open(planned, run)
+            ledger = OwnerLedger.open(terms, planned, run, self._data_paths)
         except OwnerRefused as err:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         except (LedgerInUse, LedgerDamaged) as err:
@@ -117,6 +117,7 @@ class OwnerRuns:
         if refused is not None:
             ledger.close()
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refused}; nothing was admitted or charged")
+        return ledger
 
     def admitted(self, run: AdmittedRun) -> None:
         """``run`` is the one in progress now; its name is never admitted again."""

@@ -100,10 +100,10 @@ class VoteRuns:
         pool = checked_pool(kind, request)
         data = self._runs.owner_data(decode_reading(request.reading))
         planned = record_charge(release, request.max_batch, request.mechanism).scaled(request.rounds)
-        ledger = self._runs.admitting_ledger(request, planned, PIPELINE)  # the policy's checks: nothing changed yet
+        terms = self._runs.admitted_terms(request, planned, PIPELINE)  # the policy's checks: nothing changed yet
         self._runs.end_current(request.run)
+        ledger = self._runs.open(terms, planned, request.run, record_charge(release, 1, request.mechanism))
         try:
-            self._runs.open(ledger, planned, request.run, record_charge(release, 1, request.mechanism))
             source = self._start_source(kind, request, pool, data)
         except OwnerDataError as err:  # its file as declared (missing, not its format, a column): no record
             ledger.close()

@@ -20,66 +20,68 @@ from conclave.privacy.accounting.owner_policy import OwnerRefused, OwnerTerms
 
 
 class OwnerLedger:
-    """One owner's lifetime ledger, on the owner's machine, for one run under the ``terms`` its gateway
-    admitted (``owner_policy.OwnerAdmission``): once ``open``, a ``Ledger`` whose refusals name the
-    owner. ``data_paths``: the owner's files, whose fingerprint goes with each charge."""
+    """One owner's lifetime ledger, on the owner's machine, open for one run under the ``terms`` its
+    gateway admitted (``owner_policy.OwnerAdmission``): a ``Ledger`` whose refusals name the owner
+    and whose charges carry the run's name and the fingerprint of the owner's files. Made by ``open``."""
 
-    def __init__(self, terms: OwnerTerms, data_paths: tuple[str, ...] = ()) -> None:
-        self.owner, self.terms, self._data_paths = terms.owner, terms, data_paths
-        self.path = terms.budget.ledger_path(terms.owner)  # resolved here, on the owner's machine
-        self._ledger: PrivacyLedger | None = None
-        self._cap: float | None = None  # the lower lifetime ε this run asked to stay within
-        self._run = ""
-        self._fingerprint = ""
+    def __init__(self, terms: OwnerTerms, ledger: PrivacyLedger, cap: float | None, run: str,
+                 fingerprint: str) -> None:
+        self.owner, self.terms, self.path = terms.owner, terms, ledger.path
+        self._ledger = ledger
+        self._cap = cap  # the lower lifetime ε this run asked to stay within
+        self._run, self._fingerprint = run, fingerprint
         self.last_refusal: str | None = None  # the latest refusal's line
 
-    def open(self, planned: PrivacyCharge, run: str) -> None:
-        """Open (or create, with the lifetime filter fixed from ``planned``) the ledger for
-        ``run``. A file whose budget is not the one in force is refused: a lifetime budget
+    @classmethod
+    def open(cls, terms: OwnerTerms, planned: PrivacyCharge, run: str,
+             data_paths: tuple[str, ...] = ()) -> OwnerLedger:
+        """The owner's ledger (created, with the lifetime filter fixed from ``planned``, when it has
+        no file yet) open for ``run``; ``data_paths``: the owner's files, whose fingerprint goes with
+        each charge. A file whose budget is not the one in force is refused: a lifetime budget
         changes only by its owner, on its machine (``owner_policy.change_budget``)."""
-        budget = self.terms.budget
+        budget, owner = terms.budget, terms.owner
         if planned.neighbouring != budget.neighbouring:
-            raise OwnerRefused(f"owner {self.owner}: its budget is for {budget.neighbouring} neighbours, the run's "
+            raise OwnerRefused(f"owner {owner}: its budget is for {budget.neighbouring} neighbours, the run's "
                                f"releases are bounded for {planned.neighbouring}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            ledger = PrivacyLedger.open_existing(self.path, keep_record=True)
+        path = budget.ledger_path(owner)  # resolved here, on the owner's machine
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            ledger = PrivacyLedger.open_existing(path, keep_record=True)
             try:
-                self._cap = self.terms.cap_within(ledger.budget, self.path)
+                cap = terms.cap_within(ledger.budget, path)
             except BaseException:
                 ledger.close()
                 raise
         else:
-            ledger = PrivacyLedger(self.path, budget.delta, budget.filter(planned), neighbouring=budget.neighbouring,
+            ledger = PrivacyLedger(path, budget.delta, budget.filter(planned), neighbouring=budget.neighbouring,
                                    keep_record=True)
-            self._cap = self.terms.cap
-        self._ledger, self._run = ledger, run
-        self._fingerprint = data_fingerprint(self.owner, self.path, self._data_paths)
+            cap = terms.cap
+        return cls(terms, ledger, cap, run, data_fingerprint(owner, path, data_paths))
 
-    # --- the Ledger protocol (``privacy.accounting.ledger``), once open ---------------------
+    # --- the Ledger protocol (``privacy.accounting.ledger``) -----------------------------------
 
     @property
     def delta(self) -> float:
-        return self._open().delta
+        return self._ledger.delta
 
     @property
     def neighbouring(self) -> Neighbouring:
-        return self._open().neighbouring
+        return self._ledger.neighbouring
 
     @property
     def orders(self) -> np.ndarray:
-        return self._open().orders
+        return self._ledger.orders
 
     @property
     def budget(self) -> RenyiFilter | None:
-        return self._open().budget
+        return self._ledger.budget
 
     def refusal(self, charge: PrivacyCharge) -> str | None:
         """None when ``charge`` fits the lifetime budget now (and the run's lower cap), else the
         refusal in one line naming the owner and what its lifetime budget has left."""
-        refused = _cap_refusal(self.owner, self._cap, self._open(), charge)
-        if refused is None and not self._open().can_afford(charge):
-            refused = _refusal_line(self.owner, self._open().report())
+        refused = _cap_refusal(self.owner, self._cap, self._ledger, charge)
+        if refused is None and not self._ledger.can_afford(charge):
+            refused = _refusal_line(self.owner, self._ledger.report())
         if refused is not None:
             self.last_refusal = refused
         return refused
@@ -93,33 +95,26 @@ class OwnerLedger:
         budget has left) when spent + ``worst_case`` would pass the budget — nothing is
         recorded then. (The owner's gateway answers the coordinator with the line:
         ``cluster.gateway.vote_runs``, ``cluster.gateway.dpsgd_runs``.)"""
-        capped = _cap_refusal(self.owner, self._cap, self._open(), worst_case if worst_case is not None else charge)
+        capped = _cap_refusal(self.owner, self._cap, self._ledger, worst_case if worst_case is not None else charge)
         if capped is not None:
             self.last_refusal = capped
             raise BudgetExceeded(capped)
         tagged = dataclasses.replace(charge, details={**charge.details, "run": self._run,
                                                       "fingerprint": self._fingerprint})
         try:
-            return self._open().charge(tagged, worst_case=worst_case)
+            return self._ledger.charge(tagged, worst_case=worst_case)
         except BudgetExceeded:
-            self.last_refusal = _refusal_line(self.owner, self._open().report())
+            self.last_refusal = _refusal_line(self.owner, self._ledger.report())
             raise BudgetExceeded(self.last_refusal) from None
 
     def report(self) -> BudgetReport:
-        return self._open().report()
+        return self._ledger.report()
 
     def spent(self) -> PrivacyCharge:
-        return self._open().spent()
+        return self._ledger.spent()
 
     def close(self) -> None:
-        if self._ledger is not None:
-            self._ledger.close()
-            self._ledger = None
-
-    def _open(self) -> PrivacyLedger:
-        if self._ledger is None:
-            raise RuntimeError(f"owner {self.owner}: the ledger is not open")
-        return self._ledger
+        self._ledger.close()
 
 
 def _cap_refusal(owner: str, cap: float | None, ledger: PrivacyLedger, charge: PrivacyCharge) -> str | None:
