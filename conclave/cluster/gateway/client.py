@@ -203,23 +203,23 @@ class GatewayVoteSource:
                  admit_timeout_s: float = 120.0, input_shape: Sequence[int] | None = None) -> None:
         if not gateways:
             raise InvalidValue("a gateway vote source needs at least one owner's gateway")
-        self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        if terms.takes_pool != (public_pool is not None):
+            raise InvalidValue("give a public pool for the records' embedding, and none for teachers")
+        self._verifier, self.run, self.terms = verifier, run, terms
         # the public inputs' shape (the queries'): the pool's, or as given where no pool goes (teachers)
         self.input_shape = tuple(input_shape) if input_shape is not None else tuple(np.shape(public_pool)[1:])
         self.embed = embed
         self.sigma, self.num_classes, self.round_timeout_s = sigma, len(classes), round_timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
         self._round, self.rounds, self.max_batch = 0, rounds, max_batch  # the admitted plan's rounds
-        self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
-        if terms.takes_pool != (public_pool is not None):
-            raise InvalidValue("give a public pool for the records' embedding, and none for teachers")
         # What ``actors.labeller`` reads: the record-level relation and why it holds, as the in-cluster
         # sources declare them, and what ``check_pairing`` compares with the mechanism's.
         self.neighbouring, self.neighbouring_lemma = Neighbouring.ADD_REMOVE, terms.lemma
         self.batch_coupled = terms.batch_coupled
         self.votes_per_record, self.sample_rate = terms.votes_per_record, terms.sample_rate
+        self.gateways = GatewayRoster(gateways, round_timeout_s, names)
+        self.owners = self.gateways.owners
         try:
-            self._admit(mechanism, sigma, classes, public_pool, max_batch, rounds, lifetime_epsilon, reading, names,
+            self._admit(mechanism, sigma, classes, public_pool, max_batch, rounds, lifetime_epsilon, reading,
                         admit_timeout_s)
         except BaseException:
             self.shutdown()
@@ -227,36 +227,26 @@ class GatewayVoteSource:
 
     def _admit(self, mechanism: str, sigma: float, classes: Sequence[str], public_pool: np.ndarray | None,
                max_batch: int, rounds: int, lifetime_epsilon: float | None, reading: PublicReading,
-               names: Sequence[str] | None, admit_timeout_s: float) -> None:
+               admit_timeout_s: float) -> None:
         run, terms = self.run, self.terms
-        described = self._each(lambda index, gateway: gateway.describe(), "did not describe itself")
-        self.owners = tuple(d.owner for d in described)
-        if len(set(self.owners)) != len(self.owners):
-            raise InvalidValue(f"the gateways name owners {list(self.owners)}: one gateway per owner")
-        if names is not None and tuple(names) != self.owners:
-            wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
-                     in zip(self._gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
-            raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
-        budgets = self._each(lambda index, gateway: gateway.budget(), "did not report its budget", admitting=True)
-        self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
         pool = float_tensor(public_pool) if public_pool is not None else None
         requests = [owner_pb2.AdmitRequest(run=run, mechanism=mechanism, sigma=sigma, max_batch=max_batch, rounds=rounds,
                                            lifetime_epsilon=lifetime_epsilon or 0.0, classes=list(classes),
                                            reading=reading_message(reading), public_pool=pool, **fields)
-                    for fields in terms.admitted([d.records for d in described])]
-        self.admitted = self._each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
-                                   "did not admit the run", admitting=True)
+                    for fields in terms.admitted(self.gateways.declared)]
+        self.admitted = self.gateways.each(lambda index, gateway: gateway.admit(requests[index], admit_timeout_s),
+                                           "did not admit the run", admitting=True)
         # Every row of the teachers' histograms counts each of them once (the owners' signed cell bounds).
         self.votes_per_query = sum(int(a.cell_bound) for a in self.admitted) if terms.teachers_vote else None
         self.num_teachers = self.votes_per_query  # the owners' teachers in all (None: records vote)
         # Where each owner's votes are counted: behind its gateway, on its own Ray.
-        self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self._gateways)}
+        self.placement = {owner: [gateway.endpoint] for owner, gateway in zip(self.owners, self.gateways.gateways)}
         log.info("run '%s' admitted by %s", run, ", ".join(f"{owner} (planned ε {a.planned_epsilon:.3g})"
                                                              for owner, a in zip(self.owners, self.admitted)))
 
     def ready(self, timeout: float = 2.0) -> bool:
         try:
-            self._each(lambda index, gateway: gateway.describe(timeout), "is not reachable")
+            self.gateways.each(lambda index, gateway: gateway.describe(timeout), "is not reachable")
         except OwnerDropout:
             return False
         return True
@@ -274,31 +264,27 @@ class GatewayVoteSource:
         self._round += 1
         round_, batch = self._round, len(inputs)
         deadline = time.monotonic() + self.round_timeout_s
-        keys = self._each(lambda index, gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
-                          "sent no key for a secure vote round: the round is aborted; no share was asked, so nothing "
-                          "was released or charged", deadline=deadline)
+        keys = self.gateways.each(lambda index, gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
+                                  "sent no key for a secure vote round: the round is aborted; no share was asked, so "
+                                  "nothing was released or charged", deadline=deadline)
         for owner, key in zip(self.owners, keys):
             self._check_key(owner, key, round_, batch)
         plan = release.plan(batch, self.num_classes, self.owners, [int(key.cell_bound) for key in keys])
         charge()
         request = owner_pb2.VotesRequest(run=self.run, round=round_, inputs=float_tensor(inputs), parties=keys)
-        replies = self._each(lambda index, gateway: gateway.votes(request, time_left(deadline)),
-                             "sent no share of a secure vote round: the round is aborted; its shares were asked, so "
-                             "it was charged; nothing of it is decoded", deadline=deadline)
+        replies = self.gateways.each(lambda index, gateway: gateway.votes(request, time_left(deadline)),
+                                     "sent no share of a secure vote round: the round is aborted; its shares were "
+                                     "asked, so it was charged; nothing of it is decoded", deadline=deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
         return release.total(shares, plan, batch)
 
     def accounts(self, budget_sources: Mapping[str, str] | None = None) -> dict[str, GatewayAccount]:
         """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
         owner's budget comes from, where the run knows it)."""
-        replies = self._each(lambda index, gateway: gateway.budget(), "did not report its budget")
-        return {owner: account_of(reply, self.charges_before[owner], (budget_sources or {}).get(owner))
-                for owner, reply in zip(self.owners, replies)}
+        return self.gateways.accounts(budget_sources)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for gateway in self._gateways:
-            gateway.close()
+        self.gateways.shutdown()
 
     def _check_key(self, owner: str, key: owner_pb2.SignedKey, round_: int, batch: int) -> None:
         signed = RoundKey(key.owner, key.public_key, key.cell_bound, key.run, key.round, key.batch, key.classes,
@@ -311,29 +297,63 @@ class GatewayVoteSource:
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the round is aborted; nothing was released or charged") from None
 
-    def _each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None,
-              admitting: bool = False) -> list:
-        """``call(index, gateway)`` on every gateway (``ask_every_gateway``)."""
-        return ask_every_gateway(self._pool, self._gateways, self.owners, call, failure, self.round_timeout_s,
-                                 deadline, admitting)
 
+class GatewayRoster:
+    """The owners' gateways one run asks, in order: each described on arrival (its owner's name and
+    declared records, both public; ``names``: the owners they must be, None: any), its ledger's charges
+    counted before the run, then every call made to all of them at once (``each``). A gateway that
+    does not answer is ``OwnerDropout`` naming its owner, and the roster is shut down."""
 
-def ask_every_gateway(pool: ThreadPoolExecutor, gateways: Sequence[OwnerGateway], owners: Sequence[str],
-                      call: Callable[[int, OwnerGateway], object], failure: str, timeout_s: float,
-                      deadline: float | None = None, admitting: bool = False) -> list:
-    """``call(index, gateway)`` on every gateway in parallel on ``pool``, answers in order (by
-    ``deadline``, the ``timeout_s`` after a round began, where there is one); the first owner's
-    failure as ``gateway_failure`` says (``failure``: what it did not do)."""
-    futures = [pool.submit(call, index, gateway) for index, gateway in enumerate(gateways)]
-    answers = []
-    for who, future in zip(owners, futures):
+    def __init__(self, gateways: Sequence[OwnerGateway], timeout_s: float, names: Sequence[str] | None = None) -> None:
+        self.gateways, self.timeout_s = list(gateways), timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=len(self.gateways), thread_name_prefix="gateways")
+        self.owners = tuple(gateway.endpoint for gateway in self.gateways)  # by name once described
         try:
-            answers.append(future.result(timeout=None if deadline is None else time_left(deadline)))
-        except FutureTimeout:
-            raise OwnerDropout(f"owner {who} {failure} (no answer within {timeout_s:g} s)") from None
-        except grpc.RpcError as err:
-            raise gateway_failure(who, failure, err, admitting) from None
-    return answers
+            described = self.each(lambda index, gateway: gateway.describe(), "did not describe itself")
+            self.owners = tuple(d.owner for d in described)
+            if len(set(self.owners)) != len(self.owners):
+                raise InvalidValue(f"the gateways name owners {list(self.owners)}: one gateway per owner")
+            if names is not None and tuple(names) != self.owners:
+                wrong = [f"the gateway at {gateway.endpoint} is owner {owner}, not {name}" for gateway, owner, name
+                         in zip(self.gateways, self.owners, names) if owner != name] or [f"{len(names)} owners named"]
+                raise OwnerDropout(f"{wrong[0]}: nothing was asked of any owner")
+            self.declared = tuple(int(d.records) for d in described)
+            budgets = self.each(lambda index, gateway: gateway.budget(), "did not report its budget", admitting=True)
+            self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def each(self, call: Callable[[int, OwnerGateway], object], failure: str, deadline: float | None = None,
+             admitting: bool = False) -> list:
+        """``call(index, gateway)`` on every gateway in parallel, answers in order (by ``deadline``, the
+        ``timeout_s`` after a round began, where there is one); the first owner's failure as
+        ``gateway_failure`` says (``failure``: what it did not do)."""
+        futures = [self._pool.submit(call, index, gateway) for index, gateway in enumerate(self.gateways)]
+        answers = []
+        for who, future in zip(self.owners, futures):
+            try:
+                answers.append(future.result(timeout=None if deadline is None else time_left(deadline)))
+            except FutureTimeout:
+                raise OwnerDropout(f"owner {who} {failure} (no answer within {self.timeout_s:g} s)") from None
+            except grpc.RpcError as err:
+                raise gateway_failure(who, failure, err, admitting) from None
+        return answers
+
+    def accounts(self, budget_sources: Mapping[str, str] | None = None,
+                 charges_before: Mapping[str, int] | None = None) -> dict[str, GatewayAccount]:
+        """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
+        owner's budget comes from, where the run knows it; ``charges_before``: each ledger's charges
+        before the run began, where an earlier admitted run of it came first, else before this one's)."""
+        replies = self.each(lambda index, gateway: gateway.budget(), "did not report its budget")
+        before = charges_before or self.charges_before
+        return {owner: account_of(reply, before[owner], (budget_sources or {}).get(owner))
+                for owner, reply in zip(self.owners, replies)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for gateway in self.gateways:
+            gateway.close()
 
 
 def account_of(reply: owner_pb2.BudgetReply, charges_before: int, budget_source: str | None) -> GatewayAccount:

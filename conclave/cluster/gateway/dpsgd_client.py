@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +32,8 @@ from tqdm.auto import tqdm
 
 from conclave.actors.dp_trainer import DPCheckpoint
 from conclave.actors.owners import OwnerDropout
-from conclave.cluster.gateway.client import (OwnerGateway, account_of, ask_every_gateway, float_tensor,
-                                             reading_message, time_left)
+from conclave.cluster.gateway.client import (GatewayRoster, OwnerGateway, float_tensor, reading_message,
+                                             time_left)
 from conclave.cluster.gateway.identity import ForgedKey, Verifier
 from conclave.cluster.gateway.near_private import COUNTS, OFFSET_OF, PCA, NearPrivateReleases
 from conclave.cluster.gateway.steps import DPSGD, schedule_charge, step_key_of
@@ -109,21 +108,24 @@ class GatewayDpsgd:
                  reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
             raise InvalidValue("DP-SGD through gateways needs at least one owner's gateway")
-        self._gateways, self._verifier, self.run, self.terms = list(gateways), verifier, run, terms
+        self._verifier, self.run, self.terms = verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
         self._release_rate_s = release_rate_s  # a NearPrivate share's time per declared record
         self._step_charge = schedule_charge(terms.sample_rate, terms.noise_multiplier, 1)  # its view's, each step
-        self._pool = ThreadPoolExecutor(max_workers=len(self._gateways), thread_name_prefix="gateways")
-        self.owners = tuple(gateway.endpoint for gateway in self._gateways)  # by name once described
-        described = self._each(lambda gateway: gateway.describe(), "did not describe itself")
-        self.owners = tuple(d.owner for d in described)
-        if len(set(self.owners)) != len(self.owners):
-            raise InvalidValue(f"the gateways name owners {list(self.owners)}: one gateway per owner")
-        self.declared = tuple(int(d.records) for d in described)  # public
-        budgets = self._each(lambda gateway: gateway.budget(), "did not report its budget", admitting=True)
-        self.charges_before = {owner: int(reply.charges) for owner, reply in zip(self.owners, budgets)}
-        self.records = sum(self.declared)
+        self.gateways = GatewayRoster(gateways, step_timeout_s)
+        self.owners, self.charges_before = self.gateways.owners, self.gateways.charges_before
+        self.records = sum(self.gateways.declared)  # public
         self.expected_batch = terms.sample_rate * self.records
+        self._step = 0
+        try:
+            self._admit(classes, lifetime_epsilon, admit_timeout_s, reading, standardiser)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _admit(self, classes: Sequence[str], lifetime_epsilon: float | None, admit_timeout_s: float,
+               reading: PublicReading, standardiser: Standardiser | None) -> None:
+        run, terms = self.run, self.terms
         request = owner_pb2.AdmitRequest(run=run, mechanism=DPSGD, lifetime_epsilon=lifetime_epsilon or 0.0,
                                          classes=list(classes), dpsgd=owner_pb2.DpsgdTerms(
                                              model=terms.model, max_grad_norm=terms.max_grad_norm,
@@ -134,9 +136,8 @@ class GatewayDpsgd:
                                              arguments=[_argument(name, value) for name, value in terms.arguments],
                                              sparse=terms.sparse and terms.sparse.message()),
                                          reading=reading_message(reading))
-        self.admitted = self._each(lambda gateway: gateway.admit(request, admit_timeout_s), "did not admit the run",
-                                   admitting=True)
-        self._step = 0
+        self.admitted = self.gateways.each(lambda index, gateway: gateway.admit(request, admit_timeout_s),
+                                           "did not admit the run", admitting=True)
         log.info("DP-SGD run '%s' admitted by %s", run, ", ".join(
             f"{owner} (planned ε {a.planned_epsilon:.3g})" for owner, a in zip(self.owners, self.admitted)))
 
@@ -160,7 +161,7 @@ class GatewayDpsgd:
             request.trained.CopyFrom(float_tensor(trained.values(parameters)))
         else:
             request.weights.extend(float_tensor(p.detach().cpu().numpy()) for p in parameters)
-        replies = self._each(lambda gateway: gateway.step(request, time_left(deadline)),
+        replies = self.gateways.each(lambda index, gateway: gateway.step(request, time_left(deadline)),
                              "sent no share of a DP-SGD step: the run is aborted; its shares were asked, so it was "
                              "charged; nothing of it is decoded", deadline)
         shares = [_share(reply, plan.dimension) for reply in replies]
@@ -213,12 +214,12 @@ class GatewayDpsgd:
             raise BudgetExceeded(f"NearPrivate's {kind}: the run's budget cannot afford this release; nothing "
                                  "was computed")
         round_ = self.terms.steps + OFFSET_OF[kind]
-        deadline = time.monotonic() + self.step_timeout_s + self._release_rate_s * max(self.declared)
+        deadline = time.monotonic() + self.step_timeout_s + self._release_rate_s * max(self.gateways.declared)
         keys = self._keyed(round_, batch, plan, release.noise_multiplier, f"NearPrivate's {kind}", deadline)
         gate.charge(cost)
         request = owner_pb2.NearPrivateRequest(run=self.run, round=round_, parties=keys,
                                                weights=[float_tensor(w) for w in weights], **support)
-        replies = self._each(lambda gateway: gateway.near_private(request, time_left(deadline)),
+        replies = self.gateways.each(lambda index, gateway: gateway.near_private(request, time_left(deadline)),
                              f"sent no share of NearPrivate's {kind}: the run is aborted; its shares were asked, "
                              "so it was charged; nothing of it is decoded", deadline)
         return [_share(reply, plan.dimension) for reply in replies]
@@ -228,20 +229,15 @@ class GatewayDpsgd:
         """Each owner's lifetime account as its gateway reports it now (``budget_sources``: where each
         owner's budget comes from, where the run knows it; ``charges_before``: each ledger's charges
         before the run began, where an earlier admitted run of it came first, else before this one's)."""
-        replies = self._each(lambda gateway: gateway.budget(), "did not report its budget")
-        before = charges_before or self.charges_before
-        return {owner: account_of(reply, before[owner], (budget_sources or {}).get(owner))
-                for owner, reply in zip(self.owners, replies)}
+        return self.gateways.accounts(budget_sources, charges_before)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for gateway in self._gateways:
-            gateway.close()
+        self.gateways.shutdown()
 
     def _keyed(self, round_: int, batch: int, plan: SecureSumPlan, multiplier: float, what: str,
                deadline: float) -> list[owner_pb2.SignedKey]:
         """Every gateway's key for ``round_``, each checked against the round's plan and multiplier."""
-        keys = self._each(lambda gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
+        keys = self.gateways.each(lambda index, gateway: gateway.keys(self.run, round_, batch, time_left(deadline)),
                           f"sent no key for {what}: the run is aborted; no share was asked, so nothing was "
                           "released or charged", deadline)
         for owner, key in zip(self.owners, keys):
@@ -260,12 +256,6 @@ class GatewayDpsgd:
             self._verifier.verify(signed, key.certificate, key.signature)
         except ForgedKey as err:
             raise OwnerDropout(f"{err}: the run is aborted; nothing was released or charged") from None
-
-    def _each(self, call: Callable[[OwnerGateway], object], failure: str, deadline: float | None = None,
-              admitting: bool = False) -> list:
-        """``call(gateway)`` on every gateway (``client.ask_every_gateway``)."""
-        return ask_every_gateway(self._pool, self._gateways, self.owners, lambda _, gateway: call(gateway), failure,
-                                 self.step_timeout_s, deadline, admitting)
 
 
 def _argument(name: str, value: int | float) -> owner_pb2.ModelArgument:
