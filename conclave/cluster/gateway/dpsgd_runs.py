@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from torch import nn
 
 from conclave.cluster.gateway.declaration import Declaration
 from conclave.cluster.gateway.identity import ForgedKey, Identity, StepKey, Verifier
@@ -33,6 +35,7 @@ from conclave.learning.models import build_model, check_model
 from conclave.learning.models.registry import REGISTRY as MODELS, ModelContractError
 from conclave.learning.owner_step import OwnerEmbeddings, OwnerSteps, load_parameters
 from conclave.learning.secure_dpsgd import SecureAggregation
+from conclave.learning.trained_entries import TrainedEntries
 from conclave.privacy.accounting.guarantee import worst_case_guarantee
 from conclave.privacy.accounting.ledger import BudgetExceeded
 from conclave.privacy.accounting.rdp import sum_charges
@@ -74,29 +77,12 @@ class DpsgdRuns:
             dataset, _ = data.read_private(classes, name=declaration.name)  # what was dropped stays here
         except (OSError, ValueError) as err:  # its file as declared (missing, not its format, a column): no record
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"owner {declaration.name}: {first_line(err)}") from None
-        input_shape = tuple(dataset.x.shape[1:])
-        standardiser = decode_standardiser(terms, input_shape)
-        arguments = decode_arguments(terms)
-        shapes = self._model_shapes(terms.model, len(classes), input_shape, standardiser, arguments)
-        pretrained, trained = None, None
-        if sparse:  # checked against the model's shapes before it is built
-            pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
-            trained = decode_trained(terms.sparse, shapes)
-        try:
-            check_model(terms.model, len(classes), input_shape, standardiser=standardiser, **arguments)
-        except ModelContractError as err:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
-        model = build_model(terms.model, len(classes), input_shape=input_shape, seed=int(terms.seed),
-                            standardiser=standardiser, **arguments)
-        if pretrained is not None:  # the frozen entries' values for the whole run
-            load_parameters(model, pretrained)
+        model, trained, fresh_model = self._built_model(terms, len(classes), tuple(dataset.x.shape[1:]))
         owner_steps = OwnerSteps(model, dataset.x, dataset.y, terms.sample_rate, int(terms.steps),
                                  declaration.records, terms.max_grad_norm, trained)
         embeddings = None
         if near_private is not None:  # its own copy of the model: the steps' stays theirs
-            embeddings = OwnerEmbeddings(build_model(terms.model, len(classes), input_shape=input_shape,
-                                                     seed=int(terms.seed), standardiser=standardiser, **arguments),
-                                         dataset.x, declaration.records)
+            embeddings = OwnerEmbeddings(fresh_model(), dataset.x, declaration.records)
         del dataset
         try:
             plan = SecureAggregation(tuple(terms.parties), owner_steps.dimension).plan(
@@ -262,6 +248,32 @@ class DpsgdRuns:
             except ValueError as err:
                 raise Refused(invalid, str(err)) from None
         return terms, classes, near_private
+
+    def _built_model(self, terms: owner_pb2.DpsgdTerms, classes: int, input_shape: tuple[int, ...]
+                     ) -> tuple[nn.Module, TrainedEntries | None, Callable[[], nn.Module]]:
+        """The run's model as its terms build it (checked against the model's contract; a sparse run's
+        pre-trained weights loaded), the entries a sparse run trains (None: all), and how to build
+        the same model afresh. Refused INVALID_ARGUMENT when the terms do not fit the model."""
+        standardiser = decode_standardiser(terms, input_shape)
+        arguments = decode_arguments(terms)
+        shapes = self._model_shapes(terms.model, classes, input_shape, standardiser, arguments)  # refused if too big
+        pretrained, trained = None, None
+        if terms.HasField("sparse"):  # checked against the model's shapes before it is built
+            pretrained = decode_weights(terms.sparse.pretrained, shapes, "sparse.pretrained")
+            trained = decode_trained(terms.sparse, shapes)
+        try:
+            check_model(terms.model, classes, input_shape, standardiser=standardiser, **arguments)
+        except ModelContractError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"dpsgd.model: {err}".splitlines()[0]) from None
+
+        def fresh_model() -> nn.Module:
+            return build_model(terms.model, classes, input_shape=input_shape, seed=int(terms.seed),
+                               standardiser=standardiser, **arguments)
+
+        model = fresh_model()
+        if pretrained is not None:  # the frozen entries' values for the whole run
+            load_parameters(model, pretrained)
+        return model, trained, fresh_model
 
     @staticmethod
     def _model_shapes(model: str, classes: int, input_shape: tuple[int, ...], standardiser: Standardiser | None,
