@@ -55,6 +55,9 @@ PROGRESS_POLL_S = 1.0  # how often the driver asks rank 0 how many epochs it fin
 KEY_TIMEOUT_S = 30.0  # a key or a rendezvous address: no work on data, from actors that are idle
 SHARE_BASE_S = 60.0  # a NearPrivate share: this, plus the work of its owner's declared records
 SHARE_RATE = 1e8  # multiply-adds a second: a small part of one busy core, so an honest share is in time
+# A held record's embedding and logits under a checkpoint's weights, one record at a time (so each is
+# its own bit for bit): 5× a built-in model's time on a busy core, per declared record.
+EMBED_RECORD_S = 0.01
 STEP_TIMEOUT_S = 300.0  # one DP-SGD step's all-reduce (gloo's timeout): every rank's padded batch done
 
 
@@ -499,6 +502,7 @@ class ShardGroup:
 
     key_timeout_s: float = KEY_TIMEOUT_S
     step_timeout_s: float = STEP_TIMEOUT_S
+    share_base_s: float = SHARE_BASE_S
 
     def __init__(self, plans: Sequence[ShardPlan], model: ModelSpec | None = None, torch_threads: int = 1,
                  num_cpus: float = 1.0, num_gpus: float = 0.0, start_timeout_s: float = 300.0,
@@ -585,12 +589,14 @@ class ShardGroup:
                 ray.cancel(ref)
             raise
 
-    def load_weights(self, state: dict[str, np.ndarray]) -> None:
-        """Every shard actor loads the public checkpoint ``state`` before NearPrivate asks for its
-        sums; ``OwnerDropout`` in one line naming an owner whose actor died or did not answer
-        within ``key_timeout_s`` (nothing is charged before that)."""
-        gathered([actor.set_weights.remote(state) for actor in self.actors], self.owners, self.key_timeout_s,
-                 "acknowledgement of the checkpoint's weights", "NearPrivate's selection", "nothing was charged")
+    def load_weights(self, state: dict[str, np.ndarray], records: int) -> None:
+        """Every shard actor loads the public checkpoint ``state`` and embeds its held records under it
+        before NearPrivate asks for its sums; ``OwnerDropout`` in one line naming an owner whose actor
+        died or did not answer within ``share_base_s`` plus ``EMBED_RECORD_S`` for each of the
+        ``records`` declared (public figures; nothing is charged before that)."""
+        gathered([actor.set_weights.remote(state) for actor in self.actors], self.owners,
+                 self.share_base_s + records * EMBED_RECORD_S, "acknowledgement of the checkpoint's weights",
+                 "NearPrivate's selection", "nothing was charged")
 
     def support(self, pca: AnalyzeGauss | SecureAnalyzeGauss, counts: LaplaceCounts | SkellamCounts,
                 ledger: ChargeGate, noise: NoisePolicy, records: int) -> ShardSupport:

@@ -511,7 +511,7 @@ class PrivateShards:
         group = self.group
         if group.secure != self._config.secure_training:
             raise RuntimeError("the shard actors' way of summing differs from what the ledger is charged for")
-        group.load_weights(checkpoint.state)
+        group.load_weights(checkpoint.state, self._config.private_size)
         return group.support(*releases, gate, self._config.privacy.noise, self._config.private_size)
 
     def shutdown(self) -> None:

@@ -182,7 +182,7 @@ def test_an_owner_dropping_out_stops_training_in_one_line_and_a_release_leaves_n
     from conclave.actors.owners import OwnerDropout
 
     state = {k: v.numpy() for k, v in MODEL.build().state_dict().items()}
-    group.load_weights(state)
+    group.load_weights(state, records=600)
     ledger = PrivacyLedger(":memory:", 1e-5)
     support = group.support(SecureAnalyzeGauss(1.0, 1e-5), SkellamCounts(0.5, 1e-5), ledger, SECURE, records=600)
     config = DPSGDConfig(epochs=200, batch_size=60, lr=0.1, noise_multiplier=1.0)
@@ -196,7 +196,7 @@ def test_an_owner_dropping_out_stops_training_in_one_line_and_a_release_leaves_n
     assert ledger.report().charges == 0
     with pytest.raises(OwnerDropout, match=re.escape(f"owner {group.owners[1]} dropped out of NearPrivate's "
                                                      "selection (its actor died): nothing was charged")):
-        group.load_weights(state)
+        group.load_weights(state, records=600)
 
 
 def after_an_epoch(ray_session, actor) -> None:
@@ -264,15 +264,15 @@ def test_a_stopped_owner_fails_a_secure_release_in_one_line_within_its_deadline(
     state = {k: v.numpy() for k, v in hospitals_model(hospitals).state_dict().items()}
     # A stopped owner cannot hold NearPrivate up while it loads the checkpoint: one line, at the deadline.
     with stoppable(ray_session, hospitals.actors[1]) as stop:
-        monkeypatch.setattr(hospitals, "key_timeout_s", 2.0)
+        monkeypatch.setattr(hospitals, "share_base_s", 2.0)
         stop()
         started = time.monotonic()
         with pytest.raises(OwnerDropout, match="^owner hospital_b sent no acknowledgement of the checkpoint's "
-                                               "weights for NearPrivate's selection within 2 s: nothing was charged$"):
-            hospitals.load_weights(state)
-        assert 2.0 <= time.monotonic() - started < 20
+                                               "weights for NearPrivate's selection within 3 s: nothing was charged$"):
+            hospitals.load_weights(state, records=100)  # 2 s, and 0.01 s for each declared record
+        assert 3.0 <= time.monotonic() - started < 20
     monkeypatch.undo()
-    hospitals.load_weights(state)
+    hospitals.load_weights(state, records=100)
     cancelled = []
     cancel = ray_session.cancel
     monkeypatch.setattr(ray_session, "cancel", lambda ref, **kwargs: (cancelled.append(ref), cancel(ref, **kwargs)))

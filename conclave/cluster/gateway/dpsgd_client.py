@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from conclave.actors.dp_trainer import DPCheckpoint
+from conclave.actors.dp_trainer import EMBED_RECORD_S, DPCheckpoint
 from conclave.actors.owners import OwnerDropout
 from conclave.cluster.gateway.client import (GatewayRoster, OwnerGateway, float_tensor, reading_message,
                                              time_left)
@@ -104,13 +104,13 @@ class GatewayDpsgd:
 
     def __init__(self, gateways: Sequence[OwnerGateway], verifier: Verifier, run: str, terms: DpsgdTerms,
                  classes: Sequence[str], lifetime_epsilon: float | None = None, ledger: Ledger | None = None,
-                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0, release_rate_s: float = 0.01,
+                 step_timeout_s: float = 60.0, admit_timeout_s: float = 120.0, release_rate_s: float = EMBED_RECORD_S,
                  reading: PublicReading = PublicReading(), standardiser: Standardiser | None = None) -> None:
         if not gateways:
             raise InvalidValue("DP-SGD through gateways needs at least one owner's gateway")
         self._verifier, self.run, self.terms = verifier, run, terms
         self._ledger, self.step_timeout_s = ledger, step_timeout_s
-        self._release_rate_s = release_rate_s  # a NearPrivate share's time per declared record
+        self._release_rate_s = release_rate_s  # a NearPrivate share's time per declared record (embedded one by one)
         self._step_charge = schedule_charge(terms.sample_rate, terms.noise_multiplier, 1)  # its view's, each step
         self.gateways = GatewayRoster(gateways, step_timeout_s)
         self.owners, self.charges_before = self.gateways.owners, self.gateways.charges_before
