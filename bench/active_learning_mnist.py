@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -116,9 +117,12 @@ def main() -> int:
     polluted = dataclasses.replace(
         config, name=f"{config.name}-polluted", checkpoints_from=str(runs_dir / config.name),
         data=dataclasses.replace(config.data, pollution=POLLUTION))
-    # A rerun of the benchmark is a fresh measurement: its run folders (and ledgers) start empty.
-    for name in (config.name, polluted.name):
-        shutil.rmtree(runs_dir / name, ignore_errors=True)
+    # A rerun of the benchmark is a fresh measurement: its run folders (and ledgers) start empty, and
+    # so do the records this machine keeps of those ledgers (``$CONCLAVE_HOME/ledgers``), kept here.
+    home = runs_dir / f"{config.name}.conclave-home"
+    for folder in (config.name, polluted.name, home.name):
+        shutil.rmtree(runs_dir / folder, ignore_errors=True)
+    os.environ["CONCLAVE_HOME"] = str(home)
     # The pollution run reuses the clean run's checkpoints: it says nothing new about the sums.
     runs = (("clean", config),) if args.secure else (("clean", config), ("polluted", polluted))
     for key, run_config in runs:
